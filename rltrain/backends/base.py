@@ -1,0 +1,63 @@
+"""The TrainEngine protocol: what an algorithm may ask of a training backend.
+
+Algorithms never import a backend. They hand the engine micro-batches and a loss function; the
+engine owns the model, its parallel layout, the optimizer and the collectives. Loss functions
+return a loss that is already normalised by a *global* count (tokens or sequences over every
+micro-batch and every rank), so that the engine can simply sum gradients: micro-batch size,
+accumulation and the number of ranks then do not change the result.
+
+Every rank must call `forward_logps` and `train_step` with the same number of micro-batches (the
+collectives inside them must match); a rank with less data passes empty micro-batches, which the
+engine turns into a zero-loss pass over a dummy sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from rltrain.data.batch import SequenceBatch
+from rltrain.data.ragged import Ragged
+
+
+@dataclass
+class PolicyOutput:
+    """Per completion token, ragged like the batch's completions."""
+
+    logps: Ragged
+    entropy: Ragged | None = None
+
+
+# loss_fn(output, micro_batch) -> (loss already divided by the global count, metric contributions
+# already divided by their global counts: summing them over micro-batches and ranks gives the mean)
+LossFn = Callable[[PolicyOutput, SequenceBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+class TrainEngine(Protocol):
+    rank: int  # data-parallel rank
+    world_size: int  # data-parallel size
+
+    def forward_logps(self, micro_batches: list[SequenceBatch], with_entropy: bool = False) -> list[PolicyOutput]:
+        """Scores completion tokens without gradients."""
+
+    def train_step(self, micro_batches: list[SequenceBatch], loss_fn: LossFn) -> dict[str, float]:
+        """Forward/backward over every micro-batch, one optimizer step. Returns metrics summed
+        over micro-batches and ranks, plus `grad_norm` and `lr`."""
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full (unsharded) tensors under Hugging Face names, for weight sync and export."""
+
+    def save_checkpoint(self, directory: Path) -> None: ...
+
+    def load_checkpoint(self, directory: Path) -> None: ...
+
+    def save_pretrained(self, directory: Path) -> None:
+        """A Hugging Face model directory (config + safetensors), written by rank 0."""
+
+    def offload(self) -> None: ...
+
+    def onload(self) -> None: ...

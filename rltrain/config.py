@@ -1,0 +1,237 @@
+"""Structured config: one dataclass per Hydra group, registered in Hydra's ConfigStore.
+
+Every group's YAML file in `conf/` extends the schema stored here (`<group>/<name>_schema`), so a
+misspelt key or a value of the wrong type fails while Hydra composes the config, before any model
+is built. Code reads config through these fields only (never `.get(key, default)`), so a default
+lives in exactly one place: here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 200
+    seed: int = 0
+    nproc: int = 1
+    resume: str = "auto"  # auto | never
+    save_every: int = 100
+    keep_checkpoints: int = 2
+    eval_every: int = 100
+    global_batch_size: int = 64
+    micro_batch_size: int = 64
+    log_every: int = 10
+    progress: str = "auto"  # auto | bar | lines
+    num_threads: int = 0  # torch intra-op threads per rank; 0 = cores / nproc
+    deterministic: bool = True
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.98
+    eps: float = 1e-8
+    warmup_steps: int = 20
+    schedule: str = "cosine"  # cosine | constant | linear
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class ModelConfig:
+    """`path=null` builds the embedded tiny model; otherwise a Hugging Face model directory."""
+
+    path: str | None = None
+    arch: str = "qwen2"  # qwen2 | llama (tiny model only)
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 384
+    tie_word_embeddings: bool = True
+    attention_bias: bool = True
+    max_position_embeddings: int = 512
+    dtype: str = "float32"  # float32 | bfloat16
+    cache_dir: str | None = None  # where the built tiny model is cached; null = ~/.cache/rltrain
+
+
+@dataclass
+class DataConfig:
+    """`path=null` uses the built-in synthetic task named by `task`."""
+
+    path: str | None = None
+    split: str = "train"
+    eval_path: str | None = None
+    eval_fraction: float = 0.05
+    task: str = "addition"
+    num_train: int = 0  # built-in task: 0 = every problem not held out
+    num_eval: int = 200
+    max_length: int = 256
+    overlong: str = "drop"  # drop | truncate | error
+    max_eval_samples: int = 200
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "auto"  # auto (online with an API key, else offline) | online | offline | disabled
+    project: str = "rltrain"
+    entity: str | None = None
+    group: str | None = None  # null: the sweep directory's name in a multirun
+    name: str | None = None
+
+
+@dataclass
+class LoggerConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class AlgoConfig:
+    name: str = MISSING
+
+
+@dataclass
+class SFTConfig(AlgoConfig):
+    name: str = "sft"
+
+
+@dataclass
+class DPOConfig(AlgoConfig):
+    name: str = "dpo"
+    beta: float = 0.1
+    loss_type: str = "sigmoid"  # sigmoid | ipo | hinge | robust
+    label_smoothing: float = 0.0
+    sft_weight: float = 0.0
+    precompute_ref_logps: bool = False
+
+
+@dataclass
+class GRPOConfig(AlgoConfig):
+    name: str = "grpo"
+    group_size: int = 8
+    prompts_per_step: int = 16
+    mini_batches: int = 1
+    num_iterations: int = 1
+    scale_rewards: str = "group"  # group | batch | none
+    loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    beta: float = 0.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+
+
+@dataclass
+class BackendConfig:
+    name: str = MISSING
+
+
+@dataclass
+class FSDPBackendConfig(BackendConfig):
+    name: str = "fsdp"
+    reshard_after_forward: bool = True
+    bucket_mb: int = 64  # size of the buckets that broadcast rank 0's weights at start-up
+
+
+@dataclass
+class MegatronBackendConfig(BackendConfig):
+    name: str = "megatron"
+    tp: int = 1
+    pp: int = 1
+
+
+@dataclass
+class RolloutConfig:
+    name: str = MISSING
+    seed: int = 0
+
+
+@dataclass
+class VLLMRolloutConfig(RolloutConfig):
+    name: str = "vllm"
+    process: str = "colocated"  # colocated | separate
+    kv_cache_gib: float = 1.0
+    max_num_seqs: int = 256
+    bucket_mb: int = 64
+
+
+@dataclass
+class HFRolloutConfig(RolloutConfig):
+    name: str = "hf"
+
+
+@dataclass
+class RewardConfig:
+    """Reward functions by dotted path (`pkg.module:function`); empty = the built-in task's reward."""
+
+    fns: list[str] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+
+
+@dataclass
+class SafetyConfig:
+    fail_fast: bool = False
+    collective_timeout_s: float = 600.0
+    max_consecutive_errors: int = 3
+
+
+@dataclass
+class HealthConfig:
+    port: int | None = None
+    stale_after_s: float = 60.0
+    hang_timeout_s: float = 0.0  # 0 = no watchdog
+
+
+@dataclass
+class PlacementConfig:
+    time_sharing: bool = False
+
+
+@dataclass
+class DebugConfig:
+    fault: str | None = None  # KIND:RANK:STEP, a testing aid (see README)
+
+
+@dataclass
+class Config:
+    algo: Any = MISSING
+    backend: Any = MISSING
+    rollout: Any = None
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    safety: SafetyConfig = field(default_factory=SafetyConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+
+GROUP_SCHEMAS: dict[str, dict[str, type]] = {
+    "algo": {"sft": SFTConfig, "dpo": DPOConfig, "grpo": GRPOConfig},
+    "backend": {"fsdp": FSDPBackendConfig, "megatron": MegatronBackendConfig},
+    "rollout": {"vllm": VLLMRolloutConfig, "hf": HFRolloutConfig},
+    "model": {"tiny": ModelConfig},
+    "data": {"default": DataConfig},
+    "logger": {"default": LoggerConfig},
+}
+
+
+def register_configs() -> None:
+    """Store the root schema and one `<name>_schema` node per group option."""
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    for group, options in GROUP_SCHEMAS.items():
+        for name, schema in options.items():
+            cs.store(group=group, name=f"{name}_schema", node=schema)

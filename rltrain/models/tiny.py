@@ -1,0 +1,122 @@
+"""The embedded default model: a tiny Qwen2 (or Llama) built locally, deterministic from the seed.
+
+With no `model.path`, a run builds this model and the character tokenizer, saves both as a normal
+Hugging Face directory in a cache keyed by the architecture and the seed, and from then on loads
+it like any checkpoint. Nothing is downloaded. Head size 32 is chosen because vLLM's CPU attention
+refuses smaller heads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from rltrain.config import ModelConfig
+from rltrain.models.tokenizer import build_char_tokenizer, padded_vocab_size
+
+DEFAULT_CACHE = Path(os.environ.get("RLTRAIN_CACHE", Path.home() / ".cache" / "rltrain"))
+
+
+def hf_config_for(cfg: ModelConfig, vocab_size: int, eos_token_id: int, pad_token_id: int, bos_token_id: int):
+    """The transformers config of the tiny model described by `cfg`."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    if cfg.hidden_size % cfg.num_heads:
+        raise ValueError(f"model.hidden_size={cfg.hidden_size} is not divisible by model.num_heads={cfg.num_heads}")
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        bos_token_id=bos_token_id,
+        torch_dtype=cfg.dtype,
+    )
+    if cfg.arch == "qwen2":
+        config = Qwen2Config(**common)
+        if not cfg.attention_bias:
+            # transformers' Qwen2 always has q/k/v biases; a bias-free tiny model is a Llama.
+            raise ValueError("model.attention_bias=false needs model.arch=llama (Qwen2 always has q/k/v biases)")
+        return config
+    if cfg.arch == "llama":
+        return LlamaConfig(**common, attention_bias=cfg.attention_bias, mlp_bias=False)
+    raise ValueError(f"model.arch={cfg.arch!r} is not a built-in tiny architecture; use qwen2 or llama")
+
+
+def _spec_key(cfg: ModelConfig, seed: int) -> str:
+    spec = {
+        k: getattr(cfg, k)
+        for k in (
+            "arch hidden_size num_layers num_heads num_kv_heads intermediate_size "
+            "tie_word_embeddings attention_bias max_position_embeddings dtype"
+        ).split()
+    }
+    spec["seed"] = seed
+    spec["format"] = 1
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build_tiny_model_dir(cfg: ModelConfig, seed: int) -> Path:
+    """Build (once) and return the Hugging Face directory of the tiny model for `cfg` and `seed`.
+
+    The directory is written to a temporary sibling and renamed into place, so concurrent ranks or
+    runs never see a half-written model.
+    """
+    from transformers import AutoModelForCausalLM
+
+    cache = Path(cfg.cache_dir) if cfg.cache_dir else DEFAULT_CACHE / "models"
+    target = cache / f"tiny-{cfg.arch}-{_spec_key(cfg, seed)}"
+    if (target / "config.json").exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_char_tokenizer()
+    hf_config = hf_config_for(
+        cfg,
+        vocab_size=padded_vocab_size(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    fork_devices: list = []
+    with torch.random.fork_rng(devices=fork_devices):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, cfg.dtype))
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp", dir=cache))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").exists():  # lost a race to an identical build: fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model_dir(cfg: ModelConfig, seed: int) -> Path:
+    """The Hugging Face directory a run loads: `model.path`, or the cached tiny model."""
+    if cfg.path is None:
+        return build_tiny_model_dir(cfg, seed)
+    path = Path(cfg.path).expanduser()
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"model.path={cfg.path!r} is not a Hugging Face model directory (no config.json there). "
+            "Point model.path at a directory saved with save_pretrained, or leave it null for the "
+            "built-in tiny model."
+        )
+    return path

@@ -1,0 +1,88 @@
+"""Run a function on N local ranks over gloo, with a short process-group timeout.
+
+A hang in the code under test becomes a failure: every collective times out after
+`pg_timeout_s`, and the whole group is killed after `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable, nproc: int, port: int, pg_timeout_s: float, result_q, args: tuple) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=nproc, timeout=datetime.timedelta(seconds=pg_timeout_s)
+        )
+        out = fn(rank, nproc, *args)
+        result_q.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
+        result_q.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, *args: Any, nproc: int = 2, timeout_s: float = 120, pg_timeout_s: float = 20) -> list:
+    """Run `fn(rank, world_size, *args)` on `nproc` gloo ranks; return each rank's result.
+
+    `fn` must be importable (a module-level function). Results cross by a multiprocessing queue,
+    so keep them small (floats, lists, tensors). Raises if any rank raised or the group timed out.
+    """
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(r, fn, nproc, port, pg_timeout_s, q, args), daemon=True) for r in range(nproc)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    import queue as queue_mod
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while len(results) + len(errors) < nproc:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            rank, status, payload = q.get(timeout=min(remaining, 1.0))
+        except queue_mod.Empty:
+            if all(not p.is_alive() for p in procs) and q.empty():
+                break
+            continue
+        if status == "ok":
+            results[rank] = payload
+        else:
+            errors.append(f"rank {rank}:\n{payload}")
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise AssertionError("a rank failed:\n" + "\n".join(errors))
+    if len(results) < nproc:
+        raise TimeoutError(f"only ranks {sorted(results)} of {nproc} finished within {timeout_s}s (hang?)")
+    return [results[r] for r in range(nproc)]
