@@ -30,6 +30,9 @@ class PolicyOutput:
 
     logps: Ragged
     entropy: Ragged | None = None
+    # For a micro-batch with no sequences: a zero built from the model's outputs. The engine adds
+    # it to the loss so that every parameter still gets a gradient and every collective fires.
+    anchor: torch.Tensor | None = None
 
 
 # loss_fn(output, micro_batch) -> (loss already divided by the global count, metric contributions

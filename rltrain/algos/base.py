@@ -1,0 +1,41 @@
+"""What the trainer needs from an algorithm, and what an algorithm gets from the run.
+
+An algorithm owns its data stream, builds the engines it needs through the lazy registries (never
+by importing a backend), and turns one call of `train_step` into exactly one optimizer step of the
+policy. Its resumable state (data position, counters) is JSON.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from rltrain.distributed import DistInfo
+
+
+@dataclass
+class RunContext:
+    cfg: Any  # the composed Config (an OmegaConf node typed by rltrain.config.Config)
+    run_dir: Path
+    dist: DistInfo
+    model_dir: Path
+    tokenizer: Any
+
+
+class Algorithm(Protocol):
+    def train_step(self, step: int) -> dict[str, float]:
+        """One optimizer step. Returns metrics identical on every rank (already reduced)."""
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Held-out metrics (`eval/...`), identical on every rank."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def checkpoint_engines(self) -> dict[str, Any]:
+        """Engines whose state goes into checkpoints, by name (e.g. {"policy": engine})."""
+
+    def export_engine(self) -> Any:
+        """The engine whose weights become the run's `final/` model."""

@@ -1,0 +1,82 @@
+"""Supervised fine-tuning.
+
+What it does: next-token negative log-likelihood of the *completion* tokens only (prompt tokens
+are context and carry no loss, as in TRL's completion-only training); the completion ends with
+EOS so the model learns to stop. The loss of a step is the sum over every completion token of the
+global batch divided by the number of those tokens, so micro-batch size, accumulation and the
+number of ranks do not change it. No packing across examples, no label smoothing.
+
+    python -m rltrain algo=sft
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rltrain.algos.base import RunContext
+from rltrain.backends import build_engine
+from rltrain.backends.base import PolicyOutput
+from rltrain.data.batch import SequenceBatch
+from rltrain.data.sampler import IndexStream
+from rltrain.data.sft_data import build_sft_data
+from rltrain.data.sharding import micro_batch_count, rank_slice, split_micro_batches
+from rltrain.evaluation import GreedyEvaluator
+
+
+def sft_loss(output: PolicyOutput, batch: SequenceBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Summed completion NLL over the global completion-token count (in `extras`)."""
+    global_tokens = batch.extras["global_tokens"]
+    loss = -output.logps.values.sum() / global_tokens
+    return loss, {}
+
+
+class SFT:
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+        cfg = ctx.cfg
+        self.data = build_sft_data(ctx.tokenizer, cfg.data, cfg.trainer.seed)
+        self.stream = IndexStream(len(self.data.train), cfg.trainer.seed)
+        self.policy = build_engine(ctx, trainable=True)
+        max_answer = max((len(ctx.tokenizer(e.reference)["input_ids"]) for e in self.data.eval), default=8)
+        self.evaluator = GreedyEvaluator(ctx.model_dir, ctx.tokenizer, getattr(torch, cfg.model.dtype), max_answer + 2)
+
+    def _global_batch(self) -> list[int]:
+        return self.stream.take(self.ctx.cfg.trainer.global_batch_size)
+
+    def train_step(self, step: int) -> dict[str, float]:
+        t = self.ctx.cfg.trainer
+        d = self.ctx.dist
+        pairs = [self.data.train[i] for i in self._global_batch()]
+        global_completion = sum(len(p.completion) for p in pairs)
+        mine = rank_slice(pairs, d.rank, d.world_size)
+        count = micro_batch_count(len(pairs), d.world_size, t.micro_batch_size)
+        micro = [
+            SequenceBatch.from_lists([p.prompt for p in mb], [p.completion for p in mb], global_tokens=global_completion)
+            for mb in split_micro_batches(mine, count, t.micro_batch_size)
+        ]
+        metrics = self.policy.train_step(micro, sft_loss)
+        metrics["tokens"] = float(sum(len(p.prompt) + len(p.completion) for p in pairs))
+        metrics["completion_tokens"] = float(global_completion)
+        metrics["data/overlong_dropped"] = float(self.data.overlong.dropped)
+        metrics["data/overlong_truncated"] = float(self.data.overlong.truncated)
+        return metrics
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        if not self.data.eval:
+            return {}
+        acc = self.evaluator.accuracy(self.policy, [e.prompt for e in self.data.eval], [e.reference for e in self.data.eval])
+        return {"eval/accuracy": acc}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stream": self.stream.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stream.load_state_dict(state["stream"])
+
+    def checkpoint_engines(self) -> dict[str, Any]:
+        return {"policy": self.policy}
+
+    def export_engine(self) -> Any:
+        return self.policy

@@ -1,0 +1,261 @@
+"""Hugging Face transformers model on FSDP2 (`fully_shard`), the default training backend.
+
+Layout: each decoder layer is its own FSDP unit; the root unit holds embeddings, final norm and
+the output head and wraps a small scoring module, so one root forward computes log-probabilities
+of completion tokens only (the output head runs on those positions, not on prompts or padding).
+With one rank the model is not wrapped at all.
+
+Gradients are summed, not averaged, across ranks (`set_gradient_divide_factor(1)`): loss
+functions already divide by a global count, which is what makes 1 rank and N ranks agree.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rltrain.backends.base import LossFn, PolicyOutput
+from rltrain.config import FSDPBackendConfig, OptimConfig
+from rltrain.data.batch import SequenceBatch
+from rltrain.data.ragged import Ragged
+from rltrain.models.hf_io import load_causal_lm
+from rltrain.safety.metrics import reduce_metric_sums
+from rltrain.safety.step import safe_optimizer_step
+from rltrain.schedule import lr_at
+
+
+class CompletionScorer(nn.Module):
+    """Wraps a causal LM: log-probabilities (and entropies) of selected next-token positions."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(
+        self,
+        input_ids_BT: torch.Tensor,
+        rows_N: torch.Tensor,
+        cols_N: torch.Tensor,
+        targets_N: torch.Tensor,
+        with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # Right padding only: causal attention never lets a real token see the padding after it,
+        # so no attention mask is needed (and sdpa keeps its fast causal path).
+        hidden_BTH = self.lm.model(input_ids=input_ids_BT, use_cache=False).last_hidden_state
+        logits_NV = self.lm.lm_head(hidden_BTH[rows_N, cols_N]).float()
+        logp_NV = torch.log_softmax(logits_NV, dim=-1)
+        # clone: FSDP warns (rightly) about returning views from a wrapped module
+        logps_N = logp_NV.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1).clone()
+        entropy_N = -(logp_NV.exp() * logp_NV).sum(-1) if with_entropy else None
+        return logps_N, entropy_N
+
+
+def completion_positions(batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows_N, cols_N, targets_N): for every completion token, the position whose logits predict
+    it and the token itself, in ragged (sequence-major) order."""
+    rows, cols, targets = [], [], []
+    for i, seq in enumerate(batch.tokens.split()):
+        start = int(batch.prompt_lens[i])
+        n = seq.shape[0] - start
+        rows.append(torch.full((n,), i, dtype=torch.long))
+        cols.append(torch.arange(start - 1, seq.shape[0] - 1))
+        targets.append(seq[start:])
+    if not rows:
+        empty = torch.zeros(0, dtype=torch.long)
+        return empty, empty, empty
+    return torch.cat(rows), torch.cat(cols), torch.cat(targets)
+
+
+def dummy_batch(pad_id: int) -> SequenceBatch:
+    """A two-token sequence for ranks with no data in a micro-batch: its forward keeps every
+    collective in step, and its output anchors a zero loss to every parameter."""
+    return SequenceBatch.from_lists([[pad_id]], [[pad_id]])
+
+
+class FSDPEngine:
+    """The TrainEngine protocol on Hugging Face transformers + FSDP2."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        backend_cfg: FSDPBackendConfig,
+        optim_cfg: OptimConfig | None,
+        max_steps: int,
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.device = device
+        self.model_dir = Path(model_dir)
+        self.optim_cfg = optim_cfg
+        self.max_steps = max_steps
+        self.trainable = optim_cfg is not None
+        self.lm = load_causal_lm(self.model_dir, dtype, backend_cfg.bucket_mb).to(device)
+        self.pad_id = int(self.lm.config.pad_token_id or 0)
+        self.tied = bool(self.lm.config.tie_word_embeddings)
+        self.scorer = CompletionScorer(self.lm)
+        if not self.trainable:
+            self.scorer.requires_grad_(False)
+        self.sharded = self.world_size > 1
+        if self.sharded:
+            self._shard(backend_cfg)
+        self.steps_taken = 0  # optimizer steps actually applied (skipped ones excluded)
+        self.optimizer = None
+        if self.trainable:
+            assert optim_cfg is not None
+            self.optimizer = torch.optim.AdamW(
+                [p for p in self.scorer.parameters() if p.requires_grad],
+                lr=lr_at(0, optim_cfg, max_steps),
+                betas=(optim_cfg.beta1, optim_cfg.beta2),
+                eps=optim_cfg.eps,
+                weight_decay=optim_cfg.weight_decay,
+                foreach=True,
+            )
+
+    def _shard(self, cfg: FSDPBackendConfig) -> None:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        for layer in self.lm.model.layers:
+            fully_shard(layer, reshard_after_forward=cfg.reshard_after_forward)
+        fully_shard(self.scorer, reshard_after_forward=cfg.reshard_after_forward)
+        for module in self.scorer.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+
+    # --- scoring -------------------------------------------------------------------------------
+
+    def _score(self, batch: SequenceBatch, with_entropy: bool) -> PolicyOutput:
+        real = len(batch) > 0
+        scored = batch if real else dummy_batch(self.pad_id)
+        ids_BT, _ = scored.tokens.to_padded(self.pad_id)
+        rows, cols, targets = completion_positions(scored)
+        logps_N, entropy_N = self.scorer(
+            ids_BT.to(self.device), rows.to(self.device), cols.to(self.device), targets.to(self.device), with_entropy
+        )
+        if not real:
+            # Keep the graph (so a zero loss still reaches every parameter) but hold no sequences.
+            empty_offsets = torch.zeros(1, dtype=torch.long)
+            return PolicyOutput(
+                Ragged(logps_N[:0], empty_offsets),
+                Ragged(entropy_N[:0], empty_offsets) if entropy_N is not None else None,
+                anchor=logps_N.sum() * 0.0,
+            )
+        lengths = batch.completion_lens()
+        return PolicyOutput(
+            Ragged.from_lengths(logps_N, lengths),
+            Ragged.from_lengths(entropy_N, lengths) if entropy_N is not None else None,
+        )
+
+    @torch.no_grad()
+    def forward_logps(self, micro_batches: list[SequenceBatch], with_entropy: bool = False) -> list[PolicyOutput]:
+        self.scorer.eval()
+        outs = []
+        for mb in micro_batches:
+            out = self._score(mb, with_entropy)
+            outs.append(PolicyOutput(out.logps.detach(), out.entropy.detach() if out.entropy is not None else None))
+        return outs
+
+    def train_step(self, micro_batches: list[SequenceBatch], loss_fn: LossFn) -> dict[str, float]:
+        assert self.optimizer is not None and self.optim_cfg is not None, "train_step on a frozen engine"
+        self.scorer.train()
+        lr = lr_at(self.steps_taken, self.optim_cfg, self.max_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        sums: dict[str, torch.Tensor] = {}
+        for mb in micro_batches:
+            out = self._score(mb, with_entropy=False)
+            loss, metrics = loss_fn(out, mb)
+            if out.anchor is not None:
+                loss = loss + out.anchor
+            loss.backward()
+            sums["loss"] = sums.get("loss", torch.zeros((), dtype=torch.float64)) + loss.detach().double()
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, torch.zeros((), dtype=torch.float64)) + torch.as_tensor(value).detach().double()
+        outcome = safe_optimizer_step(self.optimizer, self.scorer.parameters(), self.optim_cfg.max_grad_norm)
+        if not outcome.skipped:
+            self.steps_taken += 1
+        reduced = reduce_metric_sums(sums)
+        reduced["grad_norm"] = outcome.grad_norm
+        reduced["lr"] = lr
+        reduced["safety/skipped_steps"] = float(outcome.skipped)
+        return reduced
+
+    # --- weights out ---------------------------------------------------------------------------
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.lm.state_dict().items():
+            if self.tied and name == "lm_head.weight":
+                continue
+            if hasattr(tensor, "full_tensor"):
+                tensor = tensor.full_tensor()
+            yield name, tensor.detach()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.export_weights())
+
+    def save_pretrained(self, directory: Path) -> None:
+        state = self.full_state_dict()  # collective: every rank takes part
+        if self.rank == 0:
+            self.lm.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
+
+    # --- checkpoints ---------------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.scorer, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory / "engine"))
+        if self.rank == 0:
+            (directory / "engine_state.json").write_text(json.dumps({"steps_taken": self.steps_taken}))
+
+    def load_checkpoint(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.scorer, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(directory / "engine"))
+        set_state_dict(self.scorer, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.steps_taken = json.loads((directory / "engine_state.json").read_text())["steps_taken"]
+
+    # --- time sharing --------------------------------------------------------------------------
+
+    def offload(self) -> None:
+        """Nothing to move on CPU; on GPU the parameters and optimizer state go to host memory."""
+        if self.device.type == "cuda":
+            self.scorer.to("cpu")
+            _move_optimizer_state(self.optimizer, torch.device("cpu"))
+
+    def onload(self) -> None:
+        if self.device.type == "cuda":
+            self.scorer.to(self.device)
+            _move_optimizer_state(self.optimizer, self.device)
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer | None, device: torch.device) -> None:
+    if optimizer is None:
+        return
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                state[key] = value.to(device, non_blocking=True)
+
+
+def build_engine(ctx, trainable: bool) -> FSDPEngine:
+    cfg = ctx.cfg
+    return FSDPEngine(
+        ctx.model_dir,
+        cfg.backend,
+        cfg.optim if trainable else None,
+        cfg.trainer.max_steps,
+        ctx.dist.device,
+        dtype=getattr(torch, cfg.model.dtype),
+    )

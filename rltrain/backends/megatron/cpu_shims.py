@@ -1,0 +1,103 @@
+"""Make megatron-core 0.16 run on a CPU-only torch build (gloo), touching as little as possible.
+
+megatron-core assumes CUDA in a handful of places that the local (no Transformer Engine) GPT path
+reaches even when every parameter lives on the CPU. Each is patched here, in one module, and only
+when CUDA is absent, so that on a GPU machine megatron runs exactly as shipped:
+
+1. `GlobalMemoryBuffer.get_tensor` allocates its scratch buffer (used by core attention's
+   `baddbmm`) on `torch.cuda.current_device()`.
+2. The CUDA RNG tracker forks CUDA RNG state around dropout regions; the inference tracker's
+   `fork` is a no-op, which is all a CPU run with zero dropout needs.
+3. `RotaryEmbedding.get_emb` moves `inv_freq` to the current CUDA device on first use.
+4. `LanguageModule.setup_embeddings_and_output_layer` calls `.cuda()` on the tied output weight
+   of the last pipeline stage before all-reducing it with the first stage.
+
+A fifth spot, the default causal mask built with `device="cuda"`, is avoided rather than patched:
+the model wrapper always passes an explicit mask (see `model.causal_mask`).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from contextlib import nullcontext
+from functools import reduce
+
+import torch
+
+_APPLIED = False
+
+
+def _cpu_get_tensor(self, tensor_shape, dtype, name, mem_alloc_context: Callable | None = None) -> torch.Tensor:
+    """Same contract as `GlobalMemoryBuffer.get_tensor`, with the buffer on the CPU."""
+    required_len = reduce(operator.mul, tensor_shape, 1)
+    buf = self.buffer.get((name, dtype))
+    if buf is None or buf.numel() < required_len:
+        with (mem_alloc_context or nullcontext)():
+            buf = torch.empty(required_len, dtype=dtype, device="cpu", requires_grad=False)
+        self.buffer[(name, dtype)] = buf
+    return buf[:required_len].view(*tensor_shape)
+
+
+def _patch_rotary() -> None:
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    original = RotaryEmbedding.get_emb
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        # The original only differs by moving a CPU `inv_freq` to CUDA before computing; with
+        # `inv_freq` already on its final (CPU) device it takes no CUDA path, so hide the move by
+        # computing the embedding the same way it does.
+        if self.inv_freq.device.type != "cpu":
+            return original(self, max_seq_len, offset)
+        freqs_SD = self.get_freqs_non_repeated(max_seq_len, offset)
+        if not self.rotary_interleaved:
+            emb_SD = torch.cat((freqs_SD, freqs_SD), dim=-1)
+        else:
+            emb_SD = torch.stack((freqs_SD.view(-1, 1), freqs_SD.view(-1, 1)), dim=-1).view(freqs_SD.shape[0], -1)
+        return emb_SD[:, None, None, :]
+
+    RotaryEmbedding.get_emb = get_emb
+
+
+def _patch_tied_output_setup() -> None:
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.setup_embeddings_and_output_layer
+
+    def setup_embeddings_and_output_layer(self) -> None:
+        # Run the original with the embedding-group all-reduce switched off (that is where it calls
+        # `.cuda()`), then do the same all-reduce on the CPU tensor.
+        in_group = torch.distributed.is_initialized() and self._is_in_embd_group()
+        self._is_in_embd_group = lambda: False
+        try:
+            original(self)
+        finally:
+            del self._is_in_embd_group
+        shares = self.share_embeddings_and_output_weights or getattr(self.config, "mtp_num_layers", 0)
+        if in_group and shares and self.config.pipeline_model_parallel_size > 1:
+            torch.distributed.all_reduce(self.shared_embedding_or_output_weight().data, group=self.embd_group)
+
+    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+
+def apply_cpu_shims() -> bool:
+    """Patch megatron-core for a CPU-only run; a no-op when CUDA is available. Idempotent.
+
+    Returns whether the shims are active. Call before building a model or initialising megatron's
+    parallel state (the RNG tracker is set up here).
+    """
+    global _APPLIED
+    if torch.cuda.is_available():
+        return False
+    if _APPLIED:
+        return True
+    from megatron.core import tensor_parallel
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    GlobalMemoryBuffer.get_tensor = _cpu_get_tensor
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    _patch_rotary()
+    _patch_tied_output_setup()
+    _APPLIED = True
+    return True

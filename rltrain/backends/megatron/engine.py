@@ -1,0 +1,300 @@
+"""MegatronEngine: the TrainEngine protocol on a megatron-core GPTModel with TP x PP x DP.
+
+What one call does, and where each piece lives:
+
+- `forward_logps`: pad each micro-batch (`batching`), run the stages (`schedule`), score the
+  completion tokens from vocab-parallel logits (`logprobs`), broadcast them from the last stage
+  so every rank returns the same ragged outputs.
+- `train_step`: the same forward plus the loss_fn on the last stage, backward through the
+  pipeline, gradients SUMMED over data parallel and the tied-embedding copies, a global norm
+  over tp x pp, one all-ranks finite verdict, clipping, AdamW (`grads`, `optim`), one metrics
+  reduction (`metrics`).
+- weights in and out: `convert` (pure tensor layout code) and `export` (gathers); checkpoints:
+  `checkpoint` (DCP); communicators: `groups` (recorded, torn down and re-created for time sharing).
+
+Contract with the caller: every rank of one data-parallel replica (its tp x pp ranks) receives
+the same micro-batches; `rank`/`world_size` are the data-parallel coordinates used to shard data.
+The engine checks the first part with a cheap fingerprint and fails on every rank if it is broken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rltrain.backends.base import LossFn, PolicyOutput
+from rltrain.backends.megatron import checkpoint, export
+from rltrain.backends.megatron.batching import PaddedMicroBatch, fingerprint, pad_micro_batch
+from rltrain.backends.megatron.convert import hf_to_megatron
+from rltrain.backends.megatron.cpu_shims import apply_cpu_shims
+from rltrain.backends.megatron.grads import (
+    all_finite,
+    clip_,
+    fill_missing_grads,
+    global_grad_norm,
+    sum_over_data_parallel,
+    sync_tied_embedding,
+)
+from rltrain.backends.megatron.groups import Layout, ParallelGroups, agree
+from rltrain.backends.megatron.logprobs import vocab_parallel_logps
+from rltrain.backends.megatron.metrics import reduce_metrics
+from rltrain.backends.megatron.model import build_stage, load_stage_weights
+from rltrain.backends.megatron.optim import build_adamw, lr_at
+from rltrain.backends.megatron.schedule import Pipeline, run_pipeline
+from rltrain.backends.megatron.spec import ModelSpec
+from rltrain.config import MegatronBackendConfig, OptimConfig
+from rltrain.data.batch import SequenceBatch
+from rltrain.data.ragged import Ragged
+
+
+def _hf_reader(model_dir: Path):
+    """get(name) -> tensor over the directory's safetensors files, reading one tensor at a time."""
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} holds no *.safetensors weights (the megatron backend reads only those)")
+    index: dict[str, Path] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                index[name] = path
+
+    def get(name: str) -> torch.Tensor:
+        if name not in index:
+            raise KeyError(f"{model_dir} has no tensor {name!r}")
+        with safe_open(str(index[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    return get
+
+
+class MegatronEngine:
+    """See the module docstring. `optim_cfg=None` builds a frozen engine (a reference policy)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        backend_cfg: MegatronBackendConfig,
+        optim_cfg: OptimConfig | None,
+        *,
+        total_steps: int = 1,
+        collective_timeout_s: float | None = None,
+        groups: ParallelGroups | None = None,
+        train_entropy: bool = False,
+    ) -> None:
+        from transformers import AutoConfig
+
+        apply_cpu_shims()
+        self.model_dir = Path(model_dir)
+        self.spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(self.model_dir))
+        tp, pp = backend_cfg.tp, backend_cfg.pp
+        self.spec.check_layout(tp, pp)
+        if groups is None:
+            groups = ParallelGroups(tp, pp, timeout_s=collective_timeout_s)
+            groups.create()
+        elif groups.snapshot.init_kwargs["tensor_model_parallel_size"] != tp or (
+            groups.snapshot.init_kwargs["pipeline_model_parallel_size"] != pp
+        ):
+            raise ValueError("a shared ParallelGroups must have this engine's tp and pp")
+        self.groups = groups
+        layout = self.layout
+        self.model = build_stage(self.spec, tp, pp, layout.pp_rank)
+        shards = hf_to_megatron(self.spec, _hf_reader(self.model_dir), layout.tp_rank, tp, layout.pp_rank, pp)
+        load_stage_weights(self.model, shards)
+        self.params = list(self.model.parameters())
+        self.optim_cfg = optim_cfg
+        self.total_steps = total_steps
+        self.train_entropy = train_entropy
+        self.optimizer = build_adamw(self.params, optim_cfg) if optim_cfg is not None else None
+        if self.optimizer is None:
+            self.model.requires_grad_(False)
+        self.step_count = 0  # optimizer steps taken (skipped steps do not count)
+        groups.attach(self.model)
+        self.rank = layout.dp_rank
+        self.world_size = layout.dp
+
+    # -- layout -----------------------------------------------------------------------------
+
+    @property
+    def layout(self) -> Layout:
+        if self.groups.layout is None:
+            raise RuntimeError("the engine's process groups are torn down; call recreate_communicators() first")
+        return self.groups.layout
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+    def _pipeline(self) -> Pipeline:
+        layout = self.layout
+        ranks = dist.get_process_group_ranks(layout.pp_group) if layout.pp > 1 else [dist.get_rank()]
+        return Pipeline(
+            group=layout.pp_group,
+            rank=layout.pp_rank,
+            size=layout.pp,
+            prev=ranks[layout.pp_rank - 1] if layout.pp_rank > 0 else None,
+            next=ranks[layout.pp_rank + 1] if layout.pp_rank < layout.pp - 1 else None,
+            hidden_size=self.spec.hidden_size,
+            dtype=self.params[0].dtype,
+            device=self.device,
+        )
+
+    def _check_same_data(self, micro_batches: list[SequenceBatch]) -> None:
+        """Every tp x pp rank of a replica must hold the same micro-batches; all ranks agree."""
+        layout = self.layout
+        ok = True
+        if layout.tp * layout.pp > 1:
+            fp = fingerprint(micro_batches)
+            both = torch.cat([fp, -fp])
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=layout.mp_group)
+            ok = bool(torch.equal(both[:3], -both[3:]))
+        if dist.get_world_size() > 1:
+            agree(ok, "micro-batch check (tp/pp ranks of one data-parallel replica were given different data)")
+
+    def _score(self, mb: PaddedMicroBatch, logits_BTV: torch.Tensor, with_entropy: bool):
+        layout = self.layout
+        rows_NV = logits_BTV[mb.rows_N, mb.cols_N]
+        vocab_start = layout.tp_rank * rows_NV.shape[-1]
+        return vocab_parallel_logps(
+            rows_NV, mb.targets_N, vocab_start, self.spec.vocab_size, layout.tp_group, with_entropy
+        )
+
+    # -- TrainEngine ------------------------------------------------------------------------
+
+    def forward_logps(self, micro_batches: list[SequenceBatch], with_entropy: bool = False) -> list[PolicyOutput]:
+        self._check_same_data(micro_batches)
+        padded = [pad_micro_batch(mb, self.device) for mb in micro_batches]
+        pipe = self._pipeline()
+        scored: list[torch.Tensor | None] = [None] * len(padded)
+
+        def on_output(i: int, logits_BTV: torch.Tensor) -> None:
+            logps_N, entropy_N = self._score(padded[i], logits_BTV, with_entropy)
+            scored[i] = torch.stack([logps_N, entropy_N]) if entropy_N is not None else logps_N.unsqueeze(0)
+
+        run_pipeline(self.model, pipe, padded, on_output, train=False)
+        outputs = []
+        for i, mb in enumerate(padded):
+            values_KN = scored[i]
+            if pipe.size > 1:  # the last stage scored; every stage returns the same outputs
+                if values_KN is None:
+                    k = 2 if with_entropy else 1
+                    values_KN = torch.empty(k, mb.targets_N.numel(), dtype=torch.float32, device=self.device)
+                src = dist.get_process_group_ranks(pipe.group)[-1]
+                dist.broadcast(values_KN, src=src, group=pipe.group)
+            assert values_KN is not None
+            if mb.is_dummy:
+                values_KN = values_KN[:, :0]
+            lens = mb.completion_lens_B
+            outputs.append(
+                PolicyOutput(
+                    logps=Ragged.from_lengths(values_KN[0], lens),
+                    entropy=Ragged.from_lengths(values_KN[1], lens) if with_entropy else None,
+                )
+            )
+        return outputs
+
+    def train_step(self, micro_batches: list[SequenceBatch], loss_fn: LossFn) -> dict[str, float]:
+        if self.optimizer is None:
+            raise RuntimeError("this MegatronEngine is frozen (built without optim_cfg)")
+        self._check_same_data(micro_batches)
+        layout = self.layout
+        padded = [pad_micro_batch(mb, self.device) for mb in micro_batches]
+        sums: dict[str, float] = {}
+        for p in self.params:
+            p.grad = None
+
+        def on_output(i: int, logits_BTV: torch.Tensor) -> torch.Tensor:
+            mb = padded[i]
+            logps_N, entropy_N = self._score(mb, logits_BTV, self.train_entropy)
+            anchor = 0.0 * logps_N.sum()  # keeps every parameter in the graph (hooks fire, sends happen)
+            if mb.is_dummy:
+                return anchor
+            lens = mb.completion_lens_B
+            output = PolicyOutput(
+                logps=Ragged.from_lengths(logps_N, lens),
+                entropy=Ragged.from_lengths(entropy_N, lens) if entropy_N is not None else None,
+            )
+            loss, metrics = loss_fn(output, micro_batches[i])
+            sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
+            for key, value in metrics.items():
+                if key != "loss":
+                    sums[key] = sums.get(key, 0.0) + float(value.detach() if torch.is_tensor(value) else value)
+            return loss + anchor
+
+        run_pipeline(self.model, self._pipeline(), padded, on_output, train=True)
+        grad_norm, lr, stepped = self._optimizer_step(layout)
+        metrics = reduce_metrics(sums, layout)
+        metrics.update(grad_norm=grad_norm, lr=lr, skipped_step=0.0 if stepped else 1.0)
+        return metrics
+
+    def _optimizer_step(self, layout: Layout) -> tuple[float, float, bool]:
+        assert self.optimizer is not None and self.optim_cfg is not None
+        fill_missing_grads(self.params)
+        sum_over_data_parallel(self.params, layout.dp_group)
+        if self.spec.tie_embeddings and layout.pp > 1:
+            sync_tied_embedding(self.model.shared_embedding_or_output_weight(), layout.embd_group)
+        norm = float(global_grad_norm(self.params, layout.tp_rank, layout.mp_group))
+        lr = lr_at(self.step_count, self.optim_cfg, self.total_steps)
+        stepped = all_finite(norm)
+        if stepped:
+            clip_(self.params, norm, self.optim_cfg.max_grad_norm)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            self.step_count += 1
+        for p in self.params:
+            p.grad = None
+        return norm, lr, stepped
+
+    def export_weights(self, to_rank0: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors under HF names. Collective: every rank must exhaust the iterator.
+
+        Default: every rank yields every tensor (weight sync). `to_rank0=True`: only global rank 0
+        yields (saving), and only data-parallel replica 0 communicates.
+        """
+        return export.export_weights(self.model, self.spec, self.layout, to_rank0=to_rank0)
+
+    def save_pretrained(self, directory: Path) -> None:
+        export.save_pretrained(self.model, self.spec, self.layout, self.model_dir, Path(directory))
+
+    def save_checkpoint(self, directory: Path) -> None:
+        checkpoint.save(Path(directory), self.model, self.optimizer, self.layout, self.step_count)
+
+    def load_checkpoint(self, directory: Path) -> None:
+        self.step_count = checkpoint.load(Path(directory), self.model, self.optimizer, self.layout)
+
+    def offload(self) -> None:
+        """Free gradients; on CUDA also move parameters and AdamW moments to the host."""
+        for p in self.params:
+            p.grad = None
+        if self.device.type == "cuda":
+            self._move("cpu")
+
+    def onload(self) -> None:
+        if torch.cuda.is_available() and self.device.type == "cpu":
+            self._move(torch.device("cuda", torch.cuda.current_device()))
+
+    def _move(self, device) -> None:
+        for p in self.params:
+            p.data = p.data.to(device, non_blocking=True)
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if torch.is_tensor(value) and key != "step":
+                        state[key] = value.to(device, non_blocking=True)
+        if device != "cpu":
+            torch.cuda.synchronize()
+
+    # -- time sharing -----------------------------------------------------------------------
+
+    def teardown_communicators(self) -> None:
+        """Destroy every process group this backend created (see `groups`). Collective."""
+        self.groups.teardown()
+
+    def recreate_communicators(self) -> None:
+        """Re-create the same groups and re-bind the model's handles. Collective."""
+        self.groups.recreate()

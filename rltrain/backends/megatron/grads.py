@@ -1,0 +1,82 @@
+"""Gradient reduction and clipping for sharded megatron parameters.
+
+- Data parallel: gradients are SUMMED (the loss is already divided by a global count), in one
+  flat buffer per dtype. A parameter that got no gradient contributes zeros, so every rank
+  reduces the same buffer whatever its local graph looked like.
+- Tied embeddings across pipeline stages: the first stage's embedding and the last stage's copy
+  sum their gradients over megatron's embedding group, so both copies take the same step.
+- Global norm: each parameter counts once across the model-parallel group: TP-replicated ones
+  (norms, replicated biases) only on TP rank 0, the last stage's tied copy (`param.shared`) never.
+  Squares are summed over the tp x pp group; data-parallel replicas already hold equal grads.
+- One verdict: a MIN-reduced finite flag over the world decides whether every rank steps.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+
+def _group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def fill_missing_grads(params: list[torch.nn.Parameter]) -> None:
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def sum_over_data_parallel(params: list[torch.nn.Parameter], dp_group) -> None:
+    if _group_size(dp_group) == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=dp_group)
+        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(reduced)
+
+
+def sync_tied_embedding(shared_weight: torch.nn.Parameter | None, embd_group) -> None:
+    """Sum the gradients of the tied embedding's two copies (first and last pipeline stage)."""
+    if shared_weight is None or _group_size(embd_group) == 1:
+        return
+    dist.all_reduce(shared_weight.grad, group=embd_group)
+
+
+def global_grad_norm(params: list[torch.nn.Parameter], tp_rank: int, mp_group) -> torch.Tensor:
+    """L2 norm of the full model's gradient, equal on every rank of the model-parallel group."""
+    sq = torch.zeros(1, dtype=torch.float64, device=params[0].device if params else "cpu")
+    for p in params:
+        if getattr(p, "shared", False):
+            continue
+        if tp_rank != 0 and not getattr(p, "tensor_model_parallel", False):
+            continue
+        sq += p.grad.detach().double().pow(2).sum()
+    if _group_size(mp_group) > 1:
+        dist.all_reduce(sq, group=mp_group)
+    return sq.sqrt().float()
+
+
+def all_finite(value: float) -> bool:
+    """Whether `value` is finite on every rank (MIN over the world group)."""
+    flag = torch.tensor([1 if math.isfinite(value) else 0], dtype=torch.int32)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(int(flag))
+
+
+def clip_(params: list[torch.nn.Parameter], total_norm: float, max_norm: float) -> None:
+    """Scale grads so the global norm is at most `max_norm` (torch's clip_grad_norm_ rule)."""
+    if max_norm <= 0:
+        return
+    coef = max_norm / (total_norm + 1e-6)
+    if coef < 1.0:
+        for p in params:
+            p.grad.mul_(coef)

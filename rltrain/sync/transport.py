@@ -1,0 +1,485 @@
+"""Out-of-process weight transport: trainer (`WeightSender`) to rollout process (`WeightReceiver`).
+
+Moves a stream of `(hf_name, tensor)` through fixed-size shared-memory buckets, with a Unix
+socket carrying JSON metadata, so a rollout engine in another process can stream the new
+weights straight into `model_runner.reload_weights(weights_iterator=...)`: at most one bucket
+(two with double buffering) plus one reassembled oversized tensor is in flight, never a second
+copy of the model.
+
+Use across many syncs (the rollout engine is a child process of the trainer):
+
+    sender = WeightSender(bucket_bytes=64 << 20, timeout_s=60)      # trainer, once
+    spawn_rollout_child(control_path=str(sender.control_path))       # child builds WeightReceiver
+    stats = sender.send(policy.export_weights())                     # trainer, every step
+    runner.reload_weights(weights_iterator=receiver.receive())       # child, every step
+
+Protocol of one sync (every message JSON, tagged with `sync_id` and `bucket_id`):
+
+    receiver -> control socket   hello                      (the receiver is ready to receive)
+    sender   -> control socket   offer(endpoint, slots)     (a fresh 0700 dir for this sync)
+                                 + segment descriptors      (SCM_RIGHTS; segments have no name)
+    receiver -> data endpoint    ready                      (segments mapped; the sender now
+                                                              removes the endpoint dir: nothing
+                                                              left on disk whatever happens next)
+    sender -> bucket(b, entries) ... receiver -> ack(b)     strict request/reply, b = 0, 1, ...
+    sender -> end(n_buckets, n_tensors) ... receiver -> done
+    either side, on any error    -> abort(reason)          (the peer fails fast, not at timeout)
+
+The control socket is the only path that lives across syncs; it belongs to the sender and is
+re-created after a failed sync, like the shared-memory segments (which otherwise live as long as
+the sender, unnamed, so steady-state syncs touch no fresh pages). The data socket is new for
+every sync, so an error never leaves stale bytes for the next one. With two slots the sender
+fills bucket b+1 while the receiver unpacks bucket b, yet never has two requests outstanding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rltrain.sync.transport_layout import ALIGN_BYTES, BucketPacker, BucketUnpacker, PackedBucket
+from rltrain.sync.transport_shm import SharedSegment
+from rltrain.sync.transport_wire import (
+    Channel,
+    Message,
+    PeerAborted,
+    PeerClosed,
+    ProtocolError,
+    TransportError,
+    TransportTimeout,
+    accept_until,
+    connect_unix,
+    expect,
+    listen_unix,
+    make_private_dir,
+)
+
+__all__ = [
+    "ALIGN_BYTES",
+    "FaultHook",
+    "PeerAborted",
+    "PeerClosed",
+    "ProtocolError",
+    "SyncStats",
+    "TransportError",
+    "TransportTimeout",
+    "WeightReceiver",
+    "WeightSender",
+]
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+NO_BUCKET = -1  # bucket_id of messages that are not about one bucket (hello, offer, ready)
+NO_SYNC = -1  # sync_id of the receiver's hello: it does not know the next sync id yet
+
+# Test-only: sees every data-plane message the sender is about to send and returns the messages to
+# send instead ([] drops it, [m, m] duplicates it, holding it back and returning it later reorders).
+FaultHook = Callable[[Message], list[Message]]
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    sync_id: int
+    tensors: int
+    bytes: int
+    buckets: int
+    seconds: float
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / 1e6 / max(self.seconds, 1e-9)
+
+
+class _SyncEndpoint:
+    """The sender's per-sync rendezvous: a fresh private directory holding the data socket.
+    `close()` removes both and is idempotent; it runs as soon as the receiver has connected."""
+
+    def __init__(self, base_dir: Path | None, sync_id: int) -> None:
+        self.directory = make_private_dir(base_dir, prefix=f"rlw-{sync_id}-")
+        self.socket_path = self.directory / "s"
+        try:
+            self.listener: socket.socket | None = listen_unix(self.socket_path, backlog=1)
+        except BaseException:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise
+
+    def close(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class WeightSender:
+    """Trainer side. Owns the control socket (`control_path`, in a private 0700 directory) that a
+    `WeightReceiver` in the rollout process connects to; `send()` performs one sync.
+
+    bucket_bytes: size of one shared-memory bucket (a multiple of 256). `num_slots` buckets
+      (default 2, for double buffering) are held from the first sync until `close()`. On CPU,
+      16 MiB pipelines well (see scripts/bench_sync.py); bigger buckets mean fewer, longer steps
+      that overlap less.
+    timeout_s: bound on every single wait (the receiver arriving, each reply).
+    base_dir: where private directories go (default: the system temp dir). Unix socket paths
+      are limited to ~104 bytes, so keep it short.
+    fault_hook: test-only fault injection, see `FaultHook`.
+    """
+
+    def __init__(
+        self,
+        bucket_bytes: int = 16 << 20,
+        timeout_s: float = 120.0,
+        base_dir: str | os.PathLike[str] | None = None,
+        num_slots: int = 2,
+        fault_hook: FaultHook | None = None,
+    ) -> None:
+        if bucket_bytes < ALIGN_BYTES or bucket_bytes % ALIGN_BYTES:
+            raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGN_BYTES}, got {bucket_bytes}")
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be at least 1, got {num_slots}")
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.num_slots = num_slots
+        self.base_dir = Path(base_dir) if base_dir is not None else None
+        self.fault_hook = fault_hook
+        self.last_sync_id = 0
+        self.control_dir = make_private_dir(self.base_dir, prefix="rlc-")
+        self.control_path = self.control_dir / "c"
+        self._control = listen_unix(self.control_path)
+        self._segments: list[SharedSegment] = []  # created on first use, re-created after a failure
+
+    def __enter__(self) -> WeightSender:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove the control socket and its directory; release the shared memory."""
+        if self._control is not None:
+            self._control.close()
+            self._control = None
+        shutil.rmtree(self.control_dir, ignore_errors=True)
+        self._drop_segments()
+
+    def _drop_segments(self) -> None:
+        for segment in self._segments:
+            segment.close()
+        self._segments = []
+
+    def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> SyncStats:
+        """One sync: waits for the receiver, streams every tensor, returns when the receiver has
+        confirmed all of them. Raises TransportError (after telling the receiver to abort) on any
+        failure; the next call starts from fresh sockets and segments."""
+        if self._control is None:
+            raise TransportError("this WeightSender is closed")
+        self.last_sync_id += 1
+        sync_id = self.last_sync_id
+        started = time.perf_counter()
+        if not self._segments:
+            self._segments = [SharedSegment.create(self.bucket_bytes) for _ in range(self.num_slots)]
+        endpoint = _SyncEndpoint(self.base_dir, sync_id)
+        control: Channel | None = None
+        data: Channel | None = None
+        bucket_id = NO_BUCKET
+        try:
+            control = self._await_receiver(sync_id, endpoint)
+            data = Channel(accept_until(endpoint.listener, self._deadline(), "the receiver on the data socket"),
+                           "receiver", self.timeout_s)
+            control.close()
+            control = None
+            endpoint.close()
+            expect(data.recv("'ready'"), "ready", sync_id, NO_BUCKET, "receiver")
+            packer = BucketPacker([segment.bytes_u8 for segment in self._segments], self.bucket_bytes)
+            bucket_count = self._stream_buckets(data, sync_id, packer.buckets(weights))
+            bucket_id = bucket_count
+            end = {"type": "end", "sync_id": sync_id, "bucket_id": bucket_count,
+                   "tensors": packer.tensor_count, "bytes": packer.total_bytes}
+            self._exchange(data, end, reply="done", require_reply=True)
+        except BaseException as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            for channel in (data, control):
+                if channel is not None and not isinstance(exc, PeerAborted):
+                    channel.abort(sync_id, bucket_id, reason)
+            self._recreate_control()
+            self._drop_segments()  # a receiver that outlived the sync must not see the next one's bytes
+            raise
+        finally:
+            for channel in (data, control):
+                if channel is not None:
+                    channel.close()
+            endpoint.close()
+        stats = SyncStats(sync_id, packer.tensor_count, packer.total_bytes, bucket_count,
+                          time.perf_counter() - started)
+        log.debug("weight sync %d: %d tensors, %.1f MB, %d buckets, %.3fs", sync_id, stats.tensors,
+                  stats.bytes / 1e6, stats.buckets, stats.seconds)
+        return stats
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.timeout_s
+
+    def _await_receiver(self, sync_id: int, endpoint: _SyncEndpoint) -> Channel:
+        """Accept the receiver's hello on the control socket and answer with this sync's offer.
+        A connection left in the backlog by a receiver that already gave up is skipped."""
+        deadline = self._deadline()
+        while True:
+            conn = accept_until(self._control, deadline, "the receiver to start a sync (WeightReceiver.receive)")
+            channel = Channel(conn, "receiver", max(deadline - time.monotonic(), 1e-3))
+            try:
+                hello = channel.recv("'hello'")
+                expect(hello, "hello", NO_SYNC, NO_BUCKET, "receiver")
+                if hello.get("protocol") != PROTOCOL_VERSION:
+                    raise ProtocolError(f"receiver speaks protocol {hello.get('protocol')!r}, "
+                                        f"sender speaks {PROTOCOL_VERSION}")
+                channel.send({
+                    "type": "offer", "sync_id": sync_id, "bucket_id": NO_BUCKET, "protocol": PROTOCOL_VERSION,
+                    "endpoint": os.fspath(endpoint.socket_path), "bucket_bytes": self.bucket_bytes,
+                    "slots": len(self._segments),
+                })
+                channel.send_fds([segment.fd for segment in self._segments])
+            except PeerClosed:
+                channel.close()  # a stale connection from an earlier, abandoned receive()
+                continue
+            except BaseException:
+                channel.close()
+                raise
+            channel.timeout_s = self.timeout_s
+            return channel
+
+    def _stream_buckets(self, data: Channel, sync_id: int, buckets: Iterator[PackedBucket]) -> int:
+        """Send every bucket and collect its ack, never with two requests outstanding. With one
+        slot the next bucket is packed only after the ack; with more, while the receiver works."""
+        outstanding: Message | None = None
+        count = 0
+        while True:
+            if outstanding is not None and self.num_slots == 1:
+                self._finish(data, outstanding, reply="ack")
+                outstanding = None
+            bucket = next(buckets, None)  # packs the next bucket into its slot
+            if outstanding is not None:
+                self._finish(data, outstanding, reply="ack")
+                outstanding = None
+            if bucket is None:
+                return count
+            count += 1
+            message = {"type": "bucket", "sync_id": sync_id, "bucket_id": bucket.bucket_id, "slot": bucket.slot,
+                       "used_bytes": bucket.used_bytes, "entries": [entry.to_json() for entry in bucket.entries]}
+            outstanding = self._exchange(data, message, reply="ack", require_reply=False)
+
+    def _exchange(self, data: Channel, message: Message, reply: str, require_reply: bool) -> Message | None:
+        """Send `message` (through the fault hook, if any) and wait for the reply to every message
+        that actually went out except the last, which is returned for the caller to finish."""
+        outgoing = self.fault_hook(message) if self.fault_hook is not None else [message]
+        last = None
+        for sent in outgoing:
+            if last is not None:
+                self._finish(data, last, reply)
+            data.send(sent)
+            last = sent
+        if require_reply:
+            # A hook may have swallowed the request; the reply to the real one is still owed.
+            self._finish(data, last if last is not None else message, reply)
+            return None
+        return last
+
+    def _finish(self, data: Channel, request: Message, reply: str) -> None:
+        what = f"{reply!r} for sync {request['sync_id']} bucket {request['bucket_id']}"
+        expect(data.recv(what), reply, request["sync_id"], request["bucket_id"], "receiver")
+
+    def _recreate_control(self) -> None:
+        """Drop the control listener (and any connection queued on it) and bind a new one at the
+        same path, so nothing from the failed sync reaches the next one."""
+        if self._control is None:
+            return
+        self._control.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.control_path.unlink()
+        self._control = listen_unix(self.control_path)
+
+
+class WeightReceiver:
+    """Rollout side. Built with the sender's `control_path` (passed to the child process at
+    start); each `receive()` is one sync and yields `(name, tensor)` as buckets arrive, so the
+    engine can stream them into `reload_weights(weights_iterator=...)`.
+
+    timeout_s: bound on every single wait (the sender's offer, each bucket).
+    """
+
+    def __init__(self, control_path: str | os.PathLike[str], timeout_s: float = 120.0) -> None:
+        self.control_path = os.fspath(control_path)
+        self.timeout_s = timeout_s
+        self.last_stats: SyncStats | None = None
+        self._segments: dict[tuple[int, int], SharedSegment] = {}  # kept across syncs, by (dev, inode)
+
+    def __enter__(self) -> WeightReceiver:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the mappings kept between syncs (idempotent; the next sync maps afresh)."""
+        for segment in self._segments.values():
+            segment.close()
+        self._segments = {}
+
+    def receive(self, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """One sync, as an iterator. Exhaust it: the sync completes (and is acknowledged) only
+        when the iterator ends; errors are raised from it, and abandoning it aborts the sync.
+
+        copy=True: every yielded tensor is owned by the caller, and a bucket is acknowledged as
+          soon as it is unpacked, so the sender packs the next one while the caller loads. vLLM's
+          in-place `reload_weights` needs this: it buffers a layer's tensors until the layer is
+          complete.
+        copy=False: tensors that fit in a bucket are zero-copy views of shared memory, valid only
+          until the next item is requested (copy them, e.g. `param.copy_(tensor)`, before that).
+        """
+        started = time.perf_counter()
+        sync_id, bucket_id = NO_SYNC, NO_BUCKET
+        data: Channel | None = None
+        try:
+            offer, fds = self._request_offer()
+            sync_id, bucket_bytes = offer["sync_id"], offer["bucket_bytes"]
+            segments = self._map_segments(fds, bucket_bytes)
+            data = Channel(connect_unix(offer["endpoint"], self._deadline(), "the sync endpoint", retry=False),
+                           "sender", self.timeout_s)
+            data.send({"type": "ready", "sync_id": sync_id, "bucket_id": NO_BUCKET})
+            unpacker = BucketUnpacker(bucket_bytes)
+            bucket_id = 0
+            while True:
+                message = data.recv(f"bucket {bucket_id} of sync {sync_id}")
+                self._check_in_step(message, sync_id, bucket_id)
+                if message["type"] == "end":
+                    break
+                slot = message.get("slot")
+                if type(slot) is not int or not 0 <= slot < len(segments):
+                    raise ProtocolError(f"bucket {bucket_id} of sync {sync_id} names invalid slot {slot!r}")
+                completed = unpacker.unpack(message.get("entries"), segments[slot].bytes_u8, copy)
+                if copy:
+                    data.send({"type": "ack", "sync_id": sync_id, "bucket_id": bucket_id})
+                yield from completed
+                del completed
+                if not copy:
+                    data.send({"type": "ack", "sync_id": sync_id, "bucket_id": bucket_id})
+                bucket_id += 1
+            unpacker.check_complete(sync_id)
+            if message.get("tensors") != unpacker.tensor_count or message.get("bytes") != unpacker.total_bytes:
+                raise ProtocolError(
+                    f"sync {sync_id} ended with {unpacker.tensor_count} tensors / {unpacker.total_bytes} bytes "
+                    f"received, the sender sent {message.get('tensors')} / {message.get('bytes')}"
+                )
+            data.send({"type": "done", "sync_id": sync_id, "bucket_id": bucket_id})
+            self.last_stats = SyncStats(sync_id, unpacker.tensor_count, unpacker.total_bytes, bucket_id,
+                                        time.perf_counter() - started)
+        except GeneratorExit:
+            if data is not None:
+                data.abort(sync_id, bucket_id, "the receiver stopped consuming weights before the end of the sync")
+            self.close()
+            raise
+        except BaseException as exc:
+            if data is not None and not isinstance(exc, PeerAborted):
+                data.abort(sync_id, bucket_id, f"{type(exc).__name__}: {exc}")
+            self.close()  # the sender re-creates its segments after a failure: forget ours
+            raise
+        finally:
+            if data is not None:
+                data.close()
+
+    def receive_into(self, on_tensor: Callable[[str, torch.Tensor], Any], copy: bool = True) -> SyncStats:
+        """One sync, calling `on_tensor(name, tensor)` for each tensor; returns its stats."""
+        for name, tensor in self.receive(copy=copy):
+            on_tensor(name, tensor)
+        assert self.last_stats is not None
+        return self.last_stats
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.timeout_s
+
+    def _request_offer(self) -> tuple[Message, list[int]]:
+        """Say hello on the sender's control socket and wait for the offer. If the sender is
+        re-creating its control socket after a failed sync, the connection is reset: retry until
+        the deadline."""
+        deadline = self._deadline()
+        while True:
+            conn = connect_unix(self.control_path, deadline, "the sender's control socket", retry=True)
+            control = Channel(conn, "sender", max(deadline - time.monotonic(), 1e-3))
+            try:
+                control.send({"type": "hello", "sync_id": NO_SYNC, "bucket_id": NO_BUCKET,
+                              "protocol": PROTOCOL_VERSION})
+                offer = control.recv("an offer (WeightSender.send)")
+                if offer["type"] != "offer" or offer["bucket_id"] != NO_BUCKET:
+                    raise ProtocolError(f"expected an 'offer' from the sender, got {offer['type']!r}")
+                self._check_offer(offer)
+                return offer, control.recv_fds(offer["slots"], "the shared-memory segments")
+            except PeerClosed:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.02)
+            finally:
+                control.close()
+
+    @staticmethod
+    def _check_offer(offer: Message) -> None:
+        if offer.get("protocol") != PROTOCOL_VERSION:
+            raise ProtocolError(f"sender speaks protocol {offer.get('protocol')!r}, receiver speaks {PROTOCOL_VERSION}")
+        endpoint, bucket_bytes, slots = offer.get("endpoint"), offer.get("bucket_bytes"), offer.get("slots")
+        if not isinstance(endpoint, str) or not os.path.isabs(endpoint) or type(bucket_bytes) is not int \
+                or bucket_bytes < ALIGN_BYTES or type(slots) is not int or not 1 <= slots <= 16:
+            raise ProtocolError(f"malformed offer: {offer!r}")
+
+    def _map_segments(self, fds: list[int], bucket_bytes: int) -> list[SharedSegment]:
+        """Map the received descriptors, reusing the mapping of a segment seen in an earlier sync
+        (same device and inode), so steady-state syncs fault in no pages. Owns `fds`."""
+        mapped: dict[tuple[int, int], SharedSegment] = {}
+        try:
+            for index, fd in enumerate(fds):
+                fds[index] = -1  # this loop owns `fd` now
+                try:
+                    info = os.fstat(fd)
+                    identity = (info.st_dev, info.st_ino)
+                    known = self._segments.get(identity)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                if known is not None and known.nbytes == bucket_bytes:
+                    os.close(fd)
+                    mapped[identity] = known
+                else:
+                    mapped[identity] = SharedSegment.from_fd(fd, bucket_bytes)  # closes fd
+        finally:
+            for fd in fds:
+                if fd >= 0:
+                    os.close(fd)
+        if len(mapped) != len(fds):
+            raise ProtocolError(f"the sender passed {len(fds)} descriptors for only {len(mapped)} distinct segments")
+        for identity, segment in self._segments.items():
+            if identity not in mapped:
+                segment.close()
+        self._segments = mapped
+        return list(mapped.values())
+
+    @staticmethod
+    def _check_in_step(message: Message, sync_id: int, bucket_id: int) -> None:
+        """The next message must be bucket `bucket_id` (or the end, after it) of this sync."""
+        kind, got_sync, got_bucket = message["type"], message["sync_id"], message["bucket_id"]
+        if kind not in ("bucket", "end"):
+            raise ProtocolError(f"expected bucket {bucket_id} of sync {sync_id}, got a {kind!r} message")
+        if got_sync != sync_id:
+            raise ProtocolError(f"expected a message of sync {sync_id}, got one of sync {got_sync}")
+        if got_bucket < bucket_id:
+            raise ProtocolError(f"sync {sync_id}: bucket {got_bucket} arrived again while bucket {bucket_id} "
+                                "was expected (a duplicated message)")
+        if got_bucket > bucket_id:
+            what = "the end of the sync" if kind == "end" else f"bucket {got_bucket}"
+            raise ProtocolError(f"sync {sync_id}: got {what} while bucket {bucket_id} was expected "
+                                f"(bucket {bucket_id} was lost or the messages were reordered)")

@@ -1,0 +1,89 @@
+"""Data plane of the weight transport: anonymous POSIX shared-memory segments as uint8 tensors.
+
+A segment is created with `shm_open` and unlinked at once, so its name exists in /dev/shm only
+for the microseconds between the two calls: the memory is reachable only through file
+descriptors, which the sender hands to the receiver over the Unix socket (SCM_RIGHTS). Nothing
+is ever left in /dev/shm, whichever process dies and however (SIGKILL included): the kernel frees
+the memory when the last descriptor and mapping are gone.
+
+Because descriptors, not names, cross the boundary, the sender can keep its segments for many
+syncs and the receiver can keep its mappings (recognised by device and inode), so a steady
+stream of syncs touches no fresh pages. The sender re-creates its segments after a failed sync.
+
+Why not `multiprocessing.shared_memory.SharedMemory`: on Python 3.11 it registers every segment
+with the resource tracker, which unlinks or warns about names it believes leaked, and it cannot
+be built from a received descriptor; we call the same `_posixshmem` primitives directly.
+
+A CUDA build would add a sibling of `SharedSegment` whose handle is a CUDA IPC handle instead of
+a descriptor; the packer and the protocol only use `bytes_u8` and `nbytes`.
+"""
+
+from __future__ import annotations
+
+import _posixshmem
+import mmap
+import os
+import secrets
+import stat
+
+import torch
+
+from rltrain.sync.transport_wire import ProtocolError
+
+SEGMENT_PREFIX = "rltrain-w-"  # the brief name a segment has in /dev/shm while being created
+
+
+class SharedSegment:
+    """A fixed-size shared-memory segment mapped read/write as a 1-D uint8 tensor (`bytes_u8`).
+
+    The sender's segments keep their descriptor (`fd`) to pass it on; the receiver's close it
+    right after mapping."""
+
+    def __init__(self, fd: int | None, nbytes: int, mapping: mmap.mmap, identity: tuple[int, int]) -> None:
+        self.fd = fd
+        self.nbytes = nbytes
+        self.identity = identity  # (st_dev, st_ino): the same memory seen through another fd
+        self._mapping: mmap.mmap | None = mapping
+        self.bytes_u8: torch.Tensor | None = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+
+    @classmethod
+    def create(cls, nbytes: int) -> SharedSegment:
+        """A new anonymous segment of `nbytes` (its name is unlinked before this returns)."""
+        name = f"/{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+        _posixshmem.shm_unlink(name)
+        try:
+            os.ftruncate(fd, nbytes)
+            mapping = mmap.mmap(fd, nbytes)
+            info = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd, nbytes, mapping, (info.st_dev, info.st_ino))
+
+    @classmethod
+    def from_fd(cls, fd: int, nbytes: int) -> SharedSegment:
+        """Map a descriptor received from the sender, after checking it is a segment big enough.
+        Takes ownership of `fd` (closed here, whatever happens)."""
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size < nbytes:
+                raise ProtocolError(f"received descriptor is not a shared-memory segment of {nbytes} bytes "
+                                    f"(mode {oct(info.st_mode)}, size {info.st_size})")
+            mapping = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        return cls(None, nbytes, mapping, (info.st_dev, info.st_ino))
+
+    def close(self) -> None:
+        """Close our descriptor and drop our references to the mapping (idempotent).
+
+        We never call `mmap.close()`: `torch.frombuffer` does not pin the buffer export, so
+        closing would unmap memory under any view still alive (a zero-copy tensor a consumer
+        kept) and turn its next read into a segfault. The tensor storage holds a reference to
+        the mmap object instead, so the mapping goes away exactly when the last view dies."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        self.bytes_u8 = None
+        self._mapping = None

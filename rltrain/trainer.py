@@ -1,0 +1,128 @@
+"""The training loop of one rank: set up, resume, step, evaluate, checkpoint, export.
+
+The loop is algorithm-agnostic: the algorithm turns `train_step(step)` into one optimizer step
+and returns metrics that are already identical on every rank; the loop adds timing, writes rows,
+runs evaluation every `trainer.eval_every` steps and at the end, saves atomic checkpoints every
+`trainer.save_every` steps and writes `final/` as a Hugging Face model directory.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rltrain.algos.base import RunContext
+from rltrain.checkpoint import CheckpointManager
+from rltrain.distributed import DistInfo, barrier, init_distributed
+from rltrain.metrics_log import MetricsLogger
+from rltrain.models.tiny import resolve_model_dir
+
+ALGORITHMS = {
+    "sft": "rltrain.algos.sft:SFT",
+    "dpo": "rltrain.algos.dpo:DPO",
+    "grpo": "rltrain.algos.grpo:GRPO",
+}
+
+
+def build_algorithm(ctx: RunContext):
+    module_name, cls_name = ALGORITHMS[ctx.cfg.algo.name].split(":")
+    return getattr(importlib.import_module(module_name), cls_name)(ctx)
+
+
+def configure_threads(cfg, dist_info: DistInfo) -> None:
+    threads = cfg.trainer.num_threads or max(1, (os.cpu_count() or 1) // dist_info.world_size)
+    torch.set_num_threads(threads)
+
+
+def seed_everything(seed: int, rank: int) -> None:
+    random.seed(seed + rank)
+    torch.manual_seed(seed + rank)
+
+
+def prepare_model_dir(cfg, dist_info: DistInfo) -> Path:
+    """Rank 0 builds the tiny model (if needed) before the others read it from the cache."""
+    if dist_info.is_main:
+        model_dir = resolve_model_dir(cfg.model, cfg.trainer.seed)
+    barrier()
+    if not dist_info.is_main:
+        model_dir = resolve_model_dir(cfg.model, cfg.trainer.seed)
+    return model_dir
+
+
+def run(cfg, run_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    dist_info = init_distributed(cfg.safety.collective_timeout_s)
+    try:
+        configure_threads(cfg, dist_info)
+        if cfg.trainer.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        seed_everything(cfg.trainer.seed, dist_info.rank)
+        model_dir = prepare_model_dir(cfg, dist_info)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        ctx = RunContext(cfg=cfg, run_dir=run_dir, dist=dist_info, model_dir=model_dir, tokenizer=tokenizer)
+        algo = build_algorithm(ctx)
+        train_loop(ctx, algo)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train_loop(ctx: RunContext, algo) -> None:
+    cfg, dist_info, run_dir = ctx.cfg, ctx.dist, ctx.run_dir
+    ckpt = CheckpointManager(run_dir, dist_info, cfg.trainer.keep_checkpoints)
+    start_step = 0
+    latest = ckpt.latest() if cfg.trainer.resume == "auto" else None
+    if latest is not None:
+        state = ckpt.load(latest, algo.checkpoint_engines())
+        algo.load_state_dict(state["algorithm"])
+        start_step = int(state["step"])
+        if dist_info.is_main:
+            print(f"rltrain: resumed from {latest} (step {start_step})", flush=True)
+    logger = MetricsLogger(cfg, run_dir, dist_info.is_main, start_step)
+    try:
+        max_steps = cfg.trainer.max_steps
+        if start_step == 0 and cfg.trainer.eval_every > 0:
+            logger.log({"step": 0, **algo.evaluate(0)})
+        for step in range(start_step + 1, max_steps + 1):
+            t0 = time.perf_counter()
+            metrics = algo.train_step(step)
+            elapsed = time.perf_counter() - t0
+            row = {"step": step, **metrics, "time/step": elapsed}
+            if "tokens" in metrics:
+                row["tokens_per_s"] = metrics["tokens"] / max(elapsed, 1e-9)
+            logger.log(row)
+            is_last = step == max_steps
+            if is_last or (cfg.trainer.eval_every > 0 and step % cfg.trainer.eval_every == 0):
+                evals = algo.evaluate(step)
+                if evals:
+                    logger.log({"step": step, **evals})
+            # Saved after the step's rows are written: a checkpoint at step N implies rows 1..N.
+            if is_last or (cfg.trainer.save_every > 0 and step % cfg.trainer.save_every == 0):
+                ckpt.save(step, algo.checkpoint_engines(), {"algorithm": algo.state_dict()})
+        export_final(ctx, algo)
+    finally:
+        logger.close()
+
+
+def export_final(ctx: RunContext, algo) -> None:
+    """`final/`: config, safetensors and tokenizer, loadable by transformers and vLLM."""
+    final = ctx.run_dir / "final"
+    tmp = ctx.run_dir / "final.tmp"
+    if ctx.dist.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    algo.export_engine().save_pretrained(tmp)
+    if ctx.dist.is_main:
+        ctx.tokenizer.save_pretrained(str(tmp))
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    barrier()

@@ -1,0 +1,49 @@
+import math
+
+import pytest
+import torch
+
+from rltrain.algos.dpo_loss import dpo_pair_losses, implicit_rewards
+
+
+def _h():
+    # policy chosen/rejected, reference chosen/rejected -> h = (-1 - -2) - (-3 - -2.5) = 1.5
+    return torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-2.5])
+
+
+def sig(x):
+    return 1 / (1 + math.exp(-x))
+
+
+def test_sigmoid_matches_hand_value():
+    beta = 0.5
+    expected = -math.log(sig(0.75))
+    assert dpo_pair_losses(*_h(), beta, "sigmoid").item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_sigmoid_label_smoothing_is_conservative_dpo():
+    beta, eps = 0.5, 0.1
+    expected = -(1 - eps) * math.log(sig(0.75)) - eps * math.log(sig(-0.75))
+    assert dpo_pair_losses(*_h(), beta, "sigmoid", eps).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_robust_matches_hand_value():
+    beta, eps = 0.5, 0.1
+    expected = (-(1 - eps) * math.log(sig(0.75)) + eps * math.log(sig(-0.75))) / (1 - 2 * eps)
+    assert dpo_pair_losses(*_h(), beta, "robust", eps).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_hinge_matches_hand_value():
+    assert dpo_pair_losses(*_h(), 0.5, "hinge").item() == pytest.approx(0.25)
+    assert dpo_pair_losses(*_h(), 1.0, "hinge").item() == 0.0
+
+
+def test_ipo_matches_hand_value():
+    beta = 0.5  # (1.5 - 1/(2*0.5))^2 = 0.25
+    assert dpo_pair_losses(*_h(), beta, "ipo").item() == pytest.approx(0.25)
+
+
+def test_implicit_rewards_and_unknown_type():
+    assert implicit_rewards(torch.tensor([-1.0]), torch.tensor([-2.0]), 0.1).item() == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="loss_type"):
+        dpo_pair_losses(*_h(), 0.1, "nope")
