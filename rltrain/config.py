@@ -179,15 +179,19 @@ class RewardConfig:
 
 @dataclass
 class SafetyConfig:
-    fail_fast: bool = False
+    """See docs/failure-behaviour.md."""
+
+    fail_fast: bool = False  # RLTRAIN_FAIL_FAST=1/0 overrides
     collective_timeout_s: float = 600.0
-    max_consecutive_errors: int = 3
+    max_consecutive_errors: int = 3  # more consecutive steps with a recovered error fail the run
 
 
 @dataclass
 class HealthConfig:
-    port: int | None = None
+    port: int | None = None  # rank 0 serves /healthz and /healthz/deep here; 0 = any free port
+    host: str = "127.0.0.1"  # 0.0.0.0 for a cluster's probes
     stale_after_s: float = 60.0
+    ping_timeout_s: float = 5.0  # the deep check's rollout-engine ping
     hang_timeout_s: float = 0.0  # 0 = no watchdog
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -113,7 +114,7 @@ def start_wandb(cfg, run_dir: Path):
     import wandb
 
     id_file = run_dir / "wandb_id.txt"
-    run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+    run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(6)
     id_file.write_text(run_id)
     return wandb.init(
         project=cfg.logger.wandb.project,

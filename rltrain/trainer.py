@@ -23,6 +23,7 @@ from rltrain.checkpoint import CheckpointManager
 from rltrain.distributed import DistInfo, barrier, init_distributed
 from rltrain.metrics_log import MetricsLogger
 from rltrain.models.tiny import resolve_model_dir
+from rltrain.safety.runtime import SafetyRuntime
 
 ALGORITHMS = {
     "sft": "rltrain.algos.sft:SFT",
@@ -87,11 +88,15 @@ def train_loop(ctx: RunContext, algo) -> None:
         if dist_info.is_main:
             print(f"rltrain: resumed from {latest} (step {start_step})", flush=True)
     logger = MetricsLogger(cfg, run_dir, dist_info.is_main, start_step)
+    # heartbeat, hang watchdog, health server, fault injection (docs/failure-behaviour.md)
+    safety = SafetyRuntime(cfg, run_dir, dist_info.rank, dist_info.world_size, ping=getattr(algo, "rollout_ping", None))
+    safety.start()
     try:
         max_steps = cfg.trainer.max_steps
         if start_step == 0 and cfg.trainer.eval_every > 0:
             logger.log({"step": 0, **algo.evaluate(0)})
         for step in range(start_step + 1, max_steps + 1):
+            safety.before_step(step)
             t0 = time.perf_counter()
             metrics = algo.train_step(step)
             elapsed = time.perf_counter() - t0
@@ -107,8 +112,13 @@ def train_loop(ctx: RunContext, algo) -> None:
             # Saved after the step's rows are written: a checkpoint at step N implies rows 1..N.
             if is_last or (cfg.trainer.save_every > 0 and step % cfg.trainer.save_every == 0):
                 ckpt.save(step, algo.checkpoint_engines(), {"algorithm": algo.state_dict()})
+            safety.after_step(step)
         export_final(ctx, algo)
+    except Exception as exc:
+        safety.explain_failure(exc)  # names the lost peer when a collective failed
+        raise
     finally:
+        safety.close()
         logger.close()
 
 

@@ -49,6 +49,14 @@ def validate(cfg) -> None:
             f"model.path={cfg.model.path!r} is not a Hugging Face model directory (no config.json). Point it at a "
             "directory written by save_pretrained, or leave it unset for the built-in tiny model."
         )
+    if cfg.safety.collective_timeout_s <= 0 or cfg.safety.max_consecutive_errors < 0:
+        raise UserError(
+            f"safety.collective_timeout_s={cfg.safety.collective_timeout_s} must be positive and "
+            f"safety.max_consecutive_errors={cfg.safety.max_consecutive_errors} at least 0."
+        )
+    from rltrain.safety.faults import parse_faults
+
+    parse_faults(cfg.debug.fault)  # a malformed debug.fault fails here, before any model is built
     for key in ("data.path", "data.eval_path"):
         value = _get(cfg, key)
         if value is not None and not Path(value).expanduser().exists():

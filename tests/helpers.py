@@ -22,7 +22,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable, nproc: int, port: int, pg_timeout_s: float, result_q, args: tuple) -> None:
+def _entry(rank: int, fn: Callable, nproc: int, port: int, pg_timeout_s: float, result_q, collected, args: tuple) -> None:
     import torch
     import torch.distributed as dist
 
@@ -41,6 +41,8 @@ def _entry(rank: int, fn: Callable, nproc: int, port: int, pg_timeout_s: float, 
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # Tensors in the result are shared through this process: stay alive until the parent has them.
+        collected.wait(timeout=60)
 
 
 def run_ranks(fn: Callable, *args: Any, nproc: int = 2, timeout_s: float = 120, pg_timeout_s: float = 20) -> list:
@@ -51,9 +53,11 @@ def run_ranks(fn: Callable, *args: Any, nproc: int = 2, timeout_s: float = 120, 
     """
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
+    collected = ctx.Event()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(r, fn, nproc, port, pg_timeout_s, q, args), daemon=True) for r in range(nproc)
+        ctx.Process(target=_entry, args=(r, fn, nproc, port, pg_timeout_s, q, collected, args), daemon=True)
+        for r in range(nproc)
     ]
     for p in procs:
         p.start()
@@ -77,6 +81,7 @@ def run_ranks(fn: Callable, *args: Any, nproc: int = 2, timeout_s: float = 120, 
             results[rank] = payload
         else:
             errors.append(f"rank {rank}:\n{payload}")
+    collected.set()
     for p in procs:
         p.join(timeout=5)
         if p.is_alive():

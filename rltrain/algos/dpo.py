@@ -22,7 +22,6 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from rltrain.algos.base import RunContext
@@ -32,7 +31,7 @@ from rltrain.backends.base import PolicyOutput
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.preference_data import PreferencePair, build_preference_data
 from rltrain.data.sampler import IndexStream
-from rltrain.data.sharding import micro_batch_count, rank_slice, split_micro_batches
+from rltrain.data.sharding import micro_batch_count, rank_slice, split_micro_batches, sum_over_replicas
 from rltrain.evaluation import GreedyEvaluator
 
 REF_FILE = "ref_logps.safetensors"
@@ -74,6 +73,27 @@ def make_dpo_loss(beta: float, loss_type: str, label_smoothing: float, sft_weigh
     return dpo_loss
 
 
+def dpo_micro_batches(
+    pairs: list[PreferencePair], rank: int, world_size: int, micro_batch_size: int
+) -> tuple[list[SequenceBatch], list[list[int]]]:
+    """This rank's micro-batches of whole pairs (+ the pair positions in each), carrying the global
+    pair and chosen-token counts every loss term is divided by."""
+    extras = {
+        "global_pairs": float(len(pairs)),
+        "global_chosen_tokens": float(sum(len(p.chosen) for p in pairs)),
+    }
+    mine = rank_slice(list(range(len(pairs))), rank, world_size)
+    count = micro_batch_count(len(pairs), world_size, micro_batch_size)
+    micro_idx = split_micro_batches(mine, count, micro_batch_size)
+    return [pairs_to_batch([pairs[i] for i in idx], **extras) for idx in micro_idx], micro_idx
+
+
+def attach_reference(micro: list[SequenceBatch], reference) -> None:
+    """Online reference: score the same micro-batches with the frozen engine."""
+    for mb, scored in zip(micro, reference.forward_logps(micro)):
+        mb.extras["ref_chosen"], mb.extras["ref_rejected"] = chosen_rejected_sums(scored.logps)
+
+
 class DPO:
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
@@ -101,20 +121,18 @@ class DPO:
     # --- reference log-probabilities -----------------------------------------------------------
 
     def _score_pairs(self, engine, pairs: list[PreferencePair], chunk: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed completion log-probs of every pair, computed in rank slices and shared by a
-        sum all-reduce (each pair is scored by exactly one rank)."""
-        d = self.ctx.dist
+        """Summed completion log-probs of every pair, computed in data-parallel slices and shared by
+        one sum all-reduce (model-parallel ranks of a replica hold identical copies)."""
         index = list(range(len(pairs)))
-        mine = rank_slice(index, d.rank, d.world_size)
-        count = micro_batch_count(len(pairs), d.world_size, chunk)
+        mine = rank_slice(index, engine.rank, engine.world_size)
+        count = micro_batch_count(len(pairs), engine.world_size, chunk)
         out = torch.zeros(2, len(pairs), dtype=torch.float64)
         for idx in split_micro_batches(mine, count, chunk):
             (scored,) = engine.forward_logps([pairs_to_batch([pairs[i] for i in idx])])
             if idx:
                 c, r = chosen_rejected_sums(scored.logps)
                 out[0, idx], out[1, idx] = c.double(), r.double()
-        if d.world_size > 1:
-            dist.all_reduce(out)
+        out = sum_over_replicas(out, engine.world_size)
         return out[0].float(), out[1].float()
 
     def _reference_sums(self, pairs: list[PreferencePair]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,24 +154,16 @@ class DPO:
     # --- training ------------------------------------------------------------------------------
 
     def train_step(self, step: int) -> dict[str, float]:
-        t, d = self.ctx.cfg.trainer, self.ctx.dist
+        t = self.ctx.cfg.trainer
         index = self.stream.take(t.global_batch_size)
         pairs = [self.data.train[i] for i in index]
-        extras = {
-            "global_pairs": float(len(pairs)),
-            "global_chosen_tokens": float(sum(len(p.chosen) for p in pairs)),
-        }
-        mine = rank_slice(list(range(len(pairs))), d.rank, d.world_size)
-        count = micro_batch_count(len(pairs), d.world_size, t.micro_batch_size)
-        micro_idx = split_micro_batches(mine, count, t.micro_batch_size)
-        micro = [pairs_to_batch([pairs[i] for i in idx], **extras) for idx in micro_idx]
+        micro, micro_idx = dpo_micro_batches(pairs, self.policy.rank, self.policy.world_size, t.micro_batch_size)
         if self.ref_train is not None:
             for mb, idx in zip(micro, micro_idx):
                 rows = torch.tensor([index[i] for i in idx], dtype=torch.long)
                 mb.extras["ref_chosen"], mb.extras["ref_rejected"] = self.ref_train[0][rows], self.ref_train[1][rows]
         else:
-            for mb, scored in zip(micro, self.reference.forward_logps(micro)):
-                mb.extras["ref_chosen"], mb.extras["ref_rejected"] = chosen_rejected_sums(scored.logps)
+            attach_reference(micro, self.reference)
         metrics = self.policy.train_step(micro, self.loss_fn)
         metrics["tokens"] = float(sum(2 * len(p.prompt) + len(p.chosen) + len(p.rejected) for p in pairs))
         metrics["pairs"] = float(len(pairs))

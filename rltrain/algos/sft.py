@@ -47,11 +47,12 @@ class SFT:
 
     def train_step(self, step: int) -> dict[str, float]:
         t = self.ctx.cfg.trainer
-        d = self.ctx.dist
         pairs = [self.data.train[i] for i in self._global_batch()]
         global_completion = sum(len(p.completion) for p in pairs)
-        mine = rank_slice(pairs, d.rank, d.world_size)
-        count = micro_batch_count(len(pairs), d.world_size, t.micro_batch_size)
+        # Data-parallel rank and size come from the engine: model-parallel ranks share data.
+        dp_rank, dp_size = self.policy.rank, self.policy.world_size
+        mine = rank_slice(pairs, dp_rank, dp_size)
+        count = micro_batch_count(len(pairs), dp_size, t.micro_batch_size)
         micro = [
             SequenceBatch.from_lists([p.prompt for p in mb], [p.completion for p in mb], global_tokens=global_completion)
             for mb in split_micro_batches(mine, count, t.micro_batch_size)

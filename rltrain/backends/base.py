@@ -33,6 +33,9 @@ class PolicyOutput:
     # For a micro-batch with no sequences: a zero built from the model's outputs. The engine adds
     # it to the loss so that every parameter still gets a gradient and every collective fires.
     anchor: torch.Tensor | None = None
+    # A Mixture-of-Experts model's load-balancing loss for this micro-batch (engine-internal: the
+    # engine weights and adds it; algorithms ignore it). None for dense models.
+    aux_loss: torch.Tensor | None = None
 
 
 # loss_fn(output, micro_batch) -> (loss already divided by the global count, metric contributions

@@ -7,6 +7,12 @@ With one rank the model is not wrapped at all.
 
 Gradients are summed, not averaged, across ranks (`set_gradient_divide_factor(1)`): loss
 functions already divide by a global count, which is what makes 1 rank and N ranks agree.
+
+Each micro-batch's forward, loss and backward run under `rltrain.safety.guard`: an error on one
+rank is paid for with a zero backward built from the model's outputs (recover mode) or re-raised
+(fail-fast), so no rank is left alone in FSDP's collectives. A Mixture-of-Experts model gets a
+routing-independent experts graph and, if its config asks, the load-balancing loss
+(`rltrain.models.moe`).
 """
 
 from __future__ import annotations
@@ -20,10 +26,19 @@ import torch.distributed as dist
 from torch import nn
 
 from rltrain.backends.base import LossFn, PolicyOutput
-from rltrain.config import FSDPBackendConfig, OptimConfig
+from rltrain.config import FSDPBackendConfig, OptimConfig, SafetyConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
+from rltrain.models import moe
 from rltrain.models.hf_io import load_causal_lm
+from rltrain.safety import faults
+from rltrain.safety.guard import (
+    ErrorBudget,
+    MicroBatchGuard,
+    StepErrors,
+    fail_fast_enabled,
+    guarded_micro_batch,
+)
 from rltrain.safety.metrics import reduce_metric_sums
 from rltrain.safety.step import safe_optimizer_step
 from rltrain.schedule import lr_at
@@ -32,9 +47,10 @@ from rltrain.schedule import lr_at
 class CompletionScorer(nn.Module):
     """Wraps a causal LM: log-probabilities (and entropies) of selected next-token positions."""
 
-    def __init__(self, lm: nn.Module) -> None:
+    def __init__(self, lm: nn.Module, moe_info: moe.MoEInfo | None = None) -> None:
         super().__init__()
         self.lm = lm
+        self.moe_info = moe_info
 
     def forward(
         self,
@@ -43,16 +59,20 @@ class CompletionScorer(nn.Module):
         cols_N: torch.Tensor,
         targets_N: torch.Tensor,
         with_entropy: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        mask_BT: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         # Right padding only: causal attention never lets a real token see the padding after it,
         # so no attention mask is needed (and sdpa keeps its fast causal path).
-        hidden_BTH = self.lm.model(input_ids=input_ids_BT, use_cache=False).last_hidden_state
+        router = self.training and self.moe_info is not None and self.moe_info.aux_loss_coef > 0
+        out = self.lm.model(input_ids=input_ids_BT, use_cache=False, **({"output_router_logits": True} if router else {}))
+        hidden_BTH = out.last_hidden_state
+        aux = moe.load_balancing_loss(self.lm, self.moe_info, out.router_logits, mask_BT) if router else None
         logits_NV = self.lm.lm_head(hidden_BTH[rows_N, cols_N]).float()
         logp_NV = torch.log_softmax(logits_NV, dim=-1)
         # clone: FSDP warns (rightly) about returning views from a wrapped module
         logps_N = logp_NV.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1).clone()
         entropy_N = -(logp_NV.exp() * logp_NV).sum(-1) if with_entropy else None
-        return logps_N, entropy_N
+        return logps_N, entropy_N, aux
 
 
 def completion_positions(batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -88,6 +108,7 @@ class FSDPEngine:
         max_steps: int,
         device: torch.device,
         dtype: torch.dtype = torch.float32,
+        safety: SafetyConfig | None = None,
     ) -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -99,7 +120,11 @@ class FSDPEngine:
         self.lm = load_causal_lm(self.model_dir, dtype, backend_cfg.bucket_mb).to(device)
         self.pad_id = int(self.lm.config.pad_token_id or 0)
         self.tied = bool(self.lm.config.tie_word_embeddings)
-        self.scorer = CompletionScorer(self.lm)
+        self.moe_info = moe.prepare_moe(self.lm)
+        self.scorer = CompletionScorer(self.lm, self.moe_info)
+        safety = safety or SafetyConfig()
+        self.fail_fast = fail_fast_enabled(safety.fail_fast)
+        self.error_budget = ErrorBudget(safety.max_consecutive_errors)
         if not self.trainable:
             self.scorer.requires_grad_(False)
         self.sharded = self.world_size > 1
@@ -134,10 +159,15 @@ class FSDPEngine:
     def _score(self, batch: SequenceBatch, with_entropy: bool) -> PolicyOutput:
         real = len(batch) > 0
         scored = batch if real else dummy_batch(self.pad_id)
-        ids_BT, _ = scored.tokens.to_padded(self.pad_id)
+        ids_BT, mask_BT = scored.tokens.to_padded(self.pad_id)
         rows, cols, targets = completion_positions(scored)
-        logps_N, entropy_N = self.scorer(
-            ids_BT.to(self.device), rows.to(self.device), cols.to(self.device), targets.to(self.device), with_entropy
+        logps_N, entropy_N, aux = self.scorer(
+            ids_BT.to(self.device),
+            rows.to(self.device),
+            cols.to(self.device),
+            targets.to(self.device),
+            with_entropy,
+            mask_BT.to(self.device),
         )
         if not real:
             # Keep the graph (so a zero loss still reaches every parameter) but hold no sequences.
@@ -146,11 +176,13 @@ class FSDPEngine:
                 Ragged(logps_N[:0], empty_offsets),
                 Ragged(entropy_N[:0], empty_offsets) if entropy_N is not None else None,
                 anchor=logps_N.sum() * 0.0,
+                aux_loss=aux * 0.0 if aux is not None else None,
             )
         lengths = batch.completion_lens()
         return PolicyOutput(
             Ragged.from_lengths(logps_N, lengths),
             Ragged.from_lengths(entropy_N, lengths) if entropy_N is not None else None,
+            aux_loss=aux,
         )
 
     @torch.no_grad()
@@ -169,23 +201,52 @@ class FSDPEngine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         sums: dict[str, torch.Tensor] = {}
-        for mb in micro_batches:
-            out = self._score(mb, with_entropy=False)
-            loss, metrics = loss_fn(out, mb)
-            if out.anchor is not None:
-                loss = loss + out.anchor
-            loss.backward()
+        errors = StepErrors(self.rank, self.fail_fast)
+        injector = faults.active()
+        share = 1.0 / (len(micro_batches) * self.world_size)  # per-micro-batch means -> one global mean
+        for i, mb in enumerate(micro_batches):
+            done = guarded_micro_batch(
+                MicroBatchGuard(self.scorer),
+                errors,
+                forward=lambda mb=mb: self._score(mb, with_entropy=False),
+                loss_fn=lambda out, mb=mb: self._train_loss(out, mb, loss_fn, share, injector),
+                dummy_forward=lambda: self._score(dummy_batch(self.pad_id), with_entropy=False),
+                before_backward=injector.arm_backward,
+                where=f"micro-batch {i} of step {injector.step}",
+            )
+            if done is None:
+                continue  # recovered: this micro-batch contributes a zero gradient and no metrics
+            loss, metrics = done
             sums["loss"] = sums.get("loss", torch.zeros((), dtype=torch.float64)) + loss.detach().double()
             for key, value in metrics.items():
                 sums[key] = sums.get(key, torch.zeros((), dtype=torch.float64)) + torch.as_tensor(value).detach().double()
+        sums["safety/recovered_errors"] = torch.tensor(float(errors.recovered), dtype=torch.float64)
+        injector.poison_grads(self.scorer.parameters())
         outcome = safe_optimizer_step(self.optimizer, self.scorer.parameters(), self.optim_cfg.max_grad_norm)
         if not outcome.skipped:
             self.steps_taken += 1
-        reduced = reduce_metric_sums(sums)
+        reduced = reduce_metric_sums(sums, partial=errors.recovered > 0)
+        self.error_budget.update(reduced["safety/recovered_errors"])
         reduced["grad_norm"] = outcome.grad_norm
         reduced["lr"] = lr
         reduced["safety/skipped_steps"] = float(outcome.skipped)
         return reduced
+
+    def _train_loss(
+        self, out: PolicyOutput, mb: SequenceBatch, loss_fn: LossFn, share: float, injector: faults.FaultInjector
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The algorithm's loss plus the dummy-batch anchor and, for a MoE model, its weighted
+        load-balancing loss (a per-micro-batch mean, scaled so the sum over micro-batches and ranks
+        is the mean)."""
+        injector.maybe_raise("loss_error")
+        loss, metrics = loss_fn(out, mb)
+        if out.anchor is not None:
+            loss = loss + out.anchor
+        if out.aux_loss is not None:
+            assert self.moe_info is not None
+            loss = loss + self.moe_info.aux_loss_coef * share * out.aux_loss
+            metrics = {**metrics, "moe/aux_loss": out.aux_loss.detach() * share}
+        return loss, metrics
 
     # --- weights out ---------------------------------------------------------------------------
 
@@ -258,4 +319,5 @@ def build_engine(ctx, trainable: bool) -> FSDPEngine:
         cfg.trainer.max_steps,
         ctx.dist.device,
         dtype=getattr(torch, cfg.model.dtype),
+        safety=cfg.safety,
     )

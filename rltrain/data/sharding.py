@@ -7,6 +7,9 @@ from __future__ import annotations
 import math
 from typing import TypeVar
 
+import torch
+import torch.distributed as dist
+
 T = TypeVar("T")
 
 
@@ -26,3 +29,13 @@ def micro_batch_count(global_size: int, world_size: int, micro_batch_size: int) 
 def split_micro_batches(items: list[T], count: int, micro_batch_size: int) -> list[list[T]]:
     """`count` micro-batches of at most `micro_batch_size` items (trailing ones may be empty)."""
     return [items[i * micro_batch_size : (i + 1) * micro_batch_size] for i in range(count)]
+
+
+def sum_over_replicas(values: torch.Tensor, dp_size: int) -> torch.Tensor:
+    """Sum per-slice results over data-parallel replicas. Every rank all-reduces; the ranks of one
+    replica (tensor/pipeline parallel) hold identical values, so the world sum is divided by the
+    model-parallel size, which is exact for these copies."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    dist.all_reduce(values)
+    return values / (dist.get_world_size() // dp_size)

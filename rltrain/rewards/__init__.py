@@ -1,0 +1,84 @@
+"""Reward functions: built-in ones for the built-in tasks, and user functions by dotted path.
+
+A reward function has the signature
+
+    fn(prompts: list[str], completions: list[str], **columns) -> list[float]
+
+where `columns` holds the dataset's other columns (one value per completion, repeated across a
+prompt's group). `reward.fns=[pkg.module:function, ...]` with optional `reward.weights=[...]`
+selects them; the total reward is the weighted sum, and each function's mean is logged as
+`reward/<function name>`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rltrain.errors import UserError
+
+BUILTIN_FOR_TASK = {"addition": "rltrain.rewards.builtin:addition_reward"}
+
+
+@dataclass
+class RewardFn:
+    name: str
+    path: str
+    fn: Callable
+    weight: float
+
+
+def load_reward_fn(path: str) -> Callable:
+    module_name, _, attr = path.partition(":")
+    if not attr:
+        module_name, _, attr = path.rpartition(".")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise UserError(
+            f"reward function {path!r} could not be loaded ({type(exc).__name__}: {exc}). Give it as "
+            "'package.module:function' importable from the working directory."
+        ) from exc
+    if not callable(fn):
+        raise UserError(f"reward function {path!r} is not callable.")
+    return fn
+
+
+def build_reward_fns(reward_cfg, task: str, using_builtin_data: bool) -> list[RewardFn]:
+    paths = list(reward_cfg.fns)
+    if not paths:
+        if not using_builtin_data:
+            raise UserError(
+                "GRPO on a user dataset needs reward functions: set reward.fns=[package.module:function] "
+                "(signature: fn(prompts, completions, **columns) -> list[float])."
+            )
+        paths = [BUILTIN_FOR_TASK[task]]
+    weights = list(reward_cfg.weights) or [1.0] * len(paths)
+    if len(weights) != len(paths):
+        raise UserError(f"reward.weights has {len(weights)} entries but reward.fns has {len(paths)}; give one weight per function.")
+    return [RewardFn(p.split(":")[-1].split(".")[-1], p, load_reward_fn(p), float(w)) for p, w in zip(paths, weights)]
+
+
+def score(fns: list[RewardFn], prompts: list[str], completions: list[str], columns: dict[str, list]) -> dict[str, list[float]]:
+    """Each function's rewards, checked: one finite float per completion, else a UserError naming it."""
+    out: dict[str, list[float]] = {}
+    for rf in fns:
+        try:
+            values = rf.fn(prompts=prompts, completions=completions, **columns)
+        except Exception as exc:
+            raise UserError(f"reward function {rf.path!r} raised {type(exc).__name__}: {exc}") from exc
+        try:
+            values = [float(v) for v in values]
+        except (TypeError, ValueError) as exc:
+            raise UserError(f"reward function {rf.path!r} must return a list of floats; got {values!r:.200}") from exc
+        if len(values) != len(completions):
+            raise UserError(
+                f"reward function {rf.path!r} returned {len(values)} rewards for {len(completions)} completions; "
+                "it must return exactly one per completion."
+            )
+        if not all(math.isfinite(v) for v in values):
+            raise UserError(f"reward function {rf.path!r} returned a non-finite reward.")
+        out[rf.name] = values
+    return out

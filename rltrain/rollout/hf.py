@@ -53,6 +53,13 @@ class HFRolloutEngine:
         self.eos_ids: list[int] = [eos] if isinstance(eos, int) else list(eos or [])
         pad = self.model.config.pad_token_id
         self.pad_id = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
+        # generate() fills every unset field from the model's generation_config (a checkpoint may
+        # ship top_k, repetition_penalty, suppress_tokens, ...): give this private copy a blank one.
+        from transformers import GenerationConfig
+
+        self.model.generation_config = GenerationConfig(
+            eos_token_id=self.eos_ids or None, pad_token_id=self.pad_id
+        )
         self.asleep = False
 
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
@@ -101,17 +108,24 @@ class HFRolloutEngine:
         return ids_BT.to(self.device), mask_BT.to(self.device)
 
     def _generation_config(self, sampling: SamplingSettings, stop_ids: list[int]):
-        """A fresh config: nothing inherited from the checkpoint's generation_config (such as
-        top_k=50 or a repetition penalty) may change the distribution that is sampled."""
+        """Plain sampling from softmax(logits / temperature) restricted by top-p, nothing else.
+        Fields left unset would be filled by transformers' defaults (top_k=50!), so every knob
+        that changes the sampled distribution is pinned here."""
         from transformers import GenerationConfig
 
         greedy = sampling.temperature <= 0.0
         return GenerationConfig(
             max_new_tokens=sampling.max_new_tokens,
+            min_new_tokens=0,
             do_sample=not greedy,
-            temperature=None if greedy else sampling.temperature,
-            top_p=None if greedy else sampling.top_p,
-            top_k=None,
+            temperature=1.0 if greedy else sampling.temperature,
+            top_p=1.0 if greedy else sampling.top_p,
+            top_k=0,
+            typical_p=1.0,
+            repetition_penalty=1.0,
+            no_repeat_ngram_size=0,
+            epsilon_cutoff=0.0,
+            eta_cutoff=0.0,
             eos_token_id=stop_ids or None,
             pad_token_id=self.pad_id,
             return_dict_in_generate=True,
@@ -148,3 +162,14 @@ class HFRolloutEngine:
 
     def ping(self) -> bool:
         return True
+
+
+def build_engine(ctx) -> HFRolloutEngine:
+    """The run's transformers engine (for a lazy registry `"hf": "rltrain.rollout.hf:build_engine"`)."""
+    return HFRolloutEngine(
+        ctx.model_dir,
+        ctx.cfg.rollout,
+        seed=ctx.cfg.rollout.seed,
+        dtype=ctx.cfg.model.dtype,
+        device=ctx.dist.device,
+    )

@@ -127,6 +127,9 @@ class VLLMRolloutEngine:
         from vllm.platforms import current_platform
 
         self.has_sleep_mode = bool(current_platform.is_sleep_mode_available())
+        # vLLM adopts an existing default process group as its world (and calls new_group on it,
+        # a collective: every trainer rank must build its engine at the same time).
+        self.owns_default_group = not torch.distributed.is_initialized()
         with _ProcessStateGuard():
             self.llm = LLM(
                 model=str(self.model_dir),
@@ -241,31 +244,58 @@ class VLLMRolloutEngine:
             return False
 
     def close(self) -> None:
-        """Shut the engine down and free its distributed state, so another engine can be built
-        in this process."""
+        """Shut the engine down and free vLLM's distributed state, so that another engine can be
+        built in this process.
+
+        vLLM's shutdown ends in `destroy_distributed_environment()`, which destroys the *default*
+        process group. When the trainer created that group before the engine (vLLM then adopts it
+        as its world), that would kill the trainer's communicators; so for the duration of the
+        shutdown only the groups vLLM made are destroyed.
+        """
         llm = getattr(self, "llm", None)
         if llm is None:
             return
         self.llm = None
+        from vllm.distributed import parallel_state
+
+        destroy_all = parallel_state.destroy_distributed_environment
+        if not self.owns_default_group:
+            parallel_state.destroy_distributed_environment = _destroy_vllm_world_only
         try:
             llm.llm_engine.engine_core.shutdown()
         finally:
+            parallel_state.destroy_distributed_environment = destroy_all
             del llm
             import gc
 
-            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-
-            destroy_model_parallel()
-            destroy_distributed_environment()
             gc.collect()
+
+
+def _destroy_vllm_world_only() -> None:
+    """vLLM's `destroy_distributed_environment` minus destroying the default process group."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state._WORLD is not None:
+        parallel_state._WORLD.destroy()
+    parallel_state._WORLD = None
+    parallel_state._NODE_COUNT = None
 
 
 def _pong(worker) -> bool:
     return True
 
 
-def _record_names(weights: Iterable[tuple[str, torch.Tensor]], seen: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _record_names(
+    weights: Iterable[tuple[str, torch.Tensor]], seen: set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in weights:
         seen.add(name)
         yield name, tensor
 
+
+def build_engine(ctx) -> VLLMRolloutEngine:
+    """The run's vLLM engine (for a lazy registry `"vllm": "rltrain.rollout.vllm:build_engine"`).
+    Every rank builds one at the same time (vLLM calls `new_group` on the trainer's group)."""
+    return VLLMRolloutEngine(
+        ctx.model_dir, ctx.cfg.rollout, seed=ctx.cfg.rollout.seed, dtype=ctx.cfg.model.dtype
+    )

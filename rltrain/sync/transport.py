@@ -8,10 +8,16 @@ copy of the model.
 
 Use across many syncs (the rollout engine is a child process of the trainer):
 
-    sender = WeightSender(bucket_bytes=64 << 20, timeout_s=60)      # trainer, once
-    spawn_rollout_child(control_path=str(sender.control_path))       # child builds WeightReceiver
-    stats = sender.send(policy.export_weights())                     # trainer, every step
-    runner.reload_weights(weights_iterator=receiver.receive())       # child, every step
+    sender = WeightSender(bucket_bytes=16 << 20, timeout_s=60)      # trainer, once
+    start_rollout_child(control_path=str(sender.control_path))       # however the child is started
+    receiver = WeightReceiver(control_path, timeout_s=60)            # child, once
+    stats = sender.send(policy.export_weights())                     # trainer, every step ...
+    runner.reload_weights(weights_iterator=receiver.receive())       # ... while the child does this
+    sender.close(); receiver.close()                                 # at shutdown
+
+`send()` and `receive()` each block until the sync is complete, so the trainer's call into the
+rollout process (whatever RPC tells it "load new weights") must be asynchronous, or sent before
+`send()` starts; either side simply waits (at most `timeout_s`) for the other to arrive.
 
 Protocol of one sync (every message JSON, tagged with `sync_id` and `bucket_id`):
 
@@ -194,8 +200,11 @@ class WeightSender:
         bucket_id = NO_BUCKET
         try:
             control = self._await_receiver(sync_id, endpoint)
-            data = Channel(accept_until(endpoint.listener, self._deadline(), "the receiver on the data socket"),
-                           "receiver", self.timeout_s)
+            data = Channel(
+                accept_until(endpoint.listener, self._deadline(), "the receiver on the data socket"),
+                "receiver",
+                self.timeout_s,
+            )
             control.close()
             control = None
             endpoint.close()
@@ -203,8 +212,13 @@ class WeightSender:
             packer = BucketPacker([segment.bytes_u8 for segment in self._segments], self.bucket_bytes)
             bucket_count = self._stream_buckets(data, sync_id, packer.buckets(weights))
             bucket_id = bucket_count
-            end = {"type": "end", "sync_id": sync_id, "bucket_id": bucket_count,
-                   "tensors": packer.tensor_count, "bytes": packer.total_bytes}
+            end = {
+                "type": "end",
+                "sync_id": sync_id,
+                "bucket_id": bucket_count,
+                "tensors": packer.tensor_count,
+                "bytes": packer.total_bytes,
+            }
             self._exchange(data, end, reply="done", require_reply=True)
         except BaseException as exc:
             reason = f"{type(exc).__name__}: {exc}"
@@ -219,10 +233,17 @@ class WeightSender:
                 if channel is not None:
                     channel.close()
             endpoint.close()
-        stats = SyncStats(sync_id, packer.tensor_count, packer.total_bytes, bucket_count,
-                          time.perf_counter() - started)
-        log.debug("weight sync %d: %d tensors, %.1f MB, %d buckets, %.3fs", sync_id, stats.tensors,
-                  stats.bytes / 1e6, stats.buckets, stats.seconds)
+        stats = SyncStats(
+            sync_id, packer.tensor_count, packer.total_bytes, bucket_count, time.perf_counter() - started
+        )
+        log.debug(
+            "weight sync %d: %d tensors, %.1f MB, %d buckets, %.3fs",
+            sync_id,
+            stats.tensors,
+            stats.bytes / 1e6,
+            stats.buckets,
+            stats.seconds,
+        )
         return stats
 
     def _deadline(self) -> float:
@@ -233,19 +254,29 @@ class WeightSender:
         A connection left in the backlog by a receiver that already gave up is skipped."""
         deadline = self._deadline()
         while True:
-            conn = accept_until(self._control, deadline, "the receiver to start a sync (WeightReceiver.receive)")
+            conn = accept_until(
+                self._control, deadline, "the receiver to start a sync (WeightReceiver.receive)"
+            )
             channel = Channel(conn, "receiver", max(deadline - time.monotonic(), 1e-3))
             try:
                 hello = channel.recv("'hello'")
                 expect(hello, "hello", NO_SYNC, NO_BUCKET, "receiver")
                 if hello.get("protocol") != PROTOCOL_VERSION:
-                    raise ProtocolError(f"receiver speaks protocol {hello.get('protocol')!r}, "
-                                        f"sender speaks {PROTOCOL_VERSION}")
-                channel.send({
-                    "type": "offer", "sync_id": sync_id, "bucket_id": NO_BUCKET, "protocol": PROTOCOL_VERSION,
-                    "endpoint": os.fspath(endpoint.socket_path), "bucket_bytes": self.bucket_bytes,
-                    "slots": len(self._segments),
-                })
+                    raise ProtocolError(
+                        f"receiver speaks protocol {hello.get('protocol')!r}, "
+                        f"sender speaks {PROTOCOL_VERSION}"
+                    )
+                channel.send(
+                    {
+                        "type": "offer",
+                        "sync_id": sync_id,
+                        "bucket_id": NO_BUCKET,
+                        "protocol": PROTOCOL_VERSION,
+                        "endpoint": os.fspath(endpoint.socket_path),
+                        "bucket_bytes": self.bucket_bytes,
+                        "slots": len(self._segments),
+                    }
+                )
                 channel.send_fds([segment.fd for segment in self._segments])
             except PeerClosed:
                 channel.close()  # a stale connection from an earlier, abandoned receive()
@@ -272,8 +303,14 @@ class WeightSender:
             if bucket is None:
                 return count
             count += 1
-            message = {"type": "bucket", "sync_id": sync_id, "bucket_id": bucket.bucket_id, "slot": bucket.slot,
-                       "used_bytes": bucket.used_bytes, "entries": [entry.to_json() for entry in bucket.entries]}
+            message = {
+                "type": "bucket",
+                "sync_id": sync_id,
+                "bucket_id": bucket.bucket_id,
+                "slot": bucket.slot,
+                "used_bytes": bucket.used_bytes,
+                "entries": [entry.to_json() for entry in bucket.entries],
+            }
             outstanding = self._exchange(data, message, reply="ack", require_reply=False)
 
     def _exchange(self, data: Channel, message: Message, reply: str, require_reply: bool) -> Message | None:
@@ -351,8 +388,11 @@ class WeightReceiver:
             offer, fds = self._request_offer()
             sync_id, bucket_bytes = offer["sync_id"], offer["bucket_bytes"]
             segments = self._map_segments(fds, bucket_bytes)
-            data = Channel(connect_unix(offer["endpoint"], self._deadline(), "the sync endpoint", retry=False),
-                           "sender", self.timeout_s)
+            data = Channel(
+                connect_unix(offer["endpoint"], self._deadline(), "the sync endpoint", retry=False),
+                "sender",
+                self.timeout_s,
+            )
             data.send({"type": "ready", "sync_id": sync_id, "bucket_id": NO_BUCKET})
             unpacker = BucketUnpacker(bucket_bytes)
             bucket_id = 0
@@ -373,17 +413,23 @@ class WeightReceiver:
                     data.send({"type": "ack", "sync_id": sync_id, "bucket_id": bucket_id})
                 bucket_id += 1
             unpacker.check_complete(sync_id)
-            if message.get("tensors") != unpacker.tensor_count or message.get("bytes") != unpacker.total_bytes:
+            if (
+                message.get("tensors") != unpacker.tensor_count
+                or message.get("bytes") != unpacker.total_bytes
+            ):
                 raise ProtocolError(
                     f"sync {sync_id} ended with {unpacker.tensor_count} tensors / {unpacker.total_bytes} bytes "
                     f"received, the sender sent {message.get('tensors')} / {message.get('bytes')}"
                 )
             data.send({"type": "done", "sync_id": sync_id, "bucket_id": bucket_id})
-            self.last_stats = SyncStats(sync_id, unpacker.tensor_count, unpacker.total_bytes, bucket_id,
-                                        time.perf_counter() - started)
+            self.last_stats = SyncStats(
+                sync_id, unpacker.tensor_count, unpacker.total_bytes, bucket_id, time.perf_counter() - started
+            )
         except GeneratorExit:
             if data is not None:
-                data.abort(sync_id, bucket_id, "the receiver stopped consuming weights before the end of the sync")
+                data.abort(
+                    sync_id, bucket_id, "the receiver stopped consuming weights before the end of the sync"
+                )
             self.close()
             raise
         except BaseException as exc:
@@ -414,8 +460,14 @@ class WeightReceiver:
             conn = connect_unix(self.control_path, deadline, "the sender's control socket", retry=True)
             control = Channel(conn, "sender", max(deadline - time.monotonic(), 1e-3))
             try:
-                control.send({"type": "hello", "sync_id": NO_SYNC, "bucket_id": NO_BUCKET,
-                              "protocol": PROTOCOL_VERSION})
+                control.send(
+                    {
+                        "type": "hello",
+                        "sync_id": NO_SYNC,
+                        "bucket_id": NO_BUCKET,
+                        "protocol": PROTOCOL_VERSION,
+                    }
+                )
                 offer = control.recv("an offer (WeightSender.send)")
                 if offer["type"] != "offer" or offer["bucket_id"] != NO_BUCKET:
                     raise ProtocolError(f"expected an 'offer' from the sender, got {offer['type']!r}")
@@ -431,10 +483,18 @@ class WeightReceiver:
     @staticmethod
     def _check_offer(offer: Message) -> None:
         if offer.get("protocol") != PROTOCOL_VERSION:
-            raise ProtocolError(f"sender speaks protocol {offer.get('protocol')!r}, receiver speaks {PROTOCOL_VERSION}")
+            raise ProtocolError(
+                f"sender speaks protocol {offer.get('protocol')!r}, receiver speaks {PROTOCOL_VERSION}"
+            )
         endpoint, bucket_bytes, slots = offer.get("endpoint"), offer.get("bucket_bytes"), offer.get("slots")
-        if not isinstance(endpoint, str) or not os.path.isabs(endpoint) or type(bucket_bytes) is not int \
-                or bucket_bytes < ALIGN_BYTES or type(slots) is not int or not 1 <= slots <= 16:
+        if (
+            not isinstance(endpoint, str)
+            or not os.path.isabs(endpoint)
+            or type(bucket_bytes) is not int
+            or bucket_bytes < ALIGN_BYTES
+            or type(slots) is not int
+            or not 1 <= slots <= 16
+        ):
             raise ProtocolError(f"malformed offer: {offer!r}")
 
     def _map_segments(self, fds: list[int], bucket_bytes: int) -> list[SharedSegment]:
@@ -461,7 +521,9 @@ class WeightReceiver:
                 if fd >= 0:
                     os.close(fd)
         if len(mapped) != len(fds):
-            raise ProtocolError(f"the sender passed {len(fds)} descriptors for only {len(mapped)} distinct segments")
+            raise ProtocolError(
+                f"the sender passed {len(fds)} descriptors for only {len(mapped)} distinct segments"
+            )
         for identity, segment in self._segments.items():
             if identity not in mapped:
                 segment.close()
@@ -477,9 +539,13 @@ class WeightReceiver:
         if got_sync != sync_id:
             raise ProtocolError(f"expected a message of sync {sync_id}, got one of sync {got_sync}")
         if got_bucket < bucket_id:
-            raise ProtocolError(f"sync {sync_id}: bucket {got_bucket} arrived again while bucket {bucket_id} "
-                                "was expected (a duplicated message)")
+            raise ProtocolError(
+                f"sync {sync_id}: bucket {got_bucket} arrived again while bucket {bucket_id} "
+                "was expected (a duplicated message)"
+            )
         if got_bucket > bucket_id:
             what = "the end of the sync" if kind == "end" else f"bucket {got_bucket}"
-            raise ProtocolError(f"sync {sync_id}: got {what} while bucket {bucket_id} was expected "
-                                f"(bucket {bucket_id} was lost or the messages were reordered)")
+            raise ProtocolError(
+                f"sync {sync_id}: got {what} while bucket {bucket_id} was expected "
+                f"(bucket {bucket_id} was lost or the messages were reordered)"
+            )

@@ -54,7 +54,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _DTYPE_NAMES[dtype]
     except KeyError:
-        raise TypeError(f"weight transport does not support dtype {dtype}; supported: {sorted(DTYPES)}") from None
+        raise TypeError(
+            f"weight transport does not support dtype {dtype}; supported: {sorted(DTYPES)}"
+        ) from None
 
 
 def tensor_nbytes(tensor: torch.Tensor) -> int:
@@ -76,7 +78,9 @@ class Entry:
 
     def to_json(self) -> dict[str, Any]:
         # Not dataclasses.asdict: it deep-copies every field, measurably slow for thousands of entries.
-        return {field: getattr(self, field) for field in self.__dataclass_fields__} | {"shape": list(self.shape)}
+        return {field: getattr(self, field) for field in self.__dataclass_fields__} | {
+            "shape": list(self.shape)
+        }
 
     @property
     def total_nbytes(self) -> int:
@@ -87,7 +91,9 @@ class Entry:
         """Parse and bounds-check one entry from the peer's metadata."""
         fields = set(cls.__dataclass_fields__)
         if not isinstance(data, dict) or set(data) != fields:
-            raise ProtocolError(f"malformed bucket entry {data!r}: expected exactly the keys {sorted(fields)}")
+            raise ProtocolError(
+                f"malformed bucket entry {data!r}: expected exactly the keys {sorted(fields)}"
+            )
         ints = ("offset", "nbytes", "chunk_index", "chunk_count", "chunk_byte_offset")
         shape = data["shape"]
         if (
@@ -101,13 +107,17 @@ class Entry:
         entry = cls(**{**data, "shape": tuple(shape)})
         where = f"entry {entry.name!r} (chunk {entry.chunk_index}/{entry.chunk_count})"
         if entry.offset % ALIGN_BYTES or entry.offset + entry.nbytes > bucket_bytes:
-            raise ProtocolError(f"{where} at offset {entry.offset} + {entry.nbytes} bytes is misaligned or "
-                                f"outside the {bucket_bytes}-byte bucket")
+            raise ProtocolError(
+                f"{where} at offset {entry.offset} + {entry.nbytes} bytes is misaligned or "
+                f"outside the {bucket_bytes}-byte bucket"
+            )
         if not entry.chunk_index < entry.chunk_count:
             raise ProtocolError(f"{where}: chunk index out of range")
         if entry.chunk_byte_offset + entry.nbytes > entry.total_nbytes:
-            raise ProtocolError(f"{where}: bytes {entry.chunk_byte_offset}+{entry.nbytes} exceed the tensor's "
-                                f"{entry.total_nbytes} bytes")
+            raise ProtocolError(
+                f"{where}: bytes {entry.chunk_byte_offset}+{entry.nbytes} exceed the tensor's "
+                f"{entry.total_nbytes} bytes"
+            )
         if entry.chunk_count == 1 and entry.nbytes != entry.total_nbytes:
             raise ProtocolError(f"{where}: {entry.nbytes} bytes for a tensor of {entry.total_nbytes} bytes")
         return entry
@@ -145,7 +155,9 @@ class BucketPacker:
         bucket_id, cursor, entries = 0, 0, []
         for name, tensor in weights:
             if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"weights must yield (str, torch.Tensor) pairs, got ({type(name)}, {type(tensor)})")
+                raise TypeError(
+                    f"weights must yield (str, torch.Tensor) pairs, got ({type(name)}, {type(tensor)})"
+                )
             dtype = dtype_name(tensor.dtype)
             shape = tuple(tensor.shape)
             nbytes = tensor_nbytes(tensor)
@@ -177,7 +189,9 @@ class BucketPacker:
                 chunk_bytes = min(self.bucket_bytes - offset, nbytes - done_bytes)
                 slot_u8 = self.slots_u8[bucket_id % len(self.slots_u8)]
                 slot_u8[offset : offset + chunk_bytes].copy_(source_u8[done_bytes : done_bytes + chunk_bytes])
-                entries.append(Entry(name, dtype, shape, offset, chunk_bytes, chunk_index, chunk_count, done_bytes))
+                entries.append(
+                    Entry(name, dtype, shape, offset, chunk_bytes, chunk_index, chunk_count, done_bytes)
+                )
                 cursor = offset + chunk_bytes
                 done_bytes += chunk_bytes
         if entries:
@@ -217,19 +231,25 @@ class BucketUnpacker:
             self.total_bytes += entry.nbytes
             if entry.chunk_count == 1:
                 if entry.name in self.partial:
-                    raise ProtocolError(f"tensor {entry.name!r} restarted while its chunks were still arriving")
+                    raise ProtocolError(
+                        f"tensor {entry.name!r} restarted while its chunks were still arriving"
+                    )
                 tensor = source_u8.view(DTYPES[entry.dtype]).view(entry.shape)
                 completed.append((entry.name, tensor.clone() if copy else tensor))
                 continue
             partial = self._partial_for(entry)
-            partial.bytes_u8[entry.chunk_byte_offset : entry.chunk_byte_offset + entry.nbytes].copy_(source_u8)
+            partial.bytes_u8[entry.chunk_byte_offset : entry.chunk_byte_offset + entry.nbytes].copy_(
+                source_u8
+            )
             partial.next_chunk += 1
             partial.received_bytes += entry.nbytes
             if partial.next_chunk == partial.chunk_count:
                 del self.partial[entry.name]
                 if partial.received_bytes != entry.total_nbytes:
-                    raise ProtocolError(f"tensor {entry.name!r}: its chunks hold {partial.received_bytes} bytes, "
-                                        f"expected {entry.total_nbytes}")
+                    raise ProtocolError(
+                        f"tensor {entry.name!r}: its chunks hold {partial.received_bytes} bytes, "
+                        f"expected {entry.total_nbytes}"
+                    )
                 completed.append((entry.name, partial.tensor))
         self.tensor_count += len(completed)
         return completed
@@ -238,23 +258,30 @@ class BucketUnpacker:
         partial = self.partial.get(entry.name)
         if partial is None:
             if entry.chunk_index != 0:
-                raise ProtocolError(f"tensor {entry.name!r}: chunk {entry.chunk_index} of {entry.chunk_count} "
-                                    "arrived before chunk 0 (a bucket was lost or reordered)")
+                raise ProtocolError(
+                    f"tensor {entry.name!r}: chunk {entry.chunk_index} of {entry.chunk_count} "
+                    "arrived before chunk 0 (a bucket was lost or reordered)"
+                )
             tensor = torch.empty(entry.shape, dtype=DTYPES[entry.dtype])
             partial = _PartialTensor(tensor, tensor.reshape(-1).view(torch.uint8), 0, entry.chunk_count, 0)
             self.partial[entry.name] = partial
         if entry.chunk_index != partial.next_chunk or entry.chunk_count != partial.chunk_count:
-            raise ProtocolError(f"tensor {entry.name!r}: got chunk {entry.chunk_index} of {entry.chunk_count}, "
-                                f"expected chunk {partial.next_chunk} of {partial.chunk_count}")
+            raise ProtocolError(
+                f"tensor {entry.name!r}: got chunk {entry.chunk_index} of {entry.chunk_count}, "
+                f"expected chunk {partial.next_chunk} of {partial.chunk_count}"
+            )
         if entry.chunk_byte_offset != partial.received_bytes:
-            raise ProtocolError(f"tensor {entry.name!r}: chunk {entry.chunk_index} starts at byte "
-                                f"{entry.chunk_byte_offset}, expected {partial.received_bytes}")
+            raise ProtocolError(
+                f"tensor {entry.name!r}: chunk {entry.chunk_index} starts at byte "
+                f"{entry.chunk_byte_offset}, expected {partial.received_bytes}"
+            )
         return partial
 
     def check_complete(self, sync_id: int) -> None:
         """At the end of a sync: every chunked tensor must have all its chunks."""
         if self.partial:
             missing = ", ".join(
-                f"{name!r} has {p.next_chunk} of {p.chunk_count} chunks" for name, p in sorted(self.partial.items())
+                f"{name!r} has {p.next_chunk} of {p.chunk_count} chunks"
+                for name, p in sorted(self.partial.items())
             )
             raise ProtocolError(f"sync {sync_id} ended with incomplete tensors: {missing}")

@@ -68,8 +68,10 @@ class SharedSegment:
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or info.st_size < nbytes:
-                raise ProtocolError(f"received descriptor is not a shared-memory segment of {nbytes} bytes "
-                                    f"(mode {oct(info.st_mode)}, size {info.st_size})")
+                raise ProtocolError(
+                    f"received descriptor is not a shared-memory segment of {nbytes} bytes "
+                    f"(mode {oct(info.st_mode)}, size {info.st_size})"
+                )
             mapping = mmap.mmap(fd, nbytes)
         finally:
             os.close(fd)

@@ -166,9 +166,13 @@ class Channel:
         header = self._recv_exact(_HEADER.size, deadline, what)
         magic, length = _HEADER.unpack(header)
         if magic != MAGIC:
-            raise ProtocolError(f"expected a framed JSON message from the {self.peer}, got {_describe_garbage(header)}")
+            raise ProtocolError(
+                f"expected a framed JSON message from the {self.peer}, got {_describe_garbage(header)}"
+            )
         if length > MAX_MESSAGE_BYTES:
-            raise ProtocolError(f"message length {length} from the {self.peer} exceeds {MAX_MESSAGE_BYTES} bytes")
+            raise ProtocolError(
+                f"message length {length} from the {self.peer} exceeds {MAX_MESSAGE_BYTES} bytes"
+            )
         body = self._recv_exact(length, deadline, what)
         message = decode_message(body, self.peer)
         if message["type"] == "abort":
@@ -193,7 +197,9 @@ class Channel:
         try:
             marker, fds, flags, _ = socket.recv_fds(self.sock, 1, count + 1)
         except TimeoutError as exc:
-            raise TransportTimeout(f"timed out after {self.timeout_s}s waiting for {what} from the {self.peer}") from exc
+            raise TransportTimeout(
+                f"timed out after {self.timeout_s}s waiting for {what} from the {self.peer}"
+            ) from exc
         for fd in fds:
             os.set_inheritable(fd, False)
         if marker != _FDS_MARKER or len(fds) != count or flags & socket.MSG_CTRUNC:
@@ -201,8 +207,10 @@ class Channel:
                 os.close(fd)
             if not marker:
                 raise PeerClosed(f"the {self.peer} closed the connection while we waited for {what}")
-            raise ProtocolError(f"expected {count} descriptors ({what}) from the {self.peer}, got {len(fds)} "
-                                f"with marker {marker!r}")
+            raise ProtocolError(
+                f"expected {count} descriptors ({what}) from the {self.peer}, got {len(fds)} "
+                f"with marker {marker!r}"
+            )
         return fds
 
     def abort(self, sync_id: int, bucket_id: int, reason: str) -> None:
@@ -232,7 +240,9 @@ class Channel:
         while received < nbytes:
             remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:
-                raise TransportTimeout(f"timed out after {self.timeout_s}s waiting for {what} from the {self.peer}")
+                raise TransportTimeout(
+                    f"timed out after {self.timeout_s}s waiting for {what} from the {self.peer}"
+                )
             self.sock.settimeout(remaining_s)
             try:
                 count = self.sock.recv_into(view[received:])
@@ -242,7 +252,9 @@ class Channel:
                 ) from exc
             except OSError as exc:
                 if exc.errno in (errno.ECONNRESET, errno.EPIPE):
-                    raise PeerClosed(f"the {self.peer} reset the connection while we waited for {what}") from exc
+                    raise PeerClosed(
+                        f"the {self.peer} reset the connection while we waited for {what}"
+                    ) from exc
                 raise
             if count == 0:
                 raise PeerClosed(

@@ -28,26 +28,28 @@ import torch.distributed as dist
 from rltrain.backends.base import LossFn, PolicyOutput
 from rltrain.backends.megatron import checkpoint, export
 from rltrain.backends.megatron.batching import PaddedMicroBatch, fingerprint, pad_micro_batch
-from rltrain.backends.megatron.convert import hf_to_megatron
+from rltrain.backends.megatron.convert import OUTPUT, hf_to_megatron
 from rltrain.backends.megatron.cpu_shims import apply_cpu_shims
 from rltrain.backends.megatron.grads import (
     all_finite,
     clip_,
     fill_missing_grads,
     global_grad_norm,
+    norm_counted,
     sum_over_data_parallel,
     sync_tied_embedding,
 )
-from rltrain.backends.megatron.groups import Layout, ParallelGroups, agree
+from rltrain.backends.megatron.groups import Layout, ParallelGroups, agree, comm_device
 from rltrain.backends.megatron.logprobs import vocab_parallel_logps
 from rltrain.backends.megatron.metrics import reduce_metrics
 from rltrain.backends.megatron.model import build_stage, load_stage_weights
-from rltrain.backends.megatron.optim import build_adamw, lr_at
+from rltrain.backends.megatron.optim import build_adamw
 from rltrain.backends.megatron.schedule import Pipeline, run_pipeline
 from rltrain.backends.megatron.spec import ModelSpec
 from rltrain.config import MegatronBackendConfig, OptimConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
+from rltrain.schedule import lr_at
 
 
 def _hf_reader(model_dir: Path):
@@ -80,12 +82,16 @@ class MegatronEngine:
         model_dir: str | Path,
         backend_cfg: MegatronBackendConfig,
         optim_cfg: OptimConfig | None,
+        max_steps: int = 1,
+        device: torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
         *,
-        total_steps: int = 1,
         collective_timeout_s: float | None = None,
         groups: ParallelGroups | None = None,
         train_entropy: bool = False,
     ) -> None:
+        """`groups=None` joins the process's shared megatron parallel state (created by the first
+        engine), so a policy and its frozen reference share one set of communicators."""
         from transformers import AutoConfig
 
         apply_cpu_shims()
@@ -94,25 +100,28 @@ class MegatronEngine:
         tp, pp = backend_cfg.tp, backend_cfg.pp
         self.spec.check_layout(tp, pp)
         if groups is None:
-            groups = ParallelGroups(tp, pp, timeout_s=collective_timeout_s)
-            groups.create()
-        elif groups.snapshot.init_kwargs["tensor_model_parallel_size"] != tp or (
-            groups.snapshot.init_kwargs["pipeline_model_parallel_size"] != pp
-        ):
-            raise ValueError("a shared ParallelGroups must have this engine's tp and pp")
+            groups = ParallelGroups.shared(tp, pp, timeout_s=collective_timeout_s)
+        elif (groups.tp, groups.pp) != (tp, pp):
+            raise ValueError(f"the given ParallelGroups are tp={groups.tp}, pp={groups.pp}; this engine needs tp={tp}, pp={pp}")
         self.groups = groups
         layout = self.layout
-        self.model = build_stage(self.spec, tp, pp, layout.pp_rank)
+        self.model = build_stage(self.spec, tp, pp, layout.pp_rank, dtype)
+        if device is not None:
+            self.model.to(device)
         shards = hf_to_megatron(self.spec, _hf_reader(self.model_dir), layout.tp_rank, tp, layout.pp_rank, pp)
         load_stage_weights(self.model, shards)
         self.params = list(self.model.parameters())
+        tied_copy_name = OUTPUT if self.spec.tie_embeddings and pp > 1 else None
+        self._norm_params = [
+            p for n, p in self.model.named_parameters() if norm_counted(n, layout.tp_rank, n == tied_copy_name)
+        ]
         self.optim_cfg = optim_cfg
-        self.total_steps = total_steps
+        self.max_steps = max_steps
         self.train_entropy = train_entropy
         self.optimizer = build_adamw(self.params, optim_cfg) if optim_cfg is not None else None
         if self.optimizer is None:
             self.model.requires_grad_(False)
-        self.step_count = 0  # optimizer steps taken (skipped steps do not count)
+        self.steps_taken = 0  # optimizer steps actually applied (skipped ones excluded)
         groups.attach(self.model)
         self.rank = layout.dp_rank
         self.world_size = layout.dp
@@ -146,14 +155,13 @@ class MegatronEngine:
     def _check_same_data(self, micro_batches: list[SequenceBatch]) -> None:
         """Every tp x pp rank of a replica must hold the same micro-batches; all ranks agree."""
         layout = self.layout
-        ok = True
-        if layout.tp * layout.pp > 1:
-            fp = fingerprint(micro_batches)
-            both = torch.cat([fp, -fp])
-            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=layout.mp_group)
-            ok = bool(torch.equal(both[:3], -both[3:]))
-        if dist.get_world_size() > 1:
-            agree(ok, "micro-batch check (tp/pp ranks of one data-parallel replica were given different data)")
+        if layout.tp * layout.pp == 1:
+            return
+        fp = fingerprint(micro_batches).to(comm_device())
+        both = torch.cat([fp, -fp])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=layout.mp_group)
+        ok = bool(torch.equal(both[:3], -both[3:]))
+        agree(ok, "micro-batch check (tp/pp ranks of one data-parallel replica were given different data)")
 
     def _score(self, mb: PaddedMicroBatch, logits_BTV: torch.Tensor, with_entropy: bool):
         layout = self.layout
@@ -210,13 +218,17 @@ class MegatronEngine:
         def on_output(i: int, logits_BTV: torch.Tensor) -> torch.Tensor:
             mb = padded[i]
             logps_N, entropy_N = self._score(mb, logits_BTV, self.train_entropy)
-            anchor = 0.0 * logps_N.sum()  # keeps every parameter in the graph (hooks fire, sends happen)
-            if mb.is_dummy:
-                return anchor
+            # A zero built from the outputs: every parameter stays in the graph (all grads exist,
+            # the backward send to the previous stage happens) whatever the loss depends on.
+            anchor = 0.0 * logps_N.sum()
+            if mb.is_dummy:  # an empty micro-batch: the loss_fn sees no sequences, as on FSDP
+                logps_N = logps_N[:0]
+                entropy_N = entropy_N[:0] if entropy_N is not None else None
             lens = mb.completion_lens_B
             output = PolicyOutput(
                 logps=Ragged.from_lengths(logps_N, lens),
                 entropy=Ragged.from_lengths(entropy_N, lens) if entropy_N is not None else None,
+                anchor=anchor if mb.is_dummy else None,
             )
             loss, metrics = loss_fn(output, micro_batches[i])
             sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
@@ -228,7 +240,7 @@ class MegatronEngine:
         run_pipeline(self.model, self._pipeline(), padded, on_output, train=True)
         grad_norm, lr, stepped = self._optimizer_step(layout)
         metrics = reduce_metrics(sums, layout)
-        metrics.update(grad_norm=grad_norm, lr=lr, skipped_step=0.0 if stepped else 1.0)
+        metrics.update({"grad_norm": grad_norm, "lr": lr, "safety/skipped_steps": 0.0 if stepped else 1.0})
         return metrics
 
     def _optimizer_step(self, layout: Layout) -> tuple[float, float, bool]:
@@ -237,15 +249,15 @@ class MegatronEngine:
         sum_over_data_parallel(self.params, layout.dp_group)
         if self.spec.tie_embeddings and layout.pp > 1:
             sync_tied_embedding(self.model.shared_embedding_or_output_weight(), layout.embd_group)
-        norm = float(global_grad_norm(self.params, layout.tp_rank, layout.mp_group))
-        lr = lr_at(self.step_count, self.optim_cfg, self.total_steps)
+        norm = float(global_grad_norm(self._norm_params, layout.mp_group))
+        lr = lr_at(self.steps_taken, self.optim_cfg, self.max_steps)
         stepped = all_finite(norm)
         if stepped:
             clip_(self.params, norm, self.optim_cfg.max_grad_norm)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
-            self.step_count += 1
+            self.steps_taken += 1
         for p in self.params:
             p.grad = None
         return norm, lr, stepped
@@ -262,10 +274,10 @@ class MegatronEngine:
         export.save_pretrained(self.model, self.spec, self.layout, self.model_dir, Path(directory))
 
     def save_checkpoint(self, directory: Path) -> None:
-        checkpoint.save(Path(directory), self.model, self.optimizer, self.layout, self.step_count)
+        checkpoint.save(Path(directory), self.model, self.optimizer, self.layout, self.steps_taken)
 
     def load_checkpoint(self, directory: Path) -> None:
-        self.step_count = checkpoint.load(Path(directory), self.model, self.optimizer, self.layout)
+        self.steps_taken = checkpoint.load(Path(directory), self.model, self.optimizer, self.layout)
 
     def offload(self) -> None:
         """Free gradients; on CUDA also move parameters and AdamW moments to the host."""
@@ -295,6 +307,22 @@ class MegatronEngine:
         """Destroy every process group this backend created (see `groups`). Collective."""
         self.groups.teardown()
 
-    def recreate_communicators(self) -> None:
-        """Re-create the same groups and re-bind the model's handles. Collective."""
-        self.groups.recreate()
+    def recreate_communicators(self) -> int:
+        """Re-create the same groups and re-bind the handles held by every engine sharing them
+        (their models). Collective. Returns how many handle references were re-bound."""
+        return self.groups.recreate()
+
+
+def build_engine(ctx, trainable: bool) -> MegatronEngine:
+    """The backend registry's entry (`backend=megatron`): the policy, or its frozen reference,
+    which joins the policy's process groups."""
+    cfg = ctx.cfg
+    return MegatronEngine(
+        ctx.model_dir,
+        cfg.backend,
+        cfg.optim if trainable else None,
+        cfg.trainer.max_steps,
+        ctx.dist.device,
+        dtype=getattr(torch, cfg.model.dtype),
+        collective_timeout_s=cfg.safety.collective_timeout_s,
+    )

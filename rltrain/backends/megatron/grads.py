@@ -6,7 +6,7 @@
 - Tied embeddings across pipeline stages: the first stage's embedding and the last stage's copy
   sum their gradients over megatron's embedding group, so both copies take the same step.
 - Global norm: each parameter counts once across the model-parallel group: TP-replicated ones
-  (norms, replicated biases) only on TP rank 0, the last stage's tied copy (`param.shared`) never.
+  (norms, replicated biases) only on TP rank 0, the last stage's tied embedding copy never.
   Squares are summed over the tp x pp group; data-parallel replicas already hold equal grads.
 - One verdict: a MIN-reduced finite flag over the world decides whether every rank steps.
 """
@@ -18,6 +18,9 @@ import math
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from rltrain.backends.megatron.convert import split_dim
+from rltrain.backends.megatron.groups import comm_device
 
 
 def _group_size(group) -> int:
@@ -50,14 +53,22 @@ def sync_tied_embedding(shared_weight: torch.nn.Parameter | None, embd_group) ->
     dist.all_reduce(shared_weight.grad, group=embd_group)
 
 
-def global_grad_norm(params: list[torch.nn.Parameter], tp_rank: int, mp_group) -> torch.Tensor:
-    """L2 norm of the full model's gradient, equal on every rank of the model-parallel group."""
-    sq = torch.zeros(1, dtype=torch.float64, device=params[0].device if params else "cpu")
-    for p in params:
-        if getattr(p, "shared", False):
-            continue
-        if tp_rank != 0 and not getattr(p, "tensor_model_parallel", False):
-            continue
+def norm_counted(name: str, tp_rank: int, tied_copy: bool) -> bool:
+    """Whether a parameter's gradient enters the global norm on this rank (see module docstring).
+
+    Decided from the conversion table, not from megatron's `tensor_model_parallel` attribute:
+    megatron sets that attribute only when it initialises the weight itself.
+    """
+    if tied_copy:
+        return False
+    return tp_rank == 0 or split_dim(name) is not None
+
+
+def global_grad_norm(counted: list[torch.nn.Parameter], mp_group) -> torch.Tensor:
+    """L2 norm of the full model's gradient from the parameters this rank counts; equal on every
+    rank of the model-parallel group."""
+    sq = torch.zeros(1, dtype=torch.float64, device=counted[0].device if counted else "cpu")
+    for p in counted:
         sq += p.grad.detach().double().pow(2).sum()
     if _group_size(mp_group) > 1:
         dist.all_reduce(sq, group=mp_group)
@@ -66,7 +77,7 @@ def global_grad_norm(params: list[torch.nn.Parameter], tp_rank: int, mp_group) -
 
 def all_finite(value: float) -> bool:
     """Whether `value` is finite on every rank (MIN over the world group)."""
-    flag = torch.tensor([1 if math.isfinite(value) else 0], dtype=torch.int32)
+    flag = torch.tensor([1 if math.isfinite(value) else 0], dtype=torch.int32, device=comm_device())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(int(flag))

@@ -93,12 +93,23 @@ class Layout:
         )
 
 
+def comm_device() -> torch.device:
+    """Where small control tensors (flags, metrics) must live: NCCL moves only CUDA tensors, gloo
+    only CPU ones. Decided by the world group's backend."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def agree(ok: bool, what: str) -> None:
     """Raise on every rank unless `ok` on every rank (one MIN all-reduce on the world group)."""
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=comm_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     if int(flag) == 0:
         raise RuntimeError(f"{what} failed on at least one rank; see that rank's error")
+
+
+_SHARED: ParallelGroups | None = None
 
 
 class ParallelGroups:
@@ -120,6 +131,30 @@ class ParallelGroups:
         self._roots: list[Any] = []
         self.layout: Layout | None = None
         self.alive = False
+
+    @property
+    def tp(self) -> int:
+        return self.snapshot.init_kwargs["tensor_model_parallel_size"]
+
+    @property
+    def pp(self) -> int:
+        return self.snapshot.init_kwargs["pipeline_model_parallel_size"]
+
+    @staticmethod
+    def shared(tp: int, pp: int, timeout_s: float | None = None) -> ParallelGroups:
+        """The process's one megatron parallel state (megatron keeps it in module globals, so two
+        engines in a process must share it); created on first use."""
+        global _SHARED
+        if _SHARED is None:
+            groups = ParallelGroups(tp, pp, timeout_s=timeout_s)
+            groups.create()
+            _SHARED = groups
+        elif (_SHARED.tp, _SHARED.pp) != (tp, pp):
+            raise ValueError(
+                f"megatron's parallel state is tp={_SHARED.tp}, pp={_SHARED.pp} in this process; "
+                f"an engine with tp={tp}, pp={pp} cannot join it"
+            )
+        return _SHARED
 
     # -- creation ---------------------------------------------------------------------------
 
@@ -219,7 +254,7 @@ class ParallelGroups:
             if [r.spec for r in self._records] != [r.spec for r in old]:
                 raise RuntimeError("re-created process groups differ from the snapshot taken at teardown")
             for handle in self.handles():
-                probe = torch.ones(1)
+                probe = torch.ones(1, device=comm_device())
                 dist.all_reduce(probe, group=handle)
                 if int(probe) != dist.get_world_size(handle):
                     raise RuntimeError("warm-up all-reduce on a re-created group returned a wrong sum")

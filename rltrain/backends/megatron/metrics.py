@@ -2,27 +2,32 @@
 
 Loss functions run only on the last pipeline stage (on each of its TP ranks, identically). Their
 contributions are already globally normalised, so the step's value is the SUM over micro-batches
-and data-parallel ranks. The last stage names the keys (sent as JSON bytes, never pickle, to the
-other stages); data-parallel ranks must agree on the key set, checked with one MAX-reduced hash,
-so a key present on one rank only is an error on every rank instead of a silently shifted vector.
+and data-parallel ranks: `rltrain.safety.metrics.reduce_metric_sums` over the data-parallel group
+(it also refuses key sets that differ between ranks). The last stage names the keys and sends
+them as JSON bytes (never pickle) to the other stages, which contribute zeros; one sum over the
+pipeline group then gives every rank the same result.
 """
 
 from __future__ import annotations
 
 import json
-import zlib
 
 import torch
 import torch.distributed as dist
 
-from rltrain.backends.megatron.groups import Layout
+from rltrain.backends.megatron.groups import Layout, comm_device
+from rltrain.safety.metrics import reduce_metric_sums
 
 
 def _broadcast_keys(keys: list[str] | None, src: int, group) -> list[str]:
+    device = comm_device()
     payload = json.dumps(keys).encode() if keys is not None else b""
-    size = torch.tensor([len(payload)], dtype=torch.long)
+    size = torch.tensor([len(payload)], dtype=torch.long, device=device)
     dist.broadcast(size, src=src, group=group)
-    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if keys is not None else torch.empty(int(size), dtype=torch.uint8)
+    if keys is not None:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    else:
+        data = torch.empty(int(size), dtype=torch.uint8, device=device)
     dist.broadcast(data, src=src, group=group)
     return json.loads(bytes(data.tolist()).decode())
 
@@ -35,19 +40,9 @@ def reduce_metrics(local: dict[str, float], layout: Layout) -> dict[str, float]:
         pp_ranks = dist.get_process_group_ranks(layout.pp_group)
         keys = _broadcast_keys(keys, src=pp_ranks[-1], group=layout.pp_group)
     assert keys is not None
-    if layout.dp > 1:
-        digest = zlib.crc32(json.dumps(keys).encode())
-        check = torch.tensor([digest, -digest], dtype=torch.long)
-        dist.all_reduce(check, op=dist.ReduceOp.MAX, group=layout.dp_group)
-        if int(check[0]) != -int(check[1]):
-            raise RuntimeError(
-                f"metric keys differ across data-parallel ranks (this rank has {keys}); every rank's "
-                "loss_fn must return the same metric names"
-            )
-    values = torch.tensor([float(local[k]) if last else 0.0 for k in keys], dtype=torch.float64)
-    if values.numel():
-        if layout.dp > 1:
-            dist.all_reduce(values, group=layout.dp_group)
-        if layout.pp > 1:
-            dist.all_reduce(values, group=layout.pp_group)
-    return dict(zip(keys, values.tolist()))
+    reduced = reduce_metric_sums({k: float(local[k]) if last else 0.0 for k in keys}, group=layout.dp_group)
+    if layout.pp > 1 and keys:
+        values = torch.tensor([reduced[k] for k in keys], dtype=torch.float64, device=comm_device())
+        dist.all_reduce(values, group=layout.pp_group)
+        reduced = dict(zip(keys, values.tolist()))
+    return reduced

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rltrain.backends.megatron.convert import split_dim
 from rltrain.backends.megatron.spec import ModelSpec
 
 
@@ -47,6 +48,8 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = t
         sequence_parallel=False,
         params_dtype=dtype,
         pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,  # megatron then keeps softmax and the like in fp32
+        fp16=dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=False,
     )
@@ -71,9 +74,21 @@ def build_stage(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torch.dt
         rotary_percent=1.0,
         rotary_base=spec.rope_theta,
     )
+    _mark_tensor_parallel(model)
     if torch.cuda.is_available():
         model = model.cuda()
     return model
+
+
+def _mark_tensor_parallel(model: torch.nn.Module) -> None:
+    """Set megatron's TP attributes on sharded weights: megatron sets them only when it initialises
+    weights itself (`perform_initialization=True`), and its utilities (norms, checkpoints) read them."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for name, param in model.named_parameters():
+        dim = split_dim(name)
+        if dim is not None and not getattr(param, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(param, is_parallel=True, dim=dim, stride=1)
 
 
 def load_stage_weights(model: torch.nn.Module, shards: dict[str, torch.Tensor]) -> None:

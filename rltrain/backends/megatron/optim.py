@@ -1,4 +1,4 @@
-"""AdamW over the local shards and the learning-rate schedule it follows.
+"""AdamW over the local shards (the learning-rate schedule is `rltrain.schedule.lr_at`).
 
 AdamW is elementwise, so stepping each rank's shard is the same as stepping the full tensor: no
 distributed optimizer is needed for correctness (megatron's distributed optimizer would shard the
@@ -7,8 +7,6 @@ pure function of the optimizer step so that a resumed run follows the same curve
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -19,23 +17,6 @@ def build_adamw(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.opt
     return torch.optim.AdamW(
         params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=False
     )
-
-
-def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warm-up, then the decay."""
-    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.schedule == "constant":
-        return cfg.lr
-    span = max(1, total_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    if cfg.schedule == "cosine":
-        factor = 0.5 * (1.0 + math.cos(math.pi * progress))
-    elif cfg.schedule == "linear":
-        factor = 1.0 - progress
-    else:
-        raise ValueError(f"optim.schedule={cfg.schedule!r} is not one of cosine, constant, linear")
-    return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * factor)
 
 
 def ensure_state(optimizer: torch.optim.AdamW) -> None:

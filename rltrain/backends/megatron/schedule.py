@@ -3,15 +3,18 @@
 megatron's own schedules exchange activations through CUDA-allocated buffers and expect one
 sequence length per step (or an extra shape exchange); here each stage derives every
 micro-batch's [T, B, H] from the micro-batch itself (all stages of a pipeline receive the same
-data), so ragged micro-batches need no metadata on the wire. The schedule is GPipe-shaped: every
-forward in order, then every backward in the same order. Sends are asynchronous so a stage can
-compute its next micro-batch while the previous activation is in flight.
+data), so ragged micro-batches need no metadata on the wire.
 
-With one stage this degenerates to a plain loop of forward (+ backward) per micro-batch.
+Training uses the 1F1B order: stage s runs `pp - s - 1` warm-up forwards, then alternates one
+forward and one backward, then drains the remaining backwards. At most `pp - s` micro-batch
+graphs are alive on a stage at once (with one stage: forward, backward, next), so micro-batching
+bounds activation memory as gradient accumulation should. Sends are asynchronous and receives
+blocking; every stage posts them in micro-batch order, which cannot deadlock.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -46,39 +49,64 @@ class Pipeline:
 OnOutput = Callable[[int, torch.Tensor], torch.Tensor | None]
 
 
+class _Stage:
+    """One stage's forward and backward steps, with the sends they owe kept until the end."""
+
+    def __init__(self, model: torch.nn.Module, pipe: Pipeline, on_output: OnOutput) -> None:
+        self.model, self.pipe, self.on_output = model, pipe, on_output
+        self.sends: list = []
+
+    def forward(self, i: int, mb: PaddedMicroBatch, train: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        pipe = self.pipe
+        input_TBH = None
+        if not pipe.first:
+            input_TBH = torch.empty(mb.seq_len, mb.batch_size, pipe.hidden_size, dtype=pipe.dtype, device=pipe.device)
+            dist.recv(input_TBH, src=pipe.prev, group=pipe.group)
+            input_TBH.requires_grad_(train)
+        out = stage_forward(self.model, mb.tokens_BT if pipe.first else None, mb.seq_len, input_TBH)
+        if pipe.last:
+            return input_TBH, self.on_output(i, out)
+        self.sends.append(dist.isend(out.detach().contiguous(), dst=pipe.next, group=pipe.group))
+        return input_TBH, out if train else None
+
+    def backward(self, input_TBH: torch.Tensor | None, out: torch.Tensor | None) -> None:
+        pipe = self.pipe
+        assert out is not None
+        if pipe.last:
+            out.backward()
+        else:
+            grad_TBH = torch.empty_like(out)
+            dist.recv(grad_TBH, src=pipe.next, group=pipe.group)
+            torch.autograd.backward(out, grad_TBH)
+        if input_TBH is not None:
+            grad_in = input_TBH.grad if input_TBH.grad is not None else torch.zeros_like(input_TBH)
+            self.sends.append(dist.isend(grad_in.contiguous(), dst=pipe.prev, group=pipe.group))
+
+    def wait(self) -> None:
+        for work in self.sends:
+            work.wait()
+        self.sends.clear()
+
+
 def run_pipeline(
     model: torch.nn.Module, pipe: Pipeline, batches: list[PaddedMicroBatch], on_output: OnOutput, train: bool
 ) -> None:
-    sends: list = []
-    saved: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+    stage = _Stage(model, pipe, on_output)
     try:
-        with torch.enable_grad() if train else torch.no_grad():
-            for i, mb in enumerate(batches):
-                input_TBH = None
-                if not pipe.first:
-                    input_TBH = torch.empty(mb.seq_len, mb.batch_size, pipe.hidden_size, dtype=pipe.dtype, device=pipe.device)
-                    dist.recv(input_TBH, src=pipe.prev, group=pipe.group)
-                    input_TBH.requires_grad_(train)
-                out = stage_forward(model, mb.tokens_BT if pipe.first else None, mb.seq_len, input_TBH)
-                if pipe.last:
-                    saved.append((input_TBH, on_output(i, out)))
-                else:
-                    sends.append(dist.isend(out.detach().contiguous(), dst=pipe.next, group=pipe.group))
-                    saved.append((input_TBH, out if train else None))
         if not train:
+            with torch.no_grad():
+                for i, mb in enumerate(batches):
+                    stage.forward(i, mb, train=False)
             return
-        for i, (input_TBH, out) in enumerate(saved):
-            saved[i] = (None, None)  # release the graph of this micro-batch as soon as it is done
-            assert out is not None
-            if pipe.last:
-                out.backward()
-            else:
-                grad_TBH = torch.empty_like(out)
-                dist.recv(grad_TBH, src=pipe.next, group=pipe.group)
-                torch.autograd.backward(out, grad_TBH)
-            if input_TBH is not None:
-                grad_in = input_TBH.grad if input_TBH.grad is not None else torch.zeros_like(input_TBH)
-                sends.append(dist.isend(grad_in.contiguous(), dst=pipe.prev, group=pipe.group))
+        warmup = min(pipe.size - pipe.rank - 1, len(batches))
+        in_flight: deque = deque()
+        with torch.enable_grad():
+            for i in range(warmup):
+                in_flight.append(stage.forward(i, batches[i], train=True))
+            for i in range(warmup, len(batches)):
+                in_flight.append(stage.forward(i, batches[i], train=True))
+                stage.backward(*in_flight.popleft())
+            while in_flight:
+                stage.backward(*in_flight.popleft())
     finally:
-        for work in sends:
-            work.wait()
+        stage.wait()

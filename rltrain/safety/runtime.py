@@ -1,0 +1,100 @@
+"""The per-rank safety services of a run, behind four calls the training loop makes.
+
+    safety = SafetyRuntime(cfg, run_dir, rank, world_size, ping=...)
+    safety.start()                 heartbeat thread, hang watchdog, health server (rank 0), faults
+    safety.before_step(step)       fault injection for the step (`kill` fires here), heartbeat
+    safety.after_step(step)        heartbeat, watchdog progress
+    safety.explain_failure(exc)    on the way out: name the lost peer when a collective failed
+    safety.close()
+
+The loss/backward guard and the optimizer step live in the training backends (they need the
+model); this module holds what only needs the run directory and the clock.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rltrain.safety import faults
+from rltrain.safety.guard import is_collective_failure
+from rltrain.safety.health import HealthServer
+from rltrain.safety.heartbeat import Heartbeat, describe_lost_peers
+from rltrain.safety.watchdog import Watchdog
+
+# A peer that died a moment ago may still have a fresh heartbeat (beats are 1 s apart): wait up to
+# this long for the evidence before naming who was lost.
+LOST_PEER_EVIDENCE_S = 4.0
+
+
+class SafetyRuntime:
+    def __init__(
+        self, cfg: Any, run_dir: Path, rank: int, world_size: int, ping: Callable[[], object] | None = None
+    ) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.world_size = world_size
+        self.injector = faults.install(cfg.debug.fault, rank)
+        self.heartbeat = Heartbeat(self.run_dir, rank)
+        hang = cfg.health.hang_timeout_s
+        self.watchdog = Watchdog(self.run_dir, rank, hang) if hang and hang > 0 else None
+        self.ping = self.injector.wrap_ping(ping)
+        self.server: HealthServer | None = None
+
+    def start(self) -> None:
+        self.heartbeat.start()
+        if self.watchdog is not None:
+            self.watchdog.start()
+        health = self.cfg.health
+        if self.rank == 0 and health.port is not None:
+            self.server = HealthServer(
+                self.run_dir,
+                self.world_size,
+                health.stale_after_s,
+                port=health.port,
+                host=health.host,
+                ping=self.ping,
+                ping_timeout_s=health.ping_timeout_s,
+            )
+            port = self.server.start()
+            (self.run_dir / "health.json").write_text(json.dumps({"host": health.host, "port": port}))
+            print(f"rltrain: health endpoints on http://{health.host}:{port}/healthz and /healthz/deep", flush=True)
+
+    def before_step(self, step: int) -> None:
+        self.injector.set_step(step)
+        self.heartbeat.beat(step)
+        self.injector.maybe_kill()
+
+    def after_step(self, step: int) -> None:
+        self.heartbeat.beat(step, finished=True)
+        if self.watchdog is not None:
+            self.watchdog.progress()
+
+    def explain_failure(self, exc: BaseException) -> None:
+        """When a collective failed, print which peer was lost (from the heartbeats) in one line."""
+        if not is_collective_failure(exc) or self.world_size == 1:
+            return
+        deadline = time.monotonic() + LOST_PEER_EVIDENCE_S
+        story = describe_lost_peers(self.run_dir, self.world_size, self.rank)
+        while not story.startswith("lost") and time.monotonic() < deadline:
+            time.sleep(0.5)
+            story = describe_lost_peers(self.run_dir, self.world_size, self.rank)
+        print(
+            f"rltrain: rank {self.rank}: a collective failed ({type(exc).__name__}); {story}. "
+            f"Stopping this rank (non-zero exit).",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        self.heartbeat.stop()

@@ -1,0 +1,37 @@
+"""Run `python -m rltrain ...` as a user would, with a bounded time."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+QUICK = [
+    "logger.wandb.mode=disabled",
+    "trainer.eval_every=0",
+    "trainer.save_every=0",
+    "trainer.progress=lines",
+]
+
+
+def rltrain(*args: str, run_dir: Path | None = None, timeout: float = 300, env: dict | None = None, check: bool = True):
+    cmd = [sys.executable, "-m", "rltrain", *args]
+    if run_dir is not None:
+        cmd.append(f"hydra.run.dir={run_dir}")
+    full_env = dict(os.environ, **(env or {}))
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def train_rows(run_dir: Path) -> list[dict]:
+    return [r for r in read_metrics(run_dir) if "loss" in r]

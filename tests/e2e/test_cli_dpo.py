@@ -1,0 +1,56 @@
+"""DPO from the command line: metrics, precomputed reference log-probabilities, data checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cli import QUICK, read_metrics, rltrain, train_rows
+
+pytestmark = pytest.mark.e2e
+
+DPO_KEYS = {
+    "loss", "dpo/rewards_chosen", "dpo/rewards_rejected", "dpo/margin", "dpo/accuracy",
+    "dpo/logps_chosen", "dpo/logps_rejected",
+}
+
+
+def test_precomputed_reference_gives_the_online_losses(tiny_cache, tmp_path):
+    common = ["algo=dpo", "trainer.max_steps=3", "trainer.global_batch_size=8", "trainer.micro_batch_size=4", *QUICK]
+    rltrain(*common, "algo.precompute_ref_logps=false", run_dir=tmp_path / "online")
+    rltrain(*common, "algo.precompute_ref_logps=true", run_dir=tmp_path / "pre")
+    assert (tmp_path / "pre" / "ref_logps.safetensors").exists()
+    online, pre = train_rows(tmp_path / "online"), train_rows(tmp_path / "pre")
+    for a, b in zip(online, pre, strict=True):
+        assert DPO_KEYS <= set(a)
+        for key in DPO_KEYS:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+
+
+def test_dpo_logs_eval_preference_and_task_accuracy(tiny_cache, tmp_path):
+    run_dir = tmp_path / "run"
+    rltrain("algo=dpo", "trainer.max_steps=2", "trainer.eval_every=2", "trainer.save_every=0",
+            "logger.wandb.mode=disabled", "data.num_eval=20", run_dir=run_dir)
+    evals = [r for r in read_metrics(run_dir) if "eval/dpo_accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 2]
+    assert all("eval/accuracy" in r for r in evals)
+
+
+def test_identical_and_empty_pairs_are_skipped_and_counted(tiny_cache, tmp_path):
+    rows = [{"prompt": f"{a}+1=", "chosen": str(a + 1), "rejected": str(a + 2)} for a in range(20)]
+    rows += [{"prompt": "1+1=", "chosen": "2", "rejected": "2"}] * 2 + [{"prompt": "1+1=", "chosen": "", "rejected": "3"}]
+    path = tmp_path / "prefs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    rltrain("algo=dpo", f"data.path={path}", "data.eval_fraction=0", "trainer.max_steps=1", "trainer.global_batch_size=4",
+            *QUICK, run_dir=run_dir)
+    row = train_rows(run_dir)[0]
+    assert row["data/skipped_identical"] == 2 and row["data/skipped_empty"] == 1
+
+
+def test_missing_rejected_column_is_a_clear_error(tiny_cache, tmp_path):
+    path = tmp_path / "sft_style.jsonl"
+    path.write_text(json.dumps({"prompt": "1+1=", "completion": "2"}) + "\n")
+    proc = rltrain("algo=dpo", f"data.path={path}", *QUICK, run_dir=tmp_path / "run", check=False)
+    assert proc.returncode == 2 and "rejected" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,183 @@
+"""GRPO advantages and loss against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rltrain.algos.grpo_loss import aggregate, group_advantages, grpo_loss, k3_kl
+from rltrain.data.ragged import Ragged
+
+
+def test_group_advantages_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+    # group 1: mean 0.5, unbiased std sqrt(1/3); group 2: constant -> 0
+    a = 0.5 / math.sqrt(1 / 3)
+    assert group_advantages(rewards, 4, "group").tolist() == pytest.approx(
+        [a, -a, -a, a, 0, 0, 0, 0], abs=1e-5
+    )
+    assert group_advantages(rewards, 4, "none").tolist() == pytest.approx([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
+    # batch std of the raw rewards: mean 1.25, sum of squared deviations 5.5, n-1 = 7
+    b = 0.5 / math.sqrt(5.5 / 7)
+    assert group_advantages(rewards, 4, "batch").tolist() == pytest.approx(
+        [b, -b, -b, b, 0, 0, 0, 0], abs=1e-5
+    )
+
+
+def test_group_advantages_edge_cases():
+    assert group_advantages(torch.tensor([3.0, 5.0]), 1, "group").tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="groups of 3"):
+        group_advantages(torch.zeros(4), 3)
+    with pytest.raises(ValueError, match="scale_rewards"):
+        group_advantages(torch.zeros(4), 2, "global")
+
+
+def example():
+    """Two completions: ratios (1.5, 0.5) with advantage +1, ratio 1.1 with advantage -2."""
+    old = Ragged.from_lengths(torch.tensor([-1.0, -2.0, -0.5]), [2, 1])
+    logps = old.with_values((old.values + torch.log(torch.tensor([1.5, 0.5, 1.1]))).requires_grad_())
+    return logps, old, torch.tensor([1.0, -2.0])
+
+
+# per token, clip 0.2 / 0.28: -min(1.5, 1.28) = -1.28 (clipped); -0.5 (a positive advantage is not
+# clipped from below); +2 * 1.1 = 2.2 (inside the bounds)
+PG = [-1.28, -0.5, 2.2]
+
+
+@pytest.mark.parametrize(
+    "loss_agg, expected",
+    [
+        ("token_mean", sum(PG) / 3),
+        ("seq_mean_token_mean", ((PG[0] + PG[1]) / 2 + PG[2]) / 2),
+        ("seq_mean_token_sum_norm", ((PG[0] + PG[1]) / 4 + PG[2] / 4) / 2),
+    ],
+)
+def test_loss_by_hand(loss_agg, expected):
+    logps, old, adv = example()
+    loss, metrics = grpo_loss(
+        logps, adv, old_logps=old, loss_agg=loss_agg, global_tokens=3, global_seqs=2, max_len=4
+    )
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    assert metrics["policy/pg_loss"].item() == pytest.approx(expected, abs=1e-6)
+    assert metrics["policy/clip_fraction"].item() == pytest.approx(1 / 3)
+    assert "policy/kl" not in metrics and "policy/entropy" not in metrics
+
+
+def test_gradient_by_hand():
+    """d/dlogp of -A r is -A r, zero where the clipped bound is active."""
+    logps, old, adv = example()
+    loss, _ = grpo_loss(logps, adv, old_logps=old, global_tokens=3, global_seqs=2)
+    loss.backward()
+    assert logps.values.grad.tolist() == pytest.approx([0.0, -0.5 / 3, 2 * 1.1 / 3], abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "ratio, adv, clipped",
+    [
+        (0.75, -1.0, True),  # below 1 - 0.2 with a negative advantage: clipped
+        (0.75, 1.0, False),  # below the bound but a positive advantage: the unclipped term is active
+        (1.25, 1.0, False),  # above 1 + 0.2 but below the higher bound 1 + 0.28: not clipped
+        (1.30, 1.0, True),  # above 1 + 0.28 with a positive advantage: clipped
+        (1.30, -1.0, False),
+    ],
+)
+def test_asymmetric_clip(ratio, adv, clipped):
+    old = Ragged.from_lengths(torch.tensor([-1.0]), [1])
+    logps = old.with_values(old.values + math.log(ratio))
+    loss, metrics = grpo_loss(logps, torch.tensor([adv]), old_logps=old, global_tokens=1, global_seqs=1)
+    bounded = min(max(ratio, 0.8), 1.28)
+    assert loss.item() == pytest.approx(max(-adv * ratio, -adv * bounded), abs=1e-6)
+    assert metrics["policy/clip_fraction"].item() == float(clipped)
+
+
+def test_k3_kl_and_beta():
+    delta = -0.5
+    k3 = math.exp(delta) - delta - 1  # 0.10653...
+    assert k3_kl(torch.tensor([-1.0]), torch.tensor([-1.5])).item() == pytest.approx(k3, abs=1e-6)
+    assert k3_kl(torch.tensor([-1.0]), torch.tensor([-1.0])).item() == 0.0
+    logps, old, adv = example()
+    ref = old.with_values(logps.values.detach() + delta)
+    entropy = old.with_values(torch.tensor([1.0, 2.0, 3.0]))
+    loss, metrics = grpo_loss(
+        logps, adv, old_logps=old, ref_logps=ref, entropy=entropy, beta=0.1, global_tokens=3, global_seqs=2
+    )
+    assert loss.item() == pytest.approx((sum(PG) + 3 * 0.1 * k3) / 3, abs=1e-6)
+    assert metrics["policy/pg_loss"].item() == pytest.approx(sum(PG) / 3, abs=1e-6)
+    assert metrics["policy/kl"].item() == pytest.approx(k3, abs=1e-6)
+    assert metrics["policy/entropy"].item() == pytest.approx(2.0)
+    # beta = 0: KL reported, not in the loss
+    loss0, metrics0 = grpo_loss(logps, adv, old_logps=old, ref_logps=ref, global_tokens=3, global_seqs=2)
+    assert loss0.item() == pytest.approx(sum(PG) / 3, abs=1e-6)
+    assert metrics0["policy/kl"].item() == pytest.approx(k3, abs=1e-6)
+
+
+def test_on_policy_is_reinforce_with_a_baseline():
+    """old_logps=None: ratio 1, loss = -mean(A), gradient -A / N per token."""
+    logps, _, adv = example()
+    loss, metrics = grpo_loss(logps, adv, global_tokens=3, global_seqs=2)
+    assert loss.item() == pytest.approx((-1 - 1 + 2) / 3, abs=1e-6)
+    assert metrics["policy/clip_fraction"].item() == 0.0
+    loss.backward()
+    assert logps.values.grad.tolist() == pytest.approx([-1 / 3, -1 / 3, 2 / 3], abs=1e-6)
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_micro_batches_sum_to_the_full_batch(loss_agg):
+    """With global normalisers, any split into micro-batches sums to the full-batch loss,
+    metrics and gradient (including an empty completion and an empty micro-batch)."""
+    g = torch.Generator().manual_seed(0)
+    lengths = [3, 0, 5, 1, 4, 2]
+    n = sum(lengths)
+    old = Ragged.from_lengths(-torch.rand(n, generator=g) * 3, lengths)
+    ref = old.with_values(old.values + 0.3 * torch.randn(n, generator=g))
+    ent = old.with_values(torch.rand(n, generator=g))
+    adv = torch.randn(len(lengths), generator=g)
+    base = (old.values + 0.4 * torch.randn(n, generator=g)).requires_grad_()
+    kw = dict(beta=0.05, loss_agg=loss_agg, global_tokens=n, global_seqs=len(lengths), max_len=6)
+
+    full, full_m = grpo_loss(old.with_values(base), adv, old_logps=old, ref_logps=ref, entropy=ent, **kw)
+    (full_grad,) = torch.autograd.grad(full, base)
+
+    total, total_m = torch.zeros(()), {k: torch.zeros(()) for k in full_m}
+    for idx in ([0, 1], [], [2, 3, 4], [5]):
+        logps = old.with_values(base).select(idx)
+        loss, m = grpo_loss(
+            logps,
+            adv[idx],
+            old_logps=old.select(idx),
+            ref_logps=ref.select(idx),
+            entropy=ent.select(idx),
+            **kw,
+        )
+        total = total + loss
+        total_m = {k: total_m[k] + m[k] for k in total_m}
+    (split_grad,) = torch.autograd.grad(total, base)
+    assert total.item() == pytest.approx(full.item(), abs=1e-6)
+    for k in full_m:
+        assert total_m[k].item() == pytest.approx(full_m[k].item(), abs=1e-6), k
+    assert torch.allclose(split_grad, full_grad, atol=1e-7)
+
+
+def test_aggregate_weights():
+    """token_mean weighs tokens equally, seq_mean_token_mean weighs sequences equally."""
+    per_token = Ragged.from_lengths(torch.tensor([1.0, 1.0, 1.0, 4.0]), [3, 1])
+    assert aggregate(per_token, "token_mean", 4, 2).item() == pytest.approx(7 / 4)
+    assert aggregate(per_token, "seq_mean_token_mean", 4, 2).item() == pytest.approx((1 + 4) / 2)
+    assert aggregate(per_token, "seq_mean_token_sum_norm", 4, 2, max_len=8).item() == pytest.approx(
+        (3 + 4) / 8 / 2
+    )
+
+
+def test_errors_name_the_setting():
+    logps, old, adv = example()
+    kw = dict(global_tokens=3, global_seqs=2)
+    with pytest.raises(ValueError, match="loss_agg"):
+        grpo_loss(logps, adv, loss_agg="seq_sum", **kw)
+    with pytest.raises(ValueError, match="beta"):
+        grpo_loss(logps, adv, beta=0.1, **kw)
+    with pytest.raises(ValueError, match="max_len"):
+        grpo_loss(logps, adv, loss_agg="seq_mean_token_sum_norm", **kw)
+    with pytest.raises(ValueError, match="advantages"):
+        grpo_loss(logps, adv[:1], **kw)
