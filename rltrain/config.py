@@ -127,7 +127,7 @@ class GRPOConfig(AlgoConfig):
     beta: float = 0.0
     temperature: float = 1.0
     top_p: float = 1.0
-    max_new_tokens: int = 16
+    max_new_tokens: int = 6
 
 
 @dataclass

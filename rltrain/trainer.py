@@ -70,7 +70,12 @@ def run(cfg, run_dir: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         ctx = RunContext(cfg=cfg, run_dir=run_dir, dist=dist_info, model_dir=model_dir, tokenizer=tokenizer)
         algo = build_algorithm(ctx)
-        train_loop(ctx, algo)
+        try:
+            train_loop(ctx, algo)
+        finally:
+            close = getattr(algo, "close", None)
+            if close is not None:
+                close()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,0 +1,22 @@
+"""Lazy registry of rollout engines: `rollout=hf` never imports vLLM."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+ROLLOUTS = {
+    "vllm": "rltrain.rollout.vllm:build_engine",
+    "hf": "rltrain.rollout.hf:build_engine",
+}
+
+
+def build_rollout(ctx: Any) -> Any:
+    name = ctx.cfg.rollout.name
+    if name not in ROLLOUTS:
+        raise ValueError(f"rollout={name!r} is unknown; choose one of {sorted(ROLLOUTS)}")
+    # vLLM logs every weight reload and cache reset at INFO; keep the console for training.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    module_name, fn_name = ROLLOUTS[name].split(":")
+    return getattr(importlib.import_module(module_name), fn_name)(ctx)

@@ -46,6 +46,10 @@ class Heartbeat:
             self.finished_step = step
         else:
             self.step = step
+        try:
+            self.write()  # at once, so a survivor reading it after a crash sees the step it died in
+        except OSError:
+            pass
 
     def write(self) -> None:
         record = {

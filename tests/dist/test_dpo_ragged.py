@@ -42,7 +42,7 @@ def _pairs(kind: str, tokenizer):
     ]
 
 
-def _engine_step(rank, world, policy_dir, ref_dir, kind, micro_batch_size):
+def _engine_step(rank, world, policy_dir, ref_dir, kind, micro_batch_size, backend="fsdp"):
     from transformers import AutoTokenizer
 
     from rltrain.algos.dpo import attach_reference, dpo_micro_batches, make_dpo_loss
@@ -53,8 +53,18 @@ def _engine_step(rank, world, policy_dir, ref_dir, kind, micro_batch_size):
     tok = AutoTokenizer.from_pretrained(policy_dir)
     pairs = _pairs(kind, tok)
     cpu = torch.device("cpu")
-    policy = FSDPEngine(policy_dir, FSDPBackendConfig(), OptimConfig(max_grad_norm=0.0), 10, cpu)
-    reference = FSDPEngine(ref_dir, FSDPBackendConfig(), None, 10, cpu)
+    optim = OptimConfig(max_grad_norm=0.0)
+    if backend == "megatron-pp2":
+        from rltrain.backends.megatron.engine import MegatronEngine
+        from rltrain.config import MegatronBackendConfig
+
+        policy = MegatronEngine(policy_dir, MegatronBackendConfig(tp=1, pp=2), optim, 10, cpu)
+        reference = MegatronEngine(ref_dir, MegatronBackendConfig(tp=1, pp=2), None, 10, cpu)
+    else:
+        policy = FSDPEngine(policy_dir, FSDPBackendConfig(), optim, 10, cpu)
+        reference = FSDPEngine(ref_dir, FSDPBackendConfig(), None, 10, cpu)
+    # Slicing follows the engine's data-parallel rank/size (pipeline stages share the data).
+    rank, world = policy.rank, policy.world_size
     micro, _ = dpo_micro_batches(pairs, rank, world, micro_batch_size)
     attach_reference(micro, reference)
     metrics = policy.train_step(micro, make_dpo_loss(BETA, "sigmoid", 0.0, SFT_WEIGHT))
@@ -109,3 +119,13 @@ def test_dpo_step_equals_plain_single_process_computation(tiny_cache, kind, npro
         assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-6)
         assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
         assert got["accuracy"] == pytest.approx(expected["accuracy"], abs=1e-9)
+
+
+def test_dpo_on_megatron_pipeline_parallel_2_equals_plain_computation(tiny_cache):
+    """(e) Two pipeline stages, micro-batches of different lengths (one pair each, lengths vary)."""
+    policy_dir, ref_dir = _model_dirs()
+    expected = _plain_reference(policy_dir, ref_dir, "eight")
+    results = run_ranks(_engine_step, policy_dir, ref_dir, "eight", 1, "megatron-pp2", nproc=2, timeout_s=300)
+    for got in results:
+        assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-6)
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)

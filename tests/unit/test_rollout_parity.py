@@ -175,7 +175,7 @@ def test_samples_the_whole_distribution(case):
     """No hidden top-k: at a high temperature the tiny model reaches most of its 128 tokens."""
     _, _, _, engine, _ = case
     completions = engine.generate(
-        [PROMPTS[0]], SamplingSettings(n=400, max_new_tokens=1, temperature=10.0, seed=11)
+        [PROMPTS[0]], SamplingSettings(n=400, max_new_tokens=1, temperature=2.0, seed=11)
     )
     assert len({c.token_ids[0] for c in completions}) > 80
 

