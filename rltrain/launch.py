@@ -62,11 +62,16 @@ def _watch(procs: list[subprocess.Popen], grace_s: float) -> int:
         if all(c == 0 for c in codes):
             return 0
         if failed_rank is None:
-            for rank, code in enumerate(codes):
-                if code is not None and code != 0:
-                    failed_rank, failed_at = rank, time.monotonic()
-                    print(f"rltrain: rank {rank} exited with code {_describe(code)}; stopping the other ranks", file=sys.stderr, flush=True)
-                    break
+            failed = [rank for rank, code in enumerate(codes) if code is not None and code != 0]
+            if failed:
+                # A rank killed by a signal is the cause; peers that exited with an error in the
+                # same poll interval were its victims (their collectives failed).
+                failed_rank, failed_at = min(failed, key=lambda r: (codes[r] >= 0, r)), time.monotonic()
+                print(
+                    f"rltrain: rank {failed_rank} exited with code {_describe(codes[failed_rank])}; stopping the other ranks",
+                    file=sys.stderr,
+                    flush=True,
+                )
         if failed_rank is not None:
             if all(c is not None for c in codes) or time.monotonic() - failed_at > grace_s:
                 for p in procs:

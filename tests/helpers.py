@@ -63,6 +63,7 @@ def run_ranks(fn: Callable, *args: Any, nproc: int = 2, timeout_s: float = 120, 
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
+    failed: set[int] = set()
     import queue as queue_mod
     import time
 
@@ -74,13 +75,16 @@ def run_ranks(fn: Callable, *args: Any, nproc: int = 2, timeout_s: float = 120, 
         try:
             rank, status, payload = q.get(timeout=min(remaining, 1.0))
         except queue_mod.Empty:
-            if all(not p.is_alive() for p in procs) and q.empty():
+            # Every rank has reported or died (a rank killed by an abort never reports): stop waiting.
+            reported = set(results) | failed
+            if all(r in reported or not p.is_alive() for r, p in enumerate(procs)) and q.empty():
                 break
             continue
         if status == "ok":
             results[rank] = payload
         else:
             errors.append(f"rank {rank}:\n{payload}")
+            failed.add(rank)
     collected.set()
     for p in procs:
         p.join(timeout=5)

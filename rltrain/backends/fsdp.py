@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rltrain.backends.base import LossFn, PolicyOutput
+from rltrain.backends.fsdp_groups import FSDPGroups
 from rltrain.config import FSDPBackendConfig, OptimConfig, SafetyConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
@@ -128,7 +129,10 @@ class FSDPEngine:
         if not self.trainable:
             self.scorer.requires_grad_(False)
         self.sharded = self.world_size > 1
+        # The group FSDP shards over (None with one rank: nothing is wrapped, nothing to tear down).
+        self.groups: FSDPGroups | None = None
         if self.sharded:
+            self.groups = FSDPGroups(device.type, timeout_s=safety.collective_timeout_s)
             self._shard(backend_cfg)
         self.steps_taken = 0  # optimizer steps actually applied (skipped ones excluded)
         self.optimizer = None
@@ -146,9 +150,12 @@ class FSDPEngine:
     def _shard(self, cfg: FSDPBackendConfig) -> None:
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
+        assert self.groups is not None
+        mesh = self.groups.mesh  # our own group, not WORLD: time sharing tears it down (fsdp_groups)
         for layer in self.lm.model.layers:
-            fully_shard(layer, reshard_after_forward=cfg.reshard_after_forward)
-        fully_shard(self.scorer, reshard_after_forward=cfg.reshard_after_forward)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward)
+        fully_shard(self.scorer, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward)
+        self.groups.attach(self.scorer)
         for module in self.scorer.modules():
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)
@@ -290,7 +297,10 @@ class FSDPEngine:
     # --- time sharing --------------------------------------------------------------------------
 
     def offload(self) -> None:
-        """Nothing to move on CPU; on GPU the parameters and optimizer state go to host memory."""
+        """Drop gradients; on GPU also move parameters and optimizer state to host memory (on CPU
+        there is nowhere else to put them)."""
+        for p in self.scorer.parameters():
+            p.grad = None
         if self.device.type == "cuda":
             self.scorer.to("cpu")
             _move_optimizer_state(self.optimizer, torch.device("cpu"))
@@ -299,6 +309,17 @@ class FSDPEngine:
         if self.device.type == "cuda":
             self.scorer.to(self.device)
             _move_optimizer_state(self.optimizer, self.device)
+
+
+    def teardown_communicators(self) -> None:
+        """Destroy the group FSDP shards over (collective). Export weights before: `full_tensor`
+        needs it. No-op with one rank."""
+        if self.groups is not None:
+            self.groups.teardown()
+
+    def recreate_communicators(self) -> int:
+        """Re-create the group and re-bind FSDP's cached handles (collective); returns how many."""
+        return self.groups.recreate() if self.groups is not None else 0
 
 
 def _move_optimizer_state(optimizer: torch.optim.Optimizer | None, device: torch.device) -> None:

@@ -49,6 +49,7 @@ from rltrain.backends.megatron.spec import ModelSpec
 from rltrain.config import MegatronBackendConfig, OptimConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
+from rltrain.errors import UserError
 from rltrain.schedule import lr_at
 
 
@@ -74,6 +75,29 @@ def _hf_reader(model_dir: Path):
     return get
 
 
+def _checked_spec(model_dir: Path, tp: int, pp: int) -> ModelSpec:
+    """The model's spec, or a UserError naming the key to change. `rltrain.validate` catches most
+    of this before any rank starts; this covers what it cannot read (an unsupported architecture,
+    a config.json it could not parse) and callers that bypass it (torchrun, the Python API)."""
+    from transformers import AutoConfig
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world % (tp * pp):
+        raise UserError(
+            f"backend=megatron: {world} ranks are not divisible by backend.tp * backend.pp = {tp * pp}. Set "
+            f"trainer.nproc (or torchrun's --nproc_per_node) to a multiple of {tp * pp}."
+        )
+    try:
+        spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(model_dir))
+        spec.check_layout(tp, pp)
+    except ValueError as exc:
+        raise UserError(
+            f"backend=megatron cannot run the model in {model_dir}: {exc}. Change backend.tp/backend.pp, or use "
+            "backend=fsdp for an architecture the megatron backend does not convert."
+        ) from exc
+    return spec
+
+
 class MegatronEngine:
     """See the module docstring. `optim_cfg=None` builds a frozen engine (a reference policy)."""
 
@@ -92,13 +116,10 @@ class MegatronEngine:
     ) -> None:
         """`groups=None` joins the process's shared megatron parallel state (created by the first
         engine), so a policy and its frozen reference share one set of communicators."""
-        from transformers import AutoConfig
-
         apply_cpu_shims()
         self.model_dir = Path(model_dir)
-        self.spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(self.model_dir))
         tp, pp = backend_cfg.tp, backend_cfg.pp
-        self.spec.check_layout(tp, pp)
+        self.spec = _checked_spec(self.model_dir, tp, pp)
         if groups is None:
             groups = ParallelGroups.shared(tp, pp, timeout_s=collective_timeout_s)
         elif (groups.tp, groups.pp) != (tp, pp):

@@ -70,15 +70,16 @@ class ModelSpec:
         return (self.vocab_size + tp - 1) // tp * tp
 
     def check_layout(self, tp: int, pp: int) -> None:
+        """Megatron shards heads, query groups and the MLP evenly over tp and layers over pp."""
         if self.num_heads % tp or self.num_kv_heads % tp:
             raise ValueError(
-                f"tp={tp} must divide num_attention_heads={self.num_heads} and "
+                f"backend.tp={tp} must divide num_attention_heads={self.num_heads} and "
                 f"num_key_value_heads={self.num_kv_heads}"
             )
         if self.ffn_hidden_size % tp:
-            raise ValueError(f"tp={tp} must divide intermediate_size={self.ffn_hidden_size}")
+            raise ValueError(f"backend.tp={tp} must divide intermediate_size={self.ffn_hidden_size}")
         if self.num_layers % pp:
-            raise ValueError(f"pp={pp} must divide num_hidden_layers={self.num_layers}")
+            raise ValueError(f"backend.pp={pp} must divide num_hidden_layers={self.num_layers}")
 
     def stage_layers(self, pp_rank: int, pp: int) -> range:
         """Global indices of the decoder layers held by pipeline stage `pp_rank`."""
