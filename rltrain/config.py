@@ -158,10 +158,12 @@ class RolloutConfig:
 @dataclass
 class VLLMRolloutConfig(RolloutConfig):
     name: str = "vllm"
-    process: str = "colocated"  # colocated | separate
+    process: str = "colocated"  # colocated | separate (the engine in a child process: rollout/separate.py)
     kv_cache_gib: float = 1.0
     max_num_seqs: int = 256
-    bucket_mb: int = 64
+    bucket_mb: int = 64  # process=separate: shared-memory bucket size of the weight transport
+    timeout_s: float = 300.0  # process=separate: bound on every wait for the child (a reply, a bucket)
+    start_timeout_s: float = 600.0  # process=separate: bound on the child building its engine
 
 
 @dataclass

@@ -58,6 +58,11 @@ def validate(cfg) -> None:
             f"safety.collective_timeout_s={cfg.safety.collective_timeout_s} must be positive and "
             f"safety.max_consecutive_errors={cfg.safety.max_consecutive_errors} at least 0."
         )
+    if cfg.rollout is not None and cfg.rollout.name == "vllm" and cfg.rollout.process not in ("colocated", "separate"):
+        raise UserError(
+            f"rollout.process={cfg.rollout.process!r} is not one of colocated, separate (the vLLM engine in "
+            "the trainer's process, or in a child process of its own)."
+        )
     from rltrain.safety.faults import parse_faults
 
     parse_faults(cfg.debug.fault)  # a malformed debug.fault fails here, before any model is built

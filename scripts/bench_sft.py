@@ -1,11 +1,19 @@
-"""SFT throughput: rltrain's FSDP engine vs TRL's SFTTrainer on the same model, data and batch.
+"""SFT throughput: rltrain's FSDP engine vs TRL's SFTTrainer on the same model, data and batches.
 
 Model: ~10M parameters shaped like the tiny default (Qwen2, hidden 384, 6 layers, head size 32),
-built locally. Data: prompt/completion rows of 30-250 tokens. Both sides train with the same
-global batch, no packing, completion-only loss, fp32, on CPU; the table reports tokens/s (prompt +
-completion tokens processed per second) and step time after warm-up steps.
+built locally. Data: prompt/completion rows of 30-250 tokens (character tokenizer). Both sides
+train on the same batches in the same order (TRL's sampler is set to sequential), with the same
+global batch, no packing, completion-only loss, fp32, on CPU; TRL runs through its normal
+`SFTTrainer(...).train()` API with its default padding (to the longest sequence of the batch).
+The table reports tokens/s (prompt + completion tokens processed per second) and the median step
+time after warm-up steps.
 
-    .venv/bin/python scripts/bench_sft.py [--steps 8] [--batch 16]
+Why interleaved: the development machines share two cores with other jobs, so load drifts by
+several x within minutes. rltrain's step k runs right after TRL's step k (from a TRL callback,
+outside TRL's timed region), so both systems see the same load, and the per-step time ratio on
+the same batch is the robust comparison; it is printed as well.
+
+    .venv/bin/python scripts/bench_sft.py [--steps 6] [--warmup 1] [--batch 16] [--threads 2]
 """
 
 from __future__ import annotations
@@ -17,13 +25,17 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+Timing = tuple[float, int]  # (seconds, tokens) of one optimizer step
+
 
 def bench_model_dir(cache: Path) -> Path:
+    """The ~10M-parameter model every benchmark uses (head size 32, as vLLM's CPU attention needs)."""
     from rltrain.config import ModelConfig
     from rltrain.models.tiny import build_tiny_model_dir
 
@@ -34,110 +46,183 @@ def bench_model_dir(cache: Path) -> Path:
     return build_tiny_model_dir(cfg, seed=0)
 
 
+def count_params(model_dir: Path) -> int:
+    from transformers import AutoModelForCausalLM
+
+    return sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
+
+
+def init_single_rank(port: int) -> None:
+    """rltrain's engines expect a process group; one rank over gloo has no communication cost."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=600))
+
+
+def quiet_transformers() -> None:
+    """Progress bars and warnings would drown the table."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    import datasets
+
+    datasets.disable_progress_bars()
+
+
 def make_rows(n: int, seed: int = 0) -> list[dict[str, str]]:
+    """Prompt/completion rows of 30-250 characters (= tokens for the character tokenizer)."""
     rng = random.Random(seed)
     alphabet = "abcdefghijklmnopqrstuvwxyz0123456789 +=-"
     rows = []
     for _ in range(n):
         total = rng.randint(30, 250)
         prompt_len = rng.randint(5, total // 2)
-        text = "".join(rng.choice(alphabet) for _ in range(total - 1))
+        text = "".join(rng.choice(alphabet) for _ in range(total - 1))  # + EOS = total tokens
         rows.append({"prompt": text[:prompt_len], "completion": text[prompt_len:]})
     return rows
 
 
-def bench_rltrain(model_dir: Path, rows: list[dict], batch: int, steps: int, warmup: int) -> list[tuple[float, int]]:
-    from transformers import AutoTokenizer
+class RltrainSFT:
+    """rltrain's side: the FSDP engine on one rank, `sft_loss`, batches tokenized up front (TRL's
+    dataset is tokenized before training too, so neither side times tokenization)."""
 
-    from rltrain.algos.sft import sft_loss
-    from rltrain.backends.fsdp import FSDPEngine
-    from rltrain.config import FSDPBackendConfig, OptimConfig
-    from rltrain.data.batch import SequenceBatch
+    def __init__(self, model_dir: Path, rows: list[dict[str, str]], batch: int, total_steps: int) -> None:
+        from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    engine = FSDPEngine(model_dir, FSDPBackendConfig(), OptimConfig(lr=1e-4, warmup_steps=0), steps + warmup, torch.device("cpu"))
-    results = []
-    for step in range(steps + warmup):
-        chunk = rows[step * batch : (step + 1) * batch]
-        prompts = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in chunk]
-        completions = [tok(r["completion"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for r in chunk]
-        n_tokens = sum(len(p) + len(c) for p, c in zip(prompts, completions))
-        mb = SequenceBatch.from_lists(prompts, completions, global_tokens=float(sum(len(c) for c in completions)))
+        from rltrain.algos.sft import sft_loss
+        from rltrain.backends.fsdp import FSDPEngine
+        from rltrain.config import FSDPBackendConfig, OptimConfig
+        from rltrain.data.batch import SequenceBatch
+
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        self.loss_fn = sft_loss
+        optim = OptimConfig(lr=1e-4, warmup_steps=0, schedule="constant", beta2=0.999, max_grad_norm=1.0)
+        self.engine = FSDPEngine(model_dir, FSDPBackendConfig(), optim, total_steps, torch.device("cpu"))
+        self.batches: list[tuple[SequenceBatch, int]] = []
+        for step in range(total_steps):
+            chunk = rows[step * batch : (step + 1) * batch]
+            prompts = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in chunk]
+            completions = [tok(r["completion"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for r in chunk]
+            n_tokens = sum(len(p) + len(c) for p, c in zip(prompts, completions))
+            mb = SequenceBatch.from_lists(prompts, completions, global_tokens=float(sum(len(c) for c in completions)))
+            self.batches.append((mb, n_tokens))
+
+    def step(self, k: int) -> Timing:
+        mb, n_tokens = self.batches[k]
         t0 = time.perf_counter()
-        engine.train_step([mb], sft_loss)
-        if step >= warmup:
-            results.append((time.perf_counter() - t0, n_tokens))
-    return results
+        self.engine.train_step([mb], self.loss_fn)
+        return time.perf_counter() - t0, n_tokens
 
 
-def bench_trl(model_dir: Path, rows: list[dict], batch: int, steps: int, warmup: int, out_dir: Path) -> list[tuple[float, int]]:
+def run_trl_sft(
+    model_dir: Path, rows: list[dict[str, str]], batch: int, total_steps: int, out_dir: Path,
+    after_step: Callable[[int], None],
+) -> list[Timing]:
+    """TRL's SFTTrainer through its normal API; `after_step(k)` runs after TRL's step k is timed."""
     import datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ds = datasets.Dataset.from_list(rows[: (steps + warmup) * batch])
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    ds = datasets.Dataset.from_list(rows[: total_steps * batch])
     times: list[float] = []
 
-    class Timer(TrainerCallback):
+    class Interleave(TrainerCallback):
+        t0 = 0.0
+
         def on_step_begin(self, args, state, control, **kw):
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
             times.append(time.perf_counter() - self.t0)
+            after_step(len(times) - 1)
 
     config = SFTConfig(
         output_dir=str(out_dir), per_device_train_batch_size=batch, gradient_accumulation_steps=1,
-        max_steps=steps + warmup, learning_rate=1e-4, logging_steps=10_000, save_strategy="no", report_to=[],
-        completion_only_loss=True, packing=False, max_length=512, use_cpu=True, dataloader_num_workers=0,
-        lr_scheduler_type="constant", seed=0, bf16=False, fp16=False, eos_token=tok.eos_token, pad_token=tok.pad_token,
+        max_steps=total_steps, learning_rate=1e-4, lr_scheduler_type="constant", max_grad_norm=1.0,
+        completion_only_loss=True, packing=False, max_length=512, train_sampling_strategy="sequential",
+        use_cpu=True, dataloader_num_workers=0, seed=0, bf16=False, fp16=False,
+        logging_steps=10_000, save_strategy="no", report_to=[], disable_tqdm=True,
     )
-    trainer = SFTTrainer(model=model, args=config, train_dataset=ds, processing_class=tok, callbacks=[Timer()])
+    trainer = SFTTrainer(model=model, args=config, train_dataset=ds, processing_class=tok, callbacks=[Interleave()])
+    lengths = [len(ids) for ids in trainer.train_dataset["input_ids"]]
+    assert len(lengths) == len(ds), "TRL dropped rows: the two sides would not see the same batches"
     trainer.train()
-    token_counts = []
-    for step in range(steps + warmup):
-        chunk = rows[step * batch : (step + 1) * batch]
-        token_counts.append(sum(len(r["prompt"]) + len(r["completion"]) + 1 for r in chunk))
-    # TRL shuffles, but every batch is drawn from the same rows: use the mean batch size in tokens.
-    mean_tokens = int(statistics.mean(token_counts))
-    return [(t, mean_tokens) for t in times[warmup:]]
+    return [(t, sum(lengths[k * batch : (k + 1) * batch])) for k, t in enumerate(times)]
 
 
-def summarise(name: str, results: list[tuple[float, int]]) -> tuple[float, float]:
-    total_t = sum(t for t, _ in results)
-    total_tok = sum(n for _, n in results)
-    return total_tok / total_t, statistics.median(t for t, _ in results)
+def summarise(results: list[Timing]) -> tuple[float, float]:
+    """(tokens/s over all timed steps, median step seconds)."""
+    return sum(n for _, n in results) / sum(t for t, _ in results), statistics.median(t for t, _ in results)
+
+
+def print_table(title: str, header: list[str], rows: list[list[str]], notes: list[str]) -> None:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) + 2 for i in range(len(header))]
+    print(f"\n{title}")
+    print("".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths))))
+    for r in rows:
+        print("".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    for note in notes:
+        print(note)
+
+
+def paired_ratio(ours: list[Timing], theirs: list[Timing]) -> str:
+    """Median (min-max) of TRL step time / rltrain step time over the same batches."""
+    ratios = sorted(t / o for (o, _), (t, _) in zip(ours, theirs))
+    return f"{statistics.median(ratios):.2f}x (min {ratios[0]:.2f}, max {ratios[-1]:.2f}, {len(ratios)} steps)"
+
+
+def trl_available() -> bool:
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps per system")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per optimizer step (one micro-batch)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch intra-op threads")
+    parser.add_argument("--port", type=int, default=29533)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=600))
+    quiet_transformers()
+    init_single_rank(args.port)
+    total = args.steps + args.warmup
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = bench_model_dir(Path(tmp) / "cache")
-        n_params = sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_pretrained(model_dir).parameters())
-        rows = make_rows((args.steps + args.warmup) * args.batch)
-        table = [("rltrain (FSDP engine)", *summarise("rltrain", bench_rltrain(model_dir, rows, args.batch, args.steps, args.warmup)))]
-        try:
-            import trl  # noqa: F401
-
-            table.append(("TRL SFTTrainer", *summarise("trl", bench_trl(model_dir, rows, args.batch, args.steps, args.warmup, Path(tmp) / "trl"))))
-        except ImportError:
+        n_params = count_params(model_dir)
+        rows = make_rows(total * args.batch)
+        ours_sys = RltrainSFT(model_dir, rows, args.batch, total)
+        ours: list[Timing] = []
+        theirs: list[Timing] = []
+        if trl_available():
+            theirs = run_trl_sft(model_dir, rows, args.batch, total, Path(tmp) / "trl", lambda k: ours.append(ours_sys.step(k)))
+        else:
             print("TRL is not importable: install trl==1.16.0 to compare")
-    print(f"\nSFT, {n_params / 1e6:.1f}M params, batch {args.batch} sequences of 30-250 tokens, {args.threads} threads, CPU fp32")
-    print(f"{'system':<24}{'tokens/s':>12}{'step s (median)':>18}")
-    for name, tps, step_s in table:
-        print(f"{name:<24}{tps:>12.0f}{step_s:>18.3f}")
-    if len(table) == 2:
-        print(f"rltrain / TRL tokens/s: {table[0][1] / table[1][1]:.2f}x")
+            ours = [ours_sys.step(k) for k in range(total)]
+    ours, theirs = ours[args.warmup :], theirs[args.warmup :]
+    tps, step_s = summarise(ours)
+    table = [["rltrain (FSDP engine)", f"{tps:.0f}", f"{step_s:.3f}", "1.00x" if not theirs else ""]]
+    notes = []
+    if theirs:
+        trl_tps, trl_step = summarise(theirs)
+        table[0][3] = f"{tps / trl_tps:.2f}x"
+        table.append(["TRL SFTTrainer", f"{trl_tps:.0f}", f"{trl_step:.3f}", "1.00x"])
+        if [n for _, n in ours] != [n for _, n in theirs]:
+            notes.append("warning: the two sides counted different tokens per batch")
+        notes.append(f"paired per-step speed-up (TRL step s / rltrain step s, same batch): {paired_ratio(ours, theirs)}")
+    notes.append("CPU shared with other jobs: timings are noisy; steps are interleaved so both see the same load.")
+    print_table(
+        f"SFT, {n_params / 1e6:.1f}M params, batch {args.batch} sequences of 30-250 tokens, "
+        f"{args.steps} timed steps (+{args.warmup} warm-up), {args.threads} threads, CPU fp32",
+        ["system", "tokens/s", "step s (median)", "tokens/s vs TRL"], table, notes,
+    )
     dist.destroy_process_group()
 
 

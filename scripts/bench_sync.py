@@ -15,6 +15,12 @@ and MLP matrices, norms, untied head) and bucket size it times:
 
 Both processes run single-threaded torch, so the numbers compare memory traffic, not thread
 counts. The child is driven over a pipe with JSON commands (no pickle, as in the trainer).
+
+Then (`--grpo-steps`, 0 to skip) it measures what the sync costs in a real GRPO step: it runs
+`python -m rltrain algo=grpo` on the embedded default for a few steps with the vLLM engine
+in-process (`rollout.process=colocated`) and in a child process (`separate`), and reports the
+median `time/sync` against the median `time/step` (the first step, which includes warm-up, is
+left out). Target: weight sync under 5% of a GRPO step.
 """
 
 from __future__ import annotations
@@ -154,12 +160,40 @@ def time_out_of_process(
     return statistics.median(seconds[1:])
 
 
+def grpo_sync_fraction(steps: int, extra: list[str]) -> list[dict[str, float | str]]:
+    """Run a short GRPO for each engine placement; median step and sync times (steps 2..N)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    results = []
+    for process in ("colocated", "separate"):
+        with tempfile.TemporaryDirectory(prefix="bench-grpo-") as run_dir:
+            command = [
+                sys.executable, "-m", "rltrain", "algo=grpo", f"trainer.max_steps={steps}",
+                f"rollout.process={process}", "logger.wandb.mode=disabled", "trainer.eval_every=0",
+                "trainer.save_every=0", "trainer.progress=lines", "data.num_eval=4", f"hydra.run.dir={run_dir}",
+                *extra,
+            ]  # fmt: skip
+            subprocess.run(command, check=True, capture_output=True, env=dict(os.environ))
+            rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+            rows = [r for r in rows if "loss" in r and r["step"] > 1]
+            step_s = statistics.median(r["time/step"] for r in rows)
+            sync_s = statistics.median(r["time/sync"] for r in rows)
+            results.append({"process": process, "step_s": step_s, "sync_s": sync_s, "fraction": sync_s / step_s})
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", default="1e6,1e7,5e7", help="comma-separated fp32 parameter counts")
     parser.add_argument("--buckets-mb", default="1,16,64", help="comma-separated bucket sizes in MiB")
     parser.add_argument("--repeats", type=int, default=5, help="timed syncs per cell (median reported)")
     parser.add_argument("--timeout-s", type=float, default=120.0)
+    parser.add_argument("--grpo-steps", type=int, default=5, help="GRPO steps per placement (0: skip)")
+    parser.add_argument("--grpo-args", default="", help="extra space-separated overrides for the GRPO runs")
     args = parser.parse_args()
     torch.set_num_threads(1)
     targets = [int(float(value)) for value in args.params.split(",")]
@@ -202,6 +236,18 @@ def main() -> None:
         if child.is_alive():
             child.kill()
     print(f"(median of {args.repeats} syncs per cell; total {time.perf_counter() - started:.0f}s)")
+    if args.grpo_steps > 1:
+        started = time.perf_counter()
+        print(f"\nGRPO on the embedded default (steps 2..{args.grpo_steps}, median); target: sync < 5% of a step")
+        header = f"{'engine':>10} | {'step s':>7} | {'sync ms':>8} | {'sync / step':>11}"
+        print(header)
+        print("-" * len(header))
+        for r in grpo_sync_fraction(args.grpo_steps, args.grpo_args.split()):
+            print(
+                f"{r['process']:>10} | {r['step_s']:>7.2f} | {r['sync_s'] * 1e3:>8.1f} | {r['fraction']:>10.1%}",
+                flush=True,
+            )
+        print(f"(total {time.perf_counter() - started:.0f}s)")
 
 
 if __name__ == "__main__":

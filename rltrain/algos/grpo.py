@@ -2,8 +2,9 @@
 
 One step: sample `algo.prompts_per_step` prompts (global) -> each data-parallel rank generates
 `algo.group_size` completions for its share of the prompts on its own rollout engine (colocated,
-in-process: no generation traffic between ranks, and the engine is fed by the all-gathered full
-weights that every rank receives anyway) -> rewards (built-in or `reward.fns`) -> group-normalised
+in-process: no generation traffic between replicas, and the engine is fed by the all-gathered full
+weights that every rank receives anyway; under Megatron tp/pp the replica's first rank generates
+and broadcasts the token ids and log-probabilities to its peers) -> rewards (built-in or `reward.fns`) -> group-normalised
 advantages over the *global* batch of rewards -> the trainer scores the sampled tokens once
 (old log-probabilities, entropy; and the reference when `algo.beta > 0`) and compares them with the
 engine's sampling log-probabilities (`rollout/logprob_diff_*`) -> `algo.num_iterations` passes over
@@ -36,6 +37,8 @@ from rltrain.data.sharding import micro_batch_count, rank_slice, split_micro_bat
 from rltrain.rewards import build_reward_fns, score
 from rltrain.rollout import build_rollout
 from rltrain.rollout.base import Completion, SamplingSettings
+from rltrain.rollout.share import replica_leader, share_completions
+from rltrain.timeshare import TimeSharing
 
 
 def _global_max(value: float) -> float:
@@ -80,6 +83,10 @@ class GRPO:
         self.policy.max_steps = cfg.trainer.max_steps * cfg.algo.mini_batches * cfg.algo.num_iterations
         self.reference = build_engine(ctx, trainable=False) if cfg.algo.beta != 0 else None
         self.rollout = build_rollout(ctx)
+        # The phases of a step (rltrain/timeshare.py): with placement.time_sharing the trainer and
+        # the engine take turns (offload/teardown, wake, sync, generate, sleep, re-create/onload).
+        engines = [self.policy] + ([self.reference] if self.reference is not None else [])
+        self.timeshare = TimeSharing(engines, self.rollout, ctx.dist.device, cfg.placement.time_sharing)
         self.eos = ctx.tokenizer.eos_token_id
         self.loss_fn = make_grpo_loss(cfg.algo)
 
@@ -95,6 +102,19 @@ class GRPO:
             seed=self.ctx.cfg.rollout.seed + 1_000_003 * step + self.policy.rank,
             stop_token_ids=[self.eos],
         )
+
+    def _generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+        """Completions for this replica's prompts. Under tensor/pipeline parallelism the replica's
+        ranks must train on identical sequences, so only its first rank samples and the others
+        receive the tokens (rltrain.rollout.share); every rank of a replica calls this together.
+        The engine's turn (time sharing) tears the replica's group down: the leader is found
+        before it and the completions are shared after it."""
+        group = self.policy.replica_group()
+        leads = group is None or dist.get_rank() == replica_leader(group)
+        with self.timeshare.rollout_turn():
+            mine = (self.rollout.generate(prompts, sampling) if prompts else []) if leads else None
+        group = self.policy.replica_group()  # re-created by the turn
+        return mine if group is None else share_completions(mine, group)
 
     def _texts(self, completions: list[Completion]) -> list[str]:
         return [self.ctx.tokenizer.decode([t for t in c.token_ids if t != self.eos], skip_special_tokens=True) for c in completions]
@@ -113,9 +133,8 @@ class GRPO:
         my_index = rank_slice(global_index, dp_rank, dp_size)
         rows = [self.train_prompts[i] for i in my_index]
 
-        t0 = time.perf_counter()
-        completions = self.rollout.generate([r.ids for r in rows], self._sampling(step)) if rows else []
-        time_rollout = time.perf_counter() - t0
+        completions = self._generate([r.ids for r in rows], self._sampling(step))
+        time_rollout = self.timeshare.last_generate_s
 
         per_fn = self._rewards(rows, completions)
         total = torch.zeros(len(completions), dtype=torch.float64)
@@ -137,12 +156,11 @@ class GRPO:
         global_counts = sum_over_replicas(local_counts.clone(), dp_size)
 
         t1 = time.perf_counter()
-        stats = self._update(batch, adv, completions, global_counts, t.micro_batch_size)
-        time_train = time.perf_counter() - t1
-
-        t2 = time.perf_counter()
-        self.rollout.update_weights(self.policy.export_weights())
-        time_sync = time.perf_counter() - t2
+        with self.timeshare.train():
+            stats = self._update(batch, adv, completions, global_counts, t.micro_batch_size)
+            time_train = time.perf_counter() - t1
+            # Time sharing: exported into host memory now (a collective), synced at the next turn.
+            self.timeshare.publish(self.policy.export_weights)
 
         means = sum_over_replicas(
             torch.tensor([sum(v) for v in per_fn.values()] + [float((total**2).sum()), float(total.sum())], dtype=torch.float64),
@@ -158,7 +176,8 @@ class GRPO:
             "rollout/tokens_per_s": float(global_counts[0]) / max(_global_max(time_rollout), 1e-9),
             "time/rollout": time_rollout,
             "time/train": time_train,
-            "time/sync": time_sync,
+            "time/sync": self.timeshare.last_sync_s,
+            **self.timeshare.pop_metrics(),
             "tokens": float(sum_over_replicas(torch.tensor([float(batch.tokens.num_tokens)]), dp_size)),
             "data/overlong_dropped": float(self.dropped),
         }
@@ -232,7 +251,8 @@ class GRPO:
         if not self.eval_prompts:
             return {}
         mine = rank_slice(self.eval_prompts, self.policy.rank, self.policy.world_size)
-        completions = self.rollout.generate([r.ids for r in mine], self._sampling(step, greedy=True)) if mine else []
+        completions = self._generate([r.ids for r in mine], self._sampling(step, greedy=True))
+        self.timeshare.pop_metrics()  # a step's row reports the step's phases only
         per_fn = self._rewards(mine, completions)
         texts = self._texts(completions)
         correct = 0.0
@@ -252,7 +272,17 @@ class GRPO:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stream.load_state_dict(state["stream"])
         # The engine was built from the initial weights: give it the restored ones.
-        self.rollout.update_weights(self.policy.export_weights())
+        self.timeshare.publish(self.policy.export_weights)
+
+    def rollout_ping(self) -> bool:
+        """Liveness for `/healthz/deep`, called from the health server's thread. An engine that can
+        answer concurrently exposes `is_alive()` (the separate-process engine checks its child);
+        an in-process engine is never called from another thread, so it counts as alive while it
+        exists and is not closed."""
+        alive = getattr(self.rollout, "is_alive", None)
+        if alive is not None:
+            return bool(alive())
+        return getattr(self.rollout, "llm", self.rollout) is not None
 
     def close(self) -> None:
         """Shut the rollout engine down before the trainer's process group goes away."""

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
@@ -46,6 +47,10 @@ LossFn = Callable[[PolicyOutput, SequenceBatch], tuple[torch.Tensor, dict[str, t
 class TrainEngine(Protocol):
     rank: int  # data-parallel rank
     world_size: int  # data-parallel size
+
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """The process group of the ranks that form this rank's data-parallel replica and so must
+        be given identical data (Megatron's tp x pp ranks); None when a replica is one rank."""
 
     def forward_logps(self, micro_batches: list[SequenceBatch], with_entropy: bool = False) -> list[PolicyOutput]:
         """Scores completion tokens without gradients."""

@@ -156,7 +156,9 @@ def _is_fsdp_internal(value: Any) -> bool:
     """FSDP2's own classes (state, parameter groups, parameters, mesh infos), and dataclasses
     holding a group: followed by the handle walk. Modules, tensors and meshes are not."""
     module = type(value).__module__
-    if module.startswith("torch.distributed.fsdp._fully_shard") and not isinstance(value, (nn.Module, torch.Tensor)):
+    if module.startswith("torch.distributed.fsdp._fully_shard") and not isinstance(
+        value, (nn.Module, torch.Tensor)
+    ):
         return True
     return (
         is_dataclass(value)

@@ -64,3 +64,36 @@ class SequenceBatch:
             torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.long)
         )
         return SequenceBatch(tokens, self.prompt_lens[idx], extras)
+
+
+def length_buckets(lengths: list[int], bucket_cost_tokens: int) -> list[list[int]]:
+    """Split sequence indices into groups of similar length so that padding each group to its own
+    longest sequence wastes little compute.
+
+    Why: a right-padded rectangle of B sequences costs B * max_len tokens of compute; with lengths
+    spread 30-250 that is close to twice the real tokens. Each extra group costs one more model
+    call (`bucket_cost_tokens`: kernel launches and per-call overhead, expressed in tokens). An
+    exact dynamic programme over the lengths sorted longest-first minimises
+    `sum(group padded tokens) + groups * bucket_cost_tokens`; ties keep the original order, so the
+    result is deterministic. Returns groups of original indices, longest group first.
+    """
+    n = len(lengths)
+    if n <= 1:
+        return [list(range(n))]
+    order = sorted(range(n), key=lambda i: -lengths[i])  # stable: equal lengths keep their order
+    sorted_len = [lengths[i] for i in order]
+    best = [0.0] + [float("inf")] * n  # best[j]: cheapest cost of the first j sorted sequences
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):  # the last group is sorted[i:j], padded to sorted_len[i]
+            cost = best[i] + bucket_cost_tokens + sorted_len[i] * (j - i)
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups: list[list[int]] = []
+    j = n
+    while j > 0:
+        i = cut[j]
+        groups.append(order[i:j])
+        j = i
+    groups.reverse()
+    return groups

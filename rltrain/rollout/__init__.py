@@ -8,14 +8,21 @@ from typing import Any
 
 ROLLOUTS = {
     "vllm": "rltrain.rollout.vllm:build_engine",
+    "vllm/separate": "rltrain.rollout.separate:build_engine",  # rollout.process=separate
     "hf": "rltrain.rollout.hf:build_engine",
 }
+PROCESSES = ("colocated", "separate")
 
 
 def build_rollout(ctx: Any) -> Any:
     name = ctx.cfg.rollout.name
     if name not in ROLLOUTS:
         raise ValueError(f"rollout={name!r} is unknown; choose one of {sorted(ROLLOUTS)}")
+    process = getattr(ctx.cfg.rollout, "process", "colocated")  # only vLLM's schema has it
+    if process not in PROCESSES:
+        raise ValueError(f"rollout.process={process!r} is unknown; choose one of {PROCESSES}")
+    if process == "separate":
+        name = f"{name}/separate"
     # vLLM logs every weight reload and cache reset at INFO; keep the console for training.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     module_name, fn_name = ROLLOUTS[name].split(":")

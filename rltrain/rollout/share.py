@@ -5,8 +5,9 @@ sequences (the Megatron engine fingerprints every micro-batch and fails on all r
 Each rank has its own colocated rollout engine with the same weights and the same seed, so their
 completions agree only as far as generation is bitwise deterministic across processes, which no
 engine promises (batch composition, kernels chosen per device, atomics on GPUs). So the replica's
-lowest rank generates and broadcasts what it sampled to its peers, who never generate: identical
-inputs by construction, and the peers' compute is not spent sampling the same tokens twice.
+lowest rank (`replica_leader`) generates and broadcasts what it sampled to its peers
+(`share_completions`), who never generate: identical inputs by construction, and the peers'
+compute is not spent sampling the same tokens twice. GRPO's `_generate` is the caller.
 
 Completions cross as raw tensors with fixed dtypes (DESIGN invariant 6, no pickle): one int64
 header, one int64 block of (prompt_index, length, finished) rows followed by every token id, and
@@ -15,7 +16,6 @@ the sampling log-probabilities as float64, so the peers get the exact Python flo
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -87,11 +87,3 @@ def share_completions(completions: list[Completion] | None, group: Any) -> list[
         start += length
     return out
 
-
-def generate_per_replica(generate: Callable[[], list[Completion]], group: Any | None) -> list[Completion]:
-    """`generate()` on the replica's leader only, its result on every rank of the replica.
-    `group=None` (a replica is one rank, as under FSDP) just calls `generate()`."""
-    if group is None:
-        return generate()
-    mine = generate() if dist.get_rank() == replica_leader(group) else None
-    return share_completions(mine, group)

@@ -33,6 +33,7 @@ class Heartbeat:
         self.step = 0
         self.finished_step = 0
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # the beat thread and the training loop both write
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -60,9 +61,10 @@ class Heartbeat:
             "step": self.step,
             "finished_step": self.finished_step,
         }
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record))
-        tmp.replace(self.path)
+        with self._lock:
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(record))
+            tmp.replace(self.path)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -162,6 +162,17 @@ class Channel:
     def recv(self, what: str) -> Message:
         """The next message, waiting at most `timeout_s`. `what` says what we wait for, for the
         error message. An `abort` from the peer raises PeerAborted."""
+        message = decode_message(self.recv_body(what), self.peer)
+        if message["type"] == "abort":
+            raise PeerAborted(
+                f"the {self.peer} aborted sync {message['sync_id']} at bucket {message['bucket_id']}: "
+                f"{message.get('reason', 'no reason given')}"
+            )
+        return message
+
+    def recv_body(self, what: str) -> bytes:
+        """The body of the next frame (not yet decoded), waiting at most `timeout_s`; anything
+        that is not a frame (a pickle stream, say) raises before it is read further."""
         deadline = time.monotonic() + self.timeout_s
         header = self._recv_exact(_HEADER.size, deadline, what)
         magic, length = _HEADER.unpack(header)
@@ -173,14 +184,7 @@ class Channel:
             raise ProtocolError(
                 f"message length {length} from the {self.peer} exceeds {MAX_MESSAGE_BYTES} bytes"
             )
-        body = self._recv_exact(length, deadline, what)
-        message = decode_message(body, self.peer)
-        if message["type"] == "abort":
-            raise PeerAborted(
-                f"the {self.peer} aborted sync {message['sync_id']} at bucket {message['bucket_id']}: "
-                f"{message.get('reason', 'no reason given')}"
-            )
-        return message
+        return self._recv_exact(length, deadline, what)
 
     def send_fds(self, fds: list[int]) -> None:
         """Pass open descriptors (shared-memory segments) to the peer: one marker byte carrying

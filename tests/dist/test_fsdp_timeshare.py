@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -26,7 +25,11 @@ def _engine(model_dir):
     from rltrain.config import FSDPBackendConfig, OptimConfig, SafetyConfig
 
     return FSDPEngine(
-        model_dir, FSDPBackendConfig(), OptimConfig(warmup_steps=0), 10, torch.device("cpu"),
+        model_dir,
+        FSDPBackendConfig(),
+        OptimConfig(warmup_steps=0),
+        10,
+        torch.device("cpu"),
         safety=SafetyConfig(collective_timeout_s=20),
     )
 
@@ -68,6 +71,7 @@ def _cycles(rank: int, world: int, model_dir) -> dict:
 
     original = dist.destroy_process_group
     if rank == 1:
+
         def failing(group=None):
             raise OSError("injected teardown failure")
 
@@ -80,8 +84,14 @@ def _cycles(rank: int, world: int, model_dir) -> dict:
     finally:
         dist.destroy_process_group = original
     return dict(
-        plain=plain, cycled=cycled, sizes=sizes, torn=torn, rebound=rebound, old_registered=old_registered,
-        stale=stale, injected=injected,
+        plain=plain,
+        cycled=cycled,
+        sizes=sizes,
+        torn=torn,
+        rebound=rebound,
+        old_registered=old_registered,
+        stale=stale,
+        injected=injected,
     )
 
 

@@ -3,7 +3,8 @@
 * A zero anchored on one parameter (the tempting shortcut) under FSDP2: the failing rank's backward
   reaches only that parameter's FSDP unit, so its peers wait in collectives that never come (or
   meet mismatched ones). The test expects the failure; if it ever passes, the guard's design rule
-  (outputs, never a parameter) needs revisiting.
+  (outputs, never a parameter) needs revisiting. The output-anchored control, same model and
+  layout, is tests/dist/test_safety_recovery.py (the ranks stay in step and agree).
 * A pipeline stage whose loss fails still sends a gradient to the previous stage when the zero is
   built from its output (2 stages, send/recv on gloo).
 * Metric key sets that differ between ranks raise a clear error; a rank that recovered an error
@@ -12,15 +13,16 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
-
 from helpers import run_ranks
 
 pytestmark = pytest.mark.dist
 
 
-def _anchored(rank, world, model_dir, anchor):
+def _parameter_anchored(rank, world, model_dir):
     from safety_common import make_engine, rank_batch
 
     from rltrain.algos.sft import sft_loss
@@ -30,12 +32,7 @@ def _anchored(rank, world, model_dir, anchor):
     engine.scorer.train()
     out = engine._score(mb, with_entropy=False)
     if rank == 1:
-        if anchor == "parameter":
-            loss = engine.lm.model.norm.weight.sum() * 0.0  # the wrong design
-        else:
-            from rltrain.safety.guard import zero_loss_from_outputs
-
-            loss = zero_loss_from_outputs(out)
+        loss = engine.lm.model.norm.weight.sum() * 0.0  # the wrong design: anchored on one parameter
     else:
         loss, _ = sft_loss(out, mb)
     loss.backward()
@@ -47,16 +44,9 @@ def test_zero_loss_anchored_on_a_parameter_hangs_or_fails_under_fsdp2(tiny_cache
     from safety_common import tiny_model_dir
 
     with pytest.raises((AssertionError, TimeoutError)):
-        r0, r1 = run_ranks(_anchored, tiny_model_dir(), "parameter", timeout_s=45, pg_timeout_s=6)
+        r0, r1 = run_ranks(_parameter_anchored, tiny_model_dir(), timeout_s=45, pg_timeout_s=6)
         # If the collectives happened to line up, the shards were silently mixed: still a failure.
         assert r0 == r1 and False, "parameter-anchored zero loss did not fail"
-
-
-def test_zero_loss_from_the_outputs_keeps_fsdp2_in_step(tiny_cache):
-    from safety_common import tiny_model_dir
-
-    r0, r1 = run_ranks(_anchored, tiny_model_dir(), "outputs", timeout_s=60, pg_timeout_s=10)
-    assert r0 == r1
 
 
 def _pipeline(rank, world):
@@ -86,7 +76,8 @@ def _pipeline(rank, world):
             return out.sum(), {}
 
         errors = StepErrors(rank=1, fail_fast=False)
-        guarded_micro_batch(MicroBatchGuard(stage), errors, lambda: stage(h), loss_fn, lambda: stage(h))
+        forward = functools.partial(stage, h)
+        guarded_micro_batch(MicroBatchGuard(stage), errors, forward, loss_fn, forward)
         dist.send(h.grad, 0)  # exists because the zero was built from the stage output
         results[failing] = {"recovered": errors.recovered, "input_grad": h.grad.abs().sum().item()}
     return results

@@ -5,14 +5,14 @@ One session trains two engines from the same weights on the same per-rank data:
      nan_grad on rank 0 at step 5;
   B, without faults, where rank 1 simply has no data at steps 2 and 3.
 A recovered micro-batch must contribute exactly a zero gradient and nothing else, so A and B agree
-after every step up to 4; step 5 of A must be a no-op on both ranks.
+after every step up to 4; step 5 of A must be a no-op on both ranks. A third engine checks the
+consecutive-error budget.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -46,7 +46,27 @@ def _session(rank, world, model_dir):
         out["adam"].append(adam_steps(a))
     last = full_params(a)
     out["fingerprint"] = float(sum((v.double() * (i + 1)).sum() for i, v in enumerate(last.values())))
+    out["budget"] = _budget(rank, model_dir)
     return out
+
+
+def _budget(rank, model_dir):
+    """Errors at steps 2, 3 and 4 with max_consecutive_errors=2: the third one stops the run."""
+    from safety_common import make_engine, rank_batch
+
+    from rltrain.algos.sft import sft_loss
+    from rltrain.safety import faults
+    from rltrain.safety.guard import TooManyErrors
+
+    injector = faults.install("loss_error:1:2-4", rank)
+    engine = make_engine(model_dir, max_consecutive_errors=2)
+    for step in range(1, 6):
+        injector.set_step(step)
+        try:
+            engine.train_step([rank_batch(rank, step)[0]], sft_loss)
+        except TooManyErrors as exc:
+            return step, str(exc)
+    return None, ""
 
 
 @pytest.fixture(scope="module")
@@ -95,27 +115,6 @@ def test_nan_grad_skips_the_step_on_every_rank(session):
         assert not torch.isfinite(torch.tensor(r["metrics"][4]["grad_norm"]))
 
 
-def _budget(rank, world, model_dir):
-    from safety_common import make_engine, rank_batch
-
-    from rltrain.algos.sft import sft_loss
-    from rltrain.safety import faults
-    from rltrain.safety.guard import TooManyErrors
-
-    injector = faults.install("loss_error:1:2-4", rank)
-    engine = make_engine(model_dir, max_consecutive_errors=2)
-    for step in range(1, 6):
-        injector.set_step(step)
-        try:
-            engine.train_step([rank_batch(rank, step)[0]], sft_loss)
-        except TooManyErrors as exc:
-            return step, str(exc)
-    return None, ""
-
-
-def test_too_many_consecutive_errors_stop_every_rank_together(tiny_cache):
-    from safety_common import tiny_model_dir
-
-    results = run_ranks(_budget, tiny_model_dir(), timeout_s=90, pg_timeout_s=15)
-    assert [r[0] for r in results] == [4, 4]  # errors at 2, 3, 4: the third exceeds 2, on both ranks
-    assert "safety.max_consecutive_errors=2" in results[0][1]
+def test_too_many_consecutive_errors_stop_every_rank_together(session):
+    assert [r["budget"][0] for r in session] == [4, 4]  # the same verdict at the same step on both ranks
+    assert "safety.max_consecutive_errors=2" in session[0]["budget"][1]

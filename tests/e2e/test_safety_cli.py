@@ -12,7 +12,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from cli import QUICK, ROOT, rltrain, train_rows
 
 pytestmark = pytest.mark.e2e

@@ -81,12 +81,6 @@ def _checked_spec(model_dir: Path, tp: int, pp: int) -> ModelSpec:
     a config.json it could not parse) and callers that bypass it (torchrun, the Python API)."""
     from transformers import AutoConfig
 
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world % (tp * pp):
-        raise UserError(
-            f"backend=megatron: {world} ranks are not divisible by backend.tp * backend.pp = {tp * pp}. Set "
-            f"trainer.nproc (or torchrun's --nproc_per_node) to a multiple of {tp * pp}."
-        )
     try:
         spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(model_dir))
         spec.check_layout(tp, pp)
@@ -95,6 +89,12 @@ def _checked_spec(model_dir: Path, tp: int, pp: int) -> ModelSpec:
             f"backend=megatron cannot run the model in {model_dir}: {exc}. Change backend.tp/backend.pp, or use "
             "backend=fsdp for an architecture the megatron backend does not convert."
         ) from exc
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world % (tp * pp):
+        raise UserError(
+            f"backend=megatron: {world} ranks are not divisible by backend.tp * backend.pp = {tp * pp}. Set "
+            f"trainer.nproc (or torchrun's --nproc_per_node) to a multiple of {tp * pp}."
+        )
     return spec
 
 
@@ -158,6 +158,12 @@ class MegatronEngine:
     @property
     def device(self) -> torch.device:
         return self.params[0].device
+
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """The tp x pp ranks of this rank's data-parallel replica (they must see the same data),
+        or None when a replica is a single rank. Re-read each time: time sharing re-creates it."""
+        layout = self.layout
+        return layout.mp_group if layout.tp * layout.pp > 1 else None
 
     def _pipeline(self) -> Pipeline:
         layout = self.layout

@@ -1,0 +1,312 @@
+"""The vLLM engine in its own process (`rollout=vllm rollout.process=separate`).
+
+Why: the engine's memory, threads and process-wide state (vLLM seeds global RNGs, rebinds torch
+threading, owns a distributed world of its own) stay out of the trainer, and the weight sync
+crosses a real process boundary, as it does when the engine runs on other devices or hosts.
+
+How it is built (the failures it is built against are in RELIABILITY.md, "weight sync"):
+
+- The child is started with `subprocess` (`python -m rltrain.rollout.separate_child`), not
+  multiprocessing, which would pickle its arguments: DESIGN invariant 6, no pickle across a
+  process boundary. Its start-up spec is a JSON argument; torch.distributed's env variables
+  (RANK, MASTER_PORT, ...) are removed so vLLM builds its own one-rank world.
+- Control: one end of a `socketpair` handed to the child (`pass_fds`), carrying framed JSON
+  (the weight transport's `Channel`): strict request/reply, each reply tagged with the request's
+  id; token ids and log-probabilities travel as JSON numbers (float64 text round-trips exactly).
+  There is no socket file, and the child's death is an immediate EOF on the parent's end.
+- Weights: `WeightSender` / `WeightReceiver` (rltrain.sync.transport): fixed-size shared-memory
+  buckets (no /dev/shm names), JSON metadata, a fresh 0700 endpoint per sync under this engine's
+  own private directory. `update_weights` sends the `update` request first, then streams; the
+  child feeds the buckets straight into vLLM's in-place reload (the whole checkpoint in one call).
+- Every wait is bounded (`rollout.timeout_s`, start-up `rollout.start_timeout_s`). If the child
+  dies, the next wait fails at once with `RolloutProcessError` naming its exit code; if it stalls,
+  the wait fails at its timeout and the child is killed. `close()` (and any failure) removes the
+  private directory; the shared memory has no name to leave behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterable
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rltrain.config import VLLMRolloutConfig
+from rltrain.rollout.base import Completion, SamplingSettings
+from rltrain.sync.transport import TransportError, WeightSender
+from rltrain.sync.transport_wire import Channel, Message, ProtocolError, make_private_dir
+
+OPS = frozenset({"ready", "reply", "generate", "update", "sleep", "wake", "ping", "close"})
+# torch.distributed / elastic variables the child must not inherit (vLLM would read them).
+_DIST_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+class RolloutProcessError(RuntimeError):
+    """The rollout process died, stalled past its timeout, or reported an error."""
+
+
+class ControlChannel(Channel):
+    """The request/reply channel to the rollout process: the transport's framing and JSON-only
+    rule, with control messages `{"op": ..., "id": int, ...}` instead of sync messages."""
+
+    def recv(self, what: str) -> Message:
+        body = self.recv_body(what)
+        try:
+            message = json.loads(body.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ProtocolError(f"control message from the {self.peer} is not JSON") from exc
+        if (
+            not isinstance(message, dict)
+            or message.get("op") not in OPS
+            or type(message.get("id")) is not int
+        ):
+            raise ProtocolError(f"malformed control message from the {self.peer}: {str(message)[:200]}")
+        return message
+
+
+def _config_dict(cfg: Any) -> dict[str, Any]:
+    """The rollout config (a dataclass, or the run's OmegaConf node) as plain JSON values."""
+    if is_dataclass(cfg):
+        return asdict(cfg)
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+def completions_to_json(completions: list[Completion]) -> list[dict[str, Any]]:
+    return [asdict(c) for c in completions]
+
+
+def completions_from_json(rows: list[dict[str, Any]]) -> list[Completion]:
+    return [
+        Completion(
+            int(r["prompt_index"]),
+            [int(t) for t in r["token_ids"]],
+            [float(x) for x in r["logprobs"]],
+            bool(r["finished"]),
+        )
+        for r in rows
+    ]
+
+
+class SeparateVLLMEngine:
+    """`RolloutEngine` whose `VLLMRolloutEngine` lives in a child process (see the module doc)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        cfg: VLLMRolloutConfig,
+        seed: int = 0,
+        *,
+        dtype: str = "float32",
+        num_threads: int | None = None,
+        ping_timeout_s: float = 5.0,
+    ) -> None:
+        self.cfg = cfg
+        self.timeout_s = cfg.timeout_s
+        self.ping_timeout_s = ping_timeout_s
+        self._lock = threading.Lock()  # one request in flight (a health-check ping may race a step)
+        self._next_id = 0
+        self.proc: subprocess.Popen | None = None
+        self.channel: ControlChannel | None = None
+        self.directory = make_private_dir(None, prefix="rlsep-")
+        try:
+            self.sender = WeightSender(cfg.bucket_mb << 20, cfg.timeout_s, base_dir=self.directory)
+            self._start(model_dir, seed, dtype, num_threads or torch.get_num_threads())
+        except BaseException:
+            self.close(kill=True)
+            raise
+
+    # --- child lifecycle ------------------------------------------------------------------------
+
+    def _start(self, model_dir: str | Path, seed: int, dtype: str, num_threads: int) -> None:
+        parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        spec = {
+            "model_dir": os.fspath(model_dir),
+            "cfg": _config_dict(self.cfg),
+            "seed": seed,
+            "dtype": dtype,
+            "weights_control_path": os.fspath(self.sender.control_path),
+            "num_threads": num_threads,
+            "control_fd": child_end.fileno(),
+        }
+        env = {
+            k: v for k, v in os.environ.items() if k not in _DIST_ENV and not k.startswith("TORCHELASTIC_")
+        }
+        env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # as for the in-process engine (rollout registry)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "rltrain.rollout.separate_child", json.dumps(spec)],
+                pass_fds=(child_end.fileno(),),
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            child_end.close()  # the child holds its copy: its death is EOF on ours
+        self.channel = ControlChannel(parent_end, "rollout process", self.cfg.start_timeout_s)
+        ready = self._recv(0, "the rollout process to build its engine", expect="ready")
+        self.channel.timeout_s = self.timeout_s
+        self.pid = int(ready["pid"])
+
+    def close(self, kill: bool = False) -> None:
+        """Stop the child (politely, then by force), remove every socket and directory. Idempotent."""
+        proc, channel = self.proc, self.channel
+        self.proc, self.channel = None, None
+        try:
+            if channel is not None and proc is not None and proc.poll() is None and not kill:
+                try:
+                    channel.timeout_s = min(self.timeout_s, 30.0)
+                    self._next_id += 1
+                    channel.send({"op": "close", "id": self._next_id})
+                    channel.recv("the rollout process to shut down")
+                except (OSError, TransportError):
+                    pass
+            if proc is not None:
+                try:
+                    proc.wait(timeout=0 if kill else 30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=30)
+        finally:
+            if channel is not None:
+                channel.close()
+            sender = getattr(self, "sender", None)
+            if sender is not None:
+                sender.close()
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    def __del__(self) -> None:  # a forgotten engine must not leave a child behind
+        if getattr(self, "proc", None) is not None:
+            self.close(kill=True)
+
+    # --- request/reply --------------------------------------------------------------------------
+
+    def _dead(self, what: str, cause: BaseException) -> RolloutProcessError:
+        """The error for a child that is gone, or stalled (then it is killed): the engine is
+        unusable either way, so it is closed and every later call fails at once."""
+        proc = self.proc
+        code: int | None = None
+        stalled = isinstance(cause, TimeoutError)
+        if proc is not None:
+            try:
+                code = proc.wait(timeout=0.1 if stalled else 5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = proc.wait(timeout=30)
+        self.close(kill=True)
+        how = f"did not answer within {self.channel_timeout_s}s and was killed" if stalled else "exited"
+        return RolloutProcessError(
+            f"the rollout process (rollout.process=separate) failed {what}: it {how} (exit code {code}; "
+            f"{cause}). Its own error, if any, is in the run's log above."
+        )
+
+    def _send(self, op: str, **fields: Any) -> int:
+        if self.channel is None:
+            raise RolloutProcessError(
+                "the rollout process is closed (it failed earlier or close() was called)"
+            )
+        self._next_id += 1
+        try:
+            self.channel.send({"op": op, "id": self._next_id, **fields})
+        except TransportError as exc:
+            raise self._dead(f"before {op!r}", exc) from exc
+        return self._next_id
+
+    def _recv(self, request_id: int, what: str, expect: str = "reply") -> Message:
+        assert self.channel is not None
+        self.channel_timeout_s = self.channel.timeout_s
+        try:
+            message = self.channel.recv(what)
+        except TransportError as exc:
+            raise self._dead(f"while waiting for {what}", exc) from exc
+        if message["op"] != expect or message["id"] != request_id:
+            self.close(kill=True)
+            raise RolloutProcessError(
+                f"the rollout process answered {message['op']!r} #{message['id']} to {expect!r} #{request_id}"
+            )
+        if not message.get("ok", False):
+            raise RolloutProcessError(
+                f"the rollout process failed {what}:\n{message.get('error', '(no detail)')}"
+            )
+        return message
+
+    def _call(self, op: str, **fields: Any) -> Any:
+        with self._lock:
+            request_id = self._send(op, **fields)
+            return self._recv(request_id, f"{op!r}").get("result")
+
+    # --- RolloutEngine --------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+        rows = self._call("generate", prompts=[list(map(int, p)) for p in prompts], sampling=asdict(sampling))
+        return completions_from_json(rows)
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The whole checkpoint through the bucketed transport; returns when the child has loaded
+        it (vLLM's in-place reload, tied-head refresh, prefix-cache reset)."""
+        with self._lock:
+            request_id = self._send("update")
+            try:
+                self.sync_stats = self.sender.send(weights)
+            except TransportError as exc:
+                if self.proc is None or self.proc.poll() is not None:
+                    raise self._dead("during a weight sync", exc) from exc
+                # The child is alive and aborted (its reply says why); keep the channel in step.
+                self._recv(request_id, "a weight sync")
+                raise
+            self._recv(request_id, "a weight sync")
+
+    def sleep(self) -> None:
+        self._call("sleep")
+
+    def wake(self) -> None:
+        self._call("wake")
+
+    def ping(self) -> bool:
+        """True when the child answers within `ping_timeout_s`; while another request is in
+        flight, whether the child process is still running."""
+        if not self._lock.acquire(timeout=self.ping_timeout_s):
+            return self.proc is not None and self.proc.poll() is None
+        try:
+            if self.channel is None:
+                return False
+            timeout, self.channel.timeout_s = self.channel.timeout_s, self.ping_timeout_s
+            try:
+                request_id = self._send("ping")
+                return bool(self._recv(request_id, "a ping").get("result"))
+            finally:
+                if self.channel is not None:
+                    self.channel.timeout_s = timeout
+        except RolloutProcessError:
+            return False
+        finally:
+            self._lock.release()
+
+
+def build_engine(ctx) -> SeparateVLLMEngine:
+    """The run's out-of-process vLLM engine (registry key `vllm` with `rollout.process=separate`)."""
+    return SeparateVLLMEngine(
+        ctx.model_dir,
+        ctx.cfg.rollout,
+        seed=ctx.cfg.rollout.seed,
+        dtype=ctx.cfg.model.dtype,
+        ping_timeout_s=ctx.cfg.health.ping_timeout_s,
+    )
