@@ -61,9 +61,13 @@ def init_single_rank(port: int) -> None:
 
 def quiet_transformers() -> None:
     """Progress bars and warnings would drown the table."""
+    import warnings
+
     import transformers
 
     transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     import datasets
 
@@ -83,11 +87,26 @@ def make_rows(n: int, seed: int = 0) -> list[dict[str, str]]:
     return rows
 
 
+def disable_length_buckets(engine) -> None:
+    """Ablation: score every micro-batch as one rectangle padded to its longest sequence (what the
+    engine did before length buckets), to show what the buckets buy."""
+    engine._length_groups = lambda batch: None
+
+
+def silence_trainer(trainer) -> None:
+    """With progress bars off, Trainer prints its log dicts instead; the table is the output."""
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)
+
+
 class RltrainSFT:
     """rltrain's side: the FSDP engine on one rank, `sft_loss`, batches tokenized up front (TRL's
     dataset is tokenized before training too, so neither side times tokenization)."""
 
-    def __init__(self, model_dir: Path, rows: list[dict[str, str]], batch: int, total_steps: int) -> None:
+    def __init__(
+        self, model_dir: Path, rows: list[dict[str, str]], batch: int, total_steps: int, buckets: bool = True
+    ) -> None:
         from transformers import AutoTokenizer
 
         from rltrain.algos.sft import sft_loss
@@ -99,6 +118,8 @@ class RltrainSFT:
         self.loss_fn = sft_loss
         optim = OptimConfig(lr=1e-4, warmup_steps=0, schedule="constant", beta2=0.999, max_grad_norm=1.0)
         self.engine = FSDPEngine(model_dir, FSDPBackendConfig(), optim, total_steps, torch.device("cpu"))
+        if not buckets:
+            disable_length_buckets(self.engine)
         self.batches: list[tuple[SequenceBatch, int]] = []
         for step in range(total_steps):
             chunk = rows[step * batch : (step + 1) * batch]
@@ -147,6 +168,7 @@ def run_trl_sft(
         logging_steps=10_000, save_strategy="no", report_to=[], disable_tqdm=True,
     )
     trainer = SFTTrainer(model=model, args=config, train_dataset=ds, processing_class=tok, callbacks=[Interleave()])
+    silence_trainer(trainer)
     lengths = [len(ids) for ids in trainer.train_dataset["input_ids"]]
     assert len(lengths) == len(ds), "TRL dropped rows: the two sides would not see the same batches"
     trainer.train()
@@ -189,6 +211,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="sequences per optimizer step (one micro-batch)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch intra-op threads")
     parser.add_argument("--port", type=int, default=29533)
+    parser.add_argument("--ablate-buckets", action="store_true", help="add a row: rltrain without length buckets")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     quiet_transformers()
@@ -198,25 +221,36 @@ def main() -> None:
         model_dir = bench_model_dir(Path(tmp) / "cache")
         n_params = count_params(model_dir)
         rows = make_rows(total * args.batch)
-        ours_sys = RltrainSFT(model_dir, rows, args.batch, total)
-        ours: list[Timing] = []
+        systems = {"rltrain (FSDP engine)": RltrainSFT(model_dir, rows, args.batch, total)}
+        if args.ablate_buckets:
+            systems["rltrain, no length buckets"] = RltrainSFT(model_dir, rows, args.batch, total, buckets=False)
+        ours: dict[str, list[Timing]] = {name: [] for name in systems}
+
+        def our_steps(k: int) -> None:
+            for name, system in systems.items():
+                ours[name].append(system.step(k))
+
         theirs: list[Timing] = []
         if trl_available():
-            theirs = run_trl_sft(model_dir, rows, args.batch, total, Path(tmp) / "trl", lambda k: ours.append(ours_sys.step(k)))
+            theirs = run_trl_sft(model_dir, rows, args.batch, total, Path(tmp) / "trl", our_steps)
         else:
             print("TRL is not importable: install trl==1.16.0 to compare")
-            ours = [ours_sys.step(k) for k in range(total)]
-    ours, theirs = ours[args.warmup :], theirs[args.warmup :]
-    tps, step_s = summarise(ours)
-    table = [["rltrain (FSDP engine)", f"{tps:.0f}", f"{step_s:.3f}", "1.00x" if not theirs else ""]]
+            for k in range(total):
+                our_steps(k)
+    ours = {name: timings[args.warmup :] for name, timings in ours.items()}
+    theirs = theirs[args.warmup :]
+    trl_tps = summarise(theirs)[0] if theirs else None
+    table = []
+    for name, timings in ours.items():
+        tps, step_s = summarise(timings)
+        table.append([name, f"{tps:.0f}", f"{step_s:.3f}", f"{tps / trl_tps:.2f}x" if trl_tps else "-"])
     notes = []
     if theirs:
-        trl_tps, trl_step = summarise(theirs)
-        table[0][3] = f"{tps / trl_tps:.2f}x"
-        table.append(["TRL SFTTrainer", f"{trl_tps:.0f}", f"{trl_step:.3f}", "1.00x"])
-        if [n for _, n in ours] != [n for _, n in theirs]:
-            notes.append("warning: the two sides counted different tokens per batch")
-        notes.append(f"paired per-step speed-up (TRL step s / rltrain step s, same batch): {paired_ratio(ours, theirs)}")
+        table.append(["TRL SFTTrainer", f"{trl_tps:.0f}", f"{summarise(theirs)[1]:.3f}", "1.00x"])
+        for name, timings in ours.items():
+            if [n for _, n in timings] != [n for _, n in theirs]:
+                notes.append(f"warning: {name} and TRL counted different tokens per batch")
+            notes.append(f"paired per-step speed-up of {name} (TRL step s / its step s, same batch): {paired_ratio(timings, theirs)}")
     notes.append("CPU shared with other jobs: timings are noisy; steps are interleaved so both see the same load.")
     print_table(
         f"SFT, {n_params / 1e6:.1f}M params, batch {args.batch} sequences of 30-250 tokens, "

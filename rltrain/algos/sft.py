@@ -11,11 +11,9 @@ number of ranks do not change it. No packing across examples, no label smoothing
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from rltrain.algos.base import RunContext
+from rltrain.algos.base import PolicyStreamAlgorithm, RunContext
 from rltrain.backends import build_engine
 from rltrain.backends.base import PolicyOutput
 from rltrain.data.batch import SequenceBatch
@@ -32,7 +30,7 @@ def sft_loss(output: PolicyOutput, batch: SequenceBatch) -> tuple[torch.Tensor, 
     return loss, {}
 
 
-class SFT:
+class SFT(PolicyStreamAlgorithm):
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
         cfg = ctx.cfg
@@ -69,15 +67,3 @@ class SFT:
             return {}
         acc = self.evaluator.accuracy(self.policy, [e.prompt for e in self.data.eval], [e.reference for e in self.data.eval])
         return {"eval/accuracy": acc}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"stream": self.stream.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.stream.load_state_dict(state["stream"])
-
-    def checkpoint_engines(self) -> dict[str, Any]:
-        return {"policy": self.policy}
-
-    def export_engine(self) -> Any:
-        return self.policy

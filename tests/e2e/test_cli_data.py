@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from cli import QUICK, rltrain, train_rows
 
 pytestmark = pytest.mark.e2e

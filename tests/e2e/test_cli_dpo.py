@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from cli import QUICK, read_metrics, rltrain, train_rows
 
 pytestmark = pytest.mark.e2e

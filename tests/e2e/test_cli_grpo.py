@@ -7,7 +7,6 @@ import json
 import textwrap
 
 import pytest
-
 from cli import QUICK, rltrain, train_rows
 
 pytestmark = pytest.mark.e2e

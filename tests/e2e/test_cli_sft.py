@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from cli import QUICK, ROOT, read_metrics, rltrain, train_rows
 from wandb_reader import find_run_file, read_offline_run
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import statistics
 
 import pytest
-
 from cli import read_metrics, rltrain, train_rows
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

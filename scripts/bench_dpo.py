@@ -1,0 +1,211 @@
+"""DPO throughput: rltrain (FSDP engine policy + frozen reference) vs TRL's DPOTrainer.
+
+Same ~10M-parameter model as bench_sft.py (Qwen2, hidden 384, 6 layers, head size 32) for the
+policy and the reference, same preference rows (prompt 10-80 tokens, chosen and rejected 10-170
+tokens each, drawn independently, so every pair is ragged), same batches in the same order (TRL's
+sampler is sequential), sigmoid loss with beta 0.1, an online reference forward every step on both
+sides (no precomputed reference log-probabilities), fp32 on CPU. TRL runs through its normal
+`DPOTrainer(...).train()` API with an explicit `ref_model` and its default padding. Our side is
+`rltrain.algos.dpo` (`dpo_micro_batches`, `attach_reference`, `make_dpo_loss`) on
+`rltrain.backends.fsdp.FSDPEngine`, one rank over gloo; the timed step includes the reference
+forward.
+
+Tokens/s counts the tokens each side feeds its models per step: 2 x prompt + chosen + rejected per
+pair (the reference forward is not counted again). Steps are interleaved (rltrain's step k runs
+right after TRL's step k, from a TRL callback outside TRL's timed region) because the CPU is
+shared with other jobs; the per-step ratio on the same batch is printed too.
+
+    .venv/bin/python scripts/bench_dpo.py [--steps 6] [--warmup 1] [--pairs 8] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from bench_sft import (
+    Timing,
+    bench_model_dir,
+    count_params,
+    disable_length_buckets,
+    init_single_rank,
+    paired_ratio,
+    print_table,
+    quiet_transformers,
+    silence_trainer,
+    summarise,
+    trl_available,
+)
+
+BETA = 0.1
+ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 +=-"
+
+
+def make_pairs(n: int, seed: int = 0) -> list[dict[str, str]]:
+    """Preference rows; chosen and rejected lengths are independent (10x apart at the extremes)."""
+    rng = random.Random(seed)
+
+    def text(lo: int, hi: int) -> str:
+        return "".join(rng.choice(ALPHABET) for _ in range(rng.randint(lo, hi)))
+
+    return [{"prompt": text(10, 80), "chosen": text(9, 169), "rejected": text(9, 169)} for _ in range(n)]
+
+
+class RltrainDPO:
+    """rltrain's side, with every batch tokenized up front (TRL tokenizes its dataset before
+    training too); `step(k)` = reference forward + policy train step on batch k."""
+
+    def __init__(
+        self, model_dir: Path, rows: list[dict[str, str]], pairs_per_step: int, total_steps: int, buckets: bool = True
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        from rltrain.algos.dpo import attach_reference, dpo_micro_batches, make_dpo_loss
+        from rltrain.backends.fsdp import FSDPEngine
+        from rltrain.config import FSDPBackendConfig, OptimConfig
+        from rltrain.data.preference_data import PreferencePair
+
+        tok = AutoTokenizer.from_pretrained(model_dir)
+
+        def enc(s: str) -> list[int]:
+            return tok(s, add_special_tokens=False)["input_ids"]
+
+        eos = tok.eos_token_id
+        self.pairs = [PreferencePair(enc(r["prompt"]), enc(r["chosen"]) + [eos], enc(r["rejected"]) + [eos]) for r in rows]
+        self.per_step = pairs_per_step
+        optim = OptimConfig(lr=1e-4, warmup_steps=0, schedule="constant", beta2=0.999, max_grad_norm=1.0)
+        cpu = torch.device("cpu")
+        self.policy = FSDPEngine(model_dir, FSDPBackendConfig(), optim, total_steps, cpu)
+        self.reference = FSDPEngine(model_dir, FSDPBackendConfig(), None, total_steps, cpu)
+        if not buckets:
+            disable_length_buckets(self.policy)
+            disable_length_buckets(self.reference)
+        self.loss_fn = make_dpo_loss(BETA, "sigmoid", 0.0, 0.0)
+        self._micro = dpo_micro_batches
+        self._attach = attach_reference
+
+    def tokens(self, k: int) -> int:
+        chunk = self.pairs[k * self.per_step : (k + 1) * self.per_step]
+        return sum(2 * len(p.prompt) + len(p.chosen) + len(p.rejected) for p in chunk)
+
+    def step(self, k: int) -> Timing:
+        chunk = self.pairs[k * self.per_step : (k + 1) * self.per_step]
+        t0 = time.perf_counter()
+        micro, _ = self._micro(chunk, 0, 1, len(chunk))
+        self._attach(micro, self.reference)
+        self.policy.train_step(micro, self.loss_fn)
+        return time.perf_counter() - t0, self.tokens(k)
+
+
+def run_trl_dpo(
+    model_dir: Path, rows: list[dict[str, str]], pairs_per_step: int, total_steps: int, out_dir: Path,
+    after_step: Callable[[int], None],
+) -> list[Timing]:
+    """TRL's DPOTrainer through its normal API; `after_step(k)` runs after TRL's step k is timed."""
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+
+    def load() -> torch.nn.Module:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+
+    ds = datasets.Dataset.from_list(rows[: total_steps * pairs_per_step])
+    times: list[float] = []
+
+    class Interleave(TrainerCallback):
+        t0 = 0.0
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - self.t0)
+            after_step(len(times) - 1)
+
+    config = DPOConfig(
+        output_dir=str(out_dir), per_device_train_batch_size=pairs_per_step, gradient_accumulation_steps=1,
+        max_steps=total_steps, learning_rate=1e-4, lr_scheduler_type="constant", max_grad_norm=1.0,
+        beta=BETA, loss_type=["sigmoid"], precompute_ref_log_probs=False, max_length=1024,
+        train_sampling_strategy="sequential", use_cpu=True, dataloader_num_workers=0, seed=0, bf16=False, fp16=False,
+        logging_steps=10_000, save_strategy="no", report_to=[], disable_tqdm=True,
+    )
+    trainer = DPOTrainer(model=load(), ref_model=load(), args=config, train_dataset=ds, processing_class=tok, callbacks=[Interleave()])
+    silence_trainer(trainer)
+    data = trainer.train_dataset
+    assert len(data) == len(ds), "TRL dropped rows: the two sides would not see the same batches"
+    tokens = [2 * len(p) + len(c) + len(r) for p, c, r in zip(data["prompt_ids"], data["chosen_ids"], data["rejected_ids"])]
+    trainer.train()
+    return [(t, sum(tokens[k * pairs_per_step : (k + 1) * pairs_per_step])) for k, t in enumerate(times)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps per system")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--pairs", type=int, default=8, help="preference pairs per optimizer step (one micro-batch)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch intra-op threads")
+    parser.add_argument("--port", type=int, default=29534)
+    parser.add_argument("--ablate-buckets", action="store_true", help="add a row: rltrain without length buckets")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    quiet_transformers()
+    init_single_rank(args.port)
+    total = args.steps + args.warmup
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = bench_model_dir(Path(tmp) / "cache")
+        n_params = count_params(model_dir)
+        rows = make_pairs(total * args.pairs)
+        systems = {"rltrain (FSDP engine)": RltrainDPO(model_dir, rows, args.pairs, total)}
+        if args.ablate_buckets:
+            systems["rltrain, no length buckets"] = RltrainDPO(model_dir, rows, args.pairs, total, buckets=False)
+        ours: dict[str, list[Timing]] = {name: [] for name in systems}
+
+        def our_steps(k: int) -> None:
+            for name, system in systems.items():
+                ours[name].append(system.step(k))
+
+        theirs: list[Timing] = []
+        if trl_available():
+            theirs = run_trl_dpo(model_dir, rows, args.pairs, total, Path(tmp) / "trl", our_steps)
+        else:
+            print("TRL is not importable: install trl==1.16.0 to compare")
+            for k in range(total):
+                our_steps(k)
+    ours = {name: timings[args.warmup :] for name, timings in ours.items()}
+    theirs = theirs[args.warmup :]
+
+    def row(name: str, timings: list[Timing]) -> list[str]:
+        tps, step_s = summarise(timings)
+        return [name, f"{args.pairs * len(timings) / sum(t for t, _ in timings):.2f}", f"{tps:.0f}", f"{step_s:.3f}", "-"]
+
+    table = [row(name, timings) for name, timings in ours.items()]
+    notes = []
+    if theirs:
+        for line, timings in zip(table, ours.values()):
+            line[4] = f"{summarise(timings)[0] / summarise(theirs)[0]:.2f}x"
+        table.append(row("TRL DPOTrainer", theirs))
+        table[-1][4] = "1.00x"
+        for name, timings in ours.items():
+            if [n for _, n in timings] != [n for _, n in theirs]:
+                notes.append(f"warning: {name} and TRL counted different tokens per batch")
+            notes.append(f"paired per-step speed-up of {name} (TRL step s / its step s, same batch): {paired_ratio(timings, theirs)}")
+    notes.append("CPU shared with other jobs: timings are noisy; steps are interleaved so both see the same load.")
+    print_table(
+        f"DPO (sigmoid, beta {BETA}, online reference), {n_params / 1e6:.1f}M params, {args.pairs} pairs per step, "
+        f"{args.steps} timed steps (+{args.warmup} warm-up), {args.threads} threads, CPU fp32",
+        ["system", "pairs/s", "tokens/s", "step s (median)", "tokens/s vs TRL"], table, notes,
+    )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""GRPO step time: rltrain's GRPO (CLI, vLLM CPU rollout) vs TRL's GRPOTrainer (transformers generate).
+
+Fixed config on both sides: the embedded tiny model (rltrain's default `model=tiny`, built
+locally), the built-in addition task and its reward (`rltrain.rewards.builtin.addition_reward`),
+the same prompts in the same order (rltrain's prompt stream is replayed for TRL), 16 prompts x 8
+completions per step, temperature 1.0, top-p 1.0, no top-k, at most `--max-new-tokens` new
+tokens, clipped token-level loss (clip 0.2 / 0.28, no KL, group-scaled advantages), one optimizer
+step per generation, fp32 on CPU.
+
+rltrain runs through its CLI (`python -m rltrain algo=grpo ...`, vLLM's CPU build in-process, the
+policy on the FSDP engine, weights synced to vLLM every step) and the table reads its
+`metrics.jsonl` (`time/step`, `time/rollout`, `time/train`, `time/sync`,
+`rollout/tokens_per_s`). TRL's colocated vLLM path fails on vLLM's CPU build, so TRL is run with
+`use_vllm=False` (its transformers-generation path): the comparison is rltrain+vLLM vs
+TRL+transformers.generate, and the output says so. TRL's step time is measured from its
+`on_step_begin` to `on_step_end` callbacks (generation happens inside the step); its rollout time
+wraps its generation call.
+
+The two sides run one after the other (a CLI run is its own process), alternating `--rounds`
+times, because the CPU is shared with other jobs and load drifts; medians over all timed steps are
+reported.
+
+    .venv/bin/python scripts/bench_grpo.py [--steps 8] [--warmup 2] [--max-new-tokens 16] [--rounds 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from bench_sft import print_table, quiet_transformers, silence_trainer, trl_available
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS, GROUP, LR, CLIP_LOW, CLIP_HIGH = 16, 8, 2e-3, 0.2, 0.28
+NUM_EVAL = 16  # held-out problems; fixes the train split both sides draw prompts from
+
+StepRow = dict[str, float]
+
+
+def tiny_model_dir(cache: Path) -> Path:
+    """The embedded default model (rltrain's ModelConfig defaults), built once into `cache`."""
+    from rltrain.config import ModelConfig
+    from rltrain.models.tiny import build_tiny_model_dir
+
+    return build_tiny_model_dir(ModelConfig(cache_dir=str(cache)), seed=0)
+
+
+def prompt_stream(model_dir: Path, total_steps: int) -> list[dict[str, str]]:
+    """The prompts rltrain's GRPO samples, step by step (same split, same seeded stream)."""
+    from transformers import AutoTokenizer
+
+    from rltrain.config import DataConfig
+    from rltrain.data.prompt_data import build_prompt_data
+    from rltrain.data.sampler import IndexStream
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    train, _, _ = build_prompt_data(tok, DataConfig(num_eval=NUM_EVAL), 0)
+    stream = IndexStream(len(train), 0)
+    rows = []
+    for _ in range(total_steps):
+        rows += [{"prompt": train[i].text, "answer": str(train[i].columns["answer"])} for i in stream.take(PROMPTS)]
+    return rows
+
+
+def run_rltrain(model_dir: Path, run_dir: Path, total_steps: int, max_new: int, threads: int) -> list[StepRow]:
+    """One CLI run; the per-step rows of its metrics.jsonl."""
+    cmd = [
+        sys.executable, "-m", "rltrain", "algo=grpo", f"model.path={model_dir}", f"hydra.run.dir={run_dir}",
+        f"trainer.max_steps={total_steps}", "trainer.eval_every=0", "trainer.save_every=0", "trainer.progress=lines",
+        f"trainer.num_threads={threads}", f"data.num_eval={NUM_EVAL}", "trainer.seed=0", "rollout.seed=0",
+        f"algo.prompts_per_step={PROMPTS}", f"algo.group_size={GROUP}", f"algo.max_new_tokens={max_new}",
+        "algo.temperature=1.0", "algo.top_p=1.0", "algo.beta=0.0", f"algo.clip_low={CLIP_LOW}",
+        f"algo.clip_high={CLIP_HIGH}", "algo.loss_agg=token_mean", "algo.scale_rewards=group",
+        f"optim.lr={LR}", "optim.schedule=constant", "optim.warmup_steps=0", "optim.max_grad_norm=1.0",
+    ]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"rltrain CLI failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in rows if "time/step" in r]
+
+
+def run_trl(model_dir: Path, rows: list[dict[str, str]], total_steps: int, max_new: int, out_dir: Path) -> list[StepRow]:
+    """TRL's GRPOTrainer, transformers-generate path; per-step step/rollout seconds and tokens."""
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rltrain.rewards.builtin import addition_reward
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    steps: list[StepRow] = []
+    rollout = {"s": 0.0, "tokens": 0}
+
+    class StepTimer(TrainerCallback):
+        t0 = 0.0
+
+        def on_step_begin(self, args, state, control, **kw):
+            rollout.update(s=0.0, tokens=0)
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            step_s = time.perf_counter() - self.t0
+            steps.append({"time/step": step_s, "time/rollout": rollout["s"], "rollout_tokens": rollout["tokens"]})
+
+    config = GRPOConfig(
+        output_dir=str(out_dir), per_device_train_batch_size=PROMPTS * GROUP, gradient_accumulation_steps=1,
+        num_generations=GROUP, max_completion_length=max_new, temperature=1.0, top_p=1.0, top_k=0,
+        use_vllm=False, beta=0.0, epsilon=CLIP_LOW, epsilon_high=CLIP_HIGH, loss_type="dapo", scale_rewards="group",
+        num_iterations=1, shuffle_dataset=False, max_steps=total_steps, learning_rate=LR,
+        lr_scheduler_type="constant", max_grad_norm=1.0, use_cpu=True, dataloader_num_workers=0, seed=0,
+        bf16=False, fp16=False, logging_steps=10_000, save_strategy="no", report_to=[], disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=[addition_reward], args=config, train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=tok, callbacks=[StepTimer()],
+    )
+    silence_trainer(trainer)
+    generate = trainer._generate_single_turn  # timed, not changed: generation is TRL's rollout
+
+    def timed_generate(*args, **kwargs):
+        t0 = time.perf_counter()
+        completion_ids, logprobs = generate(*args, **kwargs)
+        rollout["s"] += time.perf_counter() - t0
+        rollout["tokens"] += sum(len(c) for c in completion_ids)
+        return completion_ids, logprobs
+
+    trainer._generate_single_turn = timed_generate
+    trainer.train()
+    return steps
+
+
+def med(rows: list[StepRow], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per system and round")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (vLLM and allocator warm-up)")
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=1, help="alternate rltrain and TRL this many times")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch intra-op threads (both sides)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    quiet_transformers()
+    total = args.steps + args.warmup
+    ours: list[StepRow] = []
+    theirs: list[StepRow] = []
+    with_trl = trl_available()
+    if not with_trl:
+        print("TRL is not importable: install trl==1.16.0 to compare")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = tiny_model_dir(Path(tmp) / "cache")
+        n_params = sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_pretrained(model_dir).parameters())
+        rows = prompt_stream(model_dir, total)
+        for r in range(args.rounds):
+            ours += run_rltrain(model_dir, Path(tmp) / f"rltrain{r}", total, args.max_new_tokens, args.threads)[args.warmup :]
+            if with_trl:
+                theirs += run_trl(model_dir, rows, total, args.max_new_tokens, Path(tmp) / f"trl{r}")[args.warmup :]
+
+    ours_step = med(ours, "time/step")
+    table = [[
+        "rltrain GRPO (vLLM CPU rollout)", f"{ours_step:.3f}", f"{med(ours, 'time/rollout'):.3f}",
+        f"{med(ours, 'time/train'):.3f}", f"{med(ours, 'time/sync'):.3f}", f"{med(ours, 'rollout/tokens_per_s'):.0f}", "",
+    ]]
+    notes = []
+    if theirs:
+        trl_step = med(theirs, "time/step")
+        trl_tps = statistics.median(r["rollout_tokens"] / r["time/rollout"] for r in theirs)
+        table[0][-1] = f"{ours_step / trl_step:.2f}"
+        table.append([
+            "TRL GRPOTrainer (use_vllm=False)", f"{trl_step:.3f}", f"{med(theirs, 'time/rollout'):.3f}",
+            f"{statistics.median(r['time/step'] - r['time/rollout'] for r in theirs):.3f}", "-", f"{trl_tps:.0f}", "1.00",
+        ])
+        notes.append(
+            "TRL uses transformers generate (use_vllm=False): its colocated vLLM path fails on vLLM's CPU build. "
+            "TRL's 'train' column is step minus generation (rewards, log-probs, backward, optimizer)."
+        )
+    notes.append("CPU shared with other jobs: timings are noisy; medians over all timed steps.")
+    print_table(
+        f"GRPO, embedded tiny model ({n_params / 1e6:.2f}M params), addition task, {PROMPTS} prompts x {GROUP} completions, "
+        f"max {args.max_new_tokens} new tokens, {args.steps} timed steps (+{args.warmup} warm-up) x {args.rounds} round(s), "
+        f"{args.threads} threads, CPU fp32",
+        ["system", "step s", "rollout s", "train s", "sync s", "rollout tok/s", "step vs TRL"], table, notes,
+    )
+
+
+if __name__ == "__main__":
+    main()
