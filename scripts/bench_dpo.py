@@ -15,13 +15,12 @@ pair (the reference forward is not counted again). Steps are interleaved (rltrai
 right after TRL's step k, from a TRL callback outside TRL's timed region) because the CPU is
 shared with other jobs; the per-step ratio on the same batch is printed too.
 
-    .venv/bin/python scripts/bench_dpo.py [--steps 6] [--warmup 1] [--pairs 8] [--threads 2]
+    .venv/bin/python scripts/bench_dpo.py [--steps 6] [--warmup 1] [--pairs 8] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import tempfile
 import time
@@ -152,7 +151,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps per system")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--pairs", type=int, default=8, help="preference pairs per optimizer step (one micro-batch)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch intra-op threads")
+    parser.add_argument(
+        "--threads", type=int, default=1,
+        help="torch intra-op threads, the same for both sides (default 1: on the shared 2-core machines a second OpenMP thread mostly waits at barriers for a descheduled peer, which measures the scheduler; use 2+ on a quiet machine)",
+    )
     parser.add_argument("--port", type=int, default=29534)
     parser.add_argument("--ablate-buckets", action="store_true", help="add a row: rltrain without length buckets")
     args = parser.parse_args()

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -149,7 +148,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (vLLM and allocator warm-up)")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=1, help="alternate rltrain and TRL this many times")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch intra-op threads (both sides)")
+    parser.add_argument(
+        "--threads", type=int, default=1,
+        help="torch intra-op threads, the same for both sides (default 1: on the shared 2-core machines a second OpenMP thread mostly waits at barriers for a descheduled peer, which measures the scheduler; use 2+ on a quiet machine)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     quiet_transformers()

@@ -13,7 +13,7 @@ several x within minutes. rltrain's step k runs right after TRL's step k (from a
 outside TRL's timed region), so both systems see the same load, and the per-step time ratio on
 the same batch is the robust comparison; it is printed as well.
 
-    .venv/bin/python scripts/bench_sft.py [--steps 6] [--warmup 1] [--batch 16] [--threads 2]
+    .venv/bin/python scripts/bench_sft.py [--steps 6] [--warmup 1] [--batch 16] [--threads 1]
 """
 
 from __future__ import annotations
@@ -209,7 +209,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps per system")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--batch", type=int, default=16, help="sequences per optimizer step (one micro-batch)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch intra-op threads")
+    parser.add_argument(
+        "--threads", type=int, default=1,
+        help="torch intra-op threads, the same for both sides (default 1: on the shared 2-core machines a second OpenMP thread mostly waits at barriers for a descheduled peer, which measures the scheduler; use 2+ on a quiet machine)",
+    )
     parser.add_argument("--port", type=int, default=29533)
     parser.add_argument("--ablate-buckets", action="store_true", help="add a row: rltrain without length buckets")
     args = parser.parse_args()

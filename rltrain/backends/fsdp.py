@@ -48,7 +48,7 @@ from rltrain.schedule import lr_at
 # What one more model call costs, in tokens of compute, when splitting a micro-batch into length
 # buckets: on CPU a call is cheap next to its matmuls; on an accelerator small calls are
 # launch-bound, so fewer, larger rectangles win.
-BUCKET_COST_TOKENS = {"cpu": 64, "cuda": 4096}
+BUCKET_COST_TOKENS = {"cpu": 32, "cuda": 4096}
 
 
 class CompletionScorer(nn.Module):

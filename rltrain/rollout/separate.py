@@ -195,7 +195,10 @@ class SeparateVLLMEngine:
 
     def __del__(self) -> None:  # a forgotten engine must not leave a child behind
         if getattr(self, "proc", None) is not None:
-            self.close(kill=True)
+            try:
+                self.close(kill=True)
+            except Exception:  # noqa: BLE001 - at interpreter exit modules may already be gone
+                pass
 
     # --- request/reply --------------------------------------------------------------------------
 

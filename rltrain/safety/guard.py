@@ -249,8 +249,19 @@ class StepErrors:
     recovered: int = 0
 
     def handle(self, exc: Exception, guard: MicroBatchGuard, where: str, dummy_outputs: Callable[[], Any]) -> None:
-        """Re-raise (fail-fast, lost peer, unrecoverable point) or pay what the micro-batch owes.
-        The traceback is printed once, here, with the rank."""
+        """Re-raise (fail-fast, lost peer, unrecoverable point) or pay what the micro-batch owes,
+        at once. The traceback is printed once, with the rank."""
+        owed = self.excuse(exc, guard, where)
+        if owed is Owed.DUMMY_FORWARD_AND_ZERO_BACKWARD:
+            guard.record_outputs(dummy_outputs())
+            guard.zero_backward()
+        elif owed is Owed.ZERO_BACKWARD:
+            guard.zero_backward()
+
+    def excuse(self, exc: Exception, guard: MicroBatchGuard, where: str) -> Owed:
+        """`handle` without the payment: re-raise, or log, count and return what is owed. For a
+        caller whose schedule decides *when* the zero backward runs (a pipeline stage runs its
+        backward where 1F1B puts it, not where the loss failed)."""
         if self.fail_fast or is_collective_failure(exc):
             exc.add_note(f"rltrain: raised on rank {self.rank} ({where}, phase {guard.phase.value})")
             raise exc
@@ -265,12 +276,8 @@ class StepErrors:
             file=sys.stderr,
             flush=True,
         )
-        if owed is Owed.DUMMY_FORWARD_AND_ZERO_BACKWARD:
-            guard.record_outputs(dummy_outputs())
-            guard.zero_backward()
-        elif owed is Owed.ZERO_BACKWARD:
-            guard.zero_backward()
         self.recovered += 1
+        return owed
 
 
 def guarded_micro_batch(

@@ -47,13 +47,23 @@ class Pipeline:
 
 # on_output(micro-batch index, last-stage logits [B, T, V/tp]) -> loss to backward (train) or None
 OnOutput = Callable[[int, torch.Tensor], torch.Tensor | None]
+# on_backward(micro-batch index, that loss): runs the last stage's backward of it. The engine's
+# hook, so that a failed backward can still be paid for (rltrain.safety.guard) before the schedule
+# sends the input gradient to the previous stage.
+OnBackward = Callable[[int, torch.Tensor], None]
+
+
+def _plain_backward(i: int, loss: torch.Tensor) -> None:
+    loss.backward()
 
 
 class _Stage:
     """One stage's forward and backward steps, with the sends they owe kept until the end."""
 
-    def __init__(self, model: torch.nn.Module, pipe: Pipeline, on_output: OnOutput) -> None:
-        self.model, self.pipe, self.on_output = model, pipe, on_output
+    def __init__(
+        self, model: torch.nn.Module, pipe: Pipeline, on_output: OnOutput, on_backward: OnBackward = _plain_backward
+    ) -> None:
+        self.model, self.pipe, self.on_output, self.on_backward = model, pipe, on_output, on_backward
         self.sends: list = []
 
     def forward(self, i: int, mb: PaddedMicroBatch, train: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -69,11 +79,11 @@ class _Stage:
         self.sends.append(dist.isend(out.detach().contiguous(), dst=pipe.next, group=pipe.group))
         return input_TBH, out if train else None
 
-    def backward(self, input_TBH: torch.Tensor | None, out: torch.Tensor | None) -> None:
+    def backward(self, i: int, input_TBH: torch.Tensor | None, out: torch.Tensor | None) -> None:
         pipe = self.pipe
         assert out is not None
         if pipe.last:
-            out.backward()
+            self.on_backward(i, out)
         else:
             grad_TBH = torch.empty_like(out)
             dist.recv(grad_TBH, src=pipe.next, group=pipe.group)
@@ -89,9 +99,14 @@ class _Stage:
 
 
 def run_pipeline(
-    model: torch.nn.Module, pipe: Pipeline, batches: list[PaddedMicroBatch], on_output: OnOutput, train: bool
+    model: torch.nn.Module,
+    pipe: Pipeline,
+    batches: list[PaddedMicroBatch],
+    on_output: OnOutput,
+    train: bool,
+    on_backward: OnBackward = _plain_backward,
 ) -> None:
-    stage = _Stage(model, pipe, on_output)
+    stage = _Stage(model, pipe, on_output, on_backward)
     try:
         if not train:
             with torch.no_grad():
@@ -102,9 +117,9 @@ def run_pipeline(
         in_flight: deque = deque()
         with torch.enable_grad():
             for i in range(warmup):
-                in_flight.append(stage.forward(i, batches[i], train=True))
+                in_flight.append((i, *stage.forward(i, batches[i], train=True)))
             for i in range(warmup, len(batches)):
-                in_flight.append(stage.forward(i, batches[i], train=True))
+                in_flight.append((i, *stage.forward(i, batches[i], train=True)))
                 stage.backward(*in_flight.popleft())
             while in_flight:
                 stage.backward(*in_flight.popleft())
