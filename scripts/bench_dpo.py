@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from bench_sft import (
+    THREADS_HELP,
     Timing,
     bench_model_dir,
     count_params,
@@ -153,7 +154,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=8, help="preference pairs per optimizer step (one micro-batch)")
     parser.add_argument(
         "--threads", type=int, default=1,
-        help="torch intra-op threads, the same for both sides (default 1: on the shared 2-core machines a second OpenMP thread mostly waits at barriers for a descheduled peer, which measures the scheduler; use 2+ on a quiet machine)",
+        help=THREADS_HELP,
     )
     parser.add_argument("--port", type=int, default=29534)
     parser.add_argument("--ablate-buckets", action="store_true", help="add a row: rltrain without length buckets")

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_sft import print_table, quiet_transformers, silence_trainer, trl_available
+from bench_sft import THREADS_HELP, print_table, quiet_transformers, silence_trainer, trl_available
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS, GROUP, LR, CLIP_LOW, CLIP_HIGH = 16, 8, 2e-3, 0.2, 0.28
@@ -150,7 +150,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="alternate rltrain and TRL this many times")
     parser.add_argument(
         "--threads", type=int, default=1,
-        help="torch intra-op threads, the same for both sides (default 1: on the shared 2-core machines a second OpenMP thread mostly waits at barriers for a descheduled peer, which measures the scheduler; use 2+ on a quiet machine)",
+        help=THREADS_HELP,
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

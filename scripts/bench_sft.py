@@ -32,6 +32,11 @@ import torch
 import torch.distributed as dist
 
 Timing = tuple[float, int]  # (seconds, tokens) of one optimizer step
+THREADS_HELP = (
+    "torch intra-op threads, the same for both sides (default 1: on the shared 2-core machines a "
+    "second OpenMP thread mostly waits at barriers for a descheduled peer, which measures the "
+    "scheduler, not the code; use 2+ on a quiet machine)"
+)
 
 
 def bench_model_dir(cache: Path) -> Path:
@@ -211,7 +216,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="sequences per optimizer step (one micro-batch)")
     parser.add_argument(
         "--threads", type=int, default=1,
-        help="torch intra-op threads, the same for both sides (default 1: on the shared 2-core machines a second OpenMP thread mostly waits at barriers for a descheduled peer, which measures the scheduler; use 2+ on a quiet machine)",
+        help=THREADS_HELP,
     )
     parser.add_argument("--port", type=int, default=29533)
     parser.add_argument("--ablate-buckets", action="store_true", help="add a row: rltrain without length buckets")
