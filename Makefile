@@ -21,7 +21,7 @@ install:
 	$(PY) -W ignore -c "import torch, transformers, vllm, megatron.core, hydra, wandb, datasets; from transformers import Qwen2ForCausalLM; print('rltrain: environment OK (torch', torch.__version__, '/ transformers', transformers.__version__, '/ vllm', vllm.__version__, ')')"
 
 test:
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" --durations=15 $(PYTEST_ARGS)
 
 test-all:
 	$(PY) -m pytest -q $(PYTEST_ARGS)
