@@ -181,7 +181,7 @@ class RewardConfig:
 
 @dataclass
 class SafetyConfig:
-    """See docs/failure-behaviour.md."""
+    """See README, "Failure behaviour"."""
 
     fail_fast: bool = False  # RLTRAIN_FAIL_FAST=1/0 overrides
     collective_timeout_s: float = 600.0

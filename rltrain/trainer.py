@@ -93,7 +93,7 @@ def train_loop(ctx: RunContext, algo) -> None:
         if dist_info.is_main:
             print(f"rltrain: resumed from {latest} (step {start_step})", flush=True)
     logger = MetricsLogger(cfg, run_dir, dist_info.is_main, start_step)
-    # heartbeat, hang watchdog, health server, fault injection (docs/failure-behaviour.md)
+    # heartbeat, hang watchdog, health server, fault injection (README, "Failure behaviour")
     safety = SafetyRuntime(cfg, run_dir, dist_info.rank, dist_info.world_size, ping=getattr(algo, "rollout_ping", None))
     safety.start()
     try:

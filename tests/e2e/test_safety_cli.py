@@ -1,4 +1,4 @@
-"""Failure behaviour of real 2-rank runs, driven by `debug.fault` (docs/failure-behaviour.md)."""
+"""Failure behaviour of real 2-rank runs, driven by `debug.fault` (README, "Failure behaviour")."""
 
 from __future__ import annotations
 
@@ -102,6 +102,7 @@ def test_malformed_fault_is_a_user_error(tiny_cache, tmp_path):
 
 
 def test_fault_injection_is_documented():
-    text = (Path(ROOT) / "docs" / "failure-behaviour.md").read_text()
+    text = (Path(ROOT) / "README.md").read_text()
+    assert "## Failure behaviour" in text
     for kind in ("loss_error", "backward_error", "nan_grad", "kill", "rollout_dead"):
         assert kind in text
