@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 
 class MetricKeyMismatch(RuntimeError):
-    pass
+    """Ranks reported different metric keys for one step (a bug in the code that logs them)."""
 
 
 def _key_checksum(keys: list[str]) -> int:
