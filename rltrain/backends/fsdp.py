@@ -19,15 +19,20 @@ routing-independent experts graph and, if its config asks, the load-balancing lo
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from rltrain.backends.base import LossFn, PolicyOutput
 from rltrain.backends.fsdp_groups import FSDPGroups
+from rltrain.backends.hf_scoring import (
+    BUCKET_COST_TOKENS,
+    CompletionScorer,
+    completion_positions,
+    dummy_batch,
+)
 from rltrain.config import FSDPBackendConfig, OptimConfig, SafetyConfig
 from rltrain.data.batch import SequenceBatch, length_buckets
 from rltrain.data.ragged import Ragged
@@ -44,79 +49,6 @@ from rltrain.safety.guard import (
 from rltrain.safety.metrics import reduce_metric_sums
 from rltrain.safety.step import safe_optimizer_step
 from rltrain.schedule import lr_at
-
-# What one more model call costs, in tokens of compute, when splitting a micro-batch into length
-# buckets: on CPU a call is cheap next to its matmuls; on an accelerator small calls are
-# launch-bound, so fewer, larger rectangles win.
-BUCKET_COST_TOKENS = {"cpu": 32, "cuda": 4096}
-
-
-class CompletionScorer(nn.Module):
-    """Wraps a causal LM: log-probabilities (and entropies) of selected next-token positions."""
-
-    def __init__(self, lm: nn.Module, moe_info: moe.MoEInfo | None = None) -> None:
-        super().__init__()
-        self.lm = lm
-        self.moe_info = moe_info
-
-    def forward(
-        self,
-        input_ids_BT: torch.Tensor,
-        rows_N: torch.Tensor,
-        cols_N: torch.Tensor,
-        targets_N: torch.Tensor,
-        with_entropy: bool = False,
-        mask_BT: torch.Tensor | None = None,
-        more_buckets: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (),
-        order_N: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """`more_buckets` holds further (input_ids_BT, rows_N, cols_N) rectangles of the same batch
-        (length buckets, see `FSDPEngine._buckets`); their selected hidden states follow the first
-        rectangle's, and `order_N` puts the concatenation back into ragged order."""
-        # Right padding only: causal attention never lets a real token see the padding after it,
-        # so no attention mask is needed (and sdpa keeps its fast causal path).
-        router = self.training and self.moe_info is not None and self.moe_info.aux_loss_coef > 0
-        out = self.lm.model(input_ids=input_ids_BT, use_cache=False, **({"output_router_logits": True} if router else {}))
-        hidden_NH = out.last_hidden_state[rows_N, cols_N]
-        aux = moe.load_balancing_loss(self.lm, self.moe_info, out.router_logits, mask_BT) if router else None
-        if more_buckets:
-            assert not router, "length buckets are not used with a MoE load-balancing loss"
-            parts = [hidden_NH]
-            for ids_BT, b_rows_N, b_cols_N in more_buckets:
-                parts.append(self.lm.model(input_ids=ids_BT, use_cache=False).last_hidden_state[b_rows_N, b_cols_N])
-            hidden_NH = torch.cat(parts)
-        if order_N is not None:
-            hidden_NH = hidden_NH[order_N]
-        logits_NV = self.lm.lm_head(hidden_NH).float()
-        logp_NV = torch.log_softmax(logits_NV, dim=-1)
-        # clone: FSDP warns (rightly) about returning views from a wrapped module
-        logps_N = logp_NV.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1).clone()
-        entropy_N = -(logp_NV.exp() * logp_NV).sum(-1) if with_entropy else None
-        return logps_N, entropy_N, aux
-
-
-def completion_positions(batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rows_N, cols_N, targets_N): for every completion token, the position whose logits predict
-    it and the token itself, in ragged (sequence-major) order. Vectorised (no per-sequence loop):
-    a GRPO micro-batch holds hundreds of short sequences."""
-    comp_lens_B = batch.completion_lens()
-    n = int(comp_lens_B.sum()) if len(batch) else 0
-    if n == 0:
-        empty = torch.zeros(0, dtype=torch.long)
-        return empty, empty, empty
-    comp_starts_B = torch.cumsum(comp_lens_B, 0) - comp_lens_B
-    j_N = torch.arange(n) - torch.repeat_interleave(comp_starts_B, comp_lens_B)  # index within its completion
-    rows_N = torch.repeat_interleave(torch.arange(len(batch)), comp_lens_B)
-    cols_N = torch.repeat_interleave(batch.prompt_lens - 1, comp_lens_B) + j_N
-    starts_B = batch.tokens.offsets[:-1] + batch.prompt_lens  # first completion token of each sequence
-    targets_N = batch.tokens.values[torch.repeat_interleave(starts_B, comp_lens_B) + j_N]
-    return rows_N, cols_N, targets_N
-
-
-def dummy_batch(pad_id: int) -> SequenceBatch:
-    """A two-token sequence for ranks with no data in a micro-batch: its forward keeps every
-    collective in step, and its output anchors a zero loss to every parameter."""
-    return SequenceBatch.from_lists([[pad_id]], [[pad_id]])
 
 
 class FSDPEngine:

@@ -75,7 +75,7 @@ def _rank(rank, world, model_dir):
 def _reference(model_dir):
     from rltrain.algos.sft import sft_loss
     from rltrain.backends.base import PolicyOutput
-    from rltrain.backends.fsdp import CompletionScorer, completion_positions
+    from rltrain.backends.hf_scoring import CompletionScorer, completion_positions
     from rltrain.data.ragged import Ragged
     from rltrain.models.hf_io import load_causal_lm
     from rltrain.models.moe import prepare_moe
