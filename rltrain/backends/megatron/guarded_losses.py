@@ -1,0 +1,129 @@
+"""Loss and backward of the last pipeline stage under the safety guard (see `GuardedLosses`)."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from rltrain.backends.base import LossFn, PolicyOutput
+from rltrain.backends.megatron.batching import PaddedMicroBatch
+from rltrain.backends.megatron.groups import comm_device
+from rltrain.data.batch import SequenceBatch
+from rltrain.data.ragged import Ragged
+from rltrain.safety import faults
+from rltrain.safety.guard import (
+    MicroBatchGuard,
+    Owed,
+    StepErrors,
+    zero_loss_from_outputs,
+)
+
+if TYPE_CHECKING:
+    from rltrain.backends.megatron.engine import MegatronEngine
+
+
+class GuardedLosses:
+    """The last pipeline stage's loss and backward of one train step, under `rltrain.safety.guard`.
+
+    Only the last stage computes a loss, so only there can a loss or backward error be paid for;
+    the zero it backwards is built from the stage's *outputs* (the logits), so every parameter of
+    the stage gets a (zero) gradient, every TP collective of the model's backward is matched and
+    the gradient of the stage's input (zeros) is still sent to the previous stage, whose backward
+    then runs as usual. The payment happens where 1F1B schedules the backward (`on_backward`), not
+    where the loss failed.
+
+    Tensor parallelism: the TP ranks of the last stage compute the same loss and must backward the
+    same one, or their replicated parameters (norms) drift apart. So after each loss the TP ranks
+    agree (one MAX all-reduce of a flag) and, if any failed, all backward the zero. A backward
+    error cannot be agreed on before it happens: the rank pays its zero backward (the collectives
+    still match), sets `mixed`, and the step is skipped on every rank, like a non-finite one.
+    """
+
+    def __init__(
+        self, engine: MegatronEngine, padded: list[PaddedMicroBatch], batches: list[SequenceBatch], loss_fn: LossFn
+    ) -> None:
+        self.engine, self.padded, self.batches, self.loss_fn = engine, padded, batches, loss_fn
+        self.layout = engine.layout
+        self.injector = faults.active()
+        self.errors = StepErrors(dist.get_rank(), engine.fail_fast)
+        self.sums: dict[str, float] = {}
+        self.mixed = False
+        self._guards: dict[int, MicroBatchGuard] = {}
+        self._zeroed: set[int] = set()
+        self._metrics: dict[int, dict[str, float]] = {}
+
+    def _where(self, what: str, i: int) -> str:
+        return f"{what} of micro-batch {i} of step {self.injector.step}"
+
+    def _any_tp_rank(self, flag: bool) -> bool:
+        if self.layout.tp == 1:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int32, device=comm_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.layout.tp_group)
+        return bool(int(t))
+
+    def on_output(self, i: int, logits_BTV: torch.Tensor) -> torch.Tensor:
+        guard = MicroBatchGuard()
+        guard.record_outputs(logits_BTV)
+        self._guards[i] = guard
+        mb = self.padded[i]
+        # Scoring holds TP collectives: an error there is a forward error (not guarded, fatal).
+        logps_N, entropy_N = self.engine._score(mb, logits_BTV, self.engine.train_entropy)
+        # A zero built from the outputs: every parameter stays in the graph (all grads exist, the
+        # backward send to the previous stage happens) whatever the loss depends on.
+        anchor = 0.0 * logps_N.sum()
+        if mb.is_dummy:  # an empty micro-batch: the loss_fn sees no sequences, as on FSDP
+            logps_N = logps_N[:0]
+            entropy_N = entropy_N[:0] if entropy_N is not None else None
+        lens = mb.completion_lens_B
+        output = PolicyOutput(
+            logps=Ragged.from_lengths(logps_N, lens),
+            entropy=Ragged.from_lengths(entropy_N, lens) if entropy_N is not None else None,
+            anchor=anchor if mb.is_dummy else None,
+        )
+        failed = False
+        try:
+            self.injector.maybe_raise("loss_error")
+            loss, metrics = self.loss_fn(output, self.batches[i])
+            loss = loss + anchor
+            guard.record_loss(loss)
+        except Exception as exc:  # noqa: BLE001 - StepErrors decides: re-raise (fail-fast) or recover
+            self.errors.excuse(exc, guard, self._where("the loss", i))
+            failed = True
+        if self._any_tp_rank(failed):
+            if not failed:
+                print(
+                    f"rltrain: rank {dist.get_rank()}: {self._where('the loss', i)} is replaced by a zero: "
+                    "a tensor-parallel peer's loss failed",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            self._zeroed.add(i)
+            return zero_loss_from_outputs(guard.outputs)
+        values = {"loss": float(loss.detach())}
+        for key, value in metrics.items():
+            if key != "loss":
+                values[key] = float(value.detach() if torch.is_tensor(value) else value)
+        self._metrics[i] = values
+        return loss
+
+    def on_backward(self, i: int, loss: torch.Tensor) -> None:
+        guard = self._guards.pop(i)
+        try:
+            if i in self._zeroed:
+                guard.zero_backward()
+                return
+            self.injector.arm_backward(loss)
+            guard.backward(loss)
+            for key, value in self._metrics.pop(i).items():
+                self.sums[key] = self.sums.get(key, 0.0) + value
+        except Exception as exc:  # noqa: BLE001 - StepErrors decides: re-raise or recover
+            if self.errors.excuse(exc, guard, self._where("the backward", i)) is Owed.ZERO_BACKWARD:
+                guard.zero_backward()
+            self._metrics.pop(i, None)
+            self.mixed = self.mixed or self.layout.tp > 1
+        finally:
+            guard.close()
