@@ -39,9 +39,9 @@ from bench_sft import (
     paired_ratio,
     print_table,
     quiet_transformers,
+    run_interleaved,
     silence_trainer,
     summarise,
-    trl_available,
 )
 
 BETA = 0.1
@@ -170,19 +170,9 @@ def main() -> None:
         systems = {"rltrain (FSDP engine)": RltrainDPO(model_dir, rows, args.pairs, total)}
         if args.ablate_buckets:
             systems["rltrain, no length buckets"] = RltrainDPO(model_dir, rows, args.pairs, total, buckets=False)
-        ours: dict[str, list[Timing]] = {name: [] for name in systems}
-
-        def our_steps(k: int) -> None:
-            for name, system in systems.items():
-                ours[name].append(system.step(k))
-
-        theirs: list[Timing] = []
-        if trl_available():
-            theirs = run_trl_dpo(model_dir, rows, args.pairs, total, Path(tmp) / "trl", our_steps)
-        else:
-            print("TRL is not importable: install trl==1.16.0 to compare")
-            for k in range(total):
-                our_steps(k)
+        ours, theirs = run_interleaved(
+            systems, total, lambda steps: run_trl_dpo(model_dir, rows, args.pairs, total, Path(tmp) / "trl", steps)
+        )
     ours = {name: timings[args.warmup :] for name, timings in ours.items()}
     theirs = theirs[args.warmup :]
 

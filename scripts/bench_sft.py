@@ -209,6 +209,27 @@ def trl_available() -> bool:
     return True
 
 
+def run_interleaved(
+    systems: dict, total: int, run_trl: Callable[[Callable[[int], None]], list[Timing]]
+) -> tuple[dict[str, list[Timing]], list[Timing]]:
+    """Time our systems step by step, each step k right after TRL's step k (from TRL's callback,
+    outside its timed region) so both see the same machine load. Without TRL, ours run alone."""
+    ours: dict[str, list[Timing]] = {name: [] for name in systems}
+
+    def our_steps(k: int) -> None:
+        for name, system in systems.items():
+            ours[name].append(system.step(k))
+
+    theirs: list[Timing] = []
+    if trl_available():
+        theirs = run_trl(our_steps)
+    else:
+        print("TRL is not importable: install trl==1.16.0 to compare")
+        for k in range(total):
+            our_steps(k)
+    return ours, theirs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps per system")
@@ -232,19 +253,9 @@ def main() -> None:
         systems = {"rltrain (FSDP engine)": RltrainSFT(model_dir, rows, args.batch, total)}
         if args.ablate_buckets:
             systems["rltrain, no length buckets"] = RltrainSFT(model_dir, rows, args.batch, total, buckets=False)
-        ours: dict[str, list[Timing]] = {name: [] for name in systems}
-
-        def our_steps(k: int) -> None:
-            for name, system in systems.items():
-                ours[name].append(system.step(k))
-
-        theirs: list[Timing] = []
-        if trl_available():
-            theirs = run_trl_sft(model_dir, rows, args.batch, total, Path(tmp) / "trl", our_steps)
-        else:
-            print("TRL is not importable: install trl==1.16.0 to compare")
-            for k in range(total):
-                our_steps(k)
+        ours, theirs = run_interleaved(
+            systems, total, lambda steps: run_trl_sft(model_dir, rows, args.batch, total, Path(tmp) / "trl", steps)
+        )
     ours = {name: timings[args.warmup :] for name, timings in ours.items()}
     theirs = theirs[args.warmup :]
     trl_tps = summarise(theirs)[0] if theirs else None
