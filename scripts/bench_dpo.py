@@ -10,8 +10,11 @@ sides (no precomputed reference log-probabilities), fp32 on CPU. TRL runs throug
 `rltrain.backends.fsdp.FSDPEngine`, one rank over gloo; the timed step includes the reference
 forward.
 
-Tokens/s counts the tokens each side feeds its models per step: 2 x prompt + chosen + rejected per
-pair (the reference forward is not counted again). Steps are interleaved (rltrain's step k runs
+Tokens/s counts the tokens of each step's sequences, the same number for both sides: 2 x prompt +
+chosen + rejected per pair (the reference forward is not counted again). That is the work asked
+for, not what each side feeds its model: rltrain packs a pair's prompt, chosen and rejected into
+one row and computes the prompt once (rltrain/backends/shared_prefix.py; `--ablate-packing` shows
+what that buys), TRL pads chosen and rejected each with its own copy of the prompt. Steps are interleaved (rltrain's step k runs
 right after TRL's step k, from a TRL callback outside TRL's timed region) because the CPU is
 shared with other jobs; the per-step ratio on the same batch is printed too.
 
@@ -63,7 +66,8 @@ class RltrainDPO:
     training too); `step(k)` = reference forward + policy train step on batch k."""
 
     def __init__(
-        self, model_dir: Path, rows: list[dict[str, str]], pairs_per_step: int, total_steps: int, buckets: bool = True
+        self, model_dir: Path, rows: list[dict[str, str]], pairs_per_step: int, total_steps: int,
+        buckets: bool = True, packing: bool = True,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -84,9 +88,10 @@ class RltrainDPO:
         cpu = torch.device("cpu")
         self.policy = FSDPEngine(model_dir, FSDPBackendConfig(), optim, total_steps, cpu)
         self.reference = FSDPEngine(model_dir, FSDPBackendConfig(), None, total_steps, cpu)
-        if not buckets:
-            disable_length_buckets(self.policy)
-            disable_length_buckets(self.reference)
+        for engine in (self.policy, self.reference):
+            if not buckets:
+                disable_length_buckets(engine)
+            engine.share_prompts = packing
         self.loss_fn = make_dpo_loss(BETA, "sigmoid", 0.0, 0.0)
         self._micro = dpo_micro_batches
         self._attach = attach_reference
@@ -158,6 +163,10 @@ def main() -> None:
     )
     parser.add_argument("--port", type=int, default=29534)
     parser.add_argument("--ablate-buckets", action="store_true", help="add a row: rltrain without length buckets")
+    parser.add_argument(
+        "--ablate-packing", action="store_true",
+        help="add a row: rltrain scoring chosen and rejected as separate rows (the prompt twice)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     quiet_transformers()
@@ -170,6 +179,8 @@ def main() -> None:
         systems = {"rltrain (FSDP engine)": RltrainDPO(model_dir, rows, args.pairs, total)}
         if args.ablate_buckets:
             systems["rltrain, no length buckets"] = RltrainDPO(model_dir, rows, args.pairs, total, buckets=False)
+        if args.ablate_packing:
+            systems["rltrain, prompt not shared"] = RltrainDPO(model_dir, rows, args.pairs, total, packing=False)
         ours, theirs = run_interleaved(
             systems, total, lambda steps: run_trl_dpo(model_dir, rows, args.pairs, total, Path(tmp) / "trl", steps)
         )

@@ -1,11 +1,12 @@
 """GRPO step time: rltrain's GRPO (CLI, vLLM CPU rollout) vs TRL's GRPOTrainer (transformers generate).
 
-Fixed config on both sides: the embedded tiny model (rltrain's default `model=tiny`, built
-locally), the built-in addition task and its reward (`rltrain.rewards.builtin.addition_reward`),
-the same prompts in the same order (rltrain's prompt stream is replayed for TRL), 16 prompts x 8
-completions per step, temperature 1.0, top-p 1.0, no top-k, at most `--max-new-tokens` new
-tokens, clipped token-level loss (clip 0.2 / 0.28, no KL, group-scaled advantages), one optimizer
-step per generation, fp32 on CPU.
+Fixed config on both sides: the ~10M-parameter model every benchmark uses (bench_sft.py: Qwen2,
+hidden 384, 6 layers, built locally; `--model tiny` takes rltrain's 0.8M default instead, where
+per-call framework overhead rather than compute sets the pace), the built-in addition task and
+its reward (`rltrain.rewards.builtin.addition_reward`), the same prompts in the same order
+(rltrain's prompt stream is replayed for TRL), 16 prompts x 8 completions per step, temperature
+1.0, top-p 1.0, no top-k, at most `--max-new-tokens` new tokens, clipped token-level loss (clip
+0.2 / 0.28, no KL, group-scaled advantages), one optimizer step per generation, fp32 on CPU.
 
 rltrain runs through its CLI (`python -m rltrain algo=grpo ...`, vLLM's CPU build in-process, the
 policy on the FSDP engine, weights synced to vLLM every step) and the table reads its
@@ -20,7 +21,7 @@ The two sides run one after the other (a CLI run is its own process), alternatin
 times, because the CPU is shared with other jobs and load drifts; medians over all timed steps are
 reported.
 
-    .venv/bin/python scripts/bench_grpo.py [--steps 8] [--warmup 2] [--max-new-tokens 16] [--rounds 1]
+    .venv/bin/python scripts/bench_grpo.py [--model bench|tiny] [--steps 4] [--warmup 1] [--max-new-tokens 32] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -35,7 +36,14 @@ import time
 from pathlib import Path
 
 import torch
-from bench_sft import THREADS_HELP, print_table, quiet_transformers, silence_trainer, trl_available
+from bench_sft import (
+    THREADS_HELP,
+    bench_model_dir,
+    print_table,
+    quiet_transformers,
+    silence_trainer,
+    trl_available,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS, GROUP, LR, CLIP_LOW, CLIP_HIGH = 16, 8, 2e-3, 0.2, 0.28
@@ -144,9 +152,13 @@ def med(rows: list[StepRow], key: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per system and round")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (vLLM and allocator warm-up)")
-    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument(
+        "--model", choices=("bench", "tiny"), default="bench",
+        help="bench: the ~10M-parameter benchmark model; tiny: rltrain's 0.8M default",
+    )
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per system and round")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (vLLM and allocator warm-up)")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=1, help="alternate rltrain and TRL this many times")
     parser.add_argument(
         "--threads", type=int, default=1,
@@ -162,7 +174,8 @@ def main() -> None:
     if not with_trl:
         print("TRL is not importable: install trl==1.16.0 to compare")
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = tiny_model_dir(Path(tmp) / "cache")
+        cache = Path(tmp) / "cache"
+        model_dir = bench_model_dir(cache) if args.model == "bench" else tiny_model_dir(cache)
         n_params = sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_pretrained(model_dir).parameters())
         rows = prompt_stream(model_dir, total)
         for r in range(args.rounds):
@@ -190,7 +203,7 @@ def main() -> None:
         )
     notes.append("CPU shared with other jobs: timings are noisy; medians over all timed steps.")
     print_table(
-        f"GRPO, embedded tiny model ({n_params / 1e6:.2f}M params), addition task, {PROMPTS} prompts x {GROUP} completions, "
+        f"GRPO, {args.model} model ({n_params / 1e6:.2f}M params), addition task, {PROMPTS} prompts x {GROUP} completions, "
         f"max {args.max_new_tokens} new tokens, {args.steps} timed steps (+{args.warmup} warm-up) x {args.rounds} round(s), "
         f"{args.threads} threads, CPU fp32",
         ["system", "step s", "rollout s", "train s", "sync s", "rollout tok/s", "step vs TRL"], table, notes,

@@ -95,7 +95,7 @@ def make_rows(n: int, seed: int = 0) -> list[dict[str, str]]:
 def disable_length_buckets(engine) -> None:
     """Ablation: score every micro-batch as one rectangle padded to its longest sequence (what the
     engine did before length buckets), to show what the buckets buy."""
-    engine._length_groups = lambda batch: None
+    engine.bucket_cost = None
 
 
 def silence_trainer(trainer) -> None:

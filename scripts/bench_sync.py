@@ -17,10 +17,13 @@ Both processes run single-threaded torch, so the numbers compare memory traffic,
 counts. The child is driven over a pipe with JSON commands (no pickle, as in the trainer).
 
 Then (`--grpo-steps`, 0 to skip) it measures what the sync costs in a real GRPO step: it runs
-`python -m rltrain algo=grpo` on the embedded default for a few steps with the vLLM engine
-in-process (`rollout.process=colocated`) and in a child process (`separate`), and reports the
-median `time/sync` against the median `time/step` (the first step, which includes warm-up, is
-left out). Target: weight sync under 5% of a GRPO step.
+`python -m rltrain algo=grpo` for a few steps with the vLLM engine in-process
+(`rollout.process=colocated`) and in a child process (`separate`), and reports the median
+`time/sync` against the median `time/step` (the first step, which includes warm-up, is left out).
+Two models (`--grpo-models`): `bench`, the ~10M-parameter model every benchmark uses (bench_sft.py)
+with bench_grpo.py's 32 new tokens, and `tiny`, the 0.8M embedded default with its own settings,
+where vLLM's fixed per-reload bookkeeping (~15-20 ms whatever the size) is measured against a
+step of a few tenths of a second. Target: weight sync under 5% of a GRPO step.
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ import json
 import math
 import multiprocessing
 import statistics
+import tempfile
 import time
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import torch
 
@@ -165,8 +170,6 @@ def grpo_sync_fraction(steps: int, extra: list[str]) -> list[dict[str, float | s
     import os
     import subprocess
     import sys
-    import tempfile
-    from pathlib import Path
 
     results = []
     for process in ("colocated", "separate"):
@@ -186,6 +189,15 @@ def grpo_sync_fraction(steps: int, extra: list[str]) -> list[dict[str, float | s
     return results
 
 
+def grpo_model_overrides(model: str, cache: Path) -> list[str]:
+    """CLI overrides for `--grpo-models`: the benchmark model (built into `cache`) or the default."""
+    if model == "tiny":
+        return []
+    from bench_sft import bench_model_dir
+
+    return [f"model.path={bench_model_dir(cache)}", "algo.max_new_tokens=32"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", default="1e6,1e7,5e7", help="comma-separated fp32 parameter counts")
@@ -194,6 +206,7 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=120.0)
     parser.add_argument("--grpo-steps", type=int, default=5, help="GRPO steps per placement (0: skip)")
     parser.add_argument("--grpo-args", default="", help="extra space-separated overrides for the GRPO runs")
+    parser.add_argument("--grpo-models", default="bench,tiny", help="comma-separated: bench (~10M), tiny (0.8M default)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     targets = [int(float(value)) for value in args.params.split(",")]
@@ -238,15 +251,19 @@ def main() -> None:
     print(f"(median of {args.repeats} syncs per cell; total {time.perf_counter() - started:.0f}s)")
     if args.grpo_steps > 1:
         started = time.perf_counter()
-        print(f"\nGRPO on the embedded default (steps 2..{args.grpo_steps}, median); target: sync < 5% of a step")
-        header = f"{'engine':>10} | {'step s':>7} | {'sync ms':>8} | {'sync / step':>11}"
+        print(f"\nGRPO steps 2..{args.grpo_steps} (median); target: sync < 5% of a step")
+        header = f"{'model':>6} {'engine':>10} | {'step s':>7} | {'sync ms':>8} | {'sync / step':>11}"
         print(header)
         print("-" * len(header))
-        for r in grpo_sync_fraction(args.grpo_steps, args.grpo_args.split()):
-            print(
-                f"{r['process']:>10} | {r['step_s']:>7.2f} | {r['sync_s'] * 1e3:>8.1f} | {r['fraction']:>10.1%}",
-                flush=True,
-            )
+        with tempfile.TemporaryDirectory(prefix="bench-sync-models-") as cache:
+            for model in args.grpo_models.split(","):
+                overrides = grpo_model_overrides(model, Path(cache)) + args.grpo_args.split()
+                for r in grpo_sync_fraction(args.grpo_steps, overrides):
+                    print(
+                        f"{model:>6} {r['process']:>10} | {r['step_s']:>7.2f} | {r['sync_s'] * 1e3:>8.1f} | "
+                        f"{r['fraction']:>10.1%}",
+                        flush=True,
+                    )
         print(f"(total {time.perf_counter() - started:.0f}s)")
 
 

@@ -7,7 +7,9 @@ weights that every rank receives anyway; under Megatron tp/pp the replica's firs
 and broadcasts the token ids and log-probabilities to its peers) -> rewards (built-in or `reward.fns`) -> group-normalised
 advantages over the *global* batch of rewards -> the trainer scores the sampled tokens once
 (old log-probabilities, entropy; and the reference when `algo.beta > 0`) and compares them with the
-engine's sampling log-probabilities (`rollout/logprob_diff_*`) -> `algo.num_iterations` passes over
+engine's sampling log-probabilities (`rollout/logprob_diff_*`); with one iteration and one
+mini-batch that scoring *is* the training pass (same weights, before the update), not an extra
+forward -> `algo.num_iterations` passes over
 `algo.mini_batches` mini-batches, one optimizer step each -> weight sync to the engine (prefix cache
 reset). The loss and its variants are in grpo_loss.py. With the defaults (one mini-batch, one
 iteration) a step is exactly one optimizer step and the ratio is 1 (REINFORCE with a group
@@ -34,7 +36,7 @@ from rltrain.data.batch import SequenceBatch
 from rltrain.data.prompt_data import PromptRow, build_prompt_data
 from rltrain.data.ragged import Ragged
 from rltrain.data.sampler import IndexStream
-from rltrain.data.sharding import micro_batch_count, rank_slice, split_micro_batches, sum_over_replicas
+from rltrain.data.sharding import rank_slice, split_micro_batches, sum_over_replicas
 from rltrain.rewards import build_reward_fns, score
 from rltrain.rollout import build_rollout
 from rltrain.rollout.base import Completion, SamplingSettings
@@ -50,15 +52,37 @@ def _global_max(value: float) -> float:
     return float(t)
 
 
-def make_grpo_loss(algo_cfg):
+class ParityProbe:
+    """The largest |engine - trainer| log-probability gap seen by the loss function this step. A
+    max cannot travel with the summed metrics of `train_step`, so the loss reports it here and the
+    step reduces it over ranks (MAX); under pipeline parallelism only the last stage sees any."""
+
+    def __init__(self) -> None:
+        self.max_diff = 0.0
+
+    def observe(self, diffs_N: torch.Tensor) -> None:
+        if diffs_N.numel():
+            self.max_diff = max(self.max_diff, float(diffs_N.max()))
+
+
+def make_grpo_loss(algo_cfg, parity: ParityProbe | None = None):
+    """The loss for `train_step`. Extras set to None mean on-policy scoring from the training pass
+    itself: `old_logps` -> the pass's own detached log-probabilities (ratio 1), `entropy` -> the
+    pass's entropies, `ref_logps` (without a reference model) -> the old log-probabilities, so
+    `policy/kl` reads 0. With `engine_logps` the loss also measures train/rollout parity."""
+
     def loss_fn(output: PolicyOutput, batch: SequenceBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         e = batch.extras
-        return grpo_loss(
+        old = e["old_logps"]
+        ref = e["ref_logps"]
+        if ref is None:
+            ref = old if old is not None else output.logps.detach()
+        loss, metrics = grpo_loss(
             output.logps,
             e["adv"],
-            old_logps=e["old_logps"],
-            ref_logps=e["ref_logps"],
-            entropy=e["entropy"],
+            old_logps=old,
+            ref_logps=ref,
+            entropy=e["entropy"] if e["entropy"] is not None else output.entropy,
             clip_low=algo_cfg.clip_low,
             clip_high=algo_cfg.clip_high,
             beta=algo_cfg.beta,
@@ -67,6 +91,13 @@ def make_grpo_loss(algo_cfg):
             global_seqs=e["global_seqs"],
             max_len=algo_cfg.max_new_tokens,
         )
+        engine_logps = e.get("engine_logps")
+        if engine_logps is not None:
+            diffs_N = (output.logps.values.detach().float() - engine_logps.values.float()).abs()
+            metrics["rollout/logprob_diff_mean"] = diffs_N.sum() / max(float(e["global_tokens"]), 1.0)
+            if parity is not None:
+                parity.observe(diffs_N)
+        return loss, metrics
 
     return loss_fn
 
@@ -89,7 +120,13 @@ class GRPO:
         engines = [self.policy] + ([self.reference] if self.reference is not None else [])
         self.timeshare = TimeSharing(engines, self.rollout, ctx.dist.device, cfg.placement.time_sharing)
         self.eos = ctx.tokenizer.eos_token_id
-        self.loss_fn = make_grpo_loss(cfg.algo)
+        self.parity = ParityProbe()
+        self.loss_fn = make_grpo_loss(cfg.algo, self.parity)
+        # On-policy with one optimizer step per batch: old log-probabilities, entropy and the
+        # parity check come from the training pass itself (same weights, before the update), which
+        # saves a forward over the whole batch every step. Otherwise a scoring pass computes them
+        # once per batch, before the first update.
+        self.score_in_training_pass = cfg.algo.num_iterations == 1 and cfg.algo.mini_batches == 1
 
     # --- rollout -------------------------------------------------------------------------------
 
@@ -191,22 +228,29 @@ class GRPO:
         dp_size = self.policy.world_size
         # Every rank runs the same number of passes: micro-batch counts follow the global batch.
         n_global = a.prompts_per_step * a.group_size
-        count = micro_batch_count(n_global, dp_size, mb_size)
+        count = self._micro_batches_per_rank(0, n_global, mb_size)
         positions = split_micro_batches(list(range(len(batch))), count, mb_size)
         micro = [batch.select(p) for p in positions]
-        scored = self.policy.forward_logps(micro, with_entropy=True)
-        old = Ragged.cat([s.logps for s in scored]) if len(batch) else None
-        entropy = Ragged.cat([s.entropy for s in scored]) if len(batch) else None
-        diffs = torch.zeros(0)
-        if old is not None:
-            engine_logps = torch.tensor([lp for c in completions for lp in c.logprobs], dtype=torch.float32)
-            diffs = (old.values.float() - engine_logps).abs()
-        diff_sum = sum_over_replicas(torch.tensor([float(diffs.sum())], dtype=torch.float64), dp_size)
+        engine_logps = Ragged.from_lengths(
+            torch.tensor([lp for c in completions for lp in c.logprobs], dtype=torch.float32), batch.completion_lens()
+        )
+        self.parity.max_diff = 0.0
+        old = entropy = None
+        fused = self.score_in_training_pass
+        if not fused:
+            scored = self.policy.forward_logps(micro, with_entropy=True)
+            old = Ragged.cat([s.logps for s in scored]) if len(batch) else None
+            entropy = Ragged.cat([s.entropy for s in scored]) if len(batch) else None
+            if old is not None:
+                self.parity.observe((old.values.float() - engine_logps.values).abs())
         ref = None
         if self.reference is not None:
             ref_scored = self.reference.forward_logps(micro)
             ref = Ragged.cat([s.logps for s in ref_scored]) if len(batch) else None
-        extras_all = {"adv": adv, "old_logps": old, "entropy": entropy, "ref_logps": ref if ref is not None else old}
+        extras_all = {
+            "adv": adv, "old_logps": old, "entropy": entropy, "ref_logps": ref,
+            "engine_logps": engine_logps if fused else None,
+        }
         # Mini-batches split the *global* batch (by position), so the split does not depend on the
         # number of ranks; each rank trains on its sequences that fall in the mini-batch.
         offset = self._offset()
@@ -217,14 +261,31 @@ class GRPO:
             for mini in range(a.mini_batches):
                 lo, hi = mini * per_mini, (mini + 1) * per_mini
                 mine = [i for i in range(len(batch)) if lo <= offset + i < hi]
-                metrics = self._train_on(batch, mine, extras_all, mb_size, per_mini)
+                count = self._micro_batches_per_rank(lo, hi, mb_size)
+                metrics = self._train_on(batch, mine, extras_all, mb_size, count, with_entropy=fused)
                 updates += 1
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
         out = {k: v / updates for k, v in sums.items()}
-        out["rollout/logprob_diff_max"] = _global_max(float(diffs.max()) if diffs.numel() else 0.0)
-        out["rollout/logprob_diff_mean"] = float(diff_sum[0] / max(float(global_counts[0]), 1.0))
+        out["rollout/logprob_diff_max"] = _global_max(self.parity.max_diff)
+        if not fused:
+            diffs_sum = (old.values.float() - engine_logps.values).abs().sum() if old is not None else 0.0
+            diff_sum = sum_over_replicas(torch.tensor([float(diffs_sum)], dtype=torch.float64), dp_size)
+            out["rollout/logprob_diff_mean"] = float(diff_sum[0] / max(float(global_counts[0]), 1.0))
         return out
+
+    def _micro_batches_per_rank(self, lo: int, hi: int, mb_size: int) -> int:
+        """How many micro-batches every rank runs over the global positions [lo, hi): enough for the
+        rank that holds the most of them (collectives must match). Ranks split *prompts*, so with
+        prompts_per_step not a multiple of the rank count one rank holds a whole group more than
+        another, and a count derived from an even split of the sequences would drop some."""
+        a = self.algo_cfg
+        most = 0
+        for r in range(self.policy.world_size):
+            mine = rank_slice(list(range(a.prompts_per_step)), r, self.policy.world_size)
+            start, end = (mine[0] * a.group_size if mine else 0), (mine[-1] + 1) * a.group_size if mine else 0
+            most = max(most, min(hi, end) - max(lo, start))
+        return max(1, -(-most // mb_size))
 
     def _offset(self) -> int:
         """Global position of this rank's first completion (prompt-major layout)."""
@@ -232,7 +293,9 @@ class GRPO:
         start = rank_slice(list(range(a.prompts_per_step)), self.policy.rank, self.policy.world_size)
         return (start[0] if start else 0) * a.group_size
 
-    def _train_on(self, batch: SequenceBatch, positions: list[int], extras_all: dict, mb_size: int, per_mini: int) -> dict[str, float]:
+    def _train_on(
+        self, batch: SequenceBatch, positions: list[int], extras_all: dict, mb_size: int, count: int, with_entropy: bool
+    ) -> dict[str, float]:
         dp_size = self.policy.world_size
         sub = batch.select(positions) if positions else batch.select([])
         for key, value in extras_all.items():
@@ -240,11 +303,12 @@ class GRPO:
                 sub.extras[key] = value.select(positions) if positions else value.like_empty()
             elif value is not None:
                 sub.extras[key] = value[positions] if positions else value[:0]
+            else:
+                sub.extras[key] = None
         counts = sum_over_replicas(torch.tensor([float(sub.num_completion_tokens), float(len(sub))], dtype=torch.float64), dp_size)
         sub.extras["global_tokens"], sub.extras["global_seqs"] = float(counts[0]), float(counts[1])
-        count = micro_batch_count(per_mini, dp_size, mb_size)
         micro = [sub.select(p) for p in split_micro_batches(list(range(len(sub))), count, mb_size)]
-        return self.policy.train_step(micro, self.loss_fn)
+        return self.policy.train_step(micro, self.loss_fn, with_entropy=with_entropy)
 
     # --- evaluation ----------------------------------------------------------------------------
 

@@ -55,9 +55,13 @@ class TrainEngine(Protocol):
     def forward_logps(self, micro_batches: list[SequenceBatch], with_entropy: bool = False) -> list[PolicyOutput]:
         """Scores completion tokens without gradients."""
 
-    def train_step(self, micro_batches: list[SequenceBatch], loss_fn: LossFn) -> dict[str, float]:
+    def train_step(
+        self, micro_batches: list[SequenceBatch], loss_fn: LossFn, with_entropy: bool = False
+    ) -> dict[str, float]:
         """Forward/backward over every micro-batch, one optimizer step. Returns metrics summed
-        over micro-batches and ranks, plus `grad_norm` and `lr`."""
+        over micro-batches and ranks, plus `grad_norm` and `lr`. `with_entropy`: the outputs
+        handed to `loss_fn` carry per-token entropies (detached), so an on-policy algorithm can
+        take its metrics from the training pass instead of a separate scoring pass."""
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full (unsharded) tensors under Hugging Face names, for weight sync and export."""

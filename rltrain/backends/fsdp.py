@@ -3,8 +3,10 @@
 Layout: each decoder layer is its own FSDP unit; the root unit holds embeddings, final norm and
 the output head and wraps a small scoring module, so one root forward computes log-probabilities
 of completion tokens only (the output head runs on those positions, not on prompts or padding).
-With one rank the model is not wrapped at all, and a micro-batch is scored as a few rectangles of
-similar-length sequences (length buckets) instead of one rectangle padded to its longest sequence.
+Sequences that share a prompt (GRPO groups, DPO pairs) are packed one row per prompt, so every
+prompt is computed once (rltrain.backends.shared_prefix). With one rank the model is not wrapped
+at all, and a micro-batch is scored as a few rectangles of similar-length rows (length buckets)
+instead of one rectangle padded to its longest row.
 
 Gradients are summed, not averaged, across ranks (`set_gradient_divide_factor(1)`): loss
 functions already divide by a global count, which is what makes 1 rank and N ranks agree.
@@ -33,6 +35,7 @@ from rltrain.backends.hf_scoring import (
     completion_positions,
     dummy_batch,
 )
+from rltrain.backends.shared_prefix import Rectangle, packed_rectangles, shared_prompt_groups
 from rltrain.config import FSDPBackendConfig, OptimConfig, SafetyConfig
 from rltrain.data.batch import SequenceBatch, length_buckets
 from rltrain.data.ragged import Ragged
@@ -82,6 +85,12 @@ class FSDPEngine:
         if not self.trainable:
             self.scorer.requires_grad_(False)
         self.sharded = self.world_size > 1
+        # Layout of a micro-batch (see `_layout`): pack sequences that share a prompt; length
+        # buckets costed at this many tokens per extra model call, or None (one rectangle).
+        self.share_prompts = self.moe_info is None
+        self.bucket_cost: int | None = None
+        if not self.sharded and self.moe_info is None:
+            self.bucket_cost = BUCKET_COST_TOKENS.get(device.type, BUCKET_COST_TOKENS["cpu"])
         # The group FSDP shards over (None with one rank: nothing is wrapped, nothing to tear down).
         self.groups: FSDPGroups | None = None
         if self.sharded:
@@ -123,25 +132,15 @@ class FSDPEngine:
     def _score(self, batch: SequenceBatch, with_entropy: bool) -> PolicyOutput:
         real = len(batch) > 0
         scored = batch if real else dummy_batch(self.pad_id)
-        groups = self._length_groups(scored)
-        if groups is None:
-            ids_BT, mask_BT = scored.tokens.to_padded(self.pad_id)
-            rows, cols, targets = completion_positions(scored)
-            logps_N, entropy_N, aux = self.scorer(
-                ids_BT.to(self.device),
-                rows.to(self.device),
-                cols.to(self.device),
-                targets.to(self.device),
-                with_entropy,
-                mask_BT.to(self.device),
-            )
-        else:
-            rects, order_N = self._bucket_rectangles(scored, groups)
-            _, _, targets = completion_positions(scored)
-            (ids_BT, rows, cols), more = rects[0], rects[1:]
-            logps_N, entropy_N, aux = self.scorer(
-                ids_BT, rows, cols, targets.to(self.device), with_entropy, more_buckets=more, order_N=order_N
-            )
+        rects, order_N, padding_mask_BT = self._layout(scored)
+        _, _, targets = completion_positions(scored)
+        logps_N, entropy_N, aux = self.scorer(
+            [r.to(self.device) for r in rects],
+            targets.to(self.device),
+            with_entropy,
+            order_N.to(self.device) if order_N is not None else None,
+            padding_mask_BT.to(self.device) if padding_mask_BT is not None else None,
+        )
         if not real:
             # Keep the graph (so a zero loss still reaches every parameter) but hold no sequences.
             empty_offsets = torch.zeros(1, dtype=torch.long)
@@ -158,6 +157,26 @@ class FSDPEngine:
             aux_loss=aux,
         )
 
+    def _layout(self, batch: SequenceBatch) -> tuple[list[Rectangle], torch.Tensor | None, torch.Tensor | None]:
+        """How one micro-batch meets the model: (rectangles, order_N, padding mask).
+
+        Sequences that share a prompt (GRPO groups, DPO pairs) are packed one row per prompt,
+        so each prompt is computed once (rltrain.backends.shared_prefix). Otherwise one padded
+        rectangle, or on one rank length buckets (`_length_groups`). Sharded ranks always make
+        one model call per micro-batch: FSDP all-gathers once per call, so ranks with different
+        call counts would fall out of step in their collectives. A MoE model is never packed or
+        bucketed: its load-balancing loss is computed over one plain rectangle.
+        """
+        if self.share_prompts and (shared := shared_prompt_groups(batch)) is not None:
+            return (*packed_rectangles(batch, shared, self.pad_id, self.bucket_cost), None)
+        groups = self._length_groups(batch)
+        if groups is None:
+            ids_BT, mask_BT = batch.tokens.to_padded(self.pad_id)
+            rows, cols, _ = completion_positions(batch)
+            return [Rectangle(ids_BT, rows, cols)], None, mask_BT
+        rects, order_N = self._bucket_rectangles(batch, groups)
+        return rects, order_N, None
+
     def _length_groups(self, batch: SequenceBatch) -> list[list[int]] | None:
         """Length buckets for one forward (None: one padded rectangle, the original order).
 
@@ -169,17 +188,14 @@ class FSDPEngine:
         would fall out of step in their collectives. Not for MoE, whose load-balancing loss is
         computed over one rectangle's router logits.
         """
-        if self.sharded or self.moe_info is not None or len(batch) < 2:
+        if self.bucket_cost is None or len(batch) < 2:
             return None
-        cost = BUCKET_COST_TOKENS.get(self.device.type, BUCKET_COST_TOKENS["cpu"])
-        groups = length_buckets(batch.tokens.lengths().tolist(), cost)
+        groups = length_buckets(batch.tokens.lengths().tolist(), self.bucket_cost)
         return groups if len(groups) > 1 else None
 
-    def _bucket_rectangles(
-        self, batch: SequenceBatch, groups: list[list[int]]
-    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], torch.Tensor]:
-        """One (input_ids_BT, rows_N, cols_N) rectangle per group, and the permutation `order_N`
-        that takes the groups' concatenated completion positions back to ragged order."""
+    def _bucket_rectangles(self, batch: SequenceBatch, groups: list[list[int]]) -> tuple[list[Rectangle], torch.Tensor]:
+        """One rectangle per group, and the permutation `order_N` that takes the groups'
+        concatenated completion positions back to ragged order."""
         comp_offsets = torch.zeros(len(batch) + 1, dtype=torch.long)
         comp_offsets[1:] = torch.cumsum(batch.completion_lens(), 0)
         seqs = batch.tokens.split()
@@ -188,12 +204,12 @@ class FSDPEngine:
             sub = SequenceBatch(Ragged.from_list([seqs[i] for i in group]), batch.prompt_lens[group])
             ids_BT, _ = sub.tokens.to_padded(self.pad_id)
             rows, cols, _ = completion_positions(sub)
-            rects.append((ids_BT.to(self.device), rows.to(self.device), cols.to(self.device)))
+            rects.append(Rectangle(ids_BT, rows, cols))
             dest += [torch.arange(int(comp_offsets[i]), int(comp_offsets[i + 1])) for i in group]
         dest_N = torch.cat(dest)
         order_N = torch.empty_like(dest_N)
         order_N[dest_N] = torch.arange(dest_N.numel())
-        return rects, order_N.to(self.device)
+        return rects, order_N
 
     @torch.no_grad()
     def forward_logps(self, micro_batches: list[SequenceBatch], with_entropy: bool = False) -> list[PolicyOutput]:
@@ -204,7 +220,9 @@ class FSDPEngine:
             outs.append(PolicyOutput(out.logps.detach(), out.entropy.detach() if out.entropy is not None else None))
         return outs
 
-    def train_step(self, micro_batches: list[SequenceBatch], loss_fn: LossFn) -> dict[str, float]:
+    def train_step(
+        self, micro_batches: list[SequenceBatch], loss_fn: LossFn, with_entropy: bool = False
+    ) -> dict[str, float]:
         assert self.optimizer is not None and self.optim_cfg is not None, "train_step on a frozen engine"
         self.scorer.train()
         lr = lr_at(self.steps_taken, self.optim_cfg, self.max_steps)
@@ -218,7 +236,7 @@ class FSDPEngine:
             done = guarded_micro_batch(
                 MicroBatchGuard(self.scorer),
                 errors,
-                forward=lambda mb=mb: self._score(mb, with_entropy=False),
+                forward=lambda mb=mb: self._score(mb, with_entropy),
                 loss_fn=lambda out, mb=mb: self._train_loss(out, mb, loss_fn, share, injector),
                 dummy_forward=lambda: self._score(dummy_batch(self.pad_id), with_entropy=False),
                 before_backward=injector.arm_backward,

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from rltrain.backends.shared_prefix import Rectangle
 from rltrain.data.batch import SequenceBatch
 from rltrain.models import moe
 
@@ -30,37 +31,44 @@ class CompletionScorer(nn.Module):
 
     def forward(
         self,
-        input_ids_BT: torch.Tensor,
-        rows_N: torch.Tensor,
-        cols_N: torch.Tensor,
+        rects: Sequence[Rectangle],
         targets_N: torch.Tensor,
         with_entropy: bool = False,
-        mask_BT: torch.Tensor | None = None,
-        more_buckets: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (),
         order_N: torch.Tensor | None = None,
+        padding_mask_BT: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """`more_buckets` holds further (input_ids_BT, rows_N, cols_N) rectangles of the same batch
-        (length buckets, see `FSDPEngine._buckets`); their selected hidden states follow the first
-        rectangle's, and `order_N` puts the concatenation back into ragged order."""
-        # Right padding only: causal attention never lets a real token see the padding after it,
-        # so no attention mask is needed (and sdpa keeps its fast causal path).
+        """One model call per rectangle (several: length buckets or packed rows, see
+        `FSDPEngine._layout`); the selected hidden states are concatenated in rectangle order and
+        `order_N` puts them back into ragged order. `padding_mask_BT` marks real tokens of a
+        single plain rectangle, for a MoE load-balancing loss."""
+        # A plain rectangle is right-padded: causal attention never lets a real token see the
+        # padding after it, so it needs no attention mask (and sdpa keeps its fast causal path).
         router = self.training and self.moe_info is not None and self.moe_info.aux_loss_coef > 0
-        out = self.lm.model(input_ids=input_ids_BT, use_cache=False, **({"output_router_logits": True} if router else {}))
-        hidden_NH = out.last_hidden_state[rows_N, cols_N]
-        aux = moe.load_balancing_loss(self.lm, self.moe_info, out.router_logits, mask_BT) if router else None
-        if more_buckets:
-            assert not router, "length buckets are not used with a MoE load-balancing loss"
-            parts = [hidden_NH]
-            for ids_BT, b_rows_N, b_cols_N in more_buckets:
-                parts.append(self.lm.model(input_ids=ids_BT, use_cache=False).last_hidden_state[b_rows_N, b_cols_N])
-            hidden_NH = torch.cat(parts)
+        assert not (router and len(rects) > 1), "a MoE load-balancing loss needs one plain rectangle"
+        parts, aux = [], None
+        for rect in rects:
+            kwargs = {}
+            if rect.attention_mask_B1TT is not None:
+                kwargs["attention_mask"] = rect.attention_mask_B1TT
+            if rect.position_ids_BT is not None:
+                kwargs["position_ids"] = rect.position_ids_BT
+            if router:
+                kwargs["output_router_logits"] = True
+            out = self.lm.model(input_ids=rect.input_ids_BT, use_cache=False, **kwargs)
+            parts.append(out.last_hidden_state[rect.rows_N, rect.cols_N])
+            if router:
+                aux = moe.load_balancing_loss(self.lm, self.moe_info, out.router_logits, padding_mask_BT)
+        hidden_NH = parts[0] if len(parts) == 1 else torch.cat(parts)
         if order_N is not None:
             hidden_NH = hidden_NH[order_N]
         logits_NV = self.lm.lm_head(hidden_NH).float()
         logp_NV = torch.log_softmax(logits_NV, dim=-1)
         # clone: FSDP warns (rightly) about returning views from a wrapped module
         logps_N = logp_NV.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1).clone()
-        entropy_N = -(logp_NV.exp() * logp_NV).sum(-1) if with_entropy else None
+        entropy_N = None
+        if with_entropy:  # a metric, never differentiated: no graph for it in a training pass
+            with torch.no_grad():
+                entropy_N = -(logp_NV.exp() * logp_NV).sum(-1)
         return logps_N, entropy_N, aux
 
 

@@ -118,7 +118,6 @@ class MegatronEngine:
         *,
         collective_timeout_s: float | None = None,
         groups: ParallelGroups | None = None,
-        train_entropy: bool = False,
         safety: SafetyConfig | None = None,
     ) -> None:
         """`groups=None` joins the process's shared megatron parallel state (created by the first
@@ -145,7 +144,6 @@ class MegatronEngine:
         ]
         self.optim_cfg = optim_cfg
         self.max_steps = max_steps
-        self.train_entropy = train_entropy
         self.optimizer = build_adamw(self.params, optim_cfg) if optim_cfg is not None else None
         if self.optimizer is None:
             self.model.requires_grad_(False)
@@ -242,7 +240,9 @@ class MegatronEngine:
             )
         return outputs
 
-    def train_step(self, micro_batches: list[SequenceBatch], loss_fn: LossFn) -> dict[str, float]:
+    def train_step(
+        self, micro_batches: list[SequenceBatch], loss_fn: LossFn, with_entropy: bool = False
+    ) -> dict[str, float]:
         """One optimizer step. The loss and the last stage's backward of each micro-batch run under
         `rltrain.safety.guard` (see `GuardedLosses`): in recover mode a failed micro-batch contributes a
         zero gradient and every pipeline send/recv and TP collective is still matched."""
@@ -253,7 +253,7 @@ class MegatronEngine:
         padded = [pad_micro_batch(mb, self.device) for mb in micro_batches]
         for p in self.params:
             p.grad = None
-        guarded = GuardedLosses(self, padded, micro_batches, loss_fn)
+        guarded = GuardedLosses(self, padded, micro_batches, loss_fn, with_entropy)
         run_pipeline(self.model, self._pipeline(), padded, guarded.on_output, train=True, on_backward=guarded.on_backward)
         recovered, mixed = guarded.errors.recovered, guarded.mixed
         if layout.tp > 1:  # each error is counted once, by the TP rank that had it

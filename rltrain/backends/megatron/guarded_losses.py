@@ -43,9 +43,15 @@ class GuardedLosses:
     """
 
     def __init__(
-        self, engine: MegatronEngine, padded: list[PaddedMicroBatch], batches: list[SequenceBatch], loss_fn: LossFn
+        self,
+        engine: MegatronEngine,
+        padded: list[PaddedMicroBatch],
+        batches: list[SequenceBatch],
+        loss_fn: LossFn,
+        with_entropy: bool = False,
     ) -> None:
         self.engine, self.padded, self.batches, self.loss_fn = engine, padded, batches, loss_fn
+        self.with_entropy = with_entropy
         self.layout = engine.layout
         self.injector = faults.active()
         self.errors = StepErrors(dist.get_rank(), engine.fail_fast)
@@ -71,7 +77,7 @@ class GuardedLosses:
         self._guards[i] = guard
         mb = self.padded[i]
         # Scoring holds TP collectives: an error there is a forward error (not guarded, fatal).
-        logps_N, entropy_N = self.engine._score(mb, logits_BTV, self.engine.train_entropy)
+        logps_N, entropy_N = self.engine._score(mb, logits_BTV, self.with_entropy)
         # A zero built from the outputs: every parameter stays in the graph (all grads exist, the
         # backward send to the previous stage happens) whatever the loss depends on.
         anchor = 0.0 * logps_N.sum()

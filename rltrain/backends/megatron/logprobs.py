@@ -51,7 +51,8 @@ def vocab_parallel_logps(
     """log p(target) [N] and optionally entropy [N] from this rank's vocab slice of the logits.
 
     `logits_NV` are the logits of vocab ids [vocab_start, vocab_start + V) on this rank; ids at or
-    beyond `vocab_size` are padding. Computed in fp32 whatever the logits' dtype. Differentiable.
+    beyond `vocab_size` are padding. Computed in fp32 whatever the logits' dtype. The
+    log-probabilities are differentiable; the entropy is a metric and carries no graph.
     """
     logits_NV = logits_NV.float()
     local_vocab = logits_NV.shape[-1]
@@ -74,7 +75,8 @@ def vocab_parallel_logps(
 
     entropy_N = None
     if with_entropy:
-        probs_NV = (shifted_NV - log_z_N.unsqueeze(-1)).exp()
-        expected_logit_N = _reduce_sum((probs_NV * shifted_NV).sum(dim=-1), group)
-        entropy_N = log_z_N - expected_logit_N
+        with torch.no_grad():
+            probs_NV = (shifted_NV - log_z_N.unsqueeze(-1)).exp()
+            expected_logit_N = _reduce_sum((probs_NV * shifted_NV).sum(dim=-1), group)
+            entropy_N = log_z_N - expected_logit_N
     return logps_N, entropy_N
