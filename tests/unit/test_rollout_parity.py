@@ -14,11 +14,9 @@ import time
 import pytest
 import torch
 
-pytest.importorskip("vllm")
-
-from rltrain.config import ModelConfig, VLLMRolloutConfig  # noqa: E402
-from rltrain.models.tiny import build_tiny_model_dir  # noqa: E402
-from rltrain.rollout.base import Completion, SamplingSettings  # noqa: E402
+from rltrain.config import ModelConfig, VLLMRolloutConfig
+from rltrain.models.tiny import build_tiny_model_dir
+from rltrain.rollout.base import Completion, SamplingSettings
 
 TINY = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
 CASES = {
