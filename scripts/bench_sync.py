@@ -1,6 +1,6 @@
 """Benchmark weight sync: out-of-process bucketed transport vs an in-process copy.
 
-    .venv/bin/python scripts/bench_sync.py                        # ~1 minute on 2 CPU cores
+    .venv/bin/python scripts/bench_sync.py                        # ~4 minutes on 2 CPU cores
     .venv/bin/python scripts/bench_sync.py --params 1e6,1e8 --buckets-mb 4,64 --repeats 5
 
 For each model size (fp32 parameters laid out like a small Qwen2: embedding, per-layer attention
