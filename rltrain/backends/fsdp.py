@@ -35,7 +35,7 @@ from rltrain.backends.hf_scoring import (
     completion_positions,
     dummy_batch,
 )
-from rltrain.backends.shared_prefix import Rectangle, packed_rectangles, shared_prompt_groups
+from rltrain.backends.shared_prefix import PackingCost, Rectangle, packed_rectangles, shared_prompt_groups
 from rltrain.config import FSDPBackendConfig, OptimConfig, SafetyConfig
 from rltrain.data.batch import SequenceBatch, length_buckets
 from rltrain.data.ragged import Ragged
@@ -88,6 +88,7 @@ class FSDPEngine:
         # Layout of a micro-batch (see `_layout`): pack sequences that share a prompt; length
         # buckets costed at this many tokens per extra model call, or None (one rectangle).
         self.share_prompts = self.moe_info is None
+        self.packing_cost = PackingCost.from_config(self.lm.config)
         self.bucket_cost: int | None = None
         if not self.sharded and self.moe_info is None:
             self.bucket_cost = BUCKET_COST_TOKENS.get(device.type, BUCKET_COST_TOKENS["cpu"])
@@ -167,7 +168,7 @@ class FSDPEngine:
         call counts would fall out of step in their collectives. A MoE model is never packed or
         bucketed: its load-balancing loss is computed over one plain rectangle.
         """
-        if self.share_prompts and (shared := shared_prompt_groups(batch)) is not None:
+        if self.share_prompts and (shared := shared_prompt_groups(batch, self.packing_cost)) is not None:
             return (*packed_rectangles(batch, shared, self.pad_id, self.bucket_cost), None)
         groups = self._length_groups(batch)
         if groups is None:

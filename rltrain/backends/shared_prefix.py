@@ -16,6 +16,12 @@ What the layout does and does not do:
 - Rows are right-padded into rectangles (one, or several of similar length: length buckets); a
   padding position attends only to itself, so no row of the attention is empty (an empty row
   would give NaN, and NaN times a zero gradient is still NaN in the weight gradients).
+- Packing trades linear work (the prompt once) for attention work: a packed row attends over
+  its whole length through a dense mask, so a group of long completions would cost far more
+  attention (and a length-squared mask) than it saves. `PackingCost` estimates both from the
+  model's shape and splits each group into the chunk size that is cheapest (down to one sequence
+  a row), never longer than `max_row_tokens`. Short completions (GRPO on short answers, DPO
+  pairs) pack whole; groups of long completions are left unpacked.
 - It needs a model that takes a 4D boolean `attention_mask` and `position_ids` (Hugging Face
   transformers decoders do); a Mixture-of-Experts model is not packed (its load-balancing loss is
   computed over one plain rectangle).
@@ -57,18 +63,70 @@ class _Row:
     dest_N: torch.Tensor  # index of each scored token in the batch's ragged (sequence-major) order
 
 
-def shared_prompt_groups(batch: SequenceBatch) -> list[list[int]] | None:
-    """Sequence indices grouped by identical prompt, in order of first appearance; None when no
-    two sequences share a prompt (then packing saves nothing)."""
+@dataclass(frozen=True)
+class PackingCost:
+    """Forward cost per layer, in multiply-adds: `linear` per token (every projection), `attention`
+    per (query, key) pair of a dense mask (scores and weighted values)."""
+
+    linear: float
+    attention: float
+    max_row_tokens: int = 4096  # caps the [T, T] mask of a row
+
+    @staticmethod
+    def from_config(config) -> PackingCost:
+        hidden = config.hidden_size
+        head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+        kv = head_dim * getattr(config, "num_key_value_heads", config.num_attention_heads)
+        q = head_dim * config.num_attention_heads
+        linear = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * config.intermediate_size
+        return PackingCost(linear=float(linear), attention=2.0 * q)
+
+    def row(self, tokens: int) -> float:
+        return tokens * self.linear + tokens * tokens * self.attention
+
+
+def shared_prompt_groups(batch: SequenceBatch, cost: PackingCost | None = None) -> list[list[int]] | None:
+    """Sequence indices grouped by identical prompt, in order of first appearance, each group split
+    into the chunks that are cheapest to pack under `cost` (whole groups without it); None when no
+    chunk holds two sequences (then packing saves nothing)."""
     offsets = batch.tokens.offsets.tolist()
     values = batch.tokens.values
-    groups: dict[tuple[int, ...], list[int]] = {}
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
     for i, prompt_len in enumerate(batch.prompt_lens.tolist()):
         key = tuple(values[offsets[i] : offsets[i] + prompt_len].tolist())
-        groups.setdefault(key, []).append(i)
-    if len(groups) == len(batch):
+        by_prompt.setdefault(key, []).append(i)
+    groups = list(by_prompt.values())
+    if cost is not None:
+        comp_lens = batch.completion_lens().tolist()
+        prompt_lens = batch.prompt_lens.tolist()
+        groups = [
+            chunk
+            for group in groups
+            for chunk in _cheapest_chunks(prompt_lens[group[0]], [comp_lens[i] for i in group], cost, group)
+        ]
+    if all(len(g) == 1 for g in groups):
         return None
-    return list(groups.values())
+    return groups
+
+
+def _cheapest_chunks(prompt_len: int, comp_lens: list[int], cost: PackingCost, members: list[int]) -> list[list[int]]:
+    """`members` (one prompt's sequences) in consecutive chunks of the size whose rows cost least."""
+
+    def chunks(size: int) -> list[list[int]]:
+        return [list(range(i, min(i + size, len(members)))) for i in range(0, len(members), size)]
+
+    def row_tokens(chunk: list[int]) -> int:
+        return prompt_len + sum(max(comp_lens[j] - 1, 0) for j in chunk)
+
+    best_size, best_cost = 1, float("inf")
+    for size in range(1, len(members) + 1):
+        rows = [row_tokens(c) for c in chunks(size)]
+        if size > 1 and max(rows) > cost.max_row_tokens:
+            break
+        total = sum(cost.row(n) for n in rows)
+        if total < best_cost:
+            best_size, best_cost = size, total
+    return [[members[j] for j in chunk] for chunk in chunks(best_size)]
 
 
 def _packed_row(batch: SequenceBatch, members: list[int], comp_offsets: list[int]) -> _Row:

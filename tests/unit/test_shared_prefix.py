@@ -82,3 +82,29 @@ def test_padding_never_empties_an_attention_row():
     (rect,), _ = packed_rectangles(batch, shared_prompt_groups(batch), PAD, None)
     assert rect.input_ids_BT.shape == (2, 5 + 2)  # prompt + 2 fed tokens; the short row is padded
     assert bool(rect.attention_mask_B1TT.any(dim=-1).all())
+
+
+def test_groups_are_chunked_where_packing_costs_more_than_it_saves():
+    from rltrain.backends.shared_prefix import PackingCost
+
+    cost = PackingCost(linear=1000.0, attention=1.0, max_row_tokens=64)
+    prompt = list(range(1, 21))  # 20 tokens
+    short = SequenceBatch.from_lists([prompt] * 4, [[30, 31, 32]] * 4)  # 4 rows of 23 vs 1 row of 28
+    assert shared_prompt_groups(short, cost) == [[0, 1, 2, 3]]
+    # Long completions: a packed row would pay ~length^2 attention for little shared work.
+    long = SequenceBatch.from_lists([[5]] * 4, [[30] * 2000] * 4)
+    assert shared_prompt_groups(long, PackingCost(linear=1000.0, attention=1.0, max_row_tokens=10_000)) is None
+    # The row cap splits a group into chunks that fit.
+    capped = SequenceBatch.from_lists([prompt] * 4, [[30] * 21] * 4)  # two completions per 64-token row
+    assert shared_prompt_groups(capped, cost) == [[0, 1], [2, 3]]
+
+
+def test_packing_cost_from_a_model_config():
+    from transformers import Qwen2Config
+
+    from rltrain.backends.shared_prefix import PackingCost
+
+    config = Qwen2Config(hidden_size=384, num_attention_heads=12, num_key_value_heads=4, intermediate_size=1024)
+    cost = PackingCost.from_config(config)
+    assert cost.linear == 384 * (384 + 2 * 128) + 384 * 384 + 3 * 384 * 1024
+    assert cost.attention == 2 * 384
