@@ -36,6 +36,7 @@ order: generate, train, then sync right away (streaming the export into the engi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import resource
 import time
@@ -53,13 +54,11 @@ Weights = Iterable[tuple[str, torch.Tensor]]
 
 def resident_mib() -> float:
     """This process's resident set size (VmRSS) in MiB; peak RSS where /proc is missing."""
-    try:
+    with contextlib.suppress(OSError):
         with open("/proc/self/status") as f:
             for line in f:
                 if line.startswith("VmRSS:"):
                     return int(line.split()[1]) / 1024
-    except OSError:
-        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 

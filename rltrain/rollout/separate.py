@@ -26,6 +26,7 @@ How it is built (the failures it is built against are in RELIABILITY.md, "weight
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -172,13 +173,12 @@ class SeparateVLLMEngine:
         self.proc, self.channel = None, None
         try:
             if channel is not None and proc is not None and proc.poll() is None and not kill:
-                try:
+                # A polite close is best effort: a child that does not answer is stopped below.
+                with contextlib.suppress(OSError, TransportError):
                     channel.timeout_s = min(self.timeout_s, 30.0)
                     self._next_id += 1
                     channel.send({"op": "close", "id": self._next_id})
                     channel.recv("the rollout process to shut down")
-                except (OSError, TransportError):
-                    pass
             if proc is not None:
                 try:
                     proc.wait(timeout=0 if kill else 30)
@@ -195,10 +195,8 @@ class SeparateVLLMEngine:
 
     def __del__(self) -> None:  # a forgotten engine must not leave a child behind
         if getattr(self, "proc", None) is not None:
-            try:
+            with contextlib.suppress(Exception):  # at interpreter exit modules may already be gone
                 self.close(kill=True)
-            except Exception:  # noqa: BLE001 - at interpreter exit modules may already be gone
-                pass
 
     # --- request/reply --------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ A multi-node run needs the run directory on a shared filesystem for cross-node h
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -47,10 +48,10 @@ class Heartbeat:
             self.finished_step = step
         else:
             self.step = step
-        try:
-            self.write()  # at once, so a survivor reading it after a crash sees the step it died in
-        except OSError:
-            pass
+        # At once, so a survivor reading it after a crash sees the step it died in; a full or
+        # vanished disk must not stop training (the beat thread retries every interval).
+        with contextlib.suppress(OSError):
+            self.write()
 
     def write(self) -> None:
         record = {
@@ -68,10 +69,8 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            try:
+            with contextlib.suppress(OSError):  # a full or vanished disk: the beat just goes stale
                 self.write()
-            except OSError:
-                pass  # a full or vanished disk must not kill training; the beat just goes stale
 
     def stop(self) -> None:
         self._stop.set()

@@ -16,6 +16,7 @@ falls out of step notices at the next message instead of silently mixing weights
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -220,11 +221,9 @@ class Channel:
     def abort(self, sync_id: int, bucket_id: int, reason: str) -> None:
         """Tell the peer to give up now instead of waiting for its timeout. Best effort: the
         peer may already be gone, and this must never mask the error being reported."""
-        try:
+        with contextlib.suppress(OSError, TransportError):
             self.timeout_s = min(self.timeout_s, _ABORT_SEND_TIMEOUT_S)
             self.send({"type": "abort", "sync_id": sync_id, "bucket_id": bucket_id, "reason": reason[:2000]})
-        except (OSError, TransportError):
-            pass
 
     def _raise_pending_abort(self) -> None:
         """Our send failed because the peer closed; if it left an `abort` with its reason in our
@@ -235,7 +234,7 @@ class Channel:
         except PeerAborted:
             raise
         except (OSError, TransportError):
-            pass
+            return  # no abort was waiting: the caller raises its own error
 
     def _recv_exact(self, nbytes: int, deadline: float, what: str) -> bytes:
         buffer = bytearray(nbytes)
