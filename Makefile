@@ -9,7 +9,7 @@ WHEELS := $(wildcard /opt/wheels)
 PIP_INSTALL := $(PY) -m pip install --disable-pip-version-check $(if $(WHEELS),--find-links $(WHEELS))
 PYTEST_ARGS ?=
 
-.PHONY: install test test-all lint bench clean
+.PHONY: install test test-all test-gpu lint bench clean
 
 install:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,3 +31,9 @@ lint:
 
 clean:
 	rm -rf outputs multirun wandb .pytest_cache
+
+# The GPU suite (tests/gpu, marked `gpu`; skipped without CUDA): the venv's Python, or the machine's
+# python3 where there is no venv (a GPU image with the dependencies installed, e.g. ../shared/gpu).
+GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
+test-gpu:
+	$(GPU_PY) -m pytest -q -m gpu --durations=0 tests/gpu $(PYTEST_ARGS)

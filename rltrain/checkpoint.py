@@ -1,7 +1,7 @@
 """Atomic checkpoints and `trainer.resume=auto`.
 
 A checkpoint is written into `checkpoints/step_N.tmp/` by every rank (engine state through
-torch.distributed.checkpoint, each rank's RNG state as safetensors), then rank 0 writes
+torch.distributed.checkpoint, each rank's CPU and CUDA RNG states as safetensors), then rank 0 writes
 `trainer_state.json` (step, algorithm state such as the data position) and renames the directory
 to `checkpoints/step_N/`. A directory without the `.tmp` suffix is therefore always complete; a
 run killed mid-save leaves only a `.tmp` directory, which is ignored and cleaned up later.
@@ -60,7 +60,7 @@ class CheckpointManager:
             engine.save_checkpoint(tmp / name)
         rng_dir = tmp / "rng"
         rng_dir.mkdir(exist_ok=True)
-        save_file({"torch_cpu": torch.get_rng_state()}, str(rng_dir / f"rank{self.dist.rank}.safetensors"))
+        save_file(rng_states(), str(rng_dir / f"rank{self.dist.rank}.safetensors"))
         barrier()
         if self.dist.is_main:
             (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **trainer_state}, indent=1))
@@ -82,5 +82,19 @@ class CheckpointManager:
             engine.load_checkpoint(path / name)
         rng_file = path / "rng" / f"rank{self.dist.rank}.safetensors"
         if rng_file.exists():
-            torch.set_rng_state(load_file(str(rng_file))["torch_cpu"])
+            restore_rng_states(load_file(str(rng_file)))
         return json.loads((path / "trainer_state.json").read_text())
+
+
+def rng_states() -> dict[str, torch.Tensor]:
+    """This rank's RNG states: torch's CPU generator and, on CUDA, the current device's."""
+    states = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["torch_cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def restore_rng_states(states: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(states["torch_cpu"])
+    if "torch_cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["torch_cuda"])

@@ -30,6 +30,7 @@ class TrainerConfig:
     progress: str = "auto"  # auto | bar | lines
     num_threads: int = 0  # torch intra-op threads per rank; 0 = cores / nproc
     deterministic: bool = True
+    precision: str = "auto"  # auto (bf16-mixed on CUDA, fp32 on CPU) | fp32 | bf16-mixed | bf16
 
 
 @dataclass
@@ -59,7 +60,7 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     attention_bias: bool = True
     max_position_embeddings: int = 512
-    dtype: str = "float32"  # float32 | bfloat16
+    gradient_checkpointing: bool = False  # recompute each decoder layer's activations in the backward
     cache_dir: str | None = None  # where the built tiny model is cached; null = ~/.cache/rltrain
 
 
@@ -139,7 +140,6 @@ class BackendConfig:
 class FSDPBackendConfig(BackendConfig):
     name: str = "fsdp"
     reshard_after_forward: bool = True
-    bucket_mb: int = 64  # size of the buckets that broadcast rank 0's weights at start-up
 
 
 @dataclass
@@ -159,8 +159,14 @@ class RolloutConfig:
 class VLLMRolloutConfig(RolloutConfig):
     name: str = "vllm"
     process: str = "colocated"  # colocated | separate (the engine in a child process: rollout/separate.py)
-    kv_cache_gib: float = 1.0
+    kv_cache_gib: float = 1.0  # CPU: the KV-cache budget (on CUDA, gpu_memory_utilization decides)
     max_num_seqs: int = 256
+    max_model_len: int | None = None  # longest prompt + completion; null = the model's own limit
+    # vLLM on CUDA (README, "vLLM on CUDA"); the CPU build takes none of these:
+    gpu_memory_utilization: float = 0.5  # fraction of the GPU the engine may take (weights + KV cache)
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False  # true: no CUDA graphs (the CPU build always runs eagerly)
+    sleep_level: int = 1  # time sharing: 1 keeps the weights in host memory, 2 drops them (resynced)
     bucket_mb: int = 64  # process=separate: shared-memory bucket size of the weight transport
     timeout_s: float = 300.0  # process=separate: bound on every wait for the child (a reply, a bucket)
     start_timeout_s: float = 600.0  # process=separate: bound on the child building its engine

@@ -1,9 +1,11 @@
 """Greedy exact-match evaluation, backend-agnostic.
 
 Each rank loads the policy's full weights (through the engine's `export_weights`, a collective)
-into a plain, unsharded copy of the model, generates greedily for its slice of the held-out
-prompts with no collectives at all, and one all-reduce sums the correct answers. Generation
-under FSDP would run a collective per token per layer; this runs none.
+into a plain, unsharded copy of the model *on its training device*, generates greedily for its
+slice of the held-out prompts with no collectives at all, and one all-reduce sums the correct
+answers. Generation under FSDP would run a collective per token per layer; this runs none. The copy
+exists only while evaluating (built, loaded, used and dropped in `accuracy`), so it never holds
+memory during training.
 """
 
 from __future__ import annotations
@@ -12,25 +14,41 @@ import torch
 import torch.distributed as dist
 
 from rltrain.data.sharding import rank_slice
+from rltrain.distributed import all_reduce_sum
 
 
 class GreedyEvaluator:
-    def __init__(self, model_dir, tokenizer, dtype: torch.dtype, max_new_tokens: int) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
+    def __init__(
+        self, model_dir, tokenizer, dtype: torch.dtype, max_new_tokens: int, device: torch.device | str = "cpu"
+    ) -> None:
+        from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(str(model_dir))
-        self.model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
-        self.model.requires_grad_(False)
+        self.config = AutoConfig.from_pretrained(str(model_dir))
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.model = None
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
 
     def load(self, engine) -> None:
-        weights = dict(engine.export_weights())
-        missing, unexpected = self.model.load_state_dict(weights, strict=False)
+        """Build the copy on the training device and load the policy's current weights into it."""
+        from transformers import AutoModelForCausalLM
+
+        weights = dict(engine.export_weights())  # collective: every rank takes part
+        with torch.device(self.device):
+            model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype, attn_implementation="sdpa")
+        model.eval().requires_grad_(False)
+        missing, unexpected = model.load_state_dict(weights, strict=False)
         if unexpected or [m for m in missing if m != "lm_head.weight"]:
             raise RuntimeError(f"evaluation copy: missing {missing}, unexpected {unexpected}")
-        if self.model.config.tie_word_embeddings:
-            self.model.tie_weights()
+        if model.config.tie_word_embeddings:
+            model.tie_weights()
+        self.model = model
+
+    def release(self) -> None:
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], batch_size: int = 64) -> list[str]:
@@ -39,8 +57,8 @@ class GreedyEvaluator:
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start : start + batch_size]
             width = max(len(p) for p in chunk)
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=self.device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=self.device)
             out = self.model.generate(
                 input_ids=ids,
                 attention_mask=mask,
@@ -61,9 +79,10 @@ class GreedyEvaluator:
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         mine = rank_slice(list(range(len(prompts))), rank, world)
-        outputs = self.generate([prompts[i] for i in mine]) if mine else []
+        try:
+            outputs = self.generate([prompts[i] for i in mine]) if mine else []
+        finally:
+            self.release()
         correct = sum(int(out.strip() == references[i].strip()) for out, i in zip(outputs, mine))
-        counts = torch.tensor([correct, len(mine)], dtype=torch.float64)
-        if world > 1:
-            dist.all_reduce(counts)
+        counts = all_reduce_sum(torch.tensor([correct, len(mine)], dtype=torch.float64, device="cpu"))
         return float(counts[0] / counts[1].clamp(min=1))

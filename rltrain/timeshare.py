@@ -26,6 +26,11 @@ before teardown, would need the engine awake while the trainer still holds its m
 peak would be the sum of both, which is what time sharing exists to avoid. The cost is one
 host-memory copy of the model between the train and sync phases.
 
+Sleep level 2 (`rollout.sleep_level=2`, vLLM on CUDA) discards the engine's weights instead of
+keeping a host copy of them: the sync phase then sends the last weights again after every wake
+(evaluation turns included), from a host copy kept here until the next export replaces it, so at
+most one host copy exists at a time.
+
 The CPU build of vLLM has no sleep mode: `sleep()`/`wake()` only record the phase (so a
 phase-order bug still raises on CPU), and the KV cache and weights stay allocated; offload has
 nowhere to move tensors on CPU, so it frees gradients only. The phases, their order, the
@@ -116,6 +121,10 @@ class TimeSharing:
         self.enabled = enabled
         self.clock = PhaseClock(device)
         self.pending: list[tuple[str, torch.Tensor]] | None = None  # exported, not yet synced
+        # An engine that loses its weights in its sleep (vLLM at rollout.sleep_level=2 on CUDA)
+        # needs them again after every wake: the last synced host copy is kept until the next export.
+        self.resend_after_wake = enabled and not getattr(rollout, "weights_survive_sleep", True)
+        self.synced: list[tuple[str, torch.Tensor]] | None = None
         self.last_sync_s = 0.0
         self.last_generate_s = 0.0
         if enabled:
@@ -177,13 +186,20 @@ class TimeSharing:
             self.rollout.update_weights(export())
             self.last_sync_s = time.perf_counter() - started
             return
+        self.synced = None  # superseded: never hold two host copies
         self.pending = [(name, _host_copy(tensor)) for name, tensor in export()]
 
     def _sync_pending(self) -> None:
+        """The weights exported since the last turn; for an engine that dropped its weights in its
+        sleep, the last ones again (before any export such an engine restores its own checkpoint)."""
         started = time.perf_counter()
-        if self.pending is not None:
-            weights, self.pending = self.pending, None
+        weights, self.pending = self.pending, None
+        if weights is None and self.resend_after_wake:
+            weights = self.synced
+        if weights is not None:
             self.rollout.update_weights(weights)
+            if self.resend_after_wake:
+                self.synced = weights
         self.last_sync_s = time.perf_counter() - started
 
     def pop_metrics(self) -> dict[str, float]:

@@ -19,7 +19,7 @@ CHOICES = {
     "logger.wandb.mode": ("auto", "online", "offline", "disabled"),
     "optim.schedule": ("cosine", "linear", "constant"),
     "model.arch": ("qwen2", "llama"),
-    "model.dtype": ("float32", "bfloat16"),
+    "trainer.precision": ("auto", "fp32", "bf16-mixed", "bf16"),  # rltrain.precision.PRECISIONS (no torch here)
 }
 
 
@@ -63,6 +63,8 @@ def validate(cfg) -> None:
             f"rollout.process={cfg.rollout.process!r} is not one of colocated, separate (the vLLM engine in "
             "the trainer's process, or in a child process of its own)."
         )
+    if cfg.rollout is not None and cfg.rollout.name == "vllm":
+        validate_vllm(cfg.rollout)
     from rltrain.safety.faults import parse_faults
 
     parse_faults(cfg.debug.fault)  # a malformed debug.fault fails here, before any model is built
@@ -73,6 +75,28 @@ def validate(cfg) -> None:
                 f"{key}={value!r} does not exist. Give a .jsonl or .parquet file or a directory saved with "
                 "datasets' save_to_disk."
             )
+
+
+def validate_vllm(rollout) -> None:
+    """The vLLM engine's CUDA settings (README, "vLLM on CUDA"); checked on every machine, so a
+    config that would fail on the cluster fails on a laptop first."""
+    util = rollout.gpu_memory_utilization
+    if not 0 < util <= 1:
+        raise UserError(
+            f"rollout.gpu_memory_utilization={util} must be in (0, 1]: the fraction of the GPU's memory the vLLM "
+            "engine may take for its weights, activations and KV cache (e.g. 0.5 when the trainer shares the GPU)."
+        )
+    if rollout.sleep_level not in (1, 2):
+        raise UserError(
+            f"rollout.sleep_level={rollout.sleep_level} is not 1 or 2: vLLM's sleep between rollout turns either "
+            "keeps the weights in host memory (1) or discards them, to be sent again after the wake (2)."
+        )
+    if rollout.tensor_parallel_size < 1:
+        raise UserError(f"rollout.tensor_parallel_size={rollout.tensor_parallel_size} must be at least 1.")
+    if rollout.max_model_len is not None and rollout.max_model_len < 1:
+        raise UserError(
+            f"rollout.max_model_len={rollout.max_model_len} must be at least 1, or null for the model's own limit."
+        )
 
 
 def world_size(cfg) -> int:

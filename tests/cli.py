@@ -35,3 +35,24 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def train_rows(run_dir: Path) -> list[dict]:
     return [r for r in read_metrics(run_dir) if "loss" in r]
+
+
+def kill_when(args: list[str], run_dir: Path, ready: Path, sig: int, timeout: float = 240) -> None:
+    """Start `python -m rltrain *args` in its own session, wait until `ready` exists, then send
+    `sig` to its whole process group (every rank) and wait for it to end."""
+    import time
+
+    cmd = [sys.executable, "-m", "rltrain", *args, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while not ready.exists():
+        assert proc.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline, f"{ready} did not appear within {timeout}s"
+        time.sleep(0.05)
+    os.killpg(proc.pid, sig)
+    proc.wait(timeout=60)
+
+
+def comparable(rows: list[dict]) -> list[dict]:
+    """Metric rows without the fields that measure time or memory (they differ run to run)."""
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "mem/")) and k != "tokens_per_s"} for r in rows]

@@ -33,6 +33,7 @@ from rltrain.data.preference_data import PreferencePair, build_preference_data
 from rltrain.data.sampler import IndexStream
 from rltrain.data.sharding import micro_batch_count, rank_slice, split_micro_batches, sum_over_replicas
 from rltrain.evaluation import GreedyEvaluator
+from rltrain.precision import resolve_precision
 
 REF_FILE = "ref_logps.safetensors"
 
@@ -55,7 +56,8 @@ def make_dpo_loss(beta: float, loss_type: str, label_smoothing: float, sft_weigh
     def dpo_loss(output: PolicyOutput, batch: SequenceBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         n_pairs = batch.extras["global_pairs"]
         pol_c, pol_r = chosen_rejected_sums(output.logps)
-        ref_c, ref_r = batch.extras["ref_chosen"], batch.extras["ref_rejected"]
+        # Reference sums are kept on the host (precomputed ones for the whole dataset).
+        ref_c, ref_r = batch.extras["ref_chosen"].to(pol_c.device), batch.extras["ref_rejected"].to(pol_c.device)
         loss = dpo_pair_losses(pol_c, pol_r, ref_c, ref_r, beta, loss_type, label_smoothing).sum() / n_pairs
         if sft_weight:
             loss = loss + sft_weight * -pol_c.sum() / batch.extras["global_chosen_tokens"]
@@ -116,7 +118,7 @@ class DPO(PolicyStreamAlgorithm):
             gc.collect()
         self.evaluator = None
         if self.data.eval_answers:
-            self.evaluator = GreedyEvaluator(ctx.model_dir, ctx.tokenizer, getattr(torch, cfg.model.dtype), 8)
+            self.evaluator = GreedyEvaluator(ctx.model_dir, ctx.tokenizer, resolve_precision(cfg.trainer.precision, ctx.dist.device).compute_dtype, 8, device=ctx.dist.device)
 
     # --- reference log-probabilities -----------------------------------------------------------
 
@@ -126,12 +128,12 @@ class DPO(PolicyStreamAlgorithm):
         index = list(range(len(pairs)))
         mine = rank_slice(index, engine.rank, engine.world_size)
         count = micro_batch_count(len(pairs), engine.world_size, chunk)
-        out = torch.zeros(2, len(pairs), dtype=torch.float64)
+        out = torch.zeros(2, len(pairs), dtype=torch.float64, device="cpu")
         for idx in split_micro_batches(mine, count, chunk):
             (scored,) = engine.forward_logps([pairs_to_batch([pairs[i] for i in idx])])
             if idx:
                 c, r = chosen_rejected_sums(scored.logps)
-                out[0, idx], out[1, idx] = c.double(), r.double()
+                out[0, idx], out[1, idx] = c.double().cpu(), r.double().cpu()
         out = sum_over_replicas(out, engine.world_size)
         return out[0].float(), out[1].float()
 
@@ -160,7 +162,7 @@ class DPO(PolicyStreamAlgorithm):
         micro, micro_idx = dpo_micro_batches(pairs, self.policy.rank, self.policy.world_size, t.micro_batch_size)
         if self.ref_train is not None:
             for mb, idx in zip(micro, micro_idx):
-                rows = torch.tensor([index[i] for i in idx], dtype=torch.long)
+                rows = torch.tensor([index[i] for i in idx], dtype=torch.long, device="cpu")
                 mb.extras["ref_chosen"], mb.extras["ref_rejected"] = self.ref_train[0][rows], self.ref_train[1][rows]
         else:
             attach_reference(micro, self.reference)

@@ -34,22 +34,15 @@ from rltrain.backends import build_engine
 from rltrain.backends.base import PolicyOutput
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.prompt_data import PromptRow, build_prompt_data
-from rltrain.data.ragged import Ragged
+from rltrain.data.ragged import Ragged, on_device
 from rltrain.data.sampler import IndexStream
 from rltrain.data.sharding import rank_slice, split_micro_batches, sum_over_replicas
+from rltrain.distributed import global_max
 from rltrain.rewards import build_reward_fns, score
 from rltrain.rollout import build_rollout
 from rltrain.rollout.base import Completion, SamplingSettings
 from rltrain.rollout.share import replica_leader, share_completions
 from rltrain.timeshare import TimeSharing
-
-
-def _global_max(value: float) -> float:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
 
 
 class ParityProbe:
@@ -72,7 +65,8 @@ def make_grpo_loss(algo_cfg, parity: ParityProbe | None = None):
     `policy/kl` reads 0. With `engine_logps` the loss also measures train/rollout parity."""
 
     def loss_fn(output: PolicyOutput, batch: SequenceBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        e = batch.extras
+        # Extras are built on the host; the loss runs where the model's outputs are.
+        e = {k: on_device(v, output.logps.values.device) for k, v in batch.extras.items()}
         old = e["old_logps"]
         ref = e["ref_logps"]
         if ref is None:
@@ -175,13 +169,13 @@ class GRPO:
         time_rollout = self.timeshare.last_generate_s
 
         per_fn = self._rewards(rows, completions)
-        total = torch.zeros(len(completions), dtype=torch.float64)
+        total = torch.zeros(len(completions), dtype=torch.float64, device="cpu")
         for rf in self.reward_fns:
-            total += rf.weight * torch.tensor(per_fn[rf.name], dtype=torch.float64)
+            total += rf.weight * torch.tensor(per_fn[rf.name], dtype=torch.float64, device="cpu")
         # Advantages from the global batch of rewards (rank count does not change them).
         n_global = a.prompts_per_step * a.group_size
         offset = self._offset()
-        global_rewards = torch.zeros(n_global, dtype=torch.float64)
+        global_rewards = torch.zeros(n_global, dtype=torch.float64, device="cpu")
         global_rewards[offset : offset + len(completions)] = total
         global_rewards = sum_over_replicas(global_rewards, dp_size)
         adv_all = group_advantages(global_rewards.float(), a.group_size, a.scale_rewards)
@@ -190,7 +184,7 @@ class GRPO:
         batch = SequenceBatch.from_lists(
             [rows[c.prompt_index].ids for c in completions], [c.token_ids for c in completions]
         )
-        local_counts = torch.tensor([batch.num_completion_tokens, len(completions), sum(not c.finished for c in completions)], dtype=torch.float64)
+        local_counts = torch.tensor([batch.num_completion_tokens, len(completions), sum(not c.finished for c in completions)], dtype=torch.float64, device="cpu")
         global_counts = sum_over_replicas(local_counts.clone(), dp_size)
 
         t1 = time.perf_counter()
@@ -201,7 +195,7 @@ class GRPO:
             self.timeshare.publish(self.policy.export_weights)
 
         means = sum_over_replicas(
-            torch.tensor([sum(v) for v in per_fn.values()] + [float((total**2).sum()), float(total.sum())], dtype=torch.float64),
+            torch.tensor([sum(v) for v in per_fn.values()] + [float((total**2).sum()), float(total.sum())], dtype=torch.float64, device="cpu"),
             dp_size,
         ) / n_global
         reward_mean = float(means[-1])
@@ -211,12 +205,12 @@ class GRPO:
             "reward/std": max(0.0, float(means[-2]) - reward_mean**2) ** 0.5,
             "rollout/response_length_mean": float(global_counts[0] / n_global),
             "rollout/truncated_fraction": float(global_counts[2] / n_global),
-            "rollout/tokens_per_s": float(global_counts[0]) / max(_global_max(time_rollout), 1e-9),
+            "rollout/tokens_per_s": float(global_counts[0]) / max(global_max(time_rollout), 1e-9),
             "time/rollout": time_rollout,
             "time/train": time_train,
             "time/sync": self.timeshare.last_sync_s,
             **self.timeshare.pop_metrics(),
-            "tokens": float(sum_over_replicas(torch.tensor([float(batch.tokens.num_tokens)]), dp_size)),
+            "tokens": float(sum_over_replicas(torch.tensor([float(batch.tokens.num_tokens)], device="cpu"), dp_size)),
             "data/overlong_dropped": float(self.dropped),
         }
         for i, rf in enumerate(self.reward_fns):
@@ -232,7 +226,7 @@ class GRPO:
         positions = split_micro_batches(list(range(len(batch))), count, mb_size)
         micro = [batch.select(p) for p in positions]
         engine_logps = Ragged.from_lengths(
-            torch.tensor([lp for c in completions for lp in c.logprobs], dtype=torch.float32), batch.completion_lens()
+            torch.tensor([lp for c in completions for lp in c.logprobs], dtype=torch.float32, device="cpu"), batch.completion_lens()
         )
         self.parity.max_diff = 0.0
         old = entropy = None
@@ -242,7 +236,7 @@ class GRPO:
             old = Ragged.cat([s.logps for s in scored]) if len(batch) else None
             entropy = Ragged.cat([s.entropy for s in scored]) if len(batch) else None
             if old is not None:
-                self.parity.observe((old.values.float() - engine_logps.values).abs())
+                self.parity.observe((old.values.float() - engine_logps.values.to(old.values.device)).abs())
         ref = None
         if self.reference is not None:
             ref_scored = self.reference.forward_logps(micro)
@@ -267,10 +261,10 @@ class GRPO:
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
         out = {k: v / updates for k, v in sums.items()}
-        out["rollout/logprob_diff_max"] = _global_max(self.parity.max_diff)
+        out["rollout/logprob_diff_max"] = global_max(self.parity.max_diff)
         if not fused:
-            diffs_sum = (old.values.float() - engine_logps.values).abs().sum() if old is not None else 0.0
-            diff_sum = sum_over_replicas(torch.tensor([float(diffs_sum)], dtype=torch.float64), dp_size)
+            diffs_sum = (old.values.float() - engine_logps.values.to(old.values.device)).abs().sum() if old is not None else 0.0
+            diff_sum = sum_over_replicas(torch.tensor([float(diffs_sum)], dtype=torch.float64, device="cpu"), dp_size)
             out["rollout/logprob_diff_mean"] = float(diff_sum[0] / max(float(global_counts[0]), 1.0))
         return out
 
@@ -305,7 +299,7 @@ class GRPO:
                 sub.extras[key] = value[positions] if positions else value[:0]
             else:
                 sub.extras[key] = None
-        counts = sum_over_replicas(torch.tensor([float(sub.num_completion_tokens), float(len(sub))], dtype=torch.float64), dp_size)
+        counts = sum_over_replicas(torch.tensor([float(sub.num_completion_tokens), float(len(sub))], dtype=torch.float64, device="cpu"), dp_size)
         sub.extras["global_tokens"], sub.extras["global_seqs"] = float(counts[0]), float(counts[1])
         micro = [sub.select(p) for p in split_micro_batches(list(range(len(sub))), count, mb_size)]
         return self.policy.train_step(micro, self.loss_fn, with_entropy=with_entropy)
@@ -324,7 +318,7 @@ class GRPO:
         if mine and "answer" in mine[0].columns:
             correct = float(sum(t.strip() == str(r.columns["answer"]).strip() for t, r in zip(texts, mine)))
         totals = [sum(rf.weight * per_fn[rf.name][i] for rf in self.reward_fns) for i in range(len(completions))]
-        sums = sum_over_replicas(torch.tensor([correct, float(sum(totals))], dtype=torch.float64), self.policy.world_size)
+        sums = sum_over_replicas(torch.tensor([correct, float(sum(totals))], dtype=torch.float64, device="cpu"), self.policy.world_size)
         n = len(self.eval_prompts)
         out = {"eval/reward": float(sums[1] / n)}
         if "answer" in self.eval_prompts[0].columns:

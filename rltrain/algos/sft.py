@@ -21,6 +21,7 @@ from rltrain.data.sampler import IndexStream
 from rltrain.data.sft_data import build_sft_data
 from rltrain.data.sharding import micro_batch_count, rank_slice, split_micro_batches
 from rltrain.evaluation import GreedyEvaluator
+from rltrain.precision import resolve_precision
 
 
 def sft_loss(output: PolicyOutput, batch: SequenceBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -38,7 +39,7 @@ class SFT(PolicyStreamAlgorithm):
         self.stream = IndexStream(len(self.data.train), cfg.trainer.seed)
         self.policy = build_engine(ctx, trainable=True)
         max_answer = max((len(ctx.tokenizer(e.reference)["input_ids"]) for e in self.data.eval), default=8)
-        self.evaluator = GreedyEvaluator(ctx.model_dir, ctx.tokenizer, getattr(torch, cfg.model.dtype), max_answer + 2)
+        self.evaluator = GreedyEvaluator(ctx.model_dir, ctx.tokenizer, resolve_precision(cfg.trainer.precision, ctx.dist.device).compute_dtype, max_answer + 2, device=ctx.dist.device)
 
     def _global_batch(self) -> list[int]:
         return self.stream.take(self.ctx.cfg.trainer.global_batch_size)

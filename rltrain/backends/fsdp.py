@@ -11,6 +11,23 @@ instead of one rectangle padded to its longest row.
 Gradients are summed, not averaged, across ranks (`set_gradient_divide_factor(1)`): loss
 functions already divide by a global count, which is what makes 1 rank and N ranks agree.
 
+Start-up with several ranks never puts the full model on any rank but 0: every rank builds the
+model on the meta device, `fully_shard` is applied there, each rank allocates its shards only, and
+rank 0 reads the checkpoint and scatters each rank its rows (`rltrain.models.hf_io`).
+
+Precision (`trainer.precision`, `rltrain.precision`): `fp32`, or `bf16` (weights, gradients and
+AdamW state in bf16), or `bf16-mixed`: weights, gradients and AdamW state stay fp32 and the model
+computes in bf16. Sharded, FSDP2 does the casting (`MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)`: bf16 all-gathers and activations, fp32 gradient reduce-scatter). One
+unsharded rank has no FSDP to cast, so the scorer runs the model under `torch.autocast(bf16)`
+instead: matmuls in bf16, while the embeddings, norms and residual stream stay fp32, a little
+more precise than the sharded path (so 1 rank and N ranks agree to bf16 round-off, not to fp32's
+as they do in `fp32`). Either way the logits are upcast and log-probabilities and losses are fp32.
+
+`model.gradient_checkpointing`: each decoder layer's activations are recomputed in the backward
+(transformers' `gradient_checkpointing_enable`, non-reentrant `torch.utils.checkpoint`, which
+replays autocast and the RNG), set before `fully_shard`; the numbers do not change.
+
 Each micro-batch's forward, loss and backward run under `rltrain.safety.guard`: an error on one
 rank is paid for with a zero backward built from the model's outputs (recover mode) or re-raised
 (fail-fast), so no rank is left alone in FSDP's collectives. A Mixture-of-Experts model gets a
@@ -20,8 +37,10 @@ routing-independent experts graph and, if its config asks, the load-balancing lo
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -39,8 +58,10 @@ from rltrain.backends.shared_prefix import PackingCost, Rectangle, packed_rectan
 from rltrain.config import FSDPBackendConfig, OptimConfig, SafetyConfig
 from rltrain.data.batch import SequenceBatch, length_buckets
 from rltrain.data.ragged import Ragged
+from rltrain.distributed import gather_rows
 from rltrain.models import moe
-from rltrain.models.hf_io import load_causal_lm
+from rltrain.models.hf_io import load_causal_lm, load_sharded_weights
+from rltrain.precision import Precision, resolve_precision
 from rltrain.safety import faults
 from rltrain.safety.guard import (
     ErrorBudget,
@@ -64,8 +85,9 @@ class FSDPEngine:
         optim_cfg: OptimConfig | None,
         max_steps: int,
         device: torch.device,
-        dtype: torch.dtype = torch.float32,
+        precision: Precision | str = "fp32",
         safety: SafetyConfig | None = None,
+        gradient_checkpointing: bool = False,
     ) -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -74,17 +96,25 @@ class FSDPEngine:
         self.optim_cfg = optim_cfg
         self.max_steps = max_steps
         self.trainable = optim_cfg is not None
-        self.lm = load_causal_lm(self.model_dir, dtype, backend_cfg.bucket_mb).to(device)
+        self.precision = precision if isinstance(precision, Precision) else resolve_precision(precision, device)
+        self.sharded = self.world_size > 1
+        # Sharded: on the meta device until `_shard` has placed it (no rank holds the full model).
+        self.lm = load_causal_lm(self.model_dir, self.precision.param_dtype, on_meta=self.sharded)
+        if not self.sharded:
+            self.lm.to(device)
         self.pad_id = int(self.lm.config.pad_token_id or 0)
         self.tied = bool(self.lm.config.tie_word_embeddings)
         self.moe_info = moe.prepare_moe(self.lm)
-        self.scorer = CompletionScorer(self.lm, self.moe_info)
+        # Sharded, FSDP casts weights to the compute dtype; unsharded, autocast does (docstring).
+        autocast = contextlib.nullcontext if self.sharded else partial(self.precision.autocast, device)
+        self.scorer = CompletionScorer(self.lm, self.moe_info, autocast)
+        if gradient_checkpointing:
+            self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         safety = safety or SafetyConfig()
         self.fail_fast = fail_fast_enabled(safety.fail_fast)
         self.error_budget = ErrorBudget(safety.max_consecutive_errors)
         if not self.trainable:
             self.scorer.requires_grad_(False)
-        self.sharded = self.world_size > 1
         # Layout of a micro-batch (see `_layout`): pack sequences that share a prompt; length
         # buckets costed at this many tokens per extra model call, or None (one rectangle).
         self.share_prompts = self.moe_info is None
@@ -97,6 +127,8 @@ class FSDPEngine:
         if self.sharded:
             self.groups = FSDPGroups(device.type, timeout_s=safety.collective_timeout_s)
             self._shard(backend_cfg)
+            self.scorer.to_empty(device=device)  # this rank's shards (and buffers), uninitialised
+            load_sharded_weights(self.lm, self.model_dir, self.precision.param_dtype, self.groups.group)
         self.steps_taken = 0  # optimizer steps actually applied (skipped ones excluded)
         self.optimizer = None
         if self.trainable:
@@ -115,13 +147,16 @@ class FSDPEngine:
         return None
 
     def _shard(self, cfg: FSDPBackendConfig) -> None:
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         assert self.groups is not None
         mesh = self.groups.mesh  # our own group, not WORLD: time sharing tears it down (fsdp_groups)
+        mp = MixedPrecisionPolicy()  # compute in the weights' dtype (fp32, or bf16 in pure bf16)
+        if self.precision.mixed:
+            mp = MixedPrecisionPolicy(param_dtype=self.precision.compute_dtype, reduce_dtype=torch.float32)
         for layer in self.lm.model.layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward)
-        fully_shard(self.scorer, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=mp)
+        fully_shard(self.scorer, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=mp)
         self.groups.attach(self.scorer)
         for module in self.scorer.modules():
             if isinstance(module, FSDPModule):
@@ -267,7 +302,7 @@ class FSDPEngine:
         """The algorithm's loss plus the dummy-batch anchor and, for a MoE model, its weighted
         load-balancing loss (a per-micro-batch mean, scaled so the sum over micro-batches and ranks
         is the mean)."""
-        injector.maybe_raise("loss_error")
+        injector.in_loss()
         loss, metrics = loss_fn(out, mb)
         if out.anchor is not None:
             loss = loss + out.anchor
@@ -283,9 +318,7 @@ class FSDPEngine:
         for name, tensor in self.lm.state_dict().items():
             if self.tied and name == "lm_head.weight":
                 continue
-            if hasattr(tensor, "full_tensor"):
-                tensor = tensor.full_tensor()
-            yield name, tensor.detach()
+            yield name, _full(tensor).detach()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.export_weights())
@@ -344,6 +377,17 @@ class FSDPEngine:
         return self.groups.recreate() if self.groups is not None else 0
 
 
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter's full value: FSDP2's dim-0 shards gathered (`rltrain.distributed.gather_rows`)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(tensor, DTensor):
+        return tensor
+    if tuple(tensor.placements) != (Shard(0),):
+        return tensor.full_tensor()
+    return gather_rows(tensor.to_local(), tensor.shape[0], tensor.device_mesh.get_group())
+
+
 def _move_optimizer_state(optimizer: torch.optim.Optimizer | None, device: torch.device) -> None:
     if optimizer is None:
         return
@@ -361,6 +405,7 @@ def build_engine(ctx, trainable: bool) -> FSDPEngine:
         cfg.optim if trainable else None,
         cfg.trainer.max_steps,
         ctx.dist.device,
-        dtype=getattr(torch, cfg.model.dtype),
+        precision=cfg.trainer.precision,
         safety=cfg.safety,
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
     )

@@ -27,19 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-
-def _comm_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _agree(ok: bool, what: str, cause: BaseException | None) -> None:
-    """Raise on every rank unless `ok` on every rank (one MIN all-reduce on WORLD)."""
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=_comm_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    if int(flag) == 0:
-        raise RuntimeError(f"{what} failed on at least one rank; see that rank's error") from cause
+from rltrain.distributed import agree_or_raise, control_device
 
 
 class FSDPGroups:
@@ -80,17 +68,17 @@ class FSDPGroups:
             self.alive = False
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank by _agree
             error = exc
-        _agree(error is None, "FSDP process-group teardown", error)
+        agree_or_raise(error is None, "FSDP process-group teardown", error)
 
     def recreate(self) -> int:
         """Create an identical group, warm it up, re-bind the mesh and every cached handle.
         Returns how many cached handles were re-bound."""
-        _agree(not self.alive, "FSDP process-group re-creation (a rank still holds a live group)", None)
+        agree_or_raise(not self.alive, "FSDP process-group re-creation (a rank still holds a live group)", None)
         error: BaseException | None = None
         rebound = 0
         try:
             new = self._new_group()
-            probe = torch.ones(1, device=_comm_device())
+            probe = torch.ones(1, device=control_device())
             dist.all_reduce(probe, group=new)
             if int(probe) != len(self.ranks):
                 raise RuntimeError("warm-up all-reduce on the re-created FSDP group returned a wrong sum")
@@ -105,7 +93,7 @@ class FSDPGroups:
                 raise RuntimeError(f"stale process-group handles after re-binding: {stale}")
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank by _agree
             error = exc
-        _agree(error is None, "FSDP process-group re-creation", error)
+        agree_or_raise(error is None, "FSDP process-group re-creation", error)
         return rebound
 
     # -- cached handles ---------------------------------------------------------------------

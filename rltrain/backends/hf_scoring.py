@@ -2,11 +2,18 @@
 
 The output head runs only on the positions that predict completion tokens (not on prompts or
 padding), and a rank with no data scores a dummy sequence so its collectives still happen.
+
+Precision (`rltrain.precision`): the model and the output head run in the compute dtype, either
+because FSDP casts the weights (sharded, `MixedPrecisionPolicy`) or under the `autocast` context
+this module is given (one unsharded rank with fp32 weights); the logits are upcast to fp32 and the
+log-softmax, log-probabilities, entropies and a MoE load-balancing loss are computed in fp32,
+outside autocast, whatever the precision.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -24,10 +31,16 @@ BUCKET_COST_TOKENS = {"cpu": 32, "cuda": 4096}
 class CompletionScorer(nn.Module):
     """Wraps a causal LM: log-probabilities (and entropies) of selected next-token positions."""
 
-    def __init__(self, lm: nn.Module, moe_info: moe.MoEInfo | None = None) -> None:
+    def __init__(
+        self,
+        lm: nn.Module,
+        moe_info: moe.MoEInfo | None = None,
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> None:
         super().__init__()
         self.lm = lm
         self.moe_info = moe_info
+        self.autocast = autocast  # entered around the model and the head (see the module docstring)
 
     def forward(
         self,
@@ -45,23 +58,27 @@ class CompletionScorer(nn.Module):
         # padding after it, so it needs no attention mask (and sdpa keeps its fast causal path).
         router = self.training and self.moe_info is not None and self.moe_info.aux_loss_coef > 0
         assert not (router and len(rects) > 1), "a MoE load-balancing loss needs one plain rectangle"
-        parts, aux = [], None
-        for rect in rects:
-            kwargs = {}
-            if rect.attention_mask_B1TT is not None:
-                kwargs["attention_mask"] = rect.attention_mask_B1TT
-            if rect.position_ids_BT is not None:
-                kwargs["position_ids"] = rect.position_ids_BT
-            if router:
-                kwargs["output_router_logits"] = True
-            out = self.lm.model(input_ids=rect.input_ids_BT, use_cache=False, **kwargs)
-            parts.append(out.last_hidden_state[rect.rows_N, rect.cols_N])
-            if router:
-                aux = moe.load_balancing_loss(self.lm, self.moe_info, out.router_logits, padding_mask_BT)
-        hidden_NH = parts[0] if len(parts) == 1 else torch.cat(parts)
-        if order_N is not None:
-            hidden_NH = hidden_NH[order_N]
-        logits_NV = self.lm.lm_head(hidden_NH).float()
+        parts, aux, router_logits = [], None, None
+        with self.autocast():
+            for rect in rects:
+                kwargs = {}
+                if rect.attention_mask_B1TT is not None:
+                    kwargs["attention_mask"] = rect.attention_mask_B1TT
+                if rect.position_ids_BT is not None:
+                    kwargs["position_ids"] = rect.position_ids_BT
+                if router:
+                    kwargs["output_router_logits"] = True
+                out = self.lm.model(input_ids=rect.input_ids_BT, use_cache=False, **kwargs)
+                parts.append(out.last_hidden_state[rect.rows_N, rect.cols_N])
+                if router:
+                    router_logits = out.router_logits
+            hidden_NH = parts[0] if len(parts) == 1 else torch.cat(parts)
+            if order_N is not None:
+                hidden_NH = hidden_NH[order_N]
+            logits_NV = self.lm.lm_head(hidden_NH)
+        if router:
+            aux = moe.load_balancing_loss(self.lm, self.moe_info, router_logits, padding_mask_BT)
+        logits_NV = logits_NV.float()  # fp32 from here on, whatever the compute dtype
         logp_NV = torch.log_softmax(logits_NV, dim=-1)
         # clone: FSDP warns (rightly) about returning views from a wrapped module
         logps_N = logp_NV.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1).clone()

@@ -93,7 +93,9 @@ class Ragged:
 
     def broadcast(self, per_seq_B: torch.Tensor) -> Ragged:
         """A per-sequence value repeated onto every token of its sequence."""
-        return self.with_values(torch.repeat_interleave(per_seq_B, self.lengths().to(per_seq_B.device)))
+        return self.with_values(
+            torch.repeat_interleave(per_seq_B, self.lengths().to(per_seq_B.device), output_size=self.num_tokens)
+        )
 
     def to_padded(self, pad_value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         """([B, T] values, [B, T] bool mask). Only for kernels that need a rectangle."""
@@ -106,3 +108,14 @@ class Ragged:
 
     def detach(self) -> Ragged:
         return Ragged(self.values.detach(), self.offsets)
+
+    def to(self, device: torch.device | str) -> Ragged:
+        """The values on `device`; offsets stay on the host (they index, never compute)."""
+        return Ragged(self.values.to(device), self.offsets)
+
+
+def on_device(value, device: torch.device | str):
+    """`value` (a tensor, a Ragged, or anything else, returned as is) on `device`."""
+    if isinstance(value, (torch.Tensor, Ragged)):
+        return value.to(device)
+    return value

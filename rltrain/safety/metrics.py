@@ -12,6 +12,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from rltrain.distributed import control_device
+
 
 class MetricKeyMismatch(RuntimeError):
     """Ranks reported different metric keys for one step (a bug in the code that logs them)."""
@@ -25,13 +27,13 @@ def _gather_key_lists(keys: list[str], group=None) -> list[list[str]]:
     """Every rank's key list, as JSON bytes through two all-gathers (no pickle)."""
     data = json.dumps(keys).encode()
     world = dist.get_world_size(group)
-    length = torch.tensor([len(data)], dtype=torch.int64)
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    length = torch.tensor([len(data)], dtype=torch.int64, device=control_device())
+    lengths = [torch.zeros(1, dtype=torch.int64, device=control_device()) for _ in range(world)]
     dist.all_gather(lengths, length, group=group)
     size = int(max(int(n) for n in lengths))
-    buf = torch.zeros(size, dtype=torch.uint8)
+    buf = torch.zeros(size, dtype=torch.uint8, device=control_device())
     buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    bufs = [torch.zeros(size, dtype=torch.uint8) for _ in range(world)]
+    bufs = [torch.zeros(size, dtype=torch.uint8, device=control_device()) for _ in range(world)]
     dist.all_gather(bufs, buf, group=group)
     return [json.loads(bytes(b[: int(n)].tolist()).decode()) for b, n in zip(bufs, lengths)]
 
@@ -39,8 +41,8 @@ def _gather_key_lists(keys: list[str], group=None) -> list[list[str]]:
 def _agreed_keys(keys: list[str], partial: bool, group=None) -> list[str]:
     """The key list every rank reduces over, or MetricKeyMismatch naming the ranks and keys."""
     all_keys = _gather_key_lists(keys, group)
-    flags = [torch.zeros(1, dtype=torch.int64) for _ in all_keys]
-    dist.all_gather(flags, torch.tensor([int(partial)], dtype=torch.int64), group=group)
+    flags = [torch.zeros(1, dtype=torch.int64, device=control_device()) for _ in all_keys]
+    dist.all_gather(flags, torch.tensor([int(partial)], dtype=torch.int64, device=control_device()), group=group)
     union = sorted(set().union(*map(set, all_keys)))
     problems = []
     for rank, (rank_keys, flag) in enumerate(zip(all_keys, flags)):
@@ -63,10 +65,10 @@ def reduce_metric_sums(metrics: dict[str, float | torch.Tensor], group=None, par
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return {k: float(metrics[k]) for k in keys}
     crc = _key_checksum(keys)
-    check = torch.tensor([crc, -crc], dtype=torch.int64)
+    check = torch.tensor([crc, -crc], dtype=torch.int64, device=control_device())
     dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group)
     if int(check[0]) != crc or -int(check[1]) != crc:
         keys = _agreed_keys(keys, partial, group)
-    values = torch.tensor([float(metrics.get(k, 0.0)) for k in keys], dtype=torch.float64)
+    values = torch.tensor([float(metrics.get(k, 0.0)) for k in keys], dtype=torch.float64, device=control_device())
     dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
     return dict(zip(keys, values.tolist()))

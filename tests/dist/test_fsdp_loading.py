@@ -1,6 +1,5 @@
-"""Rank 0 reads the checkpoint; the others receive it in a few buckets, with ties and buffers right."""
-
-import os
+"""Sharded start-up: only rank 0 reads the checkpoint and no other rank holds the full model, yet
+every rank ends with rank 0's weights, ties and non-persistent buffers (rotary inv_freq) right."""
 
 import pytest
 import torch
@@ -10,34 +9,39 @@ from helpers import run_ranks
 pytestmark = pytest.mark.dist
 
 
-def _load_and_report(rank, world, model_dir, tied):
-    import torch.distributed as dist
+def _load_and_report(rank, world, model_dir):
+    from transformers import AutoModelForCausalLM
 
-    from rltrain.models import hf_io
+    from rltrain.backends.fsdp import FSDPEngine
+    from rltrain.config import FSDPBackendConfig, OptimConfig
 
-    calls = {"n": 0}
-    real_broadcast = dist.broadcast
+    reads = {"n": 0}
+    real = AutoModelForCausalLM.from_pretrained.__func__
 
-    def counting_broadcast(*a, **k):
-        calls["n"] += 1
-        return real_broadcast(*a, **k)
+    def counting(cls, *a, **k):
+        reads["n"] += 1
+        return real(cls, *a, **k)
 
-    hf_io.dist.broadcast = counting_broadcast
-    model = hf_io.load_causal_lm(model_dir, torch.float32, bucket_mb=1)
-    hf_io.dist.broadcast = real_broadcast
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    inv_freq = model.model.rotary_emb.inv_freq.clone()
+    AutoModelForCausalLM.from_pretrained = classmethod(counting)
+    eng = FSDPEngine(model_dir, FSDPBackendConfig(), OptimConfig(), 10, torch.device("cpu"))
+    AutoModelForCausalLM.from_pretrained = classmethod(real)
+    lm = eng.lm
+    local_numel = sum(p.to_local().numel() for p in lm.parameters())
+    full = {k: v.clone() for k, v in eng.export_weights()}  # full tensors (all-gathered)
     return {
-        "collectives": calls["n"],
-        "num_tensors": len(state),
-        "checksum": {k: float(v.double().sum()) for k, v in state.items()},
-        "inv_freq": inv_freq,
-        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+        "reads": reads["n"],
+        "local_numel": local_numel,
+        "full_numel": sum(v.numel() for v in full.values()),
+        "checksum": {k: float(v.double().sum()) for k, v in full.items()},
+        "inv_freq": lm.model.rotary_emb.inv_freq.clone(),
+        "original_inv_freq": lm.model.rotary_emb.original_inv_freq.clone(),
+        "tied": lm.lm_head.weight is lm.model.embed_tokens.weight,
+        "meta": [n for n, t in list(lm.named_parameters()) + list(lm.named_buffers()) if t.is_meta],
     }
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_rank0_loads_and_broadcasts_in_buckets(tiny_cache, tied):
+def test_rank0_reads_and_each_rank_receives_its_shards(tiny_cache, tied):
     from transformers import AutoModelForCausalLM
 
     from rltrain.config import ModelConfig
@@ -45,13 +49,19 @@ def test_rank0_loads_and_broadcasts_in_buckets(tiny_cache, tied):
 
     cfg = ModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, tie_word_embeddings=tied)
     model_dir = build_tiny_model_dir(cfg, seed=1)
-    os.environ["RLTRAIN_CACHE"] = str(tiny_cache)
-    r0, r1 = run_ranks(_load_and_report, model_dir, tied)
+    r0, r1 = run_ranks(_load_and_report, model_dir)
     reference = AutoModelForCausalLM.from_pretrained(model_dir)
-    for key, value in reference.state_dict().items():
+    expected = {k: v for k, v in reference.state_dict().items() if not (tied and k == "lm_head.weight")}
+    assert set(r1["checksum"]) == set(expected)
+    for key, value in expected.items():
         assert r1["checksum"][key] == pytest.approx(float(value.double().sum()), abs=0, rel=0), key
         assert r0["checksum"][key] == r1["checksum"][key]
-    torch.testing.assert_close(r1["inv_freq"], reference.model.rotary_emb.inv_freq, rtol=0, atol=0)
-    assert r1["tied"] == tied and r0["tied"] == tied
-    # batched: far fewer collectives than tensors (1 MB buckets, ~0.5M params)
-    assert r1["collectives"] < r1["num_tensors"] / 4
+    rotary = reference.model.rotary_emb
+    for r in (r0, r1):
+        torch.testing.assert_close(r["inv_freq"], rotary.inv_freq, rtol=0, atol=0)
+        torch.testing.assert_close(r["original_inv_freq"], rotary.original_inv_freq, rtol=0, atol=0)
+        assert r["tied"] == tied
+        assert r["meta"] == []
+        # each rank stores about half the parameters (uneven dims round up), never the whole model
+        assert r["local_numel"] <= r["full_numel"] / 2 + 4096
+    assert (r0["reads"], r1["reads"]) == (1, 0)  # only rank 0 read the checkpoint

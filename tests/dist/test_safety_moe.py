@@ -76,6 +76,7 @@ def _reference(model_dir):
     from rltrain.algos.sft import sft_loss
     from rltrain.backends.base import PolicyOutput
     from rltrain.backends.hf_scoring import CompletionScorer, completion_positions
+    from rltrain.backends.shared_prefix import Rectangle
     from rltrain.data.ragged import Ragged
     from rltrain.models.hf_io import load_causal_lm
     from rltrain.models.moe import prepare_moe
@@ -87,7 +88,8 @@ def _reference(model_dir):
     aux_total = 0.0
     for mb in _batches():
         ids, mask = mb.tokens.to_padded(0)
-        logps, _, aux = scorer(ids, *completion_positions(mb), False, mask)
+        rows, cols, targets = completion_positions(mb)
+        logps, _, aux = scorer([Rectangle(ids, rows, cols)], targets, False, None, mask)
         loss, _ = sft_loss(PolicyOutput(Ragged.from_lengths(logps, mb.completion_lens())), mb)
         (loss + COEF * aux / 2).backward()
         aux_total += float(aux.detach()) / 2

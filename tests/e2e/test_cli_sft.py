@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli import QUICK, ROOT, read_metrics, rltrain, train_rows
+from cli import QUICK, ROOT, comparable, kill_when, read_metrics, rltrain, train_rows
 from wandb_reader import find_run_file, read_offline_run
 
 pytestmark = pytest.mark.e2e
@@ -145,9 +145,6 @@ def test_wandb_receives_exactly_the_metrics_file(tiny_cache, tmp_path):
                 assert logged[key] == pytest.approx(value, rel=1e-12), key
 
 
-def _comparable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"} for r in rows]
-
 
 @pytest.mark.parametrize("sig, nproc", [(signal.SIGKILL, 1), (signal.SIGTERM, 2)])
 def test_killed_run_resumes_to_the_uninterrupted_result(tiny_cache, tmp_path, sig, nproc):
@@ -157,17 +154,9 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tiny_cache, tmp_path, si
     ]
     rltrain(*common, run_dir=tmp_path / "whole")
     run_dir = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "rltrain", *common, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 240
-    while not (run_dir / "checkpoints" / "step_00000006").exists():
-        assert proc.poll() is None, "the run ended before it could be killed"
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    os.killpg(proc.pid, sig)
-    proc.wait(timeout=60)
+    kill_when(common, run_dir, run_dir / "checkpoints" / "step_00000006", sig)
     assert len(train_rows(run_dir)) < 8
     rltrain(*common, run_dir=run_dir)
     resumed, whole = read_metrics(run_dir), read_metrics(tmp_path / "whole")
     assert [r["step"] for r in resumed if "loss" in r] == list(range(1, 9))
-    assert _comparable(resumed) == _comparable(whole)
+    assert comparable(resumed) == comparable(whole)

@@ -83,6 +83,22 @@ def test_fail_fast_exits_non_zero_in_bounded_time_with_the_error(tiny_cache, tmp
     assert len(train_rows(run_dir)) == 1
 
 
+def test_a_device_bug_in_the_loss_fails_a_recover_mode_run_at_once(tiny_cache, tmp_path):
+    """A device mismatch is a bug, not a bad batch: recover mode re-raises it on the first step it
+    happens, through the fail-fast path (the launcher stops the peer), with the first traceback."""
+    run_dir = tmp_path / "run"
+    t0 = time.monotonic()
+    proc = rltrain("algo=sft", *QUICK, *SMALL, "trainer.max_steps=5", "debug.fault=device_error:1:2",
+                   run_dir=run_dir, env={"RLTRAIN_FAIL_FAST": "0"}, check=False, timeout=180)
+    assert proc.returncode != 0
+    assert time.monotonic() - t0 < 120
+    assert "InjectedFault: Expected all tensors to be on the same device" in proc.stderr
+    assert "not recovered (safety.fail_fast=false)" in proc.stderr and "rank 1 exited with code 1" in proc.stderr
+    assert "recovered from an error" not in proc.stderr and proc.stderr.count("Traceback") >= 1
+    assert not (run_dir / "final").exists()
+    assert len(train_rows(run_dir)) == 1
+
+
 def test_sigkill_of_a_rank_ends_the_job_in_bounded_time_naming_it(tiny_cache, tmp_path):
     run_dir = tmp_path / "run"
     proc = rltrain("algo=sft", *QUICK, *SMALL, "trainer.max_steps=5", "debug.fault=kill:1:2",
@@ -104,5 +120,5 @@ def test_malformed_fault_is_a_user_error(tiny_cache, tmp_path):
 def test_fault_injection_is_documented():
     text = (Path(ROOT) / "README.md").read_text()
     assert "## Failure behaviour" in text
-    for kind in ("loss_error", "backward_error", "nan_grad", "kill", "rollout_dead"):
+    for kind in ("loss_error", "device_error", "backward_error", "nan_grad", "kill", "rollout_dead"):
         assert kind in text

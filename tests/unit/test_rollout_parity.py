@@ -65,7 +65,7 @@ def case(request, tiny_cache):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     t0 = time.perf_counter()
     engine = VLLMRolloutEngine(
-        model_dir, VLLMRolloutConfig(kv_cache_gib=1, max_num_seqs=16), seed=0, max_model_len=128
+        model_dir, VLLMRolloutConfig(kv_cache_gib=1, max_num_seqs=16, max_model_len=128), seed=0
     )
     built_s = time.perf_counter() - t0
     yield request.param, model_dir, hf, engine, built_s
@@ -205,7 +205,7 @@ expected_torch, expected_py = torch.rand(3), random.random()
 torch.manual_seed(123)
 random.seed(123)
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
-engine = VLLMRolloutEngine(sys.argv[1], VLLMRolloutConfig(kv_cache_gib=1, max_num_seqs=4), seed=99, max_model_len=64)
+engine = VLLMRolloutEngine(sys.argv[1], VLLMRolloutConfig(kv_cache_gib=1, max_num_seqs=4, max_model_len=64), seed=99)
 engine.generate([[1, 2, 3]], SamplingSettings(n=2, max_new_tokens=4))
 engine.close()
 assert torch.equal(torch.rand(3), expected_torch), "torch RNG moved"

@@ -108,3 +108,43 @@ def test_without_time_sharing_only_generate_and_train_are_phases():
 
 def test_resident_memory_is_reported():
     assert 1.0 < resident_mib() < 1 << 20
+
+
+class ForgetfulRollout(Rollout):
+    """An engine whose sleep discards its weights (vLLM at rollout.sleep_level=2 on CUDA)."""
+
+    weights_survive_sleep = False
+
+
+def test_an_engine_that_drops_its_weights_gets_them_again_after_every_wake():
+    log: list[str] = []
+    policy = Engine(log, "policy", None)
+    rollout = ForgetfulRollout(log)
+    ts = TimeSharing([policy], rollout, torch.device("cpu"), enabled=True)
+
+    def turn() -> None:  # a rollout turn without a train phase after it (an evaluation)
+        with ts.rollout_turn():
+            log.append("generate")
+
+    turn()
+    assert rollout.received == []  # nothing exported yet: the engine restores its own checkpoint
+    _step(ts, policy, log)  # exports w=2
+    turn()  # syncs w=2
+    turn()  # evaluation turn: w=2 again, the engine forgot it
+    assert [float(r["w"][0]) for r in rollout.received] == [2.0, 2.0]
+    policy.weight.add_(1.0)
+    with ts.train():
+        ts.publish(policy.export_weights)  # w=3: the kept copy of w=2 is dropped
+    assert ts.synced is None and ts.pending is not None
+    turn()
+    assert [float(r["w"][0]) for r in rollout.received] == [2.0, 2.0, 3.0]
+    assert ts.synced is not None and ts.pending is None
+
+
+def test_an_engine_that_keeps_its_weights_is_synced_once_per_export():
+    log, policy, rollout, ts = _setup(enabled=True)
+    _step(ts, policy, log)
+    for _ in range(2):
+        with ts.rollout_turn():
+            pass
+    assert len(rollout.received) == 1 and ts.synced is None

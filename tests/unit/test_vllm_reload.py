@@ -43,7 +43,7 @@ def case(request, tiny_cache):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     states = [perturbed_state(hf, seed=seed, scale=0.2) for seed in (11, 12, 13)]
     engine = VLLMRolloutEngine(
-        model_dir, VLLMRolloutConfig(kv_cache_gib=1, max_num_seqs=16), seed=0, max_model_len=128
+        model_dir, VLLMRolloutConfig(kv_cache_gib=1, max_num_seqs=16, max_model_len=128), seed=0
     )
     yield engine, states
     engine.close()

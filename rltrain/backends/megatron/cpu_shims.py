@@ -11,6 +11,10 @@ when CUDA is absent, so that on a GPU machine megatron runs exactly as shipped:
 3. `RotaryEmbedding.get_emb` moves `inv_freq` to the current CUDA device on first use.
 4. `LanguageModule.setup_embeddings_and_output_layer` calls `.cuda()` on the tied output weight
    of the last pipeline stage before all-reducing it with the first stage.
+5. The tensor-parallel linear layers' autograd Functions record and replay *CUDA* autocast only
+   (`custom_fwd(device_type="cuda")`), so under CPU autocast (`trainer.precision=bf16-mixed`) the
+   backward multiplies a bf16 gradient by the fp32 weight and fails. The shim records the CPU
+   autocast state in the forward and re-enters it in the backward, as `custom_bwd` does on CUDA.
 
 A fifth spot, the default causal mask built with `device="cuda"`, is avoided rather than patched:
 the model wrapper always passes an explicit mask (see `model.causal_mask`).
@@ -81,6 +85,24 @@ def _patch_tied_output_setup() -> None:
     LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
 
 
+def _patch_linear_autocast() -> None:
+    from megatron.core.tensor_parallel import layers
+
+    for fn in (layers.LinearWithGradAccumulationAndAsyncCommunication, layers.LinearWithFrozenWeight):
+        forward, backward = fn.forward, fn.backward
+
+        def fwd(ctx, *args, _forward=forward, **kwargs):
+            ctx.rltrain_cpu_autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+            return _forward(ctx, *args, **kwargs)
+
+        def bwd(ctx, *grads, _backward=backward):
+            enabled, dtype = ctx.rltrain_cpu_autocast
+            with torch.autocast("cpu", dtype=dtype, enabled=enabled):
+                return _backward(ctx, *grads)
+
+        fn.forward, fn.backward = staticmethod(fwd), staticmethod(bwd)
+
+
 def apply_cpu_shims() -> bool:
     """Patch megatron-core for a CPU-only run; a no-op when CUDA is available. Idempotent.
 
@@ -99,5 +121,6 @@ def apply_cpu_shims() -> bool:
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     _patch_rotary()
     _patch_tied_output_setup()
+    _patch_linear_autocast()
     _APPLIED = True
     return True

@@ -21,6 +21,7 @@ The engine checks the first part with a cheap fingerprint and fails on every ran
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -40,18 +41,20 @@ from rltrain.backends.megatron.grads import (
     sum_over_data_parallel,
     sync_tied_embedding,
 )
-from rltrain.backends.megatron.groups import Layout, ParallelGroups, agree, comm_device
+from rltrain.backends.megatron.groups import Layout, ParallelGroups
 from rltrain.backends.megatron.guarded_losses import GuardedLosses
 from rltrain.backends.megatron.logprobs import vocab_parallel_logps
 from rltrain.backends.megatron.metrics import reduce_metrics
-from rltrain.backends.megatron.model import build_stage, load_stage_weights
+from rltrain.backends.megatron.model import build_stage, checkpoint_layers, load_stage_weights
 from rltrain.backends.megatron.optim import build_adamw
 from rltrain.backends.megatron.schedule import Pipeline, run_pipeline
 from rltrain.backends.megatron.spec import ModelSpec
 from rltrain.config import MegatronBackendConfig, OptimConfig, SafetyConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
+from rltrain.distributed import agree_or_raise, control_device
 from rltrain.errors import UserError
+from rltrain.precision import Precision, resolve_precision
 from rltrain.safety.guard import (
     ErrorBudget,
     fail_fast_enabled,
@@ -114,14 +117,18 @@ class MegatronEngine:
         optim_cfg: OptimConfig | None,
         max_steps: int = 1,
         device: torch.device | None = None,
-        dtype: torch.dtype = torch.float32,
+        precision: Precision | str = "fp32",
         *,
         collective_timeout_s: float | None = None,
         groups: ParallelGroups | None = None,
         safety: SafetyConfig | None = None,
+        gradient_checkpointing: bool = False,
     ) -> None:
         """`groups=None` joins the process's shared megatron parallel state (created by the first
-        engine), so a policy and its frozen reference share one set of communicators."""
+        engine), so a policy and its frozen reference share one set of communicators.
+        `precision`: see `rltrain.precision` (parameters in its parameter dtype, each stage's
+        forward autocast to its compute dtype when they differ); `gradient_checkpointing`: see
+        `model.checkpoint_layers`."""
         apply_cpu_shims()
         self.model_dir = Path(model_dir)
         tp, pp = backend_cfg.tp, backend_cfg.pp
@@ -132,9 +139,15 @@ class MegatronEngine:
             raise ValueError(f"the given ParallelGroups are tp={groups.tp}, pp={groups.pp}; this engine needs tp={tp}, pp={pp}")
         self.groups = groups
         layout = self.layout
-        self.model = build_stage(self.spec, tp, pp, layout.pp_rank, dtype)
+        if not isinstance(precision, Precision):
+            default = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            precision = resolve_precision(precision, device if device is not None else default)
+        self.precision = precision
+        self.model = build_stage(self.spec, tp, pp, layout.pp_rank, precision.param_dtype)
         if device is not None:
             self.model.to(device)
+        if gradient_checkpointing:
+            checkpoint_layers(self.model)
         shards = hf_to_megatron(self.spec, _hf_reader(self.model_dir), layout.tp_rank, tp, layout.pp_rank, pp)
         load_stage_weights(self.model, shards)
         self.params = list(self.model.parameters())
@@ -183,8 +196,9 @@ class MegatronEngine:
             prev=ranks[layout.pp_rank - 1] if layout.pp_rank > 0 else None,
             next=ranks[layout.pp_rank + 1] if layout.pp_rank < layout.pp - 1 else None,
             hidden_size=self.spec.hidden_size,
-            dtype=self.params[0].dtype,
+            dtype=self.precision.param_dtype,  # not params[0]'s: norm weights stay fp32 in pure bf16
             device=self.device,
+            autocast=partial(self.precision.autocast, self.device),
         )
 
     def _check_same_data(self, micro_batches: list[SequenceBatch]) -> None:
@@ -192,11 +206,11 @@ class MegatronEngine:
         layout = self.layout
         if layout.tp * layout.pp == 1:
             return
-        fp = fingerprint(micro_batches).to(comm_device())
+        fp = fingerprint(micro_batches).to(control_device())
         both = torch.cat([fp, -fp])
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=layout.mp_group)
         ok = bool(torch.equal(both[:3], -both[3:]))
-        agree(ok, "micro-batch check (tp/pp ranks of one data-parallel replica were given different data)")
+        agree_or_raise(ok, "micro-batch check (tp/pp ranks of one data-parallel replica were given different data)")
 
     def _score(self, mb: PaddedMicroBatch, logits_BTV: torch.Tensor, with_entropy: bool):
         layout = self.layout
@@ -257,7 +271,7 @@ class MegatronEngine:
         run_pipeline(self.model, self._pipeline(), padded, guarded.on_output, train=True, on_backward=guarded.on_backward)
         recovered, mixed = guarded.errors.recovered, guarded.mixed
         if layout.tp > 1:  # each error is counted once, by the TP rank that had it
-            both = torch.tensor([float(recovered), float(mixed)], dtype=torch.float64, device=comm_device())
+            both = torch.tensor([float(recovered), float(mixed)], dtype=torch.float64, device=control_device())
             dist.all_reduce(both, group=layout.tp_group)
             recovered, mixed = int(both[0]), bool(both[1] > 0)
         sums = guarded.sums
@@ -351,7 +365,8 @@ def build_engine(ctx, trainable: bool) -> MegatronEngine:
         cfg.optim if trainable else None,
         cfg.trainer.max_steps,
         ctx.dist.device,
-        dtype=getattr(torch, cfg.model.dtype),
+        precision=cfg.trainer.precision,
         collective_timeout_s=cfg.safety.collective_timeout_s,
         safety=cfg.safety,
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
     )

@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 from rltrain.backends.megatron.convert import megatron_shape, megatron_to_hf, split_dim, stage_param_names
-from rltrain.backends.megatron.groups import Layout, comm_device
+from rltrain.backends.megatron.groups import Layout
 from rltrain.backends.megatron.spec import ModelSpec
+from rltrain.distributed import control_device
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 
@@ -102,7 +103,7 @@ def save_pretrained(
             save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it, re-raised below
             error = exc
-    flag = torch.tensor([0 if error is not None else 1], dtype=torch.int32, device=comm_device())
+    flag = torch.tensor([0 if error is not None else 1], dtype=torch.int32, device=control_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     if error is not None:
         raise error

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from rltrain.backends.megatron.convert import split_dim
-from rltrain.backends.megatron.groups import comm_device
+from rltrain.distributed import control_device
 
 
 def _group_size(group) -> int:
@@ -77,7 +77,7 @@ def global_grad_norm(counted: list[torch.nn.Parameter], mp_group) -> torch.Tenso
 
 def all_finite(value: float) -> bool:
     """Whether `value` is finite on every rank (MIN over the world group)."""
-    flag = torch.tensor([1 if math.isfinite(value) else 0], dtype=torch.int32, device=comm_device())
+    flag = torch.tensor([1 if math.isfinite(value) else 0], dtype=torch.int32, device=control_device())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(int(flag))

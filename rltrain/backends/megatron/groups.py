@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rltrain.distributed import agree_or_raise, control_device
+
 
 @dataclass(frozen=True)
 class GroupSpec:
@@ -91,22 +93,6 @@ class Layout:
             mp_group=ps.get_model_parallel_group(),
             embd_group=ps.get_embedding_group() if ps.is_rank_in_embedding_group() else None,
         )
-
-
-def comm_device() -> torch.device:
-    """Where small control tensors (flags, metrics) must live: NCCL moves only CUDA tensors, gloo
-    only CPU ones. Decided by the world group's backend."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def agree(ok: bool, what: str) -> None:
-    """Raise on every rank unless `ok` on every rank (one MIN all-reduce on the world group)."""
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=comm_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    if int(flag) == 0:
-        raise RuntimeError(f"{what} failed on at least one rank; see that rank's error")
 
 
 _SHARED: ParallelGroups | None = None
@@ -205,6 +191,7 @@ class ParallelGroups:
         self.snapshot.specs = [r.spec for r in records]
         self.layout = Layout.current()
         self.alive = True
+        _ensure_cuda_rng_tracker()
 
     def handles(self) -> list[dist.ProcessGroup]:
         """This rank's live groups, each once, in creation order."""
@@ -234,10 +221,10 @@ class ParallelGroups:
         except Exception as exc:  # noqa: BLE001 - re-raised below after every rank has voted
             error = exc
         try:
-            agree(error is None, "process-group teardown")
+            agree_or_raise(error is None, "process-group teardown")
         except RuntimeError as exc:
             raise exc from error
-        if error is not None:  # pragma: no cover - agree() already raised
+        if error is not None:  # pragma: no cover - agree_or_raise() already raised
             raise error
 
     def recreate(self) -> int:
@@ -246,7 +233,7 @@ class ParallelGroups:
         Returns how many handle references were re-bound. Raises on every rank if any rank
         failed (or had not torn down), before and after re-creating.
         """
-        agree(not self.alive, "process-group re-creation (a rank still holds live groups)")
+        agree_or_raise(not self.alive, "process-group re-creation (a rank still holds live groups)")
         old = self._records
         error: BaseException | None = None
         try:
@@ -254,7 +241,7 @@ class ParallelGroups:
             if [r.spec for r in self._records] != [r.spec for r in old]:
                 raise RuntimeError("re-created process groups differ from the snapshot taken at teardown")
             for handle in self.handles():
-                probe = torch.ones(1, device=comm_device())
+                probe = torch.ones(1, device=control_device())
                 dist.all_reduce(probe, group=handle)
                 if int(probe) != dist.get_world_size(handle):
                     raise RuntimeError("warm-up all-reduce on a re-created group returned a wrong sum")
@@ -270,7 +257,7 @@ class ParallelGroups:
         except Exception as exc:  # noqa: BLE001 - re-raised below after every rank has voted
             error = exc
         try:
-            agree(error is None, "process-group re-creation")
+            agree_or_raise(error is None, "process-group re-creation")
         except RuntimeError as exc:
             raise exc from error
         return rebound
@@ -356,3 +343,16 @@ def _clear_rotary_caches() -> None:
     cache_clear = getattr(RotaryEmbedding.forward, "cache_clear", None)
     if cache_clear is not None:
         cache_clear()
+
+
+def _ensure_cuda_rng_tracker() -> None:
+    """On CUDA, register megatron's model-parallel RNG states (its layers fork them around
+    initialisation and dropout and fail with "cuda rng state model-parallel-rng is not added"
+    otherwise). Seeded from torch's initial seed (`trainer.seed`), so runs stay reproducible; on
+    CPU the shims install a CPU tracker instead (cpu_shims)."""
+    if not torch.cuda.is_available():
+        return
+    from megatron.core import tensor_parallel
+
+    if "model-parallel-rng" not in tensor_parallel.get_cuda_rng_tracker().get_states():
+        tensor_parallel.model_parallel_cuda_manual_seed(torch.initial_seed() % (2**31), force_reset_rng=True)

@@ -10,9 +10,9 @@ import torch.distributed as dist
 
 from rltrain.backends.base import LossFn, PolicyOutput
 from rltrain.backends.megatron.batching import PaddedMicroBatch
-from rltrain.backends.megatron.groups import comm_device
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
+from rltrain.distributed import control_device
 from rltrain.safety import faults
 from rltrain.safety.guard import (
     MicroBatchGuard,
@@ -67,7 +67,7 @@ class GuardedLosses:
     def _any_tp_rank(self, flag: bool) -> bool:
         if self.layout.tp == 1:
             return flag
-        t = torch.tensor([int(flag)], dtype=torch.int32, device=comm_device())
+        t = torch.tensor([int(flag)], dtype=torch.int32, device=control_device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.layout.tp_group)
         return bool(int(t))
 
@@ -92,7 +92,7 @@ class GuardedLosses:
         )
         failed = False
         try:
-            self.injector.maybe_raise("loss_error")
+            self.injector.in_loss()
             loss, metrics = self.loss_fn(output, self.batches[i])
             loss = loss + anchor
             guard.record_loss(loss)

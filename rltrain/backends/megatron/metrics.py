@@ -15,12 +15,13 @@ import json
 import torch
 import torch.distributed as dist
 
-from rltrain.backends.megatron.groups import Layout, comm_device
+from rltrain.backends.megatron.groups import Layout
+from rltrain.distributed import control_device
 from rltrain.safety.metrics import reduce_metric_sums
 
 
 def _broadcast_keys(keys: list[str] | None, src: int, group) -> list[str]:
-    device = comm_device()
+    device = control_device()
     payload = json.dumps(keys).encode() if keys is not None else b""
     size = torch.tensor([len(payload)], dtype=torch.long, device=device)
     dist.broadcast(size, src=src, group=group)
@@ -44,7 +45,7 @@ def reduce_metrics(local: dict[str, float], layout: Layout, partial: bool = Fals
     assert keys is not None
     reduced = reduce_metric_sums({k: float(local[k]) if last else 0.0 for k in keys}, group=layout.dp_group, partial=partial)
     if layout.pp > 1 and keys:
-        values = torch.tensor([reduced[k] for k in keys], dtype=torch.float64, device=comm_device())
+        values = torch.tensor([reduced[k] for k in keys], dtype=torch.float64, device=control_device())
         dist.all_reduce(values, group=layout.pp_group)
         reduced = dict(zip(keys, values.tolist()))
     return reduced

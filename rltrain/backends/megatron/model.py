@@ -2,8 +2,18 @@
 
 The local layer spec (no Transformer Engine) is configured to match Qwen2/Llama exactly: RMSNorm
 everywhere, SwiGLU MLP without biases, unscaled non-interleaved RoPE on the full head, grouped-query
-attention, q/k/v bias for Qwen2, no dropout, fp32 params. Initialisation is skipped: weights are
-always loaded from a Hugging Face directory right after construction (see `convert`).
+attention, q/k/v bias for Qwen2, no dropout. Initialisation is skipped: weights are always loaded
+from a Hugging Face directory right after construction (see `convert`).
+
+Precision (`rltrain.precision`): parameters are built in the precision's parameter dtype: fp32 for
+`fp32` and `bf16-mixed` (whose bf16 compute is autocast around each stage's forward, see
+`schedule`), bf16 for pure `bf16` (megatron's `bf16=True`, which keeps its softmax in fp32).
+
+Activation checkpointing (`checkpoint_layers`) wraps each decoder layer in torch's non-reentrant
+`torch.utils.checkpoint` rather than megatron's `recompute_granularity="full"`: megatron's
+`CheckpointFunction` saves and restores CUDA RNG state (no CPU path) and does not replay autocast
+in its recompute, so under `bf16-mixed` it would recompute in fp32 a layer that ran in bf16.
+Dropout is zero, so the CUDA RNG tracker's states need no replay.
 
 Sequences are right-padded into a [B, T] rectangle only for the kernel call; a causal mask is
 passed explicitly (megatron's default mask is allocated on CUDA), and with right padding the real
@@ -78,6 +88,24 @@ def build_stage(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torch.dt
     if torch.cuda.is_available():
         model = model.cuda()
     return model
+
+
+def checkpoint_layers(model: torch.nn.Module) -> int:
+    """Recompute every decoder layer's activations in the backward instead of keeping them (one
+    layer per checkpoint, like megatron's full/uniform/1 recompute). Parameter names do not change
+    (the layer's `forward` is wrapped, not the module). Returns the number of layers wrapped."""
+    from torch.utils.checkpoint import checkpoint
+
+    layers = list(model.decoder.layers) if hasattr(model, "decoder") else []
+    for layer in layers:
+
+        def checkpointed(*args, _forward=layer.forward, **kwargs):
+            if not torch.is_grad_enabled():  # scoring passes keep nothing for a backward anyway
+                return _forward(*args, **kwargs)
+            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = checkpointed
+    return len(layers)
 
 
 def _mark_tensor_parallel(model: torch.nn.Module) -> None:

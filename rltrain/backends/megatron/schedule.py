@@ -10,10 +10,15 @@ forward and one backward, then drains the remaining backwards. At most `pp - s` 
 graphs are alive on a stage at once (with one stage: forward, backward, next), so micro-batching
 bounds activation memory as gradient accumulation should. Sends are asynchronous and receives
 blocking; every stage posts them in micro-batch order, which cannot deadlock.
+
+Each stage's forward runs under the pipeline's `autocast` (bf16 compute over fp32 parameters in
+`trainer.precision=bf16-mixed`, see `rltrain.precision`); activations cross between stages in the
+parameters' dtype, and the last stage's loss hook (log-probabilities, losses) runs outside it.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,8 +38,9 @@ class Pipeline:
     prev: int | None  # global rank of the previous stage
     next: int | None  # global rank of the next stage
     hidden_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the activations sent between stages
     device: torch.device
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # around each forward
 
     @property
     def first(self) -> bool:
@@ -73,9 +79,11 @@ class _Stage:
             input_TBH = torch.empty(mb.seq_len, mb.batch_size, pipe.hidden_size, dtype=pipe.dtype, device=pipe.device)
             dist.recv(input_TBH, src=pipe.prev, group=pipe.group)
             input_TBH.requires_grad_(train)
-        out = stage_forward(self.model, mb.tokens_BT if pipe.first else None, mb.seq_len, input_TBH)
+        with pipe.autocast():
+            out = stage_forward(self.model, mb.tokens_BT if pipe.first else None, mb.seq_len, input_TBH)
         if pipe.last:
             return input_TBH, self.on_output(i, out)
+        out = out.to(pipe.dtype)  # the wire's dtype (no-op unless autocast produced another)
         self.sends.append(dist.isend(out.detach().contiguous(), dst=pipe.next, group=pipe.group))
         return input_TBH, out if train else None
 
