@@ -173,3 +173,34 @@ def gather_rows(local: torch.Tensor, full_rows: int, group: dist.ProcessGroup | 
     out = local.new_empty((per_rank * world, *local.shape[1:]))
     dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
     return out[:full_rows]
+
+
+def _through_host(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+    """gloo's point-to-point transport reads and writes host memory only: a CUDA tensor sent over a
+    gloo group (several ranks sharing a GPU) is staged through a CPU copy. NCCL takes it as is."""
+    return tensor.device.type == "cuda" and "nccl" not in str(dist.get_backend(group))
+
+
+class SendHandle:
+    """An asynchronous send and the buffer it reads, kept alive until `wait()`."""
+
+    def __init__(self, work, buffer: torch.Tensor) -> None:
+        self.work, self.buffer = work, buffer
+
+    def wait(self) -> None:
+        self.work.wait()
+
+
+def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> SendHandle:
+    buffer = tensor.cpu() if _through_host(tensor, group) else tensor
+    return SendHandle(dist.isend(buffer, dst=dst, group=group), buffer)
+
+
+def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> None:
+    """Receive into `tensor` (on any device; see `_through_host`)."""
+    if _through_host(tensor, group):
+        staged = torch.empty_like(tensor, device="cpu")
+        dist.recv(staged, src=src, group=group)
+        tensor.copy_(staged)
+    else:
+        dist.recv(tensor, src=src, group=group)

@@ -76,15 +76,16 @@ def test_bf16_mixed_tracks_fp32(tiny_cache, tmp_path):
         assert abs(a["loss"] - b["loss"]) <= 0.02 * abs(a["loss"]) + 0.01, (a["step"], a["loss"], b["loss"])
 
 
-@pytest.mark.parametrize("extra", [["algo=sft"], ["algo=dpo"], ["backend=megatron", "backend.tp=2", "algo=sft"]],
-                         ids=["fsdp_sft", "fsdp_dpo", "megatron_tp2_sft"])
+@pytest.mark.parametrize("extra", [["algo=sft"], ["algo=dpo"], ["backend=megatron", "backend.tp=2", "algo=sft"],
+                                   ["backend=megatron", "backend.pp=2", "algo=sft"]],
+                         ids=["fsdp_sft", "fsdp_dpo", "megatron_tp2_sft", "megatron_pp2_sft"])
 def test_two_ranks_sharing_one_gpu_match_one_rank(extra, tiny_cache, tmp_path):
     """2 ranks on one GPU over gloo (NCCL refuses two ranks on one device): every collective carries
     CUDA model tensors and CPU control tensors; fp32 losses equal the 1-rank run's."""
     common = [*extra, "trainer.max_steps=3", "trainer.eval_every=0", "trainer.precision=fp32",
               "trainer.global_batch_size=16", *BASE]
     env = {"RLTRAIN_DIST_BACKEND": "gloo"}
-    one = ["backend.tp=1"] if "backend=megatron" in extra else []
+    one = ["backend.tp=1", "backend.pp=1"] if "backend=megatron" in extra else []
     rltrain(*common, *one, run_dir=tmp_path / "one", env=env)
     rltrain(*common, "trainer.nproc=2", run_dir=tmp_path / "two", env=env, timeout=600)
     for a, b in zip(train_rows(tmp_path / "one"), train_rows(tmp_path / "two"), strict=True):

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rltrain import distributed as p2p
 from rltrain.backends.megatron.convert import megatron_shape, megatron_to_hf, split_dim, stage_param_names
 from rltrain.backends.megatron.groups import Layout
 from rltrain.backends.megatron.spec import ModelSpec
@@ -78,9 +79,9 @@ def export_weights(
                     dist.broadcast(tensor, src=pp_ranks[stage], group=layout.pp_group)
                 elif layout.pp > 1 and stage != 0 and layout.tp_rank == 0:
                     if owner:
-                        dist.send(tensor, dst=pp_ranks[0], group=layout.pp_group)
+                        p2p.isend(tensor, dst=pp_ranks[0], group=layout.pp_group).wait()
                     elif layout.pp_rank == 0:
-                        dist.recv(tensor, src=pp_ranks[stage], group=layout.pp_group)
+                        p2p.recv(tensor, src=pp_ranks[stage], group=layout.pp_group)
                 if not to_rank0 or me == 0:
                     yield hf_name, tensor
 

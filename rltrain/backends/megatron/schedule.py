@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rltrain import distributed as p2p
 from rltrain.backends.megatron.batching import PaddedMicroBatch
 from rltrain.backends.megatron.model import stage_forward
 
@@ -77,14 +78,14 @@ class _Stage:
         input_TBH = None
         if not pipe.first:
             input_TBH = torch.empty(mb.seq_len, mb.batch_size, pipe.hidden_size, dtype=pipe.dtype, device=pipe.device)
-            dist.recv(input_TBH, src=pipe.prev, group=pipe.group)
+            p2p.recv(input_TBH, src=pipe.prev, group=pipe.group)
             input_TBH.requires_grad_(train)
         with pipe.autocast():
             out = stage_forward(self.model, mb.tokens_BT if pipe.first else None, mb.seq_len, input_TBH)
         if pipe.last:
             return input_TBH, self.on_output(i, out)
         out = out.to(pipe.dtype)  # the wire's dtype (no-op unless autocast produced another)
-        self.sends.append(dist.isend(out.detach().contiguous(), dst=pipe.next, group=pipe.group))
+        self.sends.append(p2p.isend(out.detach().contiguous(), dst=pipe.next, group=pipe.group))
         return input_TBH, out if train else None
 
     def backward(self, i: int, input_TBH: torch.Tensor | None, out: torch.Tensor | None) -> None:
@@ -94,11 +95,11 @@ class _Stage:
             self.on_backward(i, out)
         else:
             grad_TBH = torch.empty_like(out)
-            dist.recv(grad_TBH, src=pipe.next, group=pipe.group)
+            p2p.recv(grad_TBH, src=pipe.next, group=pipe.group)
             torch.autograd.backward(out, grad_TBH)
         if input_TBH is not None:
             grad_in = input_TBH.grad if input_TBH.grad is not None else torch.zeros_like(input_TBH)
-            self.sends.append(dist.isend(grad_in.contiguous(), dst=pipe.prev, group=pipe.group))
+            self.sends.append(p2p.isend(grad_in.contiguous(), dst=pipe.prev, group=pipe.group))
 
     def wait(self) -> None:
         for work in self.sends:
