@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from bench_sft import (
+from bench_common import (
     THREADS_HELP,
     Timing,
     bench_model_dir,

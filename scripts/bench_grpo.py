@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_sft import (
+from bench_common import (
     THREADS_HELP,
     bench_model_dir,
     print_table,

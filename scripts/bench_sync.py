@@ -193,7 +193,7 @@ def grpo_model_overrides(model: str, cache: Path) -> list[str]:
     """CLI overrides for `--grpo-models`: the benchmark model (built into `cache`) or the default."""
     if model == "tiny":
         return []
-    from bench_sft import bench_model_dir
+    from bench_common import bench_model_dir
 
     return [f"model.path={bench_model_dir(cache)}", "algo.max_new_tokens=32"]
 
