@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from rltrain.backends.chunked_head import chunked_target_logps, use_chunked_head
 from rltrain.backends.shared_prefix import Rectangle
 from rltrain.data.batch import SequenceBatch
 from rltrain.models import moe
@@ -75,9 +76,16 @@ class CompletionScorer(nn.Module):
             hidden_NH = parts[0] if len(parts) == 1 else torch.cat(parts)
             if order_N is not None:
                 hidden_NH = hidden_NH[order_N]
-            logits_NV = self.lm.lm_head(hidden_NH)
+            head = self.lm.lm_head
+            chunked = use_chunked_head(hidden_NH.shape[0], head)
+            if chunked:  # large vocabulary: logits exist one chunk at a time (chunked_head)
+                logps_N, entropy_N = chunked_target_logps(hidden_NH, head.weight, targets_N, with_entropy)
+            else:
+                logits_NV = head(hidden_NH)
         if router:
             aux = moe.load_balancing_loss(self.lm, self.moe_info, router_logits, padding_mask_BT)
+        if chunked:
+            return logps_N, entropy_N, aux
         logits_NV = logits_NV.float()  # fp32 from here on, whatever the compute dtype
         logp_NV = torch.log_softmax(logits_NV, dim=-1)
         # clone: FSDP warns (rightly) about returning views from a wrapped module
