@@ -26,6 +26,7 @@ class TrainerConfig:
     eval_every: int = 100
     global_batch_size: int = 64
     micro_batch_size: int = 64
+    max_tokens_per_micro_batch: int = 0  # > 0: micro-batches also capped at this many tokens (data/sharding.py)
     log_every: int = 10
     progress: str = "auto"  # auto | bar | lines
     num_threads: int = 0  # torch intra-op threads per rank; 0 = cores / nproc

@@ -39,6 +39,11 @@ def validate(cfg) -> None:
     for key in positive:
         if _get(cfg, key) < 1:
             raise UserError(f"{key}={_get(cfg, key)} must be at least 1.")
+    if cfg.trainer.max_tokens_per_micro_batch < 0:
+        raise UserError(
+            f"trainer.max_tokens_per_micro_batch={cfg.trainer.max_tokens_per_micro_batch} must be 0 (no token budget) "
+            "or a positive number of tokens."
+        )
     validate_megatron_layout(cfg)
     if cfg.trainer.global_batch_size < data_parallel_size(cfg):
         raise UserError(

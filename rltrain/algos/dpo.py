@@ -76,7 +76,7 @@ def make_dpo_loss(beta: float, loss_type: str, label_smoothing: float, sft_weigh
 
 
 def dpo_micro_batches(
-    pairs: list[PreferencePair], rank: int, world_size: int, micro_batch_size: int
+    pairs: list[PreferencePair], rank: int, world_size: int, micro_batch_size: int, max_tokens: int = 0
 ) -> tuple[list[SequenceBatch], list[list[int]]]:
     """This rank's micro-batches of whole pairs (+ the pair positions in each), carrying the global
     pair and chosen-token counts every loss term is divided by."""
@@ -86,7 +86,9 @@ def dpo_micro_batches(
     }
     mine = rank_slice(list(range(len(pairs))), rank, world_size)
     count = micro_batch_count(len(pairs), world_size, micro_batch_size)
-    micro_idx = split_micro_batches(mine, count, micro_batch_size)
+    # A pair's prompt is computed once for both completions (shared-prefix packing).
+    sizes = [len(pairs[i].prompt) + len(pairs[i].chosen) + len(pairs[i].rejected) for i in mine]
+    micro_idx = split_micro_batches(mine, count, micro_batch_size, sizes, max_tokens)
     return [pairs_to_batch([pairs[i] for i in idx], **extras) for idx in micro_idx], micro_idx
 
 
@@ -159,7 +161,9 @@ class DPO(PolicyStreamAlgorithm):
         t = self.ctx.cfg.trainer
         index = self.stream.take(t.global_batch_size)
         pairs = [self.data.train[i] for i in index]
-        micro, micro_idx = dpo_micro_batches(pairs, self.policy.rank, self.policy.world_size, t.micro_batch_size)
+        micro, micro_idx = dpo_micro_batches(
+            pairs, self.policy.rank, self.policy.world_size, t.micro_batch_size, t.max_tokens_per_micro_batch
+        )
         if self.ref_train is not None:
             for mb, idx in zip(micro, micro_idx):
                 rows = torch.tensor([index[i] for i in idx], dtype=torch.long, device="cpu")

@@ -223,7 +223,8 @@ class GRPO:
         # Every rank runs the same number of passes: micro-batch counts follow the global batch.
         n_global = a.prompts_per_step * a.group_size
         count = self._micro_batches_per_rank(0, n_global, mb_size)
-        positions = split_micro_batches(list(range(len(batch))), count, mb_size)
+        budget = self.ctx.cfg.trainer.max_tokens_per_micro_batch
+        positions = split_micro_batches(list(range(len(batch))), count, mb_size, batch.tokens.lengths().tolist(), budget)
         micro = [batch.select(p) for p in positions]
         engine_logps = Ragged.from_lengths(
             torch.tensor([lp for c in completions for lp in c.logprobs], dtype=torch.float32, device="cpu"), batch.completion_lens()
@@ -301,7 +302,9 @@ class GRPO:
                 sub.extras[key] = None
         counts = sum_over_replicas(torch.tensor([float(sub.num_completion_tokens), float(len(sub))], dtype=torch.float64, device="cpu"), dp_size)
         sub.extras["global_tokens"], sub.extras["global_seqs"] = float(counts[0]), float(counts[1])
-        micro = [sub.select(p) for p in split_micro_batches(list(range(len(sub))), count, mb_size)]
+        budget = self.ctx.cfg.trainer.max_tokens_per_micro_batch
+        split = split_micro_batches(list(range(len(sub))), count, mb_size, sub.tokens.lengths().tolist(), budget)
+        micro = [sub.select(p) for p in split]
         return self.policy.train_step(micro, self.loss_fn, with_entropy=with_entropy)
 
     # --- evaluation ----------------------------------------------------------------------------

@@ -54,7 +54,9 @@ class SFT(PolicyStreamAlgorithm):
         count = micro_batch_count(len(pairs), dp_size, t.micro_batch_size)
         micro = [
             SequenceBatch.from_lists([p.prompt for p in mb], [p.completion for p in mb], global_tokens=global_completion)
-            for mb in split_micro_batches(mine, count, t.micro_batch_size)
+            for mb in split_micro_batches(
+                mine, count, t.micro_batch_size, [len(p.prompt) + len(p.completion) for p in mine], t.max_tokens_per_micro_batch
+            )
         ]
         metrics = self.policy.train_step(micro, sft_loss)
         metrics["tokens"] = float(sum(len(p.prompt) + len(p.completion) for p in pairs))

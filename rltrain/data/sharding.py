@@ -10,7 +10,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from rltrain.distributed import all_reduce_sum
+from rltrain.distributed import all_reduce_sum, global_max
 
 T = TypeVar("T")
 
@@ -28,9 +28,36 @@ def micro_batch_count(global_size: int, world_size: int, micro_batch_size: int) 
     return max(1, math.ceil(largest / micro_batch_size))
 
 
-def split_micro_batches(items: list[T], count: int, micro_batch_size: int) -> list[list[T]]:
-    """`count` micro-batches of at most `micro_batch_size` items (trailing ones may be empty)."""
-    return [items[i * micro_batch_size : (i + 1) * micro_batch_size] for i in range(count)]
+def split_micro_batches(
+    items: list[T], count: int, micro_batch_size: int, sizes: list[int] | None = None, max_tokens: int = 0
+) -> list[list[T]]:
+    """`count` micro-batches of at most `micro_batch_size` items (trailing ones may be empty).
+
+    With a token budget (`max_tokens > 0`, `sizes[i]` the tokens of `items[i]`:
+    `trainer.max_tokens_per_micro_batch`), micro-batches are filled in order up to
+    `micro_batch_size` items *and* `max_tokens` tokens (an item longer than the budget gets one of
+    its own), so a batch of long rows is not scored in one oversized call and a batch of short rows
+    not in many small ones. Their number is then agreed over every rank (one MAX all-reduce, so
+    every rank must call this together) and short ranks get empty micro-batches, instead of `count`.
+    Losses are normalised by global counts, so the split does not change them.
+    """
+    if max_tokens <= 0:
+        return [items[i * micro_batch_size : (i + 1) * micro_batch_size] for i in range(count)]
+    if sizes is None or len(sizes) != len(items):
+        raise ValueError("a token budget needs the size of every item")
+    groups: list[list[T]] = []
+    current: list[T] = []
+    tokens = 0
+    for item, size in zip(items, sizes):
+        if current and (len(current) == micro_batch_size or tokens + size > max_tokens):
+            groups.append(current)
+            current, tokens = [], 0
+        current.append(item)
+        tokens += size
+    if current:
+        groups.append(current)
+    agreed = int(global_max(float(max(1, len(groups)))))
+    return groups + [[] for _ in range(agreed - len(groups))]
 
 
 def sum_over_replicas(values: torch.Tensor, dp_size: int) -> torch.Tensor:

@@ -1,0 +1,39 @@
+"""`trainer.max_tokens_per_micro_batch` changes how a step is cut into micro-batches, never its
+numbers: each algorithm's loss and gradient norm equal the row-count split's, also on 2 ranks
+(where the ranks must agree on how many micro-batches to run)."""
+
+from __future__ import annotations
+
+import pytest
+from cli import QUICK, rltrain, train_rows
+
+from rltrain.data.sharding import split_micro_batches
+
+pytestmark = pytest.mark.e2e
+
+CASES = {
+    "sft": ["algo=sft", "trainer.global_batch_size=8", "trainer.micro_batch_size=8", "trainer.nproc=2"],
+    "dpo": ["algo=dpo", "trainer.global_batch_size=8", "trainer.micro_batch_size=8"],
+    "grpo": ["algo=grpo", "rollout=hf", "algo.prompts_per_step=4", "algo.group_size=4", "trainer.micro_batch_size=16",
+             "data.num_eval=4", "trainer.nproc=2"],
+}
+
+
+@pytest.mark.parametrize("algo", sorted(CASES))
+def test_a_token_budget_does_not_change_the_numbers(algo, tiny_cache, tmp_path):
+    common = [*CASES[algo], "trainer.max_steps=3", *QUICK]
+    rltrain(*common, run_dir=tmp_path / "rows")
+    rltrain(*common, "trainer.max_tokens_per_micro_batch=40", run_dir=tmp_path / "budget")
+    rows, budget = train_rows(tmp_path / "rows"), train_rows(tmp_path / "budget")
+    assert len(rows) == len(budget) == 3
+    for a, b in zip(rows, budget):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+
+
+def test_token_budget_split_fills_in_order_up_to_rows_and_tokens():
+    items, sizes = list("abcdef"), [10, 25, 10, 50, 5, 5]
+    assert split_micro_batches(items, 1, 3, sizes, max_tokens=40) == [["a", "b"], ["c"], ["d"], ["e", "f"]]
+    assert split_micro_batches(items, 1, 2, sizes, max_tokens=1000) == [["a", "b"], ["c", "d"], ["e", "f"]]
+    assert split_micro_batches(items, 4, 2) == [["a", "b"], ["c", "d"], ["e", "f"], []]
+    assert split_micro_batches([], 1, 2, [], max_tokens=10) == [[]]
