@@ -79,6 +79,11 @@ def sweep_job(cfg, run_dir: Path) -> dict:
         return {"status": "ok", "exit_status": 0, "error": ""}
     except JobFailed as exc:
         outcome = {"status": "failed", "exit_status": exc.code, "error": _first_line(exc.message)}
+    except SystemExit as exc:  # a library's sys.exit() inside the job ends the job, not the sweep
+        code = exc.code if isinstance(exc.code, int) else 1
+        if code == 0:
+            return {"status": "ok", "exit_status": 0, "error": ""}
+        outcome = {"status": "failed", "exit_status": code, "error": f"SystemExit({exc.code!r})"}
     except Exception as exc:  # noqa: BLE001 - any failure of one job is reported, the sweep goes on
         traceback.print_exc()
         outcome = {"status": "failed", "exit_status": 1, "error": _first_line(f"{type(exc).__name__}: {exc}")}
