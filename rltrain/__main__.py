@@ -2,6 +2,12 @@
 
 One rank runs in this process; `trainer.nproc=N` spawns N local ranks (rltrain.launch); under
 `torchrun` every process is already a rank and trains directly, sharing rank 0's run directory.
+
+In a multirun (`-m`), a job that fails is reported (its paragraph or traceback as usual) and the
+sweep goes on with the next job: the job returns its outcome instead of exiting, the process-global
+state it left is reset (rltrain.process_state), `rltrain.sweep.SweepSummary` (a Hydra callback,
+conf/config.yaml) writes `sweep_summary.csv`, and the process exits with the first failed job's
+exit status once every job has run.
 """
 
 from __future__ import annotations
@@ -9,35 +15,100 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import traceback
 from pathlib import Path
 
 import hydra
 from omegaconf import OmegaConf
 
 from rltrain.config import register_configs
-from rltrain.errors import UserError
+from rltrain.errors import (
+    EXIT_USER_ERROR,
+    UserError,
+    clear_reports,
+    ensure_reported,
+    format_error,
+    peer_reported,
+    stay_quiet_after_peer,
+)
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+# Exit statuses of the failed jobs of this process's sweep, in job order.
+_sweep_failures: list[int] = []
+
+
+class JobFailed(Exception):
+    """A job ended with a non-zero exit status; what the user was told is already printed."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def job(cfg) -> None:
+def job(cfg):
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from rltrain.validate import validate
-
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir).resolve()
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    if multirun and cfg.logger.wandb.group is None:
+        cfg.logger.wandb.group = Path(hydra_cfg.sweep.dir).name
+    if multirun and not under_torchrun():
+        return sweep_job(cfg, run_dir)
+    try:
+        run_job(cfg, run_dir)
+    except JobFailed as exc:
+        sys.exit(exc.code)
+    return None
+
+
+def sweep_job(cfg, run_dir: Path) -> dict:
+    """One job of a sweep: never exits; returns its outcome (a row of the sweep summary)."""
+    from rltrain.process_state import environment_snapshot, reset_process_state, restore_environment
+
+    env = environment_snapshot()
+    try:
+        run_job(cfg, run_dir)
+        return {"status": "ok", "exit_status": 0, "error": ""}
+    except JobFailed as exc:
+        outcome = {"status": "failed", "exit_status": exc.code, "error": _first_line(exc.message)}
+    except SystemExit as exc:  # a library's sys.exit() inside the job ends the job, not the sweep
+        code = exc.code if isinstance(exc.code, int) else 1
+        if code == 0:
+            return {"status": "ok", "exit_status": 0, "error": ""}
+        outcome = {"status": "failed", "exit_status": code, "error": f"SystemExit({exc.code!r})"}
+    except Exception as exc:  # noqa: BLE001 - any failure of one job is reported, the sweep goes on
+        traceback.print_exc()
+        outcome = {"status": "failed", "exit_status": 1, "error": _first_line(f"{type(exc).__name__}: {exc}")}
+    finally:
+        reset_process_state()
+        restore_environment(env)
+    _sweep_failures.append(outcome["exit_status"])
+    print(f"rltrain: job {run_dir.name} failed (exit status {outcome['exit_status']}); the sweep goes on", file=sys.stderr, flush=True)
+    return outcome
+
+
+def _first_line(text: str) -> str:
+    lines = [line for line in str(text).splitlines() if line.strip()]
+    line = lines[0].strip() if lines else ""
+    return line.removeprefix("rltrain: error: ")
+
+
+def run_job(cfg, run_dir: Path) -> None:
+    """Validate and run one job; raises JobFailed (after printing) when it fails."""
+    from rltrain.validate import validate
+
     try:
         validate(cfg)
     except UserError as exc:
         fail(exc)
-    if hydra_cfg.mode == RunMode.MULTIRUN and cfg.logger.wandb.group is None:
-        cfg.logger.wandb.group = Path(hydra_cfg.sweep.dir).name
     if under_torchrun():
         run_torchrun_rank(cfg, run_dir)
         return
@@ -50,11 +121,11 @@ def job(cfg) -> None:
         except UserError as exc:
             fail(exc)
         return
-    from rltrain.launch import spawn_local
+    from rltrain.launch import run_local
 
-    code = spawn_local(run_dir, cfg.trainer.nproc)
-    if code != 0:
-        sys.exit(code)
+    result = run_local(run_dir, cfg.trainer.nproc)
+    if result.code != 0:
+        raise JobFailed(result.code, result.message)
 
 
 def write_config(cfg, run_dir: Path) -> None:
@@ -65,11 +136,16 @@ def write_config(cfg, run_dir: Path) -> None:
 
 
 def run_torchrun_rank(cfg, own_dir: Path) -> None:
-    """Under torchrun each process composed its own run dir; all use rank 0's."""
+    """Under torchrun each process composed its own run dir; all use rank 0's.
+
+    A rank's UserError: the first rank to report it prints its paragraph, naming itself, and every
+    rank that raised one exits 2; a rank stopped by a peer's user error exits 1 quietly."""
     from rltrain.distributed import broadcast_str, init_distributed
     from rltrain.trainer import run
 
     dist_info = init_distributed(cfg.safety.collective_timeout_s)
+    if dist_info.is_main:
+        clear_reports(own_dir)  # before the broadcast: no peer can report yet
     run_dir = Path(broadcast_str(str(own_dir) if dist_info.is_main else None))
     if dist_info.is_main:
         write_config(cfg, run_dir)
@@ -78,18 +154,31 @@ def run_torchrun_rank(cfg, own_dir: Path) -> None:
     try:
         run(cfg, run_dir)
     except UserError as exc:
-        fail(exc)
+        if dist_info.world_size == 1:
+            fail(exc)
+        if ensure_reported(run_dir, dist_info.rank, str(exc)):
+            print(format_error(str(exc), dist_info.rank), file=sys.stderr, flush=True)
+        raise JobFailed(EXIT_USER_ERROR, format_error(str(exc), dist_info.rank)) from None
+    except Exception:
+        if dist_info.world_size > 1 and peer_reported(run_dir, dist_info.rank):
+            stay_quiet_after_peer(run_dir, dist_info.rank)
+            raise JobFailed(1, "stopped by a peer's error") from None
+        raise
 
 
 def fail(exc: UserError) -> None:
+    """Print a user error's paragraph (once: on rank 0 under torchrun) and fail the job with 2."""
+    message = format_error(str(exc))
     if os.environ.get("RANK", "0") == "0":
-        print(f"rltrain: error: {exc}", file=sys.stderr, flush=True)
-    sys.exit(2)
+        print(message, file=sys.stderr, flush=True)
+    raise JobFailed(EXIT_USER_ERROR, message)
 
 
 def main() -> None:
     register_configs()
     hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)(job)()
+    if _sweep_failures:
+        sys.exit(_sweep_failures[0])
 
 
 if __name__ == "__main__":

@@ -184,6 +184,7 @@ class RewardConfig:
 
     fns: list[str] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)
+    timeout_s: float | None = 60.0  # bound on every reward call; 0 or null: no limit
 
 
 @dataclass

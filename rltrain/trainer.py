@@ -21,8 +21,10 @@ import torch.distributed as dist
 from rltrain.algos.base import RunContext
 from rltrain.checkpoint import CheckpointManager
 from rltrain.distributed import DistInfo, barrier, init_distributed
+from rltrain.errors import UserError, report_user_error
 from rltrain.metrics_log import MetricsLogger
 from rltrain.models.tiny import resolve_model_dir
+from rltrain.process_state import reset_process_state
 from rltrain.safety.runtime import SafetyRuntime
 
 ALGORITHMS = {
@@ -76,9 +78,16 @@ def run(cfg, run_dir: Path) -> None:
             close = getattr(algo, "close", None)
             if close is not None:
                 close()
+    except UserError as exc:
+        # Recorded before this rank leaves its collectives, so that the peers whose collectives
+        # fail next find the cause and stay quiet (rltrain.errors).
+        if dist_info.world_size > 1:
+            report_user_error(run_dir, dist_info.rank, str(exc))
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        reset_process_state()
 
 
 def train_loop(ctx: RunContext, algo) -> None:

@@ -53,6 +53,8 @@ def validate(cfg) -> None:
         )
     if cfg.optim.lr <= 0:
         raise UserError(f"optim.lr={cfg.optim.lr} must be positive.")
+    if cfg.reward.timeout_s is not None and cfg.reward.timeout_s < 0:
+        raise UserError(f"reward.timeout_s={cfg.reward.timeout_s} must be positive (seconds), or 0 / null for no limit.")
     if cfg.model.path is not None and not (Path(cfg.model.path).expanduser() / "config.json").exists():
         raise UserError(
             f"model.path={cfg.model.path!r} is not a Hugging Face model directory (no config.json). Point it at a "

@@ -1,13 +1,19 @@
-"""Entry point of one rank started by `rltrain.launch`: read the run's config.yaml and train."""
+"""Entry point of one rank started by `rltrain.launch`: read the run's config.yaml and train.
+
+A `UserError` is recorded in the run directory (rltrain.errors) and the rank exits 2 without
+printing: the launcher prints the first rank's paragraph once. A rank that failed because a peer
+reported a user error first exits 1 without a traceback.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from rltrain.errors import UserError
+from rltrain.errors import EXIT_USER_ERROR, UserError, ensure_reported, peer_reported, stay_quiet_after_peer
 
 
 def load_run_config(run_dir: Path):
@@ -18,17 +24,20 @@ def load_run_config(run_dir: Path):
 
 def main(argv: list[str]) -> int:
     run_dir = Path(argv[1])
+    rank = int(os.environ.get("RANK", "0"))
     cfg = load_run_config(run_dir)
     from rltrain.trainer import run
 
     try:
         run(cfg, run_dir)
     except UserError as exc:
-        import os
-
-        if os.environ.get("RANK", "0") == "0":
-            print(f"rltrain: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        ensure_reported(run_dir, rank, str(exc))
+        return EXIT_USER_ERROR
+    except Exception:
+        if peer_reported(run_dir, rank):
+            stay_quiet_after_peer(run_dir, rank)
+            return 1
+        raise
     return 0
 
 

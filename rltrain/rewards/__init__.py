@@ -8,12 +8,23 @@ where `columns` holds the dataset's other columns (one value per completion, rep
 prompt's group). `reward.fns=[pkg.module:function, ...]` with optional `reward.weights=[...]`
 selects them; the total reward is the weighted sum, and each function's mean is logged as
 `reward/<function name>`.
+
+Every call is bounded by `reward.timeout_s` (default 60 s; 0 or null: no limit). The function runs
+in a daemon worker thread and the training thread waits for it; when the time is up the run stops
+with a UserError naming the function and the limit. A thread cannot be killed, so the hung call is
+abandoned (the daemon thread ends with the process, which is exiting). A thread rather than a
+subprocess: the function keeps its process (its globals, caches, a model it loaded, no pickling of
+the batch across a process boundary, no start-up cost per call), and the bound is all we need.
+
+A rank whose slice of the prompts is empty (fewer prompts than ranks) has nothing to score: no
+function is called there, with or without columns.
 """
 
 from __future__ import annotations
 
 import importlib
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +39,7 @@ class RewardFn:
     path: str
     fn: Callable
     weight: float
+    timeout_s: float | None = None  # None: no limit
 
 
 def load_reward_fn(path: str) -> Callable:
@@ -58,15 +70,50 @@ def build_reward_fns(reward_cfg, task: str, using_builtin_data: bool) -> list[Re
     weights = list(reward_cfg.weights) or [1.0] * len(paths)
     if len(weights) != len(paths):
         raise UserError(f"reward.weights has {len(weights)} entries but reward.fns has {len(paths)}; give one weight per function.")
-    return [RewardFn(p.split(":")[-1].split(".")[-1], p, load_reward_fn(p), float(w)) for p, w in zip(paths, weights)]
+    timeout = getattr(reward_cfg, "timeout_s", None)
+    timeout = float(timeout) if timeout else None
+    return [
+        RewardFn(p.split(":")[-1].split(".")[-1], p, load_reward_fn(p), float(w), timeout) for p, w in zip(paths, weights)
+    ]
+
+
+def call_bounded(rf: RewardFn, **kwargs) -> object:
+    """`rf.fn(**kwargs)`, raising UserError if it has not returned within `rf.timeout_s`."""
+    if not rf.timeout_s:
+        return rf.fn(**kwargs)
+    result: dict[str, object] = {}
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            result["value"] = rf.fn(**kwargs)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            result["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name=f"rltrain-reward-{rf.name}", daemon=True).start()
+    if not done.wait(rf.timeout_s):
+        raise UserError(
+            f"reward function {rf.path!r} did not return within reward.timeout_s={rf.timeout_s:g} s "
+            f"(scoring {len(kwargs.get('completions', []))} completions). Make it faster or raise the "
+            "limit (reward.timeout_s=0 turns it off)."
+        )
+    if "error" in result:
+        raise result["error"]  # type: ignore[misc]
+    return result["value"]
 
 
 def score(fns: list[RewardFn], prompts: list[str], completions: list[str], columns: dict[str, list]) -> dict[str, list[float]]:
     """Each function's rewards, checked: one finite float per completion, else a UserError naming it."""
     out: dict[str, list[float]] = {}
+    if not completions:
+        return {rf.name: [] for rf in fns}  # an empty slice: nothing to score, nothing is called
     for rf in fns:
         try:
-            values = rf.fn(prompts=prompts, completions=completions, **columns)
+            values = call_bounded(rf, prompts=prompts, completions=completions, **columns)
+        except UserError:
+            raise
         except Exception as exc:
             raise UserError(f"reward function {rf.path!r} raised {type(exc).__name__}: {exc}") from exc
         try:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rltrain.errors import peer_reported
 from rltrain.safety import faults
 from rltrain.safety.guard import is_collective_failure
 from rltrain.safety.health import HealthServer
@@ -79,6 +80,8 @@ class SafetyRuntime:
         """When a collective failed, print which peer was lost (from the heartbeats) in one line."""
         if not is_collective_failure(exc) or self.world_size == 1:
             return
+        if peer_reported(self.run_dir, self.rank):
+            return  # a peer's user error is the cause: it is reported once, by the launcher
         deadline = time.monotonic() + LOST_PEER_EVIDENCE_S
         story = describe_lost_peers(self.run_dir, self.world_size, self.rank)
         while not story.startswith("lost") and time.monotonic() < deadline:
