@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from rltrain.algos.base import RunContext
-from rltrain.checkpoint import CheckpointManager
+from rltrain.checkpoint import CheckpointManager, fingerprint, fsync_path
 from rltrain.distributed import DistInfo, barrier, init_distributed
 from rltrain.metrics_log import MetricsLogger
 from rltrain.models.tiny import resolve_model_dir
@@ -83,7 +83,9 @@ def run(cfg, run_dir: Path) -> None:
 
 def train_loop(ctx: RunContext, algo) -> None:
     cfg, dist_info, run_dir = ctx.cfg, ctx.dist, ctx.run_dir
-    ckpt = CheckpointManager(run_dir, dist_info, cfg.trainer.keep_checkpoints)
+    ckpt = CheckpointManager(
+        run_dir, dist_info, cfg.trainer.keep_checkpoints, fingerprint(cfg, ctx.model_dir, dist_info.world_size)
+    )
     start_step = 0
     latest = ckpt.latest() if cfg.trainer.resume == "auto" else None
     if latest is not None:
@@ -138,6 +140,11 @@ def export_final(ctx: RunContext, algo) -> None:
     algo.export_engine().save_pretrained(tmp)
     if ctx.dist.is_main:
         ctx.tokenizer.save_pretrained(str(tmp))
+        for path in tmp.iterdir():
+            if path.is_file():
+                fsync_path(path)
+        fsync_path(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
+        fsync_path(ctx.run_dir)
     barrier()
