@@ -267,6 +267,9 @@ class SeparateVLLMEngine:
         """The whole checkpoint through the bucketed transport; returns when the child has loaded
         it (vLLM's in-place reload, tied-head refresh, prefix-cache reset)."""
         with self._lock:
+            # Shared memory first: a /dev/shm too small for the buckets fails here, with the size
+            # needed and the fix, before the child is told a sync is coming (it stays usable).
+            self.sender.allocate()
             request_id = self._send("update")
             try:
                 self.sync_stats = self.sender.send(weights)
