@@ -102,6 +102,7 @@ def train_loop(ctx: RunContext, algo) -> None:
         max_steps = cfg.trainer.max_steps
         if start_step == 0 and cfg.trainer.eval_every > 0:
             logger.log({"step": 0, **algo.evaluate(0)})
+            safety.progress()  # /healthz/deep judges ranks by progress (README, "Health endpoints")
         for step in range(start_step + 1, max_steps + 1):
             safety.before_step(step)
             t0 = time.perf_counter()
