@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import urllib.error
@@ -63,7 +65,8 @@ def test_killed_separate_engine_turns_deep_health_503_naming_it(tiny_cache, tmp_
     (tmp_path / "slowreward.py").write_text(textwrap.dedent(REWARD))
     mark = tmp_path / "mark"
     run_dir = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(tmp_path), RLTRAIN_TEST_MARK=str(mark))
+    private_tmp = Path(tempfile.mkdtemp(prefix="rlh-", dir="/tmp"))  # short: Unix socket paths live here
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), RLTRAIN_TEST_MARK=str(mark), TMPDIR=str(private_tmp))
     cmd = [
         sys.executable, "-m", "rltrain", "algo=grpo", "rollout=vllm", "rollout.process=separate", *QUICK,
         "algo.prompts_per_step=4", "algo.group_size=4", "data.num_eval=4", "trainer.max_steps=3",
@@ -94,7 +97,9 @@ def test_killed_separate_engine_turns_deep_health_503_naming_it(tiny_cache, tmp_
         _, err = proc.communicate(timeout=120)  # the next engine call ends the run, naming the process
         assert proc.returncode != 0
         assert "rollout process" in err and "exit code -9" in err, err[-3000:]
+        assert list(private_tmp.glob("rlsep-*")) == []  # the failed engine removed its sockets
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        shutil.rmtree(private_tmp, ignore_errors=True)
