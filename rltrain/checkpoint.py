@@ -171,7 +171,10 @@ class CheckpointManager:
         UserError on every rank."""
         choice = {"path": "", "error": ""}
         if self.dist.is_main:
-            choice = self._choose()
+            try:
+                choice = self._choose()
+            except OSError as exc:  # every rank waits for this choice: answer it, never leave them
+                choice = {"path": "", "error": f"cannot read the checkpoints in {self.root}: {exc}"}
         choice = json.loads(broadcast_str(json.dumps(choice)))
         if choice["error"]:
             raise UserError(choice["error"])
