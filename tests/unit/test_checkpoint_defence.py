@@ -65,3 +65,39 @@ def test_fingerprint_names_every_difference_and_the_fix(tmp_path):
     assert "algorithm: checkpoint 'sft', this run 'dpo'" in message
     assert "model_config" in message and "hidden_size" not in message
     assert "trainer.resume=never" in message and "hydra.run.dir" in message
+
+
+class _Engine:
+    def save_checkpoint(self, directory: Path) -> None:
+        (directory / "weights.bin").write_bytes(b"w" * 64)
+
+
+def test_save_fsyncs_every_file_the_directories_and_the_rename_and_keeps_the_newest(tmp_path, monkeypatch):
+    import os
+
+    import torch
+
+    from rltrain import checkpoint
+    from rltrain.distributed import DistInfo
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(checkpoint.os, "fsync", recording_fsync)
+    manager = checkpoint.CheckpointManager(
+        tmp_path, DistInfo(0, 1, 0, torch.device("cpu")), keep=0, fingerprint={"algorithm": "sft"}
+    )
+    assert manager.keep == 1  # never deletes the checkpoint just written (validate.py refuses 0)
+    for step in (1, 2):
+        final = manager.save(step, {"policy": _Engine()}, {"algorithm": {}})
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002"]
+    tmp = str(tmp_path / "checkpoints" / "step_00000002.tmp")
+    for name in ("policy/weights.bin", "rng/rank0.safetensors", "trainer_state.json", "policy", "rng", ""):
+        assert os.path.join(tmp, name).rstrip("/") in synced, name
+    assert str(tmp_path / "checkpoints") in synced  # the rename
+    state, problem = checkpoint.check_checkpoint(final)
+    assert problem == "" and state["fingerprint"] == {"algorithm": "sft"} and "policy/weights.bin" in state["files"]
