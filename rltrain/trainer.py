@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from rltrain.algos.base import RunContext
-from rltrain.checkpoint import CheckpointManager
+from rltrain.checkpoint import CheckpointManager, fingerprint, fsync_path
 from rltrain.distributed import DistInfo, barrier, init_distributed
 from rltrain.errors import UserError, report_user_error
 from rltrain.metrics_log import MetricsLogger
@@ -92,7 +92,9 @@ def run(cfg, run_dir: Path) -> None:
 
 def train_loop(ctx: RunContext, algo) -> None:
     cfg, dist_info, run_dir = ctx.cfg, ctx.dist, ctx.run_dir
-    ckpt = CheckpointManager(run_dir, dist_info, cfg.trainer.keep_checkpoints)
+    ckpt = CheckpointManager(
+        run_dir, dist_info, cfg.trainer.keep_checkpoints, fingerprint(cfg, ctx.model_dir, dist_info.world_size)
+    )
     start_step = 0
     latest = ckpt.latest() if cfg.trainer.resume == "auto" else None
     if latest is not None:
@@ -109,6 +111,7 @@ def train_loop(ctx: RunContext, algo) -> None:
         max_steps = cfg.trainer.max_steps
         if start_step == 0 and cfg.trainer.eval_every > 0:
             logger.log({"step": 0, **algo.evaluate(0)})
+            safety.progress()  # /healthz/deep judges ranks by progress (README, "Health endpoints")
         for step in range(start_step + 1, max_steps + 1):
             safety.before_step(step)
             t0 = time.perf_counter()
@@ -147,6 +150,11 @@ def export_final(ctx: RunContext, algo) -> None:
     algo.export_engine().save_pretrained(tmp)
     if ctx.dist.is_main:
         ctx.tokenizer.save_pretrained(str(tmp))
+        for path in tmp.iterdir():
+            if path.is_file():
+                fsync_path(path)
+        fsync_path(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
+        fsync_path(ctx.run_dir)
     barrier()

@@ -44,6 +44,12 @@ def validate(cfg) -> None:
             f"trainer.max_tokens_per_micro_batch={cfg.trainer.max_tokens_per_micro_batch} must be 0 (no token budget) "
             "or a positive number of tokens."
         )
+    if cfg.trainer.keep_checkpoints < 1:
+        raise UserError(
+            f"trainer.keep_checkpoints={cfg.trainer.keep_checkpoints} must be at least 1: it is how many of the "
+            "newest checkpoints are kept, and the one just written is always among them. To save none, set "
+            "trainer.save_every=0 (the last step is still saved for resume)."
+        )
     validate_megatron_layout(cfg)
     if cfg.trainer.global_batch_size < data_parallel_size(cfg):
         raise UserError(

@@ -54,5 +54,8 @@ def kill_when(args: list[str], run_dir: Path, ready: Path, sig: int, timeout: fl
 
 
 def comparable(rows: list[dict]) -> list[dict]:
-    """Metric rows without the fields that measure time or memory (they differ run to run)."""
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "mem/")) and k != "tokens_per_s"} for r in rows]
+    """Metric rows without the fields that measure time or memory (they differ run to run), any
+    throughput (`tokens_per_s`, `rollout/tokens_per_s`) included."""
+    return [
+        {k: v for k, v in r.items() if not k.startswith(("time/", "mem/")) and not k.endswith("tokens_per_s")} for r in rows
+    ]

@@ -337,14 +337,9 @@ class GRPO:
         self.timeshare.publish(self.policy.export_weights)
 
     def rollout_ping(self) -> bool:
-        """Liveness for `/healthz/deep`, called from the health server's thread. An engine that can
-        answer concurrently exposes `is_alive()` (the separate-process engine checks its child);
-        an in-process engine is never called from another thread, so it counts as alive while it
-        exists and is not closed."""
-        alive = getattr(self.rollout, "is_alive", None)
-        if alive is not None:
-            return bool(alive())
-        return getattr(self.rollout, "llm", self.rollout) is not None
+        """Liveness for `/healthz/deep`, called from the health server's thread: the engine's own
+        real ping (`RolloutEngine.ping`; every engine implements it, bounded and harmless)."""
+        return self.rollout.ping()
 
     def close(self) -> None:
         """Shut the rollout engine down before the trainer's process group goes away."""

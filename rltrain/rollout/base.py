@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -41,4 +42,26 @@ class RolloutEngine(Protocol):
 
     def wake(self) -> None: ...
 
-    def ping(self) -> bool: ...
+    def ping(self) -> bool:
+        """Liveness for `/healthz/deep`, called from the health server's thread while the training
+        loop may be using the engine: a real round trip to the engine (its worker, its child
+        process, its model), never a flag. True when it answers; False or an exception (the health
+        check reports the message) when it does not. It must never wait unboundedly on the engine
+        nor harm it: while the training loop is inside the engine (`exclusive` methods), the call in
+        progress is the proof of life and ping answers True without entering (a call that wedges
+        stalls the step, which the step-progress check reports)."""
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def exclusive(method: F) -> F:
+    """Run an engine method holding the engine's `_gate` (a `threading.RLock` made in its
+    `__init__`), so that `ping()` from another thread never enters the engine at the same time."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args: Any, **kwargs: Any) -> Any:
+        with self._gate:
+            return method(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]

@@ -19,6 +19,7 @@ This module never imports vLLM.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import torch
 
 from rltrain.config import HFRolloutConfig
 from rltrain.precision import resolve_precision
-from rltrain.rollout.base import Completion, SamplingSettings
+from rltrain.rollout.base import Completion, SamplingSettings, exclusive
 
 
 class HFRolloutEngine:
@@ -43,6 +44,7 @@ class HFRolloutEngine:
     ) -> None:
         from transformers import AutoModelForCausalLM
 
+        self._gate = threading.RLock()  # ping() vs the training loop (rollout.base.exclusive)
         self.cfg = cfg
         self.seed = seed
         self.device = torch.device(device)
@@ -63,7 +65,10 @@ class HFRolloutEngine:
         )
         self.asleep = False
 
+    @exclusive
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+        if self.model is None:
+            raise RuntimeError("HFRolloutEngine.generate called after close()")
         if self.asleep:
             raise RuntimeError("HFRolloutEngine.generate called while asleep; call wake() first")
         if not prompts:
@@ -133,6 +138,7 @@ class HFRolloutEngine:
             output_logits=True,
         )
 
+    @exclusive
     @torch.no_grad()
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy full tensors into the model by Hugging Face name (there is no prefix cache)."""
@@ -148,6 +154,7 @@ class HFRolloutEngine:
                 )
             target.data.copy_(tensor.to(device=target.device, dtype=target.dtype))
 
+    @exclusive
     def sleep(self) -> None:
         """Move the model to host memory (accelerators only; on CPU nothing is freed)."""
         if self.device.type != "cpu" and not self.asleep:
@@ -156,13 +163,34 @@ class HFRolloutEngine:
                 torch.cuda.empty_cache()
         self.asleep = True
 
+    @exclusive
     def wake(self) -> None:
         if self.device.type != "cpu" and self.asleep:
             self.model.to(self.device)
         self.asleep = False
 
     def ping(self) -> bool:
-        return True
+        """A one-token forward through the model, whose logits must be finite (see
+        `RolloutEngine.ping`: True without entering while the training loop is using the engine;
+        asleep on an accelerator, the model's presence is checked, not run on the host)."""
+        if not self._gate.acquire(blocking=False):
+            return True
+        try:
+            if self.model is None:
+                raise RuntimeError("the transformers rollout engine is closed")
+            if self.asleep and self.device.type != "cpu":
+                return True
+            with torch.inference_mode():
+                logits = self.model(input_ids=torch.tensor([[self.pad_id]], device=self.device)).logits
+            if not bool(torch.isfinite(logits).all()):
+                raise RuntimeError("the transformers rollout engine's model returns non-finite logits")
+            return True
+        finally:
+            self._gate.release()
+
+    @exclusive
+    def close(self) -> None:
+        self.model = None
 
 
 def build_engine(ctx) -> HFRolloutEngine:

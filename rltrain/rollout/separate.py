@@ -29,11 +29,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import shutil
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
@@ -127,6 +129,7 @@ class SeparateVLLMEngine:
         self.ping_timeout_s = ping_timeout_s
         self._lock = threading.Lock()  # one request in flight (a health-check ping may race a step)
         self._next_id = 0
+        self._abandoned: set[int] = set()  # pings that timed out: their late replies are skipped
         self.proc: subprocess.Popen | None = None
         self.channel: ControlChannel | None = None
         self.directory = make_private_dir(None, prefix="rlsep-")
@@ -172,6 +175,16 @@ class SeparateVLLMEngine:
 
     def close(self, kill: bool = False) -> None:
         """Stop the child (politely, then by force), remove every socket and directory. Idempotent."""
+        # A polite close waits for a health-check ping in flight (bounded); `kill` comes from a
+        # failed request that already holds the lock.
+        locked = not kill and self._lock.acquire(timeout=self.ping_timeout_s + 5)
+        try:
+            self._close(kill)
+        finally:
+            if locked:
+                self._lock.release()
+
+    def _close(self, kill: bool) -> None:
         proc, channel = self.proc, self.channel
         self.proc, self.channel = None, None
         try:
@@ -239,6 +252,9 @@ class SeparateVLLMEngine:
         self.channel_timeout_s = self.channel.timeout_s
         try:
             message = self.channel.recv(what)
+            while message["op"] == "reply" and message["id"] in self._abandoned:  # a late ping reply
+                self._abandoned.discard(message["id"])
+                message = self.channel.recv(what)
         except TransportError as exc:
             raise self._dead(f"while waiting for {what}", exc) from exc
         if message["op"] != expect or message["id"] != request_id:
@@ -267,6 +283,9 @@ class SeparateVLLMEngine:
         """The whole checkpoint through the bucketed transport; returns when the child has loaded
         it (vLLM's in-place reload, tied-head refresh, prefix-cache reset)."""
         with self._lock:
+            # Shared memory first: a /dev/shm too small for the buckets fails here, with the size
+            # needed and the fix, before the child is told a sync is coming (it stays usable).
+            self.sender.allocate()
             request_id = self._send("update")
             try:
                 self.sync_stats = self.sender.send(weights)
@@ -285,24 +304,58 @@ class SeparateVLLMEngine:
         self._call("wake")
 
     def ping(self) -> bool:
-        """True when the child answers within `ping_timeout_s`; while another request is in
-        flight, whether the child process is still running."""
+        """A real round trip to the child (its engine answers a no-op on its worker), bounded by
+        `ping_timeout_s`, that never harms a healthy engine: an unanswered ping is reported (an
+        exception naming it) and abandoned, its late reply skipped, the child left running; a dead
+        child is reported with its exit code, and the next training call fails as usual. While a
+        training request is in flight (a generation, a sync) the child cannot answer; that request
+        is bounded by `rollout.timeout_s`, so then the process's presence is the answer."""
         if not self._lock.acquire(timeout=self.ping_timeout_s):
-            return self.proc is not None and self.proc.poll() is None
+            self._check_running()
+            return True
         try:
-            if self.channel is None:
-                return False
-            timeout, self.channel.timeout_s = self.channel.timeout_s, self.ping_timeout_s
+            self._check_running()
+            channel = self.channel
+            assert channel is not None
+            self._next_id += 1
+            request_id = self._next_id
             try:
-                request_id = self._send("ping")
-                return bool(self._recv(request_id, "a ping").get("result"))
-            finally:
-                if self.channel is not None:
-                    self.channel.timeout_s = timeout
-        except RolloutProcessError:
-            return False
+                channel.send({"op": "ping", "id": request_id})
+                deadline = time.monotonic() + self.ping_timeout_s
+                while True:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not select.select([channel.sock], [], [], left)[0]:
+                        self._abandoned.add(request_id)
+                        raise RolloutProcessError(
+                            f"the rollout process (pid {self.proc.pid if self.proc else '?'}) did not answer a ping "
+                            f"within {self.ping_timeout_s:g} s (left running)"
+                        )
+                    message = channel.recv("a ping")
+                    if message["op"] == "reply" and message["id"] in self._abandoned:
+                        self._abandoned.discard(message["id"])
+                        continue
+                    break
+            except TransportError as exc:
+                if self.proc is not None:  # a dying child closes its socket a moment before it exits
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        self.proc.wait(timeout=min(1.0, self.ping_timeout_s))
+                self._check_running()
+                raise RolloutProcessError(f"the rollout process does not answer: {exc}") from exc
+            if message["id"] != request_id or not message.get("ok", False):
+                raise RolloutProcessError(
+                    f"the rollout process failed a ping: {message.get('error', message)!s:.2000}"
+                )
+            return bool(message.get("result"))
         finally:
             self._lock.release()
+
+    def _check_running(self) -> None:
+        proc = self.proc
+        if proc is None or self.channel is None:
+            raise RolloutProcessError("the rollout process is closed (it failed earlier or close() was called)")
+        code = proc.poll()
+        if code is not None:
+            raise RolloutProcessError(f"the rollout process (pid {proc.pid}) exited with code {code}")
 
 
 def build_engine(ctx) -> SeparateVLLMEngine:

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 from collections.abc import Iterable, Iterator
 from functools import cached_property, partial
 from pathlib import Path
@@ -64,7 +65,7 @@ import torch
 from rltrain.config import VLLMRolloutConfig
 from rltrain.errors import UserError
 from rltrain.precision import resolve_precision
-from rltrain.rollout.base import Completion, SamplingSettings
+from rltrain.rollout.base import Completion, SamplingSettings, exclusive
 from rltrain.rollout.vllm_reload import SyncPlan, build_plan
 
 GIB = 1 << 30
@@ -171,6 +172,7 @@ class VLLMRolloutEngine:
         *,
         dtype: str = "float32",
     ) -> None:
+        self._gate = threading.RLock()  # ping() vs the training loop (rollout.base.exclusive)
         self.model_dir = Path(model_dir)
         self.cfg = cfg
         self.asleep = False
@@ -199,6 +201,7 @@ class VLLMRolloutEngine:
 
     # --- generation -----------------------------------------------------------------------------
 
+    @exclusive
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
         if self.asleep:
             raise RuntimeError("VLLMRolloutEngine.generate called while asleep; call wake() first")
@@ -233,6 +236,7 @@ class VLLMRolloutEngine:
 
     # --- weights --------------------------------------------------------------------------------
 
+    @exclusive
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Reload every tensor in place (Hugging Face names, full tensors), refresh a tied output
         head, reset the prefix cache. The iterable must hold the whole checkpoint.
@@ -321,6 +325,7 @@ class VLLMRolloutEngine:
 
     # --- time sharing and liveness --------------------------------------------------------------
 
+    @exclusive
     def sleep(self) -> None:
         """Release the engine's accelerator memory where vLLM supports it (CUDA: `LLM.sleep` at
         `rollout.sleep_level`: 1 keeps a host copy of the weights, 2 drops them, and then a full
@@ -333,6 +338,7 @@ class VLLMRolloutEngine:
             self.weights_discarded = not self.weights_survive_sleep
         self.asleep = True
 
+    @exclusive
     def wake(self) -> None:
         """Take the memory back. After a level-2 sleep only the weights' memory (vLLM's
         `wake_up(tags=["weights"])`); the KV cache is woken after the weights are loaded
@@ -348,12 +354,19 @@ class VLLMRolloutEngine:
         self.asleep = False
 
     def ping(self) -> bool:
-        """True when the engine core answers a no-op call on its worker."""
+        """True when the engine core answers a no-op call on its worker (see `RolloutEngine.ping`:
+        True without entering while the training loop is inside the engine). A failure raises,
+        so the health check can name it."""
+        if not self._gate.acquire(blocking=False):
+            return True
         try:
+            if self.llm is None:
+                raise RuntimeError("the vLLM engine is closed")
             return all(self.llm.collective_rpc(_pong))
-        except Exception:  # noqa: BLE001 - any failure means "not alive"
-            return False
+        finally:
+            self._gate.release()
 
+    @exclusive
     def close(self) -> None:
         """Shut the engine down and free vLLM's distributed state, so that another engine can be
         built in this process.

@@ -2,18 +2,27 @@
 
     GET /healthz       200 while the process lives (liveness: the HTTP thread answers)
     GET /healthz/deep  200 only when every rank's heartbeat is fresher than health.stale_after_s
-                       and the rollout engine (if any) answers a ping; otherwise 503. The JSON body
-                       names each rank's state and, under "dead", whatever failed.
+                       *and* the rank completed a step within it (rltrain.safety.heartbeat: progress,
+                       not the beat thread's pulse), and the rollout engine (if any) answers a real
+                       ping (`RolloutEngine.ping`); otherwise 503. The JSON body names each rank's
+                       state and, under "dead", whatever failed.
 
 stdlib `http.server` in a daemon thread: no dependency, and it keeps answering while the main
 thread is busy or stuck in a collective (which is when a deep check is most useful). The ping runs
-in its own thread with a timeout, so a hung rollout engine makes the check fail, not hang.
+in its own thread with a timeout, so a hung rollout engine makes the check fail, not hang; only one
+ping is in flight at a time (a probe that arrives while one is unanswered is told so, 503), and the
+engine itself is never touched by the health check's timeout (a wedged ping is just "unhealthy").
+Requests are bounded too: each connection's socket times out after `request_timeout_s`, and at
+most `max_connections` are served at once (more are answered 503 and closed at once), so idle or
+slow clients cannot pile up threads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -22,8 +31,11 @@ from typing import Any
 from rltrain.safety.heartbeat import rank_status
 
 
-def ping_with_timeout(ping: Callable[[], object], timeout_s: float) -> tuple[bool, str]:
-    """(answered, detail). A ping that returns False, raises or takes longer than `timeout_s` fails."""
+def ping_with_timeout(
+    ping: Callable[[], object], timeout_s: float, started: list[threading.Thread] | None = None
+) -> tuple[bool, str]:
+    """(answered, detail). A ping that returns False, raises or takes longer than `timeout_s` fails.
+    The ping's thread is appended to `started` (to tell whether it still runs)."""
     result: dict[str, Any] = {}
 
     def call() -> None:
@@ -34,6 +46,8 @@ def ping_with_timeout(ping: Callable[[], object], timeout_s: float) -> tuple[boo
 
     thread = threading.Thread(target=call, name="rltrain-health-ping", daemon=True)
     thread.start()
+    if started is not None:
+        started.append(thread)
     thread.join(timeout_s)
     if thread.is_alive():
         return False, f"no answer to ping within {timeout_s:g} s"
@@ -42,6 +56,44 @@ def ping_with_timeout(ping: Callable[[], object], timeout_s: float) -> tuple[boo
     if result.get("value") is False:
         return False, "ping returned False"
     return True, "ok"
+
+
+_BUSY_BODY = json.dumps({"status": "busy", "dead": ["too many concurrent health requests"]}).encode()
+BUSY_REPLY = (
+    b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    + f"Content-Length: {len(_BUSY_BODY)}\r\nConnection: close\r\n\r\n".encode()
+    + _BUSY_BODY
+)
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """At most `max_connections` handler threads; one more connection is answered 503 and closed
+    without a thread (a non-blocking send of a few bytes into an empty socket buffer)."""
+
+    daemon_threads = True
+
+    def __init__(self, address, handler, max_connections: int) -> None:
+        self._slots = threading.BoundedSemaphore(max_connections)
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            with contextlib.suppress(OSError):
+                request.setblocking(False)
+                request.send(BUSY_REPLY)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class HealthServer:
@@ -54,14 +106,19 @@ class HealthServer:
         host: str = "127.0.0.1",
         ping: Callable[[], object] | None = None,
         ping_timeout_s: float = 5.0,
+        request_timeout_s: float = 10.0,
+        max_connections: int = 8,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.world_size = world_size
         self.stale_after_s = stale_after_s
         self.ping = ping
         self.ping_timeout_s = ping_timeout_s
-        self._server = ThreadingHTTPServer((host, port), self._handler_class())
-        self._server.daemon_threads = True
+        self.request_timeout_s = request_timeout_s
+        self._ping_lock = threading.Lock()
+        self._ping_thread: threading.Thread | None = None
+        self._ping_started = 0.0
+        self._server = _BoundedServer((host, port), self._handler_class(), max_connections)
         self._thread: threading.Thread | None = None
 
     @property
@@ -78,7 +135,7 @@ class HealthServer:
                 dead.append(text)
         body: dict[str, Any] = {"ranks": ranks}
         if self.ping is not None:
-            ok, text = ping_with_timeout(self.ping, self.ping_timeout_s)
+            ok, text = self._ping_once()
             body["rollout"] = text
             if not ok:
                 dead.append(f"rollout engine: {text}")
@@ -86,10 +143,25 @@ class HealthServer:
         body["dead"] = dead
         return not dead, body
 
+    def _ping_once(self) -> tuple[bool, str]:
+        """`ping_with_timeout`, but never two pings at once: while one is unanswered, a probe is
+        answered "unhealthy" at once instead of stacking another thread on the engine."""
+        with self._ping_lock:
+            if self._ping_thread is not None and self._ping_thread.is_alive():
+                waited = time.monotonic() - self._ping_started
+                return False, f"no answer to ping within {self.ping_timeout_s:g} s (still waiting, {waited:.0f} s)"
+            self._ping_started = time.monotonic()
+            threads: list[threading.Thread] = []
+            result = ping_with_timeout(self.ping, self.ping_timeout_s, threads)
+            self._ping_thread = threads[0] if threads else None
+            return result
+
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = server.request_timeout_s  # socket timeout: a silent client frees its thread
+
             def do_GET(self) -> None:  # noqa: N802 - http.server's naming
                 path = self.path.split("?", 1)[0].rstrip("/")
                 if path == "/healthz":

@@ -5,6 +5,14 @@ needs no collective (so it still works while a collective hangs or after a peer 
 can `cat` them. Each file holds the rank's pid and host (so a survivor on the same host can tell a
 dead process from a slow one), the wall-clock time of the beat and the last step begun and finished.
 A multi-node run needs the run directory on a shared filesystem for cross-node heartbeats.
+
+The beat only proves the process (its beat thread) is alive; a rank stuck in a collective beats on.
+So the file also records `progress_time`, the wall-clock time of the rank's last progress: the
+start of training, the end of the step-0 evaluation, and the end of every step (its evaluation and
+checkpoint included). `rank_status` judges a rank by both: no beat for `stale_after_s` (process
+gone or frozen), or no progress for `stale_after_s` (stuck). Before the rank's first completed step
+the progress limit is `FIRST_STEP_FACTOR` x `stale_after_s`, for the first step's one-off costs
+(start-up of the rollout engine's caches, allocator warm-up, the step-0 evaluation before it).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import time
 from pathlib import Path
 
 DIRNAME = "heartbeats"
+FIRST_STEP_FACTOR = 3.0  # the progress limit before a rank's first completed step, in stale_after_s
 
 
 def heartbeat_path(run_dir: Path, rank: int) -> Path:
@@ -33,6 +42,8 @@ class Heartbeat:
         self.interval_s = interval_s
         self.step = 0
         self.finished_step = 0
+        self.progress_time = time.time()  # the start of training counts as progress
+        self.steps_done = 0  # steps completed by this process (0: the first-step allowance applies)
         self._stop = threading.Event()
         self._lock = threading.Lock()  # the beat thread and the training loop both write
         self._thread: threading.Thread | None = None
@@ -43,9 +54,17 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name=f"rltrain-heartbeat-{self.rank}", daemon=True)
         self._thread.start()
 
+    def progress(self) -> None:
+        """Record progress that is not a step (e.g. the step-0 evaluation) and write at once."""
+        self.progress_time = time.time()
+        with contextlib.suppress(OSError):
+            self.write()
+
     def beat(self, step: int, finished: bool = False) -> None:
         if finished:
             self.finished_step = step
+            self.progress_time = time.time()
+            self.steps_done += 1
         else:
             self.step = step
         # At once, so a survivor reading it after a crash sees the step it died in; a full or
@@ -61,6 +80,8 @@ class Heartbeat:
             "time": time.time(),
             "step": self.step,
             "finished_step": self.finished_step,
+            "progress_time": self.progress_time,
+            "steps_done": self.steps_done,
         }
         with self._lock:
             tmp = self.path.with_suffix(".tmp")
@@ -98,8 +119,12 @@ def process_gone(record: dict) -> bool:
     return False
 
 
-def rank_status(run_dir: Path, rank: int, stale_after_s: float, now: float | None = None) -> tuple[bool, str]:
-    """(alive, one-line description) of a rank from its heartbeat."""
+def rank_status(
+    run_dir: Path, rank: int, stale_after_s: float, now: float | None = None, judge_progress: bool = True
+) -> tuple[bool, str]:
+    """(alive, one-line description) of a rank from its heartbeat: dead when its process is gone or
+    its beat is older than `stale_after_s`; stuck (with `judge_progress`) when it has made no
+    progress for `stale_after_s` (`FIRST_STEP_FACTOR` times that before its first step)."""
     now = time.time() if now is None else now
     record = read_heartbeat(run_dir, rank)
     if record is None:
@@ -110,7 +135,16 @@ def rank_status(run_dir: Path, rank: int, stale_after_s: float, now: float | Non
         return False, f"rank {rank}: process {record['pid']} is gone (last heartbeat {age:.1f} s ago, {where})"
     if age > stale_after_s:
         return False, f"rank {rank}: heartbeat {age:.1f} s old (> {stale_after_s:g} s, {where})"
-    return True, f"rank {rank}: alive ({where}, heartbeat {age:.1f} s ago)"
+    idle = now - float(record.get("progress_time", record["time"]))
+    first = int(record.get("steps_done", 1)) == 0
+    limit = stale_after_s * (FIRST_STEP_FACTOR if first else 1.0)
+    if judge_progress and idle > limit:
+        which = "its first step has not completed" if first else "no step completed"
+        return False, (
+            f"rank {rank}: stuck: {which} for {idle:.1f} s (> {limit:g} s, {where}); "
+            f"its process is alive (heartbeat {age:.1f} s ago)"
+        )
+    return True, f"rank {rank}: alive ({where}, last progress {idle:.1f} s ago, heartbeat {age:.1f} s ago)"
 
 
 def describe_lost_peers(run_dir: Path, world_size: int, rank: int, stale_after_s: float = 5.0) -> str:
@@ -119,7 +153,7 @@ def describe_lost_peers(run_dir: Path, world_size: int, rank: int, stale_after_s
     for peer in range(world_size):
         if peer == rank:
             continue
-        ok, text = rank_status(run_dir, peer, stale_after_s)
+        ok, text = rank_status(run_dir, peer, stale_after_s, judge_progress=False)  # waiting is not lost
         (alive if ok else lost).append(text)
     if lost:
         return "lost " + "; ".join(lost)

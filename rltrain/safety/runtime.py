@@ -3,7 +3,8 @@
     safety = SafetyRuntime(cfg, run_dir, rank, world_size, ping=...)
     safety.start()                 heartbeat thread, hang watchdog, health server (rank 0), faults
     safety.before_step(step)       fault injection for the step (`kill` fires here), heartbeat
-    safety.after_step(step)        heartbeat, watchdog progress
+    safety.progress()              progress that is not a step (the step-0 evaluation)
+    safety.after_step(step)        heartbeat (the step's progress), watchdog progress
     safety.explain_failure(exc)    on the way out: name the lost peer when a collective failed
     safety.close()
 
@@ -70,6 +71,9 @@ class SafetyRuntime:
         self.injector.set_step(step)
         self.heartbeat.beat(step)
         self.injector.maybe_kill()
+
+    def progress(self) -> None:
+        self.heartbeat.progress()
 
     def after_step(self, step: int) -> None:
         self.heartbeat.beat(step, finished=True)

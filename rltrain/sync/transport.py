@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 from rltrain.sync.transport_layout import ALIGN_BYTES, BucketPacker, PackedBucket
-from rltrain.sync.transport_shm import SharedSegment
+from rltrain.sync.transport_shm import SharedMemoryFull, SharedSegment, shm_full_error
 from rltrain.sync.transport_wire import (
     Channel,
     Message,
@@ -180,6 +180,27 @@ class WeightSender:
             segment.close()
         self._segments = []
 
+    def allocate(self) -> None:
+        """Create the buckets' shared memory if it is not there yet (`send` does it too). Raises
+        SharedMemoryFull, naming the size needed, when /dev/shm cannot hold them; call it before
+        telling a peer a sync is coming, so the error leaves the peer undisturbed."""
+        if self._segments:
+            return
+        segments: list[SharedSegment] = []
+        try:
+            for _ in range(self.num_slots):
+                segments.append(SharedSegment.create(self.bucket_bytes))
+        except SharedMemoryFull as exc:
+            for segment in segments:
+                segment.close()
+            raise shm_full_error(self.bucket_bytes * self.num_slots, f"{self.num_slots} buckets of "
+                                 f"{self.bucket_bytes / 2**20:.0f} MiB") from exc
+        except BaseException:
+            for segment in segments:
+                segment.close()
+            raise
+        self._segments = segments
+
     def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> SyncStats:
         """One sync: waits for the receiver, streams every tensor, returns when the receiver has
         confirmed all of them. Raises TransportError (after telling the receiver to abort) on any
@@ -189,8 +210,7 @@ class WeightSender:
         self.last_sync_id += 1
         sync_id = self.last_sync_id
         started = time.perf_counter()
-        if not self._segments:
-            self._segments = [SharedSegment.create(self.bucket_bytes) for _ in range(self.num_slots)]
+        self.allocate()
         endpoint = _SyncEndpoint(self.base_dir, sync_id)
         control: Channel | None = None
         data: Channel | None = None

@@ -14,6 +14,13 @@ Why not `multiprocessing.shared_memory.SharedMemory`: on Python 3.11 it register
 with the resource tracker, which unlinks or warns about names it believes leaked, and it cannot
 be built from a received descriptor; we call the same `_posixshmem` primitives directly.
 
+Segments are allocated up front (`posix_fallocate`), not left sparse: on a small `/dev/shm`
+(Docker's default is 64 MiB) a sparse segment maps fine and the first write past the free space
+kills the process with SIGBUS, without a Python traceback. Allocated, a segment that does not fit
+fails at creation with `SharedMemoryFull`, a UserError naming the size needed and the fix.
+`RLTRAIN_SHM_DIR` puts segments on another tmpfs (an unlinked file there instead of a POSIX
+shared-memory object; the tests use it to impose a small limit).
+
 A CUDA build would add a sibling of `SharedSegment` whose handle is a CUDA IPC handle instead of
 a descriptor; the packer and the protocol only use `bytes_u8` and `nbytes`.
 """
@@ -21,6 +28,7 @@ a descriptor; the packer and the protocol only use `bytes_u8` and `nbytes`.
 from __future__ import annotations
 
 import _posixshmem
+import errno
 import mmap
 import os
 import secrets
@@ -28,9 +36,64 @@ import stat
 
 import torch
 
+from rltrain.errors import UserError
 from rltrain.sync.transport_wire import ProtocolError
 
 SEGMENT_PREFIX = "rltrain-w-"  # the brief name a segment has in /dev/shm while being created
+SHM_DIR_ENV = "RLTRAIN_SHM_DIR"  # a directory on a tmpfs to use instead of /dev/shm (tests)
+
+
+class SharedMemoryFull(UserError):
+    """The shared memory for the weight transport's buckets cannot be allocated."""
+
+
+def shm_dir() -> str:
+    return os.environ.get(SHM_DIR_ENV) or "/dev/shm"
+
+
+def _free_mib(directory: str) -> str:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return "unknown"
+    return f"{st.f_bavail * st.f_frsize / 2**20:.0f} MiB free of {st.f_blocks * st.f_frsize / 2**20:.0f} MiB"
+
+
+def shm_full_error(needed_bytes: int, what: str) -> SharedMemoryFull:
+    directory = shm_dir()
+    return SharedMemoryFull(
+        f"cannot allocate {what} of shared memory in {directory} ({_free_mib(directory)}) for the weight "
+        f"transport of the separate rollout process: it needs {needed_bytes / 2**20:.0f} MiB per rank (2 buckets "
+        "of rollout.bucket_mb each) for the whole run. Give the machine more shared memory (Docker: "
+        "`docker run --shm-size=1g ...`; Kubernetes: an emptyDir with medium Memory on /dev/shm), or lower "
+        "rollout.bucket_mb."
+    )
+
+
+def _open_anonymous() -> int:
+    """A new shared-memory file descriptor whose name is already gone."""
+    directory = os.environ.get(SHM_DIR_ENV)
+    name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+    if directory:
+        path = os.path.join(directory, name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.unlink(path)
+        return fd
+    fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+    _posixshmem.shm_unlink("/" + name)
+    return fd
+
+
+def allocate(fd: int, nbytes: int) -> None:
+    """Give the segment its pages now: ENOSPC here, not SIGBUS at the first write past the space."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise shm_full_error(nbytes, f"a {nbytes / 2**20:.0f} MiB bucket") from exc
+        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+        os.ftruncate(fd, nbytes)  # a filesystem without fallocate: sparse, as before
 
 
 class SharedSegment:
@@ -49,11 +112,9 @@ class SharedSegment:
     @classmethod
     def create(cls, nbytes: int) -> SharedSegment:
         """A new anonymous segment of `nbytes` (its name is unlinked before this returns)."""
-        name = f"/{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-        fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
-        _posixshmem.shm_unlink(name)
+        fd = _open_anonymous()
         try:
-            os.ftruncate(fd, nbytes)
+            allocate(fd, nbytes)
             mapping = mmap.mmap(fd, nbytes)
             info = os.fstat(fd)
         except BaseException:

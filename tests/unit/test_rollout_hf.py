@@ -120,3 +120,38 @@ def test_sleep_wake_ping(setup):
 def test_import_does_not_import_vllm():
     code = "import sys, rltrain.rollout.hf, rltrain.rollout.vllm; assert 'vllm' not in sys.modules, 'vllm imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_ping_runs_the_model_and_never_waits_for_the_training_loop(setup):
+    """A real ping: a one-token forward whose logits must be finite; while the training loop is
+    inside the engine (its gate held), True at once without entering."""
+    import threading
+    from types import SimpleNamespace
+
+    _, engine = setup
+    calls: list[int] = []
+    real = engine.model.forward
+    try:
+        engine.model.forward = lambda *a, **k: calls.append(1) or real(*a, **k)
+        assert engine.ping() is True and calls == [1]
+
+        entered, release = threading.Event(), threading.Event()
+
+        def busy():
+            with engine._gate:
+                entered.set()
+                release.wait(10)
+
+        thread = threading.Thread(target=busy)
+        thread.start()
+        entered.wait(10)
+        assert engine.ping() is True and calls == [1]  # not entered while busy
+        release.set()
+        thread.join(10)
+
+        engine.model.forward = lambda *a, **k: SimpleNamespace(logits=torch.full((1, 1, 4), float("nan")))
+        with pytest.raises(RuntimeError, match="non-finite"):
+            engine.ping()
+    finally:
+        del engine.model.forward
+    assert engine.ping() is True

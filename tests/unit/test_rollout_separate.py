@@ -109,6 +109,21 @@ def test_separate_engine_end_to_end(model_dir):
         assert engine.generate(PROMPTS, SAMPLING) == after
         assert [name[:4] for name in os.listdir(directory)] == ["rlc-"]  # no per-sync endpoint is left
 
+        # A wedged child (stopped): the ping fails within its bound, names the process and leaves
+        # it running; once it resumes, its late ping reply is skipped and the engine works as before.
+        engine.ping_timeout_s = 1.0
+        os.kill(engine.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(RolloutProcessError, match=f"pid {engine.pid}.* did not answer a ping within 1 s"):
+                engine.ping()
+            assert time.monotonic() - started < 5
+            assert engine.proc.poll() is None and engine.channel is not None
+        finally:
+            os.kill(engine.pid, signal.SIGCONT)
+        assert engine.generate(PROMPTS, SAMPLING) == after
+        assert engine.ping() is True
+
         # Killed in the middle of a weight sync: the sender fails fast, not at its timeout.
         def dying(weights):
             for i, item in enumerate(weights):
@@ -122,7 +137,8 @@ def test_separate_engine_end_to_end(model_dir):
         assert time.monotonic() - started < cfg.timeout_s
         with pytest.raises(RolloutProcessError, match="closed"):
             engine.generate(PROMPTS, SAMPLING)
-        assert not engine.ping()
+        with pytest.raises(RolloutProcessError, match="closed"):
+            engine.ping()
     finally:
         engine.close()
     assert not os.path.exists(directory)
