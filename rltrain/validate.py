@@ -122,6 +122,15 @@ def validate_model(model) -> None:
             f"model.path={model.path!r} is not a Hugging Face model directory (no config.json). Point it at a "
             "directory written by save_pretrained, or leave it unset for the built-in tiny model."
         )
+    try:
+        hf_config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"model.path={model.path!r}: config.json could not be read as JSON ({exc}).") from None
+    if not isinstance(hf_config, dict) or "model_type" not in hf_config:
+        raise UserError(
+            f"model.path={model.path!r}: config.json has no 'model_type', so transformers cannot tell which "
+            "architecture to build. Point model.path at a directory written by save_pretrained."
+        )
     if not any((directory / name).exists() for name in TOKENIZER_FILES) and not any(directory.glob("*.tiktoken")):
         raise UserError(
             f"model.path={model.path!r} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} (or a *.tiktoken "
