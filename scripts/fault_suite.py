@@ -114,15 +114,20 @@ def train_rows(run_dir: Path) -> list[dict]:
 EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Fault|Exception|Aborted|Closed|Timeout)\w*: ")
 
 
-def first_error(stderr: str) -> str:
-    """The line that says what happened: a lost rank, else the first exception, else rltrain's own."""
-    lines = [re.sub(r"^\[rank\d+\]: ", "", line) for line in stderr.splitlines()]
-    for pick in (lambda s: s.startswith("rltrain: ") and "killed by" in s, EXCEPTION_LINE.match,
-                 lambda s: s.startswith("rltrain: ")):
-        found = [line for line in lines if pick(line)]
-        if found:
-            return re.sub(r"^[\w.]*\.(?=\w+: )", "", found[0].strip())[:100]  # InjectedFault: ..., no module path
-    return (lines[-1] if lines else "")[:100]
+def first_error(output: str) -> str:
+    """The line that says what happened: a lost rank; else the error rltrain raised on the first
+    rank that failed (the outermost of a chain: the last one before the launcher's report); else
+    the first exception; else rltrain's own line."""
+    lines = [re.sub(r"^\[rank\d+\]: ", "", line) for line in output.splitlines()]
+    exited = next((i for i, line in enumerate(lines) if re.match(r"rltrain: rank \d+ exited", line)), len(lines))
+    picks = (
+        [line for line in lines if line.startswith("rltrain: ") and "killed by" in line][:1]
+        or [line for line in lines[:exited] if re.match(r"rltrain\.[\w.]+: ", line)][-1:]
+        or [line for line in lines if EXCEPTION_LINE.match(line)][:1]
+        or [line for line in lines if line.startswith("rltrain: ")][:1]
+        or lines[-1:]
+    )
+    return re.sub(r"^[\w.]*\.(?=\w+: )", "", picks[0].strip())[:100] if picks else ""
 
 
 def newest_checkpoint(run_dir: Path) -> int:
