@@ -3,7 +3,7 @@
 These are the product's headline promises, run as a new user types them, in `make test`. Only what
 changes no training step is set: the run directory, W&B off, evaluation once at the end instead of
 every `trainer.eval_every` steps (the held-out numbers asserted are the final ones either way) and
-no mid-run checkpoints. About 4 minutes for the three on two shared cores (README, "Quick start").
+no mid-run checkpoints. About 2 minutes for the three on two shared cores (README, "Quick start").
 """
 
 from __future__ import annotations
