@@ -49,7 +49,7 @@ CASES = [
     ("unknown_task", None, ["data.task=multiplication"], ["data.task='multiplication'", "addition"]),
     # a model directory without tokenizer files
     ("model_without_tokenizer", None, ["model.path={tmp}/model"], ["has no tokenizer", "tokenizer.json", "vocab.json"]),
-    ("model_config_not_json", None, ["model.path={tmp}/model", "+corrupt=1"], ["config.json could not be read as JSON"]),
+    ("model_config_not_json", None, ["model.path={tmp}/model"], ["config.json could not be read as JSON"]),
     ("tiny_model_heads", None, ["model.num_heads=3"], ["model.hidden_size=128", "model.num_heads=3"]),
     # enum-like keys, named with their allowed values (algorithm-specific ones under their algorithm)
     ("loss_agg", None, ["algo=grpo", "algo.loss_agg=tokenmean"],
@@ -63,7 +63,7 @@ CASES = [
 ]
 
 
-def _prepare(tmp_path: Path, rows: list[dict] | None, overrides: list[str]) -> list[str]:
+def _prepare(tmp_path: Path, rows: list[dict] | None, name: str) -> list[str]:
     import datasets
 
     args = []
@@ -79,14 +79,14 @@ def _prepare(tmp_path: Path, rows: list[dict] | None, overrides: list[str]) -> l
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}))
     (model / "model.safetensors").write_bytes(b"")
-    if "+corrupt=1" in overrides:  # a config.json cut short by an interrupted copy
+    if name == "model_config_not_json":  # a config.json cut short by an interrupted copy
         (model / "config.json").write_text('{"model_type": "qwen2", "hidden')
     return args
 
 
 @pytest.mark.parametrize("name, rows, overrides, names", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_gets_one_paragraph_and_exit_2(tiny_cache, tmp_path, name, rows, overrides, names):
-    args = _prepare(tmp_path, rows, overrides) + [o.format(tmp=tmp_path) for o in overrides if o != "+corrupt=1"]
+    args = _prepare(tmp_path, rows, name) + [o.format(tmp=tmp_path) for o in overrides]
     algo = [] if any(a.startswith("algo=") for a in args) else ["algo=sft"]
     run_dir = tmp_path / "run"
     proc = rltrain(*algo, *args, *QUICK, "trainer.max_steps=1", run_dir=run_dir, timeout=240, check=False)
