@@ -9,7 +9,7 @@ WHEELS := $(wildcard /opt/wheels)
 PIP_INSTALL := $(PY) -m pip install --disable-pip-version-check $(if $(WHEELS),--find-links $(WHEELS))
 PYTEST_ARGS ?=
 
-.PHONY: install test test-all test-gpu lint bench clean
+.PHONY: install test test-all test-gpu fault-suite lint bench clean
 
 install:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ test:
 
 test-all:
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Every debug.fault kind on both backends and 2 ranks, a killed rollout child, a killed weight
+# receiver and a lost sync message: one table (README, "The fault suite"); exit 1 on a broken promise.
+fault-suite:
+	$(PY) scripts/fault_suite.py
 
 lint:
 	$(PY) -m ruff check .

@@ -12,29 +12,55 @@ from pathlib import Path
 
 from rltrain.errors import UserError
 
+# Every enum-like key of every group and the values it accepts, checked before anything is built so a
+# typo (`algo.loss_agg=tokenmean`) is one message naming the allowed values, not a failure mid-run.
+# A key that exists for some options of its group only (`algo.loss_type` for algo=dpo,
+# `rollout.process` for rollout=vllm) is checked where it exists. The tuples mirror the code that
+# reads the keys (named in the comments; no torch here), and tests/unit/test_validate_choices.py
+# keeps them equal and finds every `a | b | c` key of rltrain/config.py here.
 CHOICES = {
     "trainer.resume": ("auto", "never"),
     "trainer.progress": ("auto", "bar", "lines"),
+    "trainer.precision": ("auto", "fp32", "bf16-mixed", "bf16"),  # rltrain.precision.PRECISIONS
     "data.overlong": ("drop", "truncate", "error"),
+    "data.task": ("addition",),  # rltrain.data.tasks.TASKS
     "logger.wandb.mode": ("auto", "online", "offline", "disabled"),
     "optim.schedule": ("cosine", "linear", "constant"),
     "model.arch": ("qwen2", "llama"),
-    "trainer.precision": ("auto", "fp32", "bf16-mixed", "bf16"),  # rltrain.precision.PRECISIONS (no torch here)
+    "algo.loss_type": ("sigmoid", "ipo", "hinge", "robust"),  # dpo: rltrain.algos.dpo_loss.LOSS_TYPES
+    "algo.scale_rewards": ("group", "batch", "none"),  # grpo: rltrain.algos.grpo_loss.SCALES
+    "algo.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),  # grpo: grpo_loss.LOSS_AGGS
+    "rollout.process": ("colocated", "separate"),  # vllm: rltrain.rollout.PROCESSES
 }
+CHOICE_HINTS = {
+    "rollout.process": " (the vLLM engine in the trainer's process, or in a child process of its own)",
+    "algo.loss_agg": " (DAPO's token mean, GRPO's mean of per-sequence means, Dr. GRPO's sums over the generation budget)",
+}
+# Files of which a tokenizer directory has at least one (fast tokenizer, sentencepiece, BPE, WordPiece).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # rltrain.data.loading reads these (and directories)
+_ABSENT = object()
 
 
-def _get(cfg, dotted: str):
+def _get(cfg, dotted: str, default=None):
+    """`cfg.a.b`; `default` (when given) where a part is missing or a group is unset (rollout=null)."""
     node = cfg
     for part in dotted.split("."):
+        if default is not None and (node is None or part not in node):
+            return default
         node = getattr(node, part)
     return node
 
 
-def validate(cfg) -> None:
+def validate_choices(cfg) -> None:
     for key, allowed in CHOICES.items():
-        value = _get(cfg, key)
-        if value not in allowed:
-            raise UserError(f"{key}={value!r} is not one of {', '.join(allowed)}.")
+        value = _get(cfg, key, _ABSENT)
+        if value is not _ABSENT and value not in allowed:
+            raise UserError(f"{key}={value!r} is not one of {', '.join(allowed)}{CHOICE_HINTS.get(key, '')}.")
+
+
+def validate(cfg) -> None:
+    validate_choices(cfg)
     positive = ["trainer.max_steps", "trainer.nproc", "trainer.global_batch_size", "trainer.micro_batch_size", "data.max_length"]
     for key in positive:
         if _get(cfg, key) < 1:
@@ -61,20 +87,13 @@ def validate(cfg) -> None:
         raise UserError(f"optim.lr={cfg.optim.lr} must be positive.")
     if cfg.reward.timeout_s is not None and cfg.reward.timeout_s < 0:
         raise UserError(f"reward.timeout_s={cfg.reward.timeout_s} must be positive (seconds), or 0 / null for no limit.")
-    if cfg.model.path is not None and not (Path(cfg.model.path).expanduser() / "config.json").exists():
-        raise UserError(
-            f"model.path={cfg.model.path!r} is not a Hugging Face model directory (no config.json). Point it at a "
-            "directory written by save_pretrained, or leave it unset for the built-in tiny model."
-        )
+    validate_model(cfg.model)
+    validate_data(cfg)
+    validate_algo(cfg.algo)
     if cfg.safety.collective_timeout_s <= 0 or cfg.safety.max_consecutive_errors < 0:
         raise UserError(
             f"safety.collective_timeout_s={cfg.safety.collective_timeout_s} must be positive and "
             f"safety.max_consecutive_errors={cfg.safety.max_consecutive_errors} at least 0."
-        )
-    if cfg.rollout is not None and cfg.rollout.name == "vllm" and cfg.rollout.process not in ("colocated", "separate"):
-        raise UserError(
-            f"rollout.process={cfg.rollout.process!r} is not one of colocated, separate (the vLLM engine in "
-            "the trainer's process, or in a child process of its own)."
         )
     if cfg.rollout is not None and cfg.rollout.name == "vllm":
         validate_vllm(cfg.rollout)
@@ -87,6 +106,86 @@ def validate(cfg) -> None:
             raise UserError(
                 f"{key}={value!r} does not exist. Give a .jsonl or .parquet file or a directory saved with "
                 "datasets' save_to_disk."
+            )
+        if value is not None and Path(value).expanduser().is_file() and Path(value).suffix not in DATA_SUFFIXES:
+            raise UserError(
+                f"{key}={value!r}: unknown format {Path(value).suffix!r}. Use .jsonl, .parquet or a saved dataset "
+                "directory."
+            )
+
+
+def validate_model(model) -> None:
+    if model.path is None:
+        if model.num_heads < 1 or model.hidden_size % model.num_heads:
+            raise UserError(
+                f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads={model.num_heads}: "
+                "every attention head gets hidden_size / num_heads dimensions."
+            )
+        if model.num_kv_heads < 1 or model.num_heads % model.num_kv_heads:
+            raise UserError(
+                f"model.num_heads={model.num_heads} is not divisible by model.num_kv_heads={model.num_kv_heads}: "
+                "each key/value head serves the same number of query heads."
+            )
+        if model.arch == "qwen2" and not model.attention_bias:
+            raise UserError("model.attention_bias=false needs model.arch=llama (Qwen2 always has q/k/v biases).")
+        return
+    directory = Path(model.path).expanduser()
+    if not (directory / "config.json").exists():
+        raise UserError(
+            f"model.path={model.path!r} is not a Hugging Face model directory (no config.json). Point it at a "
+            "directory written by save_pretrained, or leave it unset for the built-in tiny model."
+        )
+    try:
+        hf_config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"model.path={model.path!r}: config.json could not be read as JSON ({exc}).") from None
+    if not isinstance(hf_config, dict) or "model_type" not in hf_config:
+        raise UserError(
+            f"model.path={model.path!r}: config.json has no 'model_type', so transformers cannot tell which "
+            "architecture to build. Point model.path at a directory written by save_pretrained."
+        )
+    if not any((directory / name).exists() for name in TOKENIZER_FILES) and not any(directory.glob("*.tiktoken")):
+        raise UserError(
+            f"model.path={model.path!r} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} (or a *.tiktoken "
+            "file) is there, and without one transformers silently builds a tokenizer of a few special tokens. "
+            "Save the model's tokenizer into the same directory (tokenizer.save_pretrained(model_path))."
+        )
+
+
+def validate_data(cfg) -> None:
+    data = cfg.data
+    if not 0 <= data.eval_fraction < 1:
+        raise UserError(f"data.eval_fraction={data.eval_fraction} must be in [0, 1): the share of data.path held out.")
+    if data.num_train < 0 or data.max_eval_samples < 0:
+        raise UserError(
+            f"data.num_train={data.num_train} and data.max_eval_samples={data.max_eval_samples} must be at least 0."
+        )
+    if data.path is None and not 1 <= data.num_eval < 10_000:
+        raise UserError(
+            f"data.num_eval={data.num_eval} must be between 1 and 9999: the built-in {data.task!r} task has "
+            "10,000 problems and holds that many out for evaluation."
+        )
+
+
+def validate_algo(algo) -> None:
+    """Values of algorithm-specific keys (each algorithm's schema has its own)."""
+    if algo.name == "dpo":
+        if algo.beta <= 0:
+            raise UserError(f"algo.beta={algo.beta} must be positive (the DPO temperature).")
+        if not 0 <= algo.label_smoothing < 0.5:
+            raise UserError(f"algo.label_smoothing={algo.label_smoothing} must be in [0, 0.5).")
+    if algo.name == "grpo":
+        for key in ("group_size", "prompts_per_step", "mini_batches", "num_iterations", "max_new_tokens"):
+            if getattr(algo, key) < 1:
+                raise UserError(f"algo.{key}={getattr(algo, key)} must be at least 1.")
+        if algo.temperature <= 0 or not 0 < algo.top_p <= 1:
+            raise UserError(
+                f"algo.temperature={algo.temperature} must be positive and algo.top_p={algo.top_p} in (0, 1]."
+            )
+        if algo.clip_low < 0 or algo.clip_high < 0 or algo.beta < 0:
+            raise UserError(
+                f"algo.clip_low={algo.clip_low}, algo.clip_high={algo.clip_high} and algo.beta={algo.beta} "
+                "must be at least 0."
             )
 
 

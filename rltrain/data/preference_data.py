@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from rltrain.data import tasks
 from rltrain.data.loading import load_rows_dataset, require_columns
-from rltrain.data.tokenize import OverlongStats, encode, fit_length
+from rltrain.data.tokenize import OverlongStats, check_messages, encode, fit_length
 from rltrain.errors import UserError
 
 
@@ -43,7 +43,16 @@ def _texts(tokenizer, row: dict, where: str) -> tuple[str, str, str]:
     if isinstance(chosen, list):  # conversational: lists of messages sharing the prompt turns
         if not getattr(tokenizer, "chat_template", None):
             raise UserError(f"{where}: conversational rows need a tokenizer with a chat template.")
+        check_messages(chosen, where, "chosen")
+        check_messages(rejected, where, "rejected")
+        if isinstance(prompt, list):
+            check_messages(prompt, where, "prompt")
         context = prompt if isinstance(prompt, list) else chosen[:-1]
+        if not context:
+            raise UserError(
+                f"{where}: a conversational row has no prompt turns: give a 'prompt' column of messages, or put the "
+                "prompt's messages before the last (assistant) message of 'chosen' and 'rejected'."
+            )
         prompt = tokenizer.apply_chat_template(context, tokenize=False, add_generation_prompt=True)
         chosen, rejected = chosen[-1]["content"], rejected[-1]["content"]
     for name, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from rltrain.data import tasks
 from rltrain.data.loading import load_rows_dataset, require_columns
-from rltrain.data.tokenize import encode
+from rltrain.data.tokenize import check_messages, encode
 from rltrain.errors import UserError
 
 
@@ -23,6 +23,7 @@ def _to_row(tokenizer, row: dict, where: str, max_length: int) -> PromptRow | No
     if isinstance(prompt, list):
         if not getattr(tokenizer, "chat_template", None):
             raise UserError(f"{where}: conversational prompts need a tokenizer with a chat template.")
+        check_messages(prompt, where, "prompt")
         prompt = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     if not isinstance(prompt, str) or not prompt:
         raise UserError(f"{where}: every row needs a non-empty 'prompt'; found {row.get('prompt')!r:.120}")

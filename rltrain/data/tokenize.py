@@ -28,6 +28,40 @@ def encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+ROLES = ("system", "user", "assistant", "tool")
+MESSAGES_SHAPE = "a non-empty list of messages, each {'role': 'system' | 'user' | 'assistant' | 'tool', 'content': '<text>'}"
+
+
+def check_messages(messages, where: str, column: str = "messages") -> list[dict]:
+    """`messages` itself if it is a conversation in TRL's form, else a UserError naming the fault:
+    not a list, an empty list, an item that is not a dict or lacks a role or content, an unknown
+    role, or content that is not a string (`datasets` fills a missing field with None)."""
+    problem = None
+    if not isinstance(messages, list):
+        problem = f"holds {type(messages).__name__} {messages!r:.80}"
+    elif not messages:
+        problem = "holds an empty list"
+    else:
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict):
+                problem = f"has message {i} = {m!r:.120}, which is not a dict"
+            elif m.get("role") is None or m.get("content") is None:
+                missing = " and ".join(repr(k) for k in ("role", "content") if m.get(k) is None)
+                problem = f"has message {i} = {m!r:.120}, which lacks {missing}"
+            elif m["role"] not in ROLES:
+                problem = f"has message {i} with the unknown role {m['role']!r} (roles: {', '.join(ROLES)})"
+            elif not isinstance(m["content"], str):
+                problem = (
+                    f"has message {i} whose content is {type(m['content']).__name__} {m['content']!r:.80}, "
+                    "not a string"
+                )
+            if problem:
+                break
+    if problem:
+        raise UserError(f"{where}: a row's {column!r} column {problem}; every row needs {MESSAGES_SHAPE}.")
+    return messages
+
+
 def render_messages(tokenizer, messages: list[dict], where: str) -> tuple[str, str]:
     """(prompt text, completion text) of a conversation whose last message is the assistant's."""
     if not getattr(tokenizer, "chat_template", None):
@@ -35,8 +69,12 @@ def render_messages(tokenizer, messages: list[dict], where: str) -> tuple[str, s
             f"{where}: rows use the conversational 'messages' column but the tokenizer has no chat "
             "template. Use a tokenizer with one, or give prompt/completion columns."
         )
-    if not messages or messages[-1].get("role") != "assistant":
-        raise UserError(f"{where}: the last message of a conversation must have role 'assistant'.")
+    check_messages(messages, where)
+    if messages[-1]["role"] != "assistant" or len(messages) < 2:
+        raise UserError(
+            f"{where}: a conversation must end with the assistant's message (the completion) after at least one "
+            f"other (the prompt); a row's roles are {[m['role'] for m in messages]}."
+        )
     prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
     return prompt, messages[-1]["content"]
 

@@ -2,9 +2,10 @@
 
 * A zero anchored on one parameter (the tempting shortcut) under FSDP2: the failing rank's backward
   reaches only that parameter's FSDP unit, so its peers wait in collectives that never come (or
-  meet mismatched ones). The test expects the failure; if it ever passes, the guard's design rule
-  (outputs, never a parameter) needs revisiting. The output-anchored control, same model and
-  layout, is tests/dist/test_safety_recovery.py (the ranks stay in step and agree).
+  meet mismatched ones). The test runs the output-anchored control first (same model, layout and
+  batches: it completes), then expects the parameter-anchored step to fail in a collective or end
+  with different weights; if it ever matches the control, the guard's design rule (outputs, never
+  a parameter) needs revisiting. More of the control: tests/dist/test_safety_recovery.py.
 * A pipeline stage whose loss fails still sends a gradient to the previous stage when the zero is
   built from its output (2 stages, send/recv on gloo).
 * Metric key sets that differ between ranks raise a clear error; a rank that recovered an error
@@ -14,6 +15,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -22,17 +24,22 @@ from helpers import run_ranks
 pytestmark = pytest.mark.dist
 
 
-def _parameter_anchored(rank, world, model_dir):
+def _zero_anchored(rank, world, model_dir, anchor):
+    """One SFT step on 2 FSDP2 ranks; rank 1's loss fails and becomes a zero anchored on `anchor`:
+    "outputs" (the guard's rule) or "parameter" (one parameter, the tempting shortcut)."""
     from safety_common import make_engine, rank_batch
 
     from rltrain.algos.sft import sft_loss
+    from rltrain.safety.guard import zero_loss_from_outputs
 
     engine = make_engine(model_dir)
     mb, _ = rank_batch(rank, 1)
     engine.scorer.train()
     out = engine._score(mb, with_entropy=False)
-    if rank == 1:
+    if rank == 1 and anchor == "parameter":
         loss = engine.lm.model.norm.weight.sum() * 0.0  # the wrong design: anchored on one parameter
+    elif rank == 1:
+        loss = zero_loss_from_outputs(out)
     else:
         loss, _ = sft_loss(out, mb)
     loss.backward()
@@ -41,12 +48,28 @@ def _parameter_anchored(rank, world, model_dir):
 
 
 def test_zero_loss_anchored_on_a_parameter_hangs_or_fails_under_fsdp2(tiny_cache):
+    """The control (zero from the outputs) completes on both ranks; the same step with the zero
+    anchored on one parameter either fails in a collective (a timeout or mismatched reduce-scatters)
+    or, if the collectives happened to line up, ends with weights that differ from the control's
+    (rank 1 owes a zero gradient for every parameter either way, so a correct step would be equal)."""
     from safety_common import tiny_model_dir
 
-    with pytest.raises((AssertionError, TimeoutError)):
-        r0, r1 = run_ranks(_parameter_anchored, tiny_model_dir(), timeout_s=45, pg_timeout_s=6)
-        # If the collectives happened to line up, the shards were silently mixed: still a failure.
-        assert r0 == r1 and False, "parameter-anchored zero loss did not fail"
+    model_dir = tiny_model_dir()
+    control = run_ranks(_zero_anchored, model_dir, "outputs", timeout_s=90, pg_timeout_s=20)
+    assert control[0] == control[1]
+    try:
+        anchored = run_ranks(_zero_anchored, model_dir, "parameter", timeout_s=45, pg_timeout_s=6)
+    except TimeoutError:
+        return  # a rank never came back: the hang the design rule prevents
+    except AssertionError as exc:
+        # a rank failed: it must be the collective (gloo timeout or mismatch), not the test's own code
+        collective = re.compile(r"^\S*(RuntimeError|DistBackendError|DistError): .*(gloo|[Tt]imed out|Connection|mismatch)", re.M)
+        assert collective.search(str(exc)), str(exc)[-3000:]
+        return
+    assert anchored[0] != control[0], (
+        "a zero loss anchored on one parameter completed with the same weights as the output-anchored "
+        "control under FSDP2: the guard's design rule (outputs, never a parameter) needs revisiting"
+    )
 
 
 def _pipeline(rank, world):

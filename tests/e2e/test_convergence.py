@@ -1,7 +1,9 @@
 """The embedded default learns: each algorithm's default command reaches its target.
 
-These are the product's headline promises, run exactly as a new user types them (only the run
-directory and W&B mode are set). They take a few minutes each on two cores.
+These are the product's headline promises, run as a new user types them, in `make test`. Only what
+changes no training step is set: the run directory, W&B off, evaluation once at the end instead of
+every `trainer.eval_every` steps (the held-out numbers asserted are the final ones either way) and
+no mid-run checkpoints. About 2 minutes for the three on two shared cores (README, "Quick start").
 """
 
 from __future__ import annotations
@@ -11,26 +13,32 @@ import statistics
 import pytest
 from cli import read_metrics, rltrain, train_rows
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = pytest.mark.e2e
+
+# Same training as the default command: these only skip intermediate evaluation and checkpoints.
+SAME_TRAINING = ["logger.wandb.mode=disabled", "trainer.eval_every=0", "trainer.save_every=0", "trainer.progress=lines"]
 
 
 def test_sft_default_reaches_heldout_accuracy(tiny_cache, tmp_path):
     run_dir = tmp_path / "run"
-    rltrain("algo=sft", "logger.wandb.mode=disabled", run_dir=run_dir, timeout=600)
+    rltrain("algo=sft", *SAME_TRAINING, run_dir=run_dir, timeout=900)
     final = [r for r in read_metrics(run_dir) if "eval/accuracy" in r][-1]
+    assert final["step"] == 1500  # the default trainer.max_steps of algo=sft
     assert final["eval/accuracy"] >= 0.8
 
 
 def test_dpo_default_reaches_heldout_preference_accuracy(tiny_cache, tmp_path):
     run_dir = tmp_path / "run"
-    rltrain("algo=dpo", "logger.wandb.mode=disabled", run_dir=run_dir, timeout=600)
-    evals = [r for r in read_metrics(run_dir) if "eval/dpo_accuracy" in r]
-    assert evals[-1]["eval/dpo_accuracy"] >= 0.9
-    assert "eval/accuracy" in evals[0] and "eval/accuracy" in evals[-1]
+    rltrain("algo=dpo", *SAME_TRAINING, run_dir=run_dir, timeout=900)
+    final = [r for r in read_metrics(run_dir) if "eval/dpo_accuracy" in r][-1]
+    assert final["step"] == 200
+    assert final["eval/dpo_accuracy"] >= 0.9
+    assert "eval/accuracy" in final  # the greedy answer accuracy is reported next to it
 
 
 def test_grpo_default_raises_the_reward(tiny_cache, tmp_path):
     run_dir = tmp_path / "run"
-    rltrain("logger.wandb.mode=disabled", run_dir=run_dir, timeout=600)  # algo=grpo is the default
+    rltrain(*SAME_TRAINING, run_dir=run_dir, timeout=900)  # algo=grpo is the default
     rewards = [r["reward/mean"] for r in train_rows(run_dir)]
+    assert len(rewards) == 150
     assert statistics.mean(rewards[-10:]) - statistics.mean(rewards[:10]) >= 0.2
