@@ -6,6 +6,7 @@ A hang in the code under test becomes a failure: every collective times out afte
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -95,3 +96,37 @@ def run_ranks(fn: Callable, *args: Any, nproc: int = 2, timeout_s: float = 120, 
     if len(results) < nproc:
         raise TimeoutError(f"only ranks {sorted(results)} of {nproc} finished within {timeout_s}s (hang?)")
     return [results[r] for r in range(nproc)]
+
+
+def compose_config(*overrides: str):
+    """The composed run config for `overrides`, exactly as `python -m rltrain` composes it (no run)."""
+    from hydra import compose, initialize_config_dir
+
+    from rltrain.__main__ import CONF_DIR
+    from rltrain.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose("config", overrides=list(overrides))
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(size: str):
+    """A fresh tmpfs of `size` (e.g. "64m"), unmounted afterwards; pytest.skip where mounting is
+    refused (not root)."""
+    import pathlib
+    import subprocess
+    import tempfile
+
+    import pytest
+
+    where = pathlib.Path(tempfile.mkdtemp(prefix="rlshm-"))
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+    if proc.returncode != 0:
+        where.rmdir()
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=False)
+        where.rmdir()

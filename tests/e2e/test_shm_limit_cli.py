@@ -4,28 +4,17 @@ SIGBUS (README, "The separate-process engine")."""
 
 from __future__ import annotations
 
-import pathlib
-import subprocess
-import tempfile
-
 import pytest
 from cli import QUICK, rltrain
+from helpers import mounted_tmpfs
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture
 def docker_sized_shm():
-    where = pathlib.Path(tempfile.mkdtemp(prefix="rlshm-"))
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(where)], capture_output=True)
-    if proc.returncode != 0:
-        where.rmdir()
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
-    try:
+    with mounted_tmpfs("64m") as where:
         yield where
-    finally:
-        subprocess.run(["umount", str(where)], check=False)
-        where.rmdir()
 
 
 def test_small_shm_is_a_clear_error_at_the_first_sync(tiny_cache, tmp_path, docker_sized_shm):

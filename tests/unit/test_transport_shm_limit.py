@@ -13,6 +13,7 @@ import threading
 
 import pytest
 import torch
+from helpers import mounted_tmpfs
 
 from rltrain.errors import UserError
 from rltrain.sync import transport_shm
@@ -25,16 +26,8 @@ MIB = 1 << 20
 @pytest.fixture
 def small_tmpfs():
     """A 6 MiB tmpfs (root may mount one; skipped where mounting is refused)."""
-    where = pathlib.Path(tempfile.mkdtemp(prefix="rlshm-"))
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(where)], capture_output=True)
-    if proc.returncode != 0:
-        where.rmdir()
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
-    try:
+    with mounted_tmpfs("6m") as where:
         yield where
-    finally:
-        subprocess.run(["umount", str(where)], check=False)
-        where.rmdir()
 
 
 def test_segments_take_their_pages_at_creation(monkeypatch, small_tmpfs):

@@ -13,11 +13,9 @@ import inspect
 import re
 
 import pytest
-from hydra import compose, initialize_config_dir
+from helpers import compose_config
 
 from rltrain import config as config_module
-from rltrain.__main__ import CONF_DIR
-from rltrain.config import register_configs
 from rltrain.errors import UserError
 from rltrain.validate import CHOICES, validate
 
@@ -45,9 +43,7 @@ def _not_under_torchrun(monkeypatch) -> None:
 
 
 def _cfg(*overrides: str):
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return compose("config", overrides=list(overrides))
+    return compose_config(*overrides)
 
 
 def test_choices_mirror_the_code_that_reads_them():

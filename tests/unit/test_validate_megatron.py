@@ -12,10 +12,8 @@ import json
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+from helpers import compose_config
 
-from rltrain.__main__ import CONF_DIR
-from rltrain.config import register_configs
 from rltrain.errors import UserError
 from rltrain.validate import data_parallel_size, validate
 
@@ -27,9 +25,7 @@ def _not_under_torchrun(monkeypatch) -> None:
 
 
 def _cfg(*overrides: str):
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return compose("config", overrides=["backend=megatron", *overrides])
+    return compose_config("backend=megatron", *overrides)
 
 
 @pytest.mark.parametrize(

@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from helpers import compose_config
 
-from rltrain.__main__ import CONF_DIR
-from rltrain.config import VLLMRolloutConfig, register_configs
+from rltrain.config import VLLMRolloutConfig
 from rltrain.errors import UserError
 from rltrain.rollout.base import SamplingSettings
 from rltrain.rollout.vllm import GIB, VLLMRolloutEngine, engine_kwargs
@@ -232,9 +231,7 @@ def test_sleep_level_2_wakes_weights_then_loads_then_wakes_the_kv_cache(cuda_eng
 
 
 def _cfg(*overrides: str):
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return compose("config", overrides=["rollout=vllm", *overrides])
+    return compose_config("rollout=vllm", *overrides)
 
 
 @pytest.mark.parametrize(
