@@ -16,6 +16,7 @@ rank that claimed `first` prints it itself. A rank whose own failure came after 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
@@ -44,10 +45,8 @@ def clear_reports(run_dir: Path) -> None:
     d = _errors_dir(run_dir)
     if d.is_dir():
         for f in d.iterdir():
-            try:
+            with contextlib.suppress(OSError):  # best effort: a report left behind is overwritten
                 f.unlink()
-            except OSError:
-                pass
 
 
 def report_user_error(run_dir: Path, rank: int, message: str) -> bool:

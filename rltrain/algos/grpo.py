@@ -121,6 +121,7 @@ class GRPO:
         # saves a forward over the whole batch every step. Otherwise a scoring pass computes them
         # once per batch, before the first update.
         self.score_in_training_pass = cfg.algo.num_iterations == 1 and cfg.algo.mini_batches == 1
+        self.token_budget = cfg.trainer.max_tokens_per_micro_batch  # 0: micro-batches by row count alone
 
     # --- rollout -------------------------------------------------------------------------------
 
@@ -223,7 +224,7 @@ class GRPO:
         # Every rank runs the same number of passes: micro-batch counts follow the global batch.
         n_global = a.prompts_per_step * a.group_size
         count = self._micro_batches_per_rank(0, n_global, mb_size)
-        budget = self.ctx.cfg.trainer.max_tokens_per_micro_batch
+        budget = self.token_budget
         positions = split_micro_batches(list(range(len(batch))), count, mb_size, batch.tokens.lengths().tolist(), budget)
         micro = [batch.select(p) for p in positions]
         engine_logps = Ragged.from_lengths(
@@ -302,7 +303,7 @@ class GRPO:
                 sub.extras[key] = None
         counts = sum_over_replicas(torch.tensor([float(sub.num_completion_tokens), float(len(sub))], dtype=torch.float64, device="cpu"), dp_size)
         sub.extras["global_tokens"], sub.extras["global_seqs"] = float(counts[0]), float(counts[1])
-        budget = self.ctx.cfg.trainer.max_tokens_per_micro_batch
+        budget = self.token_budget
         split = split_micro_batches(list(range(len(sub))), count, mb_size, sub.tokens.lengths().tolist(), budget)
         micro = [sub.select(p) for p in split]
         return self.policy.train_step(micro, self.loss_fn, with_entropy=with_entropy)

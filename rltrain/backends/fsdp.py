@@ -51,6 +51,7 @@ from rltrain.backends.fsdp_groups import FSDPGroups
 from rltrain.backends.hf_scoring import (
     BUCKET_COST_TOKENS,
     CompletionScorer,
+    bucket_rectangles,
     completion_positions,
     dummy_batch,
 )
@@ -210,7 +211,7 @@ class FSDPEngine:
             ids_BT, mask_BT = batch.tokens.to_padded(self.pad_id)
             rows, cols, _ = completion_positions(batch)
             return [Rectangle(ids_BT, rows, cols)], None, mask_BT
-        rects, order_N = self._bucket_rectangles(batch, groups)
+        rects, order_N = bucket_rectangles(batch, groups, self.pad_id)
         return rects, order_N, None
 
     def _length_groups(self, batch: SequenceBatch) -> list[list[int]] | None:
@@ -228,24 +229,6 @@ class FSDPEngine:
             return None
         groups = length_buckets(batch.tokens.lengths().tolist(), self.bucket_cost)
         return groups if len(groups) > 1 else None
-
-    def _bucket_rectangles(self, batch: SequenceBatch, groups: list[list[int]]) -> tuple[list[Rectangle], torch.Tensor]:
-        """One rectangle per group, and the permutation `order_N` that takes the groups'
-        concatenated completion positions back to ragged order."""
-        comp_offsets = torch.zeros(len(batch) + 1, dtype=torch.long)
-        comp_offsets[1:] = torch.cumsum(batch.completion_lens(), 0)
-        seqs = batch.tokens.split()
-        rects, dest = [], []
-        for group in groups:
-            sub = SequenceBatch(Ragged.from_list([seqs[i] for i in group]), batch.prompt_lens[group])
-            ids_BT, _ = sub.tokens.to_padded(self.pad_id)
-            rows, cols, _ = completion_positions(sub)
-            rects.append(Rectangle(ids_BT, rows, cols))
-            dest += [torch.arange(int(comp_offsets[i]), int(comp_offsets[i + 1])) for i in group]
-        dest_N = torch.cat(dest)
-        order_N = torch.empty_like(dest_N)
-        order_N[dest_N] = torch.arange(dest_N.numel())
-        return rects, order_N
 
     @torch.no_grad()
     def forward_logps(self, micro_batches: list[SequenceBatch], with_entropy: bool = False) -> list[PolicyOutput]:

@@ -21,6 +21,7 @@ from torch import nn
 from rltrain.backends.chunked_head import chunked_target_logps, use_chunked_head
 from rltrain.backends.shared_prefix import Rectangle
 from rltrain.data.batch import SequenceBatch
+from rltrain.data.ragged import Ragged
 from rltrain.models import moe
 
 # What one more model call costs, in tokens of compute, when splitting a micro-batch into length
@@ -113,6 +114,25 @@ def completion_positions(batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tens
     starts_B = batch.tokens.offsets[:-1] + batch.prompt_lens  # first completion token of each sequence
     targets_N = batch.tokens.values[torch.repeat_interleave(starts_B, comp_lens_B) + j_N]
     return rows_N, cols_N, targets_N
+
+
+def bucket_rectangles(batch: SequenceBatch, groups: list[list[int]], pad_id: int) -> tuple[list[Rectangle], torch.Tensor]:
+    """Length buckets of one micro-batch: one rectangle per group of sequence indices, and the permutation `order_N` that takes the groups'
+    concatenated completion positions back to ragged order."""
+    comp_offsets = torch.zeros(len(batch) + 1, dtype=torch.long)
+    comp_offsets[1:] = torch.cumsum(batch.completion_lens(), 0)
+    seqs = batch.tokens.split()
+    rects, dest = [], []
+    for group in groups:
+        sub = SequenceBatch(Ragged.from_list([seqs[i] for i in group]), batch.prompt_lens[group])
+        ids_BT, _ = sub.tokens.to_padded(pad_id)
+        rows, cols, _ = completion_positions(sub)
+        rects.append(Rectangle(ids_BT, rows, cols))
+        dest += [torch.arange(int(comp_offsets[i]), int(comp_offsets[i + 1])) for i in group]
+    dest_N = torch.cat(dest)
+    order_N = torch.empty_like(dest_N)
+    order_N[dest_N] = torch.arange(dest_N.numel())
+    return rects, order_N
 
 
 def dummy_batch(pad_id: int) -> SequenceBatch:

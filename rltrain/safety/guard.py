@@ -26,34 +26,8 @@ Whether a zero backward is still owed is decided by an explicit state per micro-
 The helpers take a module *or a list of modules* (Megatron's virtual-pipeline chunks) and any
 nested structure of output tensors (a pipeline stage's output tensor included).
 
-Which errors are recovered at all. Recovery (`safety.fail_fast=false`) is for errors that depend on
-the *values* of one micro-batch or on a moment in time: a bad row, a numerical blow-up, a flaky
-reward, an injected fault. Some errors never are: two kinds are passed through in both modes, at
-once, with the first traceback (the fail-fast path: this rank raises and exits non-zero, the
-launcher stops its peers).
-
-* A lost peer or a timed-out collective (`is_collective_failure`): the peers are gone or elsewhere.
-* A bug in the program (`is_programming_error`): an error about the *kind* of the tensors or
-  objects the code combines, not about their values, so the same code raises again on every
-  micro-batch of every step (or, on a device, leaves it unusable). Turning it into a zero backward
-  would only train on fewer micro-batches for `safety.max_consecutive_errors` steps and hide the
-  traceback behind the count. The rule, by exception type and torch's message:
-  - device: tensors on different devices ("Expected all tensors to be on the same device", "is
-    not on the expected device", "... but expected it to be on GPU", ...), a sticky CUDA fault
-    ("device-side assert triggered", "illegal memory access");
-  - dtype: "expected scalar type", "expected m1 and m2 to have the same dtype", "must have the
-    same scalar type", "can't be cast to the desired output type", `"op" not implemented for
-    'Half'`, ...;
-  - shape: "The size of tensor a (3) must match the size of tensor b (4)", "shape '[2, 3]' is
-    invalid for input of size 5", "mat1 and mat2 shapes cannot be multiplied", "Sizes of tensors
-    must match", "Dimension out of range", ...;
-  - by type alone: `TypeError`, `AttributeError`, `NameError` (and `UnboundLocalError`),
-    `NotImplementedError`: Python's (and torch's dispatcher's) own words for code that cannot run.
-  The messages are matched on `RuntimeError`, `ValueError` and `IndexError` (the types torch raises
-  them with), on the error and on the errors it was raised `from`. Not included: `KeyError` (a
-  missing column is a property of the data), `AssertionError` (asserts guard data-dependent
-  invariants too; one that recurs still stops the run at the consecutive-error limit), an index
-  out of bounds (a value: e.g. a token id beyond the vocabulary), out of memory.
+Which errors are recovered at all, and why some never are (a lost peer, a bug in the program):
+`rltrain.safety.error_kinds`.
 """
 
 from __future__ import annotations
@@ -62,7 +36,6 @@ import contextlib
 import dataclasses
 import enum
 import os
-import re
 import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -70,6 +43,8 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+
+from rltrain.safety.error_kinds import is_collective_failure, is_programming_error
 
 Out = TypeVar("Out")
 
@@ -109,80 +84,6 @@ def fail_fast_enabled(configured: bool) -> bool:
     if value in ("0", "false", "no", "off"):
         return False
     return configured
-
-
-def is_collective_failure(exc: BaseException) -> bool:
-    """A lost peer or a timed-out collective: never recoverable by a zero loss (the peers are gone
-    or elsewhere), so the guard lets it through."""
-    if isinstance(exc, torch.distributed.DistError):
-        return True
-    text = str(exc)
-    return any(
-        marker in text
-        for marker in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL error", "Timed out")
-    )
-
-
-# Errors that name the program, not the data (module docstring, "Which errors are recovered").
-_PROGRAMMING_ERROR_TYPES = (TypeError, AttributeError, NameError, NotImplementedError)
-_MESSAGE_TYPES = (RuntimeError, ValueError, IndexError)
-_PROGRAMMING_ERROR_MESSAGES = re.compile(
-    "|".join(
-        (
-            # device
-            r"Expected all tensors to be on the same device",
-            r"is not on the expected device",
-            r"but expected (?:it|them) to be on",
-            r"to have the same device",
-            r"expected device \S+ but got",
-            r"on the same device as the indexed tensor",
-            r"Expected a '\w+' device type",
-            r"Input type \(.*\) and (?:weight|bias) type \(.*\) should be the same",
-            r"device-side assert triggered",
-            r"illegal memory access",
-            # dtype
-            r"[Ee]xpected scalar type",
-            r"Expected object of scalar type",
-            r"to have one of the following scalar types",
-            r"to have the same dtype",
-            r"dtype to be equal to",
-            r"must have the same (?:scalar type|dtype)",
-            r"dtypes match",
-            r"can't be cast to the desired output type",
-            r"[Ee]xpected (?:\w+ )?dtype",
-            r"Found dtype \w+ but expected",
-            r"not implemented for '\w+'",
-            # shape
-            r"The size of tensor a \(\d+\) must match the size of tensor b",
-            r"shape '\[[^\]]*\]' is invalid for input of size",
-            r"shapes cannot be multiplied",
-            r"Sizes of tensors must match",
-            r"The expanded size of the tensor",
-            r"doesn't match the broadcast shape",
-            r"Mismatch in shape",
-            r"Dimension out of range",
-            r"Expected size for first two dimensions",
-            r"batch_size \(\d+\) to match target batch_size",
-            r"size mismatch",
-        )
-    )
-)
-
-
-def is_programming_error(exc: BaseException) -> bool:
-    """A bug in the program: a device, dtype or shape mismatch between tensors, or Python's
-    TypeError/AttributeError/NameError/NotImplementedError (module docstring). It would recur on
-    every step, so no mode recovers it. The error and the errors it was raised `from` are checked."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, _PROGRAMMING_ERROR_TYPES):
-            return True
-        if isinstance(current, _MESSAGE_TYPES) and _PROGRAMMING_ERROR_MESSAGES.search(str(current)):
-            return True
-        current = current.__cause__
-    return False
 
 
 # --- models and outputs ----------------------------------------------------------------------

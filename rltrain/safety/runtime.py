@@ -23,7 +23,7 @@ from typing import Any
 
 from rltrain.errors import peer_reported
 from rltrain.safety import faults
-from rltrain.safety.guard import is_collective_failure
+from rltrain.safety.error_kinds import is_collective_failure
 from rltrain.safety.health import HealthServer
 from rltrain.safety.heartbeat import Heartbeat, describe_lost_peers
 from rltrain.safety.watchdog import Watchdog

@@ -50,6 +50,7 @@ def _grpo_update(rank, world, model_dir, backend, fused):
     algo.policy, algo.reference, algo.parity = policy, None, ParityProbe()
     algo.loss_fn = make_grpo_loss(algo.algo_cfg, algo.parity)
     algo.score_in_training_pass = fused
+    algo.token_budget = 0
 
     # This rank's prompts and GROUP ragged completions each; the "engine" log-probabilities are
     # the trainer's own plus a known offset, so the parity metrics have something to measure.

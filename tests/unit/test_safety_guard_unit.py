@@ -9,6 +9,7 @@ from torch import nn
 
 from rltrain.errors import UserError
 from rltrain.safety import faults
+from rltrain.safety.error_kinds import is_programming_error
 from rltrain.safety.guard import (
     ErrorBudget,
     MicroBatchGuard,
@@ -19,7 +20,6 @@ from rltrain.safety.guard import (
     UnrecoverableStepError,
     fail_fast_enabled,
     guarded_micro_batch,
-    is_programming_error,
     params_without_grad,
     trainable_parameters,
     zero_loss_from_outputs,

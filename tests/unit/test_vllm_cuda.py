@@ -22,7 +22,8 @@ from helpers import compose_config
 from rltrain.config import VLLMRolloutConfig
 from rltrain.errors import UserError
 from rltrain.rollout.base import SamplingSettings
-from rltrain.rollout.vllm import GIB, VLLMRolloutEngine, engine_kwargs
+from rltrain.rollout.vllm import VLLMRolloutEngine
+from rltrain.rollout.vllm_args import GIB, engine_kwargs
 from rltrain.validate import validate
 
 CUDA_CFG = VLLMRolloutConfig(
