@@ -7,7 +7,7 @@ policy. Its resumable state (data position, counters) is JSON.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -19,8 +19,14 @@ class RunContext:
     cfg: Any  # the composed Config (an OmegaConf node typed by rltrain.config.Config)
     run_dir: Path
     dist: DistInfo
-    model_dir: Path
+    model_dir: Path  # the policy's initial weights
     tokenizer: Any
+    # Where each other role's model comes from ("reference", "critic"); a role not listed starts
+    # from the policy's initial weights (`model_dir`).
+    role_dirs: dict[str, Path] = field(default_factory=dict)
+
+    def model_dir_for(self, role: str) -> Path:
+        return self.role_dirs.get(role, self.model_dir)
 
 
 class Algorithm(Protocol):

@@ -108,8 +108,8 @@ class DPO(PolicyStreamAlgorithm):
         self.loss_fn = make_dpo_loss(
             cfg.algo.beta, cfg.algo.loss_type, cfg.algo.label_smoothing, cfg.algo.sft_weight
         )
-        self.policy = build_engine(ctx, trainable=True)
-        self.reference = build_engine(ctx, trainable=False)
+        self.policy = build_engine(ctx, "policy")
+        self.reference = build_engine(ctx, "reference")
         # The reference is frozen, so eval pairs are scored once.
         self.ref_eval = self._reference_sums(self.data.eval)
         self.ref_train: tuple[torch.Tensor, torch.Tensor] | None = None

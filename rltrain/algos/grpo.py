@@ -104,10 +104,10 @@ class GRPO:
         self.train_prompts, self.eval_prompts, self.dropped = build_prompt_data(ctx.tokenizer, cfg.data, cfg.trainer.seed)
         self.reward_fns = build_reward_fns(cfg.reward, cfg.data.task, cfg.data.path is None)
         self.stream = IndexStream(len(self.train_prompts), cfg.trainer.seed)
-        self.policy = build_engine(ctx, trainable=True)
+        self.policy = build_engine(ctx, "policy")
         # The LR schedule spans every optimizer step the run will take.
         self.policy.max_steps = cfg.trainer.max_steps * cfg.algo.mini_batches * cfg.algo.num_iterations
-        self.reference = build_engine(ctx, trainable=False) if cfg.algo.beta != 0 else None
+        self.reference = build_engine(ctx, "reference") if cfg.algo.beta != 0 else None
         self.rollout = build_rollout(ctx)
         # The phases of a step (rltrain/timeshare.py): with placement.time_sharing the trainer and
         # the engine take turns (offload/teardown, wake, sync, generate, sleep, re-create/onload).

@@ -380,10 +380,14 @@ def _move_optimizer_state(optimizer: torch.optim.Optimizer | None, device: torch
                 state[key] = value.to(device, non_blocking=True)
 
 
-def build_engine(ctx, trainable: bool) -> FSDPEngine:
+def build_engine(ctx, role: str) -> FSDPEngine:
+    """The backend registry's entry (`backend=fsdp`) for one role (rltrain.backends.Role)."""
+    if role == "critic":
+        raise NotImplementedError("a critic engine on backend=fsdp")
+    trainable = role == "policy"
     cfg = ctx.cfg
     return FSDPEngine(
-        ctx.model_dir,
+        ctx.model_dir_for(role),
         cfg.backend,
         cfg.optim if trainable else None,
         cfg.trainer.max_steps,

@@ -355,12 +355,15 @@ class MegatronEngine:
         return self.groups.recreate()
 
 
-def build_engine(ctx, trainable: bool) -> MegatronEngine:
-    """The backend registry's entry (`backend=megatron`): the policy, or its frozen reference,
-    which joins the policy's process groups."""
+def build_engine(ctx, role: str) -> MegatronEngine:
+    """The backend registry's entry (`backend=megatron`) for one role (rltrain.backends.Role);
+    every role's engine joins the policy's process groups."""
+    if role == "critic":
+        raise NotImplementedError("a critic engine on backend=megatron")
+    trainable = role == "policy"
     cfg = ctx.cfg
     return MegatronEngine(
-        ctx.model_dir,
+        ctx.model_dir_for(role),
         cfg.backend,
         cfg.optim if trainable else None,
         cfg.trainer.max_steps,
