@@ -63,6 +63,10 @@ class ModelConfig:
     max_position_embeddings: int = 512
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in the backward
     cache_dir: str | None = None  # where the built tiny model is cached; null = ~/.cache/rltrain
+    # model=tiny_sft: SFT the tiny model this many steps on the built-in task's training split
+    # first (rltrain/models/tiny_sft.py), so RL starts from answers it can sharpen; 0 = no SFT.
+    sft_steps: int = 0
+    sft_lr: float = 1e-3
 
 
 @dataclass
@@ -236,7 +240,7 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "algo": {"sft": SFTConfig, "dpo": DPOConfig, "grpo": GRPOConfig},
     "backend": {"fsdp": FSDPBackendConfig, "megatron": MegatronBackendConfig},
     "rollout": {"vllm": VLLMRolloutConfig, "hf": HFRolloutConfig},
-    "model": {"tiny": ModelConfig},
+    "model": {"tiny": ModelConfig, "tiny_sft": ModelConfig},
     "data": {"default": DataConfig},
     "logger": {"default": LoggerConfig},
 }

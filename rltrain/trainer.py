@@ -23,7 +23,7 @@ from rltrain.checkpoint import CheckpointManager, fingerprint, fsync_path
 from rltrain.distributed import DistInfo, barrier, init_distributed
 from rltrain.errors import UserError, report_user_error
 from rltrain.metrics_log import MetricsLogger
-from rltrain.models.tiny import resolve_model_dir
+from rltrain.models.model_dir import resolve_model_dir
 from rltrain.process_state import reset_process_state
 from rltrain.safety.runtime import SafetyRuntime
 
@@ -50,12 +50,15 @@ def seed_everything(seed: int, rank: int) -> None:
 
 
 def prepare_model_dir(cfg, dist_info: DistInfo) -> Path:
-    """Rank 0 builds the tiny model (if needed) before the others read it from the cache."""
+    """Rank 0 builds the tiny model (and its SFT start, model=tiny_sft) if needed before the
+    others read it from the cache. The barrier waits for the build: an SFT start built here must
+    finish within safety.collective_timeout_s."""
     if dist_info.is_main:
-        model_dir = resolve_model_dir(cfg.model, cfg.trainer.seed)
+        model_dir = resolve_model_dir(cfg.model, cfg.data, cfg.trainer.seed)
+        print(f"rltrain: model {model_dir}", flush=True)
     barrier()
     if not dist_info.is_main:
-        model_dir = resolve_model_dir(cfg.model, cfg.trainer.seed)
+        model_dir = resolve_model_dir(cfg.model, cfg.data, cfg.trainer.seed)
     return model_dir
 
 

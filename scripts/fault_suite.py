@@ -61,6 +61,7 @@ SMALL = [
 ]
 GRPO = [
     "algo=grpo",
+    "model=tiny",  # not the SFT start algo=grpo defaults to: these runs test failures, not learning
     "trainer.nproc=2",
     f"trainer.max_steps={MAX_STEPS}",
     "algo.prompts_per_step=4",

@@ -10,7 +10,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# model=tiny: RL tests start from the plain tiny model, not from algo=grpo's default SFT start
+# (model=tiny_sft, built once per spec: tests/e2e/test_tiny_sft.py covers it).
 QUICK = [
+    "model=tiny",
     "logger.wandb.mode=disabled",
     "trainer.eval_every=0",
     "trainer.save_every=0",

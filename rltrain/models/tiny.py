@@ -108,16 +108,3 @@ def build_tiny_model_dir(cfg: ModelConfig, seed: int) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
 
-
-def resolve_model_dir(cfg: ModelConfig, seed: int) -> Path:
-    """The Hugging Face directory a run loads: `model.path`, or the cached tiny model."""
-    if cfg.path is None:
-        return build_tiny_model_dir(cfg, seed)
-    path = Path(cfg.path).expanduser()
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(
-            f"model.path={cfg.path!r} is not a Hugging Face model directory (no config.json there). "
-            "Point model.path at a directory saved with save_pretrained, or leave it null for the "
-            "built-in tiny model."
-        )
-    return path

@@ -1,16 +1,20 @@
-"""Built-in reward for the addition task: dense, checkable, in [0, 1].
+"""Built-in reward for the addition task: checkable, in [0, 1], exact answers worth most.
 
-A randomly initialised model emits random characters, so an exact-match reward alone would be
-zero almost always and GRPO would have no signal. The reward therefore has three parts that a
-policy can climb one after the other, each graded rather than all-or-nothing:
+Half of the reward is exact match: the policy is paid for right answers, so RL raises held-out
+accuracy instead of only the shape of its outputs. The other half is dense and graded, so that a
+randomly initialised model (which emits random characters and is never exactly right) still has
+a signal to climb, one part after the other:
 
-- 0.2 x the fraction of generated characters that are digits (the answer's alphabet);
-- 0.2 x `max(0, 1 - |len(completion) - len(answer)| / 4)` (the answer's length, so the policy
+- 0.1 x the fraction of generated characters that are digits (the answer's alphabet);
+- 0.1 x `max(0, 1 - |len(completion) - len(answer)| / 4)` (the answer's length, so the policy
   learns to stop);
-- 0.6 x `max(0, 1 - |n - answer| / 100)` where n is the number formed by the completion's leading
-  digits (at most four), so values closer to the true sum earn more.
+- 0.3 x `max(0, 1 - |n - answer| / 100)` where n is the number formed by the completion's leading
+  digits (at most four), so values closer to the true sum earn more;
+- 0.5 x exact match (the stripped completion equals the answer).
 
-A correct answer (then EOS) scores 1.0.
+A correct answer (then EOS) scores 1.0; the best wrong one scores under 0.5. With the shaped
+parts alone a near miss scored within 0.01 of the right answer, and GRPO raised the reward from
+0.2 to 0.8 while held-out accuracy stayed at 0.005.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ def addition_reward(prompts: list[str], completions: list[str], answer: list[str
                 break
             lead += c
         closeness = max(0.0, 1.0 - abs(int(lead) - int(truth)) / 100.0) if lead else 0.0
-        rewards.append(0.2 * digit_fraction + 0.2 * length_score + 0.6 * closeness)
+        exact = float(text == truth.strip())
+        rewards.append(0.1 * digit_fraction + 0.1 * length_score + 0.3 * closeness + 0.5 * exact)
     return rewards
 
 

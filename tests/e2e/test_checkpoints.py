@@ -82,7 +82,7 @@ DPO = [
     "trainer.micro_batch_size=4", "data.num_eval=8", "logger.wandb.mode=disabled", "trainer.progress=lines",
 ]
 GRPO = [
-    "algo=grpo", "algo.prompts_per_step=4", "algo.group_size=4", "data.num_eval=4", "trainer.max_steps=4",
+    "algo=grpo", "model=tiny", "algo.prompts_per_step=4", "algo.group_size=4", "data.num_eval=4", "trainer.max_steps=4",
     "trainer.save_every=2", "trainer.eval_every=2", "logger.wandb.mode=disabled", "trainer.progress=lines",
 ]
 

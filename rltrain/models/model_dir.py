@@ -1,0 +1,30 @@
+"""Which Hugging Face directory a run loads: `model.path`, the SFT'd tiny model, or the tiny model.
+
+One place decides, so every rank (rank 0 builds, the others read the cache afterwards:
+rltrain/trainer.py prepare_model_dir) resolves the same directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rltrain.config import DataConfig, ModelConfig
+from rltrain.models.tiny import build_tiny_model_dir
+from rltrain.models.tiny_sft import build_sft_model_dir
+
+
+def resolve_model_dir(model_cfg: ModelConfig, data_cfg: DataConfig, seed: int) -> Path:
+    """`model.path` as it is (the tiny model's keys, SFT included, are unused then); else the tiny
+    model, after its short SFT when `model.sft_steps > 0` (model=tiny_sft)."""
+    if model_cfg.path is None:
+        if model_cfg.sft_steps:
+            return build_sft_model_dir(model_cfg, data_cfg, seed)
+        return build_tiny_model_dir(model_cfg, seed)
+    path = Path(model_cfg.path).expanduser()
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"model.path={model_cfg.path!r} is not a Hugging Face model directory (no config.json there). "
+            "Point model.path at a directory saved with save_pretrained, or leave it null for the "
+            "built-in tiny model."
+        )
+    return path

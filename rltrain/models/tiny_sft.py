@@ -1,0 +1,151 @@
+"""`model=tiny_sft`: the tiny model after a short SFT on the built-in task, built once and cached.
+
+RL from the randomly initialised tiny model has no right answers to reinforce: GRPO climbs the
+built-in reward's shape (digits, length, closeness) while held-out exact accuracy stays near zero.
+After a few hundred SFT steps the model answers some held-out problems right and RL can raise that
+number, which is the story the default RL command should tell.
+
+The SFT is an ordinary `python -m rltrain algo=sft` run on the tiny model, in a child process with
+a clean environment (no torch.distributed variables inherited from a multi-rank parent, W&B off,
+one rank). It trains on the built-in task's *training* split drawn with the RL run's seed and
+`data.num_eval`, so the RL run's held-out problems are never seen. Its run directory lies in a
+temporary sibling of the cache entry and its `final/` is renamed into place, so a crashed or
+concurrent build never leaves a half-written model. The key covers the tiny model's spec, the seed,
+the SFT settings and the task split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rltrain.config import DataConfig, ModelConfig
+from rltrain.errors import UserError
+from rltrain.models.tiny import build_tiny_model_dir
+
+# Variables a rank inherits from its launcher (torch.distributed, torchrun/elastic): the child must
+# build a world of its own, not join (or wait for) the parent's.
+# (A single-rank run sets MASTER_ADDR/MASTER_PORT for itself too: rltrain/distributed.py.)
+LAUNCHER_ENV_PREFIX = "TORCHELASTIC_"
+LAUNCHER_ENV_NAMES = {
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+}
+# What the SFT writes into the cache entry beside the weights: its metrics, to show its accuracy.
+SFT_METRICS = "sft_metrics.jsonl"
+LOG_TAIL_CHARS = 4000
+
+
+def check_sft_data(data_cfg: DataConfig) -> None:
+    """The SFT start is built from the built-in task; a user dataset has no such split."""
+    if data_cfg.path is not None:
+        raise UserError(
+            f"model=tiny_sft (model.sft_steps > 0) fine-tunes the built-in tiny model on the built-in "
+            f"'{data_cfg.task}' task, but data.path={data_cfg.path!r} names your own dataset. Use model=tiny "
+            "(or model.sft_steps=0) to train the tiny model on it, or point model.path at your model."
+        )
+
+
+def sft_key(model_cfg: ModelConfig, data_cfg: DataConfig, base_dir: Path) -> str:
+    """Hash of everything the SFT'd weights depend on beyond the base model (named by `base_dir`)."""
+    recipe = {
+        "base": base_dir.name,  # the tiny spec and seed, already hashed by build_tiny_model_dir
+        "sft_steps": model_cfg.sft_steps,
+        "sft_lr": float(model_cfg.sft_lr),
+        "task": data_cfg.task,
+        "num_eval": data_cfg.num_eval,
+        "num_train": data_cfg.num_train,
+        "format": 1,
+    }
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def sft_command(model_cfg: ModelConfig, data_cfg: DataConfig, seed: int, base_dir: Path, run_dir: Path) -> list[str]:
+    """The `python -m rltrain algo=sft ...` run that fine-tunes `base_dir` (one rank, no W&B)."""
+    return [
+        sys.executable, "-m", "rltrain",
+        "algo=sft",
+        "model=tiny",
+        f"model.path={base_dir}",
+        f"trainer.seed={seed}",
+        f"trainer.max_steps={model_cfg.sft_steps}",
+        f"optim.lr={model_cfg.sft_lr}",
+        "trainer.nproc=1",
+        "trainer.eval_every=0",  # evaluated once, at the end: the accuracy the RL run starts from
+        "trainer.save_every=0",
+        "trainer.resume=never",
+        "trainer.progress=lines",
+        "logger.wandb.mode=disabled",
+        f"data.task={data_cfg.task}",
+        f"data.num_eval={data_cfg.num_eval}",
+        f"data.num_train={data_cfg.num_train}",
+        f"hydra.run.dir={run_dir}",
+    ]
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment without the launcher's torch.distributed variables."""
+    return {
+        k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV_NAMES and not k.startswith(LAUNCHER_ENV_PREFIX)
+    }
+
+
+def final_accuracy(metrics_path: Path) -> float | None:
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+    return evals[-1] if evals else None
+
+
+def build_sft_model_dir(model_cfg: ModelConfig, data_cfg: DataConfig, seed: int) -> Path:
+    """Build (once) and return the SFT'd tiny model's Hugging Face directory, cached beside the tiny model."""
+    check_sft_data(data_cfg)
+    if model_cfg.sft_steps < 1:
+        raise UserError(f"model.sft_steps={model_cfg.sft_steps} must be at least 1 for an SFT start (0: model=tiny).")
+    base_dir = build_tiny_model_dir(model_cfg, seed)
+    target = base_dir.parent / f"{base_dir.name}-sft-{sft_key(model_cfg, data_cfg, base_dir)}"
+    if (target / "config.json").exists():
+        return target
+    print(
+        f"rltrain: building the SFT'd tiny model once: {model_cfg.sft_steps} SFT steps (lr {model_cfg.sft_lr:g}) "
+        f"on the '{data_cfg.task}' training split, cached in {target} ...",
+        flush=True,
+    )
+    started = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp", dir=base_dir.parent))
+    try:
+        run_dir = tmp / "run"
+        log_path = tmp / "sft.log"
+        with log_path.open("w") as log:
+            proc = subprocess.run(
+                sft_command(model_cfg, data_cfg, seed, base_dir, run_dir),
+                env=child_env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        if proc.returncode != 0:
+            tail = log_path.read_text()[-LOG_TAIL_CHARS:]
+            raise RuntimeError(f"building the SFT'd tiny model failed (exit {proc.returncode}); its output ends:\n{tail}")
+        final = run_dir / "final"
+        (run_dir / "metrics.jsonl").rename(final / SFT_METRICS)
+        try:
+            final.rename(target)
+        except OSError:
+            if not (target / "config.json").exists():  # lost a race to an identical build: fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accuracy = final_accuracy(target / SFT_METRICS)
+    print(
+        f"rltrain: SFT'd tiny model ready in {time.monotonic() - started:.0f} s "
+        f"(held-out accuracy {accuracy}); later runs reuse it",
+        flush=True,
+    )
+    return target
