@@ -112,16 +112,16 @@ def build_sft_model_dir(model_cfg: ModelConfig, data_cfg: DataConfig, seed: int)
     target = base_dir.parent / f"{base_dir.name}-sft-{sft_key(model_cfg, data_cfg, base_dir)}"
     if (target / "config.json").exists():
         return target
-    print(
-        f"rltrain: building the SFT'd tiny model once: {model_cfg.sft_steps} SFT steps (lr {model_cfg.sft_lr:g}) "
-        f"on the '{data_cfg.task}' training split, cached in {target} ...",
-        flush=True,
-    )
     started = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp", dir=base_dir.parent))
     try:
         run_dir = tmp / "run"
         log_path = tmp / "sft.log"
+        print(
+            f"rltrain: building the SFT'd tiny model once: {model_cfg.sft_steps} SFT steps (lr {model_cfg.sft_lr:g}) "
+            f"on the '{data_cfg.task}' training split, cached in {target} (progress: {log_path}) ...",
+            flush=True,
+        )
         with log_path.open("w") as log:
             proc = subprocess.run(
                 sft_command(model_cfg, data_cfg, seed, base_dir, run_dir),
