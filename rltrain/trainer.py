@@ -54,11 +54,11 @@ def prepare_model_dir(cfg, dist_info: DistInfo) -> Path:
     others read it from the cache. The barrier waits for the build: an SFT start built here must
     finish within safety.collective_timeout_s."""
     if dist_info.is_main:
-        model_dir = resolve_model_dir(cfg.model, cfg.data, cfg.trainer.seed)
+        model_dir = resolve_model_dir(cfg.model, cfg.data, cfg.trainer)
         print(f"rltrain: model {model_dir}", flush=True)
     barrier()
     if not dist_info.is_main:
-        model_dir = resolve_model_dir(cfg.model, cfg.data, cfg.trainer.seed)
+        model_dir = resolve_model_dir(cfg.model, cfg.data, cfg.trainer)
     return model_dir
 
 

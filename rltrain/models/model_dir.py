@@ -8,18 +8,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rltrain.config import DataConfig, ModelConfig
+from rltrain.config import DataConfig, ModelConfig, TrainerConfig
 from rltrain.models.tiny import build_tiny_model_dir
 from rltrain.models.tiny_sft import build_sft_model_dir
 
 
-def resolve_model_dir(model_cfg: ModelConfig, data_cfg: DataConfig, seed: int) -> Path:
+def resolve_model_dir(model_cfg: ModelConfig, data_cfg: DataConfig, trainer_cfg: TrainerConfig) -> Path:
     """`model.path` as it is (the tiny model's keys, SFT included, are unused then); else the tiny
     model, after its short SFT when `model.sft_steps > 0` (model=tiny_sft)."""
     if model_cfg.path is None:
         if model_cfg.sft_steps:
-            return build_sft_model_dir(model_cfg, data_cfg, seed)
-        return build_tiny_model_dir(model_cfg, seed)
+            return build_sft_model_dir(model_cfg, data_cfg, trainer_cfg)
+        return build_tiny_model_dir(model_cfg, trainer_cfg.seed)
     path = Path(model_cfg.path).expanduser()
     if not (path / "config.json").exists():
         raise FileNotFoundError(

@@ -7,7 +7,8 @@ number, which is the story the default RL command should tell.
 
 The SFT is an ordinary `python -m rltrain algo=sft` run on the tiny model, in a child process with
 a clean environment (no torch.distributed variables inherited from a multi-rank parent, W&B off,
-one rank). It trains on the built-in task's *training* split drawn with the RL run's seed and
+one rank, the run's `trainer.num_threads`). It trains on the built-in task's *training* split drawn
+with the RL run's seed and
 `data.num_eval`, so the RL run's held-out problems are never seen. Its run directory lies in a
 temporary sibling of the cache entry and its `final/` is renamed into place, so a crashed or
 concurrent build never leaves a half-written model. The key covers the tiny model's spec, the seed,
@@ -26,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rltrain.config import DataConfig, ModelConfig
+from rltrain.config import DataConfig, ModelConfig, TrainerConfig
 from rltrain.errors import UserError
 from rltrain.models.tiny import build_tiny_model_dir
 
@@ -67,14 +68,18 @@ def sft_key(model_cfg: ModelConfig, data_cfg: DataConfig, base_dir: Path) -> str
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def sft_command(model_cfg: ModelConfig, data_cfg: DataConfig, seed: int, base_dir: Path, run_dir: Path) -> list[str]:
-    """The `python -m rltrain algo=sft ...` run that fine-tunes `base_dir` (one rank, no W&B)."""
+def sft_command(
+    model_cfg: ModelConfig, data_cfg: DataConfig, trainer_cfg: TrainerConfig, base_dir: Path, run_dir: Path
+) -> list[str]:
+    """The `python -m rltrain algo=sft ...` run that fine-tunes `base_dir` (one rank, no W&B, the
+    run's seed and thread count)."""
     return [
         sys.executable, "-m", "rltrain",
         "algo=sft",
         "model=tiny",
         f"model.path={base_dir}",
-        f"trainer.seed={seed}",
+        f"trainer.seed={trainer_cfg.seed}",
+        f"trainer.num_threads={trainer_cfg.num_threads}",
         f"trainer.max_steps={model_cfg.sft_steps}",
         f"optim.lr={model_cfg.sft_lr}",
         "trainer.nproc=1",
@@ -103,12 +108,12 @@ def final_accuracy(metrics_path: Path) -> float | None:
     return evals[-1] if evals else None
 
 
-def build_sft_model_dir(model_cfg: ModelConfig, data_cfg: DataConfig, seed: int) -> Path:
+def build_sft_model_dir(model_cfg: ModelConfig, data_cfg: DataConfig, trainer_cfg: TrainerConfig) -> Path:
     """Build (once) and return the SFT'd tiny model's Hugging Face directory, cached beside the tiny model."""
     check_sft_data(data_cfg)
     if model_cfg.sft_steps < 1:
         raise UserError(f"model.sft_steps={model_cfg.sft_steps} must be at least 1 for an SFT start (0: model=tiny).")
-    base_dir = build_tiny_model_dir(model_cfg, seed)
+    base_dir = build_tiny_model_dir(model_cfg, trainer_cfg.seed)
     target = base_dir.parent / f"{base_dir.name}-sft-{sft_key(model_cfg, data_cfg, base_dir)}"
     if (target / "config.json").exists():
         return target
@@ -124,7 +129,7 @@ def build_sft_model_dir(model_cfg: ModelConfig, data_cfg: DataConfig, seed: int)
         )
         with log_path.open("w") as log:
             proc = subprocess.run(
-                sft_command(model_cfg, data_cfg, seed, base_dir, run_dir),
+                sft_command(model_cfg, data_cfg, trainer_cfg, base_dir, run_dir),
                 env=child_env(),
                 stdout=log,
                 stderr=subprocess.STDOUT,

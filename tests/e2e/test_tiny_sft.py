@@ -14,7 +14,7 @@ import sys
 import pytest
 from cli import read_metrics, rltrain
 
-from rltrain.config import DataConfig, ModelConfig
+from rltrain.config import DataConfig, ModelConfig, TrainerConfig
 from rltrain.models import tiny_sft
 
 pytestmark = pytest.mark.e2e
@@ -84,7 +84,7 @@ def test_a_failed_build_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(tiny_sft, "sft_command", failing_command)
     model = ModelConfig(**SMALL_MODEL, cache_dir=str(tmp_path / "cache"))
     with pytest.raises(RuntimeError, match=r"(?s)exit 3.*sft exploded"):
-        tiny_sft.build_sft_model_dir(model, DataConfig(num_eval=4), seed=0)
+        tiny_sft.build_sft_model_dir(model, DataConfig(num_eval=4), TrainerConfig(seed=0))
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [tiny_sft.build_tiny_model_dir(model, 0).name]
 
 
