@@ -116,20 +116,41 @@ class DPOConfig(AlgoConfig):
 
 
 @dataclass
-class GRPOConfig(AlgoConfig):
-    name: str = "grpo"
+class RLConfig(AlgoConfig):
+    """What every RL algorithm shares: the experience pipeline, the clipped policy loss and the
+    rollout correction (rltrain/algos/rl.py)."""
+
     group_size: int = 8
     prompts_per_step: int = 16
     mini_batches: int = 1
     num_iterations: int = 1
-    scale_rewards: str = "group"  # group | batch | none
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
     clip_low: float = 0.2
     clip_high: float = 0.28
-    beta: float = 0.0
+    beta: float = 0.0  # KL to the reference (0: no reference model)
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 6
+    rollout_correction: str = "none"  # none | tis | mask (rltrain/algos/rollout_correction.py)
+    rollout_is_cap: float = 2.0  # tis: token importance weights truncated at this value
+    rollout_mask_band: float = 2.0  # mask: keep sequences whose train/rollout ratio is in [1/band, band]
+
+
+@dataclass
+class GRPOConfig(RLConfig):
+    name: str = "grpo"
+    scale_rewards: str = "group"  # group | batch | none
+
+
+@dataclass
+class PPOConfig(RLConfig):
+    name: str = "ppo"
+    gamma: float = 1.0  # GAE discount
+    lam: float = 0.95  # GAE lambda
+    vf_clip: float = 0.2  # clipped value loss: values move at most this far from the old ones
+    critic_warmup_steps: int = 0  # the first steps train the critic only
+    whiten_advantages: bool = True
+    kl_in_reward: bool = False  # true: -beta * KL per token in the reward; false: beta * k3 in the loss
 
 
 @dataclass
@@ -233,7 +254,7 @@ class Config:
 
 
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
-    "algo": {"sft": SFTConfig, "dpo": DPOConfig, "grpo": GRPOConfig},
+    "algo": {"sft": SFTConfig, "dpo": DPOConfig, "grpo": GRPOConfig, "ppo": PPOConfig},
     "backend": {"fsdp": FSDPBackendConfig, "megatron": MegatronBackendConfig},
     "rollout": {"vllm": VLLMRolloutConfig, "hf": HFRolloutConfig},
     "model": {"tiny": ModelConfig},

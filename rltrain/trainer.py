@@ -31,6 +31,7 @@ ALGORITHMS = {
     "sft": "rltrain.algos.sft:SFT",
     "dpo": "rltrain.algos.dpo:DPO",
     "grpo": "rltrain.algos.grpo:GRPO",
+    "ppo": "rltrain.algos.ppo:PPO",
 }
 
 
@@ -75,9 +76,7 @@ def run(cfg, run_dir: Path) -> None:
         try:
             train_loop(ctx, algo)
         finally:
-            close = getattr(algo, "close", None)
-            if close is not None:
-                close()
+            algo.close()
     except UserError as exc:
         # Recorded before this rank leaves its collectives, so that the peers whose collectives
         # fail next find the cause and stay quiet (rltrain.errors).
@@ -105,7 +104,7 @@ def train_loop(ctx: RunContext, algo) -> None:
             print(f"rltrain: resumed from {latest} (step {start_step})", flush=True)
     logger = MetricsLogger(cfg, run_dir, dist_info.is_main, start_step)
     # heartbeat, hang watchdog, health server, fault injection (README, "Failure behaviour")
-    safety = SafetyRuntime(cfg, run_dir, dist_info.rank, dist_info.world_size, ping=getattr(algo, "rollout_ping", None))
+    safety = SafetyRuntime(cfg, run_dir, dist_info.rank, dist_info.world_size, ping=algo.health_ping())
     safety.start()
     try:
         max_steps = cfg.trainer.max_steps

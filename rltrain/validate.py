@@ -29,11 +29,13 @@ CHOICES = {
     "model.arch": ("qwen2", "llama"),
     "algo.loss_type": ("sigmoid", "ipo", "hinge", "robust"),  # dpo: rltrain.algos.dpo_loss.LOSS_TYPES
     "algo.scale_rewards": ("group", "batch", "none"),  # grpo: rltrain.algos.grpo_loss.SCALES
-    "algo.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),  # grpo: grpo_loss.LOSS_AGGS
+    "algo.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),  # grpo, ppo: policy_loss.LOSS_AGGS
+    "algo.rollout_correction": ("none", "tis", "mask"),  # grpo, ppo: rltrain.algos.rollout_correction.MODES
     "rollout.process": ("colocated", "separate"),  # vllm: rltrain.rollout.PROCESSES
 }
 CHOICE_HINTS = {
     "rollout.process": " (the vLLM engine in the trainer's process, or in a child process of its own)",
+    "algo.rollout_correction": " (trust the samples, truncated importance weights per token, or drop sequences whose train/rollout ratio leaves a band)",
     "algo.loss_agg": " (DAPO's token mean, GRPO's mean of per-sequence means, Dr. GRPO's sums over the generation budget)",
 }
 # Files of which a tokenizer directory has at least one (fast tokenizer, sentencepiece, BPE, WordPiece).
@@ -174,7 +176,7 @@ def validate_algo(algo) -> None:
             raise UserError(f"algo.beta={algo.beta} must be positive (the DPO temperature).")
         if not 0 <= algo.label_smoothing < 0.5:
             raise UserError(f"algo.label_smoothing={algo.label_smoothing} must be in [0, 0.5).")
-    if algo.name == "grpo":
+    if algo.name in ("grpo", "ppo"):
         for key in ("group_size", "prompts_per_step", "mini_batches", "num_iterations", "max_new_tokens"):
             if getattr(algo, key) < 1:
                 raise UserError(f"algo.{key}={getattr(algo, key)} must be at least 1.")
@@ -186,6 +188,18 @@ def validate_algo(algo) -> None:
             raise UserError(
                 f"algo.clip_low={algo.clip_low}, algo.clip_high={algo.clip_high} and algo.beta={algo.beta} "
                 "must be at least 0."
+            )
+        if algo.rollout_is_cap <= 0 or algo.rollout_mask_band < 1:
+            raise UserError(
+                f"algo.rollout_is_cap={algo.rollout_is_cap} must be positive and algo.rollout_mask_band="
+                f"{algo.rollout_mask_band} at least 1 (sequences are kept when their ratio is in [1/band, band])."
+            )
+    if algo.name == "ppo":
+        if not (0 <= algo.gamma <= 1 and 0 <= algo.lam <= 1):
+            raise UserError(f"algo.gamma={algo.gamma} and algo.lam={algo.lam} must be in [0, 1] (GAE).")
+        if algo.vf_clip <= 0 or algo.critic_warmup_steps < 0:
+            raise UserError(
+                f"algo.vf_clip={algo.vf_clip} must be positive and algo.critic_warmup_steps={algo.critic_warmup_steps} at least 0."
             )
 
 

@@ -7,6 +7,7 @@ policy. Its resumable state (data position, counters) is JSON.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -46,6 +47,13 @@ class Algorithm(Protocol):
     def export_engine(self) -> Any:
         """The engine whose weights become the run's `final/` model."""
 
+    def health_ping(self) -> Callable[[], bool] | None:
+        """The rollout engine's liveness check for `/healthz/deep` (None: no rollout engine)."""
+
+    def close(self) -> None:
+        """Release what the algorithm holds outside the trainer (a rollout engine) before the
+        process group goes away."""
+
 
 class PolicyStreamAlgorithm:
     """Plumbing the built-in algorithms share: one trainable `policy` engine, checkpointed and
@@ -65,3 +73,9 @@ class PolicyStreamAlgorithm:
 
     def export_engine(self) -> Any:
         return self.policy
+
+    def health_ping(self) -> Callable[[], bool] | None:
+        return None
+
+    def close(self) -> None:
+        """Nothing outside the trainer to release."""

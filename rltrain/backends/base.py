@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ from rltrain.data.ragged import Ragged
 class PolicyOutput:
     """Per completion token, ragged like the batch's completions."""
 
-    logps: Ragged
+    logps: Ragged | None  # None for a critic
     entropy: Ragged | None = None
     # For a micro-batch with no sequences: a zero built from the model's outputs. The engine adds
     # it to the loss so that every parameter still gets a gradient and every collective fires.
@@ -37,6 +37,8 @@ class PolicyOutput:
     # A Mixture-of-Experts model's load-balancing loss for this micro-batch (engine-internal: the
     # engine weights and adds it; algorithms ignore it). None for dense models.
     aux_loss: torch.Tensor | None = None
+    # A critic's value of the state before each completion token (fp32); None for a policy.
+    values: Ragged | None = None
 
 
 # loss_fn(output, micro_batch) -> (loss already divided by the global count, metric contributions
@@ -47,6 +49,10 @@ LossFn = Callable[[PolicyOutput, SequenceBatch], tuple[torch.Tensor, dict[str, t
 class TrainEngine(Protocol):
     rank: int  # data-parallel rank
     world_size: int  # data-parallel size
+    max_steps: int  # optimizer steps the LR schedule spans (an algorithm may set it after building)
+    # The engine's process groups, torn down and re-created around the rollout engine's turn by
+    # time sharing (`teardown()`, `recreate() -> int`); None when it has none (one FSDP rank).
+    groups: Any
 
     def replica_group(self) -> dist.ProcessGroup | None:
         """The process group of the ranks that form this rank's data-parallel replica and so must

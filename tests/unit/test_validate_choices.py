@@ -48,7 +48,8 @@ def _cfg(*overrides: str):
 
 def test_choices_mirror_the_code_that_reads_them():
     from rltrain.algos.dpo_loss import LOSS_TYPES
-    from rltrain.algos.grpo_loss import LOSS_AGGS, SCALES
+    from rltrain.algos.grpo_loss import SCALES
+    from rltrain.algos.policy_loss import LOSS_AGGS
     from rltrain.data.tasks import TASKS
     from rltrain.precision import PRECISIONS
     from rltrain.rollout import PROCESSES
