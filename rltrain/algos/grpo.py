@@ -102,7 +102,7 @@ class GRPO:
         cfg = ctx.cfg
         self.algo_cfg = cfg.algo
         self.train_prompts, self.eval_prompts, self.dropped = build_prompt_data(ctx.tokenizer, cfg.data, cfg.trainer.seed)
-        self.reward_fns = build_reward_fns(cfg.reward, cfg.data.task, cfg.data.path is None)
+        self.reward_fns = build_reward_fns(cfg, ctx.dist.device)
         self.stream = IndexStream(len(self.train_prompts), cfg.trainer.seed)
         self.policy = build_engine(ctx, "policy")
         # The LR schedule spans every optimizer step the run will take.
