@@ -200,6 +200,46 @@ class HFRolloutConfig(RolloutConfig):
 
 
 @dataclass
+class ReferenceConfig:
+    """The frozen reference (DPO always; GRPO when `algo.beta > 0`). `path=null`: the policy's initial
+    weights; else a Hugging Face model directory sharing the policy's tokenizer (rltrain/roles.py)."""
+
+    path: str | None = None
+
+
+@dataclass
+class CriticConfig:
+    """The value model (PPO). `path=null`: the policy's initial weights with a fresh scalar value
+    head; else a Hugging Face model directory sharing the policy's tokenizer. Its own optimizer takes
+    `lr` and every other `optim.*` setting."""
+
+    path: str | None = None
+    lr: float = 1e-2  # a few times the policy's: the fresh value head starts far from its targets
+
+
+@dataclass
+class RewardModelConfig:
+    """A sequence classifier scoring prompt + completion, added to `reward.fns` with `weight`
+    (rltrain/rewards/model_reward.py); logged as `reward/model`."""
+
+    name: str = MISSING
+    path: str | None = None  # a Hugging Face AutoModelForSequenceClassification directory, num_labels=1
+    weight: float = 1.0
+    batch_size: int = 32  # texts per forward pass
+    max_length: int = 1024  # tokens per text; longer texts lose their beginning (the score reads the end)
+
+
+@dataclass
+class NoRewardModelConfig(RewardModelConfig):
+    name: str = "none"
+
+
+@dataclass
+class HFRewardModelConfig(RewardModelConfig):
+    name: str = "hf"
+
+
+@dataclass
 class RewardConfig:
     """Reward functions by dotted path (`pkg.module:function`); empty = the built-in task's reward."""
 
@@ -242,6 +282,9 @@ class Config:
     backend: Any = MISSING
     rollout: Any = None
     model: ModelConfig = field(default_factory=ModelConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: Any = MISSING
     data: DataConfig = field(default_factory=DataConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -258,6 +301,9 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "backend": {"fsdp": FSDPBackendConfig, "megatron": MegatronBackendConfig},
     "rollout": {"vllm": VLLMRolloutConfig, "hf": HFRolloutConfig},
     "model": {"tiny": ModelConfig},
+    "reference": {"default": ReferenceConfig},
+    "critic": {"default": CriticConfig},
+    "reward_model": {"none": NoRewardModelConfig, "hf": HFRewardModelConfig},
     "data": {"default": DataConfig},
     "logger": {"default": LoggerConfig},
 }

@@ -25,6 +25,7 @@ from rltrain.errors import UserError, report_user_error
 from rltrain.metrics_log import MetricsLogger
 from rltrain.models.tiny import resolve_model_dir
 from rltrain.process_state import reset_process_state
+from rltrain.roles import resolve_role_dirs
 from rltrain.safety.runtime import SafetyRuntime
 
 ALGORITHMS = {
@@ -71,7 +72,10 @@ def run(cfg, run_dir: Path) -> None:
         seed_everything(cfg.trainer.seed, dist_info.rank)
         model_dir = prepare_model_dir(cfg, dist_info)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        ctx = RunContext(cfg=cfg, run_dir=run_dir, dist=dist_info, model_dir=model_dir, tokenizer=tokenizer)
+        role_dirs = resolve_role_dirs(cfg, model_dir, tokenizer, dist_info.rank)
+        ctx = RunContext(
+            cfg=cfg, run_dir=run_dir, dist=dist_info, model_dir=model_dir, tokenizer=tokenizer, role_dirs=role_dirs
+        )
         algo = build_algorithm(ctx)
         try:
             train_loop(ctx, algo)

@@ -95,7 +95,7 @@ class ExperienceCollector:
         cfg = ctx.cfg
         self.ctx, self.algo_cfg = ctx, cfg.algo
         self.train_prompts, self.eval_prompts, self.dropped = build_prompt_data(ctx.tokenizer, cfg.data, cfg.trainer.seed)
-        self.reward_fns = build_reward_fns(cfg.reward, cfg.data.task, cfg.data.path is None)
+        self.reward_fns = build_reward_fns(cfg, ctx.dist.device)
         self.stream = IndexStream(len(self.train_prompts), cfg.trainer.seed)
         self.rollout, self.timeshare, self.policy = rollout, timeshare, policy
         self.eos = ctx.tokenizer.eos_token_id
