@@ -235,11 +235,12 @@ def validate_roles(cfg) -> None:
     if not cfg.critic.lr > 0:
         raise UserError(f"critic.lr={cfg.critic.lr} must be positive (the critic's own learning rate).")
     algo = cfg.algo
-    if cfg.reference.path is not None and (algo.name == "sft" or (algo.name == "grpo" and algo.beta == 0)):
-        why = "algo=sft has no reference" if algo.name == "sft" else "algo=grpo builds a reference only when algo.beta > 0"
+    rl = algo.name in ("grpo", "ppo")
+    if cfg.reference.path is not None and (algo.name == "sft" or (rl and algo.beta == 0)):
+        why = "algo=sft has no reference" if algo.name == "sft" else f"algo={algo.name} builds a reference only when algo.beta > 0"
         raise UserError(
             f"reference.path={cfg.reference.path!r} is set but would be unused: {why}. Remove reference.path"
-            + (", or set algo.beta (e.g. algo.beta=0.04) to add the KL penalty." if algo.name == "grpo" else ".")
+            + (", or set algo.beta (e.g. algo.beta=0.04) to add the KL penalty." if rl else ".")
         )
     if cfg.critic.path is not None and algo.name in ALGOS_WITHOUT_CRITIC:
         raise UserError(
