@@ -83,6 +83,8 @@ def test_ppo_one_rank_equals_two_ranks_and_any_micro_batch_size(tiny_cache, over
     for metrics, params, values, offset in [one_small, *two]:
         for key in KEYS:
             assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-5, abs=1e-6), key
-        torch.testing.assert_close(params, ref_params, rtol=1e-5, atol=1e-6)
+        # Adam divides by sqrt(v): on entries whose gradient is ~0 a summation-order difference of
+        # 1e-9 moves the step by ~1e-6, still 1e-4 of the lr-sized update every other entry takes.
+        torch.testing.assert_close(params, ref_params, rtol=1e-4, atol=2e-5)
         for i, seq_values in enumerate(values):  # the critic's values after its update, per sequence
             torch.testing.assert_close(seq_values, ref_values[offset + i], rtol=1e-5, atol=1e-6)
