@@ -136,7 +136,7 @@ def format_table(rows: list[dict[str, Any]], columns: tuple[str, ...] = COLUMNS,
     """The rows as an aligned text table: columns empty in every row are left out, the overrides
     shown are the ones that differ between jobs, and long cells are cut at `width` characters."""
     shown = [c for c in columns if any(str(_cell(r.get(c, ""))) != "" for r in rows) or c in ("job", "status")]
-    rows = [dict(r, overrides=o) for r, o in zip(rows, _varying([str(r.get("overrides", "")) for r in rows]))]
+    rows = [dict(r, overrides=o) for r, o in zip(rows, varying_overrides([str(r.get("overrides", "")) for r in rows]))]
 
     def cut(text: str) -> str:
         return text if len(text) <= width else text[: width - 3] + "..."
@@ -148,8 +148,8 @@ def format_table(rows: list[dict[str, Any]], columns: tuple[str, ...] = COLUMNS,
     return "\n".join(lines)
 
 
-def _varying(overrides: list[str]) -> list[str]:
-    """Each job's overrides without those every job shares (the swept values)."""
+def varying_overrides(overrides: list[str]) -> list[str]:
+    """Each job's overrides without those every job shares (the swept values); space-separated."""
     split = [o.split() for o in overrides]
     common = set.intersection(*(set(s) for s in split)) if len(split) > 1 else set()
     return [" ".join(o for o in s if o not in common) for s in split]

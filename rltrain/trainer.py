@@ -3,7 +3,8 @@
 The loop is algorithm-agnostic: the algorithm turns `train_step(step)` into one optimizer step
 and returns metrics that are already identical on every rank; the loop adds timing, writes rows,
 runs evaluation every `trainer.eval_every` steps and at the end, saves atomic checkpoints every
-`trainer.save_every` steps and writes `final/` as a Hugging Face model directory.
+`trainer.save_every` steps and writes `final/` as a Hugging Face model directory; rank 0 then draws
+the run's curves into `plots.png` (rltrain.plot).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from rltrain.distributed import DistInfo, barrier, init_distributed
 from rltrain.errors import UserError, report_user_error
 from rltrain.metrics_log import MetricsLogger
 from rltrain.models.tiny import resolve_model_dir
+from rltrain.plot import write_run_plot
 from rltrain.process_state import reset_process_state
 from rltrain.safety.runtime import SafetyRuntime
 
@@ -137,6 +139,8 @@ def train_loop(ctx: RunContext, algo) -> None:
     finally:
         safety.close()
         logger.close()
+    if dist_info.is_main:
+        write_run_plot(run_dir)  # RUN_DIR/plots.png; a plotting error is only a warning
 
 
 def export_final(ctx: RunContext, algo) -> None:

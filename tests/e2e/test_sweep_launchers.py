@@ -6,10 +6,13 @@ end of the sweep."""
 from __future__ import annotations
 
 import csv
+import subprocess
+import sys
 
 import pytest
 import yaml
-from cli import QUICK, rltrain, train_rows
+from cli import QUICK, ROOT, rltrain, train_rows
+from PIL import Image
 
 pytestmark = pytest.mark.e2e
 
@@ -65,3 +68,11 @@ def test_optuna_sweep_minimises_the_objective_and_survives_a_failed_trial(tiny_c
     best = min(("0.001", "0.003"), key=lambda lr: float(by_lr[lr]["objective"]))
     assert results["best_params"] == {"optim.lr": float(best)}
     assert results["best_value"] == pytest.approx(float(by_lr[best]["objective"]), rel=1e-5)
+    # Each finished run drew its own curves; the plot command draws the sweep's runs together.
+    assert (sweep / "1" / "plots.png").exists() and not (sweep / "0" / "plots.png").exists()
+    out = tmp_path / "sweep.png"
+    plot = subprocess.run(
+        [sys.executable, "-m", "rltrain.plot", str(sweep), "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert plot.returncode == 0 and "2 runs" in plot.stdout, plot.stderr
+    assert Image.open(out).size[0] > 1000
