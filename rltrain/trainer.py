@@ -113,6 +113,7 @@ def train_loop(ctx: RunContext, algo) -> None:
         max_steps = cfg.trainer.max_steps
         if start_step == 0 and cfg.trainer.eval_every > 0:
             logger.log({"step": 0, **algo.evaluate(0)})
+            logger.log_samples("samples/eval", 0, algo.samples())
             safety.progress()  # /healthz/deep judges ranks by progress (README, "Health endpoints")
         for step in range(start_step + 1, max_steps + 1):
             safety.before_step(step)
@@ -123,11 +124,13 @@ def train_loop(ctx: RunContext, algo) -> None:
             if "tokens" in metrics:
                 row["tokens_per_s"] = metrics["tokens"] / max(elapsed, 1e-9)
             logger.log(row)
+            logger.log_samples("samples/train", step, algo.samples())
             is_last = step == max_steps
             if is_last or (cfg.trainer.eval_every > 0 and step % cfg.trainer.eval_every == 0):
                 evals = algo.evaluate(step)
                 if evals:
                     logger.log({"step": step, **evals})
+                logger.log_samples("samples/eval", step, algo.samples())
             # Saved after the step's rows are written: a checkpoint at step N implies rows 1..N.
             if is_last or (cfg.trainer.save_every > 0 and step % cfg.trainer.save_every == 0):
                 ckpt.save(step, algo.checkpoint_engines(), {"algorithm": algo.state_dict()})

@@ -42,6 +42,7 @@ from rltrain.rewards import build_reward_fns, score
 from rltrain.rollout import build_rollout
 from rltrain.rollout.base import Completion, SamplingSettings
 from rltrain.rollout.share import replica_leader, share_completions
+from rltrain.samples import Sample, first_samples
 from rltrain.timeshare import TimeSharing
 
 
@@ -122,6 +123,7 @@ class GRPO:
         # once per batch, before the first update.
         self.score_in_training_pass = cfg.algo.num_iterations == 1 and cfg.algo.mini_batches == 1
         self.token_budget = cfg.trainer.max_tokens_per_micro_batch  # 0: micro-batches by row count alone
+        self.recorded: list[Sample] = []  # W&B sample tables: every logger.sample_every steps and at evaluation
 
     # --- rollout -------------------------------------------------------------------------------
 
@@ -173,6 +175,8 @@ class GRPO:
         total = torch.zeros(len(completions), dtype=torch.float64, device="cpu")
         for rf in self.reward_fns:
             total += rf.weight * torch.tensor(per_fn[rf.name], dtype=torch.float64, device="cpu")
+        if self.ctx.cfg.logger.sample_every and step % self.ctx.cfg.logger.sample_every == 0:
+            self.recorded = first_samples([rows[c.prompt_index].text for c in completions], self._texts(completions), total.tolist())
         # Advantages from the global batch of rewards (rank count does not change them).
         n_global = a.prompts_per_step * a.group_size
         offset = self._offset()
@@ -322,12 +326,17 @@ class GRPO:
         if mine and "answer" in mine[0].columns:
             correct = float(sum(t.strip() == str(r.columns["answer"]).strip() for t, r in zip(texts, mine)))
         totals = [sum(rf.weight * per_fn[rf.name][i] for rf in self.reward_fns) for i in range(len(completions))]
+        self.recorded = first_samples([mine[c.prompt_index].text for c in completions], texts, totals)
         sums = sum_over_replicas(torch.tensor([correct, float(sum(totals))], dtype=torch.float64, device="cpu"), self.policy.world_size)
         n = len(self.eval_prompts)
         out = {"eval/reward": float(sums[1] / n)}
         if "answer" in self.eval_prompts[0].columns:
             out["eval/accuracy"] = float(sums[0] / n)
         return out
+
+    def samples(self) -> list[Sample]:
+        taken, self.recorded = self.recorded, []
+        return taken
 
     def state_dict(self) -> dict[str, Any]:
         return {"stream": self.stream.state_dict()}
