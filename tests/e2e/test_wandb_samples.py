@@ -23,9 +23,10 @@ def _evals(run_dir, key: str) -> dict[int, float]:
     return {r["step"]: r[key] for r in read_metrics(run_dir) if key in r}
 
 
-def test_sft_logs_its_greedy_completions_at_every_evaluation(tiny_cache, tmp_path):
+@pytest.mark.parametrize("algo", ["sft", "dpo"])
+def test_greedy_completions_are_logged_at_every_evaluation(tiny_cache, tmp_path, algo):
     run_dir = tmp_path / "run"
-    rltrain("algo=sft", "trainer.max_steps=3", "trainer.eval_every=2", "trainer.save_every=0", "data.num_eval=8",
+    rltrain(f"algo={algo}", "trainer.max_steps=3", "trainer.eval_every=2", "trainer.save_every=0", "data.num_eval=8",
             "logger.wandb.mode=offline", "trainer.progress=lines", run_dir=run_dir)
     tables = _tables(run_dir, "samples/eval")
     accuracy = _evals(run_dir, "eval/accuracy")
