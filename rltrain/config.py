@@ -93,6 +93,19 @@ class WandbConfig:
 @dataclass
 class LoggerConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    # GRPO: a `samples/train` table of prompts, completions and rewards every N steps; 0 = only the
+    # `samples/eval` table at each evaluation (README, "W&B").
+    sample_every: int = 0
+
+
+@dataclass
+class SweepConfig:
+    """What a sweep job returns to the sweeper (Optuna) and `sweep_summary.csv` (rltrain/sweep.py):
+    the mean of the last `last_n` logged values of the metric `objective`."""
+
+    objective: str = "eval/accuracy"
+    direction: str = "maximize"  # maximize | minimize
+    last_n: int = 1
 
 
 @dataclass
@@ -294,6 +307,7 @@ class Config:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
 
 
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {

@@ -33,6 +33,7 @@ CHOICES = {
     "algo.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),  # grpo, ppo: policy_loss.LOSS_AGGS
     "algo.rollout_correction": ("none", "tis", "mask"),  # grpo, ppo: rltrain.algos.rollout_correction.MODES
     "rollout.process": ("colocated", "separate"),  # vllm: rltrain.rollout.PROCESSES
+    "sweep.direction": ("maximize", "minimize"),  # rltrain.sweep and hydra.sweeper.direction
 }
 CHOICE_HINTS = {
     "rollout.process": " (the vLLM engine in the trainer's process, or in a child process of its own)",
@@ -85,6 +86,12 @@ def validate(cfg) -> None:
             f"trainer.global_batch_size={cfg.trainer.global_batch_size} is smaller than the {data_parallel_size(cfg)} "
             "data-parallel ranks: every rank needs at least one example per step. Raise the batch or lower "
             "trainer.nproc."
+        )
+    if cfg.sweep.last_n < 1:
+        raise UserError(f"sweep.last_n={cfg.sweep.last_n} must be at least 1 (the objective averages that many logged values).")
+    if cfg.logger.sample_every < 0:
+        raise UserError(
+            f"logger.sample_every={cfg.logger.sample_every} must be 0 (sample tables at evaluation only) or a number of steps."
         )
     if cfg.optim.lr <= 0:
         raise UserError(f"optim.lr={cfg.optim.lr} must be positive.")

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rltrain.distributed import DistInfo
+from rltrain.samples import Sample
 
 
 @dataclass
@@ -37,6 +38,10 @@ class Algorithm(Protocol):
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out metrics (`eval/...`), identical on every rank."""
 
+    def samples(self) -> list[Sample]:
+        """The samples (prompt, completion, reward) this rank recorded since the last call, cleared
+        by the call; the trainer logs rank 0's after each step and each evaluation."""
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -57,10 +62,16 @@ class Algorithm(Protocol):
 
 class PolicyStreamAlgorithm:
     """Plumbing the built-in algorithms share: one trainable `policy` engine, checkpointed and
-    exported, and one resumable `stream` of example indices as the algorithm's whole state."""
+    exported, one resumable `stream` of example indices as the algorithm's whole state, and the
+    samples recorded for the W&B tables (`recorded`, handed over once by `samples()`)."""
 
     policy: Any
     stream: Any  # rltrain.data.sampler.IndexStream
+    recorded: list[Sample]
+
+    def samples(self) -> list[Sample]:
+        taken, self.recorded = self.recorded, []
+        return taken
 
     def state_dict(self) -> dict[str, Any]:
         return {"stream": self.stream.state_dict()}

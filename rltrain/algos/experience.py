@@ -26,6 +26,7 @@ from rltrain.data.sharding import rank_slice, sum_over_replicas
 from rltrain.rewards import build_reward_fns, score
 from rltrain.rollout.base import Completion, RolloutEngine, SamplingSettings
 from rltrain.rollout.share import replica_leader, share_completions
+from rltrain.samples import Sample, first_samples
 from rltrain.timeshare import TimeSharing
 
 
@@ -100,6 +101,8 @@ class ExperienceCollector:
         self.rollout, self.timeshare, self.policy = rollout, timeshare, policy
         self.eos = ctx.tokenizer.eos_token_id
         self.layout = BatchLayout(cfg.algo.prompts_per_step, cfg.algo.group_size, policy.rank, policy.world_size)
+        self.sample_every = cfg.logger.sample_every
+        self.recorded: list[Sample] = []  # W&B sample tables: every logger.sample_every steps and at evaluation
 
     def sampling(self, step: int, greedy: bool = False) -> SamplingSettings:
         a = self.algo_cfg
@@ -142,6 +145,8 @@ class ExperienceCollector:
         scores_B = torch.zeros(len(completions), dtype=torch.float64, device="cpu")
         for rf in self.reward_fns:
             scores_B += rf.weight * torch.tensor(per_fn[rf.name], dtype=torch.float64, device="cpu")
+        if self.sample_every and step % self.sample_every == 0:
+            self.recorded = first_samples([rows[c.prompt_index].text for c in completions], self.texts(completions), scores_B.tolist())
         dp_size = self.policy.world_size
         global_scores = torch.zeros(self.layout.global_size, dtype=torch.float64, device="cpu")
         offset = self.layout.offset
@@ -174,6 +179,11 @@ class ExperienceCollector:
             out[f"reward/{rf.name}"] = float(means[i])
         return out
 
+    def samples(self) -> list[Sample]:
+        """What was recorded since the last call (see `Algorithm.samples`), cleared by the call."""
+        taken, self.recorded = self.recorded, []
+        return taken
+
     def evaluate(self, step: int) -> dict[str, float]:
         """Greedy completions of the held-out prompts: `eval/reward` and, where the data has an
         `answer` column, exact-match `eval/accuracy`."""
@@ -188,6 +198,7 @@ class ExperienceCollector:
         if mine and "answer" in mine[0].columns:
             correct = float(sum(t.strip() == str(r.columns["answer"]).strip() for t, r in zip(texts, mine)))
         totals = [sum(rf.weight * per_fn[rf.name][i] for rf in self.reward_fns) for i in range(len(completions))]
+        self.recorded = first_samples([mine[c.prompt_index].text for c in completions], texts, totals)
         sums = sum_over_replicas(torch.tensor([correct, float(sum(totals))], dtype=torch.float64, device="cpu"), self.policy.world_size)
         n = len(self.eval_prompts)
         out = {"eval/reward": float(sums[1] / n)}

@@ -32,6 +32,7 @@ from rltrain.data.ragged import Ragged
 from rltrain.data.sharding import sum_over_replicas
 from rltrain.distributed import global_max
 from rltrain.rollout import build_rollout
+from rltrain.samples import Sample
 from rltrain.timeshare import TimeSharing
 
 
@@ -121,6 +122,9 @@ class RLAlgorithm:
 
     def evaluate(self, step: int) -> dict[str, float]:
         return self.collector.evaluate(step)
+
+    def samples(self) -> list[Sample]:
+        return self.collector.samples()
 
     def state_dict(self) -> dict[str, Any]:
         return {"stream": self.collector.stream.state_dict()}
