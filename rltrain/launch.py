@@ -45,7 +45,8 @@ from rltrain.errors import clear_reports, first_report, format_error
 GRACE_S = 30.0
 # After a rank's user error the cause is known: the peers get this long to leave by themselves.
 USER_ERROR_GRACE_S = 10.0
-# How long a rank terminated by the launcher (or by a forwarded signal) has before SIGKILL.
+# How long the ranks have to exit after a forwarded signal before SIGKILL (after a failed rank's
+# grace period the agent's own SIGTERM-to-SIGKILL window, 30 s, applies).
 SHUTDOWN_TIMEOUT_S = 10
 MONITOR_INTERVAL_S = 0.2
 # The signals the agent forwards to the ranks (torch's default set).
