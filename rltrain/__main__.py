@@ -1,7 +1,8 @@
 """`python -m rltrain [overrides]`: compose the config with Hydra, validate it, launch the ranks.
 
-One rank runs in this process; `trainer.nproc=N` spawns N local ranks (rltrain.launch); under
-`torchrun` every process is already a rank and trains directly, sharing rank 0's run directory.
+One rank runs in this process; `trainer.nproc=N` starts N local ranks on torch's elastic agent
+(rltrain.launch); under `torchrun` (one node or several) every process is already a rank and trains
+directly, sharing rank 0's run directory (rltrain.shared_run_dir).
 
 In a multirun (`-m`), a job that fails is reported (its paragraph or traceback as usual) and the
 sweep goes on with the next job: the job returns its outcome (`rltrain.sweep.JobOutcome`, whose
@@ -20,6 +21,7 @@ import shutil
 import sys
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 from omegaconf import OmegaConf
@@ -163,20 +165,24 @@ def write_config(cfg, run_dir: Path) -> None:
 
 
 def run_torchrun_rank(cfg, own_dir: Path) -> None:
-    """Under torchrun each process composed its own run dir; all use rank 0's.
+    """Under torchrun each process composed its own run dir; all use rank 0's, which every rank,
+    on every node, must see (rltrain.shared_run_dir).
 
     A rank's UserError: the first rank to report it prints its paragraph, naming itself, and every
     rank that raised one exits 2; a rank stopped by a peer's user error exits 1 quietly."""
-    from rltrain.distributed import broadcast_str, init_distributed
+    from rltrain.distributed import init_distributed
+    from rltrain.shared_run_dir import agree_on_run_dir
     from rltrain.trainer import run
 
     dist_info = init_distributed(cfg.safety.collective_timeout_s)
     if dist_info.is_main:
-        clear_reports(own_dir)  # before the broadcast: no peer can report yet
-    run_dir = Path(broadcast_str(str(own_dir) if dist_info.is_main else None))
-    if dist_info.is_main:
-        write_config(cfg, run_dir)
-    elif run_dir != own_dir:
+        clear_reports(own_dir)  # before the agreement: no peer can report yet
+        write_config(cfg, own_dir)
+    try:
+        run_dir = agree_on_run_dir(own_dir, dist_info)
+    except UserError as exc:
+        fail(exc)
+    if run_dir != own_dir:
         shutil.rmtree(own_dir, ignore_errors=True)
     try:
         run(cfg, run_dir)
@@ -193,7 +199,7 @@ def run_torchrun_rank(cfg, own_dir: Path) -> None:
         raise
 
 
-def fail(exc: UserError) -> None:
+def fail(exc: UserError) -> NoReturn:
     """Print a user error's paragraph (once: on rank 0 under torchrun) and fail the job with 2."""
     message = format_error(str(exc))
     if os.environ.get("RANK", "0") == "0":
