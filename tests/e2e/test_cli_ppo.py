@@ -4,6 +4,7 @@ correction on, and Megatron with tensor parallelism on 2 ranks."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -73,3 +74,25 @@ def test_critic_warmup_trains_the_critic_only(tiny_cache, tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     assert "policy/clipfrac" not in rows[0]  # step 1: the critic alone
     assert "policy/clipfrac" in rows[1]
+
+
+def test_ppo_on_a_model_data_and_reward_of_the_users(tiny_cache, tmp_path):
+    """A model directory of another architecture (Llama, untied, no attention biases) given by
+    `model.path`, a user's prompts and a user's reward function, with the default vLLM engine."""
+    from rltrain.config import ModelConfig
+    from rltrain.models.tiny import build_tiny_model_dir
+
+    model_dir = build_tiny_model_dir(
+        ModelConfig(arch="llama", attention_bias=False, tie_word_embeddings=False, hidden_size=64, num_layers=2,
+                    num_heads=2, num_kv_heads=1, intermediate_size=160), seed=7)
+    (tmp_path / "myppo.py").write_text(
+        "def exact(prompts, completions, target, **kw):\n"
+        "    return [1.0 if c.strip() == t else 0.0 for c, t in zip(completions, target)]\n"
+    )
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "target": str(2 * a)}) + "\n" for a in range(40)))
+    rltrain("algo=ppo", f"model.path={model_dir}", f"data.path={data}", "reward.fns=[myppo:exact]",
+            "algo.prompts_per_step=4", "algo.group_size=2", "trainer.max_steps=2", *QUICK,
+            run_dir=tmp_path / "run", env={"PYTHONPATH": str(tmp_path)}, timeout=400)
+    rows = train_rows(tmp_path / "run")
+    assert len(rows) == 2 and all("reward/exact" in r and math.isfinite(r["critic/value_loss"]) for r in rows)
