@@ -10,6 +10,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# A smaller tiny model, for runs whose subject is not the model (launching, failures).
+SMALL_MODEL = [
+    "model.hidden_size=64",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.intermediate_size=128",
+]
+
 QUICK = [
     "logger.wandb.mode=disabled",
     "trainer.eval_every=0",

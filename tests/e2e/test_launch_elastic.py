@@ -13,18 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
-from cli import QUICK, ROOT, rltrain, train_rows
+from cli import QUICK, ROOT, SMALL_MODEL, rltrain, train_rows
 
 pytestmark = pytest.mark.e2e
 
 SMALL = [
     "algo=sft",
     "trainer.nproc=2",
-    "model.hidden_size=64",
-    "model.num_layers=2",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
-    "model.intermediate_size=128",
+    *SMALL_MODEL,
     "trainer.global_batch_size=8",
     "trainer.micro_batch_size=4",
     "data.num_eval=4",
