@@ -1,13 +1,17 @@
 """`python -m rltrain [overrides]`: compose the config with Hydra, validate it, launch the ranks.
 
-One rank runs in this process; `trainer.nproc=N` spawns N local ranks (rltrain.launch); under
-`torchrun` every process is already a rank and trains directly, sharing rank 0's run directory.
+One rank runs in this process; `trainer.nproc=N` starts N local ranks on torch's elastic agent
+(rltrain.launch); under `torchrun` (one node or several) every process is already a rank and trains
+directly, sharing rank 0's run directory (rltrain.shared_run_dir).
 
 In a multirun (`-m`), a job that fails is reported (its paragraph or traceback as usual) and the
-sweep goes on with the next job: the job returns its outcome instead of exiting, the process-global
-state it left is reset (rltrain.process_state), `rltrain.sweep.SweepSummary` (a Hydra callback,
-conf/config.yaml) writes `sweep_summary.csv`, and the process exits with the first failed job's
-exit status once every job has run.
+sweep goes on with the next job: the job returns its outcome (`rltrain.sweep.JobOutcome`, whose
+float is the job's `sweep.objective` for sweepers such as Optuna) instead of exiting, the
+process-global state it left is reset (rltrain.process_state), `rltrain.sweep.SweepSummary` (a
+Hydra callback, conf/config.yaml) writes `sweep_summary.csv`, and the process exits with the first
+failed job's exit status once every job has run. Under submitit (`hydra/launcher=slurm` or
+`submitit_local`) a job with several tasks makes each task one rank, with the environment torchrun
+would give it (`join_submitit_ranks`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import shutil
 import sys
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 from omegaconf import OmegaConf
@@ -31,12 +36,9 @@ from rltrain.errors import (
     peer_reported,
     stay_quiet_after_peer,
 )
+from rltrain.sweep import JobOutcome, objective_value, sweep_exit_status
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-
-# Exit statuses of the failed jobs of this process's sweep, in job order.
-_sweep_failures: list[int] = []
-
 
 class JobFailed(Exception):
     """A job ended with a non-zero exit status; what the user was told is already printed."""
@@ -69,30 +71,57 @@ def job(cfg):
     return None
 
 
-def sweep_job(cfg, run_dir: Path) -> dict:
-    """One job of a sweep: never exits; returns its outcome (a row of the sweep summary)."""
+def join_submitit_ranks() -> None:
+    """In a submitit job of several tasks (Slurm's `nodes` x `tasks_per_node`, or submitit_local's
+    `tasks_per_node`) each task is one rank: export the variables torchrun would give it (RANK,
+    LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the job's first node),
+    so the job trains exactly as under torchrun. A one-task job is left as it is."""
+    if "SUBMITIT_EXECUTOR" not in os.environ:
+        return
+    import submitit
+
+    if submitit.JobEnvironment().num_tasks > 1:
+        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
+def sweep_job(cfg, run_dir: Path) -> JobOutcome:
+    """One job of a sweep: never exits; returns its outcome (a row of the sweep summary, and the
+    objective a sweeper reads)."""
     from rltrain.process_state import environment_snapshot, reset_process_state, restore_environment
 
     env = environment_snapshot()
     try:
+        join_submitit_ranks()
         run_job(cfg, run_dir)
-        return {"status": "ok", "exit_status": 0, "error": ""}
+        return _finished(cfg, run_dir)
     except JobFailed as exc:
-        outcome = {"status": "failed", "exit_status": exc.code, "error": _first_line(exc.message)}
+        outcome = JobOutcome("failed", exc.code, _first_line(exc.message))
     except SystemExit as exc:  # a library's sys.exit() inside the job ends the job, not the sweep
         code = exc.code if isinstance(exc.code, int) else 1
         if code == 0:
-            return {"status": "ok", "exit_status": 0, "error": ""}
-        outcome = {"status": "failed", "exit_status": code, "error": f"SystemExit({exc.code!r})"}
+            return _finished(cfg, run_dir)
+        outcome = JobOutcome("failed", code, f"SystemExit({exc.code!r})")
     except Exception as exc:  # noqa: BLE001 - any failure of one job is reported, the sweep goes on
         traceback.print_exc()
-        outcome = {"status": "failed", "exit_status": 1, "error": _first_line(f"{type(exc).__name__}: {exc}")}
+        outcome = JobOutcome("failed", 1, _first_line(f"{type(exc).__name__}: {exc}"))
     finally:
         reset_process_state()
         restore_environment(env)
-    _sweep_failures.append(outcome["exit_status"])
-    print(f"rltrain: job {run_dir.name} failed (exit status {outcome['exit_status']}); the sweep goes on", file=sys.stderr, flush=True)
+    print(f"rltrain: job {run_dir.name} failed (exit status {outcome.exit_status}); the sweep goes on", file=sys.stderr, flush=True)
     return outcome
+
+
+def _finished(cfg, run_dir: Path) -> JobOutcome:
+    """A job that ran to the end, with its objective (None, and a warning, when it logged none)."""
+    value = objective_value(run_dir, cfg.sweep.objective, cfg.sweep.last_n)
+    if value is None:
+        print(
+            f"rltrain: warning: job {run_dir.name} logged no finite {cfg.sweep.objective!r}, so it has no objective; "
+            "set sweep.objective to a metric of metrics.jsonl (e.g. eval/accuracy, reward/mean, loss)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return JobOutcome("ok", 0, objective=value, objective_key=cfg.sweep.objective)
 
 
 def _first_line(text: str) -> str:
@@ -136,20 +165,24 @@ def write_config(cfg, run_dir: Path) -> None:
 
 
 def run_torchrun_rank(cfg, own_dir: Path) -> None:
-    """Under torchrun each process composed its own run dir; all use rank 0's.
+    """Under torchrun each process composed its own run dir; all use rank 0's, which every rank,
+    on every node, must see (rltrain.shared_run_dir).
 
     A rank's UserError: the first rank to report it prints its paragraph, naming itself, and every
     rank that raised one exits 2; a rank stopped by a peer's user error exits 1 quietly."""
-    from rltrain.distributed import broadcast_str, init_distributed
+    from rltrain.distributed import init_distributed
+    from rltrain.shared_run_dir import agree_on_run_dir
     from rltrain.trainer import run
 
     dist_info = init_distributed(cfg.safety.collective_timeout_s)
     if dist_info.is_main:
-        clear_reports(own_dir)  # before the broadcast: no peer can report yet
-    run_dir = Path(broadcast_str(str(own_dir) if dist_info.is_main else None))
-    if dist_info.is_main:
-        write_config(cfg, run_dir)
-    elif run_dir != own_dir:
+        clear_reports(own_dir)  # before the agreement: no peer can report yet
+        write_config(cfg, own_dir)
+    try:
+        run_dir = agree_on_run_dir(own_dir, dist_info)
+    except UserError as exc:
+        fail(exc)
+    if run_dir != own_dir:
         shutil.rmtree(own_dir, ignore_errors=True)
     try:
         run(cfg, run_dir)
@@ -166,7 +199,7 @@ def run_torchrun_rank(cfg, own_dir: Path) -> None:
         raise
 
 
-def fail(exc: UserError) -> None:
+def fail(exc: UserError) -> NoReturn:
     """Print a user error's paragraph (once: on rank 0 under torchrun) and fail the job with 2."""
     message = format_error(str(exc))
     if os.environ.get("RANK", "0") == "0":
@@ -177,8 +210,8 @@ def fail(exc: UserError) -> None:
 def main() -> None:
     register_configs()
     hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)(job)()
-    if _sweep_failures:
-        sys.exit(_sweep_failures[0])
+    if sweep_exit_status():
+        sys.exit(sweep_exit_status())
 
 
 if __name__ == "__main__":

@@ -97,6 +97,19 @@ class WandbConfig:
 @dataclass
 class LoggerConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    # GRPO: a `samples/train` table of prompts, completions and rewards every N steps; 0 = only the
+    # `samples/eval` table at each evaluation (README, "W&B").
+    sample_every: int = 0
+
+
+@dataclass
+class SweepConfig:
+    """What a sweep job returns to the sweeper (Optuna) and `sweep_summary.csv` (rltrain/sweep.py):
+    the mean of the last `last_n` logged values of the metric `objective`."""
+
+    objective: str = "eval/accuracy"
+    direction: str = "maximize"  # maximize | minimize
+    last_n: int = 1
 
 
 @dataclass
@@ -120,20 +133,41 @@ class DPOConfig(AlgoConfig):
 
 
 @dataclass
-class GRPOConfig(AlgoConfig):
-    name: str = "grpo"
+class RLConfig(AlgoConfig):
+    """What every RL algorithm shares: the experience pipeline, the clipped policy loss and the
+    rollout correction (rltrain/algos/rl.py)."""
+
     group_size: int = 8
     prompts_per_step: int = 16
     mini_batches: int = 1
     num_iterations: int = 1
-    scale_rewards: str = "group"  # group | batch | none
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
     clip_low: float = 0.2
     clip_high: float = 0.28
-    beta: float = 0.0
+    beta: float = 0.0  # KL to the reference (0: no reference model)
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 6
+    rollout_correction: str = "none"  # none | tis | mask (rltrain/algos/rollout_correction.py)
+    rollout_is_cap: float = 2.0  # tis: token importance weights truncated at this value
+    rollout_mask_band: float = 2.0  # mask: keep sequences whose train/rollout ratio is in [1/band, band]
+
+
+@dataclass
+class GRPOConfig(RLConfig):
+    name: str = "grpo"
+    scale_rewards: str = "group"  # group | batch | none
+
+
+@dataclass
+class PPOConfig(RLConfig):
+    name: str = "ppo"
+    gamma: float = 1.0  # GAE discount
+    lam: float = 0.95  # GAE lambda
+    vf_clip: float = 0.2  # clipped value loss: values move at most this far from the old ones
+    critic_warmup_steps: int = 0  # the first steps train the critic only
+    whiten_advantages: bool = True
+    kl_in_reward: bool = False  # true: -beta * KL per token in the reward; false: beta * k3 in the loss
 
 
 @dataclass
@@ -183,6 +217,46 @@ class HFRolloutConfig(RolloutConfig):
 
 
 @dataclass
+class ReferenceConfig:
+    """The frozen reference (DPO always; GRPO when `algo.beta > 0`). `path=null`: the policy's initial
+    weights; else a Hugging Face model directory sharing the policy's tokenizer (rltrain/roles.py)."""
+
+    path: str | None = None
+
+
+@dataclass
+class CriticConfig:
+    """The value model (PPO). `path=null`: the policy's initial weights with a fresh scalar value
+    head; else a Hugging Face model directory sharing the policy's tokenizer. Its own optimizer takes
+    `lr` and every other `optim.*` setting."""
+
+    path: str | None = None
+    lr: float = 1e-3  # on the embedded default, 1e-2 leaves the critic predicting the mean return (explained variance ~0)
+
+
+@dataclass
+class RewardModelConfig:
+    """A sequence classifier scoring prompt + completion, added to `reward.fns` with `weight`
+    (rltrain/rewards/model_reward.py); logged as `reward/model`."""
+
+    name: str = MISSING
+    path: str | None = None  # a Hugging Face AutoModelForSequenceClassification directory, num_labels=1
+    weight: float = 1.0
+    batch_size: int = 32  # texts per forward pass
+    max_length: int = 1024  # tokens per text; longer texts lose their beginning (the score reads the end)
+
+
+@dataclass
+class NoRewardModelConfig(RewardModelConfig):
+    name: str = "none"
+
+
+@dataclass
+class HFRewardModelConfig(RewardModelConfig):
+    name: str = "hf"
+
+
+@dataclass
 class RewardConfig:
     """Reward functions by dotted path (`pkg.module:function`); empty = the built-in task's reward."""
 
@@ -225,6 +299,9 @@ class Config:
     backend: Any = MISSING
     rollout: Any = None
     model: ModelConfig = field(default_factory=ModelConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: Any = MISSING
     data: DataConfig = field(default_factory=DataConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -234,13 +311,17 @@ class Config:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
 
 
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
-    "algo": {"sft": SFTConfig, "dpo": DPOConfig, "grpo": GRPOConfig},
+    "algo": {"sft": SFTConfig, "dpo": DPOConfig, "grpo": GRPOConfig, "ppo": PPOConfig},
     "backend": {"fsdp": FSDPBackendConfig, "megatron": MegatronBackendConfig},
     "rollout": {"vllm": VLLMRolloutConfig, "hf": HFRolloutConfig},
     "model": {"tiny": ModelConfig, "tiny_sft": ModelConfig},
+    "reference": {"default": ReferenceConfig},
+    "critic": {"default": CriticConfig},
+    "reward_model": {"none": NoRewardModelConfig, "hf": HFRewardModelConfig},
     "data": {"default": DataConfig},
     "logger": {"default": LoggerConfig},
 }

@@ -5,16 +5,26 @@ into a plain, unsharded copy of the model *on its training device*, generates gr
 slice of the held-out prompts with no collectives at all, and one all-reduce sums the correct
 answers. Generation under FSDP would run a collective per token per layer; this runs none. The copy
 exists only while evaluating (built, loaded, used and dropped in `accuracy`), so it never holds
-memory during training.
+memory during training. Besides the accuracy, a call returns a few of this rank's greedy
+completions as samples (reward 1 for an exact match, else 0) for the W&B sample tables.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from rltrain.data.sharding import rank_slice
 from rltrain.distributed import all_reduce_sum
+from rltrain.samples import MAX_SAMPLES, Sample, first_samples
+
+
+@dataclass
+class GreedyResult:
+    accuracy: float  # over every rank's slice, identical on every rank
+    samples: list[Sample]  # the first of this rank's completions
 
 
 class GreedyEvaluator:
@@ -73,8 +83,8 @@ class GreedyEvaluator:
                 texts.append(self.tokenizer.decode(row, skip_special_tokens=True))
         return texts
 
-    def accuracy(self, engine, prompts: list[list[int]], references: list[str]) -> float:
-        """Exact-match accuracy over all ranks' slices (identical result on every rank)."""
+    def accuracy(self, engine, prompts: list[list[int]], references: list[str]) -> GreedyResult:
+        """Exact-match accuracy over all ranks' slices, and samples of this rank's completions."""
         self.load(engine)
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -83,6 +93,8 @@ class GreedyEvaluator:
             outputs = self.generate([prompts[i] for i in mine]) if mine else []
         finally:
             self.release()
-        correct = sum(int(out.strip() == references[i].strip()) for out, i in zip(outputs, mine))
-        counts = all_reduce_sum(torch.tensor([correct, len(mine)], dtype=torch.float64, device="cpu"))
-        return float(counts[0] / counts[1].clamp(min=1))
+        hits = [float(out.strip() == references[i].strip()) for out, i in zip(outputs, mine)]
+        counts = all_reduce_sum(torch.tensor([sum(hits), len(mine)], dtype=torch.float64, device="cpu"))
+        shown = [self.tokenizer.decode(prompts[i], skip_special_tokens=True) for i in mine[:MAX_SAMPLES]]
+        samples = first_samples(shown, outputs, hits)
+        return GreedyResult(float(counts[0] / counts[1].clamp(min=1)), samples)

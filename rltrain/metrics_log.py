@@ -3,7 +3,8 @@ the console (a progress bar on a terminal, plain periodic lines otherwise). Only
 
 On resume the rows after the checkpoint's step are dropped from `metrics.jsonl` (they belong to
 the run that was stopped and will be produced again), so the file ends with exactly one row per
-step. W&B receives exactly the values written to the file.
+step. W&B receives exactly the values written to the file, plus the sample tables (`samples/train`,
+`samples/eval`: rltrain.samples), which only W&B shows.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
+
+from rltrain.samples import Sample, samples_table
 
 
 def _clean(value: Any) -> Any:
@@ -68,6 +71,11 @@ class MetricsLogger:
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
         self._console(row)
+
+    def log_samples(self, key: str, step: int, samples: list[Sample]) -> None:
+        """A W&B table of samples (rltrain.samples) under `key` at `step`; nothing without W&B."""
+        if self.wandb_run is not None and samples:
+            self.wandb_run.log({key: samples_table(samples, step)}, step=step)
 
     def _console(self, row: dict[str, Any]) -> None:
         step = int(row["step"])

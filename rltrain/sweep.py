@@ -1,14 +1,20 @@
 """`sweep_summary.csv`: one row per job of a Hydra multirun, written by a Hydra callback.
 
 Registered in conf/config.yaml under `hydra.callbacks.sweep_summary`. Each job of a sweep returns
-its outcome (`rltrain.__main__.sweep_job`: status, exit status, first error line); `on_job_end`
-turns it into a row, adding the job's final metrics from its `metrics.jsonl` where present; at the
-end of the sweep `on_multirun_end` writes `<sweep dir>/sweep_summary.csv` (atomically) and prints
-the same rows as a table.
+a `JobOutcome` (`rltrain.__main__.sweep_job`): how it ended, and its objective, which is what a
+sweeper such as Optuna reads (`float(outcome)`; a failed job or one that never logged the objective
+raises ValueError there, so Optuna records a failed trial and goes on).
 
-Columns, in order: `job, status, exit_status, overrides, <METRIC_COLUMNS...>, error, run_dir`.
-A metric column holds the last logged value of that key (empty when the job logged none). To add
-a column, add the key to METRIC_COLUMNS (or a field to `row()`): nothing else depends on the order.
+`on_job_end` runs where the job ran: in this process with Hydra's basic launcher, in the job's own
+process with submitit (locally or on Slurm). It therefore writes its row to the job's directory
+(`sweep_row.json`), and `on_multirun_end`, in the process that started the sweep, gathers those
+files, writes `<sweep dir>/sweep_summary.csv` (atomically), prints the rows as a table and records
+the first failed job's exit status for the process to exit with (`sweep_exit_status`).
+
+Columns, in order: `job, status, exit_status, overrides, objective, <METRIC_COLUMNS...>, error,
+run_dir`. A metric column holds the last logged value of that key (empty when the job logged none).
+To add a column, add the key to METRIC_COLUMNS (or a field to `row()`): nothing else depends on the
+order.
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
+import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,51 +33,85 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 SUMMARY_FILE = "sweep_summary.csv"
+ROW_FILE = "sweep_row.json"
+DIRECTIONS = ("maximize", "minimize")  # sweep.direction, as Optuna names them
 METRIC_COLUMNS = ("loss", "reward/mean", "eval/accuracy", "eval/reward")
-COLUMNS = ("job", "status", "exit_status", "overrides", *METRIC_COLUMNS, "error", "run_dir")
+COLUMNS = ("job", "status", "exit_status", "overrides", "objective", *METRIC_COLUMNS, "error", "run_dir")
+
+# The first failed job's exit status of the last sweep this process ran (0: none failed).
+_exit_status = {"last": 0}
+
+
+@dataclass
+class JobOutcome:
+    """How one job of a sweep ended; `float()` of it is the job's objective, for the sweeper."""
+
+    status: str  # ok | failed
+    exit_status: int
+    error: str = ""
+    objective: float | None = None  # None: the job failed, or never logged a finite objective
+    objective_key: str = ""
+
+    def __float__(self) -> float:
+        if self.objective is None:
+            why = self.error if self.status != "ok" else f"it logged no finite {self.objective_key!r}"
+            raise ValueError(f"no objective: the job {'failed' if self.status != 'ok' else 'ran, but'} ({why})")
+        return self.objective
+
+
+def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """The rows of a job's metrics.jsonl (a torn last line of a killed job is skipped)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
 
 
 def final_metrics(run_dir: Path, keys: tuple[str, ...] = METRIC_COLUMNS) -> dict[str, Any]:
     """The last logged value of each key in the job's metrics.jsonl (missing keys are left out)."""
     out: dict[str, Any] = {}
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return out
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a torn last line of a killed job
-        for key in keys:
-            if key in row:
-                out[key] = row[key]
+    for r in metric_rows(run_dir):
+        out.update({key: r[key] for key in keys if key in r})
     return out
 
 
-def row(job_num: int, overrides: list[str], run_dir: Path, outcome: dict[str, Any]) -> dict[str, Any]:
+def objective_value(run_dir: Path, key: str, last_n: int) -> float | None:
+    """The mean of the last `last_n` finite values of `key` in metrics.jsonl; None when there are
+    none (a non-finite value is logged as a string such as "nan" and does not count)."""
+    values = [float(r[key]) for r in metric_rows(run_dir) if isinstance(r.get(key), (int, float))]
+    values = [v for v in values if math.isfinite(v)][-last_n:]
+    return sum(values) / len(values) if values else None
+
+
+def row(job_num: int, overrides: list[str], run_dir: Path, outcome: JobOutcome) -> dict[str, Any]:
     r = {column: "" for column in COLUMNS}
     r.update(
         job=job_num,
-        status=outcome.get("status", "failed"),
-        exit_status=outcome.get("exit_status", 1),
+        status=outcome.status,
+        exit_status=outcome.exit_status,
         overrides=" ".join(overrides),
-        error=outcome.get("error", ""),
+        objective="" if outcome.objective is None else outcome.objective,
+        error=outcome.error,
         run_dir=str(run_dir),
     )
     r.update(final_metrics(run_dir))
     return r
 
 
-def outcome_of(job_return: JobReturn) -> dict[str, Any]:
+def outcome_of(job_return: JobReturn) -> JobOutcome:
     """A job's outcome: what `sweep_job` returned, or the exception Hydra caught."""
     if job_return.status == JobStatus.COMPLETED:
         value = job_return.return_value
-        if isinstance(value, dict) and "status" in value:
-            return value
-        return {"status": "ok", "exit_status": 0, "error": ""}
+        return value if isinstance(value, JobOutcome) else JobOutcome("ok", 0)
     exc = job_return._return_value
-    text = f"{type(exc).__name__}: {exc}"
-    return {"status": "failed", "exit_status": 1, "error": text.strip().splitlines()[0] if text.strip() else ""}
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return JobOutcome("failed", 1, text.splitlines()[0] if text else "")
 
 
 def write_summary(sweep_dir: Path, rows: list[dict[str, Any]]) -> Path:
@@ -93,7 +136,7 @@ def format_table(rows: list[dict[str, Any]], columns: tuple[str, ...] = COLUMNS,
     """The rows as an aligned text table: columns empty in every row are left out, the overrides
     shown are the ones that differ between jobs, and long cells are cut at `width` characters."""
     shown = [c for c in columns if any(str(_cell(r.get(c, ""))) != "" for r in rows) or c in ("job", "status")]
-    rows = [dict(r, overrides=o) for r, o in zip(rows, _varying([str(r.get("overrides", "")) for r in rows]))]
+    rows = [dict(r, overrides=o) for r, o in zip(rows, varying_overrides([str(r.get("overrides", "")) for r in rows]))]
 
     def cut(text: str) -> str:
         return text if len(text) <= width else text[: width - 3] + "..."
@@ -105,34 +148,70 @@ def format_table(rows: list[dict[str, Any]], columns: tuple[str, ...] = COLUMNS,
     return "\n".join(lines)
 
 
-def _varying(overrides: list[str]) -> list[str]:
-    """Each job's overrides without those every job shares (the swept values)."""
+def varying_overrides(overrides: list[str]) -> list[str]:
+    """Each job's overrides without those every job shares (the swept values); space-separated."""
     split = [o.split() for o in overrides]
     common = set.intersection(*(set(s) for s in split)) if len(split) > 1 else set()
     return [" ".join(o for o in s if o not in common) for s in split]
 
 
-class SweepSummary(Callback):
-    """Collects one row per job and writes `sweep_summary.csv` at the end of the sweep."""
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(value))
+    tmp.replace(path)
 
-    def __init__(self) -> None:
-        self.rows: list[dict[str, Any]] = []
+
+def gather_rows(sweep_dir: Path) -> list[dict[str, Any]]:
+    """Every job's row under the sweep directory, in job order."""
+    rows = [json.loads(p.read_text()) for p in sweep_dir.rglob(ROW_FILE)]
+    return sorted(rows, key=lambda r: int(r["job"]))
+
+
+def _first_rank() -> bool:
+    """False in every rank of a multi-rank job but the first (torchrun's RANK, or the task of a
+    submitit job with several tasks), so one row per job is written."""
+    if os.environ.get("RANK", "0") != "0":
+        return False
+    if "SUBMITIT_EXECUTOR" not in os.environ:
+        return True
+    import submitit
+
+    return submitit.JobEnvironment().global_rank == 0
+
+
+def sweep_exit_status() -> int:
+    """The first failed job's exit status of the last sweep this process ran; 0 when none failed."""
+    return _exit_status["last"]
+
+
+class SweepSummary(Callback):
+    """Writes each job's row next to the job, and `sweep_summary.csv` at the end of the sweep."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self.rows = []
+        _exit_status["last"] = 0
+        # Rows of an earlier sweep into the same directory would be summarised with this one's.
+        for stale in Path(config.hydra.sweep.dir).resolve().rglob(ROW_FILE):
+            stale.unlink()
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         from hydra.types import RunMode
 
         hydra_cfg = config.get("hydra")
-        if hydra_cfg is None or hydra_cfg.mode != RunMode.MULTIRUN:
+        if hydra_cfg is None or hydra_cfg.mode != RunMode.MULTIRUN or not _first_rank():
             return
-        self.rows.append(
-            row(int(hydra_cfg.job.num), list(job_return.overrides or []), Path(hydra_cfg.runtime.output_dir), outcome_of(job_return))
-        )
+        run_dir = Path(hydra_cfg.runtime.output_dir)
+        outcome = outcome_of(job_return)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_json(run_dir / ROW_FILE, row(int(hydra_cfg.job.num), list(job_return.overrides or []), run_dir, outcome))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        rows = sorted(self.rows, key=lambda r: r["job"])
-        path = write_summary(Path(config.hydra.sweep.dir).resolve(), rows)
-        failed = sum(r["status"] != "ok" for r in rows)
-        print(f"\nrltrain: sweep summary ({len(rows)} jobs, {failed} failed) -> {path}\n{format_table(rows)}", flush=True)
+        sweep_dir = Path(config.hydra.sweep.dir).resolve()
+        rows = gather_rows(sweep_dir)
+        path = write_summary(sweep_dir, rows)
+        failed = [r for r in rows if r["status"] != "ok"]
+        _exit_status["last"] = int(failed[0]["exit_status"]) if failed else 0
+        objective = f"; objective: {config.sweep.objective} ({config.sweep.direction})" if "sweep" in config else ""
+        print(
+            f"\nrltrain: sweep summary ({len(rows)} jobs, {len(failed)} failed{objective}) -> {path}\n{format_table(rows)}",
+            flush=True,
+        )

@@ -123,7 +123,7 @@ class TimeSharing:
         self.pending: list[tuple[str, torch.Tensor]] | None = None  # exported, not yet synced
         # An engine that loses its weights in its sleep (vLLM at rollout.sleep_level=2 on CUDA)
         # needs them again after every wake: the last synced host copy is kept until the next export.
-        self.resend_after_wake = enabled and not getattr(rollout, "weights_survive_sleep", True)
+        self.resend_after_wake = enabled and not rollout.weights_survive_sleep
         self.synced: list[tuple[str, torch.Tensor]] | None = None
         self.last_sync_s = 0.0
         self.last_generate_s = 0.0
@@ -134,9 +134,8 @@ class TimeSharing:
         """Each engine's groups once, in engine order (a policy and its reference may share)."""
         unique: dict[int, Any] = {}
         for engine in self.engines:
-            groups = getattr(engine, "groups", None)
-            if groups is not None:
-                unique.setdefault(id(groups), groups)
+            if engine.groups is not None:
+                unique.setdefault(id(engine.groups), engine.groups)
         return list(unique.values())
 
     @contextmanager

@@ -3,7 +3,8 @@
 The loop is algorithm-agnostic: the algorithm turns `train_step(step)` into one optimizer step
 and returns metrics that are already identical on every rank; the loop adds timing, writes rows,
 runs evaluation every `trainer.eval_every` steps and at the end, saves atomic checkpoints every
-`trainer.save_every` steps and writes `final/` as a Hugging Face model directory.
+`trainer.save_every` steps and writes `final/` as a Hugging Face model directory; rank 0 then draws
+the run's curves into `plots.png` (rltrain.plot).
 """
 
 from __future__ import annotations
@@ -24,13 +25,16 @@ from rltrain.distributed import DistInfo, barrier, init_distributed
 from rltrain.errors import UserError, report_user_error
 from rltrain.metrics_log import MetricsLogger
 from rltrain.models.model_dir import resolve_model_dir
+from rltrain.plot import write_run_plot
 from rltrain.process_state import reset_process_state
+from rltrain.roles import resolve_role_dirs
 from rltrain.safety.runtime import SafetyRuntime
 
 ALGORITHMS = {
     "sft": "rltrain.algos.sft:SFT",
     "dpo": "rltrain.algos.dpo:DPO",
     "grpo": "rltrain.algos.grpo:GRPO",
+    "ppo": "rltrain.algos.ppo:PPO",
 }
 
 
@@ -73,14 +77,15 @@ def run(cfg, run_dir: Path) -> None:
         seed_everything(cfg.trainer.seed, dist_info.rank)
         model_dir = prepare_model_dir(cfg, dist_info)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        ctx = RunContext(cfg=cfg, run_dir=run_dir, dist=dist_info, model_dir=model_dir, tokenizer=tokenizer)
+        role_dirs = resolve_role_dirs(cfg, model_dir, tokenizer, dist_info.rank)
+        ctx = RunContext(
+            cfg=cfg, run_dir=run_dir, dist=dist_info, model_dir=model_dir, tokenizer=tokenizer, role_dirs=role_dirs
+        )
         algo = build_algorithm(ctx)
         try:
             train_loop(ctx, algo)
         finally:
-            close = getattr(algo, "close", None)
-            if close is not None:
-                close()
+            algo.close()
     except UserError as exc:
         # Recorded before this rank leaves its collectives, so that the peers whose collectives
         # fail next find the cause and stay quiet (rltrain.errors).
@@ -108,12 +113,13 @@ def train_loop(ctx: RunContext, algo) -> None:
             print(f"rltrain: resumed from {latest} (step {start_step})", flush=True)
     logger = MetricsLogger(cfg, run_dir, dist_info.is_main, start_step)
     # heartbeat, hang watchdog, health server, fault injection (README, "Failure behaviour")
-    safety = SafetyRuntime(cfg, run_dir, dist_info.rank, dist_info.world_size, ping=getattr(algo, "rollout_ping", None))
+    safety = SafetyRuntime(cfg, run_dir, dist_info.rank, dist_info.world_size, ping=algo.health_ping())
     safety.start()
     try:
         max_steps = cfg.trainer.max_steps
         if start_step == 0 and cfg.trainer.eval_every > 0:
             logger.log({"step": 0, **algo.evaluate(0)})
+            logger.log_samples("samples/eval", 0, algo.samples())
             safety.progress()  # /healthz/deep judges ranks by progress (README, "Health endpoints")
         for step in range(start_step + 1, max_steps + 1):
             safety.before_step(step)
@@ -124,11 +130,13 @@ def train_loop(ctx: RunContext, algo) -> None:
             if "tokens" in metrics:
                 row["tokens_per_s"] = metrics["tokens"] / max(elapsed, 1e-9)
             logger.log(row)
+            logger.log_samples("samples/train", step, algo.samples())
             is_last = step == max_steps
             if is_last or (cfg.trainer.eval_every > 0 and step % cfg.trainer.eval_every == 0):
                 evals = algo.evaluate(step)
                 if evals:
                     logger.log({"step": step, **evals})
+                logger.log_samples("samples/eval", step, algo.samples())
             # Saved after the step's rows are written: a checkpoint at step N implies rows 1..N.
             if is_last or (cfg.trainer.save_every > 0 and step % cfg.trainer.save_every == 0):
                 ckpt.save(step, algo.checkpoint_engines(), {"algorithm": algo.state_dict()})
@@ -140,6 +148,8 @@ def train_loop(ctx: RunContext, algo) -> None:
     finally:
         safety.close()
         logger.close()
+    if dist_info.is_main:
+        write_run_plot(run_dir)  # RUN_DIR/plots.png; a plotting error is only a warning
 
 
 def export_final(ctx: RunContext, algo) -> None:

@@ -7,6 +7,7 @@ catches values that are well-typed but unusable, with a message naming the key a
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -29,11 +30,14 @@ CHOICES = {
     "model.arch": ("qwen2", "llama"),
     "algo.loss_type": ("sigmoid", "ipo", "hinge", "robust"),  # dpo: rltrain.algos.dpo_loss.LOSS_TYPES
     "algo.scale_rewards": ("group", "batch", "none"),  # grpo: rltrain.algos.grpo_loss.SCALES
-    "algo.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),  # grpo: grpo_loss.LOSS_AGGS
+    "algo.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),  # grpo, ppo: policy_loss.LOSS_AGGS
+    "algo.rollout_correction": ("none", "tis", "mask"),  # grpo, ppo: rltrain.algos.rollout_correction.MODES
     "rollout.process": ("colocated", "separate"),  # vllm: rltrain.rollout.PROCESSES
+    "sweep.direction": ("maximize", "minimize"),  # rltrain.sweep and hydra.sweeper.direction
 }
 CHOICE_HINTS = {
     "rollout.process": " (the vLLM engine in the trainer's process, or in a child process of its own)",
+    "algo.rollout_correction": " (trust the samples, truncated importance weights per token, or drop sequences whose train/rollout ratio leaves a band)",
     "algo.loss_agg": " (DAPO's token mean, GRPO's mean of per-sequence means, Dr. GRPO's sums over the generation budget)",
 }
 # Files of which a tokenizer directory has at least one (fast tokenizer, sentencepiece, BPE, WordPiece).
@@ -83,6 +87,12 @@ def validate(cfg) -> None:
             "data-parallel ranks: every rank needs at least one example per step. Raise the batch or lower "
             "trainer.nproc."
         )
+    if cfg.sweep.last_n < 1:
+        raise UserError(f"sweep.last_n={cfg.sweep.last_n} must be at least 1 (the objective averages that many logged values).")
+    if cfg.logger.sample_every < 0:
+        raise UserError(
+            f"logger.sample_every={cfg.logger.sample_every} must be 0 (sample tables at evaluation only) or a number of steps."
+        )
     if cfg.optim.lr <= 0:
         raise UserError(f"optim.lr={cfg.optim.lr} must be positive.")
     if cfg.reward.timeout_s is not None and cfg.reward.timeout_s < 0:
@@ -90,6 +100,7 @@ def validate(cfg) -> None:
     validate_model(cfg.model)
     validate_data(cfg)
     validate_algo(cfg.algo)
+    validate_roles(cfg)
     if cfg.safety.collective_timeout_s <= 0 or cfg.safety.max_consecutive_errors < 0:
         raise UserError(
             f"safety.collective_timeout_s={cfg.safety.collective_timeout_s} must be positive and "
@@ -129,27 +140,40 @@ def validate_model(model) -> None:
         if model.arch == "qwen2" and not model.attention_bias:
             raise UserError("model.attention_bias=false needs model.arch=llama (Qwen2 always has q/k/v biases).")
         return
-    directory = Path(model.path).expanduser()
+    validate_hf_model_dir("model.path", model.path, "leave it unset for the built-in tiny model")
+
+
+def read_hf_config(key: str, value: str, unset_hint: str) -> dict:
+    """config.json of the Hugging Face model directory `value` given as `key`, checked to be one:
+    config.json with a `model_type`, and a tokenizer beside it. `unset_hint` says what the key's
+    null means (the fix that needs no directory)."""
+    directory = Path(value).expanduser()
     if not (directory / "config.json").exists():
         raise UserError(
-            f"model.path={model.path!r} is not a Hugging Face model directory (no config.json). Point it at a "
-            "directory written by save_pretrained, or leave it unset for the built-in tiny model."
+            f"{key}={value!r} is not a Hugging Face model directory (no config.json). Point it at a "
+            f"directory written by save_pretrained, or {unset_hint}."
         )
     try:
         hf_config = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError) as exc:
-        raise UserError(f"model.path={model.path!r}: config.json could not be read as JSON ({exc}).") from None
+        raise UserError(f"{key}={value!r}: config.json could not be read as JSON ({exc}).") from None
     if not isinstance(hf_config, dict) or "model_type" not in hf_config:
         raise UserError(
-            f"model.path={model.path!r}: config.json has no 'model_type', so transformers cannot tell which "
-            "architecture to build. Point model.path at a directory written by save_pretrained."
+            f"{key}={value!r}: config.json has no 'model_type', so transformers cannot tell which "
+            f"architecture to build. Point {key} at a directory written by save_pretrained."
         )
     if not any((directory / name).exists() for name in TOKENIZER_FILES) and not any(directory.glob("*.tiktoken")):
         raise UserError(
-            f"model.path={model.path!r} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} (or a *.tiktoken "
+            f"{key}={value!r} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} (or a *.tiktoken "
             "file) is there, and without one transformers silently builds a tokenizer of a few special tokens. "
-            "Save the model's tokenizer into the same directory (tokenizer.save_pretrained(model_path))."
+            f"Save the model's tokenizer into the same directory (tokenizer.save_pretrained({key.split('.')[0]}_path))."
         )
+    return hf_config
+
+
+def validate_hf_model_dir(key: str, value: str | None, unset_hint: str) -> None:
+    if value is not None:
+        read_hf_config(key, value, unset_hint)
 
 
 def validate_data(cfg) -> None:
@@ -174,7 +198,7 @@ def validate_algo(algo) -> None:
             raise UserError(f"algo.beta={algo.beta} must be positive (the DPO temperature).")
         if not 0 <= algo.label_smoothing < 0.5:
             raise UserError(f"algo.label_smoothing={algo.label_smoothing} must be in [0, 0.5).")
-    if algo.name == "grpo":
+    if algo.name in ("grpo", "ppo"):
         for key in ("group_size", "prompts_per_step", "mini_batches", "num_iterations", "max_new_tokens"):
             if getattr(algo, key) < 1:
                 raise UserError(f"algo.{key}={getattr(algo, key)} must be at least 1.")
@@ -187,6 +211,89 @@ def validate_algo(algo) -> None:
                 f"algo.clip_low={algo.clip_low}, algo.clip_high={algo.clip_high} and algo.beta={algo.beta} "
                 "must be at least 0."
             )
+        if algo.rollout_is_cap <= 0 or algo.rollout_mask_band < 1:
+            raise UserError(
+                f"algo.rollout_is_cap={algo.rollout_is_cap} must be positive and algo.rollout_mask_band="
+                f"{algo.rollout_mask_band} at least 1 (sequences are kept when their ratio is in [1/band, band])."
+            )
+    if algo.name == "ppo":
+        if not (0 <= algo.gamma <= 1 and 0 <= algo.lam <= 1):
+            raise UserError(f"algo.gamma={algo.gamma} and algo.lam={algo.lam} must be in [0, 1] (GAE).")
+        if algo.vf_clip <= 0 or algo.critic_warmup_steps < 0:
+            raise UserError(
+                f"algo.vf_clip={algo.vf_clip} must be positive and algo.critic_warmup_steps={algo.critic_warmup_steps} at least 0."
+            )
+
+
+# Algorithms that never build a role: a path given for it would be silently unused, so it is refused.
+ALGOS_WITHOUT_CRITIC = ("sft", "dpo", "grpo")
+ALGOS_WITHOUT_REWARDS = ("sft", "dpo")
+
+
+def validate_roles(cfg) -> None:
+    """`reference`, `critic` and `reward_model` (README, "Roles"): each path a usable Hugging Face
+    directory, each number in range, and no role configured that the algorithm would not build.
+    That a role's tokenizer is the policy's is checked once the policy's directory exists
+    (rltrain/roles.py)."""
+    validate_hf_model_dir("reference.path", cfg.reference.path, "leave it null for the policy's initial weights")
+    validate_hf_model_dir(
+        "critic.path", cfg.critic.path, "leave it null for the policy's weights with a fresh value head"
+    )
+    if not cfg.critic.lr > 0:
+        raise UserError(f"critic.lr={cfg.critic.lr} must be positive (the critic's own learning rate).")
+    algo = cfg.algo
+    rl = algo.name in ("grpo", "ppo")
+    if cfg.reference.path is not None and (algo.name == "sft" or (rl and algo.beta == 0)):
+        why = "algo=sft has no reference" if algo.name == "sft" else f"algo={algo.name} builds a reference only when algo.beta > 0"
+        raise UserError(
+            f"reference.path={cfg.reference.path!r} is set but would be unused: {why}. Remove reference.path"
+            + (", or set algo.beta (e.g. algo.beta=0.04) to add the KL penalty." if rl else ".")
+        )
+    if cfg.critic.path is not None and algo.name in ALGOS_WITHOUT_CRITIC:
+        raise UserError(
+            f"critic.path={cfg.critic.path!r} is set but algo={algo.name} has no critic (only PPO trains one). "
+            "Remove critic.path, or choose an algorithm with a critic."
+        )
+    validate_reward_model(cfg.reward_model, algo.name)
+
+
+def validate_reward_model(rm, algo_name: str) -> None:
+    if rm.name == "none":
+        if rm.path is not None:
+            raise UserError(
+                f"reward_model.path={rm.path!r} is set but reward_model=none scores nothing. Add reward_model=hf "
+                "to the command line to use it, or remove reward_model.path."
+            )
+        return
+    if rm.path is None:
+        raise UserError(
+            "reward_model=hf needs reward_model.path: a Hugging Face AutoModelForSequenceClassification directory "
+            "with one output (num_labels=1) and its tokenizer, e.g. reward_model.path=/models/my-reward-model. "
+            "Or drop reward_model=hf to score with reward.fns alone."
+        )
+    if algo_name in ALGOS_WITHOUT_REWARDS:
+        raise UserError(
+            f"reward_model=hf is set but algo={algo_name} uses no rewards (GRPO and PPO do). Remove reward_model=hf."
+        )
+    hf_config = read_hf_config("reward_model.path", rm.path, "use reward_model=none")
+    architectures = hf_config.get("architectures") or []
+    if not any(str(name).endswith("ForSequenceClassification") for name in architectures):
+        raise UserError(
+            f"reward_model.path={rm.path!r} is not a sequence classifier (its config.json lists architectures "
+            f"{architectures}): loaded as one, its score head would be freshly random. Give a model saved from "
+            "AutoModelForSequenceClassification with num_labels=1."
+        )
+    labels = len(hf_config.get("id2label") or {}) or int(hf_config.get("num_labels", 2))
+    if labels != 1:
+        raise UserError(
+            f"reward_model.path={rm.path!r} has {labels} output labels; a reward model gives one score per text "
+            "(num_labels=1). Use a reward model, not a multi-class classifier."
+        )
+    if not math.isfinite(rm.weight):
+        raise UserError(f"reward_model.weight={rm.weight} must be a finite number (its factor in the total reward).")
+    for key in ("batch_size", "max_length"):
+        if getattr(rm, key) < 1:
+            raise UserError(f"reward_model.{key}={getattr(rm, key)} must be at least 1.")
 
 
 def validate_vllm(rollout) -> None:

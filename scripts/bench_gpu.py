@@ -150,7 +150,8 @@ class Workload:
             n = sum(map(len, completions))
             adv = torch.tensor([rng.uniform(-1, 1) for _ in completions], device="cpu")
             extras = {"global_tokens": float(n), "global_seqs": float(len(completions)), "adv": adv,
-                      "old_logps": None, "entropy": None, "ref_logps": None, "engine_logps": None}
+                      "old_logps": None, "entropy": None, "ref_logps": None, "engine_logps": None,
+                      "measure_parity": False}
         batch = SequenceBatch.from_lists(prompts, completions, **extras)
         return [batch.select(list(range(i, min(i + a.micro, len(batch))))) for i in range(0, len(batch), a.micro)]
 
@@ -158,15 +159,16 @@ class Workload:
         from types import SimpleNamespace
 
         from rltrain.algos.dpo import make_dpo_loss
-        from rltrain.algos.grpo import make_grpo_loss
+        from rltrain.algos.rl_update import make_policy_loss
         from rltrain.algos.sft import sft_loss
 
         if self.name == "sft":
             return sft_loss
         if self.name == "dpo":
             return make_dpo_loss(0.1, "sigmoid", 0.0, 0.0)
-        cfg = SimpleNamespace(clip_low=0.2, clip_high=0.28, beta=0.0, loss_agg="token_mean", max_new_tokens=600)
-        return make_grpo_loss(cfg)
+        cfg = SimpleNamespace(clip_low=0.2, clip_high=0.28, beta=0.0, loss_agg="token_mean", max_new_tokens=600,
+                              rollout_correction="none", rollout_is_cap=2.0, rollout_mask_band=2.0)
+        return make_policy_loss(cfg)
 
     def step(self, k: int) -> tuple[float, float, int]:
         from rltrain.algos.dpo import attach_reference

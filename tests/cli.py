@@ -10,6 +10,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# A smaller tiny model, for runs whose subject is not the model (launching, failures).
+SMALL_MODEL = [
+    "model.hidden_size=64",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.intermediate_size=128",
+]
+
 # model=tiny: RL tests start from the plain tiny model, not from algo=grpo's default SFT start
 # (model=tiny_sft, built once per spec: tests/e2e/test_tiny_sft.py covers it).
 QUICK = [

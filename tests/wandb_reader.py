@@ -61,3 +61,10 @@ def find_run_file(run_dir: Path) -> Path:
     files = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
     assert files, f"no offline W&B run under {run_dir}"
     return files[-1]
+
+
+def read_table(run_file: Path, history_row: dict, key: str) -> dict:
+    """A `wandb.Table` logged under `key`: {"columns": [...], "data": [[...], ...]}, read from the
+    file the history row points at (the offline run's `files/media/table/...`)."""
+    assert history_row.get(f"{key}/_type") == "table-file", f"{key} is not a table in {sorted(history_row)}"
+    return json.loads((run_file.parent / "files" / history_row[f"{key}/path"]).read_text())

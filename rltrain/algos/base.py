@@ -7,11 +7,13 @@ policy. Its resumable state (data position, counters) is JSON.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from rltrain.distributed import DistInfo
+from rltrain.samples import Sample
 
 
 @dataclass
@@ -36,6 +38,10 @@ class Algorithm(Protocol):
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out metrics (`eval/...`), identical on every rank."""
 
+    def samples(self) -> list[Sample]:
+        """The samples (prompt, completion, reward) this rank recorded since the last call, cleared
+        by the call; the trainer logs rank 0's after each step and each evaluation."""
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -46,13 +52,26 @@ class Algorithm(Protocol):
     def export_engine(self) -> Any:
         """The engine whose weights become the run's `final/` model."""
 
+    def health_ping(self) -> Callable[[], bool] | None:
+        """The rollout engine's liveness check for `/healthz/deep` (None: no rollout engine)."""
+
+    def close(self) -> None:
+        """Release what the algorithm holds outside the trainer (a rollout engine) before the
+        process group goes away."""
+
 
 class PolicyStreamAlgorithm:
     """Plumbing the built-in algorithms share: one trainable `policy` engine, checkpointed and
-    exported, and one resumable `stream` of example indices as the algorithm's whole state."""
+    exported, one resumable `stream` of example indices as the algorithm's whole state, and the
+    samples recorded for the W&B tables (`recorded`, handed over once by `samples()`)."""
 
     policy: Any
     stream: Any  # rltrain.data.sampler.IndexStream
+    recorded: list[Sample]
+
+    def samples(self) -> list[Sample]:
+        taken, self.recorded = self.recorded, []
+        return taken
 
     def state_dict(self) -> dict[str, Any]:
         return {"stream": self.stream.state_dict()}
@@ -65,3 +84,9 @@ class PolicyStreamAlgorithm:
 
     def export_engine(self) -> Any:
         return self.policy
+
+    def health_ping(self) -> Callable[[], bool] | None:
+        return None
+
+    def close(self) -> None:
+        """Nothing outside the trainer to release."""

@@ -118,6 +118,9 @@ class DPO(PolicyStreamAlgorithm):
             del self.reference
             self.reference = None
             gc.collect()
+        # Samples: greedy completions at evaluation when the data has answers to check them
+        # against (the built-in task does); without answers DPO generates nothing and records none.
+        self.recorded = []
         self.evaluator = None
         if self.data.eval_answers:
             self.evaluator = GreedyEvaluator(ctx.model_dir, ctx.tokenizer, resolve_precision(cfg.trainer.precision, ctx.dist.device).compute_dtype, 8, device=ctx.dist.device)
@@ -188,5 +191,6 @@ class DPO(PolicyStreamAlgorithm):
             out["eval/dpo_accuracy"] = float(wins.float().mean())
         if self.evaluator is not None:
             prompts = [p.prompt for p in self.data.eval]
-            out["eval/accuracy"] = self.evaluator.accuracy(self.policy, prompts, self.data.eval_answers)
+            result = self.evaluator.accuracy(self.policy, prompts, self.data.eval_answers)
+            out["eval/accuracy"], self.recorded = result.accuracy, result.samples
         return out

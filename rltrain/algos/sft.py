@@ -39,6 +39,7 @@ class SFT(PolicyStreamAlgorithm):
         self.stream = IndexStream(len(self.data.train), cfg.trainer.seed)
         self.policy = build_engine(ctx, "policy")
         max_answer = max((len(ctx.tokenizer(e.reference)["input_ids"]) for e in self.data.eval), default=8)
+        self.recorded = []
         self.evaluator = GreedyEvaluator(ctx.model_dir, ctx.tokenizer, resolve_precision(cfg.trainer.precision, ctx.dist.device).compute_dtype, max_answer + 2, device=ctx.dist.device)
 
     def _global_batch(self) -> list[int]:
@@ -68,5 +69,6 @@ class SFT(PolicyStreamAlgorithm):
     def evaluate(self, step: int) -> dict[str, float]:
         if not self.data.eval:
             return {}
-        acc = self.evaluator.accuracy(self.policy, [e.prompt for e in self.data.eval], [e.reference for e in self.data.eval])
-        return {"eval/accuracy": acc}
+        result = self.evaluator.accuracy(self.policy, [e.prompt for e in self.data.eval], [e.reference for e in self.data.eval])
+        self.recorded = result.samples  # greedy completions, reward 1 for an exact match
+        return {"eval/accuracy": result.accuracy}

@@ -6,9 +6,12 @@ return a loss that is already normalised by a *global* count (tokens or sequence
 micro-batch and every rank), so that the engine can simply sum gradients: micro-batch size,
 accumulation and the number of ranks then do not change the result.
 
-Every rank must call `forward_logps` and `train_step` with the same number of micro-batches (the
-collectives inside them must match); a rank with less data passes empty micro-batches, which the
-engine turns into a zero-loss pass over a dummy sequence.
+Every rank must call `forward_logps` (`forward_values`) and `train_step` with the same number of
+micro-batches (the collectives inside them must match); a rank with less data passes empty
+micro-batches, which the engine turns into a zero-loss pass over a dummy sequence.
+
+An engine scores one kind of quantity (`Scores`): a policy or reference engine log-probabilities
+through the LM head, a critic engine values through a scalar value head (rltrain.backends.value_head).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -24,12 +27,16 @@ import torch.distributed as dist
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
 
+# What an engine's model outputs per completion token: "logps" (policy, reference) or "values" (critic).
+Scores = Literal["logps", "values"]
+
 
 @dataclass
 class PolicyOutput:
-    """Per completion token, ragged like the batch's completions."""
+    """Per completion token, ragged like the batch's completions. A policy's output has `logps`
+    (and `values` None); a critic's has `values`, V(state before token t) in fp32 (and `logps` None)."""
 
-    logps: Ragged
+    logps: Ragged | None
     entropy: Ragged | None = None
     # For a micro-batch with no sequences: a zero built from the model's outputs. The engine adds
     # it to the loss so that every parameter still gets a gradient and every collective fires.
@@ -37,6 +44,31 @@ class PolicyOutput:
     # A Mixture-of-Experts model's load-balancing loss for this micro-batch (engine-internal: the
     # engine weights and adds it; algorithms ignore it). None for dense models.
     aux_loss: torch.Tensor | None = None
+    # A critic's values (fp32), ragged exactly like `logps` would be.
+    values: Ragged | None = None
+
+
+def scored_output(
+    scores: Scores,
+    scored: Ragged,
+    entropy: Ragged | None = None,
+    anchor: torch.Tensor | None = None,
+    aux_loss: torch.Tensor | None = None,
+) -> PolicyOutput:
+    """The PolicyOutput of an engine that scores `scores`, with `scored` in its field."""
+    if scores == "values":
+        return PolicyOutput(logps=None, entropy=entropy, anchor=anchor, aux_loss=aux_loss, values=scored)
+    return PolicyOutput(logps=scored, entropy=entropy, anchor=anchor, aux_loss=aux_loss)
+
+
+def wrong_scores_error(engine: str, scores: Scores, called: str) -> TypeError:
+    """The error for asking an engine for the other kind of output (log-probabilities of a critic,
+    values of a policy): a bug in the caller, named with what it should call instead."""
+    if scores == "values":
+        why = "a critic has no log-probabilities; call forward_values"
+    else:
+        why = "only a critic engine has values; build one with build_engine(ctx, 'critic') and call forward_values"
+    return TypeError(f"{engine}.{called}: this engine scores {scores}, so {why}")
 
 
 # loss_fn(output, micro_batch) -> (loss already divided by the global count, metric contributions
@@ -47,19 +79,31 @@ LossFn = Callable[[PolicyOutput, SequenceBatch], tuple[torch.Tensor, dict[str, t
 class TrainEngine(Protocol):
     rank: int  # data-parallel rank
     world_size: int  # data-parallel size
+    max_steps: int  # optimizer steps the LR schedule spans (an algorithm may set it after building)
+    # The engine's process groups, torn down and re-created around the rollout engine's turn by
+    # time sharing (`teardown()`, `recreate() -> int`); None when it has none (one FSDP rank).
+    groups: Any
 
     def replica_group(self) -> dist.ProcessGroup | None:
         """The process group of the ranks that form this rank's data-parallel replica and so must
         be given identical data (Megatron's tp x pp ranks); None when a replica is one rank."""
 
     def forward_logps(self, micro_batches: list[SequenceBatch], with_entropy: bool = False) -> list[PolicyOutput]:
-        """Scores completion tokens without gradients."""
+        """Scores completion tokens without gradients (policy and reference engines; a critic
+        engine raises TypeError)."""
+
+    def forward_values(self, micro_batches: list[SequenceBatch]) -> list[Ragged]:
+        """A critic engine's values per completion token, ragged like the completions, in fp32,
+        without gradients: value[t] is the value head applied to the hidden state at the position
+        that predicts completion token t, i.e. V(state before token t). A policy or reference
+        engine raises TypeError."""
 
     def train_step(
         self, micro_batches: list[SequenceBatch], loss_fn: LossFn, with_entropy: bool = False
     ) -> dict[str, float]:
         """Forward/backward over every micro-batch, one optimizer step. Returns metrics summed
-        over micro-batches and ranks, plus `grad_norm` and `lr`. `with_entropy`: the outputs
+        over micro-batches and ranks, plus `grad_norm` and `lr`. A critic engine hands `loss_fn`
+        `PolicyOutput(logps=None, values=<with a graph>)`. `with_entropy`: the outputs
         handed to `loss_fn` carry per-token entropies (detached), so an on-policy algorithm can
         take its metrics from the training pass instead of a separate scoring pass."""
 

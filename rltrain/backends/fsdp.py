@@ -33,6 +33,14 @@ rank is paid for with a zero backward built from the model's outputs (recover mo
 (fail-fast), so no rank is left alone in FSDP's collectives. A Mixture-of-Experts model gets a
 routing-independent experts graph and, if its config asks, the load-balancing loss
 (`rltrain.models.moe`).
+
+A critic (`value_head_seed` given; rltrain.backends.roles) is the same engine around a
+`CompletionValuer`: the transformer's hidden states at the same selected positions (same packing,
+buckets and dummy batches) go through a fresh `Linear(hidden, 1)` instead of the LM head, which is
+dropped (neither trained nor kept). The head sits in the root FSDP unit; when sharded it is filled
+after the shards are allocated, from the same seeded draw on every rank. `forward_values` replaces
+`forward_logps`; `train_step` hands the loss `PolicyOutput(logps=None, values=...)`. A critic is
+never exported (`export_weights`/`save_pretrained` raise): its state lives in the run's checkpoints.
 """
 
 from __future__ import annotations
@@ -46,22 +54,25 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rltrain.backends.base import LossFn, PolicyOutput
+from rltrain.backends.base import LossFn, PolicyOutput, Scores, scored_output, wrong_scores_error
 from rltrain.backends.fsdp_groups import FSDPGroups
 from rltrain.backends.hf_scoring import (
     BUCKET_COST_TOKENS,
     CompletionScorer,
+    CompletionValuer,
     bucket_rectangles,
     completion_positions,
     dummy_batch,
 )
+from rltrain.backends.roles import role_build
 from rltrain.backends.shared_prefix import PackingCost, Rectangle, packed_rectangles, shared_prompt_groups
+from rltrain.backends.value_head import initial_value_head, new_value_head
 from rltrain.config import FSDPBackendConfig, OptimConfig, SafetyConfig
 from rltrain.data.batch import SequenceBatch, length_buckets
 from rltrain.data.ragged import Ragged
 from rltrain.distributed import gather_rows
 from rltrain.models import moe
-from rltrain.models.hf_io import load_causal_lm, load_sharded_weights
+from rltrain.models.hf_io import fill_parameter, load_causal_lm, load_sharded_weights
 from rltrain.precision import Precision, resolve_precision
 from rltrain.safety import faults
 from rltrain.safety.guard import (
@@ -77,7 +88,8 @@ from rltrain.schedule import lr_at
 
 
 class FSDPEngine:
-    """The TrainEngine protocol on Hugging Face transformers + FSDP2."""
+    """The TrainEngine protocol on Hugging Face transformers + FSDP2. `optim_cfg=None` builds a
+    frozen engine (a reference); `value_head_seed` a critic (see the module docstring)."""
 
     def __init__(
         self,
@@ -89,6 +101,7 @@ class FSDPEngine:
         precision: Precision | str = "fp32",
         safety: SafetyConfig | None = None,
         gradient_checkpointing: bool = False,
+        value_head_seed: int | None = None,
     ) -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -108,7 +121,16 @@ class FSDPEngine:
         self.moe_info = moe.prepare_moe(self.lm)
         # Sharded, FSDP casts weights to the compute dtype; unsharded, autocast does (docstring).
         autocast = contextlib.nullcontext if self.sharded else partial(self.precision.autocast, device)
-        self.scorer = CompletionScorer(self.lm, self.moe_info, autocast)
+        self.scores: Scores = "logps" if value_head_seed is None else "values"
+        self.value_head_seed = value_head_seed
+        self.scorer: CompletionScorer | CompletionValuer
+        if value_head_seed is None:
+            self.scorer = CompletionScorer(self.lm, self.moe_info, autocast)
+        else:
+            head = new_value_head(
+                self.lm.config.hidden_size, value_head_seed, self.precision.param_dtype, "meta" if self.sharded else device
+            )
+            self.scorer = CompletionValuer(self.lm, head, self.moe_info, autocast)
         if gradient_checkpointing:
             self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         safety = safety or SafetyConfig()
@@ -130,6 +152,8 @@ class FSDPEngine:
             self._shard(backend_cfg)
             self.scorer.to_empty(device=device)  # this rank's shards (and buffers), uninitialised
             load_sharded_weights(self.lm, self.model_dir, self.precision.param_dtype, self.groups.group)
+            if isinstance(self.scorer, CompletionValuer):
+                self._fill_value_head(self.scorer, self.groups.group)
         self.steps_taken = 0  # optimizer steps actually applied (skipped ones excluded)
         self.optimizer = None
         if self.trainable:
@@ -142,6 +166,14 @@ class FSDPEngine:
                 weight_decay=optim_cfg.weight_decay,
                 foreach=True,
             )
+
+    def _fill_value_head(self, valuer: CompletionValuer, group: dist.ProcessGroup) -> None:
+        """The sharded head's rows from the seeded draw (`to_empty` left them uninitialised)."""
+        assert self.value_head_seed is not None
+        initial = initial_value_head(self.lm.config.hidden_size, self.value_head_seed)
+        for name, param in valuer.value_head.named_parameters():
+            full = initial[name].to(self.device, self.precision.param_dtype) if self.rank == 0 else None
+            fill_parameter(param, full, group)
 
     def replica_group(self) -> None:
         """Every FSDP rank is its own data-parallel replica (see `TrainEngine.replica_group`)."""
@@ -171,7 +203,8 @@ class FSDPEngine:
         scored = batch if real else dummy_batch(self.pad_id)
         rects, order_N, padding_mask_BT = self._layout(scored)
         _, _, targets = completion_positions(scored)
-        logps_N, entropy_N, aux = self.scorer(
+        # logps_N of a policy or reference, values_N of a critic (`self.scores`)
+        scored_N, entropy_N, aux = self.scorer(
             [r.to(self.device) for r in rects],
             targets.to(self.device),
             with_entropy,
@@ -181,15 +214,17 @@ class FSDPEngine:
         if not real:
             # Keep the graph (so a zero loss still reaches every parameter) but hold no sequences.
             empty_offsets = torch.zeros(1, dtype=torch.long)
-            return PolicyOutput(
-                Ragged(logps_N[:0], empty_offsets),
+            return scored_output(
+                self.scores,
+                Ragged(scored_N[:0], empty_offsets),
                 Ragged(entropy_N[:0], empty_offsets) if entropy_N is not None else None,
-                anchor=logps_N.sum() * 0.0,
+                anchor=scored_N.sum() * 0.0,
                 aux_loss=aux * 0.0 if aux is not None else None,
             )
         lengths = batch.completion_lens()
-        return PolicyOutput(
-            Ragged.from_lengths(logps_N, lengths),
+        return scored_output(
+            self.scores,
+            Ragged.from_lengths(scored_N, lengths),
             Ragged.from_lengths(entropy_N, lengths) if entropy_N is not None else None,
             aux_loss=aux,
         )
@@ -232,17 +267,34 @@ class FSDPEngine:
 
     @torch.no_grad()
     def forward_logps(self, micro_batches: list[SequenceBatch], with_entropy: bool = False) -> list[PolicyOutput]:
+        if self.scores != "logps":
+            raise wrong_scores_error("FSDPEngine", self.scores, "forward_logps")
         self.scorer.eval()
         outs = []
         for mb in micro_batches:
             out = self._score(mb, with_entropy)
+            assert out.logps is not None
             outs.append(PolicyOutput(out.logps.detach(), out.entropy.detach() if out.entropy is not None else None))
+        return outs
+
+    @torch.no_grad()
+    def forward_values(self, micro_batches: list[SequenceBatch]) -> list[Ragged]:
+        if self.scores != "values":
+            raise wrong_scores_error("FSDPEngine", self.scores, "forward_values")
+        self.scorer.eval()
+        outs = []
+        for mb in micro_batches:
+            values = self._score(mb, with_entropy=False).values
+            assert values is not None
+            outs.append(values.detach())
         return outs
 
     def train_step(
         self, micro_batches: list[SequenceBatch], loss_fn: LossFn, with_entropy: bool = False
     ) -> dict[str, float]:
         assert self.optimizer is not None and self.optim_cfg is not None, "train_step on a frozen engine"
+        if with_entropy and self.scores == "values":
+            raise ValueError("train_step(with_entropy=True) on a critic engine: a critic has no entropy")
         self.scorer.train()
         lr = lr_at(self.steps_taken, self.optim_cfg, self.max_steps)
         for group in self.optimizer.param_groups:
@@ -298,6 +350,7 @@ class FSDPEngine:
     # --- weights out ---------------------------------------------------------------------------
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self._refuse_critic_export("export_weights")
         for name, tensor in self.lm.state_dict().items():
             if self.tied and name == "lm_head.weight":
                 continue
@@ -307,9 +360,17 @@ class FSDPEngine:
         return dict(self.export_weights())
 
     def save_pretrained(self, directory: Path) -> None:
+        self._refuse_critic_export("save_pretrained")
         state = self.full_state_dict()  # collective: every rank takes part
         if self.rank == 0:
             self.lm.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
+
+    def _refuse_critic_export(self, called: str) -> None:
+        if self.scores == "values":
+            raise TypeError(
+                f"FSDPEngine.{called}: a critic is not exported (its value head has no place in a Hugging Face "
+                "causal LM, and no rollout engine needs it); its weights and optimizer live in the run's checkpoints"
+            )
 
     # --- checkpoints ---------------------------------------------------------------------------
 
@@ -382,17 +443,16 @@ def _move_optimizer_state(optimizer: torch.optim.Optimizer | None, device: torch
 
 def build_engine(ctx, role: str) -> FSDPEngine:
     """The backend registry's entry (`backend=fsdp`) for one role (rltrain.backends.Role)."""
-    if role == "critic":
-        raise NotImplementedError("a critic engine on backend=fsdp")
-    trainable = role == "policy"
     cfg = ctx.cfg
+    build = role_build(ctx, role)
     return FSDPEngine(
-        ctx.model_dir_for(role),
+        build.model_dir,
         cfg.backend,
-        cfg.optim if trainable else None,
+        build.optim,
         cfg.trainer.max_steps,
         ctx.dist.device,
         precision=cfg.trainer.precision,
         safety=cfg.safety,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
+        value_head_seed=build.value_head_seed,
     )

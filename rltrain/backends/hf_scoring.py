@@ -1,7 +1,10 @@
 """Scoring completion tokens with a Hugging Face causal LM: the module FSDP wraps as its root.
 
-The output head runs only on the positions that predict completion tokens (not on prompts or
-padding), and a rank with no data scores a dummy sequence so its collectives still happen.
+The head runs only on the positions that predict completion tokens (not on prompts or padding),
+and a rank with no data scores a dummy sequence so its collectives still happen. Two heads share
+the one hidden-state selection (`_SelectedHidden`: plain, length-bucketed or packed layouts):
+`CompletionScorer`, the LM's output head (log-probabilities of a policy or reference), and
+`CompletionValuer`, a critic's scalar value head (values, always fp32).
 
 Precision (`rltrain.precision`): the model and the output head run in the compute dtype, either
 because FSDP casts the weights (sharded, `MixedPrecisionPolicy`) or under the `autocast` context
@@ -20,6 +23,7 @@ from torch import nn
 
 from rltrain.backends.chunked_head import chunked_target_logps, use_chunked_head
 from rltrain.backends.shared_prefix import Rectangle
+from rltrain.backends.value_head import head_values
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
 from rltrain.models import moe
@@ -30,8 +34,10 @@ from rltrain.models import moe
 BUCKET_COST_TOKENS = {"cpu": 32, "cuda": 4096}
 
 
-class CompletionScorer(nn.Module):
-    """Wraps a causal LM: log-probabilities (and entropies) of selected next-token positions."""
+class _SelectedHidden(nn.Module):
+    """Wraps a causal LM's transformer: its final hidden states at the selected positions (those
+    that predict the scored completion tokens), however the micro-batch is laid out (one plain
+    rectangle, length buckets, or packed rows that share a prompt). The heads are the subclasses'."""
 
     def __init__(
         self,
@@ -44,6 +50,48 @@ class CompletionScorer(nn.Module):
         self.moe_info = moe_info
         self.autocast = autocast  # entered around the model and the head (see the module docstring)
 
+    def _router(self) -> bool:
+        """Whether this pass computes a MoE load-balancing loss (training a MoE model that has one)."""
+        return self.training and self.moe_info is not None and self.moe_info.aux_loss_coef > 0
+
+    def selected_hidden(
+        self, rects: Sequence[Rectangle], order_N: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden states [N, H] in ragged order, the router logits of a MoE model or None). Call
+        inside `self.autocast()`. One model call per rectangle (several: length buckets or packed
+        rows, see `FSDPEngine._layout`); the selected hidden states are concatenated in rectangle
+        order and `order_N` puts them back into ragged order."""
+        # A plain rectangle is right-padded: causal attention never lets a real token see the
+        # padding after it, so it needs no attention mask (and sdpa keeps its fast causal path).
+        router = self._router()
+        assert not (router and len(rects) > 1), "a MoE load-balancing loss needs one plain rectangle"
+        parts, router_logits = [], None
+        for rect in rects:
+            kwargs = {}
+            if rect.attention_mask_B1TT is not None:
+                kwargs["attention_mask"] = rect.attention_mask_B1TT
+            if rect.position_ids_BT is not None:
+                kwargs["position_ids"] = rect.position_ids_BT
+            if router:
+                kwargs["output_router_logits"] = True
+            out = self.lm.model(input_ids=rect.input_ids_BT, use_cache=False, **kwargs)
+            parts.append(out.last_hidden_state[rect.rows_N, rect.cols_N])
+            if router:
+                router_logits = out.router_logits
+        hidden_NH = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if order_N is not None:
+            hidden_NH = hidden_NH[order_N]
+        return hidden_NH, router_logits
+
+    def _aux_loss(self, router_logits: torch.Tensor | None, padding_mask_BT: torch.Tensor | None) -> torch.Tensor | None:
+        if router_logits is None:
+            return None
+        return moe.load_balancing_loss(self.lm, self.moe_info, router_logits, padding_mask_BT)
+
+
+class CompletionScorer(_SelectedHidden):
+    """Log-probabilities (and entropies) of the scored tokens through the LM's output head."""
+
     def forward(
         self,
         rects: Sequence[Rectangle],
@@ -52,39 +100,17 @@ class CompletionScorer(nn.Module):
         order_N: torch.Tensor | None = None,
         padding_mask_BT: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """One model call per rectangle (several: length buckets or packed rows, see
-        `FSDPEngine._layout`); the selected hidden states are concatenated in rectangle order and
-        `order_N` puts them back into ragged order. `padding_mask_BT` marks real tokens of a
-        single plain rectangle, for a MoE load-balancing loss."""
-        # A plain rectangle is right-padded: causal attention never lets a real token see the
-        # padding after it, so it needs no attention mask (and sdpa keeps its fast causal path).
-        router = self.training and self.moe_info is not None and self.moe_info.aux_loss_coef > 0
-        assert not (router and len(rects) > 1), "a MoE load-balancing loss needs one plain rectangle"
-        parts, aux, router_logits = [], None, None
+        """(logps [N], entropy [N] or None, MoE aux loss or None). `padding_mask_BT` marks real
+        tokens of a single plain rectangle, for a MoE load-balancing loss."""
         with self.autocast():
-            for rect in rects:
-                kwargs = {}
-                if rect.attention_mask_B1TT is not None:
-                    kwargs["attention_mask"] = rect.attention_mask_B1TT
-                if rect.position_ids_BT is not None:
-                    kwargs["position_ids"] = rect.position_ids_BT
-                if router:
-                    kwargs["output_router_logits"] = True
-                out = self.lm.model(input_ids=rect.input_ids_BT, use_cache=False, **kwargs)
-                parts.append(out.last_hidden_state[rect.rows_N, rect.cols_N])
-                if router:
-                    router_logits = out.router_logits
-            hidden_NH = parts[0] if len(parts) == 1 else torch.cat(parts)
-            if order_N is not None:
-                hidden_NH = hidden_NH[order_N]
+            hidden_NH, router_logits = self.selected_hidden(rects, order_N)
             head = self.lm.lm_head
             chunked = use_chunked_head(hidden_NH.shape[0], head)
             if chunked:  # large vocabulary: logits exist one chunk at a time (chunked_head)
                 logps_N, entropy_N = chunked_target_logps(hidden_NH, head.weight, targets_N, with_entropy)
             else:
                 logits_NV = head(hidden_NH)
-        if router:
-            aux = moe.load_balancing_loss(self.lm, self.moe_info, router_logits, padding_mask_BT)
+        aux = self._aux_loss(router_logits, padding_mask_BT)
         if chunked:
             return logps_N, entropy_N, aux
         logits_NV = logits_NV.float()  # fp32 from here on, whatever the compute dtype
@@ -96,6 +122,41 @@ class CompletionScorer(nn.Module):
             with torch.no_grad():
                 entropy_N = -(logp_NV.exp() * logp_NV).sum(-1)
         return logps_N, entropy_N, aux
+
+
+class CompletionValuer(_SelectedHidden):
+    """A critic: values of the scored positions through a scalar value head
+    (rltrain.backends.value_head). The LM's output head is dropped (set to None) so that it is
+    neither trained nor kept in memory; with tied embeddings its weight is the input embedding,
+    which stays."""
+
+    def __init__(
+        self,
+        lm: nn.Module,
+        value_head: nn.Linear,
+        moe_info: moe.MoEInfo | None = None,
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> None:
+        super().__init__(lm, moe_info, autocast)
+        lm.lm_head = None
+        self.value_head = value_head
+
+    def forward(
+        self,
+        rects: Sequence[Rectangle],
+        targets_N: torch.Tensor,
+        with_entropy: bool = False,
+        order_N: torch.Tensor | None = None,
+        padding_mask_BT: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, None, torch.Tensor | None]:
+        """(values [N] in fp32, None, MoE aux loss or None): `CompletionScorer`'s signature, so
+        the engine drives both alike; the targets are not needed and there is no entropy."""
+        if with_entropy:
+            raise ValueError("a critic has no entropy: with_entropy=True is for policy engines")
+        with self.autocast():
+            hidden_NH, router_logits = self.selected_hidden(rects, order_N)
+        values_N = head_values(self.value_head, hidden_NH)
+        return values_N, None, self._aux_loss(router_logits, padding_mask_BT)
 
 
 def completion_positions(batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -47,8 +47,6 @@ def load_sharded_weights(
     """Fill `model` (built with `on_meta=True`, sharded, then `to_empty` on its device) with the
     checkpoint at `model_dir`, read by rank 0 of `group` only. Collective over `group`, whose rank 0
     must be global rank 0. Returns the number of collectives (one per parameter and buffer)."""
-    from torch.distributed.tensor import DTensor
-
     source = None
     if dist.get_rank() == 0:
         source = load_causal_lm(model_dir, dtype)
@@ -57,16 +55,25 @@ def load_sharded_weights(
     collectives = 0
     with torch.no_grad():
         for name, param in model.named_parameters():
-            full = src_params[name] if source is not None else None
-            if isinstance(param, DTensor):
-                _scatter_rows(param, full)
-            else:
-                _broadcast_into(param, full, group)
+            fill_parameter(param, src_params[name] if source is not None else None, group)
             collectives += 1
         for name, buf in model.named_buffers():
             _broadcast_into(buf, src_buffers[name] if source is not None else None, group)
             collectives += 1
     return collectives
+
+
+def fill_parameter(param: torch.Tensor, full: torch.Tensor | None, group: dist.ProcessGroup | None) -> None:
+    """Rank 0's `full` value into `param` on every rank of `group` (collective): each rank receives
+    its own rows of an FSDP-sharded parameter, or the whole of a plain one. `full` is read on rank
+    0 only (None elsewhere)."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        if isinstance(param, DTensor):
+            _scatter_rows(param, full)
+        else:
+            _broadcast_into(param, full, group)
 
 
 def _broadcast_into(target: torch.Tensor, full: torch.Tensor | None, group) -> None:

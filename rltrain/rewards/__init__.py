@@ -6,8 +6,9 @@ A reward function has the signature
 
 where `columns` holds the dataset's other columns (one value per completion, repeated across a
 prompt's group). `reward.fns=[pkg.module:function, ...]` with optional `reward.weights=[...]`
-selects them; the total reward is the weighted sum, and each function's mean is logged as
-`reward/<function name>`.
+selects them; `reward_model=hf` adds a reward model as one more function named `model`, weighted by
+`reward_model.weight` (rltrain/rewards/model_reward.py). The total reward is the weighted sum, and
+each function's mean is logged as `reward/<function name>` (`reward/model` for the reward model).
 
 Every call is bounded by `reward.timeout_s` (default 60 s; 0 or null: no limit). The function runs
 in a daemon worker thread and the training thread waits for it; when the time is up the run stops
@@ -27,8 +28,13 @@ import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rltrain.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 BUILTIN_FOR_TASK = {"addition": "rltrain.rewards.builtin:addition_reward"}
 
@@ -58,23 +64,37 @@ def load_reward_fn(path: str) -> Callable:
     return fn
 
 
-def build_reward_fns(reward_cfg, task: str, using_builtin_data: bool) -> list[RewardFn]:
+def build_reward_fns(cfg, device: torch.device) -> list[RewardFn]:
+    """The run's reward functions: `reward.fns` (the built-in task's reward when empty and the data
+    is built in), plus the reward model named `model` when `reward_model=hf`, loaded on `device`."""
+    reward_cfg, rm = cfg.reward, cfg.reward_model
     paths = list(reward_cfg.fns)
-    if not paths:
-        if not using_builtin_data:
-            raise UserError(
-                "GRPO on a user dataset needs reward functions: set reward.fns=[package.module:function] "
-                "(signature: fn(prompts, completions, **columns) -> list[float])."
-            )
-        paths = [BUILTIN_FOR_TASK[task]]
+    if not paths and cfg.data.path is None:
+        paths = [BUILTIN_FOR_TASK[cfg.data.task]]
+    if not paths and rm.path is None:
+        raise UserError(
+            "GRPO on a user dataset needs reward functions: set reward.fns=[package.module:function] "
+            "(signature: fn(prompts, completions, **columns) -> list[float]), or a reward model "
+            "(reward_model=hf reward_model.path=DIR)."
+        )
     weights = list(reward_cfg.weights) or [1.0] * len(paths)
     if len(weights) != len(paths):
         raise UserError(f"reward.weights has {len(weights)} entries but reward.fns has {len(paths)}; give one weight per function.")
-    timeout = getattr(reward_cfg, "timeout_s", None)
-    timeout = float(timeout) if timeout else None
-    return [
-        RewardFn(p.split(":")[-1].split(".")[-1], p, load_reward_fn(p), float(w), timeout) for p, w in zip(paths, weights)
-    ]
+    timeout = float(reward_cfg.timeout_s) if reward_cfg.timeout_s else None
+    fns = [RewardFn(p.split(":")[-1].split(".")[-1], p, load_reward_fn(p), float(w), timeout) for p, w in zip(paths, weights)]
+    if rm.path is not None:
+        fns.append(RewardFn("model", f"reward_model.path={rm.path}", load_reward_model(cfg, device), float(rm.weight), timeout))
+    return fns
+
+
+def load_reward_model(cfg, device: torch.device) -> Callable:
+    """The reward model of `reward_model.path` in the run's compute dtype (rewards/model_reward.py)."""
+    from rltrain.precision import resolve_precision
+    from rltrain.rewards.model_reward import SequenceClassifierReward
+
+    rm = cfg.reward_model
+    dtype = resolve_precision(cfg.trainer.precision, device).compute_dtype
+    return SequenceClassifierReward(Path(rm.path).expanduser(), device, dtype, rm.batch_size, rm.max_length)
 
 
 def call_bounded(rf: RewardFn, **kwargs) -> object:

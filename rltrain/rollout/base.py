@@ -29,6 +29,10 @@ class Completion:
 
 
 class RolloutEngine(Protocol):
+    # False where the weights do not survive `sleep()` (vLLM at sleep level 2 on CUDA): time
+    # sharing then sends them again after every wake.
+    weights_survive_sleep: bool
+
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
         """`sampling.n` completions per prompt, prompt-major order."""
 
@@ -36,9 +40,7 @@ class RolloutEngine(Protocol):
         """Load full tensors under Hugging Face names; resets any prefix cache."""
 
     def sleep(self) -> None:
-        """Release accelerator memory until `wake()`. An engine whose weights do not survive it
-        (vLLM at sleep level 2 on CUDA) sets `weights_survive_sleep = False`: time sharing then sends
-        the weights again after every wake (an engine without the attribute keeps its weights)."""
+        """Release accelerator memory until `wake()` (see `weights_survive_sleep`)."""
 
     def wake(self) -> None: ...
 
@@ -50,6 +52,9 @@ class RolloutEngine(Protocol):
         nor harm it: while the training loop is inside the engine (`exclusive` methods), the call in
         progress is the proof of life and ping answers True without entering (a call that wedges
         stalls the step, which the step-progress check reports)."""
+
+    def close(self) -> None:
+        """Release the engine (its memory, its child process) before the process group goes away."""
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -45,6 +45,7 @@ class HFRolloutEngine:
         from transformers import AutoModelForCausalLM
 
         self._gate = threading.RLock()  # ping() vs the training loop (rollout.base.exclusive)
+        self.weights_survive_sleep = True  # sleep() moves the model to host memory and back
         self.cfg = cfg
         self.seed = seed
         self.device = torch.device(device)

@@ -2,7 +2,8 @@
 
 With one iteration and one mini-batch, GRPO takes the old log-probabilities, the entropy and the
 train/rollout parity from the training pass itself instead of a no-grad forward over the batch
-first. Both ways run here through `GRPO._update` on fresh engines built from the same weights:
+first. Both ways run here through the RL `Learner` (score, then update the policy) on fresh engines
+built from the same weights and a hand-made `Experience`:
 the loss, every metric (parity included) and the updated parameters must agree, on 1 and 2 FSDP
 ranks and on Megatron with two pipeline stages (where only the last stage sees the loss).
 """
@@ -28,11 +29,12 @@ def _model_dir():
 
 
 def _grpo_update(rank, world, model_dir, backend, fused):
-    from rltrain.algos.grpo import GRPO, ParityProbe, make_grpo_loss
+    from rltrain.algos.experience import BatchLayout, Experience
+    from rltrain.algos.rl_update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
     from rltrain.config import FSDPBackendConfig, GRPOConfig, MegatronBackendConfig, OptimConfig
     from rltrain.data.batch import SequenceBatch
+    from rltrain.data.ragged import Ragged
     from rltrain.data.sharding import rank_slice
-    from rltrain.rollout.base import Completion
 
     torch.manual_seed(0)
     cpu = torch.device("cpu")
@@ -45,12 +47,10 @@ def _grpo_update(rank, world, model_dir, backend, fused):
         from rltrain.backends.fsdp import FSDPEngine
 
         policy = FSDPEngine(model_dir, FSDPBackendConfig(), optim, 10, cpu)
-    algo = GRPO.__new__(GRPO)  # the real `_update`, without a rollout engine or a dataset
-    algo.algo_cfg = GRPOConfig(prompts_per_step=PROMPTS, group_size=GROUP, max_new_tokens=9)
-    algo.policy, algo.reference, algo.parity = policy, None, ParityProbe()
-    algo.loss_fn = make_grpo_loss(algo.algo_cfg, algo.parity)
-    algo.score_in_training_pass = fused
-    algo.token_budget = 0
+    cfg = GRPOConfig(prompts_per_step=PROMPTS, group_size=GROUP, max_new_tokens=9)
+    layout = BatchLayout(PROMPTS, GROUP, policy.rank, policy.world_size)
+    parity = ParityProbe()
+    learner = Learner(policy, MiniBatchUpdate(layout, 1, 1, 2, 0), make_policy_loss(cfg, parity), parity, fused)
 
     # This rank's prompts and GROUP ragged completions each; the "engine" log-probabilities are
     # the trainer's own plus a known offset, so the parity metrics have something to measure.
@@ -59,15 +59,15 @@ def _grpo_update(rank, world, model_dir, backend, fused):
     seqs = [(i, _completion(g, k)) for i, g in enumerate(mine) for k in range(GROUP)]
     batch = SequenceBatch.from_lists([prompts[i] for i, _ in seqs], [c for _, c in seqs])
     exact = policy.forward_logps([batch])[0].logps if len(batch) else None
-    completions = []
-    for j, (i, tokens) in enumerate(seqs):
-        lps = exact.select(torch.tensor([j])).values + 1e-4 * (j % 3)
-        completions.append(Completion(i, tokens, lps.tolist(), finished=True))
-    offset = algo._offset()
-    adv = torch.linspace(-1.0, 1.0, PROMPTS * GROUP)[offset : offset + len(completions)]
+    engine = exact.with_values(exact.values + 1e-4 * (exact.seq_ids() % 3).float()) if exact is not None else Ragged.from_lengths(torch.zeros(0), [])
+    adv = torch.linspace(-1.0, 1.0, PROMPTS * GROUP)[layout.offset : layout.offset + len(batch)]
     all_tokens = sum(len(_completion(g, k)) for g in range(PROMPTS) for k in range(GROUP))
     counts = torch.tensor([float(all_tokens), float(PROMPTS * GROUP), 0.0], dtype=torch.float64)
-    metrics = algo._update(batch, adv, completions, counts, mb_size=2)
+    empty = torch.zeros(0, dtype=torch.float64)
+    exp = Experience(rows=[], completions=[], batch=batch, engine_logps=engine, rewards_by_fn={}, scores_B=empty,
+                     global_scores=empty, counts=counts, time_rollout=0.0)
+    learner.score(exp)
+    metrics = learner.update_policy(exp, adv)
     params = torch.cat([t.flatten() for _, t in sorted(policy.export_weights())])
     return metrics, params
 
@@ -83,7 +83,7 @@ def test_training_pass_scoring_equals_a_scoring_pass(tiny_cache, backend, nproc)
     separate = run_ranks(_grpo_update, model_dir, backend, False, nproc=nproc, timeout_s=240)
     for (m_fused, p_fused), (m_sep, p_sep) in zip(fused, separate):
         assert set(m_fused) == set(m_sep)
-        for key in ("loss", "policy/entropy", "policy/kl", "policy/clip_fraction", "grad_norm"):
+        for key in ("loss", "policy/entropy", "policy/kl", "policy/clipfrac", "grad_norm"):
             assert m_fused[key] == pytest.approx(m_sep[key], rel=1e-5, abs=1e-7), key
         # the engine's log-probabilities were the trainer's plus 0, 1e-4 or 2e-4
         assert m_fused["rollout/logprob_diff_max"] == pytest.approx(2e-4, rel=1e-2)
@@ -96,16 +96,11 @@ def test_training_pass_scoring_equals_a_scoring_pass(tiny_cache, backend, nproc)
 
 def test_micro_batches_cover_the_rank_with_the_most_prompts():
     """3 prompts x 4 completions on 2 ranks: rank 0 holds 8 sequences, not ceil(12 / 2) = 6."""
-    from types import SimpleNamespace
+    from rltrain.algos.experience import BatchLayout
 
-    from rltrain.algos.grpo import GRPO
-    from rltrain.config import GRPOConfig
-
-    algo = GRPO.__new__(GRPO)
-    algo.algo_cfg = GRPOConfig(prompts_per_step=PROMPTS, group_size=GROUP)
-    algo.policy = SimpleNamespace(world_size=2, rank=0)
-    assert algo._micro_batches_per_rank(0, PROMPTS * GROUP, 2) == 4
-    assert algo._micro_batches_per_rank(0, 6, 2) == 3  # first mini-batch of two: all on rank 0
-    assert algo._micro_batches_per_rank(6, 12, 2) == 2  # second: 2 on rank 0, 4 on rank 1
-    algo.policy = SimpleNamespace(world_size=1, rank=0)
-    assert algo._micro_batches_per_rank(0, PROMPTS * GROUP, 128) == 1
+    layout = BatchLayout(PROMPTS, GROUP, rank=0, world_size=2)
+    assert layout.micro_batches_per_rank(0, PROMPTS * GROUP, 2) == 4
+    assert layout.micro_batches_per_rank(0, 6, 2) == 3  # first mini-batch of two: all on rank 0
+    assert layout.micro_batches_per_rank(6, 12, 2) == 2  # second: 2 on rank 0, 4 on rank 1
+    assert BatchLayout(PROMPTS, GROUP, rank=1, world_size=2).offset == 8
+    assert BatchLayout(PROMPTS, GROUP, rank=0, world_size=1).micro_batches_per_rank(0, PROMPTS * GROUP, 128) == 1

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.e2e
 SMALL = ["algo=grpo", "algo.prompts_per_step=4", "algo.group_size=4", *QUICK]
 STEP_KEYS = {
     "loss", "reward/mean", "reward/std", "reward/addition_reward", "rollout/response_length_mean",
-    "rollout/truncated_fraction", "policy/clip_fraction", "policy/kl", "policy/entropy", "rollout/tokens_per_s",
+    "rollout/truncated_fraction", "policy/clipfrac", "policy/kl", "policy/entropy", "rollout/tokens_per_s",
     "time/rollout", "time/train", "time/sync", "rollout/logprob_diff_max", "rollout/logprob_diff_mean",
 }
 

@@ -50,6 +50,16 @@ def test_grpo_from_the_plain_tiny_model_raises_the_reward(tiny_cache, tmp_path):
     assert statistics.mean(rewards[-10:]) - statistics.mean(rewards[:10]) >= 0.2
 
 
+def test_ppo_default_raises_the_reward_and_its_critic_explains_it(tiny_cache, tmp_path):
+    run_dir = tmp_path / "run"
+    rltrain("algo=ppo", *SAME_TRAINING, run_dir=run_dir, timeout=900)
+    rows = train_rows(run_dir)
+    rewards = [r["reward/mean"] for r in rows]
+    assert len(rewards) == 150
+    assert statistics.mean(rewards[-10:]) - statistics.mean(rewards[:10]) >= 0.2
+    assert statistics.mean(r["critic/explained_variance"] for r in rows[-10:]) > 0.0
+
+
 @pytest.mark.slow
 def test_grpo_default_raises_heldout_accuracy(tiny_cache, tmp_path):
     """The README's claim for `python -m rltrain`: from the SFT start (model=tiny_sft, built here

@@ -12,18 +12,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from cli import QUICK, ROOT, rltrain, train_rows
+from cli import QUICK, ROOT, SMALL_MODEL, rltrain, train_rows
 
 pytestmark = pytest.mark.e2e
 
 TIMEOUT_S = 30  # safety.collective_timeout_s of these runs
 SMALL = [
     "trainer.nproc=2",
-    "model.hidden_size=64",
-    "model.num_layers=2",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
-    "model.intermediate_size=128",
+    *SMALL_MODEL,
     "trainer.global_batch_size=8",
     "trainer.micro_batch_size=4",
     "data.num_eval=4",

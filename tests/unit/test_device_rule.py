@@ -79,6 +79,7 @@ def test_the_static_check_flags_the_bugs_that_crashed_on_cuda():
 # --- dynamic: losses on outputs that live on another device --------------------------------------------------
 
 OTHER = torch.device("meta")
+RL_KEYS = ("clip_low", "clip_high", "beta", "loss_agg", "max_new_tokens", "rollout_is_cap", "rollout_mask_band")
 
 
 def _output(batch: SequenceBatch, with_entropy: bool = False) -> PolicyOutput:
@@ -116,7 +117,7 @@ def test_dpo_loss_runs_where_the_outputs_are_with_host_reference_sums():
 
 
 def test_grpo_loss_runs_where_the_outputs_are_with_host_advantages_and_engine_logps():
-    from rltrain.algos.grpo import make_grpo_loss
+    from rltrain.algos.rl_update import make_policy_loss
     from rltrain.config import GRPOConfig
 
     batch = _batch()
@@ -126,16 +127,17 @@ def test_grpo_loss_runs_where_the_outputs_are_with_host_advantages_and_engine_lo
         adv=torch.tensor([1.0, -1.0, 0.5, -0.5], device="cpu"),
         old_logps=None, entropy=None, ref_logps=None,
         engine_logps=Ragged.from_lengths(torch.full((n,), -1.0, device="cpu"), lengths),
-        global_tokens=float(n), global_seqs=4.0,
+        measure_parity=True, global_tokens=float(n), global_seqs=4.0,
     )
-    cfg = SimpleNamespace(**{k: getattr(GRPOConfig(), k) for k in ("clip_low", "clip_high", "beta", "loss_agg", "max_new_tokens")})
-    loss, metrics = make_grpo_loss(cfg)(_output(batch, with_entropy=True), batch)
-    assert loss.device == OTHER and metrics["rollout/logprob_diff_mean"].device == OTHER
+    for correction in ("none", "tis", "mask"):
+        cfg = SimpleNamespace(**{k: getattr(GRPOConfig(), k) for k in RL_KEYS}, rollout_correction=correction)
+        loss, metrics = make_policy_loss(cfg)(_output(batch, with_entropy=True), batch)
+        assert loss.device == OTHER and metrics["rollout/logprob_diff_mean"].device == OTHER, correction
 
 
 @pytest.mark.parametrize("reference_on", ["cpu", "meta"])
 def test_grpo_loss_with_reference_log_probs_on_either_device(reference_on):
-    from rltrain.algos.grpo import make_grpo_loss
+    from rltrain.algos.rl_update import make_policy_loss
     from rltrain.config import GRPOConfig
 
     batch = _batch()
@@ -146,8 +148,25 @@ def test_grpo_loss_with_reference_log_probs_on_either_device(reference_on):
         old_logps=Ragged.from_lengths(torch.full((n,), -1.0, device=reference_on), lengths),
         entropy=Ragged.from_lengths(torch.ones(n, device=reference_on), lengths),
         ref_logps=Ragged.from_lengths(torch.full((n,), -1.2, device=reference_on), lengths),
-        engine_logps=None, global_tokens=float(n), global_seqs=4.0,
+        engine_logps=Ragged.from_lengths(torch.full((n,), -1.1, device="cpu"), lengths),
+        measure_parity=False, global_tokens=float(n), global_seqs=4.0,
     )
-    cfg = SimpleNamespace(**{k: getattr(GRPOConfig(), k) for k in ("clip_low", "clip_high", "loss_agg", "max_new_tokens")}, beta=0.05)
-    loss, _ = make_grpo_loss(cfg)(_output(batch), batch)
+    cfg = SimpleNamespace(**{k: getattr(GRPOConfig(), k) for k in RL_KEYS if k != "beta"}, beta=0.05, rollout_correction="tis")
+    loss, _ = make_policy_loss(cfg)(_output(batch), batch)
     assert loss.device == OTHER
+
+
+def test_ppo_value_loss_runs_where_the_outputs_are_with_host_targets():
+    from rltrain.algos.ppo import make_value_loss
+
+    batch = _batch()
+    lengths = batch.completion_lens()
+    n = int(lengths.sum())
+    batch.extras.update(
+        old_values=Ragged.from_lengths(torch.zeros(n, device="cpu"), lengths),
+        returns=Ragged.from_lengths(torch.ones(n, device="cpu"), lengths),
+        global_tokens=float(n),
+    )
+    values = Ragged.from_lengths(torch.full((n,), 0.5, device=OTHER, requires_grad=True), lengths)
+    loss, metrics = make_value_loss(0.2)(PolicyOutput(None, values=values), batch)
+    assert loss.device == OTHER and metrics["critic/vf_clipfrac"].device == OTHER

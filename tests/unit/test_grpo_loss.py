@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-from rltrain.algos.grpo_loss import aggregate, group_advantages, grpo_loss, k3_kl
+from rltrain.algos.grpo_loss import group_advantages
+from rltrain.algos.policy_loss import aggregate, k3_kl
+from rltrain.algos.policy_loss import policy_loss as grpo_loss
 from rltrain.data.ragged import Ragged
 
 
@@ -61,7 +63,7 @@ def test_loss_by_hand(loss_agg, expected):
     )
     assert loss.item() == pytest.approx(expected, abs=1e-6)
     assert metrics["policy/pg_loss"].item() == pytest.approx(expected, abs=1e-6)
-    assert metrics["policy/clip_fraction"].item() == pytest.approx(1 / 3)
+    assert metrics["policy/clipfrac"].item() == pytest.approx(1 / 3)
     assert "policy/kl" not in metrics and "policy/entropy" not in metrics
 
 
@@ -89,7 +91,7 @@ def test_asymmetric_clip(ratio, adv, clipped):
     loss, metrics = grpo_loss(logps, torch.tensor([adv]), old_logps=old, global_tokens=1, global_seqs=1)
     bounded = min(max(ratio, 0.8), 1.28)
     assert loss.item() == pytest.approx(max(-adv * ratio, -adv * bounded), abs=1e-6)
-    assert metrics["policy/clip_fraction"].item() == float(clipped)
+    assert metrics["policy/clipfrac"].item() == float(clipped)
 
 
 def test_k3_kl_and_beta():
@@ -118,7 +120,7 @@ def test_on_policy_is_reinforce_with_a_baseline():
     logps, _, adv = example()
     loss, metrics = grpo_loss(logps, adv, global_tokens=3, global_seqs=2)
     assert loss.item() == pytest.approx((-1 - 1 + 2) / 3, abs=1e-6)
-    assert metrics["policy/clip_fraction"].item() == 0.0
+    assert metrics["policy/clipfrac"].item() == 0.0
     loss.backward()
     assert logps.values.grad.tolist() == pytest.approx([-1 / 3, -1 / 3, 2 / 3], abs=1e-6)
 
@@ -181,3 +183,18 @@ def test_errors_name_the_setting():
         grpo_loss(logps, adv, loss_agg="seq_mean_token_sum_norm", **kw)
     with pytest.raises(ValueError, match="advantages"):
         grpo_loss(logps, adv[:1], **kw)
+
+
+def test_token_advantages_equal_broadcast_sequence_advantages():
+    """PPO's per-token advantages go through the same loss: a Ragged that repeats each sequence's
+    advantage gives exactly the per-sequence loss."""
+    logps = Ragged.from_lengths(torch.tensor([-1.0, -2.0, -0.5], requires_grad=True), [2, 1])
+    old = Ragged.from_lengths(torch.tensor([-1.1, -1.9, -0.7]), [2, 1])
+    adv = torch.tensor([0.7, -1.3])
+    kw = dict(old_logps=old, global_tokens=3, global_seqs=2)
+    per_seq, m_seq = grpo_loss(logps, adv, **kw)
+    per_token, m_tok = grpo_loss(logps, logps.broadcast(adv).detach(), **kw)
+    assert per_token.item() == pytest.approx(per_seq.item())
+    assert m_tok["policy/clipfrac"].item() == m_seq["policy/clipfrac"].item()
+    # k2 between the new and the old log-probabilities: 0.5 * (0.01 + 0.01 + 0.04) / 3
+    assert m_seq["policy/approx_kl"].item() == pytest.approx(0.5 * 0.06 / 3)

@@ -42,6 +42,8 @@ class Engine:
 
 
 class Rollout:
+    weights_survive_sleep = True
+
     def __init__(self, log: list[str]) -> None:
         self.log = log
         self.received: list[dict[str, torch.Tensor]] = []

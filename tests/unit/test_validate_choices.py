@@ -31,6 +31,7 @@ SCHEMA_PREFIX = {
     "VLLMRolloutConfig": "rollout",
     "SafetyConfig": "safety",
     "HealthConfig": "health",
+    "SweepConfig": "sweep",
 }
 # The group option a key exists under; others use the default composition (algo=grpo, rollout=vllm).
 OPTION_OF = {"algo.loss_type": "algo=dpo"}
@@ -48,16 +49,19 @@ def _cfg(*overrides: str):
 
 def test_choices_mirror_the_code_that_reads_them():
     from rltrain.algos.dpo_loss import LOSS_TYPES
-    from rltrain.algos.grpo_loss import LOSS_AGGS, SCALES
+    from rltrain.algos.grpo_loss import SCALES
+    from rltrain.algos.policy_loss import LOSS_AGGS
     from rltrain.data.tasks import TASKS
     from rltrain.precision import PRECISIONS
     from rltrain.rollout import PROCESSES
+    from rltrain.sweep import DIRECTIONS
 
     assert CHOICES["trainer.precision"] == PRECISIONS
     assert CHOICES["algo.loss_type"] == LOSS_TYPES
     assert CHOICES["algo.loss_agg"] == LOSS_AGGS
     assert CHOICES["algo.scale_rewards"] == SCALES
     assert CHOICES["rollout.process"] == PROCESSES
+    assert CHOICES["sweep.direction"] == DIRECTIONS
     assert set(CHOICES["data.task"]) == set(TASKS)
 
 
@@ -109,6 +113,8 @@ def test_a_key_of_another_algorithm_is_not_checked_where_it_does_not_exist():
         ("data.eval_fraction=1.5", "data.eval_fraction=1.5"),
         ("algo.group_size=0", "algo.group_size=0"),
         ("algo.top_p=0", "algo.top_p=0"),
+        ("sweep.last_n=0", "sweep.last_n=0"),
+        ("logger.sample_every=-1", "logger.sample_every=-1"),
     ],
 )
 def test_unusable_values_are_refused_naming_the_key(override, names):

@@ -26,6 +26,9 @@ from rltrain.backends.megatron.spec import ModelSpec
 EMBED = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
+# A critic's scalar value head on the last stage (megatron.value_model): replicated, never converted.
+VALUE_HEAD_WEIGHT = "value_head.weight"
+VALUE_HEAD_BIAS = "value_head.bias"
 _LAYER = "decoder.layers."
 
 # megatron suffix within a layer -> (tensor-parallel split dim or None, HF suffix within a layer)
@@ -40,8 +43,9 @@ _LAYER_PARAMS: dict[str, tuple[int | None, str | None]] = {
 }
 
 
-def stage_param_names(spec: ModelSpec, pp_rank: int, pp: int) -> list[str]:
-    """The megatron parameter names a pipeline stage holds, in export order."""
+def stage_param_names(spec: ModelSpec, pp_rank: int, pp: int, output: bool = True) -> list[str]:
+    """The megatron parameter names a pipeline stage holds, in export order. `output=False`: the
+    stage has no output layer (a critic's, see `value_model`)."""
     names = [EMBED] if pp_rank == 0 else []
     for local in range(len(spec.stage_layers(pp_rank, pp))):
         for suffix in _LAYER_PARAMS:
@@ -50,7 +54,7 @@ def stage_param_names(spec: ModelSpec, pp_rank: int, pp: int) -> list[str]:
             names.append(f"{_LAYER}{local}.{suffix}")
     if pp_rank == pp - 1:
         names.append(FINAL_NORM)
-        if not spec.tie_embeddings or pp > 1:
+        if output and (not spec.tie_embeddings or pp > 1):
             names.append(OUTPUT)
     return names
 
@@ -59,7 +63,7 @@ def split_dim(name: str) -> int | None:
     """The dimension a parameter is split along across tensor-parallel ranks (None: replicated)."""
     if name in (EMBED, OUTPUT):
         return 0
-    if name == FINAL_NORM:
+    if name in (FINAL_NORM, VALUE_HEAD_WEIGHT, VALUE_HEAD_BIAS):
         return None
     return _LAYER_PARAMS[_layer_suffix(name)[1]][0]
 
@@ -120,9 +124,16 @@ def _pad_vocab(spec: ModelSpec, weight_VH: torch.Tensor, tp: int) -> torch.Tenso
 
 
 def hf_to_megatron(
-    spec: ModelSpec, get_hf: Callable[[str], torch.Tensor], tp_rank: int, tp: int, pp_rank: int, pp: int
+    spec: ModelSpec,
+    get_hf: Callable[[str], torch.Tensor],
+    tp_rank: int,
+    tp: int,
+    pp_rank: int,
+    pp: int,
+    output: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """This rank's megatron shards, read tensor by tensor through `get_hf(hf_name)`."""
+    """This rank's megatron shards, read tensor by tensor through `get_hf(hf_name)`; `output=False`
+    leaves out the output layer (neither `lm_head.weight` nor the tied copy is read)."""
     spec.check_layout(tp, pp)
     offset = spec.stage_layers(pp_rank, pp).start
     out: dict[str, torch.Tensor] = {}
@@ -130,7 +141,7 @@ def hf_to_megatron(
     def shard(full: torch.Tensor, dim: int | None) -> torch.Tensor:
         return full if dim is None else torch.chunk(full, tp, dim=dim)[tp_rank].contiguous()
 
-    for name in stage_param_names(spec, pp_rank, pp):
+    for name in stage_param_names(spec, pp_rank, pp, output):
         if name == EMBED or (name == OUTPUT and spec.tie_embeddings):
             out[name] = shard(_pad_vocab(spec, get_hf("model.embed_tokens.weight"), tp), 0)
         elif name == OUTPUT:

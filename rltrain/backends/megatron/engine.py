@@ -13,6 +13,13 @@ What one call does, and where each piece lives:
 - weights in and out: `convert` (pure tensor layout code) and `export` (gathers); checkpoints:
   `checkpoint` (DCP); communicators: `groups` (recorded, torn down and re-created for time sharing).
 
+A critic (`value_head_seed` given, rltrain.backends.roles) is the same engine on a stage whose
+last layer is a scalar value head instead of the vocab-parallel output layer (`value_model`):
+`forward_values` returns values where `forward_logps` returns log-probabilities, broadcast from
+the last stage the same way; `train_step` hands the loss `PolicyOutput(logps=None, values=...)`.
+A critic is not exported (`export_weights`/`save_pretrained` raise); checkpoints, offloading and
+communicator re-creation cover its head and optimizer like any parameter.
+
 Contract with the caller: every rank of one data-parallel replica (its tp x pp ranks) receives
 the same micro-batches; `rank`/`world_size` are the data-parallel coordinates used to shard data.
 The engine checks the first part with a cheap fingerprint and fails on every rank if it is broken.
@@ -20,6 +27,7 @@ The engine checks the first part with a cheap fingerprint and fails on every ran
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -27,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rltrain.backends.base import LossFn, PolicyOutput
+from rltrain.backends.base import LossFn, PolicyOutput, Scores, wrong_scores_error
 from rltrain.backends.megatron import checkpoint, export
 from rltrain.backends.megatron.batching import PaddedMicroBatch, fingerprint, pad_micro_batch
 from rltrain.backends.megatron.convert import OUTPUT, hf_to_megatron
@@ -49,6 +57,9 @@ from rltrain.backends.megatron.model import build_stage, checkpoint_layers, load
 from rltrain.backends.megatron.optim import build_adamw
 from rltrain.backends.megatron.schedule import Pipeline, run_pipeline
 from rltrain.backends.megatron.spec import ModelSpec
+from rltrain.backends.megatron.value_model import make_value_stage, value_head_shards
+from rltrain.backends.roles import role_build
+from rltrain.backends.value_head import head_values
 from rltrain.config import MegatronBackendConfig, OptimConfig, SafetyConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
@@ -108,7 +119,8 @@ def _checked_spec(model_dir: Path, tp: int, pp: int) -> ModelSpec:
 
 
 class MegatronEngine:
-    """See the module docstring. `optim_cfg=None` builds a frozen engine (a reference policy)."""
+    """See the module docstring. `optim_cfg=None` builds a frozen engine (a reference policy);
+    `value_head_seed` a critic."""
 
     def __init__(
         self,
@@ -123,6 +135,7 @@ class MegatronEngine:
         groups: ParallelGroups | None = None,
         safety: SafetyConfig | None = None,
         gradient_checkpointing: bool = False,
+        value_head_seed: int | None = None,
     ) -> None:
         """`groups=None` joins the process's shared megatron parallel state (created by the first
         engine), so a policy and its frozen reference share one set of communicators.
@@ -143,15 +156,29 @@ class MegatronEngine:
             default = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             precision = resolve_precision(precision, device if device is not None else default)
         self.precision = precision
-        self.model = build_stage(self.spec, tp, pp, layout.pp_rank, precision.param_dtype)
+        self.scores: Scores = "logps" if value_head_seed is None else "values"
+        critic = value_head_seed is not None
+        # A critic's stage is built untied: its last stage holds a value head, no embedding copy.
+        build_spec = dataclasses.replace(self.spec, tie_embeddings=False) if critic else self.spec
+        self.model = build_stage(build_spec, tp, pp, layout.pp_rank, precision.param_dtype)
+        last_stage = layout.pp_rank == pp - 1
+        if critic and last_stage:
+            make_value_stage(self.model, self.spec.hidden_size, precision.param_dtype)
         if device is not None:
             self.model.to(device)
         if gradient_checkpointing:
             checkpoint_layers(self.model)
-        shards = hf_to_megatron(self.spec, _hf_reader(self.model_dir), layout.tp_rank, tp, layout.pp_rank, pp)
+        shards = hf_to_megatron(
+            self.spec, _hf_reader(self.model_dir), layout.tp_rank, tp, layout.pp_rank, pp, output=not critic
+        )
+        if critic and last_stage:
+            assert value_head_seed is not None
+            shards |= value_head_shards(self.spec.hidden_size, value_head_seed)
         load_stage_weights(self.model, shards)
         self.params = list(self.model.parameters())
-        tied_copy_name = OUTPUT if self.spec.tie_embeddings and pp > 1 else None
+        # The tied embedding's copy on the last stage of a pipeline (a policy's, never a critic's).
+        self.tied_copies = build_spec.tie_embeddings and pp > 1
+        tied_copy_name = OUTPUT if self.tied_copies else None
         self._norm_params = [
             p for n, p in self.model.named_parameters() if norm_counted(n, layout.tp_rank, n == tied_copy_name)
         ]
@@ -212,8 +239,17 @@ class MegatronEngine:
         ok = bool(torch.equal(both[:3], -both[3:]))
         agree_or_raise(ok, "micro-batch check (tp/pp ranks of one data-parallel replica were given different data)")
 
-    def _score(self, mb: PaddedMicroBatch, logits_BTV: torch.Tensor, with_entropy: bool):
+    def _score(
+        self, mb: PaddedMicroBatch, stage_out: torch.Tensor, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(scored [N], entropy [N] or None) from the last stage's output: log-probabilities from
+        vocab-parallel logits [B, T, V/tp], or a critic's fp32 values from its final hidden states
+        [T, B, H] (no entropy)."""
+        if self.scores == "values":
+            hidden_NH = stage_out[mb.cols_N, mb.rows_N]
+            return head_values(self.model.value_head, hidden_NH), None
         layout = self.layout
+        logits_BTV = stage_out
         rows_NV = logits_BTV[mb.rows_N, mb.cols_N]
         vocab_start = layout.tp_rank * rows_NV.shape[-1]
         return vocab_parallel_logps(
@@ -223,14 +259,29 @@ class MegatronEngine:
     # -- TrainEngine ------------------------------------------------------------------------
 
     def forward_logps(self, micro_batches: list[SequenceBatch], with_entropy: bool = False) -> list[PolicyOutput]:
+        if self.scores != "logps":
+            raise wrong_scores_error("MegatronEngine", self.scores, "forward_logps")
+        return [
+            PolicyOutput(logps=scored, entropy=entropy) for scored, entropy in self._forward(micro_batches, with_entropy)
+        ]
+
+    def forward_values(self, micro_batches: list[SequenceBatch]) -> list[Ragged]:
+        if self.scores != "values":
+            raise wrong_scores_error("MegatronEngine", self.scores, "forward_values")
+        return [values for values, _ in self._forward(micro_batches, with_entropy=False)]
+
+    def _forward(
+        self, micro_batches: list[SequenceBatch], with_entropy: bool
+    ) -> list[tuple[Ragged, Ragged | None]]:
+        """(scored, entropy or None) per micro-batch without gradients, the same on every rank."""
         self._check_same_data(micro_batches)
         padded = [pad_micro_batch(mb, self.device) for mb in micro_batches]
         pipe = self._pipeline()
         scored: list[torch.Tensor | None] = [None] * len(padded)
 
-        def on_output(i: int, logits_BTV: torch.Tensor) -> None:
-            logps_N, entropy_N = self._score(padded[i], logits_BTV, with_entropy)
-            scored[i] = torch.stack([logps_N, entropy_N]) if entropy_N is not None else logps_N.unsqueeze(0)
+        def on_output(i: int, stage_out: torch.Tensor) -> None:
+            scored_N, entropy_N = self._score(padded[i], stage_out, with_entropy)
+            scored[i] = torch.stack([scored_N, entropy_N]) if entropy_N is not None else scored_N.unsqueeze(0)
 
         run_pipeline(self.model, pipe, padded, on_output, train=False)
         outputs = []
@@ -247,9 +298,9 @@ class MegatronEngine:
                 values_KN = values_KN[:, :0]
             lens = mb.completion_lens_B
             outputs.append(
-                PolicyOutput(
-                    logps=Ragged.from_lengths(values_KN[0], lens),
-                    entropy=Ragged.from_lengths(values_KN[1], lens) if with_entropy else None,
+                (
+                    Ragged.from_lengths(values_KN[0], lens),
+                    Ragged.from_lengths(values_KN[1], lens) if with_entropy else None,
                 )
             )
         return outputs
@@ -262,6 +313,8 @@ class MegatronEngine:
         zero gradient and every pipeline send/recv and TP collective is still matched."""
         if self.optimizer is None:
             raise RuntimeError("this MegatronEngine is frozen (built without optim_cfg)")
+        if with_entropy and self.scores == "values":
+            raise ValueError("train_step(with_entropy=True) on a critic engine: a critic has no entropy")
         self._check_same_data(micro_batches)
         layout = self.layout
         padded = [pad_micro_batch(mb, self.device) for mb in micro_batches]
@@ -289,7 +342,7 @@ class MegatronEngine:
         assert self.optimizer is not None and self.optim_cfg is not None
         fill_missing_grads(self.params)
         sum_over_data_parallel(self.params, layout.dp_group)
-        if self.spec.tie_embeddings and layout.pp > 1:
+        if self.tied_copies:
             sync_tied_embedding(self.model.shared_embedding_or_output_weight(), layout.embd_group)
         norm = float(global_grad_norm(self._norm_params, layout.mp_group))
         lr = lr_at(self.steps_taken, self.optim_cfg, self.max_steps)
@@ -310,10 +363,19 @@ class MegatronEngine:
         Default: every rank yields every tensor (weight sync). `to_rank0=True`: only global rank 0
         yields (saving), and only data-parallel replica 0 communicates.
         """
+        self._refuse_critic_export("export_weights")
         return export.export_weights(self.model, self.spec, self.layout, to_rank0=to_rank0)
 
     def save_pretrained(self, directory: Path) -> None:
+        self._refuse_critic_export("save_pretrained")
         export.save_pretrained(self.model, self.spec, self.layout, self.model_dir, Path(directory))
+
+    def _refuse_critic_export(self, called: str) -> None:
+        if self.scores == "values":
+            raise TypeError(
+                f"MegatronEngine.{called}: a critic is not exported (its value head has no place in a Hugging Face "
+                "causal LM, and no rollout engine needs it); its weights and optimizer live in the run's checkpoints"
+            )
 
     def save_checkpoint(self, directory: Path) -> None:
         checkpoint.save(Path(directory), self.model, self.optimizer, self.layout, self.steps_taken)
@@ -358,18 +420,17 @@ class MegatronEngine:
 def build_engine(ctx, role: str) -> MegatronEngine:
     """The backend registry's entry (`backend=megatron`) for one role (rltrain.backends.Role);
     every role's engine joins the policy's process groups."""
-    if role == "critic":
-        raise NotImplementedError("a critic engine on backend=megatron")
-    trainable = role == "policy"
     cfg = ctx.cfg
+    build = role_build(ctx, role)
     return MegatronEngine(
-        ctx.model_dir_for(role),
+        build.model_dir,
         cfg.backend,
-        cfg.optim if trainable else None,
+        build.optim,
         cfg.trainer.max_steps,
         ctx.dist.device,
         precision=cfg.trainer.precision,
         collective_timeout_s=cfg.safety.collective_timeout_s,
         safety=cfg.safety,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
+        value_head_seed=build.value_head_seed,
     )

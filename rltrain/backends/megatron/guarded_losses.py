@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from rltrain.backends.base import LossFn, PolicyOutput
+from rltrain.backends.base import LossFn, scored_output
 from rltrain.backends.megatron.batching import PaddedMicroBatch
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
@@ -29,8 +29,9 @@ class GuardedLosses:
     """The last pipeline stage's loss and backward of one train step, under `rltrain.safety.guard`.
 
     Only the last stage computes a loss, so only there can a loss or backward error be paid for;
-    the zero it backwards is built from the stage's *outputs* (the logits), so every parameter of
-    the stage gets a (zero) gradient, every TP collective of the model's backward is matched and
+    the zero it backwards is built from the stage's *outputs* (the logits; a critic's hidden states,
+    whose value head then gets its zero gradient from `grads.fill_missing_grads`), so every
+    parameter of the stage gets a (zero) gradient, every TP collective of the model's backward is matched and
     the gradient of the stage's input (zeros) is still sent to the previous stage, whose backward
     then runs as usual. The payment happens where 1F1B schedules the backward (`on_backward`), not
     where the loss failed.
@@ -71,23 +72,25 @@ class GuardedLosses:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.layout.tp_group)
         return bool(int(t))
 
-    def on_output(self, i: int, logits_BTV: torch.Tensor) -> torch.Tensor:
+    def on_output(self, i: int, stage_out: torch.Tensor) -> torch.Tensor:
+        """`stage_out`: the last stage's logits, or a critic's final hidden states (`engine._score`)."""
         guard = MicroBatchGuard()
-        guard.record_outputs(logits_BTV)
+        guard.record_outputs(stage_out)
         self._guards[i] = guard
         mb = self.padded[i]
         # Scoring holds TP collectives: an error there is a forward error (not guarded, fatal).
-        logps_N, entropy_N = self.engine._score(mb, logits_BTV, self.with_entropy)
+        scored_N, entropy_N = self.engine._score(mb, stage_out, self.with_entropy)
         # A zero built from the outputs: every parameter stays in the graph (all grads exist, the
         # backward send to the previous stage happens) whatever the loss depends on.
-        anchor = 0.0 * logps_N.sum()
+        anchor = 0.0 * scored_N.sum()
         if mb.is_dummy:  # an empty micro-batch: the loss_fn sees no sequences, as on FSDP
-            logps_N = logps_N[:0]
+            scored_N = scored_N[:0]
             entropy_N = entropy_N[:0] if entropy_N is not None else None
         lens = mb.completion_lens_B
-        output = PolicyOutput(
-            logps=Ragged.from_lengths(logps_N, lens),
-            entropy=Ragged.from_lengths(entropy_N, lens) if entropy_N is not None else None,
+        output = scored_output(
+            self.engine.scores,
+            Ragged.from_lengths(scored_N, lens),
+            Ragged.from_lengths(entropy_N, lens) if entropy_N is not None else None,
             anchor=anchor if mb.is_dummy else None,
         )
         failed = False

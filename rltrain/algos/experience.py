@@ -1,0 +1,207 @@
+"""Collecting an RL step's experience: prompts -> completions -> rewards (shared by GRPO and PPO).
+
+`ExperienceCollector.collect(step)` samples `algo.prompts_per_step` prompts (global), lets this
+data-parallel rank's rollout engine generate `algo.group_size` completions for its share (colocated,
+in-process; under Megatron tp/pp only the replica's first rank samples and shares the tokens and
+log-probabilities with its peers), scores them with every reward function (`reward.fns`, the
+built-in task's reward, a reward model) and returns an `Experience`: this rank's sequences in
+prompt-major order plus the *global* reward vector every rank agrees on. What happens next
+(scoring by the trainer, advantages, losses) belongs to the algorithm (rltrain/algos/rl.py).
+`evaluate` runs greedy generation on the held-out prompts through the same engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from rltrain.algos.base import RunContext
+from rltrain.data.batch import SequenceBatch
+from rltrain.data.prompt_data import PromptRow, build_prompt_data
+from rltrain.data.ragged import Ragged
+from rltrain.data.sampler import IndexStream
+from rltrain.data.sharding import rank_slice, sum_over_replicas
+from rltrain.rewards import build_reward_fns, score
+from rltrain.rollout.base import Completion, RolloutEngine, SamplingSettings
+from rltrain.rollout.share import replica_leader, share_completions
+from rltrain.samples import Sample, first_samples
+from rltrain.timeshare import TimeSharing
+
+
+class BatchLayout:
+    """Where this rank's sequences sit in the global batch. Ranks split *prompts* (contiguous,
+    `rank_slice`), each prompt's `group_size` completions stay together: global position
+    `prompt * group_size + k`."""
+
+    def __init__(self, prompts_per_step: int, group_size: int, rank: int, world_size: int) -> None:
+        self.prompts_per_step, self.group_size = prompts_per_step, group_size
+        self.rank, self.world_size = rank, world_size
+
+    @property
+    def global_size(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    def prompt_range(self, rank: int) -> tuple[int, int]:
+        """Global positions [start, end) of `rank`'s sequences."""
+        mine = rank_slice(list(range(self.prompts_per_step)), rank, self.world_size)
+        if not mine:
+            return 0, 0
+        return mine[0] * self.group_size, (mine[-1] + 1) * self.group_size
+
+    @property
+    def offset(self) -> int:
+        """Global position of this rank's first sequence."""
+        return self.prompt_range(self.rank)[0]
+
+    def micro_batches_per_rank(self, lo: int, hi: int, mb_size: int) -> int:
+        """How many micro-batches every rank runs over the global positions [lo, hi): enough for
+        the rank that holds the most of them (collectives must match). With prompts_per_step not
+        a multiple of the rank count one rank holds a whole group more than another, and a count
+        derived from an even split of the sequences would drop some."""
+        most = 0
+        for r in range(self.world_size):
+            start, end = self.prompt_range(r)
+            most = max(most, min(hi, end) - max(lo, start))
+        return max(1, -(-most // mb_size))
+
+
+@dataclass
+class Experience:
+    """One RL step's batch on this rank (prompt-major), and what every rank agrees on globally.
+    The trainer-side fields (`old_logps` ... `values`) are filled by the algorithm's scoring;
+    None where it does not need them."""
+
+    rows: list[PromptRow]  # this rank's prompts
+    completions: list[Completion]  # `group_size` per prompt, in prompt order
+    batch: SequenceBatch  # prompt + completion token ids of every completion
+    engine_logps: Ragged  # the rollout engine's sampling log-probabilities
+    rewards_by_fn: dict[str, list[float]]  # this rank's, per reward function (unweighted)
+    scores_B: torch.Tensor  # this rank's weighted total reward per completion (float64, host)
+    global_scores: torch.Tensor  # every rank's totals at their global positions (float64, host)
+    counts: torch.Tensor  # global [completion tokens, sequences, truncated sequences] (host)
+    time_rollout: float
+    old_logps: Ragged | None = None
+    entropy: Ragged | None = None
+    ref_logps: Ragged | None = None
+    values: Ragged | None = None
+    returns: Ragged | None = None  # the critic's targets (PPO)
+
+
+class ExperienceCollector:
+    """Owns the prompt data, the reward functions and the rollout side of a step."""
+
+    def __init__(self, ctx: RunContext, rollout: RolloutEngine, timeshare: TimeSharing, policy) -> None:
+        cfg = ctx.cfg
+        self.ctx, self.algo_cfg = ctx, cfg.algo
+        self.train_prompts, self.eval_prompts, self.dropped = build_prompt_data(ctx.tokenizer, cfg.data, cfg.trainer.seed)
+        self.reward_fns = build_reward_fns(cfg, ctx.dist.device)
+        self.stream = IndexStream(len(self.train_prompts), cfg.trainer.seed)
+        self.rollout, self.timeshare, self.policy = rollout, timeshare, policy
+        self.eos = ctx.tokenizer.eos_token_id
+        self.layout = BatchLayout(cfg.algo.prompts_per_step, cfg.algo.group_size, policy.rank, policy.world_size)
+        self.sample_every = cfg.logger.sample_every
+        self.recorded: list[Sample] = []  # W&B sample tables: every logger.sample_every steps and at evaluation
+
+    def sampling(self, step: int, greedy: bool = False) -> SamplingSettings:
+        a = self.algo_cfg
+        return SamplingSettings(
+            n=1 if greedy else a.group_size,
+            temperature=0.0 if greedy else a.temperature,
+            top_p=1.0 if greedy else a.top_p,
+            max_new_tokens=a.max_new_tokens,
+            seed=self.ctx.cfg.rollout.seed + 1_000_003 * step + self.policy.rank,
+            stop_token_ids=[self.eos],
+        )
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+        """Completions for this replica's prompts. Under tensor/pipeline parallelism the replica's
+        ranks must train on identical sequences, so only its first rank samples and the others
+        receive the tokens (rltrain.rollout.share); every rank of a replica calls this together.
+        The engine's turn (time sharing) tears the replica's group down: the leader is found
+        before it and the completions are shared after it."""
+        group = self.policy.replica_group()
+        leads = group is None or dist.get_rank() == replica_leader(group)
+        with self.timeshare.rollout_turn():
+            mine = (self.rollout.generate(prompts, sampling) if prompts else []) if leads else None
+        group = self.policy.replica_group()  # re-created by the turn
+        return mine if group is None else share_completions(mine, group)
+
+    def texts(self, completions: list[Completion]) -> list[str]:
+        return [self.ctx.tokenizer.decode([t for t in c.token_ids if t != self.eos], skip_special_tokens=True) for c in completions]
+
+    def rewards(self, rows: list[PromptRow], completions: list[Completion]) -> dict[str, list[float]]:
+        owners = [rows[c.prompt_index] for c in completions]
+        columns = {key: [r.columns[key] for r in owners] for key in (owners[0].columns if owners else {})}
+        return score(self.reward_fns, [r.text for r in owners], self.texts(completions), columns)
+
+    def collect(self, step: int) -> Experience:
+        global_index = self.stream.take(self.algo_cfg.prompts_per_step)
+        rows = [self.train_prompts[i] for i in rank_slice(global_index, self.policy.rank, self.policy.world_size)]
+        completions = self.generate([r.ids for r in rows], self.sampling(step))
+        time_rollout = self.timeshare.last_generate_s
+        per_fn = self.rewards(rows, completions)
+        scores_B = torch.zeros(len(completions), dtype=torch.float64, device="cpu")
+        for rf in self.reward_fns:
+            scores_B += rf.weight * torch.tensor(per_fn[rf.name], dtype=torch.float64, device="cpu")
+        if self.sample_every and step % self.sample_every == 0:
+            self.recorded = first_samples([rows[c.prompt_index].text for c in completions], self.texts(completions), scores_B.tolist())
+        dp_size = self.policy.world_size
+        global_scores = torch.zeros(self.layout.global_size, dtype=torch.float64, device="cpu")
+        offset = self.layout.offset
+        global_scores[offset : offset + len(completions)] = scores_B
+        global_scores = sum_over_replicas(global_scores, dp_size)
+        batch = SequenceBatch.from_lists([rows[c.prompt_index].ids for c in completions], [c.token_ids for c in completions])
+        local_counts = torch.tensor(
+            [batch.num_completion_tokens, len(completions), sum(not c.finished for c in completions)], dtype=torch.float64, device="cpu"
+        )
+        engine_logps = Ragged.from_lengths(
+            torch.tensor([lp for c in completions for lp in c.logprobs], dtype=torch.float32, device="cpu"), batch.completion_lens()
+        )
+        return Experience(
+            rows=rows, completions=completions, batch=batch, engine_logps=engine_logps, rewards_by_fn=per_fn,
+            scores_B=scores_B, global_scores=global_scores, counts=sum_over_replicas(local_counts, dp_size),
+            time_rollout=time_rollout,
+        )
+
+    def reward_metrics(self, exp: Experience) -> dict[str, float]:
+        """`reward/mean`, `reward/std` and `reward/<fn>` over the global batch."""
+        n_global = self.layout.global_size
+        sums = torch.tensor(
+            [sum(v) for v in exp.rewards_by_fn.values()] + [float((exp.scores_B**2).sum()), float(exp.scores_B.sum())],
+            dtype=torch.float64, device="cpu",
+        )
+        means = sum_over_replicas(sums, self.policy.world_size) / n_global
+        reward_mean = float(means[-1])
+        out = {"reward/mean": reward_mean, "reward/std": max(0.0, float(means[-2]) - reward_mean**2) ** 0.5}
+        for i, rf in enumerate(self.reward_fns):
+            out[f"reward/{rf.name}"] = float(means[i])
+        return out
+
+    def samples(self) -> list[Sample]:
+        """What was recorded since the last call (see `Algorithm.samples`), cleared by the call."""
+        taken, self.recorded = self.recorded, []
+        return taken
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Greedy completions of the held-out prompts: `eval/reward` and, where the data has an
+        `answer` column, exact-match `eval/accuracy`."""
+        if not self.eval_prompts:
+            return {}
+        mine = rank_slice(self.eval_prompts, self.policy.rank, self.policy.world_size)
+        completions = self.generate([r.ids for r in mine], self.sampling(step, greedy=True))
+        self.timeshare.pop_metrics()  # a step's row reports the step's phases only
+        per_fn = self.rewards(mine, completions)
+        texts = self.texts(completions)
+        correct = 0.0
+        if mine and "answer" in mine[0].columns:
+            correct = float(sum(t.strip() == str(r.columns["answer"]).strip() for t, r in zip(texts, mine)))
+        totals = [sum(rf.weight * per_fn[rf.name][i] for rf in self.reward_fns) for i in range(len(completions))]
+        self.recorded = first_samples([mine[c.prompt_index].text for c in completions], texts, totals)
+        sums = sum_over_replicas(torch.tensor([correct, float(sum(totals))], dtype=torch.float64, device="cpu"), self.policy.world_size)
+        n = len(self.eval_prompts)
+        out = {"eval/reward": float(sums[1] / n)}
+        if "answer" in self.eval_prompts[0].columns:
+            out["eval/accuracy"] = float(sums[0] / n)
+        return out

@@ -1,0 +1,102 @@
+"""Proximal Policy Optimisation with a critic: the shared RL step (rltrain/algos/rl.py) with
+per-token advantages from GAE (rltrain/algos/ppo_math.py) and a value model trained alongside.
+
+One step: `algo.prompts_per_step` prompts x `algo.group_size` completions from the rollout engine
+-> rewards -> the trainer scores the batch once: the critic's values V_t of every completion token
+(and, with `algo.beta > 0`, the reference's log-probabilities; with `algo.kl_in_reward`, the
+policy's old log-probabilities first) -> token rewards (the sequence's score on its last token,
+`-beta * KL` per token when the KL is in the reward) -> GAE (`algo.gamma`, `algo.lam`) ->
+advantages whitened over the global batch (`algo.whiten_advantages`) -> `algo.num_iterations` x
+`algo.mini_batches` optimizer steps of the policy (clipped surrogate, `beta * k3` in the loss when
+the KL is not in the reward) and the same number of the critic (clipped value loss against the
+returns, `algo.vf_clip`, its own `critic.lr`). During the first `algo.critic_warmup_steps` steps
+only the critic learns. The critic is checkpointed with the policy and covered by time sharing.
+
+    python -m rltrain algo=ppo
+    python -m rltrain algo=ppo backend=megatron backend.tp=2 trainer.nproc=2
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from rltrain.algos.experience import Experience
+from rltrain.algos.ppo_math import (
+    explained_variance,
+    explained_variance_sums,
+    gae,
+    moments,
+    moments_sums,
+    token_rewards,
+    value_loss,
+    whiten,
+)
+from rltrain.algos.rl import RLAlgorithm
+from rltrain.backends.base import PolicyOutput
+from rltrain.data.batch import SequenceBatch
+from rltrain.data.ragged import Ragged, on_device
+from rltrain.data.sharding import sum_over_replicas
+
+
+def make_value_loss(vf_clip: float):
+    """The critic's loss for `train_step`: extras `old_values` and `returns` (ragged, host)."""
+
+    def loss_fn(output: PolicyOutput, batch: SequenceBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        assert output.values is not None, "the value loss needs a critic's values"
+        e = {k: on_device(v, output.values.values.device) for k, v in batch.extras.items()}
+        return value_loss(output.values, e["old_values"], e["returns"], vf_clip, e["global_tokens"])
+
+    return loss_fn
+
+
+def ppo_advantages(exp: Experience, algo_cfg, dp_size: int) -> tuple[Ragged, dict[str, float]]:
+    """This rank's whitened GAE advantages (and `exp.returns`, the critic's targets) from the
+    experience's scores, values and, with the KL in the reward, old and reference log-probabilities;
+    moments and explained variance over the global batch (a collective over `dp_size` replicas)."""
+    a = algo_cfg
+    template = exp.engine_logps  # ragged over the completion tokens
+    kl_N = None
+    if a.kl_in_reward and a.beta != 0:
+        assert exp.old_logps is not None and exp.ref_logps is not None, "a KL in the reward needs old and reference log-probabilities"
+        kl_N = (exp.old_logps.values.float() - exp.ref_logps.values.float().to(exp.old_logps.values.device)).cpu()
+    values = exp.values if exp.values is not None else template.with_values(torch.zeros(template.num_tokens, device="cpu"))
+    rewards = token_rewards(exp.scores_B, template, kl_N, a.beta)
+    adv, returns = gae(rewards, values, a.gamma, a.lam)
+    adv_mean, adv_var = moments(sum_over_replicas(moments_sums(adv.values), dp_size))
+    value_mean, _ = moments(sum_over_replicas(moments_sums(values.values), dp_size))
+    ev = explained_variance(sum_over_replicas(explained_variance_sums(returns.values, values.values), dp_size))
+    if a.whiten_advantages:
+        adv = adv.with_values(whiten(adv.values, adv_mean, adv_var))
+    exp.returns = returns
+    metrics = {
+        "adv/mean": adv_mean,
+        "adv/std": adv_var**0.5,
+        "critic/values_mean": value_mean,
+        "critic/explained_variance": ev,
+    }
+    return adv, metrics
+
+
+class PPO(RLAlgorithm):
+    uses_critic: ClassVar[bool] = True
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.value_loss_fn = make_value_loss(self.algo_cfg.vf_clip)
+
+    def kl_in_loss(self) -> bool:
+        return not self.algo_cfg.kl_in_reward
+
+    def needs_old_logps_first(self) -> bool:
+        return self.algo_cfg.kl_in_reward and self.algo_cfg.beta != 0
+
+    def updates_policy(self, step: int) -> bool:
+        return step > self.algo_cfg.critic_warmup_steps
+
+    def advantages(self, exp: Experience) -> tuple[Ragged, dict[str, float]]:
+        return ppo_advantages(exp, self.algo_cfg, self.policy.world_size)
+
+    def update_critic(self, exp: Experience, step: int) -> dict[str, float]:
+        return self.learner.update_critic(exp, self.value_loss_fn)

@@ -1,0 +1,149 @@
+"""One RL step, collect then update, for every RL algorithm (GRPO, PPO).
+
+A step: `ExperienceCollector.collect` (prompts -> completions -> rewards, rltrain/algos/experience.py)
+-> scoring by the trainer, once per batch and only what the algorithm needs (old log-probabilities
+and entropies, the reference's log-probabilities, the critic's values) -> the algorithm's
+`advantages` -> `algo.num_iterations` x `algo.mini_batches` optimizer steps of the policy (and the
+critic's, when there is one: `update_critic`) -> the new weights published to the rollout engine.
+With one iteration and one mini-batch and no need for old log-probabilities before the update, the
+scoring of the policy *is* its training pass (same weights, before the update), not an extra
+forward. The rollout engine's sampling log-probabilities are compared with the trainer's
+(`rollout/logprob_diff_*`) and drive the optional rollout correction (rltrain/algos/rollout_correction.py).
+With `placement.time_sharing=true` the trainer's engines and the rollout engine take turns
+(rltrain/timeshare.py).
+
+Subclasses say what they need (`needs_reference`, `needs_old_logps_first`, `uses_critic`) and
+implement `advantages`; they never touch the data, the rollout engine or the mini-batch loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+from rltrain.algos.base import RunContext
+from rltrain.algos.experience import Experience, ExperienceCollector
+from rltrain.algos.rl_update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
+from rltrain.backends import build_engine
+from rltrain.data.ragged import Ragged
+from rltrain.data.sharding import sum_over_replicas
+from rltrain.distributed import global_max
+from rltrain.rollout import build_rollout
+from rltrain.samples import Sample
+from rltrain.timeshare import TimeSharing
+
+
+class RLAlgorithm:
+    uses_critic: ClassVar[bool] = False
+
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+        cfg = ctx.cfg
+        a = self.algo_cfg = cfg.algo
+        self.policy = build_engine(ctx, "policy")
+        # The LR schedule spans every optimizer step the run will take.
+        self.policy.max_steps = cfg.trainer.max_steps * a.mini_batches * a.num_iterations
+        self.reference = build_engine(ctx, "reference") if self.needs_reference() else None
+        self.rollout = build_rollout(ctx)
+        self.critic = build_engine(ctx, "critic") if self.uses_critic else None
+        if self.critic is not None:
+            self.critic.max_steps = self.policy.max_steps
+        engines = [e for e in (self.policy, self.reference, self.critic) if e is not None]
+        self.timeshare = TimeSharing(engines, self.rollout, ctx.dist.device, cfg.placement.time_sharing)
+        self.collector = ExperienceCollector(ctx, self.rollout, self.timeshare, self.policy)
+        parity = ParityProbe()
+        update = MiniBatchUpdate(
+            self.collector.layout, a.mini_batches, a.num_iterations, cfg.trainer.micro_batch_size, cfg.trainer.max_tokens_per_micro_batch
+        )
+        # On-policy with one optimizer step per batch: old log-probabilities, entropy and the
+        # parity check come from the training pass itself (same weights, before the update), which
+        # saves a forward over the whole batch every step.
+        fused = a.num_iterations == 1 and a.mini_batches == 1 and not self.needs_old_logps_first()
+        loss_fn = make_policy_loss(a, parity, kl_in_loss=self.kl_in_loss())
+        self.learner = Learner(self.policy, update, loss_fn, parity, fused, self.reference, self.critic)
+
+    # --- what a subclass decides ---------------------------------------------------------------
+
+    def needs_reference(self) -> bool:
+        return self.algo_cfg.beta != 0
+
+    def kl_in_loss(self) -> bool:
+        return True
+
+    def needs_old_logps_first(self) -> bool:
+        """True when the advantages need the old log-probabilities (e.g. a KL in the reward)."""
+        return False
+
+    def advantages(self, exp: Experience) -> tuple[torch.Tensor | Ragged, dict[str, float]]:
+        """(this rank's advantages: [B] per sequence or Ragged per token, metrics)."""
+        raise NotImplementedError
+
+    def update_critic(self, exp: Experience, step: int) -> dict[str, float]:
+        """The critic's optimizer steps (algorithms with `uses_critic`)."""
+        return {}
+
+    def updates_policy(self, step: int) -> bool:
+        return True
+
+    # --- one step ------------------------------------------------------------------------------
+
+    def train_step(self, step: int) -> dict[str, float]:
+        exp = self.collector.collect(step)
+        t1 = time.perf_counter()
+        with self.timeshare.train():
+            self.learner.score(exp)
+            adv, adv_metrics = self.advantages(exp)
+            stats = self.learner.update_policy(exp, adv) if self.updates_policy(step) else {}
+            stats.update(self.update_critic(exp, step))
+            time_train = time.perf_counter() - t1
+            # Time sharing: exported into host memory now (a collective), synced at the next turn.
+            self.timeshare.publish(self.policy.export_weights)
+        n_global = self.collector.layout.global_size
+        dp_size = self.policy.world_size
+        return {
+            **stats,
+            **adv_metrics,
+            **self.collector.reward_metrics(exp),
+            "rollout/response_length_mean": float(exp.counts[0] / n_global),
+            "rollout/truncated_fraction": float(exp.counts[2] / n_global),
+            "rollout/tokens_per_s": float(exp.counts[0]) / max(global_max(exp.time_rollout), 1e-9),
+            "time/rollout": exp.time_rollout,
+            "time/train": time_train,
+            "time/sync": self.timeshare.last_sync_s,
+            **self.timeshare.pop_metrics(),
+            "tokens": float(sum_over_replicas(torch.tensor([float(exp.batch.tokens.num_tokens)], device="cpu"), dp_size)),
+            "data/overlong_dropped": float(self.collector.dropped),
+        }
+
+    # --- evaluation, state, lifecycle ----------------------------------------------------------
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        return self.collector.evaluate(step)
+
+    def samples(self) -> list[Sample]:
+        return self.collector.samples()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stream": self.collector.stream.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.collector.stream.load_state_dict(state["stream"])
+        # The engine was built from the initial weights: give it the restored ones.
+        self.timeshare.publish(self.policy.export_weights)
+
+    def health_ping(self) -> Callable[[], bool]:
+        """The rollout engine's own real ping (`RolloutEngine.ping`) for `/healthz/deep`."""
+        return self.rollout.ping
+
+    def close(self) -> None:
+        """Shut the rollout engine down before the trainer's process group goes away."""
+        self.rollout.close()
+
+    def checkpoint_engines(self) -> dict[str, Any]:
+        return {"policy": self.policy, **({"critic": self.critic} if self.critic is not None else {})}
+
+    def export_engine(self) -> Any:
+        return self.policy

@@ -1,0 +1,196 @@
+"""The update half of an RL step: mini-batches x iterations of optimizer steps on one engine, and
+the policy's loss function (shared by GRPO and PPO; the critic's update runs through the same loop).
+
+Mini-batches split the *global* batch by position (rltrain.algos.experience.BatchLayout), so the
+split does not depend on the number of ranks; each rank trains on its sequences that fall in the
+mini-batch, in as many micro-batches as the rank holding the most of them needs. Per-sequence and
+per-token extras (advantages, old / reference / engine log-probabilities, values, returns) travel
+with the micro-batches in `SequenceBatch.extras`, on the host; loss functions move them to the
+outputs' device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rltrain.algos.experience import BatchLayout, Experience
+from rltrain.algos.policy_loss import policy_loss
+from rltrain.algos.rollout_correction import correction, correction_metrics
+from rltrain.backends.base import LossFn, PolicyOutput, TrainEngine
+from rltrain.data.batch import SequenceBatch
+from rltrain.data.ragged import Ragged, on_device
+from rltrain.data.sharding import split_micro_batches, sum_over_replicas
+from rltrain.distributed import global_max
+
+
+class ParityProbe:
+    """The largest |engine - trainer| log-probability gap seen by the loss function this step. A
+    max cannot travel with the summed metrics of `train_step`, so the loss reports it here and the
+    step reduces it over ranks (MAX); under pipeline parallelism only the last stage sees any."""
+
+    def __init__(self) -> None:
+        self.max_diff = 0.0
+
+    def observe(self, diffs_N: torch.Tensor) -> None:
+        if diffs_N.numel():
+            self.max_diff = max(self.max_diff, float(diffs_N.max()))
+
+
+def make_policy_loss(algo_cfg: Any, parity: ParityProbe | None = None, kl_in_loss: bool = True) -> LossFn:
+    """The policy's loss for `train_step`. Extras set to None mean on-policy scoring from the
+    training pass itself: `old_logps` -> the pass's own detached log-probabilities (ratio 1),
+    `entropy` -> the pass's entropies, `ref_logps` (without a reference model) -> the old
+    log-probabilities, so `policy/kl` reads 0. With `engine_logps` the loss applies the rollout
+    correction (`algo.rollout_correction`) and, when `measure_parity` is set, measures
+    train/rollout parity. `kl_in_loss=False` (PPO's KL in the reward): `beta` is not applied here."""
+    beta = algo_cfg.beta if kl_in_loss else 0.0
+
+    def loss_fn(output: PolicyOutput, batch: SequenceBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        assert output.logps is not None, "the policy's loss needs log-probabilities"
+        # Extras are built on the host; the loss runs where the model's outputs are.
+        e = {k: on_device(v, output.logps.values.device) for k, v in batch.extras.items()}
+        old = e["old_logps"] if e["old_logps"] is not None else output.logps.detach()
+        ref = e["ref_logps"] if e["ref_logps"] is not None else old
+        engine_logps = e["engine_logps"]
+        weights, keep_B = correction(old, engine_logps, algo_cfg.rollout_correction, algo_cfg.rollout_is_cap, algo_cfg.rollout_mask_band)
+        loss, metrics = policy_loss(
+            output.logps,
+            e["adv"],
+            old_logps=old,
+            ref_logps=ref,
+            entropy=e["entropy"] if e["entropy"] is not None else output.entropy,
+            is_weights=weights,
+            keep_B=keep_B,
+            clip_low=algo_cfg.clip_low,
+            clip_high=algo_cfg.clip_high,
+            beta=beta,
+            loss_agg=algo_cfg.loss_agg,
+            global_tokens=e["global_tokens"],
+            global_seqs=e["global_seqs"],
+            max_len=algo_cfg.max_new_tokens,
+        )
+        metrics.update(correction_metrics(weights, keep_B, output.logps.num_tokens, e["global_tokens"], e["global_seqs"]))
+        if e["measure_parity"]:
+            diffs_N = (output.logps.values.detach().float() - engine_logps.values.float()).abs()
+            metrics["rollout/logprob_diff_mean"] = diffs_N.sum() / max(float(e["global_tokens"]), 1.0)
+            if parity is not None:
+                parity.observe(diffs_N)
+        return loss, metrics
+
+    return loss_fn
+
+
+class MiniBatchUpdate:
+    """`num_iterations` passes over `mini_batches` mini-batches of the global batch, one optimizer
+    step of `engine` each; returns the metrics averaged over those steps."""
+
+    def __init__(self, layout: BatchLayout, mini_batches: int, num_iterations: int, micro_batch_size: int, token_budget: int) -> None:
+        self.layout = layout
+        self.mini_batches, self.num_iterations = mini_batches, num_iterations
+        self.micro_batch_size, self.token_budget = micro_batch_size, token_budget
+
+    def micro_batches(self, batch: SequenceBatch) -> list[SequenceBatch]:
+        """The whole batch in the micro-batches every rank agrees on (for scoring passes)."""
+        count = self.layout.micro_batches_per_rank(0, self.layout.global_size, self.micro_batch_size)
+        return [batch.select(p) for p in self._split(list(range(len(batch))), count, batch)]
+
+    def _split(self, positions: list[int], count: int, batch: SequenceBatch) -> list[list[int]]:
+        return split_micro_batches(positions, count, self.micro_batch_size, batch.tokens.lengths().tolist(), self.token_budget)
+
+    def run(
+        self, engine: TrainEngine, batch: SequenceBatch, extras: dict[str, Any], loss_fn: LossFn, with_entropy: bool = False,
+        on_step: Callable[[], None] | None = None,
+    ) -> dict[str, float]:
+        offset = self.layout.offset
+        per_mini = -(-self.layout.global_size // self.mini_batches)
+        sums: dict[str, float] = {}
+        updates = 0
+        for _ in range(self.num_iterations):
+            for mini in range(self.mini_batches):
+                lo, hi = mini * per_mini, (mini + 1) * per_mini
+                mine = [i for i in range(len(batch)) if lo <= offset + i < hi]
+                count = self.layout.micro_batches_per_rank(lo, hi, self.micro_batch_size)
+                metrics = self._train_on(engine, batch, mine, extras, loss_fn, count, with_entropy)
+                updates += 1
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                if on_step is not None:
+                    on_step()
+        return {k: v / updates for k, v in sums.items()}
+
+    def _train_on(
+        self, engine: TrainEngine, batch: SequenceBatch, positions: list[int], extras: dict[str, Any], loss_fn: LossFn,
+        count: int, with_entropy: bool,
+    ) -> dict[str, float]:
+        sub = batch.select(positions)
+        for key, value in extras.items():
+            if isinstance(value, Ragged):
+                sub.extras[key] = value.select(positions) if positions else value.like_empty()
+            elif isinstance(value, torch.Tensor):
+                sub.extras[key] = value[positions] if positions else value[:0]
+            else:
+                sub.extras[key] = value
+        counts = sum_over_replicas(
+            torch.tensor([float(sub.num_completion_tokens), float(len(sub))], dtype=torch.float64, device="cpu"), engine.world_size
+        )
+        sub.extras["global_tokens"], sub.extras["global_seqs"] = float(counts[0]), float(counts[1])
+        micro = [sub.select(p) for p in self._split(list(range(len(sub))), count, sub)]
+        return engine.train_step(micro, loss_fn, with_entropy=with_entropy)
+
+
+class Learner:
+    """The trainer's side of an RL step on an `Experience`: scoring it once (old log-probabilities
+    and entropies unless the training pass provides them, the reference's log-probabilities, the
+    critic's values) and the policy's optimizer steps. `fused`: the policy's scoring *is* its
+    training pass (one iteration, one mini-batch, nothing needed before the update)."""
+
+    def __init__(
+        self, policy: TrainEngine, update: MiniBatchUpdate, loss_fn: LossFn, parity: ParityProbe, fused: bool,
+        reference: TrainEngine | None = None, critic: TrainEngine | None = None,
+    ) -> None:
+        self.policy, self.reference, self.critic = policy, reference, critic
+        self.update, self.loss_fn, self.parity, self.fused = update, loss_fn, parity, fused
+
+    def score(self, exp: Experience) -> None:
+        """Fill the experience's trainer-side fields this learner needs (a collective: every rank)."""
+        self.parity.max_diff = 0.0
+        batch = exp.batch
+        need_micro = not self.fused or self.reference is not None or self.critic is not None
+        micro = self.update.micro_batches(batch) if need_micro else []
+        if not self.fused:
+            scored = self.policy.forward_logps(micro, with_entropy=True)
+            exp.old_logps = Ragged.cat([s.logps for s in scored]) if len(batch) else None
+            exp.entropy = Ragged.cat([s.entropy for s in scored]) if len(batch) else None
+            if exp.old_logps is not None:
+                self.parity.observe((exp.old_logps.values.float() - exp.engine_logps.values.to(exp.old_logps.values.device)).abs())
+        if self.reference is not None:
+            ref_scored = self.reference.forward_logps(micro)
+            exp.ref_logps = Ragged.cat([s.logps for s in ref_scored]) if len(batch) else None
+        if self.critic is not None:
+            values = self.critic.forward_values(micro)
+            exp.values = Ragged.cat(values).to("cpu") if len(batch) else exp.engine_logps.like_empty()
+
+    def update_policy(self, exp: Experience, adv: torch.Tensor | Ragged) -> dict[str, float]:
+        """The policy's optimizer steps on `exp` with advantages `adv` ([B] or per token)."""
+        extras = {
+            "adv": adv, "old_logps": exp.old_logps, "entropy": exp.entropy, "ref_logps": exp.ref_logps,
+            "engine_logps": exp.engine_logps, "measure_parity": self.fused,
+        }
+        out = self.update.run(self.policy, exp.batch, extras, self.loss_fn, with_entropy=self.fused)
+        out["rollout/logprob_diff_max"] = global_max(self.parity.max_diff)
+        if not self.fused:
+            old = exp.old_logps
+            diffs_sum = (old.values.float() - exp.engine_logps.values.to(old.values.device)).abs().sum() if old is not None else 0.0
+            diff_sum = sum_over_replicas(torch.tensor([float(diffs_sum)], dtype=torch.float64, device="cpu"), self.policy.world_size)
+            out["rollout/logprob_diff_mean"] = float(diff_sum[0] / max(float(exp.counts[0]), 1.0))
+        return out
+
+    def update_critic(self, exp: Experience, loss_fn: LossFn) -> dict[str, float]:
+        """The critic's optimizer steps on `exp` (extras: old values and returns), under `critic/`."""
+        assert self.critic is not None and exp.values is not None and exp.returns is not None
+        extras = {"old_values": exp.values, "returns": exp.returns}
+        stats = self.update.run(self.critic, exp.batch, extras, loss_fn)
+        return {k if k.startswith("critic/") else f"critic/{k}": v for k, v in stats.items() if k != "loss"}

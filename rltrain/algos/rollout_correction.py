@@ -1,0 +1,58 @@
+"""Rollout correction: what to do when the rollout engine's sampling distribution is not exactly
+the trainer's (pure torch functions).
+
+The engine samples with its own kernels and often a lower precision (CUDA vLLM in bf16), so its
+log-probabilities `engine` differ from the trainer's recomputation `old` under the same weights;
+the policy gradient is then slightly off-policy. `algo.rollout_correction`:
+
+- `none`: trust the samples (the gap is still measured: `rollout/logprob_diff_*`).
+- `tis`: truncated importance sampling, per token: the surrogate is weighted by
+  `min(exp(old - engine), algo.rollout_is_cap)`, a constant (no gradient). Unbiased where the
+  ratio is below the cap, bounded variance above it.
+- `mask`: per sequence: the geometric-mean ratio `exp(mean_t(old - engine))` must lie in
+  `[1 / algo.rollout_mask_band, algo.rollout_mask_band]`, else the sequence contributes nothing to
+  the surrogate (it still counts in the loss's denominators).
+Metrics: `rollout/is_weight_mean` (mean token weight; 1 for `mask`), `rollout/masked_frac`
+(fraction of sequences dropped; 0 for `tis`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rltrain.data.ragged import Ragged
+
+MODES = ("none", "tis", "mask")
+
+
+def correction(
+    old_logps: Ragged, engine_logps: Ragged, mode: str, is_cap: float, mask_band: float
+) -> tuple[Ragged | None, torch.Tensor | None]:
+    """(per-token weights or None, [B] bool keep mask or None) for `mode` (see module docstring)."""
+    if mode not in MODES:
+        raise ValueError(f"algo.rollout_correction={mode!r}: choose one of {', '.join(MODES)}")
+    if mode == "none":
+        return None, None
+    log_ratio_N = old_logps.values.detach().float() - engine_logps.values.float().to(old_logps.values.device)
+    if mode == "tis":
+        if is_cap <= 0:
+            raise ValueError(f"algo.rollout_is_cap={is_cap} must be > 0")
+        return old_logps.with_values(torch.exp(log_ratio_N).clamp(max=is_cap)), None
+    if mask_band < 1.0:
+        raise ValueError(f"algo.rollout_mask_band={mask_band} must be >= 1 (the band is [1/band, band])")
+    mean_log_ratio_B = old_logps.with_values(log_ratio_N).mean_per_seq()
+    return None, mean_log_ratio_B.abs() <= math.log(mask_band)
+
+
+def correction_metrics(
+    weights: Ragged | None, keep_B: torch.Tensor | None, num_tokens: int, global_tokens: float, global_seqs: float
+) -> dict[str, float | torch.Tensor]:
+    """This micro-batch's share of `rollout/is_weight_mean` and `rollout/masked_frac`."""
+    weight_sum = weights.values.detach().sum() if weights is not None else float(num_tokens)
+    masked = (~keep_B).float().sum() if keep_B is not None else 0.0
+    return {
+        "rollout/is_weight_mean": weight_sum / max(global_tokens, 1.0),
+        "rollout/masked_frac": masked / max(global_seqs, 1.0),
+    }

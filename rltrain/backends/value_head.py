@@ -1,0 +1,43 @@
+"""The critic's scalar value head, shared by both training backends.
+
+A critic is a causal LM's transformer (its LM head unused) plus `Linear(hidden, 1)`. The head is
+fresh: drawn here from a generator seeded by `trainer.seed`, on the CPU in fp32, so every rank and
+both backends start from the same head bit for bit (which is what lets a Megatron critic be
+checked against a Hugging Face one, and 1 rank against N). Weights ~ N(0, 1 / (hidden + 1)), bias
+0: small values at the start, the usual choice for a value head (TRL's, for one).
+
+Values are computed in fp32 whatever the precision (the head's weights are upcast): the head is a
+single dot product per token, so this costs nothing, and the critic's regression target needs
+the precision more than the speed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def initial_value_head(hidden_size: int, seed: int) -> dict[str, torch.Tensor]:
+    """`{"weight": [1, H], "bias": [1]}` in fp32 on the CPU, a pure function of (hidden_size, seed)."""
+    generator = torch.Generator().manual_seed(seed)
+    weight_1H = torch.randn(1, hidden_size, generator=generator, dtype=torch.float32) / (hidden_size + 1) ** 0.5
+    return {"weight": weight_1H, "bias": torch.zeros(1, dtype=torch.float32)}
+
+
+def new_value_head(hidden_size: int, seed: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> nn.Linear:
+    """`Linear(hidden, 1)` holding `initial_value_head(hidden_size, seed)` (on the meta device:
+    the shapes only, for a sharded engine to fill after allocating its shards)."""
+    head = nn.Linear(hidden_size, 1, dtype=dtype, device=device)
+    if torch.device(device).type != "meta":
+        with torch.no_grad():
+            for name, value in initial_value_head(hidden_size, seed).items():
+                getattr(head, name).copy_(value)
+    return head
+
+
+def head_values(head: nn.Linear, hidden_NH: torch.Tensor) -> torch.Tensor:
+    """Values [N] in fp32 for hidden states [N, H], with autocast off (see the module docstring)."""
+    with torch.autocast(hidden_NH.device.type, enabled=False):
+        # A matrix-vector product, not F.linear(...).squeeze(-1): a fresh tensor rather than a view
+        # (FSDP rightly warns about a wrapped module returning views).
+        return hidden_NH.float() @ head.weight[0].float() + head.bias.float()

@@ -1,0 +1,83 @@
+"""Where each role's weights come from, and the check that a role reads the policy's tokens.
+
+The reference and the critic score the policy's token ids, position by position, so a model given
+for either (`reference.path`, `critic.path`) must share the policy's tokenizer: the same vocabulary
+(every token at the same id), the same special tokens, and the same split of text into tokens. A
+mismatch would not fail anywhere: it would silently score the wrong tokens. So it is checked here,
+once the policy's directory exists (the built-in tiny model is built by rank 0 first), and refused
+with a message naming both directories.
+
+A role whose path is null starts from the policy's initial weights and is left out of
+`RunContext.role_dirs` (`RunContext.model_dir_for` falls back to the policy's directory). The
+reward model is not a role of this kind: it reads decoded text with a tokenizer of its own
+(rltrain/rewards/model_reward.py).
+
+Every rank resolves the directories itself, because every rank opens the role's config.json (the
+FSDP engine builds each rank's shard on the meta device from it): a path that only some machines
+can read fails on the rank that cannot, naming the key, instead of in the middle of loading.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rltrain.errors import UserError
+
+# Text whose split into tokens must agree: letters, digits, punctuation, spaces and a newline, so
+# that tokenizers with one vocabulary but different normalisation or merges are told apart.
+PROBE_TEXT = "Q: 12+34=? A: 46.\n  The quick brown fox, jumps over (the) lazy dog!"
+
+
+def resolve_role_dirs(cfg: Any, policy_dir: Path, policy_tokenizer: Any, rank: int) -> dict[str, Path]:
+    """The directory of every role given a path of its own, each checked to be readable on this
+    rank and to share the policy's tokenizer."""
+    paths = {"reference": ("reference.path", cfg.reference.path), "critic": ("critic.path", cfg.critic.path)}
+    dirs: dict[str, Path] = {}
+    for role, (key, value) in paths.items():
+        if value is None:
+            continue
+        directory = Path(value).expanduser().resolve()
+        if not (directory / "config.json").is_file():
+            raise UserError(
+                f"{key}={value!r} has no config.json on rank {rank}: every rank reads the {role}'s model "
+                "itself. Put the directory where every machine of the run can read it (a shared filesystem), "
+                "or copy it to the same path on each."
+            )
+        check_same_tokenizer(key, directory, policy_dir, policy_tokenizer)
+        dirs[role] = directory
+    return dirs
+
+
+def check_same_tokenizer(key: str, role_dir: Path, policy_dir: Path, policy_tokenizer: Any) -> None:
+    """UserError naming both directories unless the tokenizer at `role_dir` is the policy's."""
+    from transformers import AutoTokenizer
+
+    role_tokenizer = AutoTokenizer.from_pretrained(str(role_dir))
+    difference = tokenizer_difference(policy_tokenizer, role_tokenizer)
+    if difference:
+        raise UserError(
+            f"{key}={str(role_dir)!r} has a different tokenizer from the policy's ({policy_dir}): {difference}. "
+            f"The {key.split('.')[0]} scores the policy's token ids, so both must use one tokenizer. Point {key} "
+            "at a model trained with the policy's tokenizer, or leave it null to start from the policy's weights."
+        )
+
+
+def tokenizer_difference(policy: Any, other: Any) -> str:
+    """What differs between two tokenizers, in words; "" when they are the same."""
+    vocab_p, vocab_o = policy.get_vocab(), other.get_vocab()
+    if vocab_p != vocab_o:
+        if len(vocab_p) != len(vocab_o):
+            return f"the vocabularies have {len(vocab_p)} and {len(vocab_o)} tokens"
+        moved = sorted(tok for tok in vocab_p if vocab_o.get(tok) != vocab_p[tok])
+        sample = ", ".join(f"{tok!r} is {vocab_p[tok]} vs {vocab_o.get(tok)}" for tok in moved[:3])
+        return f"{len(moved)} tokens have other ids or are missing ({sample})"
+    specials_p, specials_o = policy.special_tokens_map, other.special_tokens_map
+    if specials_p != specials_o:
+        names = sorted(k for k in set(specials_p) | set(specials_o) if specials_p.get(k) != specials_o.get(k))
+        detail = "; ".join(f"{name}: {specials_p.get(name)!r} vs {specials_o.get(name)!r}" for name in names)
+        return f"the special tokens differ ({detail})"
+    ids_p, ids_o = policy.encode(PROBE_TEXT), other.encode(PROBE_TEXT)
+    if ids_p != ids_o:
+        return f"the same text splits into different tokens ({PROBE_TEXT!r}: {len(ids_p)} vs {len(ids_o)} tokens)"
+    return ""

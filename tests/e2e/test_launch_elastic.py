@@ -1,0 +1,105 @@
+"""`trainer.nproc=N` on torch's elastic agent (README, "Failure behaviour"): the ranks are the
+agent's workers with restarts off, none outlives the launcher (even a SIGKILLed one), and Ctrl-C
+stops every rank and leaves a run that the same command resumes. The failure reports (a killed
+rank, a user error on rank 1) are tested in test_safety_cli.py and test_rank_errors.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cli import QUICK, ROOT, SMALL_MODEL, rltrain, train_rows
+
+pytestmark = pytest.mark.e2e
+
+SMALL = [
+    "algo=sft",
+    "trainer.nproc=2",
+    *SMALL_MODEL,
+    "trainer.global_batch_size=8",
+    "trainer.micro_batch_size=4",
+    "data.num_eval=4",
+    "safety.collective_timeout_s=30",
+]
+
+
+def rank_processes(run_dir: Path) -> dict[int, int]:
+    """pid -> parent pid of every live rank of the run in `run_dir`, as `ps` lists them."""
+    listing = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True, check=True).stdout
+    ranks = {}
+    for line in listing.splitlines():
+        pid, ppid, args = line.split(None, 2)
+        if f"-m rltrain.worker {run_dir} " in args:
+            ranks[int(pid)] = int(ppid)
+    return ranks
+
+
+def start(args: list[str], run_dir: Path, log: Path) -> subprocess.Popen:
+    """`python -m rltrain` in its own session (as from a terminal), its output to `log`."""
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "rltrain", *args, f"hydra.run.dir={run_dir}"], cwd=ROOT,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for(condition, what: str, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the run ended before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.05)
+
+
+def environment(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def test_ranks_are_elastic_workers_and_die_with_a_killed_launcher(tiny_cache, tmp_path):
+    run_dir = tmp_path / "run"
+    launcher = start([*SMALL, *QUICK, "trainer.max_steps=100000"], run_dir, tmp_path / "run.log")
+    try:
+        beats = [run_dir / "heartbeats" / f"rank-{r}.json" for r in (0, 1)]
+        wait_for(lambda: all(b.exists() for b in beats), "heartbeat of both ranks", launcher)
+        ranks = rank_processes(run_dir)
+        assert len(ranks) == 2 and set(ranks.values()) == {launcher.pid}, ranks
+        for pid in ranks:
+            env = environment(pid)
+            assert env["TORCHELASTIC_MAX_RESTARTS"] == "0" and env["TORCHELASTIC_RUN_ID"], env
+        launcher.kill()  # SIGKILL: the launcher cannot forward it; the kernel must end the ranks
+        launcher.wait()
+        deadline = time.monotonic() + 60
+        while rank_processes(run_dir) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert rank_processes(run_dir) == {}, "ranks outlived their SIGKILLed launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in rank_processes(run_dir):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_ctrl_c_stops_every_rank_and_the_run_resumes(tiny_cache, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*SMALL, "trainer.max_steps=6", "trainer.save_every=2", "trainer.eval_every=0",
+            "logger.wandb.mode=disabled", "trainer.progress=lines"]
+    launcher = start(args, run_dir, tmp_path / "run.log")
+    try:
+        wait_for((run_dir / "checkpoints" / "step_00000002").exists, "checkpoint of step 2", launcher)
+        os.killpg(launcher.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends to the foreground group
+        code = launcher.wait(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    log = (tmp_path / "run.log").read_text()
+    assert code == 128 + signal.SIGINT, log[-3000:]
+    assert "rltrain: stopped by SIGINT; every rank was stopped" in log
+    assert rank_processes(run_dir) == {}, "a rank outlived the launcher"
+    assert len(train_rows(run_dir)) < 6
+    rltrain(*args, run_dir=run_dir, timeout=300)
+    assert [r["step"] for r in train_rows(run_dir)] == list(range(1, 7))
+    assert (run_dir / "final" / "model.safetensors").exists()
