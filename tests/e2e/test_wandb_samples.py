@@ -41,7 +41,7 @@ def test_greedy_completions_are_logged_at_every_evaluation(tiny_cache, tmp_path,
 
 def test_grpo_logs_rollouts_every_sample_every_steps_and_at_evaluation(tiny_cache, tmp_path):
     run_dir = tmp_path / "run"
-    rltrain("algo=grpo", "rollout=hf", "algo.prompts_per_step=4", "algo.group_size=4", "trainer.max_steps=2",
+    rltrain("algo=grpo", "model=tiny", "rollout=hf", "algo.prompts_per_step=4", "algo.group_size=4", "trainer.max_steps=2",
             "logger.sample_every=2", "trainer.eval_every=0", "trainer.save_every=0", "data.num_eval=8",
             "logger.wandb.mode=offline", "trainer.progress=lines", run_dir=run_dir, timeout=400)
     train = _tables(run_dir, "samples/train")

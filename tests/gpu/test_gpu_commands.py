@@ -18,7 +18,7 @@ from cli import comparable, kill_when, read_metrics, rltrain, train_rows
 pytestmark = pytest.mark.gpu
 
 BASE = ["logger.wandb.mode=disabled", "trainer.progress=lines", "trainer.save_every=0"]
-GRPO = ["algo=grpo", "rollout=hf", "algo.prompts_per_step=8", "algo.group_size=4", "data.num_eval=16"]
+GRPO = ["algo=grpo", "model=tiny", "rollout=hf", "algo.prompts_per_step=8", "algo.group_size=4", "data.num_eval=16"]
 SHORT_EVAL = ["data.num_eval=32"]
 
 
