@@ -60,7 +60,7 @@ def _direct_logps(model_dir) -> torch.Tensor:
 
 
 def test_a_reference_path_gives_the_kl_transformers_gives(tiny_cache, tmp_path):
-    from rltrain.algos.grpo_loss import k3_kl
+    from rltrain.algos.policy_loss import k3_kl
 
     policy_dir, other_dir = _model_dirs(tmp_path)
     cfg = compose_config("algo.beta=0.04", f"reference.path={other_dir}", "trainer.nproc=2")

@@ -68,12 +68,17 @@ def test_ppo_on_megatron_with_tensor_parallelism(tiny_cache, tmp_path):
             assert key in row and math.isfinite(row[key]), (key, row)
 
 
-def test_critic_warmup_trains_the_critic_only(tiny_cache, tmp_path):
-    rltrain(*SMALL, "trainer.max_steps=2", "algo.critic_warmup_steps=1", run_dir=tmp_path, timeout=400)
+def test_critic_warmup_and_the_kl_in_the_reward(tiny_cache, tmp_path):
+    """The first `critic_warmup_steps` train the critic only; with `kl_in_reward` the old and the
+    reference log-probabilities are scored before the advantages (no fused training pass)."""
+    rltrain(*SMALL, "trainer.max_steps=2", "algo.critic_warmup_steps=1", "algo.beta=0.05", "algo.kl_in_reward=true",
+            run_dir=tmp_path, timeout=400)
     rows = [r for r in read_metrics(tmp_path) if "critic/value_loss" in r]
     assert [r["step"] for r in rows] == [1, 2]
     assert "policy/clipfrac" not in rows[0]  # step 1: the critic alone
     assert "policy/clipfrac" in rows[1]
+    # Step 2 scores the policy against its reference: equal, since step 1 left the policy alone.
+    assert rows[1]["policy/kl"] == 0.0 and rows[1]["critic/value_loss"] > 0.0
 
 
 def test_ppo_on_a_model_data_and_reward_of_the_users(tiny_cache, tmp_path):
