@@ -70,6 +70,16 @@ def _spec_key(cfg: ModelConfig, seed: int) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def publish_directory(built: Path, target: Path) -> None:
+    """Rename a fully written model directory into its cache place, atomically. Another process
+    that built the same (content-keyed) directory first wins, which is fine."""
+    try:
+        built.rename(target)
+    except OSError:
+        if not (target / "config.json").exists():
+            raise
+
+
 def build_tiny_model_dir(cfg: ModelConfig, seed: int) -> Path:
     """Build (once) and return the Hugging Face directory of the tiny model for `cfg` and `seed`.
 
@@ -99,11 +109,7 @@ def build_tiny_model_dir(cfg: ModelConfig, seed: int) -> Path:
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / "config.json").exists():  # lost a race to an identical build: fine
-                raise
+        publish_directory(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from rltrain.config import DataConfig, ModelConfig, TrainerConfig
 from rltrain.errors import UserError
-from rltrain.models.tiny import build_tiny_model_dir
+from rltrain.models.tiny import build_tiny_model_dir, publish_directory
 
 # Variables a rank inherits from its launcher (torch.distributed, torchrun/elastic): the child must
 # build a world of its own, not join (or wait for) the parent's.
@@ -140,11 +140,7 @@ def build_sft_model_dir(model_cfg: ModelConfig, data_cfg: DataConfig, trainer_cf
             raise RuntimeError(f"building the SFT'd tiny model failed (exit {proc.returncode}); its output ends:\n{tail}")
         final = run_dir / "final"
         (run_dir / "metrics.jsonl").rename(final / SFT_METRICS)
-        try:
-            final.rename(target)
-        except OSError:
-            if not (target / "config.json").exists():  # lost a race to an identical build: fine
-                raise
+        publish_directory(final, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     accuracy = final_accuracy(target / SFT_METRICS)
