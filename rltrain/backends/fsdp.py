@@ -55,22 +55,14 @@ import torch
 import torch.distributed as dist
 
 from rltrain.backends.base import LossFn, PolicyOutput, Scores, scored_output, wrong_scores_error
-from rltrain.backends.fsdp_groups import FSDPGroups
-from rltrain.backends.hf_scoring import (
-    BUCKET_COST_TOKENS,
-    CompletionScorer,
-    CompletionValuer,
-    bucket_rectangles,
-    completion_positions,
-    dummy_batch,
-)
+from rltrain.backends.fsdp_groups import FSDPGroups, full_parameter
+from rltrain.backends.fsdp_layout import MicroBatchLayout
+from rltrain.backends.hf_scoring import CompletionScorer, CompletionValuer, completion_positions, dummy_batch
 from rltrain.backends.roles import role_build
-from rltrain.backends.shared_prefix import PackingCost, Rectangle, packed_rectangles, shared_prompt_groups
 from rltrain.backends.value_head import initial_value_head, new_value_head
 from rltrain.config import FSDPBackendConfig, OptimConfig, SafetyConfig
-from rltrain.data.batch import SequenceBatch, length_buckets
+from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
-from rltrain.distributed import gather_rows
 from rltrain.models import moe
 from rltrain.models.hf_io import fill_parameter, load_causal_lm, load_sharded_weights
 from rltrain.precision import Precision, resolve_precision
@@ -138,13 +130,8 @@ class FSDPEngine:
         self.error_budget = ErrorBudget(safety.max_consecutive_errors)
         if not self.trainable:
             self.scorer.requires_grad_(False)
-        # Layout of a micro-batch (see `_layout`): pack sequences that share a prompt; length
-        # buckets costed at this many tokens per extra model call, or None (one rectangle).
-        self.share_prompts = self.moe_info is None
-        self.packing_cost = PackingCost.from_config(self.lm.config)
-        self.bucket_cost: int | None = None
-        if not self.sharded and self.moe_info is None:
-            self.bucket_cost = BUCKET_COST_TOKENS.get(device.type, BUCKET_COST_TOKENS["cpu"])
+        # How a micro-batch meets the model (packed shared prompts, length buckets, one rectangle).
+        self.layout = MicroBatchLayout.for_model(self.lm.config, self.pad_id, device, self.sharded, self.moe_info is not None)
         # The group FSDP shards over (None with one rank: nothing is wrapped, nothing to tear down).
         self.groups: FSDPGroups | None = None
         if self.sharded:
@@ -201,7 +188,7 @@ class FSDPEngine:
     def _score(self, batch: SequenceBatch, with_entropy: bool) -> PolicyOutput:
         real = len(batch) > 0
         scored = batch if real else dummy_batch(self.pad_id)
-        rects, order_N, padding_mask_BT = self._layout(scored)
+        rects, order_N, padding_mask_BT = self.layout(scored)
         _, _, targets = completion_positions(scored)
         # logps_N of a policy or reference, values_N of a critic (`self.scores`)
         scored_N, entropy_N, aux = self.scorer(
@@ -228,42 +215,6 @@ class FSDPEngine:
             Ragged.from_lengths(entropy_N, lengths) if entropy_N is not None else None,
             aux_loss=aux,
         )
-
-    def _layout(self, batch: SequenceBatch) -> tuple[list[Rectangle], torch.Tensor | None, torch.Tensor | None]:
-        """How one micro-batch meets the model: (rectangles, order_N, padding mask).
-
-        Sequences that share a prompt (GRPO groups, DPO pairs) are packed one row per prompt,
-        so each prompt is computed once (rltrain.backends.shared_prefix). Otherwise one padded
-        rectangle, or on one rank length buckets (`_length_groups`). Sharded ranks always make
-        one model call per micro-batch: FSDP all-gathers once per call, so ranks with different
-        call counts would fall out of step in their collectives. A MoE model is never packed or
-        bucketed: its load-balancing loss is computed over one plain rectangle.
-        """
-        if self.share_prompts and (shared := shared_prompt_groups(batch, self.packing_cost)) is not None:
-            return (*packed_rectangles(batch, shared, self.pad_id, self.bucket_cost), None)
-        groups = self._length_groups(batch)
-        if groups is None:
-            ids_BT, mask_BT = batch.tokens.to_padded(self.pad_id)
-            rows, cols, _ = completion_positions(batch)
-            return [Rectangle(ids_BT, rows, cols)], None, mask_BT
-        rects, order_N = bucket_rectangles(batch, groups, self.pad_id)
-        return rects, order_N, None
-
-    def _length_groups(self, batch: SequenceBatch) -> list[list[int]] | None:
-        """Length buckets for one forward (None: one padded rectangle, the original order).
-
-        Why: a micro-batch padded to its longest sequence spends most of its extra compute on
-        padding when lengths are spread (30-250 tokens: ~1.7x the real tokens); scoring a few
-        rectangles of similar lengths and restoring the ragged order gives the same
-        log-probabilities (to fp32 round-off) for a fraction of the compute. Only on one unsharded
-        rank: sharded FSDP units all-gather once per call, so ranks with different bucket counts
-        would fall out of step in their collectives. Not for MoE, whose load-balancing loss is
-        computed over one rectangle's router logits.
-        """
-        if self.bucket_cost is None or len(batch) < 2:
-            return None
-        groups = length_buckets(batch.tokens.lengths().tolist(), self.bucket_cost)
-        return groups if len(groups) > 1 else None
 
     @torch.no_grad()
     def forward_logps(self, micro_batches: list[SequenceBatch], with_entropy: bool = False) -> list[PolicyOutput]:
@@ -354,7 +305,7 @@ class FSDPEngine:
         for name, tensor in self.lm.state_dict().items():
             if self.tied and name == "lm_head.weight":
                 continue
-            yield name, _full(tensor).detach()
+            yield name, full_parameter(tensor).detach()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.export_weights())
@@ -419,17 +370,6 @@ class FSDPEngine:
     def recreate_communicators(self) -> int:
         """Re-create the group and re-bind FSDP's cached handles (collective); returns how many."""
         return self.groups.recreate() if self.groups is not None else 0
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """A parameter's full value: FSDP2's dim-0 shards gathered (`rltrain.distributed.gather_rows`)."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    if not isinstance(tensor, DTensor):
-        return tensor
-    if tuple(tensor.placements) != (Shard(0),):
-        return tensor.full_tensor()
-    return gather_rows(tensor.to_local(), tensor.shape[0], tensor.device_mesh.get_group())
 
 
 def _move_optimizer_state(optimizer: torch.optim.Optimizer | None, device: torch.device) -> None:

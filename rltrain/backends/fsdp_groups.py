@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rltrain.distributed import agree_or_raise, control_device
+from rltrain.distributed import agree_or_raise, control_device, gather_rows
 
 
 class FSDPGroups:
@@ -153,3 +153,14 @@ def _is_fsdp_internal(value: Any) -> bool:
         and not isinstance(value, type)
         and any(isinstance(getattr(value, f.name, None), dist.ProcessGroup) for f in fields(value))
     )
+
+
+def full_parameter(tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter's full value: FSDP2's dim-0 shards gathered (`rltrain.distributed.gather_rows`)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(tensor, DTensor):
+        return tensor
+    if tuple(tensor.placements) != (Shard(0),):
+        return tensor.full_tensor()
+    return gather_rows(tensor.to_local(), tensor.shape[0], tensor.device_mesh.get_group())

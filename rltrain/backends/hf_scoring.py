@@ -59,7 +59,7 @@ class _SelectedHidden(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden states [N, H] in ragged order, the router logits of a MoE model or None). Call
         inside `self.autocast()`. One model call per rectangle (several: length buckets or packed
-        rows, see `FSDPEngine._layout`); the selected hidden states are concatenated in rectangle
+        rows, see `rltrain.backends.fsdp_layout`); the selected hidden states are concatenated in rectangle
         order and `order_N` puts them back into ragged order."""
         # A plain rectangle is right-padded: causal attention never lets a real token see the
         # padding after it, so it needs no attention mask (and sdpa keeps its fast causal path).

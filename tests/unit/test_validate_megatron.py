@@ -74,8 +74,8 @@ def test_model_path_config_is_checked_by_its_hugging_face_keys(tmp_path: Path) -
 def test_engine_refuses_an_unsupported_architecture_as_a_user_error(tmp_path: Path) -> None:
     from transformers import GPT2Config
 
-    from rltrain.backends.megatron.engine import _checked_spec
+    from rltrain.backends.megatron.hf_source import checked_spec
 
     GPT2Config(n_layer=2, n_head=2, n_embd=32).save_pretrained(tmp_path)
     with pytest.raises(UserError, match="backend=megatron cannot run the model.*qwen2 and llama.*backend=fsdp"):
-        _checked_spec(tmp_path, tp=1, pp=1)
+        checked_spec(tmp_path, tp=1, pp=1)

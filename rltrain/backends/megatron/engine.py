@@ -51,12 +51,12 @@ from rltrain.backends.megatron.grads import (
 )
 from rltrain.backends.megatron.groups import Layout, ParallelGroups
 from rltrain.backends.megatron.guarded_losses import GuardedLosses
+from rltrain.backends.megatron.hf_source import checked_spec, hf_reader
 from rltrain.backends.megatron.logprobs import vocab_parallel_logps
 from rltrain.backends.megatron.metrics import reduce_metrics
 from rltrain.backends.megatron.model import build_stage, checkpoint_layers, load_stage_weights
 from rltrain.backends.megatron.optim import build_adamw
 from rltrain.backends.megatron.schedule import Pipeline, run_pipeline
-from rltrain.backends.megatron.spec import ModelSpec
 from rltrain.backends.megatron.value_model import make_value_stage, value_head_shards
 from rltrain.backends.roles import role_build
 from rltrain.backends.value_head import head_values
@@ -64,58 +64,12 @@ from rltrain.config import MegatronBackendConfig, OptimConfig, SafetyConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
 from rltrain.distributed import agree_or_raise, control_device
-from rltrain.errors import UserError
 from rltrain.precision import Precision, resolve_precision
 from rltrain.safety.guard import (
     ErrorBudget,
     fail_fast_enabled,
 )
 from rltrain.schedule import lr_at
-
-
-def _hf_reader(model_dir: Path):
-    """get(name) -> tensor over the directory's safetensors files, reading one tensor at a time."""
-    from safetensors import safe_open
-
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_dir} holds no *.safetensors weights (the megatron backend reads only those)")
-    index: dict[str, Path] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                index[name] = path
-
-    def get(name: str) -> torch.Tensor:
-        if name not in index:
-            raise KeyError(f"{model_dir} has no tensor {name!r}")
-        with safe_open(str(index[name]), framework="pt") as f:
-            return f.get_tensor(name)
-
-    return get
-
-
-def _checked_spec(model_dir: Path, tp: int, pp: int) -> ModelSpec:
-    """The model's spec, or a UserError naming the key to change. `rltrain.validate` catches most
-    of this before any rank starts; this covers what it cannot read (an unsupported architecture,
-    a config.json it could not parse) and callers that bypass it (torchrun, the Python API)."""
-    from transformers import AutoConfig
-
-    try:
-        spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(model_dir))
-        spec.check_layout(tp, pp)
-    except ValueError as exc:
-        raise UserError(
-            f"backend=megatron cannot run the model in {model_dir}: {exc}. Change backend.tp/backend.pp, or use "
-            "backend=fsdp for an architecture the megatron backend does not convert."
-        ) from exc
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world % (tp * pp):
-        raise UserError(
-            f"backend=megatron: {world} ranks are not divisible by backend.tp * backend.pp = {tp * pp}. Set "
-            f"trainer.nproc (or torchrun's --nproc_per_node) to a multiple of {tp * pp}."
-        )
-    return spec
 
 
 class MegatronEngine:
@@ -145,7 +99,7 @@ class MegatronEngine:
         apply_cpu_shims()
         self.model_dir = Path(model_dir)
         tp, pp = backend_cfg.tp, backend_cfg.pp
-        self.spec = _checked_spec(self.model_dir, tp, pp)
+        self.spec = checked_spec(self.model_dir, tp, pp)
         if groups is None:
             groups = ParallelGroups.shared(tp, pp, timeout_s=collective_timeout_s)
         elif (groups.tp, groups.pp) != (tp, pp):
@@ -169,7 +123,7 @@ class MegatronEngine:
         if gradient_checkpointing:
             checkpoint_layers(self.model)
         shards = hf_to_megatron(
-            self.spec, _hf_reader(self.model_dir), layout.tp_rank, tp, layout.pp_rank, pp, output=not critic
+            self.spec, hf_reader(self.model_dir), layout.tp_rank, tp, layout.pp_rank, pp, output=not critic
         )
         if critic and last_stage:
             assert value_head_seed is not None
