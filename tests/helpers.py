@@ -130,3 +130,20 @@ def mounted_tmpfs(size: str):
     finally:
         subprocess.run(["umount", str(where)], check=False)
         where.rmdir()
+
+
+def direct_completion_logps(model_dir, prompts: list[list[int]], completions: list[list[int]]):
+    """Completion-token log-probabilities from a plain transformers model, one unpadded sequence at
+    a time: the reference that engine-computed log-probabilities are compared with."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for prompt, completion in zip(prompts, completions):
+            ids_T = torch.tensor([prompt + completion])
+            logps_TV = torch.log_softmax(model(ids_T).logits[0].float(), dim=-1)
+            positions = torch.arange(len(prompt) - 1, len(prompt) + len(completion) - 1)
+            out.append(logps_TV[positions, ids_T[0, len(prompt) :]])
+    return torch.cat(out)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import compose_config, run_ranks
+from helpers import compose_config, direct_completion_logps, run_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -53,24 +53,10 @@ def _learner_kl(rank, world, policy_dir, reference_dir):
     return metrics["policy/kl"], exp.ref_logps.values.clone()
 
 
-def _direct_logps(model_dir) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    out = []
-    with torch.no_grad():
-        for prompt, completion in zip(PROMPTS, COMPLETIONS):
-            ids = torch.tensor([prompt + completion])
-            logp = torch.log_softmax(model(ids).logits[0].float(), -1)
-            positions = torch.arange(len(prompt) - 1, len(prompt) + len(completion) - 1)
-            out.append(logp[positions, torch.tensor(completion)])
-    return torch.cat(out)
-
-
 def test_reference_path_kl_equals_a_direct_transformers_computation(tiny_cache):
     policy_dir, reference_dir = _model_dir(31), _model_dir(32)
     ((kl, ref_logps),) = run_ranks(_learner_kl, policy_dir, reference_dir, nproc=1, timeout_s=240)
-    policy_direct, ref_direct = _direct_logps(policy_dir), _direct_logps(reference_dir)
+    policy_direct, ref_direct = direct_completion_logps(policy_dir, PROMPTS, COMPLETIONS), direct_completion_logps(reference_dir, PROMPTS, COMPLETIONS)
     torch.testing.assert_close(ref_logps, ref_direct, rtol=1e-5, atol=1e-6)
     delta = ref_direct - policy_direct
     kl_direct = float((torch.exp(delta) - delta - 1).mean())

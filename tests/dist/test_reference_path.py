@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import compose_config, run_ranks
+from helpers import compose_config, direct_completion_logps, run_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -44,28 +44,13 @@ def _engine_logps(rank, world, cfg, policy_dir):
     return out, role_dirs
 
 
-def _direct_logps(model_dir) -> torch.Tensor:
-    """Completion-token log-probabilities from transformers, one unpadded sequence at a time."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    out = []
-    with torch.no_grad():
-        for prompt, completion in zip(PROMPTS, COMPLETIONS):
-            ids_T = torch.tensor([prompt + completion])
-            logps_TV = torch.log_softmax(model(ids_T).logits[0].float(), dim=-1)
-            positions = torch.arange(len(prompt) - 1, len(prompt) + len(completion) - 1)
-            out.append(logps_TV[positions, ids_T[0, len(prompt) :]])
-    return torch.cat(out)
-
-
 def test_a_reference_path_gives_the_kl_transformers_gives(tiny_cache, tmp_path):
     from rltrain.algos.policy_loss import k3_kl
 
     policy_dir, other_dir = _model_dirs(tmp_path)
     cfg = compose_config("algo.beta=0.04", f"reference.path={other_dir}", "trainer.nproc=2")
     results = run_ranks(_engine_logps, cfg, policy_dir, nproc=2, timeout_s=240)
-    direct_policy, direct_reference = _direct_logps(policy_dir), _direct_logps(other_dir)
+    direct_policy, direct_reference = direct_completion_logps(policy_dir, PROMPTS, COMPLETIONS), direct_completion_logps(other_dir, PROMPTS, COMPLETIONS)
     direct_kl = k3_kl(direct_policy, direct_reference)
     assert float(direct_kl.mean()) > 1e-3  # the two models really differ
     for out, role_dirs in results:
