@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
 from rltrain.distributed import DistInfo, barrier, broadcast_str
@@ -114,7 +115,10 @@ def _config_identity(model_dir: Path) -> tuple[str, str]:
 def fingerprint(cfg: Any, model_dir: Path, world_size: int) -> dict[str, Any]:
     """What must be the same for a checkpoint to resume this run: the model (its path, or the
     built-in tiny model, and its architecture and config.json), the world layout (ranks, backend,
-    megatron's tp/pp) and the algorithm."""
+    megatron's tp/pp), the algorithm, and the frozen roles a checkpoint does not hold (the
+    reference and the reward model are read from their paths at start-up, so another path would
+    silently change the KL or the reward of the resumed steps). An unset role path is recorded as
+    None, which a checkpoint written before roles were recorded also reads as."""
     arch, config_hash = _config_identity(model_dir)
     layout = {"world_size": world_size, "backend": cfg.backend.name}
     if cfg.backend.name == "megatron":
@@ -126,7 +130,14 @@ def fingerprint(cfg: Any, model_dir: Path, world_size: int) -> dict[str, Any]:
         "model_config": config_hash,
         **layout,
         "algorithm": cfg.algo.name,
+        "reference": _role_path(cfg, "reference"),
+        "reward_model": _role_path(cfg, "reward_model"),
     }
+
+
+def _role_path(cfg: Any, role: str) -> str | None:
+    path = OmegaConf.select(cfg, f"{role}.path")
+    return None if path is None else str(Path(path).expanduser().resolve())
 
 
 def fingerprint_mismatch(saved: dict[str, Any] | None, current: dict[str, Any], path: Path) -> str:

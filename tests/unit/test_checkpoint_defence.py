@@ -67,6 +67,26 @@ def test_fingerprint_names_every_difference_and_the_fix(tmp_path):
     assert "trainer.resume=never" in message and "hydra.run.dir" in message
 
 
+def test_fingerprint_covers_the_frozen_roles_a_checkpoint_does_not_hold(tmp_path):
+    """The reference and the reward model are read from their paths, not from the checkpoint: a
+    resume with another one must be refused, while unset paths match older checkpoints."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
+    cfg = OmegaConf.create({
+        "model": {"path": None}, "backend": {"name": "fsdp"}, "algo": {"name": "grpo"},
+        "reference": {"path": None}, "reward_model": {"path": None},
+    })
+    saved = fingerprint(cfg, tmp_path, world_size=1)
+    assert saved["reference"] is None and saved["reward_model"] is None
+    older = {k: v for k, v in saved.items() if k not in ("reference", "reward_model")}
+    assert fingerprint_mismatch(older, saved, tmp_path) == ""
+
+    cfg.reference.path = str(tmp_path / "ref")
+    cfg.reward_model.path = str(tmp_path / "rm")
+    message = fingerprint_mismatch(saved, fingerprint(cfg, tmp_path, 1), tmp_path / "step_1")
+    assert f"reference: checkpoint None, this run {str(tmp_path / 'ref')!r}" in message
+    assert f"reward_model: checkpoint None, this run {str(tmp_path / 'rm')!r}" in message
+
+
 class _Engine:
     def save_checkpoint(self, directory: Path) -> None:
         (directory / "weights.bin").write_bytes(b"w" * 64)
