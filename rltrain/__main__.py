@@ -43,10 +43,11 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 class JobFailed(Exception):
     """A job ended with a non-zero exit status; what the user was told is already printed."""
 
-    def __init__(self, code: int, message: str) -> None:
+    def __init__(self, code: int, message: str, interrupted: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.interrupted = interrupted  # the user stopped it (Ctrl-C, SIGTERM): a sweep stops too
 
 
 def under_torchrun() -> bool:
@@ -95,6 +96,12 @@ def sweep_job(cfg, run_dir: Path) -> JobOutcome:
         run_job(cfg, run_dir)
         return _finished(cfg, run_dir)
     except JobFailed as exc:
+        if exc.interrupted:
+            # Ctrl-C stops the sweep, as it does a one-rank job (whose KeyboardInterrupt Hydra
+            # lets through): the user asked everything to stop, not the next job to start.
+            print(f"rltrain: job {run_dir.name} was stopped; the sweep stops, later jobs do not start",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(exc.code) from None
         outcome = JobOutcome("failed", exc.code, _first_line(exc.message))
     except SystemExit as exc:  # a library's sys.exit() inside the job ends the job, not the sweep
         code = exc.code if isinstance(exc.code, int) else 1
@@ -154,7 +161,7 @@ def run_job(cfg, run_dir: Path) -> None:
 
     result = run_local(run_dir, cfg.trainer.nproc)
     if result.code != 0:
-        raise JobFailed(result.code, result.message)
+        raise JobFailed(result.code, result.message, interrupted=result.interrupted)
 
 
 def write_config(cfg, run_dir: Path) -> None:

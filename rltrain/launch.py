@@ -57,6 +57,7 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUI
 class LaunchResult:
     code: int  # 0, the first failing rank's exit code, or 128 + the signal that stopped the run
     message: str = ""  # what was printed about the failure (its first line)
+    interrupted: bool = False  # stopped by a signal to the launcher (Ctrl-C, SIGTERM), not by a rank
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,7 @@ def run_local(run_dir: Path, nproc: int, grace_s: float = GRACE_S) -> LaunchResu
         name = signal.Signals(exc.sigval).name
         message = f"rltrain: stopped by {name}; every rank was stopped (run the same command to resume)"
         print(message, file=sys.stderr, flush=True)
-        return LaunchResult(128 + int(exc.sigval), message)
+        return LaunchResult(128 + int(exc.sigval), message, interrupted=True)
     finally:
         spec.rdzv_handler.shutdown()
     if not result.is_failed():

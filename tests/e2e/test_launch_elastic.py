@@ -103,3 +103,27 @@ def test_ctrl_c_stops_every_rank_and_the_run_resumes(tiny_cache, tmp_path):
     rltrain(*args, run_dir=run_dir, timeout=300)
     assert [r["step"] for r in train_rows(run_dir)] == list(range(1, 7))
     assert (run_dir / "final" / "model.safetensors").exists()
+
+
+def test_ctrl_c_stops_a_sweep_of_several_rank_jobs(tiny_cache, tmp_path):
+    """A multi-rank job stopped by Ctrl-C is not a failed sweep point: the sweep stops with it,
+    as a one-rank job's KeyboardInterrupt stops it, instead of starting the next job."""
+    sweep = tmp_path / "sweep"
+    args = ["-m", *SMALL, "trainer.seed=1,2", "trainer.max_steps=100000", "trainer.eval_every=0",
+            "logger.wandb.mode=disabled", f"hydra.sweep.dir={sweep}"]
+    with open(tmp_path / "sweep.log", "w") as out:
+        launcher = subprocess.Popen([sys.executable, "-m", "rltrain", *args], cwd=ROOT, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        beats = [sweep / "0" / "heartbeats" / f"rank-{r}.json" for r in (0, 1)]
+        wait_for(lambda: all(b.exists() for b in beats), "heartbeat of both ranks of job 0", launcher)
+        os.killpg(launcher.pid, signal.SIGINT)
+        code = launcher.wait(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    log = (tmp_path / "sweep.log").read_text()
+    assert code == 128 + signal.SIGINT, log[-3000:]
+    assert "rltrain: job 0 was stopped; the sweep stops, later jobs do not start" in log
+    assert not (sweep / "1").exists(), "the sweep started its next job after Ctrl-C"
+    assert rank_processes(sweep / "0") == {}
