@@ -1,6 +1,7 @@
 """How one FSDP micro-batch meets the model: packed rows of shared prompts, one padding-free row,
-length buckets, or one padded rectangle (`MicroBatchLayout`). The scorer (rltrain/backends/hf_scoring.py) runs one model
-call per rectangle and `order_N` restores the ragged order."""
+length buckets, or one padded rectangle (`MicroBatchLayout`). The scorer
+(rltrain/backends/hf_scoring.py) runs one model call per rectangle and `order_N` restores the
+ragged order."""
 
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 
 The head runs only on the positions that predict completion tokens (not on prompts or padding),
 and a rank with no data scores a dummy sequence so its collectives still happen. Two heads share
-the one hidden-state selection (`_SelectedHidden`: plain, length-bucketed, shared-prompt or padding-free layouts):
-`CompletionScorer`, the LM's output head (log-probabilities of a policy or reference), and
-`CompletionValuer`, a critic's scalar value head (values, always fp32).
+the one hidden-state selection (`_SelectedHidden`: plain, length-bucketed, shared-prompt or
+padding-free layouts): `CompletionScorer`, the LM's output head (log-probabilities of a policy or
+reference), and `CompletionValuer`, a critic's scalar value head (values, always fp32).
 
 Precision (`rltrain.precision`): the model and the output head run in the compute dtype, either
 because FSDP casts the weights (sharded, `MixedPrecisionPolicy`) or under the `autocast` context
@@ -39,7 +39,8 @@ class _SelectedHidden(nn.Module):
     """Wraps a causal LM's transformer: its final hidden states at the selected positions (those
     that predict the scored completion tokens), however the micro-batch is laid out (one plain
     rectangle, length buckets, packed rows that share a prompt, or one padding-free row). The heads
-    are the subclasses'. `flex_attention`: the model runs flex_attention (rltrain.backends.attention_masks)."""
+    are the subclasses'. `flex_attention`: the model runs flex_attention, so masks are handed to it
+    as BlockMasks (rltrain.backends.attention_masks)."""
 
     def __init__(
         self,
