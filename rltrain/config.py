@@ -179,6 +179,9 @@ class BackendConfig:
 class FSDPBackendConfig(BackendConfig):
     name: str = "fsdp"
     reshard_after_forward: bool = True
+    # A micro-batch of unrelated sequences is one packed row with document-masked attention
+    # (rltrain/backends/padding_free.py) instead of a padded rectangle or length buckets.
+    padding_free: bool = False
 
 
 @dataclass

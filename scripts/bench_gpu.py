@@ -114,10 +114,11 @@ class Workload:
         self.attn_flops_per_len = 6 * config.num_hidden_layers * config.hidden_size
         optim = OptimConfig(lr=1e-5, warmup_steps=0, schedule="constant", beta2=0.999, max_grad_norm=1.0)
         total = args.steps + args.warmup
-        self.policy = FSDPEngine(model_dir, FSDPBackendConfig(), optim, total, device, precision=args.precision)
+        backend = FSDPBackendConfig(padding_free=args.padding_free)
+        self.policy = FSDPEngine(model_dir, backend, optim, total, device, precision=args.precision)
         self.reference = None
         if name == "dpo":
-            self.reference = FSDPEngine(model_dir, FSDPBackendConfig(), None, total, device, precision=args.precision)
+            self.reference = FSDPEngine(model_dir, backend, None, total, device, precision=args.precision)
         self.steps = [self._build(rows, k) for k in range(total)]
 
     def _enc(self, text: str) -> list[int]:
@@ -278,6 +279,7 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=8, help="rows per micro-batch")
     parser.add_argument("--group", type=int, default=8, help="GRPO: completions per prompt")
     parser.add_argument("--no-trl", action="store_true", help="skip TRL even when importable")
+    parser.add_argument("--padding-free", action="store_true", help="rltrain's rows with backend.padding_free=true")
     parser.add_argument("--port", type=int, default=29541)
     args = parser.parse_args()
     from rltrain.precision import resolve_precision
@@ -305,7 +307,8 @@ def main() -> None:
             table.append(row)
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print_table(
-        f"{shape} ({device_name}, {precision.name}), {args.batch} rows/step in micro-batches of {args.micro}, "
+        f"{shape} ({device_name}, {precision.name}{', padding-free' if args.padding_free else ''}), "
+        f"{args.batch} rows/step in micro-batches of {args.micro}, "
         f"{args.steps} timed steps (+{args.warmup} warm-up)",
         ["workload", "tokens/s", "MFU", "peak GiB", "vs TRL"],
         table,

@@ -6,7 +6,9 @@ of completion tokens only (the output head runs on those positions, not on promp
 Sequences that share a prompt (GRPO groups, DPO pairs) are packed one row per prompt, so every
 prompt is computed once (rltrain.backends.shared_prefix). With one rank the model is not wrapped
 at all, and a micro-batch is scored as a few rectangles of similar-length rows (length buckets)
-instead of one rectangle padded to its longest row.
+instead of one rectangle padded to its longest row. With `backend.padding_free` a micro-batch
+that shares no prompt is one packed row with document-masked attention instead (no padding; on
+CUDA through flex_attention: rltrain.backends.padding_free).
 
 Gradients are summed, not averaged, across ranks (`set_gradient_divide_factor(1)`): loss
 functions already divide by a global count, which is what makes 1 rank and N ranks agree.
@@ -54,6 +56,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rltrain.backends.attention_masks import use_flex_attention
 from rltrain.backends.base import LossFn, PolicyOutput, Scores, scored_output, wrong_scores_error
 from rltrain.backends.fsdp_groups import FSDPGroups, full_parameter
 from rltrain.backends.fsdp_layout import MicroBatchLayout
@@ -113,16 +116,24 @@ class FSDPEngine:
         self.moe_info = moe.prepare_moe(self.lm)
         # Sharded, FSDP casts weights to the compute dtype; unsharded, autocast does (docstring).
         autocast = contextlib.nullcontext if self.sharded else partial(self.precision.autocast, device)
+        # How a micro-batch meets the model (packed shared prompts, one padding-free row, length
+        # buckets, one rectangle); padding-free rows on CUDA run flex_attention (attention_masks).
+        self.layout = MicroBatchLayout.for_model(
+            self.lm.config, self.pad_id, device, self.sharded, self.moe_info is not None, backend_cfg.padding_free
+        )
+        flex = self.layout.padding_free and use_flex_attention(self.lm, device)
+        if flex:
+            self.lm.set_attn_implementation("flex_attention")
         self.scores: Scores = "logps" if value_head_seed is None else "values"
         self.value_head_seed = value_head_seed
         self.scorer: CompletionScorer | CompletionValuer
         if value_head_seed is None:
-            self.scorer = CompletionScorer(self.lm, self.moe_info, autocast)
+            self.scorer = CompletionScorer(self.lm, self.moe_info, autocast, flex)
         else:
             head = new_value_head(
                 self.lm.config.hidden_size, value_head_seed, self.precision.param_dtype, "meta" if self.sharded else device
             )
-            self.scorer = CompletionValuer(self.lm, head, self.moe_info, autocast)
+            self.scorer = CompletionValuer(self.lm, head, self.moe_info, autocast, flex)
         if gradient_checkpointing:
             self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         safety = safety or SafetyConfig()
@@ -130,8 +141,6 @@ class FSDPEngine:
         self.error_budget = ErrorBudget(safety.max_consecutive_errors)
         if not self.trainable:
             self.scorer.requires_grad_(False)
-        # How a micro-batch meets the model (packed shared prompts, length buckets, one rectangle).
-        self.layout = MicroBatchLayout.for_model(self.lm.config, self.pad_id, device, self.sharded, self.moe_info is not None)
         # The group FSDP shards over (None with one rank: nothing is wrapped, nothing to tear down).
         self.groups: FSDPGroups | None = None
         if self.sharded:

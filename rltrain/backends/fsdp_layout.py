@@ -1,6 +1,7 @@
-"""How one FSDP micro-batch meets the model: packed rows of shared prompts, length buckets, or one
-padded rectangle (`MicroBatchLayout`). The scorer (rltrain/backends/hf_scoring.py) runs one model
-call per rectangle and `order_N` restores the ragged order."""
+"""How one FSDP micro-batch meets the model: packed rows of shared prompts, one padding-free row,
+length buckets, or one padded rectangle (`MicroBatchLayout`). The scorer
+(rltrain/backends/hf_scoring.py) runs one model call per rectangle and `order_N` restores the
+ragged order."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from rltrain.backends.hf_scoring import BUCKET_COST_TOKENS, bucket_rectangles, completion_positions
+from rltrain.backends.padding_free import padding_free_rectangle
 from rltrain.backends.shared_prefix import PackingCost, Rectangle, packed_rectangles, shared_prompt_groups
 from rltrain.data.batch import SequenceBatch, length_buckets
 
@@ -20,26 +22,35 @@ class MicroBatchLayout:
     packing_cost: PackingCost
     # Length buckets costed at this many tokens per extra model call, or None (one rectangle).
     bucket_cost: int | None
+    # Unshared sequences as one packed row with document-masked attention (backend.padding_free;
+    # never for MoE), in place of a padded rectangle or length buckets.
+    padding_free: bool = False
 
     @staticmethod
-    def for_model(hf_config, pad_id: int, device: torch.device, sharded: bool, moe: bool) -> MicroBatchLayout:
+    def for_model(
+        hf_config, pad_id: int, device: torch.device, sharded: bool, moe: bool, padding_free: bool = False
+    ) -> MicroBatchLayout:
         bucket_cost = None
         if not sharded and not moe:
             bucket_cost = BUCKET_COST_TOKENS.get(device.type, BUCKET_COST_TOKENS["cpu"])
-        return MicroBatchLayout(pad_id, not moe, PackingCost.from_config(hf_config), bucket_cost)
+        return MicroBatchLayout(pad_id, not moe, PackingCost.from_config(hf_config), bucket_cost, padding_free and not moe)
 
     def __call__(self, batch: SequenceBatch) -> tuple[list[Rectangle], torch.Tensor | None, torch.Tensor | None]:
         """How one micro-batch meets the model: (rectangles, order_N, padding mask).
 
         Sequences that share a prompt (GRPO groups, DPO pairs) are packed one row per prompt,
-        so each prompt is computed once (rltrain.backends.shared_prefix). Otherwise one padded
-        rectangle, or on one rank length buckets (`_length_groups`). Sharded ranks always make
-        one model call per micro-batch: FSDP all-gathers once per call, so ranks with different
-        call counts would fall out of step in their collectives. A MoE model is never packed or
-        bucketed: its load-balancing loss is computed over one plain rectangle.
+        so each prompt is computed once (rltrain.backends.shared_prefix); this wins over
+        padding-free whenever it applies. Otherwise, with `padding_free`, one packed row with
+        document-masked attention (rltrain.backends.padding_free); else one padded rectangle, or
+        on one rank length buckets (`_length_groups`). Sharded ranks always make one model call
+        per micro-batch: FSDP all-gathers once per call, so ranks with different call counts
+        would fall out of step in their collectives. A MoE model is never packed or bucketed:
+        its load-balancing loss is computed over one plain rectangle.
         """
         if self.share_prompts and (shared := shared_prompt_groups(batch, self.packing_cost)) is not None:
             return (*packed_rectangles(batch, shared, self.pad_id, self.bucket_cost), None)
+        if self.padding_free:
+            return [padding_free_rectangle(batch)], None, None
         groups = self._length_groups(batch)
         if groups is None:
             ids_BT, mask_BT = batch.tokens.to_padded(self.pad_id)

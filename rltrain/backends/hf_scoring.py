@@ -2,9 +2,9 @@
 
 The head runs only on the positions that predict completion tokens (not on prompts or padding),
 and a rank with no data scores a dummy sequence so its collectives still happen. Two heads share
-the one hidden-state selection (`_SelectedHidden`: plain, length-bucketed or packed layouts):
-`CompletionScorer`, the LM's output head (log-probabilities of a policy or reference), and
-`CompletionValuer`, a critic's scalar value head (values, always fp32).
+the one hidden-state selection (`_SelectedHidden`: plain, length-bucketed, shared-prompt or
+padding-free layouts): `CompletionScorer`, the LM's output head (log-probabilities of a policy or
+reference), and `CompletionValuer`, a critic's scalar value head (values, always fp32).
 
 Precision (`rltrain.precision`): the model and the output head run in the compute dtype, either
 because FSDP casts the weights (sharded, `MixedPrecisionPolicy`) or under the `autocast` context
@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from rltrain.backends.attention_masks import model_attention_mask
 from rltrain.backends.chunked_head import chunked_target_logps, use_chunked_head
 from rltrain.backends.shared_prefix import Rectangle
 from rltrain.backends.value_head import head_values
@@ -37,18 +38,22 @@ BUCKET_COST_TOKENS = {"cpu": 32, "cuda": 4096}
 class _SelectedHidden(nn.Module):
     """Wraps a causal LM's transformer: its final hidden states at the selected positions (those
     that predict the scored completion tokens), however the micro-batch is laid out (one plain
-    rectangle, length buckets, or packed rows that share a prompt). The heads are the subclasses'."""
+    rectangle, length buckets, packed rows that share a prompt, or one padding-free row). The heads
+    are the subclasses'. `flex_attention`: the model runs flex_attention, so masks are handed to it
+    as BlockMasks (rltrain.backends.attention_masks)."""
 
     def __init__(
         self,
         lm: nn.Module,
         moe_info: moe.MoEInfo | None = None,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        flex_attention: bool = False,
     ) -> None:
         super().__init__()
         self.lm = lm
         self.moe_info = moe_info
         self.autocast = autocast  # entered around the model and the head (see the module docstring)
+        self.flex_attention = flex_attention
 
     def _router(self) -> bool:
         """Whether this pass computes a MoE load-balancing loss (training a MoE model that has one)."""
@@ -68,8 +73,8 @@ class _SelectedHidden(nn.Module):
         parts, router_logits = [], None
         for rect in rects:
             kwargs = {}
-            if rect.attention_mask_B1TT is not None:
-                kwargs["attention_mask"] = rect.attention_mask_B1TT
+            if (mask := model_attention_mask(rect, self.flex_attention)) is not None:
+                kwargs["attention_mask"] = mask
             if rect.position_ids_BT is not None:
                 kwargs["position_ids"] = rect.position_ids_BT
             if router:
@@ -136,8 +141,9 @@ class CompletionValuer(_SelectedHidden):
         value_head: nn.Linear,
         moe_info: moe.MoEInfo | None = None,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        flex_attention: bool = False,
     ) -> None:
-        super().__init__(lm, moe_info, autocast)
+        super().__init__(lm, moe_info, autocast, flex_attention)
         lm.lm_head = None
         self.value_head = value_head
 

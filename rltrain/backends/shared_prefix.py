@@ -45,11 +45,15 @@ class Rectangle:
     cols_N: torch.Tensor
     position_ids_BT: torch.Tensor | None = None  # None: 0..T-1 on every row
     attention_mask_B1TT: torch.Tensor | None = None  # None: plain causal (right padding is unseen)
+    # Packed documents (rltrain.backends.padding_free): a token attends to earlier tokens with its
+    # own id only. The model's mask is built from it where the model runs (attention_masks).
+    document_ids_BT: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> Rectangle:
         return Rectangle(
             *(t.to(device) if t is not None else None for t in (
-                self.input_ids_BT, self.rows_N, self.cols_N, self.position_ids_BT, self.attention_mask_B1TT
+                self.input_ids_BT, self.rows_N, self.cols_N, self.position_ids_BT, self.attention_mask_B1TT,
+                self.document_ids_BT,
             ))
         )
 
