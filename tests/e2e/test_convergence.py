@@ -77,7 +77,7 @@ def test_ppo_from_the_sft_start_raises_heldout_accuracy(tiny_cache, tmp_path):
     """The README's documented PPO command from the SFT start raises held-out exact-match accuracy
     by at least 0.1 (step 0 is the SFT start's accuracy)."""
     run_dir = tmp_path / "run"
-    rltrain("algo=ppo", "model=tiny_sft", "optim.lr=3e-5", "algo.prompts_per_step=64", "algo.group_size=8",
+    rltrain("algo=ppo", "model=tiny_sft", "reward.fns=[rltrain.rewards.builtin:exact_match]", "optim.lr=3e-5", "algo.prompts_per_step=64", "algo.group_size=8",
             "trainer.max_steps=100", "trainer.eval_every=25", "logger.wandb.mode=disabled", "trainer.save_every=0",
             "trainer.progress=lines", run_dir=run_dir, timeout=2400)
     evals = [r for r in read_metrics(run_dir) if "eval/accuracy" in r]
