@@ -51,9 +51,9 @@ def resolve_role_dirs(cfg: Any, policy_dir: Path, policy_tokenizer: Any, rank: i
 
 def check_same_tokenizer(key: str, role_dir: Path, policy_dir: Path, policy_tokenizer: Any) -> None:
     """UserError naming both directories unless the tokenizer at `role_dir` is the policy's."""
-    from transformers import AutoTokenizer
+    from rltrain.models.tokenizer import load_tokenizer
 
-    role_tokenizer = AutoTokenizer.from_pretrained(str(role_dir))
+    role_tokenizer = load_tokenizer(role_dir)
     difference = tokenizer_difference(policy_tokenizer, role_tokenizer)
     if difference:
         raise UserError(

@@ -67,7 +67,7 @@ def prepare_model_dir(cfg, dist_info: DistInfo) -> Path:
 
 
 def run(cfg, run_dir: Path) -> None:
-    from transformers import AutoTokenizer
+    from rltrain.models.tokenizer import load_tokenizer
 
     dist_info = init_distributed(cfg.safety.collective_timeout_s)
     try:
@@ -76,7 +76,7 @@ def run(cfg, run_dir: Path) -> None:
             torch.use_deterministic_algorithms(True, warn_only=True)
         seed_everything(cfg.trainer.seed, dist_info.rank)
         model_dir = prepare_model_dir(cfg, dist_info)
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        tokenizer = load_tokenizer(model_dir)
         role_dirs = resolve_role_dirs(cfg, model_dir, tokenizer, dist_info.rank)
         ctx = RunContext(
             cfg=cfg, run_dir=run_dir, dist=dist_info, model_dir=model_dir, tokenizer=tokenizer, role_dirs=role_dirs

@@ -1,12 +1,13 @@
 """A character-level tokenizer built locally, saved as a normal Hugging Face tokenizer directory.
 
 Every printable ASCII character (plus newline) is one token, so arithmetic and other synthetic
-tasks tokenize exactly and any text round-trips. The result is a `PreTrainedTokenizerFast`: it
-loads with `AutoTokenizer.from_pretrained` and in vLLM like any hub tokenizer.
+tasks tokenize exactly and any text round-trips. The result is a `PreTrainedTokenizerFast` saved as a
+plain `tokenizer.json`; rltrain reads every tokenizer directory with `load_tokenizer` (below).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
@@ -51,3 +52,30 @@ def padded_vocab_size(tokenizer, multiple: int = 64) -> int:
 
 def save_tokenizer(tokenizer, directory: str | Path) -> None:
     tokenizer.save_pretrained(str(directory))
+
+
+# tokenizer_config.json class names that mean "tokenizer.json is the whole tokenizer".
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(directory: str | Path):
+    """The tokenizer a model directory describes, as its files describe it.
+
+    Why not `AutoTokenizer` alone: transformers 5 replaces a generic fast tokenizer with the class
+    registered for the config's model type when that type is on its list of hub models with a wrong
+    `tokenizer_class` (qwen2 is): the character tokenizer of the built-in tiny model then loads as a
+    `Qwen2Tokenizer`, whose byte-level pre-tokenizer silently drops spaces and newlines (chat
+    templates and any text with whitespace lose characters). A directory whose tokenizer_config.json
+    names the generic class is read as exactly that, its tokenizer.json, as transformers 4 did;
+    every other directory (a hub model's own tokenizer class) goes through `AutoTokenizer`.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    config = Path(directory) / "tokenizer_config.json"
+    try:
+        declared = json.loads(config.read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        declared = None
+    if declared in GENERIC_TOKENIZER_CLASSES and (Path(directory) / "tokenizer.json").exists():
+        return PreTrainedTokenizerFast.from_pretrained(str(directory))
+    return AutoTokenizer.from_pretrained(str(directory))

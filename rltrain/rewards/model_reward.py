@@ -29,12 +29,14 @@ class SequenceClassifierReward:
     """`fn(prompts, completions, **columns) -> list[float]`: one score per prompt + completion."""
 
     def __init__(self, path: str | Path, device: torch.device, dtype: torch.dtype, batch_size: int, max_length: int) -> None:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoModelForSequenceClassification
+
+        from rltrain.models.tokenizer import load_tokenizer
 
         self.device = torch.device(device)
         self.batch_size = batch_size
         self.max_length = max_length
-        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        self.tokenizer = load_tokenizer(path)
         self.tokenizer.truncation_side = "left"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token  # padding is masked; any id serves

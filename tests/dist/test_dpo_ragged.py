@@ -43,14 +43,14 @@ def _pairs(kind: str, tokenizer):
 
 
 def _engine_step(rank, world, policy_dir, ref_dir, kind, micro_batch_size, backend="fsdp"):
-    from transformers import AutoTokenizer
+    from rltrain.models.tokenizer import load_tokenizer
 
     from rltrain.algos.dpo import attach_reference, dpo_micro_batches, make_dpo_loss
     from rltrain.backends.fsdp import FSDPEngine
     from rltrain.config import FSDPBackendConfig, OptimConfig
 
     torch.set_num_threads(1)
-    tok = AutoTokenizer.from_pretrained(policy_dir)
+    tok = load_tokenizer(policy_dir)
     pairs = _pairs(kind, tok)
     cpu = torch.device("cpu")
     optim = OptimConfig(max_grad_norm=0.0)
@@ -73,9 +73,11 @@ def _engine_step(rank, world, policy_dir, ref_dir, kind, micro_batch_size, backe
 
 def _plain_reference(policy_dir, ref_dir, kind):
     import torch.nn.functional as F
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(policy_dir)
+    from rltrain.models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(policy_dir)
     pairs = _pairs(kind, tok)
     policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
     ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32)

@@ -24,7 +24,7 @@ def _model_dirs(root):
 
 
 def _engine_logps(rank, world, cfg, policy_dir):
-    from transformers import AutoTokenizer
+    from rltrain.models.tokenizer import load_tokenizer
 
     from rltrain.algos.base import RunContext
     from rltrain.backends import build_engine
@@ -32,7 +32,7 @@ def _engine_logps(rank, world, cfg, policy_dir):
     from rltrain.distributed import DistInfo
     from rltrain.roles import resolve_role_dirs
 
-    tokenizer = AutoTokenizer.from_pretrained(str(policy_dir))
+    tokenizer = load_tokenizer(str(policy_dir))
     dist_info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
     role_dirs = resolve_role_dirs(cfg, policy_dir, tokenizer, rank)
     ctx = RunContext(cfg, policy_dir.parent, dist_info, policy_dir, tokenizer, role_dirs)

@@ -25,9 +25,11 @@ def reward_dir(tmp_path_factory) -> Path:
 
 def _direct_scores(path: Path) -> list[float]:
     """Each text alone (no padding) through transformers' own sequence classifier."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForSequenceClassification
 
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    from rltrain.models.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(path))
     model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=torch.float32).eval()
     out = []
     with torch.no_grad():

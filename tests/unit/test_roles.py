@@ -114,9 +114,9 @@ def test_a_reward_model_with_several_labels_is_refused(tmp_path, models):
 
 def _policy_tokenizer(models):
     """The policy's tokenizer as the trainer loads it (from its directory)."""
-    from transformers import AutoTokenizer
+    from rltrain.models.tokenizer import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(str(models["policy"]))
+    return load_tokenizer(str(models["policy"]))
 
 
 def test_role_dirs_name_the_roles_given_a_path_of_their_own(models):
