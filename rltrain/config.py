@@ -179,6 +179,7 @@ class BackendConfig:
 class FSDPBackendConfig(BackendConfig):
     name: str = "fsdp"
     reshard_after_forward: bool = True
+    compile: bool = False  # torch.compile each decoder layer (rltrain/backends/compile_layers.py)
 
 
 @dataclass
