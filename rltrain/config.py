@@ -182,6 +182,7 @@ class FSDPBackendConfig(BackendConfig):
     # A micro-batch of unrelated sequences is one packed row with document-masked attention
     # (rltrain/backends/padding_free.py) instead of a padded rectangle or length buckets.
     padding_free: bool = False
+    compile: bool = False  # torch.compile each decoder layer (rltrain/backends/compile_layers.py)
 
 
 @dataclass

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import sys
 from pathlib import Path
 
 from rltrain.errors import UserError
@@ -81,6 +83,7 @@ def validate(cfg) -> None:
             "trainer.save_every=0 (the last step is still saved for resume)."
         )
     validate_megatron_layout(cfg)
+    validate_compile(cfg)
     if cfg.trainer.global_batch_size < data_parallel_size(cfg):
         raise UserError(
             f"trainer.global_batch_size={cfg.trainer.global_batch_size} is smaller than the {data_parallel_size(cfg)} "
@@ -315,6 +318,21 @@ def validate_vllm(rollout) -> None:
     if rollout.max_model_len is not None and rollout.max_model_len < 1:
         raise UserError(
             f"rollout.max_model_len={rollout.max_model_len} must be at least 1, or null for the model's own limit."
+        )
+
+
+def validate_compile(cfg) -> None:
+    """`backend.compile=true` (FSDP) needs a C++ compiler: inductor builds its CPU kernels with one
+    (and on CUDA, triton its kernel launchers). The compiler inductor looks for is `$CXX`, else g++
+    (clang++ on macOS); without it the run would fail at the first forward, after the model is built."""
+    if cfg.backend.name != "fsdp" or not cfg.backend.compile:
+        return
+    compiler = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
+    if shutil.which(compiler) is None:
+        raise UserError(
+            f"backend.compile=true needs a C++ compiler, and {compiler!r} (from $CXX, else the platform's default) "
+            "is not on PATH: torch.compile's inductor builds the compiled decoder layers with it. Install one "
+            "(e.g. apt-get install g++), point CXX at it, or set backend.compile=false."
         )
 
 

@@ -3,6 +3,7 @@
     .venv/bin/python scripts/bench_gpu.py                       # CUDA: the 0.494B Qwen2 shape, bf16-mixed
     .venv/bin/python scripts/bench_gpu.py --model small         # any device: a small model (CPU: fp32)
     .venv/bin/python scripts/bench_gpu.py --only sft --steps 10 --warmup 3
+    .venv/bin/python scripts/bench_gpu.py --compile             # decoder layers torch.compile'd (backend.compile)
 
 The model is built locally with random weights (no download): `--model qwen0.5b` is Qwen2.5-0.5B's
 shape (hidden 896, 24 layers, 14 query / 2 KV heads, intermediate 4864, vocabulary 151,936, tied
@@ -114,7 +115,7 @@ class Workload:
         self.attn_flops_per_len = 6 * config.num_hidden_layers * config.hidden_size
         optim = OptimConfig(lr=1e-5, warmup_steps=0, schedule="constant", beta2=0.999, max_grad_norm=1.0)
         total = args.steps + args.warmup
-        backend = FSDPBackendConfig(padding_free=args.padding_free)
+        backend = FSDPBackendConfig(padding_free=args.padding_free, compile=args.compile)
         self.policy = FSDPEngine(model_dir, backend, optim, total, device, precision=args.precision)
         self.reference = None
         if name == "dpo":
@@ -281,6 +282,7 @@ def main() -> None:
     parser.add_argument("--no-trl", action="store_true", help="skip TRL even when importable")
     parser.add_argument("--padding-free", action="store_true", help="rltrain's rows with backend.padding_free=true")
     parser.add_argument("--port", type=int, default=29541)
+    parser.add_argument("--compile", action="store_true", help="backend.compile=true: torch.compile each decoder layer")
     args = parser.parse_args()
     from rltrain.precision import resolve_precision
 
@@ -307,7 +309,8 @@ def main() -> None:
             table.append(row)
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print_table(
-        f"{shape} ({device_name}, {precision.name}{', padding-free' if args.padding_free else ''}), "
+        f"{shape} ({device_name}, {precision.name}{', padding-free' if args.padding_free else ''}"
+        f"{', torch.compile per layer' if args.compile else ''}), "
         f"{args.batch} rows/step in micro-batches of {args.micro}, "
         f"{args.steps} timed steps (+{args.warmup} warm-up)",
         ["workload", "tokens/s", "MFU", "peak GiB", "vs TRL"],

@@ -11,7 +11,9 @@ gradients in the compute dtype. The numbers are the plain path's (fp32 round-off
 at the cost of the head's forward matmul once more in the backward.
 
 It applies to a bias-free head (Qwen2, Llama) when the logits would exceed `CHUNK_ELEMENTS`;
-smaller heads (the embedded tiny model, every CPU test) keep the plain path.
+smaller heads (the embedded tiny model, every CPU test) keep the plain path. The megatron backend
+applies the same limit, per tensor-parallel rank, to its vocab-parallel head
+(`rltrain.backends.megatron.logprobs.chunked_vocab_parallel_logps`).
 """
 
 from __future__ import annotations
@@ -22,9 +24,18 @@ import torch
 CHUNK_ELEMENTS = 1 << 27
 
 
+def exceeds_chunk_limit(num_positions: int, vocab_rows: int, chunk_elements: int | None = None) -> bool:
+    """Whether `[num_positions, vocab_rows]` fp32 logits would exceed one chunk, i.e. whether to
+    chunk at all (FSDP's head here; megatron's vocab-parallel head, per tensor-parallel rank)."""
+    return num_positions * vocab_rows > (CHUNK_ELEMENTS if chunk_elements is None else chunk_elements)
+
+
+def positions_per_chunk(vocab_rows: int, chunk_elements: int | None = None) -> int:
+    return max(1, (CHUNK_ELEMENTS if chunk_elements is None else chunk_elements) // vocab_rows)
+
+
 def use_chunked_head(num_positions: int, head: torch.nn.Module, chunk_elements: int | None = None) -> bool:
-    limit = CHUNK_ELEMENTS if chunk_elements is None else chunk_elements
-    return head.bias is None and num_positions * head.weight.shape[0] > limit
+    return head.bias is None and exceeds_chunk_limit(num_positions, head.weight.shape[0], chunk_elements)
 
 
 def compute_dtype_for(weight: torch.Tensor) -> torch.dtype:
@@ -45,13 +56,13 @@ def chunked_target_logps(
     """(log p(target) per position in fp32, differentiable; entropy per position in fp32, detached,
     or None)."""
     dtype = compute_dtype_for(weight_VH)
-    chunk = max(1, (CHUNK_ELEMENTS if chunk_elements is None else chunk_elements) // weight_VH.shape[0])
+    chunk = positions_per_chunk(weight_VH.shape[0], chunk_elements)
     entropy_N = torch.empty(hidden_NH.shape[0], dtype=torch.float32, device=hidden_NH.device) if with_entropy else None
     logps_N = _ChunkedTargetLogps.apply(hidden_NH, weight_VH, targets_N, chunk, dtype, entropy_N)
     return logps_N, entropy_N
 
 
-def _chunk_logits(hidden_CH: torch.Tensor, weight_VH: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def chunk_logits(hidden_CH: torch.Tensor, weight_VH: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (hidden_CH.to(dtype) @ weight_VH.to(dtype).t()).float()
 
 
@@ -64,7 +75,7 @@ class _ChunkedTargetLogps(torch.autograd.Function):
             lse_N = torch.empty(n, dtype=torch.float32, device=hidden_NH.device)
             for start in range(0, n, chunk):
                 end = min(n, start + chunk)
-                logits_CV = _chunk_logits(hidden_NH[start:end], weight_VH, dtype)
+                logits_CV = chunk_logits(hidden_NH[start:end], weight_VH, dtype)
                 lse_C = torch.logsumexp(logits_CV, dim=-1)
                 lse_N[start:end] = lse_C
                 logps_N[start:end] = logits_CV.gather(-1, targets_N[start:end, None]).squeeze(-1) - lse_C
@@ -84,7 +95,7 @@ class _ChunkedTargetLogps(torch.autograd.Function):
             for start in range(0, hidden_NH.shape[0], ctx.chunk):
                 end = min(hidden_NH.shape[0], start + ctx.chunk)
                 hidden_CH = hidden_NH[start:end]
-                logits_CV = _chunk_logits(hidden_CH, weight_VH, ctx.dtype)
+                logits_CV = chunk_logits(hidden_CH, weight_VH, ctx.dtype)
                 # d logp(target) / d logits = onehot(target) - softmax
                 grad_logits_CV = -(logits_CV - lse_N[start:end, None]).exp_()
                 grad_logits_CV.scatter_add_(

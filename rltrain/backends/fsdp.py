@@ -30,6 +30,9 @@ as they do in `fp32`). Either way the logits are upcast and log-probabilities an
 (transformers' `gradient_checkpointing_enable`, non-reentrant `torch.utils.checkpoint`, which
 replays autocast and the RNG), set before `fully_shard`; the numbers do not change.
 
+`backend.compile`: each decoder layer is compiled with `torch.compile(dynamic=True)` before
+`fully_shard` (rltrain.backends.compile_layers); the numbers do not change (fp32 round-off).
+
 Each micro-batch's forward, loss and backward run under `rltrain.safety.guard`: an error on one
 rank is paid for with a zero backward built from the model's outputs (recover mode) or re-raised
 (fail-fast), so no rank is left alone in FSDP's collectives. A Mixture-of-Experts model gets a
@@ -58,6 +61,7 @@ import torch.distributed as dist
 
 from rltrain.backends.attention_masks import use_flex_attention
 from rltrain.backends.base import LossFn, PolicyOutput, Scores, scored_output, wrong_scores_error
+from rltrain.backends.compile_layers import compile_decoder_layers
 from rltrain.backends.fsdp_groups import FSDPGroups, full_parameter
 from rltrain.backends.fsdp_layout import MicroBatchLayout
 from rltrain.backends.hf_scoring import CompletionScorer, CompletionValuer, completion_positions, dummy_batch
@@ -136,6 +140,8 @@ class FSDPEngine:
             self.scorer = CompletionValuer(self.lm, head, self.moe_info, autocast, flex)
         if gradient_checkpointing:
             self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if backend_cfg.compile:  # before fully_shard (rltrain.backends.compile_layers)
+            compile_decoder_layers(self.lm.model.layers)
         safety = safety or SafetyConfig()
         self.fail_fast = fail_fast_enabled(safety.fail_fast)
         self.error_budget = ErrorBudget(safety.max_consecutive_errors)

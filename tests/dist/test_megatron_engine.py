@@ -9,7 +9,8 @@ also proves checkpoint save/load and time-sharing teardown/re-creation change no
 
 Layouts: (tp, pp) = (1, 1) on each of 2 data-parallel ranks (different data: DP grad SUM),
 (2, 1) on an untied Qwen2 whose vocabulary (127) needs padding, (1, 2) on a tied Llama with one
-kv head (the tied embedding lives on both pipeline stages).
+kv head (the tied embedding lives on both pipeline stages). The single-rank and tp=2 layouts also
+run with the chunked vocab-parallel head forced on (three positions per chunk), to the same numbers.
 """
 
 from __future__ import annotations
@@ -198,9 +199,15 @@ def _frozen_and_nonfinite(eng, model_dir: str, batches, n_tokens: int, initial_l
     )
 
 
-def _worker(rank: int, world: int, model_dir: str, tp: int, pp: int, data, n_tokens: int, out_dir: str) -> dict:
+def _worker(
+    rank: int, world: int, model_dir: str, tp: int, pp: int, data, n_tokens: int, out_dir: str, chunk_positions: int | None
+) -> dict:
+    from rltrain.backends import chunked_head
     from rltrain.backends.megatron.engine import MegatronEngine
     from rltrain.config import MegatronBackendConfig, OptimConfig
+
+    if chunk_positions is not None:  # force the chunked vocab-parallel head (logprobs.head_logps)
+        chunked_head.CHUNK_ELEMENTS = chunk_positions * 128 // tp
 
     eng = MegatronEngine(model_dir, MegatronBackendConfig(tp=tp, pp=pp), OptimConfig(**OPTIM), collective_timeout_s=20)
     batches = data[eng.rank]
@@ -226,12 +233,19 @@ def _worker(rank: int, world: int, model_dir: str, tp: int, pp: int, data, n_tok
 
 
 def _run_layout(
-    tmp_path: Path, model_dir: Path, tp: int, pp: int, data: list[list[SequenceBatch]], nproc: int = 2
+    tmp_path: Path,
+    model_dir: Path,
+    tp: int,
+    pp: int,
+    data: list[list[SequenceBatch]],
+    nproc: int = 2,
+    chunk_positions: int | None = None,
 ) -> list[dict]:
     n_tokens = sum(b.num_completion_tokens for rank_data in data for b in rank_data)
     results = _tensors(
         run_ranks(
-            _worker, str(model_dir), tp, pp, data, n_tokens, str(tmp_path), nproc=nproc, timeout_s=240, pg_timeout_s=20
+            _worker, str(model_dir), tp, pp, data, n_tokens, str(tmp_path), chunk_positions,
+            nproc=nproc, timeout_s=240, pg_timeout_s=20,
         )
     )
     ref = _hf_reference(model_dir, [b for rank_data in data for b in rank_data], n_tokens)
@@ -284,15 +298,19 @@ def test_dp2_single_rank_layout(tmp_path: Path) -> None:
         assert extras["shared"] and extras["skipped"] == 1.0 and extras["unchanged"] and extras["steps"] == (1, 1)
 
 
-def test_single_rank(tmp_path: Path) -> None:
+# None: the plain head; 3: the chunked vocab-parallel head, three positions per chunk.
+@pytest.mark.parametrize("chunk_positions", [None, 3], ids=["plain_head", "chunked_head"])
+def test_single_rank(tmp_path: Path, chunk_positions) -> None:
     model_dir = _hf_dir(tmp_path / "model", "qwen2", tied=False, kv_heads=2, layers=2, vocab=128)
-    _run_layout(tmp_path, model_dir, tp=1, pp=1, data=[_batches(5, 128, [[(3, 4), (2, 1)], [(6, 5)]])], nproc=1)
+    data = [_batches(5, 128, [[(3, 4), (2, 1)], [(6, 5)]])]
+    _run_layout(tmp_path, model_dir, tp=1, pp=1, data=data, nproc=1, chunk_positions=chunk_positions)
 
 
-def test_tp2_untied_padded_vocab(tmp_path: Path) -> None:
+@pytest.mark.parametrize("chunk_positions", [None, 3], ids=["plain_head", "chunked_head"])
+def test_tp2_untied_padded_vocab(tmp_path: Path, chunk_positions) -> None:
     model_dir = _hf_dir(tmp_path / "model", "qwen2", tied=False, kv_heads=2, layers=2, vocab=127)
     data = [_batches(3, 127, [[(3, 4), (2, 1)], [(7, 8), (1, 1), (4, 2)], []])]
-    _run_layout(tmp_path, model_dir, tp=2, pp=1, data=data)
+    _run_layout(tmp_path, model_dir, tp=2, pp=1, data=data, chunk_positions=chunk_positions)
 
 
 def test_pp2_ragged_microbatches_checkpoint_and_timesharing(tmp_path: Path) -> None:

@@ -127,3 +127,13 @@ def test_dpo_values_are_refused_naming_the_key():
         validate(_cfg("algo=dpo", "algo.label_smoothing=0.5"))
     with pytest.raises(UserError, match=r"algo\.beta=0"):
         validate(_cfg("algo=dpo", "algo.beta=0"))
+
+
+def test_compile_without_a_cpp_compiler_is_refused_before_building(monkeypatch):
+    """`backend.compile=true` needs the C++ compiler inductor uses ($CXX, else g++)."""
+    cfg = compose_config("backend=fsdp", "backend.compile=true")
+    validate(cfg)  # g++ is installed here
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    with pytest.raises(UserError, match=r"backend.compile=true needs a C\+\+ compiler.*no-such-compiler-xyz"):
+        validate(cfg)
+    validate(compose_config("backend=fsdp"))  # off: no compiler needed

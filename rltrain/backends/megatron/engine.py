@@ -3,7 +3,8 @@
 What one call does, and where each piece lives:
 
 - `forward_logps`: pad each micro-batch (`batching`), run the stages (`schedule`), score the
-  completion tokens from vocab-parallel logits (`logprobs`), broadcast them from the last stage
+  completion tokens: the last stage's final hidden states at the positions that predict them
+  through the vocab-parallel output layer, chunked when large (`logprobs`), broadcast from the last stage
   so every rank returns the same ragged outputs.
 - `train_step`: the same forward plus the loss_fn on the last stage, backward through the
   pipeline (under `rltrain.safety.guard`: a failed loss or backward is paid for with a zero
@@ -52,7 +53,7 @@ from rltrain.backends.megatron.grads import (
 from rltrain.backends.megatron.groups import Layout, ParallelGroups
 from rltrain.backends.megatron.guarded_losses import GuardedLosses
 from rltrain.backends.megatron.hf_source import checked_spec, hf_reader
-from rltrain.backends.megatron.logprobs import vocab_parallel_logps
+from rltrain.backends.megatron.logprobs import head_logps
 from rltrain.backends.megatron.metrics import reduce_metrics
 from rltrain.backends.megatron.model import build_stage, checkpoint_layers, load_stage_weights
 from rltrain.backends.megatron.optim import build_adamw
@@ -197,17 +198,16 @@ class MegatronEngine:
         self, mb: PaddedMicroBatch, stage_out: torch.Tensor, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(scored [N], entropy [N] or None) from the last stage's output: log-probabilities from
-        vocab-parallel logits [B, T, V/tp], or a critic's fp32 values from its final hidden states
-        [T, B, H] (no entropy)."""
+        final hidden states [B, T, H] through the vocab-parallel output layer (`logprobs.head_logps`),
+        or a critic's fp32 values from its final hidden states [T, B, H] (no entropy)."""
         if self.scores == "values":
             hidden_NH = stage_out[mb.cols_N, mb.rows_N]
             return head_values(self.model.value_head, hidden_NH), None
         layout = self.layout
-        logits_BTV = stage_out
-        rows_NV = logits_BTV[mb.rows_N, mb.cols_N]
-        vocab_start = layout.tp_rank * rows_NV.shape[-1]
-        return vocab_parallel_logps(
-            rows_NV, mb.targets_N, vocab_start, self.spec.vocab_size, layout.tp_group, with_entropy
+        hidden_NH = stage_out[mb.rows_N, mb.cols_N]  # the positions that predict completion tokens
+        return head_logps(
+            self.model, hidden_NH, mb.targets_N, layout.tp_rank, self.spec.vocab_size, layout.tp_group,
+            with_entropy, partial(self.precision.autocast, self.device),
         )
 
     # -- TrainEngine ------------------------------------------------------------------------

@@ -29,9 +29,10 @@ class GuardedLosses:
     """The last pipeline stage's loss and backward of one train step, under `rltrain.safety.guard`.
 
     Only the last stage computes a loss, so only there can a loss or backward error be paid for;
-    the zero it backwards is built from the stage's *outputs* (the logits; a critic's hidden states,
-    whose value head then gets its zero gradient from `grads.fill_missing_grads`), so every
-    parameter of the stage gets a (zero) gradient, every TP collective of the model's backward is matched and
+    the zero it backwards is built from the stage's *outputs* as scored (the log-probabilities,
+    through the output layer the engine applies; a critic's values, through its value head), so
+    every parameter of the stage gets a (zero) gradient, every TP collective of the model's backward
+    (the output layer's included) is matched and
     the gradient of the stage's input (zeros) is still sent to the previous stage, whose backward
     then runs as usual. The payment happens where 1F1B schedules the backward (`on_backward`), not
     where the loss failed.
@@ -73,13 +74,15 @@ class GuardedLosses:
         return bool(int(t))
 
     def on_output(self, i: int, stage_out: torch.Tensor) -> torch.Tensor:
-        """`stage_out`: the last stage's logits, or a critic's final hidden states (`engine._score`)."""
-        guard = MicroBatchGuard()
-        guard.record_outputs(stage_out)
-        self._guards[i] = guard
+        """`stage_out`: the last stage's final hidden states, a policy's or a critic's (`engine._score`)."""
         mb = self.padded[i]
         # Scoring holds TP collectives: an error there is a forward error (not guarded, fatal).
         scored_N, entropy_N = self.engine._score(mb, stage_out, self.with_entropy)
+        guard = MicroBatchGuard()
+        # The scored values, not `stage_out`: a zero backward must pass through the output layer,
+        # whose backward all-reduces over TP exactly as the peers' real backward does.
+        guard.record_outputs(scored_N)
+        self._guards[i] = guard
         # A zero built from the outputs: every parameter stays in the graph (all grads exist, the
         # backward send to the previous stage happens) whatever the loss depends on.
         anchor = 0.0 * scored_N.sum()

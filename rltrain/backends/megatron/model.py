@@ -66,12 +66,14 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = t
 
 
 def build_stage(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torch.dtype = torch.float32):
-    """This rank's GPTModel stage, bound to megatron's current parallel state."""
-    from megatron.core.models.gpt import GPTModel
+    """This rank's GPTModel stage, bound to megatron's current parallel state. The last stage
+    returns final hidden states; the engine applies the output layer (`hidden_out`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from rltrain.backends.megatron.hidden_out import HiddenStatesGPTModel
+
     spec.check_layout(tp, pp)
-    model = GPTModel(
+    model = HiddenStatesGPTModel(
         config=transformer_config(spec, tp, pp, dtype),
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=spec.padded_vocab(tp),
@@ -143,7 +145,8 @@ def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
 def stage_forward(model, tokens_BT: torch.Tensor | None, seq_len: int, input_TBH: torch.Tensor | None):
     """Run one stage. First stage takes tokens, later stages the previous stage's [T, B, H] output.
 
-    Returns the last stage's vocab-shard logits [B, T, V/tp], else hidden states [T, B, H].
+    Returns the last stage's final hidden states [B, T, H] (a critic's: [T, B, H]), else the
+    hidden states for the next stage [T, B, H].
     """
     device = next(model.parameters()).device
     if input_TBH is not None:

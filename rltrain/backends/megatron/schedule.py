@@ -52,7 +52,7 @@ class Pipeline:
         return self.rank == self.size - 1
 
 
-# on_output(micro-batch index, last-stage output: logits [B, T, V/tp], or a critic's final hidden
+# on_output(micro-batch index, last-stage output: final hidden states [B, T, H], or a critic's final hidden
 # states [T, B, H]) -> loss to backward (train) or None
 OnOutput = Callable[[int, torch.Tensor], torch.Tensor | None]
 # on_backward(micro-batch index, that loss): runs the last stage's backward of it. The engine's
