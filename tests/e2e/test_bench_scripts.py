@@ -22,3 +22,12 @@ def test_bench_gpu_runs_every_workload_on_cpu():
     assert set(rows) == {"sft", "dpo", "grpo"}, proc.stdout
     for name, cells in rows.items():
         assert float(cells[2]) > 0 and float(cells[3].rstrip("%")) > 0, (name, cells)
+
+
+def test_bench_gpu_names_an_unknown_workload_before_building_anything():
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_gpu.py", "--only", "sft,ppo", "--no-trl"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "unknown workload(s) ppo; choose from sft,dpo,grpo" in proc.stderr, proc.stderr
