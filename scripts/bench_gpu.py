@@ -467,7 +467,7 @@ def main() -> None:
                  if with_trl else "TRL: not importable or --no-trl")
     print_table(
         f"{shape} ({device_name}, {precision.name}), {args.batch} rows/step in micro-batches of {args.micro}, "
-        f"{args.steps} timed steps (+{args.warmup} warm-up)",
+        f"{args.steps} timed steps (+{args.warmup} warm-up), {torch.get_num_threads()} CPU threads",
         ["workload", "tokens/s", "MFU", "peak GiB", "vs TRL"],
         table,
         notes,
