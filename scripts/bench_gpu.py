@@ -40,12 +40,14 @@ at both ends:
 - GRPO update: `GRPOTrainer(...).train()` with generation and reward scoring bypassed: its
   `_generate_and_score_completions` is replaced by the part of it that follows scoring (prompts
   padded left, completions right, moved to the device, loss tokens counted), fed our prompts,
-  completions and advantages. Everything else is TRL's own step: `_prepare_inputs` (shuffle, split
-  into `--batch / --micro` micro-batches), `compute_loss` (forward with its fused output head and
-  entropies, clipped token-level `dapo` loss: clip 0.2 / 0.28, no KL, normalised by the step's
-  completion tokens, as our `token_mean`), backward, clipping and AdamW. With one iteration per
-  generation and beta 0, TRL computes no old or reference log-probabilities in the bypassed part,
-  and ours none either (old log-probabilities come from the training pass), so neither side skips
+  completions and advantages. As in TRL's own code, the whole step is padded before it is split,
+  so every micro-batch is as wide as the step's longest prompt plus its longest completion.
+  Everything else is TRL's own step: `_prepare_inputs` (shuffle, split into micro-batches of
+  `--micro` sequences), `compute_loss` (forward with its fused output head and entropies, clipped
+  token-level `dapo` loss: clip 0.2 / 0.28, no KL, normalised by the step's completion tokens, as
+  our `token_mean`), backward, clipping and AdamW. With one iteration per generation and beta 0,
+  TRL computes no old or reference log-probabilities in the bypassed part, and ours none either
+  (old log-probabilities and entropies come from the training pass), so neither side skips
   training work.
 
 Tokens/s is counted the same way on both sides (every sequence's prompt + completion tokens; a
