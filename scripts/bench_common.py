@@ -1,5 +1,7 @@
 """What every benchmark script shares: the benchmark model, a single-rank process group, quiet
-libraries, timing summaries, the printed table and the step-by-step interleaving with TRL.
+libraries, timing summaries, the printed table, the step-by-step interleaving with TRL, and TRL's
+SFT and DPO trainers built the same way wherever they are compared (arguments, step timer, token
+counts), so two benchmarks never drive TRL differently by accident.
 
 The scripts import from here, never from each other.
 """
@@ -9,9 +11,11 @@ from __future__ import annotations
 import datetime
 import os
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 Timing = tuple[float, int]  # (seconds, tokens) of one optimizer step
@@ -123,3 +127,114 @@ def run_interleaved(
         for k in range(total):
             our_steps(k)
     return ours, theirs
+
+
+def trl_args(
+    out_dir: Path, *, micro: int, accumulation: int, steps: int, lr: float, device: torch.device, bf16: bool
+) -> dict:
+    """The TrainingArguments every TRL side shares: our optimizer settings (constant learning rate,
+    gradient clipping at 1.0), `micro` rows per forward and `accumulation` forwards per optimizer
+    step, and nothing that is not training (no logging, saving, reporting, progress bars or
+    data-loading workers). `bf16` is autocast over fp32 weights, as our `bf16-mixed`."""
+    return dict(
+        output_dir=str(out_dir), per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+        max_steps=steps, learning_rate=lr, lr_scheduler_type="constant", max_grad_norm=1.0,
+        use_cpu=device.type != "cuda", dataloader_num_workers=0, seed=0, bf16=bf16, fp16=False,
+        logging_steps=10**6, save_strategy="no", report_to=[], disable_tqdm=True,
+    )
+
+
+def trl_step_timer(times: list[float], after_step: Callable[[int], None] = lambda k: None):
+    """A TrainerCallback appending each optimizer step's seconds to `times`: from `on_step_begin`
+    (after the step's micro-batches are loaded) to `on_step_end` (after the optimizer step and
+    zero_grad), CUDA-synchronised at both ends. `after_step(k)` runs after step k is timed, outside
+    TRL's timed region (where `run_interleaved` runs our step k)."""
+    from transformers import TrainerCallback
+
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    class StepTimer(TrainerCallback):
+        t0 = 0.0
+
+        def on_step_begin(self, args, state, control, **kw):
+            sync()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            sync()
+            times.append(time.perf_counter() - self.t0)
+            after_step(len(times) - 1)
+
+    return StepTimer()
+
+
+def load_trl_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+
+
+def trl_sft_trainer(model_dir: Path, rows: list[dict[str, str]], args: dict, max_length: int, dtype: torch.dtype, callback):
+    """TRL's SFTTrainer through its normal API on prompt/completion `rows` in order (sequential
+    sampler): completion-only loss, no packing, its default padding (to the batch's longest)."""
+    import datasets
+    from transformers import AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    config = SFTConfig(
+        **args, completion_only_loss=True, packing=False, max_length=max_length, train_sampling_strategy="sequential"
+    )
+    ds = datasets.Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"]} for r in rows])
+    trainer = SFTTrainer(
+        model=load_trl_model(model_dir, dtype), args=config, train_dataset=ds,
+        processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[callback],
+    )
+    silence_trainer(trainer)
+    if len(trainer.train_dataset) != len(ds):
+        raise RuntimeError("TRL dropped rows: the two sides would not see the same batches")
+    return trainer
+
+
+def sft_row_tokens(trainer) -> list[int]:
+    """Tokens of each row as TRL's SFTTrainer tokenized it (prompt + completion + EOS)."""
+    return [len(ids) for ids in trainer.train_dataset["input_ids"]]
+
+
+def trl_dpo_trainer(
+    model_dir: Path, rows: list[dict[str, str]], args: dict, beta: float, max_length: int | None, dtype: torch.dtype,
+    callback,
+):
+    """TRL's DPOTrainer through its normal API on prompt/chosen/rejected `rows` in order
+    (sequential sampler): sigmoid loss, an explicit frozen `ref_model` scored online every step
+    (no precomputed reference log-probabilities), its default padding."""
+    import datasets
+    from transformers import AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    config = DPOConfig(
+        **args, beta=beta, loss_type=["sigmoid"], precompute_ref_log_probs=False, max_length=max_length,
+        train_sampling_strategy="sequential",
+    )
+    ds = datasets.Dataset.from_list(rows)
+    trainer = DPOTrainer(
+        model=load_trl_model(model_dir, dtype), ref_model=load_trl_model(model_dir, dtype), args=config,
+        train_dataset=ds, processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[callback],
+    )
+    silence_trainer(trainer)
+    if len(trainer.train_dataset) != len(ds):
+        raise RuntimeError("TRL dropped rows: the two sides would not see the same batches")
+    return trainer
+
+
+def dpo_pair_tokens(trainer) -> list[int]:
+    """Tokens of each pair as TRL's DPOTrainer tokenized it, counted as both sides count them:
+    2 x prompt + chosen + rejected (the prompt once per sequence)."""
+    data = trainer.train_dataset
+    return [2 * len(p) + len(c) + len(r) for p, c, r in zip(data["prompt_ids"], data["chosen_ids"], data["rejected_ids"])]
+
+
+def per_step(row_tokens: list[int], rows_per_step: int, times: list[float]) -> list[Timing]:
+    """(seconds, tokens) of each timed step, the rows taken in order `rows_per_step` at a time."""
+    return [(t, sum(row_tokens[k * rows_per_step : (k + 1) * rows_per_step])) for k, t in enumerate(times)]

@@ -38,13 +38,17 @@ from bench_common import (
     bench_model_dir,
     count_params,
     disable_length_buckets,
+    dpo_pair_tokens,
     init_single_rank,
     paired_ratio,
+    per_step,
     print_table,
     quiet_transformers,
     run_interleaved,
-    silence_trainer,
     summarise,
+    trl_args,
+    trl_dpo_trainer,
+    trl_step_timer,
 )
 
 BETA = 0.1
@@ -114,42 +118,16 @@ def run_trl_dpo(
     after_step: Callable[[int], None],
 ) -> list[Timing]:
     """TRL's DPOTrainer through its normal API; `after_step(k)` runs after TRL's step k is timed."""
-    import datasets
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import DPOConfig, DPOTrainer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-
-    def load() -> torch.nn.Module:
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-
-    ds = datasets.Dataset.from_list(rows[: total_steps * pairs_per_step])
     times: list[float] = []
-
-    class Interleave(TrainerCallback):
-        t0 = 0.0
-
-        def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - self.t0)
-            after_step(len(times) - 1)
-
-    config = DPOConfig(
-        output_dir=str(out_dir), per_device_train_batch_size=pairs_per_step, gradient_accumulation_steps=1,
-        max_steps=total_steps, learning_rate=1e-4, lr_scheduler_type="constant", max_grad_norm=1.0,
-        beta=BETA, loss_type=["sigmoid"], precompute_ref_log_probs=False, max_length=1024,
-        train_sampling_strategy="sequential", use_cpu=True, dataloader_num_workers=0, seed=0, bf16=False, fp16=False,
-        logging_steps=10_000, save_strategy="no", report_to=[], disable_tqdm=True,
+    args = trl_args(
+        out_dir, micro=pairs_per_step, accumulation=1, steps=total_steps, lr=1e-4, device=torch.device("cpu"), bf16=False
     )
-    trainer = DPOTrainer(model=load(), ref_model=load(), args=config, train_dataset=ds, processing_class=tok, callbacks=[Interleave()])
-    silence_trainer(trainer)
-    data = trainer.train_dataset
-    assert len(data) == len(ds), "TRL dropped rows: the two sides would not see the same batches"
-    tokens = [2 * len(p) + len(c) + len(r) for p, c, r in zip(data["prompt_ids"], data["chosen_ids"], data["rejected_ids"])]
+    trainer = trl_dpo_trainer(
+        model_dir, rows[: total_steps * pairs_per_step], args, BETA, 1024, torch.float32, trl_step_timer(times, after_step)
+    )
+    tokens = dpo_pair_tokens(trainer)
     trainer.train()
-    return [(t, sum(tokens[k * pairs_per_step : (k + 1) * pairs_per_step])) for k, t in enumerate(times)]
+    return per_step(tokens, pairs_per_step, times)
 
 
 def main() -> None:

@@ -4,6 +4,7 @@
     .venv/bin/python scripts/bench_gpu.py --model small         # any device: a small model (CPU: fp32)
     .venv/bin/python scripts/bench_gpu.py --only sft --steps 10 --warmup 3
     .venv/bin/python scripts/bench_gpu.py --compile             # decoder layers torch.compile'd (backend.compile)
+    PYTHONPATH=<trl dir> .venv/bin/python scripts/bench_gpu.py --model small --steps 2 --warmup 1 --batch 8 --micro 4 --threads 1
 
 The model is built locally with random weights (no download): `--model qwen0.5b` is Qwen2.5-0.5B's
 shape (hidden 896, 24 layers, 14 query / 2 KV heads, intermediate 4864, vocabulary 151,936, tied
@@ -25,21 +26,64 @@ hidden x (mean sequence length) for causal attention (forward + backward, half t
 forward-only token (DPO's reference) counts a third of that. Peak memory is
 `torch.cuda.max_memory_allocated` (CUDA only).
 
-With TRL importable (`pip install trl==1.16.0`), TRL's `SFTTrainer` runs on the same rows, model
-and batch (bf16 autocast on CUDA, fp32 on CPU) and its tokens/s and peak memory are printed beside
-ours. DPO and GRPO are measured for rltrain only: TRL's side of those is not wired here yet.
+With TRL importable (`pip install trl==1.16.0`; `--no-trl` skips it), TRL 1.16 runs each workload
+on the same model, rows, `--batch` and `--micro` (its `per_device_train_batch_size` = `--micro`,
+gradient accumulation = `--batch / --micro`), the same optimizer settings (AdamW, lr 1e-5
+constant, clipping at 1.0), bf16 autocast over fp32 weights where ours is `bf16-mixed` (fp32 on
+CPU), and its row is printed under ours with the same columns. Its step is timed from its
+`on_step_begin` to its `on_step_end` callback (the step's micro-batches are already loaded and
+collated; the forwards, backwards, clipping, AdamW step and zero_grad are inside), CUDA-synchronised
+at both ends:
+- SFT: `SFTTrainer(...).train()`, completion-only loss, no packing, rows in order.
+- DPO: `DPOTrainer(...).train()` with an explicit `ref_model` scored online every step (no
+  precomputed reference log-probabilities), sigmoid loss, beta 0.1 as ours, pairs in order, no
+  truncation. TRL pads chosen and rejected each with its own copy of the prompt.
+- GRPO update: `GRPOTrainer(...).train()` with generation and reward scoring bypassed: its
+  `_generate_and_score_completions` is replaced by the part of it that follows scoring (prompts
+  padded left, completions right, moved to the device, loss tokens counted), fed our prompts,
+  completions and advantages. As in TRL's own code, the whole step is padded before it is split,
+  so every micro-batch is as wide as the step's longest prompt plus its longest completion.
+  Everything else is TRL's own step: `_prepare_inputs` (shuffle, split into micro-batches of
+  `--micro` sequences), `compute_loss` (forward with its fused output head and entropies, clipped
+  token-level `dapo` loss: clip 0.2 / 0.28, no KL, normalised by the step's completion tokens, as
+  our `token_mean`), backward, clipping and AdamW. With one iteration per generation and beta 0,
+  TRL computes no old or reference log-probabilities in the bypassed part, and ours none either
+  (old log-probabilities and entropies come from the training pass), so neither side skips
+  training work.
+
+Tokens/s is counted the same way on both sides (every sequence's prompt + completion tokens; a
+warning is printed if TRL tokenized different counts). TRL's MFU divides the same model FLOPs per
+step as ours by TRL's step time, so the two MFUs differ exactly by the speed ratio. The sides run
+one after the other, not interleaved: on a shared CPU the ratio is noisy (bench_sft.py and
+bench_dpo.py interleave; this script is meant for an otherwise idle GPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from bench_common import init_single_rank, print_table, quiet_transformers, trl_available
+from bench_common import (
+    dpo_pair_tokens,
+    init_single_rank,
+    load_trl_model,
+    per_step,
+    print_table,
+    quiet_transformers,
+    sft_row_tokens,
+    silence_trainer,
+    trl_args,
+    trl_available,
+    trl_dpo_trainer,
+    trl_sft_trainer,
+    trl_step_timer,
+)
 
 SHAPES = {
     "qwen0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -48,6 +92,8 @@ SHAPES = {
                   num_attention_heads=12, num_key_value_heads=4),
 }
 ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 +=-"
+LR, DPO_BETA, CLIP_LOW, CLIP_HIGH, MAX_COMPLETION = 1e-5, 0.1, 0.2, 0.28, 600
+TRL_NAMES = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "grpo": "GRPOTrainer update"}
 
 
 def build_model_dir(shape: str, directory: Path, device: torch.device) -> Path:
@@ -98,6 +144,36 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def encode(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def grpo_sequences(batch: int, group: int) -> int:
+    """Sequences of one GRPO step: `batch // group` prompts (at least one) x `group` completions."""
+    return max(1, batch // group) * group
+
+
+@dataclass(frozen=True)
+class FixedRollouts:
+    """One GRPO step's experience, the same for both sides: each prompt once per completion of its
+    group, completions of random tokens, one advantage per completion."""
+
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    adv_B: list[float]
+
+
+def fixed_rollouts(tok, rows: list[dict[str, str]], k: int, batch: int, group: int) -> FixedRollouts:
+    rng = random.Random(k)
+    prompts, completions = [], []
+    for r in rows[k * batch : (k + 1) * batch][: grpo_sequences(batch, group) // group]:
+        ids = encode(tok, r["prompt"])
+        for _ in range(group):
+            prompts.append(ids)
+            completions.append([rng.randrange(3, len(tok)) for _ in range(rng.randint(50, MAX_COMPLETION))])
+    return FixedRollouts(prompts, completions, [rng.uniform(-1, 1) for _ in completions])
+
+
 class Workload:
     """One algorithm's optimizer steps on fixed batches: `step(k)` -> (seconds, model FLOPs, tokens)."""
 
@@ -113,7 +189,7 @@ class Workload:
         matmul_params = _matmul_params(config)
         self.flops_per_param_token = 6 * matmul_params
         self.attn_flops_per_len = 6 * config.num_hidden_layers * config.hidden_size
-        optim = OptimConfig(lr=1e-5, warmup_steps=0, schedule="constant", beta2=0.999, max_grad_norm=1.0)
+        optim = OptimConfig(lr=LR, warmup_steps=0, schedule="constant", beta2=0.999, max_grad_norm=1.0)
         total = args.steps + args.warmup
         backend = FSDPBackendConfig(padding_free=args.padding_free, compile=args.compile)
         self.policy = FSDPEngine(model_dir, backend, optim, total, device, precision=args.precision)
@@ -121,9 +197,6 @@ class Workload:
         if name == "dpo":
             self.reference = FSDPEngine(model_dir, backend, None, total, device, precision=args.precision)
         self.steps = [self._build(rows, k) for k in range(total)]
-
-    def _enc(self, text: str) -> list[int]:
-        return self.tok(text, add_special_tokens=False)["input_ids"]
 
     def _build(self, rows: list[dict[str, str]], k: int):
         from rltrain.algos.dpo import dpo_micro_batches
@@ -133,27 +206,20 @@ class Workload:
         a, eos = self.args, self.tok.eos_token_id
         chunk = rows[k * a.batch : (k + 1) * a.batch]
         if self.name == "dpo":
-            pairs = [PreferencePair(self._enc(r["prompt"]), self._enc(r["completion"]) + [eos],
-                                    self._enc(r["rejected"]) + [eos]) for r in chunk]
+            pairs = [PreferencePair(encode(self.tok, r["prompt"]), encode(self.tok, r["completion"]) + [eos],
+                                    encode(self.tok, r["rejected"]) + [eos]) for r in chunk]
             micro, _ = dpo_micro_batches(pairs, 0, 1, a.micro)
             return micro
         if self.name == "sft":
-            prompts = [self._enc(r["prompt"]) for r in chunk]
-            completions = [self._enc(r["completion"]) + [eos] for r in chunk]
+            prompts = [encode(self.tok, r["prompt"]) for r in chunk]
+            completions = [encode(self.tok, r["completion"]) + [eos] for r in chunk]
             extras = {"global_tokens": float(sum(map(len, completions)))}
-        else:  # grpo: chunk // group prompts, each with `group` completions of random tokens
-            rng = random.Random(k)
-            prompts, completions = [], []
-            for r in chunk[: max(1, a.batch // a.group)]:
-                ids = self._enc(r["prompt"])
-                for _ in range(a.group):
-                    prompts.append(ids)
-                    completions.append([rng.randrange(3, len(self.tok)) for _ in range(rng.randint(50, 600))])
-            n = sum(map(len, completions))
-            adv = torch.tensor([rng.uniform(-1, 1) for _ in completions], device="cpu")
-            extras = {"global_tokens": float(n), "global_seqs": float(len(completions)), "adv": adv,
-                      "old_logps": None, "entropy": None, "ref_logps": None, "engine_logps": None,
-                      "measure_parity": False}
+        else:
+            rollouts = fixed_rollouts(self.tok, rows, k, a.batch, a.group)
+            prompts, completions = rollouts.prompts, rollouts.completions
+            extras = {"global_tokens": float(sum(map(len, completions))), "global_seqs": float(len(completions)),
+                      "adv": torch.tensor(rollouts.adv_B, device="cpu"), "old_logps": None, "entropy": None,
+                      "ref_logps": None, "engine_logps": None, "measure_parity": False}
         batch = SequenceBatch.from_lists(prompts, completions, **extras)
         return [batch.select(list(range(i, min(i + a.micro, len(batch))))) for i in range(0, len(batch), a.micro)]
 
@@ -167,9 +233,10 @@ class Workload:
         if self.name == "sft":
             return sft_loss
         if self.name == "dpo":
-            return make_dpo_loss(0.1, "sigmoid", 0.0, 0.0)
-        cfg = SimpleNamespace(clip_low=0.2, clip_high=0.28, beta=0.0, loss_agg="token_mean", max_new_tokens=600,
-                              rollout_correction="none", rollout_is_cap=2.0, rollout_mask_band=2.0)
+            return make_dpo_loss(DPO_BETA, "sigmoid", 0.0, 0.0)
+        cfg = SimpleNamespace(clip_low=CLIP_LOW, clip_high=CLIP_HIGH, beta=0.0, loss_agg="token_mean",
+                              max_new_tokens=MAX_COMPLETION, rollout_correction="none", rollout_is_cap=2.0,
+                              rollout_mask_band=2.0)
         return make_policy_loss(cfg)
 
     def step(self, k: int) -> tuple[float, float, int]:
@@ -212,6 +279,17 @@ def _matmul_params(config) -> int:
     return layers * per_layer + config.vocab_size * h
 
 
+def _peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+
+
+def _release(device: torch.device) -> None:
+    """Free the last workload before the next one, so its memory is not in the next peak."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def run_ours(name: str, model_dir: Path, rows, args, device: torch.device) -> dict:
     workload = Workload(name, model_dir, rows, args, device)
     if device.type == "cuda":
@@ -221,52 +299,124 @@ def run_ours(name: str, model_dir: Path, rows, args, device: torch.device) -> di
     out = {
         "tokens/s": sum(n for _, _, n in timings) / seconds,
         "flops/s": sum(f for _, f, _ in timings) / seconds,
-        "peak GiB": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "step tokens": [n for _, _, n in timings],
+        "peak GiB": _peak_gib(device),
     }
     del workload
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    _release(device)
     return out
 
 
-def run_trl_sft(model_dir: Path, rows, args, device: torch.device, out_dir: Path) -> dict:
-    """TRL's SFTTrainer on the same rows, batch and micro-batch (bf16 autocast on CUDA)."""
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import SFTConfig, SFTTrainer
+def _unused_reward(**_) -> list[float]:
+    """GRPOTrainer needs a reward function; the update benchmark bypasses scoring, so never called."""
+    raise AssertionError("the GRPO update benchmark scores nothing: its rollouts come with advantages")
 
-    total = args.steps + args.warmup
+
+def trl_grpo_update_trainer(model_dir: Path, rows, args, trainer_args: dict, dtype: torch.dtype, callback):
+    """TRL's GRPOTrainer whose generation and scoring return our fixed rollouts (see the module
+    docstring); (trainer, tokens of each sequence in step order)."""
+    import datasets
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.trainer.utils import pad
+
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    times: list[float] = []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, *_, **__):
-            _sync(device)
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, *_, **__):
-            _sync(device)
-            times.append(time.perf_counter() - self.t0)
-
-    config = SFTConfig(
-        output_dir=str(out_dir), per_device_train_batch_size=args.micro, gradient_accumulation_steps=args.batch // args.micro,
-        max_steps=total, learning_rate=1e-5, lr_scheduler_type="constant", logging_steps=10**6, save_strategy="no",
-        report_to=[], bf16=device.type == "cuda", completion_only_loss=True, max_length=2048, dataloader_drop_last=True,
-        use_cpu=device.type != "cuda", disable_tqdm=True, seed=0,
+    total = args.steps + args.warmup
+    steps = [fixed_rollouts(tok, rows, k, args.batch, args.group) for k in range(total)]
+    prompts_per_step = grpo_sequences(args.batch, args.group) // args.group
+    dataset = datasets.Dataset.from_list(
+        [{"prompt": r["prompt"]} for k in range(total) for r in rows[k * args.batch : (k + 1) * args.batch][:prompts_per_step]]
     )
-    ds = Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"]} for r in rows[: total * args.batch]])
-    trainer = SFTTrainer(model=model, args=config, train_dataset=ds, processing_class=tok, callbacks=[Timer()])
-    lengths = [len(ids) for ids in trainer.train_dataset["input_ids"]]
+    config = GRPOConfig(
+        **trainer_args, num_generations=args.group, max_completion_length=MAX_COMPLETION, use_vllm=False, beta=0.0,
+        epsilon=CLIP_LOW, epsilon_high=CLIP_HIGH, loss_type="dapo", num_iterations=1, shuffle_dataset=False,
+    )
+    trainer = GRPOTrainer(
+        model=load_trl_model(model_dir, dtype), reward_funcs=[_unused_reward], args=config, train_dataset=dataset,
+        processing_class=tok, callbacks=[callback],
+    )
+    silence_trainer(trainer)
+    device, pad_id = trainer.accelerator.device, tok.pad_token_id
+    fed = iter(steps)
+
+    def scored_rollouts(generation_batch) -> dict[str, torch.Tensor]:
+        """What `_generate_and_score_completions` returns here once it has generated and scored,
+        built as its own code builds it (no old or reference log-probabilities: one iteration,
+        beta 0)."""
+        r = next(fed)
+        prompt_ids = [torch.tensor(ids) for ids in r.prompts]
+        completion_ids = [torch.tensor(ids) for ids in r.completions]
+        completion_mask = pad([torch.ones_like(c) for c in completion_ids], padding_value=0, padding_side="right").to(device)
+        return {
+            "prompt_ids": pad(prompt_ids, padding_value=pad_id, padding_side="left").to(device),
+            "prompt_mask": pad([torch.ones_like(p) for p in prompt_ids], padding_value=0, padding_side="left").to(device),
+            "completion_ids": pad(completion_ids, padding_value=pad_id, padding_side="right").to(device),
+            "completion_mask": completion_mask,
+            "advantages": torch.tensor(r.adv_B, device=device),
+            "num_items_in_batch": completion_mask.sum(),
+        }
+
+    trainer._generate_and_score_completions = scored_rollouts
+    return trainer, [len(p) + len(c) for r in steps for p, c in zip(r.prompts, r.completions)]
+
+
+def run_trl(name: str, model_dir: Path, rows, args, precision, device: torch.device, out_dir: Path) -> dict:
+    """TRL 1.16's trainer for workload `name` on the same rows, batch and micro-batch (module docstring)."""
+    total = args.steps + args.warmup
+    times: list[float] = []
+    timer = trl_step_timer(times)
+
+    def trainer_args(accumulation: int) -> dict:
+        return trl_args(out_dir / name, micro=args.micro, accumulation=accumulation, steps=total, lr=LR, device=device,
+                        bf16=precision.mixed)
+
+    if name == "sft":
+        trainer = trl_sft_trainer(model_dir, rows[: total * args.batch], trainer_args(args.batch // args.micro), 2048,
+                                  precision.param_dtype, timer)
+        row_tokens, rows_per_step = sft_row_tokens(trainer), args.batch
+    elif name == "dpo":
+        pairs = [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": r["rejected"]} for r in rows[: total * args.batch]]
+        trainer = trl_dpo_trainer(model_dir, pairs, trainer_args(args.batch // args.micro), DPO_BETA, None,
+                                  precision.param_dtype, timer)
+        row_tokens, rows_per_step = dpo_pair_tokens(trainer), args.batch
+    else:
+        rows_per_step = grpo_sequences(args.batch, args.group)
+        trainer, row_tokens = trl_grpo_update_trainer(
+            model_dir, rows, args, trainer_args(rows_per_step // args.micro), precision.param_dtype, timer
+        )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
-    timed = times[args.warmup :]
-    tokens = sum(lengths[args.warmup * args.batch : total * args.batch])
-    return {
-        "tokens/s": tokens / sum(timed),
-        "peak GiB": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+    timed = per_step(row_tokens, rows_per_step, times)[args.warmup :]
+    out = {
+        "tokens/s": sum(n for _, n in timed) / sum(t for t, _ in timed),
+        "step tokens": [n for _, n in timed],
+        "peak GiB": _peak_gib(device),
     }
+    del trainer
+    _release(device)
+    return out
+
+
+def check_batches(parser: argparse.ArgumentParser, args, names: list[str], with_trl: bool) -> None:
+    """Bad workload names or batch shapes TRL cannot take stop here, before any model is built."""
+    unknown = sorted(set(names) - set(TRL_NAMES))
+    if unknown:
+        parser.error(f"--only {args.only}: unknown workload(s) {', '.join(unknown)}; choose from sft,dpo,grpo")
+    if not with_trl:
+        return
+    if args.batch % args.micro:
+        parser.error(f"--batch {args.batch} is not a multiple of --micro {args.micro}: TRL accumulates whole "
+                     "micro-batches (gradient accumulation = batch / micro); change one of them, or pass --no-trl")
+    if "grpo" in names and (args.group < 2 or grpo_sequences(args.batch, args.group) % args.micro):
+        parser.error(f"GRPO with TRL needs --group >= 2 and its {grpo_sequences(args.batch, args.group)} sequences per "
+                     f"step (batch // group prompts x group) to be a multiple of --micro {args.micro}; change "
+                     "--batch, --group or --micro, or pass --no-trl")
+
+
+def _row(name: str, tokens_per_s: float, flops_per_s: float, peak: float, peak_gib: float | None, ratio: str) -> list[str]:
+    mem = f"{peak_gib:.1f}" if peak_gib is not None else "-"
+    return [name, f"{tokens_per_s:.0f}", f"{100 * flops_per_s / peak:.1f}%", mem, ratio]
 
 
 def main() -> None:
@@ -281,42 +431,54 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8, help="GRPO: completions per prompt")
     parser.add_argument("--no-trl", action="store_true", help="skip TRL even when importable")
     parser.add_argument("--padding-free", action="store_true", help="rltrain's rows with backend.padding_free=true")
+    parser.add_argument(
+        "--threads", type=int, default=None,
+        help="torch intra-op threads, the same for both sides (default: torch's own; on a shared CPU use 1, "
+        "as bench_sft.py and bench_dpo.py do)",
+    )
     parser.add_argument("--port", type=int, default=29541)
     parser.add_argument("--compile", action="store_true", help="backend.compile=true: torch.compile each decoder layer")
     args = parser.parse_args()
     from rltrain.precision import resolve_precision
 
+    names = args.only.split(",")
+    with_trl = not args.no_trl and trl_available()
+    check_batches(parser, args, names, with_trl)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = args.model or ("qwen0.5b" if device.type == "cuda" else "small")
     precision = resolve_precision(args.precision, device)
     quiet_transformers()
     init_single_rank(args.port)
     peak = matmul_peak_flops(device, precision.compute_dtype)
+    table, notes = [], []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model_dir(shape, Path(tmp) / "model", device)
         rows = make_rows((args.steps + args.warmup) * args.batch)
-        table = []
-        for name in args.only.split(","):
+        for name in names:
             ours = run_ours(name, model_dir, rows, args, device)
-            mem = f"{ours['peak GiB']:.1f}" if ours["peak GiB"] is not None else "-"
-            row = [f"rltrain {name}", f"{ours['tokens/s']:.0f}", f"{100 * ours['flops/s'] / peak:.1f}%", mem, "-"]
-            if name == "sft" and not args.no_trl and trl_available():
-                theirs = run_trl_sft(model_dir, rows, args, device, Path(tmp) / "trl")
-                row[-1] = f"{ours['tokens/s'] / theirs['tokens/s']:.2f}x"
-                tmem = f"{theirs['peak GiB']:.1f}" if theirs["peak GiB"] is not None else "-"
-                table.append(row)
-                row = ["TRL 1.16 SFTTrainer", f"{theirs['tokens/s']:.0f}", "-", tmem, "1.00x"]
-            table.append(row)
+            table.append(_row(f"rltrain {name}", ours["tokens/s"], ours["flops/s"], peak, ours["peak GiB"], "-"))
+            if not with_trl:
+                continue
+            theirs = run_trl(name, model_dir, rows, args, precision, device, Path(tmp) / "trl")
+            table[-1][-1] = f"{ours['tokens/s'] / theirs['tokens/s']:.2f}x"
+            trl_flops_per_s = ours["flops/s"] / ours["tokens/s"] * theirs["tokens/s"]  # the same work per token
+            table.append(_row(f"TRL 1.16 {TRL_NAMES[name]}", theirs["tokens/s"], trl_flops_per_s, peak, theirs["peak GiB"], "1.00x"))
+            if theirs["step tokens"] != ours["step tokens"]:
+                notes.append(f"warning: {name}: TRL tokenized {theirs['step tokens']} tokens per step, rltrain {ours['step tokens']}")
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    notes.insert(0, f"matmul peak measured here: {peak / 1e12:.1f} TFLOP/s ({precision.compute_dtype_name})")
+    notes.insert(1, "TRL 1.16: same rows, batch and micro-batch, run after ours (not interleaved); vs TRL = tokens/s ratio"
+                 if with_trl else "TRL: not importable or --no-trl")
     print_table(
         f"{shape} ({device_name}, {precision.name}{', padding-free' if args.padding_free else ''}"
         f"{', torch.compile per layer' if args.compile else ''}), "
         f"{args.batch} rows/step in micro-batches of {args.micro}, "
-        f"{args.steps} timed steps (+{args.warmup} warm-up)",
+        f"{args.steps} timed steps (+{args.warmup} warm-up), {torch.get_num_threads()} CPU threads",
         ["workload", "tokens/s", "MFU", "peak GiB", "vs TRL"],
         table,
-        [f"matmul peak measured here: {peak / 1e12:.1f} TFLOP/s ({precision.compute_dtype_name})",
-         "TRL: not importable or --no-trl" if args.no_trl or not trl_available() else "TRL: SFT only (DPO/GRPO sides not wired)"],
+        notes,
     )
 
 

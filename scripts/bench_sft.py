@@ -35,11 +35,15 @@ from bench_common import (
     disable_length_buckets,
     init_single_rank,
     paired_ratio,
+    per_step,
     print_table,
     quiet_transformers,
     run_interleaved,
-    silence_trainer,
+    sft_row_tokens,
     summarise,
+    trl_args,
+    trl_sft_trainer,
+    trl_step_timer,
 )
 
 
@@ -97,38 +101,12 @@ def run_trl_sft(
     after_step: Callable[[int], None],
 ) -> list[Timing]:
     """TRL's SFTTrainer through its normal API; `after_step(k)` runs after TRL's step k is timed."""
-    import datasets
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import SFTConfig, SFTTrainer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    ds = datasets.Dataset.from_list(rows[: total_steps * batch])
     times: list[float] = []
-
-    class Interleave(TrainerCallback):
-        t0 = 0.0
-
-        def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - self.t0)
-            after_step(len(times) - 1)
-
-    config = SFTConfig(
-        output_dir=str(out_dir), per_device_train_batch_size=batch, gradient_accumulation_steps=1,
-        max_steps=total_steps, learning_rate=1e-4, lr_scheduler_type="constant", max_grad_norm=1.0,
-        completion_only_loss=True, packing=False, max_length=512, train_sampling_strategy="sequential",
-        use_cpu=True, dataloader_num_workers=0, seed=0, bf16=False, fp16=False,
-        logging_steps=10_000, save_strategy="no", report_to=[], disable_tqdm=True,
-    )
-    trainer = SFTTrainer(model=model, args=config, train_dataset=ds, processing_class=tok, callbacks=[Interleave()])
-    silence_trainer(trainer)
-    lengths = [len(ids) for ids in trainer.train_dataset["input_ids"]]
-    assert len(lengths) == len(ds), "TRL dropped rows: the two sides would not see the same batches"
+    args = trl_args(out_dir, micro=batch, accumulation=1, steps=total_steps, lr=1e-4, device=torch.device("cpu"), bf16=False)
+    trainer = trl_sft_trainer(model_dir, rows[: total_steps * batch], args, 512, torch.float32, trl_step_timer(times, after_step))
+    tokens = sft_row_tokens(trainer)
     trainer.train()
-    return [(t, sum(lengths[k * batch : (k + 1) * batch])) for k, t in enumerate(times)]
+    return per_step(tokens, batch, times)
 
 
 def main() -> None:
