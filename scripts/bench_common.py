@@ -180,8 +180,9 @@ def trl_sft_trainer(model_dir: Path, rows: list[dict[str, str]], args: dict, max
     """TRL's SFTTrainer through its normal API on prompt/completion `rows` in order (sequential
     sampler): completion-only loss, no packing, its default padding (to the batch's longest)."""
     import datasets
-    from transformers import AutoTokenizer
     from trl import SFTConfig, SFTTrainer
+
+    from rltrain.models.tokenizer import load_tokenizer
 
     config = SFTConfig(
         **args, completion_only_loss=True, packing=False, max_length=max_length, train_sampling_strategy="sequential"
@@ -189,7 +190,7 @@ def trl_sft_trainer(model_dir: Path, rows: list[dict[str, str]], args: dict, max
     ds = datasets.Dataset.from_list([{"prompt": r["prompt"], "completion": r["completion"]} for r in rows])
     trainer = SFTTrainer(
         model=load_trl_model(model_dir, dtype), args=config, train_dataset=ds,
-        processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[callback],
+        processing_class=load_tokenizer(model_dir), callbacks=[callback],
     )
     silence_trainer(trainer)
     if len(trainer.train_dataset) != len(ds):
@@ -210,8 +211,9 @@ def trl_dpo_trainer(
     (sequential sampler): sigmoid loss, an explicit frozen `ref_model` scored online every step
     (no precomputed reference log-probabilities), its default padding."""
     import datasets
-    from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
+
+    from rltrain.models.tokenizer import load_tokenizer
 
     config = DPOConfig(
         **args, beta=beta, loss_type=["sigmoid"], precompute_ref_log_probs=False, max_length=max_length,
@@ -220,7 +222,7 @@ def trl_dpo_trainer(
     ds = datasets.Dataset.from_list(rows)
     trainer = DPOTrainer(
         model=load_trl_model(model_dir, dtype), ref_model=load_trl_model(model_dir, dtype), args=config,
-        train_dataset=ds, processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[callback],
+        train_dataset=ds, processing_class=load_tokenizer(model_dir), callbacks=[callback],
     )
     silence_trainer(trainer)
     if len(trainer.train_dataset) != len(ds):

@@ -73,14 +73,13 @@ class RltrainDPO:
         self, model_dir: Path, rows: list[dict[str, str]], pairs_per_step: int, total_steps: int,
         buckets: bool = True, packing: bool = True,
     ) -> None:
-        from transformers import AutoTokenizer
-
         from rltrain.algos.dpo import attach_reference, dpo_micro_batches, make_dpo_loss
         from rltrain.backends.fsdp import FSDPEngine
         from rltrain.config import FSDPBackendConfig, OptimConfig
         from rltrain.data.preference_data import PreferencePair
+        from rltrain.models.tokenizer import load_tokenizer
 
-        tok = AutoTokenizer.from_pretrained(model_dir)
+        tok = load_tokenizer(model_dir)
 
         def enc(s: str) -> list[int]:
             return tok(s, add_special_tokens=False)["input_ids"]

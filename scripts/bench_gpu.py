@@ -26,7 +26,7 @@ hidden x (mean sequence length) for causal attention (forward + backward, half t
 forward-only token (DPO's reference) counts a third of that. Peak memory is
 `torch.cuda.max_memory_allocated` (CUDA only).
 
-With TRL importable (`pip install trl==1.16.0`; `--no-trl` skips it), TRL 1.16 runs each workload
+With TRL importable (README, "Benchmarks": installed beside the venv; `--no-trl` skips it), TRL 1.16 runs each workload
 on the same model, rows, `--batch` and `--micro` (its `per_device_train_batch_size` = `--micro`,
 gradient accumulation = `--batch / --micro`), the same optimizer settings (AdamW, lr 1e-5
 constant, clipping at 1.0), bf16 autocast over fp32 weights where ours is `bf16-mixed` (fp32 on
@@ -178,13 +178,14 @@ class Workload:
     """One algorithm's optimizer steps on fixed batches: `step(k)` -> (seconds, model FLOPs, tokens)."""
 
     def __init__(self, name: str, model_dir: Path, rows: list[dict[str, str]], args, device: torch.device) -> None:
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig
 
         from rltrain.backends.fsdp import FSDPEngine
         from rltrain.config import FSDPBackendConfig, OptimConfig
+        from rltrain.models.tokenizer import load_tokenizer
 
         self.name, self.args, self.device = name, args, device
-        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.tok = load_tokenizer(model_dir)
         config = AutoConfig.from_pretrained(model_dir)
         matmul_params = _matmul_params(config)
         self.flops_per_param_token = 6 * matmul_params
@@ -316,11 +317,12 @@ def trl_grpo_update_trainer(model_dir: Path, rows, args, trainer_args: dict, dty
     """TRL's GRPOTrainer whose generation and scoring return our fixed rollouts (see the module
     docstring); (trainer, tokens of each sequence in step order)."""
     import datasets
-    from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
     from trl.trainer.utils import pad
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    from rltrain.models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
     total = args.steps + args.warmup
     steps = [fixed_rollouts(tok, rows, k, args.batch, args.group) for k in range(total)]
     prompts_per_step = grpo_sequences(args.batch, args.group) // args.group

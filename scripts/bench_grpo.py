@@ -62,13 +62,12 @@ def tiny_model_dir(cache: Path) -> Path:
 
 def prompt_stream(model_dir: Path, total_steps: int) -> list[dict[str, str]]:
     """The prompts rltrain's GRPO samples, step by step (same split, same seeded stream)."""
-    from transformers import AutoTokenizer
-
     from rltrain.config import DataConfig
     from rltrain.data.prompt_data import build_prompt_data
     from rltrain.data.sampler import IndexStream
+    from rltrain.models.tokenizer import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = load_tokenizer(model_dir)
     train, _, _ = build_prompt_data(tok, DataConfig(num_eval=NUM_EVAL), 0)
     stream = IndexStream(len(train), 0)
     rows = []
@@ -98,12 +97,13 @@ def run_rltrain(model_dir: Path, run_dir: Path, total_steps: int, max_new: int, 
 def run_trl(model_dir: Path, rows: list[dict[str, str]], total_steps: int, max_new: int, out_dir: Path) -> list[StepRow]:
     """TRL's GRPOTrainer, transformers-generate path; per-step step/rollout seconds and tokens."""
     import datasets
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from rltrain.models.tokenizer import load_tokenizer
     from rltrain.rewards.builtin import addition_reward
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     steps: list[StepRow] = []
     rollout = {"s": 0.0, "tokens": 0}

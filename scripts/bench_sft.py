@@ -67,14 +67,13 @@ class RltrainSFT:
     def __init__(
         self, model_dir: Path, rows: list[dict[str, str]], batch: int, total_steps: int, buckets: bool = True
     ) -> None:
-        from transformers import AutoTokenizer
-
         from rltrain.algos.sft import sft_loss
         from rltrain.backends.fsdp import FSDPEngine
         from rltrain.config import FSDPBackendConfig, OptimConfig
         from rltrain.data.batch import SequenceBatch
+        from rltrain.models.tokenizer import load_tokenizer
 
-        tok = AutoTokenizer.from_pretrained(model_dir)
+        tok = load_tokenizer(model_dir)
         self.loss_fn = sft_loss
         optim = OptimConfig(lr=1e-4, warmup_steps=0, schedule="constant", beta2=0.999, max_grad_norm=1.0)
         self.engine = FSDPEngine(model_dir, FSDPBackendConfig(), optim, total_steps, torch.device("cpu"))
