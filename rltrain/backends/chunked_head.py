@@ -66,6 +66,35 @@ def chunk_logits(hidden_CH: torch.Tensor, weight_VH: torch.Tensor, dtype: torch.
     return (hidden_CH.to(dtype) @ weight_VH.to(dtype).t()).float()
 
 
+def target_logps_grad(
+    logits_CV: torch.Tensor, lse_C: torch.Tensor, target_C: torch.Tensor, onehot_C: torch.Tensor, grad_C: torch.Tensor
+) -> torch.Tensor:
+    """d (g * log p(target)) / d logits = g * (onehot(target) - softmax), in fp32, for one chunk.
+    `onehot_C` is 1 where the target's column is among these logits (a vocab-parallel rank holds
+    only some) and 0 elsewhere; `target_C` must index a column either way."""
+    grad_CV = -(logits_CV - lse_C[:, None]).exp_()
+    grad_CV.scatter_add_(-1, target_C[:, None], onehot_C[:, None])
+    return grad_CV.mul_(grad_C[:, None].float())
+
+
+def accumulate_head_grads(
+    grad_logits_CV: torch.Tensor,
+    hidden_CH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    dtype: torch.dtype,
+    grad_hidden_CH: torch.Tensor | None,
+    grad_weight_VH: torch.Tensor | None,
+) -> None:
+    """The head's backward for one chunk, both matmuls in the compute dtype: the hidden states'
+    gradient written into `grad_hidden_CH` (a view of the whole), the weight's added to the fp32
+    `grad_weight_VH`; None skips either."""
+    grad_logits_CV = grad_logits_CV.to(dtype)
+    if grad_hidden_CH is not None:
+        grad_hidden_CH.copy_((grad_logits_CV @ weight_VH.to(dtype)).to(grad_hidden_CH.dtype))
+    if grad_weight_VH is not None:
+        grad_weight_VH += (grad_logits_CV.t() @ hidden_CH.to(dtype)).float()
+
+
 class _ChunkedTargetLogps(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, targets_N, chunk, dtype, entropy_out_N):
@@ -96,17 +125,10 @@ class _ChunkedTargetLogps(torch.autograd.Function):
                 end = min(hidden_NH.shape[0], start + ctx.chunk)
                 hidden_CH = hidden_NH[start:end]
                 logits_CV = chunk_logits(hidden_CH, weight_VH, ctx.dtype)
-                # d logp(target) / d logits = onehot(target) - softmax
-                grad_logits_CV = -(logits_CV - lse_N[start:end, None]).exp_()
-                grad_logits_CV.scatter_add_(
-                    -1, targets_N[start:end, None], torch.ones_like(lse_N[start:end, None])
-                )
-                grad_logits_CV.mul_(grad_N[start:end, None].float())
-                grad_logits_CV = grad_logits_CV.to(ctx.dtype)
-                if grad_hidden_NH is not None:
-                    grad_hidden_NH[start:end] = (grad_logits_CV @ weight_VH.to(ctx.dtype)).to(hidden_NH.dtype)
-                if grad_weight_VH is not None:
-                    grad_weight_VH += (grad_logits_CV.t() @ hidden_CH.to(ctx.dtype)).float()
+                lse_C = lse_N[start:end]
+                grad_logits_CV = target_logps_grad(logits_CV, lse_C, targets_N[start:end], torch.ones_like(lse_C), grad_N[start:end])
+                grad_hidden_CH = grad_hidden_NH[start:end] if grad_hidden_NH is not None else None
+                accumulate_head_grads(grad_logits_CV, hidden_CH, weight_VH, ctx.dtype, grad_hidden_CH, grad_weight_VH)
         if grad_weight_VH is not None:
             grad_weight_VH = grad_weight_VH.to(weight_VH.dtype)
         return grad_hidden_NH, grad_weight_VH, None, None, None, None

@@ -30,10 +30,12 @@ import torch
 import torch.distributed as dist
 
 from rltrain.backends.chunked_head import (
+    accumulate_head_grads,
     chunk_logits,
     compute_dtype_for,
     exceeds_chunk_limit,
     positions_per_chunk,
+    target_logps_grad,
 )
 
 _PAD_LOGIT = -1e30  # exp() underflows to 0 in fp32, and 0 * _PAD_LOGIT stays finite
@@ -183,16 +185,12 @@ class _ChunkedVocabParallelLogps(torch.autograd.Function):
                 end = min(hidden_NH.shape[0], start + ctx.chunk)
                 hidden_CH = hidden_NH[start:end]
                 logits_CV = _masked_chunk_logits(hidden_CH, weight_VH, ctx.dtype, ctx.vocab_start, ctx.vocab_size)
-                # d logp(target) / d logits = onehot(target) - softmax, on this rank's columns
-                grad_logits_CV = -(logits_CV - lse_N[start:end, None]).exp_()
-                onehot_C1 = on_rank_N[start:end, None].to(torch.float32)
-                grad_logits_CV.scatter_add_(-1, local_target_N[start:end].clamp(0, local_vocab - 1)[:, None], onehot_C1)
-                grad_logits_CV.mul_(grad_N[start:end, None].float())
-                grad_logits_CV = grad_logits_CV.to(ctx.dtype)
-                if grad_hidden_NH is not None:
-                    grad_hidden_NH[start:end] = (grad_logits_CV @ weight_VH.to(ctx.dtype)).to(hidden_NH.dtype)
-                if grad_weight_VH is not None:
-                    grad_weight_VH += (grad_logits_CV.t() @ hidden_CH.to(ctx.dtype)).float()
+                grad_logits_CV = target_logps_grad(  # the one-hot only where the target is this rank's
+                    logits_CV, lse_N[start:end], local_target_N[start:end].clamp(0, local_vocab - 1),
+                    on_rank_N[start:end].to(torch.float32), grad_N[start:end],
+                )
+                grad_hidden_CH = grad_hidden_NH[start:end] if grad_hidden_NH is not None else None
+                accumulate_head_grads(grad_logits_CV, hidden_CH, weight_VH, ctx.dtype, grad_hidden_CH, grad_weight_VH)
         if grad_hidden_NH is not None:  # every rank's columns contribute to the hidden states' gradient
             _all_reduce(grad_hidden_NH, ctx.group)
         if grad_weight_VH is not None:
