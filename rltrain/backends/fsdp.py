@@ -65,13 +65,14 @@ from rltrain.backends.compile_layers import compile_decoder_layers
 from rltrain.backends.fsdp_groups import FSDPGroups, full_parameter
 from rltrain.backends.fsdp_layout import MicroBatchLayout
 from rltrain.backends.hf_scoring import CompletionScorer, CompletionValuer, completion_positions, dummy_batch
+from rltrain.backends.optimizer_state import move_optimizer_state
 from rltrain.backends.roles import role_build
-from rltrain.backends.value_head import initial_value_head, new_value_head
+from rltrain.backends.value_head import fill_value_head, new_value_head
 from rltrain.config import FSDPBackendConfig, OptimConfig, SafetyConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
 from rltrain.models import moe
-from rltrain.models.hf_io import fill_parameter, load_causal_lm, load_sharded_weights
+from rltrain.models.hf_io import load_causal_lm, load_sharded_weights
 from rltrain.precision import Precision, resolve_precision
 from rltrain.safety import faults
 from rltrain.safety.guard import (
@@ -154,8 +155,9 @@ class FSDPEngine:
             self._shard(backend_cfg)
             self.scorer.to_empty(device=device)  # this rank's shards (and buffers), uninitialised
             load_sharded_weights(self.lm, self.model_dir, self.precision.param_dtype, self.groups.group)
-            if isinstance(self.scorer, CompletionValuer):
-                self._fill_value_head(self.scorer, self.groups.group)
+            if isinstance(self.scorer, CompletionValuer):  # its rows from the seeded draw
+                assert value_head_seed is not None
+                fill_value_head(self.scorer.value_head, value_head_seed, self.precision.param_dtype, self.groups.group)
         self.steps_taken = 0  # optimizer steps actually applied (skipped ones excluded)
         self.optimizer = None
         if self.trainable:
@@ -168,14 +170,6 @@ class FSDPEngine:
                 weight_decay=optim_cfg.weight_decay,
                 foreach=True,
             )
-
-    def _fill_value_head(self, valuer: CompletionValuer, group: dist.ProcessGroup) -> None:
-        """The sharded head's rows from the seeded draw (`to_empty` left them uninitialised)."""
-        assert self.value_head_seed is not None
-        initial = initial_value_head(self.lm.config.hidden_size, self.value_head_seed)
-        for name, param in valuer.value_head.named_parameters():
-            full = initial[name].to(self.device, self.precision.param_dtype) if self.rank == 0 else None
-            fill_parameter(param, full, group)
 
     def replica_group(self) -> None:
         """Every FSDP rank is its own data-parallel replica (see `TrainEngine.replica_group`)."""
@@ -368,12 +362,12 @@ class FSDPEngine:
             p.grad = None
         if self.device.type == "cuda":
             self.scorer.to("cpu")
-            _move_optimizer_state(self.optimizer, torch.device("cpu"))
+            move_optimizer_state(self.optimizer, "cpu")
 
     def onload(self) -> None:
         if self.device.type == "cuda":
             self.scorer.to(self.device)
-            _move_optimizer_state(self.optimizer, self.device)
+            move_optimizer_state(self.optimizer, self.device)
 
 
     def teardown_communicators(self) -> None:
@@ -385,15 +379,6 @@ class FSDPEngine:
     def recreate_communicators(self) -> int:
         """Re-create the group and re-bind FSDP's cached handles (collective); returns how many."""
         return self.groups.recreate() if self.groups is not None else 0
-
-
-def _move_optimizer_state(optimizer: torch.optim.Optimizer | None, device: torch.device) -> None:
-    if optimizer is None:
-        return
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                state[key] = value.to(device, non_blocking=True)
 
 
 def build_engine(ctx, role: str) -> FSDPEngine:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rltrain.models.hf_io import fill_parameter
+
 
 def initial_value_head(hidden_size: int, seed: int) -> dict[str, torch.Tensor]:
     """`{"weight": [1, H], "bias": [1]}` in fp32 on the CPU, a pure function of (hidden_size, seed)."""
@@ -33,6 +35,14 @@ def new_value_head(hidden_size: int, seed: int, dtype: torch.dtype, device: torc
             for name, value in initial_value_head(hidden_size, seed).items():
                 getattr(head, name).copy_(value)
     return head
+
+
+def fill_value_head(head: nn.Linear, seed: int, dtype: torch.dtype, group) -> None:
+    """A sharded head's rows from the seeded draw, which rank 0 makes and scatters (`to_empty`
+    left them uninitialised). Collective over `group`."""
+    initial = initial_value_head(head.in_features, seed) if torch.distributed.get_rank() == 0 else {}
+    for name, param in head.named_parameters():
+        fill_parameter(param, initial[name].to(param.device, dtype) if initial else None, group)
 
 
 def head_values(head: nn.Linear, hidden_NH: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ import pytest
 from helpers import compose_config
 
 from rltrain.errors import UserError
-from rltrain.validate import data_parallel_size, validate
+from rltrain.validate import validate
+from rltrain.validate_layout import data_parallel_size
 
 
 @pytest.fixture(autouse=True)

@@ -59,6 +59,7 @@ from rltrain.backends.megatron.model import build_stage, checkpoint_layers, load
 from rltrain.backends.megatron.optim import build_adamw
 from rltrain.backends.megatron.schedule import Pipeline, run_pipeline
 from rltrain.backends.megatron.value_model import make_value_stage, value_head_shards
+from rltrain.backends.optimizer_state import move_optimizer_state
 from rltrain.backends.roles import role_build
 from rltrain.backends.value_head import head_values
 from rltrain.config import MegatronBackendConfig, OptimConfig, SafetyConfig
@@ -351,11 +352,7 @@ class MegatronEngine:
     def _move(self, device) -> None:
         for p in self.params:
             p.data = p.data.to(device, non_blocking=True)
-        if self.optimizer is not None:
-            for state in self.optimizer.state.values():
-                for key, value in state.items():
-                    if torch.is_tensor(value) and key != "step":
-                        state[key] = value.to(device, non_blocking=True)
+        move_optimizer_state(self.optimizer, device)
         if device != "cpu":
             torch.cuda.synchronize()
 
