@@ -6,12 +6,14 @@ invariant 4), each timed as `time/phase/<name>` and followed by a memory sample 
 `mem/<name>/allocated` from torch's allocator):
 
     offload   drop gradients, move parameters and optimizer state to the host, tear down the
-              trainer's process groups (every engine's, each shared set once)
+              trainer's process groups (every engine's, each shared set once); frozen models
+              that only sit on the device (a reward model) move to the host too
     wake      the rollout engine takes its memory back
     sync      the weights exported after the last train phase go into the engine
     generate  rollouts
     sleep     the engine releases its memory (vLLM sleep mode; see below for the CPU build)
     onload    re-create the process groups (identical, warmed up, handles re-bound), reload
+              (the frozen models too: rewards are scored after the turn, on the device)
     train     scoring, the optimizer step(s), then the weight export for the next sync
 
 This is the cycle train -> offload -> wake -> sync -> generate -> sleep -> onload, entered at
@@ -45,9 +47,9 @@ import contextlib
 import logging
 import resource
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -74,6 +76,15 @@ def memory_sample(device: torch.device) -> dict[str, float]:
         free, total = torch.cuda.mem_get_info(device)
         return {"": (total - free) / 2**20, "/allocated": torch.cuda.memory_allocated(device) / 2**20}
     return {"": resident_mib()}
+
+
+class HostOffloadable(Protocol):
+    """A frozen model held on the training device outside the training engines (a reward model):
+    it gives the device up for the rollout engine's turn and takes it back after."""
+
+    def offload(self) -> None: ...
+
+    def onload(self) -> None: ...
 
 
 class PhaseClock:
@@ -113,10 +124,15 @@ class TimeSharing:
       and `offload()`/`onload()`.
     enabled: `placement.time_sharing`. When false, `rollout_turn` only times `generate`, and
       `publish` syncs at once.
+    frozen: frozen models on the device (`HostOffloadable`), offloaded after the engines and
+      onloaded after them.
     """
 
-    def __init__(self, engines: list[Any], rollout: Any, device: torch.device, enabled: bool) -> None:
+    def __init__(
+        self, engines: list[Any], rollout: Any, device: torch.device, enabled: bool, frozen: Sequence[HostOffloadable] = ()
+    ) -> None:
         self.engines = engines
+        self.frozen = list(frozen)
         self.rollout = rollout
         self.enabled = enabled
         self.clock = PhaseClock(device)
@@ -150,6 +166,8 @@ class TimeSharing:
                 engine.offload()
             for groups in self._communicators():
                 groups.teardown()
+            for model in self.frozen:
+                model.offload()
         with self.clock.phase("wake"):
             self.rollout.wake()
         with self.clock.phase("sync"):
@@ -163,6 +181,8 @@ class TimeSharing:
                 groups.recreate()
             for engine in self.engines:
                 engine.onload()
+            for model in self.frozen:
+                model.onload()
 
     @contextmanager
     def _generate_phase(self) -> Iterator[None]:

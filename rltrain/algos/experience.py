@@ -23,7 +23,7 @@ from rltrain.data.prompt_data import PromptRow, build_prompt_data
 from rltrain.data.ragged import Ragged
 from rltrain.data.sampler import IndexStream
 from rltrain.data.sharding import rank_slice, sum_over_replicas
-from rltrain.rewards import build_reward_fns, score
+from rltrain.rewards import RewardFn, score
 from rltrain.rollout.base import Completion, RolloutEngine, SamplingSettings
 from rltrain.rollout.share import replica_leader, share_completions
 from rltrain.samples import Sample, first_samples
@@ -92,11 +92,13 @@ class Experience:
 class ExperienceCollector:
     """Owns the prompt data, the reward functions and the rollout side of a step."""
 
-    def __init__(self, ctx: RunContext, rollout: RolloutEngine, timeshare: TimeSharing, policy) -> None:
+    def __init__(
+        self, ctx: RunContext, rollout: RolloutEngine, timeshare: TimeSharing, policy, reward_fns: list[RewardFn]
+    ) -> None:
         cfg = ctx.cfg
         self.ctx, self.algo_cfg = ctx, cfg.algo
         self.train_prompts, self.eval_prompts, self.dropped = build_prompt_data(ctx.tokenizer, cfg.data, cfg.trainer.seed)
-        self.reward_fns = build_reward_fns(cfg, ctx.dist.device)
+        self.reward_fns = reward_fns
         self.stream = IndexStream(len(self.train_prompts), cfg.trainer.seed)
         self.rollout, self.timeshare, self.policy = rollout, timeshare, policy
         self.eos = ctx.tokenizer.eos_token_id

@@ -31,6 +31,7 @@ from rltrain.backends import build_engine
 from rltrain.data.ragged import Ragged
 from rltrain.data.sharding import sum_over_replicas
 from rltrain.distributed import global_max
+from rltrain.rewards import build_reward_fns
 from rltrain.rollout import build_rollout
 from rltrain.samples import Sample
 from rltrain.timeshare import TimeSharing
@@ -52,8 +53,10 @@ class RLAlgorithm:
         if self.critic is not None:
             self.critic.max_steps = self.policy.max_steps
         engines = [e for e in (self.policy, self.reference, self.critic) if e is not None]
-        self.timeshare = TimeSharing(engines, self.rollout, ctx.dist.device, cfg.placement.time_sharing)
-        self.collector = ExperienceCollector(ctx, self.rollout, self.timeshare, self.policy)
+        reward_fns = build_reward_fns(cfg, ctx.dist.device)
+        frozen = [rf.device_model for rf in reward_fns if rf.device_model is not None]
+        self.timeshare = TimeSharing(engines, self.rollout, ctx.dist.device, cfg.placement.time_sharing, frozen)
+        self.collector = ExperienceCollector(ctx, self.rollout, self.timeshare, self.policy, reward_fns)
         parity = ParityProbe()
         update = MiniBatchUpdate(
             self.collector.layout, a.mini_batches, a.num_iterations, cfg.trainer.micro_batch_size, cfg.trainer.max_tokens_per_micro_batch

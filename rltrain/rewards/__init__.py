@@ -36,6 +36,9 @@ from rltrain.errors import UserError
 if TYPE_CHECKING:
     import torch
 
+    from rltrain.rewards.model_reward import SequenceClassifierReward
+    from rltrain.timeshare import HostOffloadable
+
 BUILTIN_FOR_TASK = {"addition": "rltrain.rewards.builtin:addition_reward"}
 
 
@@ -46,6 +49,7 @@ class RewardFn:
     fn: Callable
     weight: float
     timeout_s: float | None = None  # None: no limit
+    device_model: HostOffloadable | None = None  # a model it holds on the training device (time sharing moves it)
 
 
 def load_reward_fn(path: str) -> Callable:
@@ -83,11 +87,12 @@ def build_reward_fns(cfg, device: torch.device) -> list[RewardFn]:
     timeout = float(reward_cfg.timeout_s) if reward_cfg.timeout_s else None
     fns = [RewardFn(p.split(":")[-1].split(".")[-1], p, load_reward_fn(p), float(w), timeout) for p, w in zip(paths, weights)]
     if rm.path is not None:
-        fns.append(RewardFn("model", f"reward_model.path={rm.path}", load_reward_model(cfg, device), float(rm.weight), timeout))
+        model = load_reward_model(cfg, device)
+        fns.append(RewardFn("model", f"reward_model.path={rm.path}", model, float(rm.weight), timeout, device_model=model))
     return fns
 
 
-def load_reward_model(cfg, device: torch.device) -> Callable:
+def load_reward_model(cfg, device: torch.device) -> SequenceClassifierReward:
     """The reward model of `reward_model.path` in the run's compute dtype (rewards/model_reward.py)."""
     from rltrain.precision import resolve_precision
     from rltrain.rewards.model_reward import SequenceClassifierReward

@@ -13,6 +13,10 @@ slice of completions in batches of `reward_model.batch_size` texts. Texts longer
 the end of the completion is what must survive. Weights load in the run's compute dtype (fp32 on
 CPU, bf16 under `bf16-mixed` on CUDA); scores are returned in fp32 whatever the dtype.
 
+With time sharing it gives the device up for the rollout engine's turn (`offload`/`onload`,
+rltrain/timeshare.py): rewards are scored after the turn, so it is never needed while the engine
+runs. On CPU there is nowhere else to put it and both are no-ops.
+
 The call runs in the reward-timeout worker thread (a fresh thread per call), and grad mode and the
 current CUDA device are per-thread in torch, so both are set inside the call, not at load time.
 """
@@ -45,6 +49,14 @@ class SequenceClassifierReward:
         # model looks for must be the one the batches are padded with.
         model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model = model.to(self.device).eval().requires_grad_(False)
+
+    def offload(self) -> None:
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+
+    def onload(self) -> None:
+        if self.device.type == "cuda":
+            self.model.to(self.device)
 
     def __call__(self, prompts: list[str], completions: list[str], **_columns: object) -> list[float]:
         texts = [p + c for p, c in zip(prompts, completions, strict=True)]

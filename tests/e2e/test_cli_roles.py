@@ -21,16 +21,25 @@ DPO = ["algo=dpo", "trainer.max_steps=1", "trainer.global_batch_size=8", "traine
 
 
 def test_grpo_adds_the_reward_model_by_weight(tiny_cache, tmp_path):
+    """The reward model is one more weighted reward; with time sharing it leaves the device for
+    the engine's turn (a no-op on CPU, the wiring is real) and no number changes."""
     reward_dir = build_tiny_reward_model_dir(tmp_path / "reward", seed=5, cfg=ModelConfig(**SMALL))
-    run_dir = tmp_path / "run"
-    rltrain("algo=grpo", "rollout=hf", "algo.prompts_per_step=4", "algo.group_size=4", "trainer.max_steps=2", *QUICK,
-            "reward_model=hf", f"reward_model.path={reward_dir}", "reward_model.weight=0.5", run_dir=run_dir, timeout=400)
-    rows = train_rows(run_dir)
-    assert len(rows) == 2
-    for row in rows:
-        assert row["reward/model"] != 0.0
-        total = row["reward/addition_reward"] + 0.5 * row["reward/model"]
-        assert row["reward/mean"] == pytest.approx(total, rel=1e-5, abs=1e-6)
+    runs = {}
+    for sharing in ("false", "true"):
+        run_dir = tmp_path / f"run-{sharing}"
+        rltrain("algo=grpo", "rollout=hf", "algo.prompts_per_step=4", "algo.group_size=4", "trainer.max_steps=2", *QUICK,
+                "reward_model=hf", f"reward_model.path={reward_dir}", "reward_model.weight=0.5",
+                f"placement.time_sharing={sharing}", run_dir=run_dir, timeout=400)
+        runs[sharing] = rows = train_rows(run_dir)
+        assert len(rows) == 2
+        for row in rows:
+            assert row["reward/model"] != 0.0
+            total = row["reward/addition_reward"] + 0.5 * row["reward/model"]
+            assert row["reward/mean"] == pytest.approx(total, rel=1e-5, abs=1e-6)
+    assert "time/phase/offload" in runs["true"][0] and "time/phase/offload" not in runs["false"][0]
+    for on, off in zip(runs["true"], runs["false"], strict=True):
+        for key in ("reward/model", "reward/mean", "loss"):
+            assert on[key] == off[key], key
 
 
 def test_dpo_with_a_reference_path_scores_against_that_model(tiny_cache, tmp_path):

@@ -130,3 +130,23 @@ def test_killed_run_resumes_to_the_uninterrupted_result_on_gpu(tiny_cache, tmp_p
     kill_when(common, run_dir, run_dir / "checkpoints" / "step_00000006", signal.SIGKILL, timeout=300)
     rltrain(*common, run_dir=run_dir)
     assert comparable(read_metrics(run_dir)) == comparable(read_metrics(tmp_path / "whole"))
+
+
+def test_time_sharing_moves_the_reward_model_off_the_gpu(tiny_cache, tmp_path):
+    """With a reward model on the device (the tiny model's shape, fp32), time sharing moves it to
+    the host for the engine's turn together with the trainer's state, and no number changes."""
+    from rltrain.models.tiny_reward import build_tiny_reward_model_dir
+
+    reward_dir = build_tiny_reward_model_dir(tmp_path / "reward", seed=5)
+    reward_mib = sum(f.stat().st_size for f in reward_dir.glob("*.safetensors")) / 2**20
+    common = [*GRPO, "trainer.max_steps=2", "trainer.eval_every=0", "trainer.precision=fp32", *BASE,
+              "reward_model=hf", f"reward_model.path={reward_dir}", "reward_model.weight=0.5"]
+    rltrain(*common, "placement.time_sharing=false", run_dir=tmp_path / "plain")
+    rltrain(*common, "placement.time_sharing=true", run_dir=tmp_path / "shared")
+    plain, shared = train_rows(tmp_path / "plain"), train_rows(tmp_path / "shared")
+    weights_mib = sum(f.stat().st_size for f in (tmp_path / "shared" / "final").glob("*.safetensors")) / 2**20
+    for a, b in zip(plain, shared, strict=True):
+        assert b["reward/model"] == pytest.approx(a["reward/model"], rel=1e-6)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6)
+        dropped = b["mem/train/allocated"] - b["mem/offload/allocated"]
+        assert dropped >= 0.9 * (3 * weights_mib + reward_mib), (dropped, weights_mib, reward_mib, b)

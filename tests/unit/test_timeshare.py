@@ -150,3 +150,32 @@ def test_an_engine_that_keeps_its_weights_is_synced_once_per_export():
         with ts.rollout_turn():
             pass
     assert len(rollout.received) == 1 and ts.synced is None
+
+
+class FrozenModel:
+    """A reward model's offload/onload, recorded."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def offload(self) -> None:
+        self.log.append("offload reward model")
+
+    def onload(self) -> None:
+        self.log.append("onload reward model")
+
+
+def test_a_frozen_model_leaves_the_device_for_the_engines_turn_only():
+    log: list[str] = []
+    policy = Engine(log, "policy", Groups(log, "mp"))
+    ts = TimeSharing([policy], Rollout(log), torch.device("cpu"), True, frozen=[FrozenModel(log)])
+    log.clear()
+    _step(ts, policy, log)
+    assert log == [
+        "offload policy", "teardown mp", "offload reward model", "wake", "generate", "sleep",
+        "recreate mp", "onload policy", "onload reward model", "train", "export policy",
+    ]  # fmt: skip
+    log.clear()
+    off = TimeSharing([policy], Rollout(log), torch.device("cpu"), False, frozen=[FrozenModel(log)])
+    _step(off, policy, log)
+    assert "offload reward model" not in log and "onload reward model" not in log
