@@ -8,6 +8,7 @@ import sys
 
 import pytest
 from cli import ROOT
+from helpers import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.e2e
 def test_bench_gpu_runs_every_workload_on_cpu():
     proc = subprocess.run(
         [sys.executable, "scripts/bench_gpu.py", "--steps", "1", "--warmup", "0", "--batch", "4", "--micro", "2",
-         "--group", "2", "--no-trl"],
+         "--group", "2", "--no-trl", "--port", str(free_port())],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -39,7 +40,7 @@ def test_bench_gpu_prints_trl_beside_every_workload_when_trl_is_importable():
     pytest.importorskip("trl")
     proc = subprocess.run(
         [sys.executable, "scripts/bench_gpu.py", "--steps", "1", "--warmup", "0", "--batch", "4", "--micro", "2",
-         "--group", "2", "--threads", "1"],
+         "--group", "2", "--threads", "1", "--port", str(free_port())],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
