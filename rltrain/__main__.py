@@ -36,6 +36,7 @@ from rltrain.errors import (
     peer_reported,
     stay_quiet_after_peer,
 )
+from rltrain.parent_death import die_with_parent
 from rltrain.sweep import JobOutcome, objective_value, sweep_exit_status
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -215,6 +216,8 @@ def fail(exc: UserError) -> NoReturn:
 
 
 def main() -> None:
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank: SIGKILLed torchrun must not orphan it
+        die_with_parent(os.getppid())
     register_configs()
     hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)(job)()
     if sweep_exit_status():

@@ -1,5 +1,6 @@
 """`trainer.nproc=N` on torch's elastic agent (README, "Failure behaviour"): the ranks are the
-agent's workers with restarts off, none outlives the launcher (even a SIGKILLed one), and Ctrl-C
+agent's workers with restarts off, none outlives the launcher (even a SIGKILLed one, ours or
+torchrun), and Ctrl-C
 stops every rank and leaves a run that the same command resumes. The failure reports (a killed
 rank, a user error on rank 1) are tested in test_safety_cli.py and test_rank_errors.py."""
 
@@ -80,6 +81,50 @@ def test_ranks_are_elastic_workers_and_die_with_a_killed_launcher(tiny_cache, tm
         if launcher.poll() is None:
             launcher.kill()
         for pid in rank_processes(run_dir):
+            os.kill(pid, signal.SIGKILL)
+
+
+def children(pid: int) -> set[int]:
+    """The live child processes of `pid` (a zombie's args are its name in brackets)."""
+    listing = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True, check=True).stdout
+    rows = (line.split(None, 2) for line in listing.splitlines())
+    return {int(row[0]) for row in rows if int(row[1]) == pid and "-m rltrain" in row[2]}
+
+
+def alive(pids: set[int]) -> set[int]:
+    listing = subprocess.run(["ps", "-ww", "-eo", "pid=,stat="], capture_output=True, text=True, check=True).stdout
+    running = {int(pid) for pid, stat in (line.split() for line in listing.splitlines()) if not stat.startswith("Z")}
+    return pids & running
+
+
+def test_torchrun_ranks_die_with_a_killed_torchrun(tiny_cache, tmp_path):
+    """Plain torchrun leaves its workers running when it is SIGKILLed; a rltrain rank asks the
+    kernel to end it with its parent (rltrain.parent_death)."""
+    run_dir = tmp_path / "run"
+    torchrun = Path(sys.executable).parent / "torchrun"
+    args = [a for a in SMALL if not a.startswith("trainer.nproc")]
+    with open(tmp_path / "run.log", "w") as out:
+        agent = subprocess.Popen(
+            [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "rltrain", *args, *QUICK,
+             "trainer.max_steps=100000", f"hydra.run.dir={run_dir}"],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    ranks: set[int] = set()
+    try:
+        beats = [run_dir / "heartbeats" / f"rank-{r}.json" for r in (0, 1)]
+        wait_for(lambda: all(b.exists() for b in beats), "heartbeat of both ranks", agent)
+        ranks = children(agent.pid)
+        assert len(ranks) == 2, ranks
+        agent.kill()  # SIGKILL: torchrun cannot forward it
+        agent.wait()
+        deadline = time.monotonic() + 60
+        while alive(ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert alive(ranks) == set(), "torchrun's ranks outlived it"
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        for pid in alive(ranks):
             os.kill(pid, signal.SIGKILL)
 
 
