@@ -26,6 +26,7 @@ from typing import NoReturn
 import hydra
 from omegaconf import OmegaConf
 
+from rltrain.compose_errors import composition_done, reporting_composition_errors
 from rltrain.config import register_configs
 from rltrain.errors import (
     EXIT_USER_ERROR,
@@ -59,6 +60,7 @@ def job(cfg):
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    composition_done()
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir).resolve()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
@@ -219,7 +221,8 @@ def main() -> None:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank: SIGKILLed torchrun must not orphan it
         die_with_parent(os.getppid())
     register_configs()
-    hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)(job)()
+    with reporting_composition_errors():
+        hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)(job)()
     if sweep_exit_status():
         sys.exit(sweep_exit_status())
 

@@ -13,6 +13,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from rltrain.compose_errors import added_keys
 from rltrain.errors import UserError
 from rltrain.validate_layout import data_parallel_size, validate_megatron_layout
 
@@ -67,6 +68,11 @@ def validate_choices(cfg) -> None:
 
 
 def validate(cfg) -> None:
+    if added := added_keys(cfg):
+        raise UserError(
+            f"unknown config key(s) {', '.join(added)}: rltrain reads no such key, so the value would be ignored. "
+            "Remove the leading '+' and the key's typo (`python -m rltrain --cfg job` prints every key)."
+        )
     validate_choices(cfg)
     positive = ["trainer.max_steps", "trainer.nproc", "trainer.global_batch_size", "trainer.micro_batch_size", "data.max_length"]
     for key in positive:
