@@ -91,7 +91,7 @@ def validate(cfg) -> None:
         )
     validate_megatron_layout(cfg)
     validate_compile(cfg)
-    if cfg.trainer.global_batch_size < data_parallel_size(cfg):
+    if cfg.algo.name in ("sft", "dpo") and cfg.trainer.global_batch_size < data_parallel_size(cfg):  # RL sizes steps by algo.prompts_per_step
         raise UserError(
             f"trainer.global_batch_size={cfg.trainer.global_batch_size} is smaller than the {data_parallel_size(cfg)} "
             "data-parallel ranks: every rank needs at least one example per step. Raise the batch or lower "

@@ -137,3 +137,10 @@ def test_compile_without_a_cpp_compiler_is_refused_before_building(monkeypatch):
     with pytest.raises(UserError, match=r"backend.compile=true needs a C\+\+ compiler.*no-such-compiler-xyz"):
         validate(cfg)
     validate(compose_config("backend=fsdp"))  # off: no compiler needed
+
+
+def test_a_batch_smaller_than_the_ranks_is_refused_where_the_algorithm_reads_it():
+    for algo in ("sft", "dpo"):
+        with pytest.raises(UserError, match=r"trainer\.global_batch_size=1 is smaller than the 2"):
+            validate(_cfg(f"algo={algo}", "trainer.nproc=2", "trainer.global_batch_size=1"))
+    validate(_cfg("algo=grpo", "trainer.nproc=2", "trainer.global_batch_size=1"))  # RL steps are algo.prompts_per_step
