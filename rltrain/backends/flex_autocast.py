@@ -46,8 +46,8 @@ def autocast_flex_attention(
 def switch_to_flex_attention(lm: nn.Module) -> None:
     """Run `lm` with `autocast_flex_attention` (registered in transformers' attention and mask
     registries on first use; registering again replaces the entry with the same function)."""
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import flex_attention_mask
+    from transformers.masking_utils import AttentionMaskInterface, flex_attention_mask
+    from transformers.modeling_utils import AttentionInterface
 
     AttentionInterface.register(AUTOCAST_FLEX_ATTENTION, autocast_flex_attention)
     AttentionMaskInterface.register(AUTOCAST_FLEX_ATTENTION, flex_attention_mask)
