@@ -7,7 +7,9 @@ invariant 4), each timed as `time/phase/<name>` and followed by a memory sample 
 
     offload   drop gradients, move parameters and optimizer state to the host, tear down the
               trainer's process groups (every engine's, each shared set once); frozen models
-              that only sit on the device (a reward model) move to the host too
+              that only sit on the device (a reward model) move to the host too; on GPU the
+              freed memory goes back to the driver (`torch.cuda.empty_cache`), where the rollout
+              engine allocates
     wake      the rollout engine takes its memory back
     sync      the weights exported after the last train phase go into the engine
     generate  rollouts
@@ -76,6 +78,14 @@ def memory_sample(device: torch.device) -> dict[str, float]:
         free, total = torch.cuda.mem_get_info(device)
         return {"": (total - free) / 2**20, "/allocated": torch.cuda.memory_allocated(device) / 2**20}
     return {"": resident_mib()}
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Return the device memory the offloaded tensors held to the driver (GPU). torch's caching
+    allocator keeps freed blocks reserved for torch, and the rollout engine allocates from the
+    driver (vLLM's sleep-mode allocator), so without this the offload would free nothing it can use."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 class HostOffloadable(Protocol):
@@ -168,6 +178,7 @@ class TimeSharing:
                 groups.teardown()
             for model in self.frozen:
                 model.offload()
+            release_cached_memory(self.clock.device)
         with self.clock.phase("wake"):
             self.rollout.wake()
         with self.clock.phase("sync"):

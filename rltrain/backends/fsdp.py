@@ -62,6 +62,7 @@ import torch.distributed as dist
 from rltrain.backends.attention_masks import use_flex_attention
 from rltrain.backends.base import LossFn, PolicyOutput, Scores, scored_output, wrong_scores_error
 from rltrain.backends.compile_layers import compile_decoder_layers
+from rltrain.backends.flex_autocast import switch_to_flex_attention
 from rltrain.backends.fsdp_groups import FSDPGroups, full_parameter
 from rltrain.backends.fsdp_layout import MicroBatchLayout
 from rltrain.backends.hf_scoring import CompletionScorer, CompletionValuer, completion_positions, dummy_batch
@@ -127,8 +128,8 @@ class FSDPEngine:
             self.lm.config, self.pad_id, device, self.sharded, self.moe_info is not None, backend_cfg.padding_free
         )
         flex = self.layout.padding_free and use_flex_attention(self.lm, device)
-        if flex:
-            self.lm.set_attn_implementation("flex_attention")
+        if flex:  # under autocast too (one unsharded rank in bf16-mixed): rltrain.backends.flex_autocast
+            switch_to_flex_attention(self.lm)
         self.scores: Scores = "logps" if value_head_seed is None else "values"
         self.value_head_seed = value_head_seed
         self.scorer: CompletionScorer | CompletionValuer
