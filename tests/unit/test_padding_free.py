@@ -18,6 +18,7 @@ from rltrain.backends.attention_masks import (
     use_flex_attention,
 )
 from rltrain.backends.base import PolicyOutput
+from rltrain.backends.flex_autocast import switch_to_flex_attention
 from rltrain.backends.fsdp_layout import MicroBatchLayout
 from rltrain.backends.hf_scoring import CompletionScorer, completion_positions
 from rltrain.backends.padding_free import padding_free_rectangle
@@ -177,7 +178,7 @@ def test_model_attention_mask_per_implementation(tmp_path):
 
 def test_flex_model_scores_equal_sdpa_scores(tmp_path):
     """The CUDA branch end to end through the model, forward only (CPU flex_attention has no
-    backward): a Qwen2 model switched to flex_attention (transformers' compiled flex call, GQA,
+    backward): a Qwen2 model switched to the engine's flex_attention (transformers' compiled flex call, GQA,
     restarting position ids) and handed BlockMasks scores a padding-free row and shared-prompt rows
     exactly as sdpa with the dense masks does."""
     lm = _lm("qwen2", tmp_path)
@@ -191,7 +192,7 @@ def test_flex_model_scores_equal_sdpa_scores(tmp_path):
             rects, order_N, _ = _layout(lm, padding_free=True)(batch)
             _, _, targets_N = completion_positions(batch)
             want[name] = (rects, order_N, targets_N, sdpa(rects, targets_N, order_N=order_N)[0])
-        lm.set_attn_implementation("flex_attention")
+        switch_to_flex_attention(lm)  # what the engine does on CUDA
         for name, (rects, order_N, targets_N, sdpa_N) in want.items():
             # static shapes per case: inductor's CPU flex template fails to build for a dynamic
             # sequence length (a CPU codegen gap; CUDA has its own template)
