@@ -16,6 +16,7 @@ read by lookup. A plain rectangle carries neither and the model builds its own c
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -54,13 +55,21 @@ def dense_mask_mod(mask_B1TT: torch.Tensor) -> MaskMod:
 
 def block_mask(mask_mod: MaskMod, rows: int, width: int, device: torch.device):
     """The `BlockMask` of `mask_mod` over `rows` rows of `width` tokens, one for every head. On
-    CUDA its construction is compiled (as transformers does), so it is computed block by block; on
-    CPU (the tests) it is evaluated eagerly."""
+    CUDA its construction is compiled (`compiled_create_block_mask`), so it is computed block by
+    block; on CPU (the tests) it is evaluated eagerly."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    return create_block_mask(
-        mask_mod, B=rows, H=None, Q_LEN=width, KV_LEN=width, device=device, _compile=device.type == "cuda"
-    )
+    build = compiled_create_block_mask() if device.type == "cuda" else create_block_mask
+    return build(mask_mod, B=rows, H=None, Q_LEN=width, KV_LEN=width, device=device)
+
+
+@functools.cache
+def compiled_create_block_mask():
+    """`torch.compile(create_block_mask)`, made once (torch's recommended form; its `_compile=True`
+    flag is deprecated)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
 
 
 def use_flex_attention(lm: nn.Module, device: torch.device) -> bool:

@@ -199,3 +199,19 @@ def test_flex_model_scores_equal_sdpa_scores(tmp_path):
             torch._dynamo.reset()
             flex_N = flex(rects, targets_N, order_N=order_N)[0]
             torch.testing.assert_close(flex_N, sdpa_N, rtol=0, atol=1e-5, msg=name)
+
+
+def test_the_compiled_block_mask_builder_cuda_uses_equals_the_eager_one():
+    """CUDA builds BlockMasks with `torch.compile(create_block_mask)`; run here on CPU (inductor)
+    for two lengths (the second compiles with a dynamic length), it gives the eager masks."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from rltrain.backends.attention_masks import compiled_create_block_mask
+
+    for lengths in ([1, 130, 40, 129], [5, 300]):
+        doc_BT = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+        width = doc_BT.shape[1]
+        mask_mod = document_causal_mask_mod(doc_BT)
+        got = compiled_create_block_mask()(mask_mod, B=1, H=None, Q_LEN=width, KV_LEN=width, device=CPU)
+        want = create_block_mask(mask_mod, B=1, H=None, Q_LEN=width, KV_LEN=width, device=CPU)
+        assert torch.equal(got.to_dense(), want.to_dense()) and got.shape == (1, 1, width, width)
