@@ -4,13 +4,18 @@
     .venv/bin/python scripts/bench_gpu.py --model small         # any device: a small model (CPU: fp32)
     .venv/bin/python scripts/bench_gpu.py --only sft --steps 10 --warmup 3
     .venv/bin/python scripts/bench_gpu.py --compile             # decoder layers torch.compile'd (backend.compile)
+    .venv/bin/python scripts/bench_gpu.py --padding-free --max-tokens 16384   # one packed row per ~16k tokens
     PYTHONPATH=<trl dir> .venv/bin/python scripts/bench_gpu.py --model small --steps 2 --warmup 1 --batch 8 --micro 4 --threads 1
 
 The model is built locally with random weights (no download): `--model qwen0.5b` is Qwen2.5-0.5B's
 shape (hidden 896, 24 layers, 14 query / 2 KV heads, intermediate 4864, vocabulary 151,936, tied
 embeddings), `--model small` a ~10M-parameter one. The tokenizer is the character tokenizer of the
 embedded default, and the data synthetic rows of 50-400 prompt + 50-600 completion characters
-(~530 tokens on average), `--batch` rows per optimizer step in micro-batches of `--micro`.
+(~530 tokens on average), `--batch` rows per optimizer step in micro-batches of `--micro`; with
+`--max-tokens N` rltrain's micro-batches are filled in order up to N tokens instead
+(`trainer.max_tokens_per_micro_batch`; with `--padding-free` each is one packed row), while TRL
+keeps `--micro` rows. The loss and the optimizer step are the same either way (losses are
+normalised by the step's counts), only memory and speed change.
 
 What each row times (one optimizer step, after `--warmup` untimed ones):
 - SFT: completion-only NLL, forward + backward + AdamW on the policy engine.
@@ -203,13 +208,17 @@ class Workload:
         from rltrain.algos.dpo import dpo_micro_batches
         from rltrain.data.batch import SequenceBatch
         from rltrain.data.preference_data import PreferencePair
+        from rltrain.data.sharding import micro_batch_count, split_micro_batches
 
         a, eos = self.args, self.tok.eos_token_id
         chunk = rows[k * a.batch : (k + 1) * a.batch]
+        # --max-tokens: rltrain's micro-batches by token budget (trainer.max_tokens_per_micro_batch),
+        # any number of rows; TRL keeps --micro rows
+        rows_per_micro = a.batch if a.max_tokens else a.micro
         if self.name == "dpo":
             pairs = [PreferencePair(encode(self.tok, r["prompt"]), encode(self.tok, r["completion"]) + [eos],
                                     encode(self.tok, r["rejected"]) + [eos]) for r in chunk]
-            micro, _ = dpo_micro_batches(pairs, 0, 1, a.micro)
+            micro, _ = dpo_micro_batches(pairs, 0, 1, rows_per_micro, a.max_tokens)
             return micro
         if self.name == "sft":
             prompts = [encode(self.tok, r["prompt"]) for r in chunk]
@@ -222,7 +231,9 @@ class Workload:
                       "adv": torch.tensor(rollouts.adv_B, device="cpu"), "old_logps": None, "entropy": None,
                       "ref_logps": None, "engine_logps": None, "measure_parity": False}
         batch = SequenceBatch.from_lists(prompts, completions, **extras)
-        return [batch.select(list(range(i, min(i + a.micro, len(batch))))) for i in range(0, len(batch), a.micro)]
+        sizes = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
+        count = micro_batch_count(len(batch), 1, rows_per_micro)
+        return [batch.select(idx) for idx in split_micro_batches(list(range(len(batch))), count, rows_per_micro, sizes, a.max_tokens) if idx]
 
     def _loss(self):
         from types import SimpleNamespace
@@ -434,6 +445,11 @@ def main() -> None:
     parser.add_argument("--no-trl", action="store_true", help="skip TRL even when importable")
     parser.add_argument("--padding-free", action="store_true", help="rltrain's rows with backend.padding_free=true")
     parser.add_argument(
+        "--max-tokens", type=int, default=0,
+        help="rltrain's micro-batches by token budget (trainer.max_tokens_per_micro_batch=N, rows in order, any "
+        "number of them); TRL keeps --micro rows. 0: --micro rows on both sides",
+    )
+    parser.add_argument(
         "--threads", type=int, default=None,
         help="torch intra-op threads, the same for both sides (default: torch's own; on a shared CPU use 1, "
         "as bench_sft.py and bench_dpo.py do)",
@@ -476,7 +492,8 @@ def main() -> None:
     print_table(
         f"{shape} ({device_name}, {precision.name}{', padding-free' if args.padding_free else ''}"
         f"{', torch.compile per layer' if args.compile else ''}), "
-        f"{args.batch} rows/step in micro-batches of {args.micro}, "
+        f"{args.batch} rows/step in micro-batches of "
+        f"{f'<= {args.max_tokens} tokens (TRL: {args.micro} rows)' if args.max_tokens else args.micro}, "
         f"{args.steps} timed steps (+{args.warmup} warm-up), {torch.get_num_threads()} CPU threads",
         ["workload", "tokens/s", "MFU", "peak GiB", "vs TRL"],
         table,
