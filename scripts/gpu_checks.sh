@@ -1,0 +1,53 @@
+#!/bin/bash
+# The GPU checks (README "What ran on a GPU"), in parts that each fit one 10-minute call on the GPU
+# test machine (../shared/gpu/README.md), run from the project root there:
+#
+#   bash .gpu/on-device.sh bash scripts/gpu_checks.sh suite        # make test-gpu, in 4 concurrent streams
+#   bash .gpu/on-device.sh bash scripts/gpu_checks.sh bench        # bench_gpu.py beside TRL (needs its wheel)
+#   bash .gpu/on-device.sh bash scripts/gpu_checks.sh bench-fast   # padding-free, token budget, compile
+#
+# Every test uses a tiny model (or the 0.494B one for a few steps) and most of a test's time is
+# process start-up and Python, so four pytest processes share the one GPU and its 16 cores, each
+# with a temporary directory of its own. One log per stream goes to $OUT when set (the device
+# tool's output folder, which returns at most 8 files), else ./gpu-checks/. The exit status is the
+# first failing stream's.
+set -uo pipefail
+part=${1:?usage: gpu_checks.sh suite|bench|bench-fast}
+out=${OUT:-gpu-checks}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+
+streams=(
+  "command_trains or precomputed or bf16_mixed_tracks"
+  "two_ranks or grpo_on_two or resumes"
+  "time_sharing or half_billion"
+  "not (command_trains or precomputed or bf16_mixed_tracks or two_ranks or grpo_on_two or resumes or time_sharing or half_billion)"
+)
+
+case $part in
+  suite)
+    pids=()
+    for i in "${!streams[@]}"; do
+      $py -m pytest -q -rfE -m gpu --durations=0 -p no:cacheprovider --basetemp "/tmp/gpu-checks-$i" \
+        tests/gpu -k "${streams[$i]}" >"$out/suite-$i.log" 2>&1 &
+      pids+=($!)
+    done
+    status=0
+    for i in "${!pids[@]}"; do
+      wait "${pids[$i]}" || { code=$?; [ $status -eq 0 ] && status=$code; }
+      echo "== stream $i (${streams[$i]}): $(tail -n 1 "$out/suite-$i.log")"
+    done
+    exit $status
+    ;;
+  bench)
+    $py scripts/bench_gpu.py 2>&1 | tee "$out/bench.log"
+    ;;
+  bench-fast)
+    { $py scripts/bench_gpu.py --padding-free --max-tokens 16384 --no-trl &&
+      $py scripts/bench_gpu.py --padding-free --max-tokens 16384 --compile --no-trl; } 2>&1 | tee "$out/bench-fast.log"
+    ;;
+  *)
+    echo "gpu_checks.sh: unknown part '$part'; choose suite, bench or bench-fast" >&2
+    exit 2
+    ;;
+esac
