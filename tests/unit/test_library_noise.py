@@ -1,5 +1,5 @@
 """Library output a user cannot act on stays off the console, and nothing else is hidden
-(rltrain.library_noise; W&B's Weave advert: rltrain.metrics_log.start_wandb)."""
+(rltrain.library_noise, and the megatron backend package for megatron-core)."""
 
 from __future__ import annotations
 
@@ -74,20 +74,35 @@ logging.getLogger("vllm.anything").error("an error still shows")
 """
 
 
-def _import_vllm(quiet: bool) -> str:
-    env = {"VLLM_LOGGING_LEVEL": "ERROR", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-c", IMPORT_VLLM.format(quiet=quiet)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, **env},
-    )
+def _run(code: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stderr
 
 
-def test_importing_vllm_logs_nothing_below_its_level_and_warns_nothing():
-    noisy = _import_vllm(quiet=False)
+def test_importing_vllm_logs_nothing_below_its_level_and_warns_nothing(monkeypatch):
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "ERROR")  # as rltrain.rollout sets it
+    noisy = _run(IMPORT_VLLM.format(quiet=False))
     if "Triton" not in noisy and "reduce_op" not in noisy:
         pytest.skip("this vLLM build logs and warns nothing at import")
-    quiet = _import_vllm(quiet=True)
+    quiet = _run(IMPORT_VLLM.format(quiet=True))
     assert "Triton" not in quiet and "reduce_op" not in quiet, quiet
     assert "an error still shows" in quiet
+
+
+IMPORT_MEGATRON = """
+import logging
+logging.basicConfig(level=logging.INFO)
+if {quiet}:
+    import rltrain.backends.megatron
+import megatron.core.distributed
+logging.getLogger("megatron.core.distributed.fsdp.x").warning("a warning still shows")
+"""
+
+
+def test_the_megatron_backend_keeps_megatron_fsdps_import_lines_off_the_console():
+    assert "Megatron-FSDP" in _run(IMPORT_MEGATRON.format(quiet=False))  # what a run showed
+    quiet = _run(IMPORT_MEGATRON.format(quiet=True))
+    assert "Megatron-FSDP" not in quiet, quiet
+    assert "a warning still shows" in quiet
