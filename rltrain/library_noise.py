@@ -7,7 +7,8 @@ libraries still shows:
 - transformers' "Loading weights" and "Writing model shards" bars: every rank draws one for every
   local checkpoint it reads or writes (policy, reference, final export), in a fraction of a second
   for the tiny model, and `rltrain: model <dir>` already says what is loaded. Hugging Face Hub
-  download bars, which do tell a user something, are left alone.
+  download bars, which do tell a user something, are left alone. (vLLM's own loading bar is off
+  by its engine argument, rltrain.rollout.vllm_args.)
 - vLLM's import-time log lines ("Triton is installed, but doesn't include CPU backend", ...): vLLM
   configures its own logger only when an engine starts, so what it logs while being imported
   reaches the root logger (Hydra's console handler and the run's `<job>.log`) at INFO. The `vllm`
