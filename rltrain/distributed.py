@@ -161,9 +161,15 @@ def global_max(value: float, group: dist.ProcessGroup | None = None) -> float:
     return float(t)
 
 
+# One all-gather into a single tensor. torch 2.13 (the venv's pin) names it `all_gather_single`
+# and warns (FutureWarning, on every rank) at each call of the old name; torch 2.11 (the GPU
+# image) has only the old name.
+_all_gather_single = dist.all_gather_single if hasattr(dist, "all_gather_single") else dist.all_gather_into_tensor
+
+
 def gather_rows(local: torch.Tensor, full_rows: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The full tensor whose dim-0 shards (`torch.chunk` layout, as FSDP2 shards parameters) the
-    ranks of `group` hold, on every rank. One `all_gather_into_tensor` of equal, zero-padded pieces:
+    ranks of `group` hold, on every rank. One all-gather into a single tensor of equal, zero-padded pieces:
     unlike DTensor's `full_tensor` (functional collectives), it runs on gloo with CUDA tensors too,
     which is how several ranks share one GPU."""
     world = dist.get_world_size(group)
@@ -171,7 +177,7 @@ def gather_rows(local: torch.Tensor, full_rows: int, group: dist.ProcessGroup | 
     padded = local.new_zeros((per_rank, *local.shape[1:]))
     padded[: local.shape[0]] = local
     out = local.new_empty((per_rank * world, *local.shape[1:]))
-    dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
+    _all_gather_single(out, padded.contiguous(), group=group)
     return out[:full_rows]
 
 

@@ -82,7 +82,7 @@ class MetricsLogger:
         is_eval = any(k.startswith("eval/") for k in row)
         if self.bar is not None:
             if is_eval:
-                self.bar.write(_format(row))
+                self.bar.write(_format(row, self.max_steps))
             else:
                 self.bar.n = step
                 self.bar.set_postfix(
@@ -91,7 +91,7 @@ class MetricsLogger:
                 self.bar.refresh()
             return
         if is_eval or step % self.log_every == 0 or step == self.max_steps or step == 1:
-            print(_format(row), flush=True)
+            print(_format(row, self.max_steps), flush=True)
 
     def close(self) -> None:
         if not self.is_main:
@@ -100,12 +100,18 @@ class MetricsLogger:
             self.bar.close()
         self.file.close()
         if self.wandb_run is not None:
+            offline_dir = self.wandb_run.settings.sync_dir if self.wandb_run.offline else None
             self.wandb_run.finish()
+            if offline_dir is not None:  # W&B is silent (console="off"), so say where the run went
+                print(f"rltrain: W&B run saved offline in {offline_dir}; upload it with `wandb sync {offline_dir}`",
+                      flush=True)
 
 
-def _format(row: dict[str, Any]) -> str:
+def _format(row: dict[str, Any], max_steps: int) -> str:
+    """One console line; the step is shown out of `max_steps`, so a reader of plain lines (no bar)
+    knows how far the run has come."""
     keys = ["loss", "eval/accuracy", "eval/dpo_accuracy", "reward/mean", "grad_norm", "lr", "tokens_per_s"]
-    parts = [f"step {int(row['step'])}"]
+    parts = [f"step {int(row['step'])}/{max_steps}"]
     for key in keys + sorted(k for k in row if k.startswith("eval/") and k not in keys):
         if key in row and isinstance(row[key], (int, float)):
             parts.append(f"{key} {row[key]:.4g}")
@@ -119,6 +125,9 @@ def start_wandb(cfg, run_dir: Path):
         return None
     if mode == "auto":
         mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    # vLLM imports openai, and W&B then advertises its Weave tracer at init ("Detected [openai] in
+    # use ..."): nothing a training run can act on. W&B's own switch, unless the user set it.
+    os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
     import wandb
 
     id_file = run_dir / "wandb_id.txt"

@@ -23,6 +23,7 @@ from rltrain.algos.base import RunContext
 from rltrain.checkpoint import CheckpointManager, fingerprint, fsync_path
 from rltrain.distributed import DistInfo, barrier, init_distributed
 from rltrain.errors import UserError, report_user_error
+from rltrain.library_noise import quiet_transformers_checkpoint_bars
 from rltrain.metrics_log import MetricsLogger
 from rltrain.models.model_dir import resolve_model_dir
 from rltrain.plot import write_run_plot
@@ -69,6 +70,7 @@ def prepare_model_dir(cfg, dist_info: DistInfo) -> Path:
 def run(cfg, run_dir: Path) -> None:
     from rltrain.models.tokenizer import load_tokenizer
 
+    quiet_transformers_checkpoint_bars()
     dist_info = init_distributed(cfg.safety.collective_timeout_s)
     try:
         configure_threads(cfg, dist_info)
@@ -150,6 +152,8 @@ def train_loop(ctx: RunContext, algo) -> None:
         logger.close()
     if dist_info.is_main:
         write_run_plot(run_dir)  # RUN_DIR/plots.png; a plotting error is only a warning
+        print(f"rltrain: finished step {max_steps}; run directory {run_dir} (metrics.jsonl, final/, plots.png)",
+              flush=True)
 
 
 def export_final(ctx: RunContext, algo) -> None:

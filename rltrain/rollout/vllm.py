@@ -62,6 +62,7 @@ from typing import Any
 import torch
 
 from rltrain.config import VLLMRolloutConfig
+from rltrain.library_noise import quiet_vllm_import
 from rltrain.precision import resolve_precision
 from rltrain.rollout.base import Completion, SamplingSettings, exclusive
 from rltrain.rollout.vllm_args import engine_kwargs, set_vllm_env
@@ -125,6 +126,7 @@ class VLLMRolloutEngine:
         self.cfg = cfg
         self.asleep = False
         set_vllm_env(cfg.kv_cache_gib)
+        quiet_vllm_import()
         from vllm import LLM
         from vllm.platforms import current_platform
 

@@ -34,7 +34,7 @@ def engine_kwargs(
     or an accelerator ("cuda"). Pure, so that the CUDA mapping is tested on CPU.
 
     Both: raw log-probabilities (the trainer's), prefix caching, `max_num_seqs`, `max_model_len`
-    (None: the model's own limit). CPU: the KV cache is `kv_cache_gib`, always eager, no sleep mode
+    (None: the model's own limit), no loading bar. CPU: the KV cache is `kv_cache_gib`, always eager, no sleep mode
     (the CPU build raises on it), one in-process worker. Accelerator: the engine takes
     `gpu_memory_utilization` of the device (weights and KV cache), `tensor_parallel_size`,
     `enforce_eager`, and sleep mode (time sharing)."""
@@ -46,6 +46,7 @@ def engine_kwargs(
         "max_num_seqs": cfg.max_num_seqs,
         "logprobs_mode": "raw_logprobs",
         "enable_prefix_caching": True,
+        "use_tqdm_on_load": False,  # as transformers' loading bars (rltrain.library_noise): `rltrain: model` names it
     }
     if device_type == "cpu":
         if cfg.tensor_parallel_size != 1:

@@ -30,7 +30,7 @@ from rltrain.data.ragged import Ragged
 PACKAGE = Path(__file__).resolve().parents[2] / "rltrain"
 FACTORIES = {"tensor", "zeros", "ones", "full", "empty", "arange", "as_tensor", "randn", "rand"}
 COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "gather", "reduce", "reduce_scatter", "send", "recv",
-               "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all", "scatter"}
+               "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "all_to_all", "scatter"}
 HOST_MEETS_MODEL = ["algos", "evaluation.py", "rewards"]
 
 

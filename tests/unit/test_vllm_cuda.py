@@ -44,6 +44,7 @@ def test_cpu_kwargs_have_no_gpu_settings_and_no_sleep_mode():
         "max_num_seqs": 256,
         "logprobs_mode": "raw_logprobs",
         "enable_prefix_caching": True,
+        "use_tqdm_on_load": False,
         "kv_cache_memory_bytes": 2 * GIB,
         "enforce_eager": True,  # the CPU build always runs eagerly, whatever rollout.enforce_eager says
     }
@@ -59,6 +60,7 @@ def test_cuda_kwargs_carry_every_gpu_setting():
         "max_num_seqs": 256,
         "logprobs_mode": "raw_logprobs",
         "enable_prefix_caching": True,
+        "use_tqdm_on_load": False,
         "gpu_memory_utilization": 0.6,
         "tensor_parallel_size": 2,
         "enforce_eager": True,

@@ -14,10 +14,15 @@ the exact messages (not the whole UserWarning category), so a new megatron warni
   the backend captures no CUDA graphs.
 - "CUDA_DEVICE_MAX_CONNECTIONS": advice for overlapping async TP all-reduces on CUDA streams,
   emitted at every first forward even on CPU; it is a speed hint, not a correctness matter.
+- Megatron-FSDP's INFO lines at import ("Using Megatron-FSDP without Transformer Engine",
+  "Detected Megatron Core, using Megatron-FSDP with Megatron"): `megatron.core.distributed` imports
+  it, this backend does not use it, and Hydra's root logger would print them at INFO. Its logger is
+  set to WARNING, so its warnings still show.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 MEGATRON_NOISE = (
@@ -26,6 +31,7 @@ MEGATRON_NOISE = (
     r"full scope is deprecated",
     r".*CUDA_DEVICE_MAX_CONNECTIONS",
 )
+MEGATRON_FSDP_LOGGER = "megatron.core.distributed.fsdp"
 
 
 def silence_megatron_noise() -> None:
@@ -33,6 +39,7 @@ def silence_megatron_noise() -> None:
     `filterwarnings` moves an identical filter to the front instead of adding a second copy."""
     for message in MEGATRON_NOISE:
         warnings.filterwarnings("ignore", message=message, category=UserWarning, module=r"megatron\.")
+    logging.getLogger(MEGATRON_FSDP_LOGGER).setLevel(logging.WARNING)
 
 
 silence_megatron_noise()
