@@ -70,7 +70,8 @@ def prepare_model_dir(cfg, dist_info: DistInfo) -> Path:
 def run(cfg, run_dir: Path) -> None:
     from rltrain.models.tokenizer import load_tokenizer
 
-    quiet_transformers_checkpoint_bars()
+    if os.environ.get("RANK", "0") != "0" or cfg.model.path is None:  # a user's model: rank 0 shows its load
+        quiet_transformers_checkpoint_bars()
     dist_info = init_distributed(cfg.safety.collective_timeout_s)
     try:
         configure_threads(cfg, dist_info)
