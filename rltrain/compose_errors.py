@@ -113,7 +113,7 @@ def added_keys(cfg) -> list[str]:
             path = f"{prefix}{key}"
             if known is not None and key not in known:
                 found.append(path)
-            elif isinstance(child := node._get_node(key), DictConfig) and not child._is_missing() and not child._is_none():
+            elif not OmegaConf.is_missing(node, key) and isinstance(child := node[key], DictConfig):
                 walk(child, f"{path}.")
 
     walk(cfg, "")

@@ -6,7 +6,9 @@ libraries still shows:
 
 - transformers' "Loading weights" and "Writing model shards" bars: every rank draws one for every
   local checkpoint it reads or writes (policy, reference, final export), in a fraction of a second
-  for the tiny model, and `rltrain: model <dir>` already says what is loaded. Hugging Face Hub
+  for the tiny model, and `rltrain: model <dir>` already says what is loaded. The trainer hides
+  them on every rank but 0, and on rank 0 too for the embedded model; a user's `model.path` can
+  take minutes to load, so rank 0 keeps its bars (rltrain.trainer.run). Hugging Face Hub
   download bars, which do tell a user something, are left alone. (vLLM's own loading bar is off
   by its engine argument, rltrain.rollout.vllm_args.)
 - vLLM's import-time log lines ("Triton is installed, but doesn't include CPU backend", ...): vLLM
