@@ -1,0 +1,7 @@
+"""rltrain: post-training of language models (SFT, DPO, GRPO, PPO) composed from Hydra config.
+
+Entry points: `python -m rltrain` (`__main__`), one spawned rank (`worker`), `python -m rltrain.plot`.
+Packages: `config` (schema, checks), `launch` (processes), `runtime` (a rank's process groups,
+dtypes, errors), `run` (the loop and its outputs), `algos`, `backends`, `rollout`, `sync`, `safety`,
+`data`, `models`, `rewards`. docs/architecture.md walks one GRPO step through them.
+"""

@@ -1,13 +1,13 @@
 """`python -m rltrain [overrides]`: compose the config with Hydra, validate it, launch the ranks.
 
 One rank runs in this process; `trainer.nproc=N` starts N local ranks on torch's elastic agent
-(rltrain.launch); under `torchrun` (one node or several) every process is already a rank and trains
-directly, sharing rank 0's run directory (rltrain.shared_run_dir).
+(rltrain.launch.local); under `torchrun` (one node or several) every process is already a rank and trains
+directly, sharing rank 0's run directory (rltrain.launch.shared_run_dir).
 
 In a multirun (`-m`), a job that fails is reported (its paragraph or traceback as usual) and the
-sweep goes on with the next job: the job returns its outcome (`rltrain.sweep.JobOutcome`, whose
+sweep goes on with the next job: the job returns its outcome (`rltrain.launch.sweep.JobOutcome`, whose
 float is the job's `sweep.objective` for sweepers such as Optuna) instead of exiting, the
-process-global state it left is reset (rltrain.process_state), `rltrain.sweep.SweepSummary` (a
+process-global state it left is reset (rltrain.runtime.process_state), `rltrain.launch.sweep.SweepSummary` (a
 Hydra callback, conf/config.yaml) writes `sweep_summary.csv`, and the process exits with the first
 failed job's exit status once every job has run. Under submitit (`hydra/launcher=slurm` or
 `submitit_local`) a job with several tasks makes each task one rank, with the environment torchrun
@@ -26,9 +26,11 @@ from typing import NoReturn
 import hydra
 from omegaconf import OmegaConf
 
-from rltrain.compose_errors import composition_done, reporting_composition_errors
-from rltrain.config import register_configs
-from rltrain.errors import (
+from rltrain.config.compose_errors import composition_done, reporting_composition_errors
+from rltrain.config.schema import register_configs
+from rltrain.launch.parent_death import die_with_parent
+from rltrain.launch.sweep import JobOutcome, objective_value, sweep_exit_status
+from rltrain.runtime.errors import (
     EXIT_USER_ERROR,
     UserError,
     clear_reports,
@@ -37,8 +39,6 @@ from rltrain.errors import (
     peer_reported,
     stay_quiet_after_peer,
 )
-from rltrain.parent_death import die_with_parent
-from rltrain.sweep import JobOutcome, objective_value, sweep_exit_status
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
@@ -91,7 +91,7 @@ def join_submitit_ranks() -> None:
 def sweep_job(cfg, run_dir: Path) -> JobOutcome:
     """One job of a sweep: never exits; returns its outcome (a row of the sweep summary, and the
     objective a sweeper reads)."""
-    from rltrain.process_state import environment_snapshot, reset_process_state, restore_environment
+    from rltrain.runtime.process_state import environment_snapshot, reset_process_state, restore_environment
 
     env = environment_snapshot()
     try:
@@ -142,7 +142,7 @@ def _first_line(text: str) -> str:
 
 def run_job(cfg, run_dir: Path) -> None:
     """Validate and run one job; raises JobFailed (after printing) when it fails."""
-    from rltrain.validate import validate
+    from rltrain.config.validate import validate
 
     try:
         validate(cfg)
@@ -153,14 +153,14 @@ def run_job(cfg, run_dir: Path) -> None:
         return
     write_config(cfg, run_dir)
     if cfg.trainer.nproc == 1:
-        from rltrain.trainer import run
+        from rltrain.run.trainer import run
 
         try:
             run(cfg, run_dir)
         except UserError as exc:
             fail(exc)
         return
-    from rltrain.launch import run_local
+    from rltrain.launch.local import run_local
 
     result = run_local(run_dir, cfg.trainer.nproc)
     if result.code != 0:
@@ -176,13 +176,13 @@ def write_config(cfg, run_dir: Path) -> None:
 
 def run_torchrun_rank(cfg, own_dir: Path) -> None:
     """Under torchrun each process composed its own run dir; all use rank 0's, which every rank,
-    on every node, must see (rltrain.shared_run_dir).
+    on every node, must see (rltrain.launch.shared_run_dir).
 
     A rank's UserError: the first rank to report it prints its paragraph, naming itself, and every
     rank that raised one exits 2; a rank stopped by a peer's user error exits 1 quietly."""
-    from rltrain.distributed import init_distributed
-    from rltrain.shared_run_dir import agree_on_run_dir
-    from rltrain.trainer import run
+    from rltrain.launch.shared_run_dir import agree_on_run_dir
+    from rltrain.run.trainer import run
+    from rltrain.runtime.distributed import init_distributed
 
     dist_info = init_distributed(cfg.safety.collective_timeout_s)
     if dist_info.is_main:

@@ -1,9 +1,9 @@
-"""Entry point of one rank started by `rltrain.launch`: read the run's config.yaml and train.
+"""Entry point of one rank started by `rltrain.launch.local`: read the run's config.yaml and train.
 
 `python -m rltrain.worker RUN_DIR LAUNCHER_PID`: the rank first asks the kernel to SIGKILL it when
-the launcher dies (rltrain.parent_death), and exits at once if the launcher is already gone.
+the launcher dies (rltrain.launch.parent_death), and exits at once if the launcher is already gone.
 
-A `UserError` is recorded in the run directory (rltrain.errors) and the rank exits 2 without
+A `UserError` is recorded in the run directory (rltrain.runtime.errors) and the rank exits 2 without
 printing: the launcher prints the first rank's paragraph once. A rank that failed because a peer
 reported a user error first exits 1 without a traceback.
 """
@@ -16,12 +16,18 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from rltrain.errors import EXIT_USER_ERROR, UserError, ensure_reported, peer_reported, stay_quiet_after_peer
-from rltrain.parent_death import die_with_parent
+from rltrain.launch.parent_death import die_with_parent
+from rltrain.runtime.errors import (
+    EXIT_USER_ERROR,
+    UserError,
+    ensure_reported,
+    peer_reported,
+    stay_quiet_after_peer,
+)
 
 
 def load_run_config(run_dir: Path):
-    from rltrain.config import Config
+    from rltrain.config.schema import Config
 
     return OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / "config.yaml"))
 
@@ -31,7 +37,7 @@ def main(argv: list[str]) -> int:
     die_with_parent(launcher_pid)
     rank = int(os.environ.get("RANK", "0"))
     cfg = load_run_config(run_dir)
-    from rltrain.trainer import run
+    from rltrain.run.trainer import run
 
     try:
         run(cfg, run_dir)

@@ -28,7 +28,7 @@ THREADS_HELP = (
 
 def bench_model_dir(cache: Path) -> Path:
     """The ~10M-parameter model every benchmark uses (head size 32, as vLLM's CPU attention needs)."""
-    from rltrain.config import ModelConfig
+    from rltrain.config.schema import ModelConfig
     from rltrain.models.tiny import build_tiny_model_dir
 
     cfg = ModelConfig(

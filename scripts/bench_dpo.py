@@ -7,13 +7,13 @@ sampler is sequential), sigmoid loss with beta 0.1, an online reference forward 
 sides (no precomputed reference log-probabilities), fp32 on CPU. TRL runs through its normal
 `DPOTrainer(...).train()` API with an explicit `ref_model` and its default padding. Our side is
 `rltrain.algos.dpo` (`dpo_micro_batches`, `attach_reference`, `make_dpo_loss`) on
-`rltrain.backends.fsdp.FSDPEngine`, one rank over gloo; the timed step includes the reference
+`rltrain.backends.fsdp.engine.FSDPEngine`, one rank over gloo; the timed step includes the reference
 forward.
 
 Tokens/s counts the tokens of each step's sequences, the same number for both sides: 2 x prompt +
 chosen + rejected per pair (the reference forward is not counted again). That is the work asked
 for, not what each side feeds its model: rltrain packs a pair's prompt, chosen and rejected into
-one row and computes the prompt once (rltrain/backends/shared_prefix.py; `--ablate-packing` shows
+one row and computes the prompt once (rltrain/backends/fsdp/shared_prefix.py; `--ablate-packing` shows
 what that buys), TRL pads chosen and rejected each with its own copy of the prompt. Steps are interleaved (rltrain's step k runs
 right after TRL's step k, from a TRL callback outside TRL's timed region) because the CPU is
 shared with other jobs; the per-step ratio on the same batch is printed too.
@@ -74,8 +74,8 @@ class RltrainDPO:
         buckets: bool = True, packing: bool = True,
     ) -> None:
         from rltrain.algos.dpo import attach_reference, dpo_micro_batches, make_dpo_loss
-        from rltrain.backends.fsdp import FSDPEngine
-        from rltrain.config import FSDPBackendConfig, OptimConfig
+        from rltrain.backends.fsdp.engine import FSDPEngine
+        from rltrain.config.schema import FSDPBackendConfig, OptimConfig
         from rltrain.data.preference_data import PreferencePair
         from rltrain.models.tokenizer import load_tokenizer
 

@@ -185,8 +185,8 @@ class Workload:
     def __init__(self, name: str, model_dir: Path, rows: list[dict[str, str]], args, device: torch.device) -> None:
         from transformers import AutoConfig
 
-        from rltrain.backends.fsdp import FSDPEngine
-        from rltrain.config import FSDPBackendConfig, OptimConfig
+        from rltrain.backends.fsdp.engine import FSDPEngine
+        from rltrain.config.schema import FSDPBackendConfig, OptimConfig
         from rltrain.models.tokenizer import load_tokenizer
 
         self.name, self.args, self.device = name, args, device
@@ -457,7 +457,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=29541)
     parser.add_argument("--compile", action="store_true", help="backend.compile=true: torch.compile each decoder layer")
     args = parser.parse_args()
-    from rltrain.precision import resolve_precision
+    from rltrain.runtime.precision import resolve_precision
 
     names = args.only.split(",")
     with_trl = not args.no_trl and trl_available()

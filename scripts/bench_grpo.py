@@ -54,7 +54,7 @@ StepRow = dict[str, float]
 
 def tiny_model_dir(cache: Path) -> Path:
     """The embedded default model (rltrain's ModelConfig defaults), built once into `cache`."""
-    from rltrain.config import ModelConfig
+    from rltrain.config.schema import ModelConfig
     from rltrain.models.tiny import build_tiny_model_dir
 
     return build_tiny_model_dir(ModelConfig(cache_dir=str(cache)), seed=0)
@@ -62,7 +62,7 @@ def tiny_model_dir(cache: Path) -> Path:
 
 def prompt_stream(model_dir: Path, total_steps: int) -> list[dict[str, str]]:
     """The prompts rltrain's GRPO samples, step by step (same split, same seeded stream)."""
-    from rltrain.config import DataConfig
+    from rltrain.config.schema import DataConfig
     from rltrain.data.prompt_data import build_prompt_data
     from rltrain.data.sampler import IndexStream
     from rltrain.models.tokenizer import load_tokenizer

@@ -68,8 +68,8 @@ class RltrainSFT:
         self, model_dir: Path, rows: list[dict[str, str]], batch: int, total_steps: int, buckets: bool = True
     ) -> None:
         from rltrain.algos.sft import sft_loss
-        from rltrain.backends.fsdp import FSDPEngine
-        from rltrain.config import FSDPBackendConfig, OptimConfig
+        from rltrain.backends.fsdp.engine import FSDPEngine
+        from rltrain.config.schema import FSDPBackendConfig, OptimConfig
         from rltrain.data.batch import SequenceBatch
         from rltrain.models.tokenizer import load_tokenizer
 

@@ -103,7 +103,7 @@ def compose_config(*overrides: str):
     from hydra import compose, initialize_config_dir
 
     from rltrain.__main__ import CONF_DIR
-    from rltrain.config import register_configs
+    from rltrain.config.schema import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):

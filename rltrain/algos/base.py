@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from rltrain.distributed import DistInfo
-from rltrain.samples import Sample
+from rltrain.run.samples import Sample
+from rltrain.runtime.distributed import DistInfo
 
 
 @dataclass
 class RunContext:
-    cfg: Any  # the composed Config (an OmegaConf node typed by rltrain.config.Config)
+    cfg: Any  # the composed Config (an OmegaConf node typed by rltrain.config.schema.Config)
     run_dir: Path
     dist: DistInfo
     model_dir: Path  # the policy's initial weights

@@ -32,8 +32,8 @@ from rltrain.data.batch import SequenceBatch
 from rltrain.data.preference_data import PreferencePair, build_preference_data
 from rltrain.data.sampler import IndexStream
 from rltrain.data.sharding import micro_batch_count, rank_slice, split_micro_batches, sum_over_replicas
-from rltrain.evaluation import GreedyEvaluator
-from rltrain.precision import resolve_precision
+from rltrain.run.evaluation import GreedyEvaluator
+from rltrain.runtime.precision import resolve_precision
 
 REF_FILE = "ref_logps.safetensors"
 

@@ -26,8 +26,8 @@ from rltrain.data.sharding import rank_slice, sum_over_replicas
 from rltrain.rewards import RewardFn, score
 from rltrain.rollout.base import Completion, RolloutEngine, SamplingSettings
 from rltrain.rollout.share import replica_leader, share_completions
-from rltrain.samples import Sample, first_samples
-from rltrain.timeshare import TimeSharing
+from rltrain.run.samples import Sample, first_samples
+from rltrain.sync.timeshare import TimeSharing
 
 
 class BatchLayout:

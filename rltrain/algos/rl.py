@@ -10,7 +10,7 @@ scoring of the policy *is* its training pass (same weights, before the update), 
 forward. The rollout engine's sampling log-probabilities are compared with the trainer's
 (`rollout/logprob_diff_*`) and drive the optional rollout correction (rltrain/algos/rollout_correction.py).
 With `placement.time_sharing=true` the trainer's engines and the rollout engine take turns
-(rltrain/timeshare.py).
+(rltrain/sync/timeshare.py).
 
 Subclasses say what they need (`needs_reference`, `needs_old_logps_first`, `uses_critic`) and
 implement `advantages`; they never touch the data, the rollout engine or the mini-batch loop.
@@ -30,11 +30,11 @@ from rltrain.algos.rl_update import Learner, MiniBatchUpdate, ParityProbe, make_
 from rltrain.backends import build_engine
 from rltrain.data.ragged import Ragged
 from rltrain.data.sharding import sum_over_replicas
-from rltrain.distributed import global_max
 from rltrain.rewards import build_reward_fns
 from rltrain.rollout import build_rollout
-from rltrain.samples import Sample
-from rltrain.timeshare import TimeSharing
+from rltrain.run.samples import Sample
+from rltrain.runtime.distributed import global_max
+from rltrain.sync.timeshare import TimeSharing
 
 
 class RLAlgorithm:

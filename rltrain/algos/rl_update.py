@@ -23,7 +23,7 @@ from rltrain.backends.base import LossFn, PolicyOutput, TrainEngine
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged, on_device
 from rltrain.data.sharding import split_micro_batches, sum_over_replicas
-from rltrain.distributed import global_max
+from rltrain.runtime.distributed import global_max
 
 
 class ParityProbe:

@@ -20,8 +20,8 @@ from rltrain.data.batch import SequenceBatch
 from rltrain.data.sampler import IndexStream
 from rltrain.data.sft_data import build_sft_data
 from rltrain.data.sharding import micro_batch_count, rank_slice, split_micro_batches
-from rltrain.evaluation import GreedyEvaluator
-from rltrain.precision import resolve_precision
+from rltrain.run.evaluation import GreedyEvaluator
+from rltrain.runtime.precision import resolve_precision
 
 
 def sft_loss(output: PolicyOutput, batch: SequenceBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -1,23 +1,28 @@
-"""Lazy registry of training backends: `backend=fsdp` never imports megatron, and vice versa."""
+"""Training backends behind one protocol (`base.TrainEngine`): Hugging Face + FSDP2 (`fsdp/`) and
+megatron-core (`megatron/`), with what both share (roles, LR schedule, value head, chunked head,
+optimizer-state offload). The registry below is lazy: `backend=fsdp` never imports megatron.
+docs/backends.md compares the two.
+"""
 
 from __future__ import annotations
 
 import importlib
-from typing import Any, Literal
+from typing import TYPE_CHECKING, cast
 
-# policy: trainable, from `model.path`; reference: frozen; critic: trainable, a scalar value head on
-# the policy's (or `critic.path`'s) transformer.
-Role = Literal["policy", "reference", "critic"]
-ROLES = ("policy", "reference", "critic")
+from rltrain.backends.base import TrainEngine
+from rltrain.backends.roles import ROLES, Role
+
+if TYPE_CHECKING:
+    from rltrain.algos.base import RunContext
 
 BACKENDS = {
-    "fsdp": "rltrain.backends.fsdp:build_engine",
+    "fsdp": "rltrain.backends.fsdp.engine:build_engine",
     "megatron": "rltrain.backends.megatron.engine:build_engine",
 }
 
 
-def build_engine(ctx: Any, role: Role) -> Any:
-    """The configured backend's engine for one role of the run (see `Role`); its weights come
+def build_engine(ctx: RunContext, role: Role) -> TrainEngine:
+    """The configured backend's engine for one role of the run (`roles.Role`); its weights come
     from `ctx.model_dir_for(role)`."""
     if role not in ROLES:
         raise ValueError(f"engine role {role!r} is unknown; choose one of {ROLES}")
@@ -25,4 +30,4 @@ def build_engine(ctx: Any, role: Role) -> Any:
     if name not in BACKENDS:
         raise ValueError(f"backend={name!r} is unknown; choose one of {sorted(BACKENDS)}")
     module_name, fn_name = BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module_name), fn_name)(ctx, role)
+    return cast(TrainEngine, getattr(importlib.import_module(module_name), fn_name)(ctx, role))

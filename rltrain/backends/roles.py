@@ -1,19 +1,86 @@
-"""What each role's engine is built from (rltrain.backends.Role), the same on every backend.
+"""The roles of a run and where each one's engine comes from: one module for all of it.
 
-- policy: `model.path`'s weights (`ctx.model_dir_for`), trainable with `optim`, the LM head.
-- reference: frozen, the LM head.
-- critic: `ctx.model_dir_for("critic")` (the policy's weights unless `critic.path` names another
-  model), a fresh scalar value head seeded by `trainer.seed` (rltrain.backends.value_head), and its
-  own AdamW: `optim`'s settings with `critic.lr` as the learning rate.
+- policy: trainable, `model.path`'s weights, the LM head, `optim`.
+- reference: frozen, the LM head; `reference.path` or the policy's initial weights.
+- critic: `critic.path` or the policy's weights, a fresh scalar value head seeded by `trainer.seed`
+  (rltrain.backends.value_head), its own AdamW (`optim` with `critic.lr`).
+
+A model given for the reference or critic scores the policy's token ids, so it must share the
+policy's tokenizer (vocabulary, special tokens, splitting): checked on every rank once the policy's
+directory exists, and refused with a message naming both directories. The reward model is not a
+role of this kind: it reads decoded text with its own tokenizer. docs/roles.md has the long story.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from omegaconf import OmegaConf
+
+from rltrain.runtime.errors import UserError
+
+Role = Literal["policy", "reference", "critic"]
+ROLES: tuple[Role, ...] = ("policy", "reference", "critic")
+
+# Text whose split into tokens must agree: letters, digits, punctuation, spaces and a newline, so
+# that tokenizers with one vocabulary but different normalisation or merges are told apart.
+PROBE_TEXT = "Q: 12+34=? A: 46.\n  The quick brown fox, jumps over (the) lazy dog!"
+
+
+def resolve_role_dirs(cfg: Any, policy_dir: Path, policy_tokenizer: Any, rank: int) -> dict[str, Path]:
+    """The directory of every role given a path of its own, each checked to be readable on this
+    rank and to share the policy's tokenizer."""
+    paths = {"reference": ("reference.path", cfg.reference.path), "critic": ("critic.path", cfg.critic.path)}
+    dirs: dict[str, Path] = {}
+    for role, (key, value) in paths.items():
+        if value is None:
+            continue
+        directory = Path(value).expanduser().resolve()
+        if not (directory / "config.json").is_file():
+            raise UserError(
+                f"{key}={value!r} has no config.json on rank {rank}: every rank reads the {role}'s model "
+                "itself. Put the directory where every machine of the run can read it (a shared filesystem), "
+                "or copy it to the same path on each."
+            )
+        check_same_tokenizer(key, directory, policy_dir, policy_tokenizer)
+        dirs[role] = directory
+    return dirs
+
+
+def check_same_tokenizer(key: str, role_dir: Path, policy_dir: Path, policy_tokenizer: Any) -> None:
+    """UserError naming both directories unless the tokenizer at `role_dir` is the policy's."""
+    from rltrain.models.tokenizer import load_tokenizer
+
+    role_tokenizer = load_tokenizer(role_dir)
+    difference = tokenizer_difference(policy_tokenizer, role_tokenizer)
+    if difference:
+        raise UserError(
+            f"{key}={str(role_dir)!r} has a different tokenizer from the policy's ({policy_dir}): {difference}. "
+            f"The {key.split('.')[0]} scores the policy's token ids, so both must use one tokenizer. Point {key} "
+            "at a model trained with the policy's tokenizer, or leave it null to start from the policy's weights."
+        )
+
+
+def tokenizer_difference(policy: Any, other: Any) -> str:
+    """What differs between two tokenizers, in words; "" when they are the same."""
+    vocab_p, vocab_o = policy.get_vocab(), other.get_vocab()
+    if vocab_p != vocab_o:
+        if len(vocab_p) != len(vocab_o):
+            return f"the vocabularies have {len(vocab_p)} and {len(vocab_o)} tokens"
+        moved = sorted(tok for tok in vocab_p if vocab_o.get(tok) != vocab_p[tok])
+        sample = ", ".join(f"{tok!r} is {vocab_p[tok]} vs {vocab_o.get(tok)}" for tok in moved[:3])
+        return f"{len(moved)} tokens have other ids or are missing ({sample})"
+    specials_p, specials_o = policy.special_tokens_map, other.special_tokens_map
+    if specials_p != specials_o:
+        names = sorted(k for k in set(specials_p) | set(specials_o) if specials_p.get(k) != specials_o.get(k))
+        detail = "; ".join(f"{name}: {specials_p.get(name)!r} vs {specials_o.get(name)!r}" for name in names)
+        return f"the special tokens differ ({detail})"
+    ids_p, ids_o = policy.encode(PROBE_TEXT), other.encode(PROBE_TEXT)
+    if ids_p != ids_o:
+        return f"the same text splits into different tokens ({PROBE_TEXT!r}: {len(ids_p)} vs {len(ids_o)} tokens)"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -32,4 +99,4 @@ def role_build(ctx: Any, role: str) -> RoleBuild:
         return RoleBuild(model_dir, None, None)
     if role == "critic":
         return RoleBuild(model_dir, OmegaConf.merge(cfg.optim, {"lr": float(cfg.critic.lr)}), int(cfg.trainer.seed))
-    raise ValueError(f"engine role {role!r} is unknown; choose one of policy, reference, critic")
+    raise ValueError(f"engine role {role!r} is unknown; choose one of {ROLES}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rltrain.errors import UserError
+from rltrain.runtime.errors import UserError
 
 
 def load_rows_dataset(path: str, split: str):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from rltrain.data import tasks
 from rltrain.data.loading import load_rows_dataset, require_columns
 from rltrain.data.tokenize import OverlongStats, check_messages, encode, fit_length
-from rltrain.errors import UserError
+from rltrain.runtime.errors import UserError
 
 
 @dataclass

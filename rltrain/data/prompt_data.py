@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from rltrain.data import tasks
 from rltrain.data.loading import load_rows_dataset, require_columns
 from rltrain.data.tokenize import check_messages, encode
-from rltrain.errors import UserError
+from rltrain.runtime.errors import UserError
 
 
 @dataclass

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from rltrain.data import tasks
 from rltrain.data.loading import load_rows_dataset, require_columns
 from rltrain.data.tokenize import OverlongStats, TokenizedPair, encode, fit_length, render_messages
-from rltrain.errors import UserError
+from rltrain.runtime.errors import UserError
 
 
 @dataclass

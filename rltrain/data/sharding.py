@@ -10,7 +10,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from rltrain.distributed import all_reduce_sum, global_max
+from rltrain.runtime.distributed import all_reduce_sum, global_max
 
 T = TypeVar("T")
 

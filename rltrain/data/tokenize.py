@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rltrain.errors import UserError
+from rltrain.runtime.errors import UserError
 
 
 @dataclass

@@ -1,14 +1,14 @@
 """Which Hugging Face directory a run loads: `model.path`, the SFT'd tiny model, or the tiny model.
 
 One place decides, so every rank (rank 0 builds, the others read the cache afterwards:
-rltrain/trainer.py prepare_model_dir) resolves the same directory.
+rltrain/run/trainer.py prepare_model_dir) resolves the same directory.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from rltrain.config import DataConfig, ModelConfig, TrainerConfig
+from rltrain.config.schema import DataConfig, ModelConfig, TrainerConfig
 from rltrain.models.tiny import build_tiny_model_dir
 from rltrain.models.tiny_sft import build_sft_model_dir
 

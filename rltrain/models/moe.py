@@ -110,5 +110,5 @@ def load_balancing_loss(
     fn = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
     if fn is None:
         raise NotImplementedError(f"{type(model).__name__} has no load_balancing_loss_func; set output_router_logits=false")
-    # fp32 whatever the compute dtype (rltrain.precision): a loss, like the log-probabilities
+    # fp32 whatever the compute dtype (rltrain.runtime.precision): a loss, like the log-probabilities
     return fn(tuple(r.float() for r in router_logits), info.num_experts, info.top_k, mask_BT)

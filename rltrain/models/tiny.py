@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from rltrain.config import ModelConfig
+from rltrain.config.schema import ModelConfig
 from rltrain.models.tokenizer import build_char_tokenizer, padded_vocab_size
 
 DEFAULT_CACHE = Path(os.environ.get("RLTRAIN_CACHE", Path.home() / ".cache" / "rltrain"))
@@ -43,7 +43,7 @@ def hf_config_for(cfg: ModelConfig, vocab_size: int, eos_token_id: int, pad_toke
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         bos_token_id=bos_token_id,
-        torch_dtype="float32",  # stored in fp32 whatever the run's precision (rltrain.precision)
+        torch_dtype="float32",  # stored in fp32 whatever the run's precision (rltrain.runtime.precision)
     )
     if cfg.arch == "qwen2":
         config = Qwen2Config(**common)

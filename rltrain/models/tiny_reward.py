@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from rltrain.config import ModelConfig
+from rltrain.config.schema import ModelConfig
 from rltrain.models.tiny import hf_config_for
 from rltrain.models.tokenizer import build_char_tokenizer, padded_vocab_size
 

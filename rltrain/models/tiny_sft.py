@@ -27,13 +27,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from rltrain.config import DataConfig, ModelConfig, TrainerConfig
-from rltrain.errors import UserError
+from rltrain.config.schema import DataConfig, ModelConfig, TrainerConfig
 from rltrain.models.tiny import build_tiny_model_dir, publish_directory
+from rltrain.runtime.errors import UserError
 
 # Variables a rank inherits from its launcher (torch.distributed, torchrun/elastic): the child must
 # build a world of its own, not join (or wait for) the parent's.
-# (A single-rank run sets MASTER_ADDR/MASTER_PORT for itself too: rltrain/distributed.py.)
+# (A single-rank run sets MASTER_ADDR/MASTER_PORT for itself too: rltrain/runtime/distributed.py.)
 LAUNCHER_ENV_PREFIX = "TORCHELASTIC_"
 LAUNCHER_ENV_NAMES = {
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",

@@ -31,13 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rltrain.errors import UserError
+from rltrain.runtime.errors import UserError
 
 if TYPE_CHECKING:
     import torch
 
     from rltrain.rewards.model_reward import SequenceClassifierReward
-    from rltrain.timeshare import HostOffloadable
+    from rltrain.sync.timeshare import HostOffloadable
 
 BUILTIN_FOR_TASK = {"addition": "rltrain.rewards.builtin:addition_reward"}
 
@@ -94,8 +94,8 @@ def build_reward_fns(cfg, device: torch.device) -> list[RewardFn]:
 
 def load_reward_model(cfg, device: torch.device) -> SequenceClassifierReward:
     """The reward model of `reward_model.path` in the run's compute dtype (rewards/model_reward.py)."""
-    from rltrain.precision import resolve_precision
     from rltrain.rewards.model_reward import SequenceClassifierReward
+    from rltrain.runtime.precision import resolve_precision
 
     rm = cfg.reward_model
     dtype = resolve_precision(cfg.trainer.precision, device).compute_dtype

@@ -1,7 +1,7 @@
 """The reward model: a Hugging Face sequence classifier scoring prompt + completion.
 
 `reward_model=hf reward_model.path=DIR` loads `AutoModelForSequenceClassification` (one output,
-`num_labels=1`, checked in rltrain/validate.py) and its own tokenizer from DIR, so it need not share
+`num_labels=1`, checked in rltrain/config/validate.py) and its own tokenizer from DIR, so it need not share
 the policy's tokenizer: it reads the decoded text `prompt + completion`, as a reward function does.
 It is one more reward function (`RewardFn` named `model`, weight `reward_model.weight`), so the total
 reward, the `reward/model` metric, the empty-slice rule and the `reward.timeout_s` bound are those of
@@ -14,7 +14,7 @@ the end of the completion is what must survive. Weights load in the run's comput
 CPU, bf16 under `bf16-mixed` on CUDA); scores are returned in fp32 whatever the dtype.
 
 With time sharing it gives the device up for the rollout engine's turn (`offload`/`onload`,
-rltrain/timeshare.py): rewards are scored after the turn, so it is never needed while the engine
+rltrain/sync/timeshare.py): rewards are scored after the turn, so it is never needed while the engine
 runs. On CPU there is nowhere else to put it and both are no-ops.
 
 The call runs in the reward-timeout worker thread (a fresh thread per call), and grad mode and the

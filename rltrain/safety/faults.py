@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rltrain.errors import UserError
+from rltrain.runtime.errors import UserError
 
 KINDS = ("loss_error", "device_error", "backward_error", "nan_grad", "kill", "rollout_dead")
 

@@ -7,7 +7,7 @@ rank, that rank must still run a backward, through a loss that is zero and is bu
 model's *outputs*: then every trainable parameter receives a (zero) gradient, every backward hook
 fires and every collective is matched. A zero anchored on one parameter, or a detached zero, is
 wrong: only that parameter gets a gradient, FSDP2 reduce-scatters only parameters that have one,
-and the ranks fall out of step (tests/dist/test_safety_guard.py shows it).
+and the ranks fall out of step (tests/dist/safety/test_safety_guard.py shows it).
 
 Whether a zero backward is still owed is decided by an explicit state per micro-batch
 (`Phase`), never by guessing:

@@ -12,7 +12,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from rltrain.distributed import control_device
+from rltrain.runtime.distributed import control_device
 
 
 class MetricKeyMismatch(RuntimeError):

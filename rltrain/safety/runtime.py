@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rltrain.errors import peer_reported
+from rltrain.runtime.errors import peer_reported
 from rltrain.safety import faults
 from rltrain.safety.error_kinds import is_collective_failure
 from rltrain.safety.health import HealthServer

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rltrain.distributed import all_ranks_agree
+from rltrain.runtime.distributed import all_ranks_agree
 
 
 @dataclass

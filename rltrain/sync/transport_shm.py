@@ -36,7 +36,7 @@ import stat
 
 import torch
 
-from rltrain.errors import UserError
+from rltrain.runtime.errors import UserError
 from rltrain.sync.transport_wire import ProtocolError
 
 SEGMENT_PREFIX = "rltrain-w-"  # the brief name a segment has in /dev/shm while being created

@@ -4,7 +4,7 @@ Each case is a real `python -m rltrain ...` that must stop before training: a co
 validation (no model is built), a data fault while the data loads (before the engine is built).
 Other classes have their own tests: a missing data file or column, an empty dataset and an
 overlong row (test_cli_data.py), a broken reward function (test_cli_grpo.py), megatron layouts
-(test_megatron_cli.py). Every enum-like key is checked in tests/unit/test_validate_choices.py.
+(test_megatron_cli.py). Every enum-like key is checked in tests/unit/config/test_validate_choices.py.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def test_critic_warmup_and_the_kl_in_the_reward(tiny_cache, tmp_path):
 def test_ppo_on_a_model_data_and_reward_of_the_users(tiny_cache, tmp_path):
     """A model directory of another architecture (Llama, untied, no attention biases) given by
     `model.path`, a user's prompts and a user's reward function, with the default vLLM engine."""
-    from rltrain.config import ModelConfig
+    from rltrain.config.schema import ModelConfig
     from rltrain.models.tiny import build_tiny_model_dir
 
     model_dir = build_tiny_model_dir(

@@ -9,7 +9,7 @@ import math
 import pytest
 from cli import QUICK, rltrain, train_rows
 
-from rltrain.config import ModelConfig
+from rltrain.config.schema import ModelConfig
 from rltrain.models.tiny import build_tiny_model_dir
 from rltrain.models.tiny_reward import build_tiny_reward_model_dir
 from rltrain.models.tokenizer import build_char_tokenizer

@@ -1,7 +1,7 @@
 """What a user reads on the console of a real run: GRPO with the vLLM engine on 2 FSDP ranks and W&B
 offline. One line per logged step, out of the total, from rank 0 only; a closing line naming the run
 directory and one naming the offline W&B run; and none of the library output a user cannot act on
-(rltrain.library_noise, W&B's Weave advert, torch's all_gather_into_tensor deprecation)."""
+(rltrain.runtime.library_noise, W&B's Weave advert, torch's all_gather_into_tensor deprecation)."""
 
 from __future__ import annotations
 

@@ -112,7 +112,7 @@ def test_killed_megatron_run_resumes_to_the_uninterrupted_result(megatron_tp2_sf
 
 def test_dpo_on_megatron_data_parallel(tiny_cache, tmp_path):
     """tp = pp = 1 on 2 ranks: two data-parallel replicas, each with its own share of the pairs
-    (DPO at pp=2 against a plain computation is tests/dist/test_dpo_ragged.py)."""
+    (DPO at pp=2 against a plain computation is tests/dist/algos/test_dpo_ragged.py)."""
     run_dir = tmp_path / "run"
     rltrain("algo=dpo", "backend=megatron", "trainer.nproc=2", "trainer.max_steps=2", "trainer.global_batch_size=8",
             "trainer.micro_batch_size=4", "data.num_eval=8", *QUICK, run_dir=run_dir)

@@ -1,6 +1,6 @@
 """Failure behaviour of real 2-rank `backend=megatron` runs, driven by `debug.fault` (issue 6).
 
-The exact weight comparisons live in tests/dist/test_safety_megatron.py; these runs prove the
+The exact weight comparisons live in tests/dist/safety/test_safety_megatron.py; these runs prove the
 wiring from the command line: recover mode completes under pp=2 and tp=2 with the errors counted
 once, a NaN gradient skips the step without advancing the LR, and fail-fast stops every rank.
 """

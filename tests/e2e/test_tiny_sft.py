@@ -14,7 +14,7 @@ import sys
 import pytest
 from cli import read_metrics, rltrain
 
-from rltrain.config import DataConfig, ModelConfig, TrainerConfig
+from rltrain.config.schema import DataConfig, ModelConfig, TrainerConfig
 from rltrain.models import tiny_sft
 
 pytestmark = pytest.mark.e2e

@@ -1,5 +1,5 @@
 """`trainer.precision` and `model.gradient_checkpointing` on CUDA: the checks of
-tests/dist/test_engine_precision.py (bf16 matmuls over fp32 weights, gradients and AdamW state in
+tests/dist/backends/test_engine_precision.py (bf16 matmuls over fp32 weights, gradients and AdamW state in
 `bf16-mixed`, fp32 log-probabilities and loss, checkpointing changes no number) with the engines
 on the GPU. FSDP on one rank (autocast on CUDA), on two ranks sharing the GPU over gloo (sharded
 start-up from the meta device with CUDA shards, `MixedPrecisionPolicy`), and megatron on one rank
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import run_ranks
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist" / "backends"))
 import test_engine_precision as cpu_suite  # noqa: E402 - the shared worker and checks (spawned ranks import it too)
 
 pytestmark = pytest.mark.gpu

@@ -20,7 +20,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from rltrain.__main__ import CONF_DIR
-from rltrain.config import register_configs
+from rltrain.config.schema import register_configs
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -216,7 +216,7 @@ def test_every_key_in_the_tables_exists_with_the_default_given():
         overrides = (override,) if override else ()
         for key in keys:
             if value_for(key, overrides) is MISSING_KEY:
-                problems.append(f"{where}: `{key}` is not a config key (rltrain/config.py, conf/)")
+                problems.append(f"{where}: `{key}` is not a config key (rltrain/config/schema.py, conf/)")
         try:
             values, remarks = parse_value_cell(cell)
         except ValueError as exc:
@@ -330,7 +330,7 @@ def test_every_path_and_test_named_in_the_docs_exists():
 
 def test_every_test_function_and_module_attribute_named_in_the_readme_exists():
     """Bare test names (`test_bf16_mixed_tracks_fp32`, in the GPU table) and dotted names
-    (`rltrain.distributed.isend`, `rltrain.rewards.builtin:exact_match`)."""
+    (`rltrain.runtime.distributed.isend`, `rltrain.rewards.builtin:exact_match`)."""
     test_files = sorted((ROOT / "tests").rglob("test_*.py"))
     problems = []
     for number, line in numbered_lines(README):
@@ -474,15 +474,15 @@ def test_the_layout_check_reports_a_file_that_is_not_there(tmp_path, monkeypatch
 def test_missing_paths_names_and_metrics_are_found():
     assert path_problem("rltrain/no_such_module.py") == "`rltrain/no_such_module.py` does not exist"
     assert (
-        path_problem("tests/unit/test_roles.py::test_no_such_test")
-        == "`tests/unit/test_roles.py` has no `test_no_such_test`"
+        path_problem("tests/unit/backends/test_roles.py::test_no_such_test")
+        == "`tests/unit/backends/test_roles.py` has no `test_no_such_test`"
     )
     assert path_problem("scripts/no_such_*.py") == "`scripts/no_such_*.py` does not exist"
     assert (
         path_problem("tests/unit/test_docs_match_code.py::test_missing_paths_names_and_metrics_are_found")
         is None
     )
-    assert dotted_name_problem("rltrain.distributed.no_such_helper") is not None
+    assert dotted_name_problem("rltrain.runtime.distributed.no_such_helper") is not None
     assert dotted_name_problem("rltrain.rewards.builtin:exact_match") is None
     assert built_by_an_fstring("time/phase/generate") and not built_by_an_fstring("time/phase/no_such_phase")
     assert not metric_key_pattern("critic/no_such_metric").search(rltrain_source())

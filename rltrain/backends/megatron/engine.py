@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from rltrain.backends.base import LossFn, PolicyOutput, Scores, wrong_scores_error
+from rltrain.backends.lr_schedule import lr_at
 from rltrain.backends.megatron import checkpoint, export
 from rltrain.backends.megatron.batching import PaddedMicroBatch, fingerprint, pad_micro_batch
 from rltrain.backends.megatron.convert import OUTPUT, hf_to_megatron
@@ -62,16 +63,15 @@ from rltrain.backends.megatron.value_model import make_value_stage, value_head_s
 from rltrain.backends.optimizer_state import move_optimizer_state
 from rltrain.backends.roles import role_build
 from rltrain.backends.value_head import head_values
-from rltrain.config import MegatronBackendConfig, OptimConfig, SafetyConfig
+from rltrain.config.schema import MegatronBackendConfig, OptimConfig, SafetyConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
-from rltrain.distributed import agree_or_raise, control_device
-from rltrain.precision import Precision, resolve_precision
+from rltrain.runtime.distributed import agree_or_raise, control_device
+from rltrain.runtime.precision import Precision, resolve_precision
 from rltrain.safety.guard import (
     ErrorBudget,
     fail_fast_enabled,
 )
-from rltrain.schedule import lr_at
 
 
 class MegatronEngine:
@@ -95,7 +95,7 @@ class MegatronEngine:
     ) -> None:
         """`groups=None` joins the process's shared megatron parallel state (created by the first
         engine), so a policy and its frozen reference share one set of communicators.
-        `precision`: see `rltrain.precision` (parameters in its parameter dtype, each stage's
+        `precision`: see `rltrain.runtime.precision` (parameters in its parameter dtype, each stage's
         forward autocast to its compute dtype when they differ); `gradient_checkpointing`: see
         `model.checkpoint_layers`."""
         apply_cpu_shims()

@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rltrain import distributed as p2p
 from rltrain.backends.megatron.convert import megatron_shape, megatron_to_hf, split_dim, stage_param_names
 from rltrain.backends.megatron.groups import Layout
 from rltrain.backends.megatron.spec import ModelSpec
-from rltrain.distributed import control_device
+from rltrain.runtime import distributed as p2p
+from rltrain.runtime.distributed import control_device
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from rltrain.backends.megatron.convert import split_dim
-from rltrain.distributed import control_device
+from rltrain.runtime.distributed import control_device
 
 
 def _group_size(group) -> int:

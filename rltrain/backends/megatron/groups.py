@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rltrain.distributed import agree_or_raise, control_device
+from rltrain.runtime.distributed import agree_or_raise, control_device
 
 
 @dataclass(frozen=True)

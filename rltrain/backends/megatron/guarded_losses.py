@@ -12,7 +12,7 @@ from rltrain.backends.base import LossFn, scored_output
 from rltrain.backends.megatron.batching import PaddedMicroBatch
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
-from rltrain.distributed import control_device
+from rltrain.runtime.distributed import control_device
 from rltrain.safety import faults
 from rltrain.safety.guard import (
     MicroBatchGuard,

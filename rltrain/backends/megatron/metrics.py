@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from rltrain.backends.megatron.groups import Layout
-from rltrain.distributed import control_device
+from rltrain.runtime.distributed import control_device
 from rltrain.safety.metrics import reduce_metric_sums
 
 

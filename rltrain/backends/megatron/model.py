@@ -5,7 +5,7 @@ everywhere, SwiGLU MLP without biases, unscaled non-interleaved RoPE on the full
 attention, q/k/v bias for Qwen2, no dropout. Initialisation is skipped: weights are always loaded
 from a Hugging Face directory right after construction (see `convert`).
 
-Precision (`rltrain.precision`): parameters are built in the precision's parameter dtype: fp32 for
+Precision (`rltrain.runtime.precision`): parameters are built in the precision's parameter dtype: fp32 for
 `fp32` and `bf16-mixed` (whose bf16 compute is autocast around each stage's forward, see
 `schedule`), bf16 for pure `bf16` (megatron's `bf16=True`, which keeps its softmax in fp32).
 

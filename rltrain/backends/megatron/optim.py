@@ -1,4 +1,4 @@
-"""AdamW over the local shards (the learning-rate schedule is `rltrain.schedule.lr_at`).
+"""AdamW over the local shards (the learning-rate schedule is `rltrain.backends.lr_schedule.lr_at`).
 
 AdamW is elementwise, so stepping each rank's shard is the same as stepping the full tensor: no
 distributed optimizer is needed for correctness (megatron's distributed optimizer would shard the
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rltrain.config import OptimConfig
+from rltrain.config.schema import OptimConfig
 
 
 def build_adamw(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:

@@ -12,7 +12,7 @@ bounds activation memory as gradient accumulation should. Sends are asynchronous
 blocking; every stage posts them in micro-batch order, which cannot deadlock.
 
 Each stage's forward runs under the pipeline's `autocast` (bf16 compute over fp32 parameters in
-`trainer.precision=bf16-mixed`, see `rltrain.precision`); activations cross between stages in the
+`trainer.precision=bf16-mixed`, see `rltrain.runtime.precision`); activations cross between stages in the
 parameters' dtype, and the last stage's loss hook (log-probabilities, losses) runs outside it.
 """
 
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rltrain import distributed as p2p
 from rltrain.backends.megatron.batching import PaddedMicroBatch
 from rltrain.backends.megatron.model import stage_forward
+from rltrain.runtime import distributed as p2p
 
 
 @dataclass

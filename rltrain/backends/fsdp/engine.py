@@ -1,0 +1,404 @@
+"""Hugging Face transformers model on FSDP2 (`fully_shard`), the default training backend.
+
+Layout: each decoder layer is its own FSDP unit; the root unit holds embeddings, final norm and
+the output head and wraps a small scoring module, so one root forward computes log-probabilities
+of completion tokens only (the output head runs on those positions, not on prompts or padding).
+Sequences that share a prompt (GRPO groups, DPO pairs) are packed one row per prompt, so every
+prompt is computed once (rltrain.backends.fsdp.shared_prefix). With one rank the model is not wrapped
+at all, and a micro-batch is scored as a few rectangles of similar-length rows (length buckets)
+instead of one rectangle padded to its longest row. With `backend.padding_free` a micro-batch
+that shares no prompt is one packed row with document-masked attention instead (no padding; on
+CUDA through flex_attention: rltrain.backends.fsdp.padding_free).
+
+Gradients are summed, not averaged, across ranks (`set_gradient_divide_factor(1)`): loss
+functions already divide by a global count, which is what makes 1 rank and N ranks agree.
+
+Start-up with several ranks never puts the full model on any rank but 0: every rank builds the
+model on the meta device, `fully_shard` is applied there, each rank allocates its shards only, and
+rank 0 reads the checkpoint and scatters each rank its rows (`rltrain.models.hf_io`).
+
+Precision (`trainer.precision`, `rltrain.runtime.precision`): `fp32`, or `bf16` (weights, gradients and
+AdamW state in bf16), or `bf16-mixed`: weights, gradients and AdamW state stay fp32 and the model
+computes in bf16. Sharded, FSDP2 does the casting (`MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)`: bf16 all-gathers and activations, fp32 gradient reduce-scatter). One
+unsharded rank has no FSDP to cast, so the scorer runs the model under `torch.autocast(bf16)`
+instead: matmuls in bf16, while the embeddings, norms and residual stream stay fp32, a little
+more precise than the sharded path (so 1 rank and N ranks agree to bf16 round-off, not to fp32's
+as they do in `fp32`). Either way the logits are upcast and log-probabilities and losses are fp32.
+
+`model.gradient_checkpointing`: each decoder layer's activations are recomputed in the backward
+(transformers' `gradient_checkpointing_enable`, non-reentrant `torch.utils.checkpoint`, which
+replays autocast and the RNG), set before `fully_shard`; the numbers do not change.
+
+`backend.compile`: each decoder layer is compiled with `torch.compile(dynamic=True)` before
+`fully_shard` (rltrain.backends.fsdp.compile_layers); the numbers do not change (fp32 round-off).
+
+Each micro-batch's forward, loss and backward run under `rltrain.safety.guard`: an error on one
+rank is paid for with a zero backward built from the model's outputs (recover mode) or re-raised
+(fail-fast), so no rank is left alone in FSDP's collectives. A Mixture-of-Experts model gets a
+routing-independent experts graph and, if its config asks, the load-balancing loss
+(`rltrain.models.moe`).
+
+A critic (`value_head_seed` given; rltrain.backends.roles) is the same engine around a
+`CompletionValuer`: the transformer's hidden states at the same selected positions (same packing,
+buckets and dummy batches) go through a fresh `Linear(hidden, 1)` instead of the LM head, which is
+dropped (neither trained nor kept). The head sits in the root FSDP unit; when sharded it is filled
+after the shards are allocated, from the same seeded draw on every rank. `forward_values` replaces
+`forward_logps`; `train_step` hands the loss `PolicyOutput(logps=None, values=...)`. A critic is
+never exported (`export_weights`/`save_pretrained` raise): its state lives in the run's checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rltrain.backends.base import LossFn, PolicyOutput, Scores, scored_output, wrong_scores_error
+from rltrain.backends.fsdp.attention_masks import use_flex_attention
+from rltrain.backends.fsdp.compile_layers import compile_decoder_layers
+from rltrain.backends.fsdp.flex_autocast import switch_to_flex_attention
+from rltrain.backends.fsdp.groups import FSDPGroups, full_parameter
+from rltrain.backends.fsdp.hf_scoring import (
+    CompletionScorer,
+    CompletionValuer,
+    completion_positions,
+    dummy_batch,
+)
+from rltrain.backends.fsdp.layout import MicroBatchLayout
+from rltrain.backends.lr_schedule import lr_at
+from rltrain.backends.optimizer_state import move_optimizer_state
+from rltrain.backends.roles import role_build
+from rltrain.backends.value_head import fill_value_head, new_value_head
+from rltrain.config.schema import FSDPBackendConfig, OptimConfig, SafetyConfig
+from rltrain.data.batch import SequenceBatch
+from rltrain.data.ragged import Ragged
+from rltrain.models import moe
+from rltrain.models.hf_io import load_causal_lm, load_sharded_weights
+from rltrain.runtime.precision import Precision, resolve_precision
+from rltrain.safety import faults
+from rltrain.safety.guard import (
+    ErrorBudget,
+    MicroBatchGuard,
+    StepErrors,
+    fail_fast_enabled,
+    guarded_micro_batch,
+)
+from rltrain.safety.metrics import reduce_metric_sums
+from rltrain.safety.step import safe_optimizer_step
+
+
+class FSDPEngine:
+    """The TrainEngine protocol on Hugging Face transformers + FSDP2. `optim_cfg=None` builds a
+    frozen engine (a reference); `value_head_seed` a critic (see the module docstring)."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        backend_cfg: FSDPBackendConfig,
+        optim_cfg: OptimConfig | None,
+        max_steps: int,
+        device: torch.device,
+        precision: Precision | str = "fp32",
+        safety: SafetyConfig | None = None,
+        gradient_checkpointing: bool = False,
+        value_head_seed: int | None = None,
+    ) -> None:
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.device = device
+        self.model_dir = Path(model_dir)
+        self.optim_cfg = optim_cfg
+        self.max_steps = max_steps
+        self.trainable = optim_cfg is not None
+        self.precision = precision if isinstance(precision, Precision) else resolve_precision(precision, device)
+        self.sharded = self.world_size > 1
+        # Sharded: on the meta device until `_shard` has placed it (no rank holds the full model).
+        self.lm = load_causal_lm(self.model_dir, self.precision.param_dtype, on_meta=self.sharded)
+        if not self.sharded:
+            self.lm.to(device)
+        self.pad_id = int(self.lm.config.pad_token_id or 0)
+        self.tied = bool(self.lm.config.tie_word_embeddings)
+        self.moe_info = moe.prepare_moe(self.lm)
+        # Sharded, FSDP casts weights to the compute dtype; unsharded, autocast does (docstring).
+        autocast = contextlib.nullcontext if self.sharded else partial(self.precision.autocast, device)
+        # How a micro-batch meets the model (packed shared prompts, one padding-free row, length
+        # buckets, one rectangle); padding-free rows on CUDA run flex_attention (attention_masks).
+        self.layout = MicroBatchLayout.for_model(
+            self.lm.config, self.pad_id, device, self.sharded, self.moe_info is not None, backend_cfg.padding_free
+        )
+        flex = self.layout.padding_free and use_flex_attention(self.lm, device)
+        if flex:  # under autocast too (one unsharded rank in bf16-mixed): rltrain.backends.fsdp.flex_autocast
+            switch_to_flex_attention(self.lm)
+        self.scores: Scores = "logps" if value_head_seed is None else "values"
+        self.value_head_seed = value_head_seed
+        self.scorer: CompletionScorer | CompletionValuer
+        if value_head_seed is None:
+            self.scorer = CompletionScorer(self.lm, self.moe_info, autocast, flex)
+        else:
+            head = new_value_head(
+                self.lm.config.hidden_size, value_head_seed, self.precision.param_dtype, "meta" if self.sharded else device
+            )
+            self.scorer = CompletionValuer(self.lm, head, self.moe_info, autocast, flex)
+        if gradient_checkpointing:
+            self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if backend_cfg.compile:  # before fully_shard (rltrain.backends.fsdp.compile_layers)
+            compile_decoder_layers(self.lm.model.layers)
+        safety = safety or SafetyConfig()
+        self.fail_fast = fail_fast_enabled(safety.fail_fast)
+        self.error_budget = ErrorBudget(safety.max_consecutive_errors)
+        if not self.trainable:
+            self.scorer.requires_grad_(False)
+        # The group FSDP shards over (None with one rank: nothing is wrapped, nothing to tear down).
+        self.groups: FSDPGroups | None = None
+        if self.sharded:
+            self.groups = FSDPGroups(device.type, timeout_s=safety.collective_timeout_s)
+            self._shard(backend_cfg)
+            self.scorer.to_empty(device=device)  # this rank's shards (and buffers), uninitialised
+            load_sharded_weights(self.lm, self.model_dir, self.precision.param_dtype, self.groups.group)
+            if isinstance(self.scorer, CompletionValuer):  # its rows from the seeded draw
+                assert value_head_seed is not None
+                fill_value_head(self.scorer.value_head, value_head_seed, self.precision.param_dtype, self.groups.group)
+        self.steps_taken = 0  # optimizer steps actually applied (skipped ones excluded)
+        self.optimizer = None
+        if self.trainable:
+            assert optim_cfg is not None
+            self.optimizer = torch.optim.AdamW(
+                [p for p in self.scorer.parameters() if p.requires_grad],
+                lr=lr_at(0, optim_cfg, max_steps),
+                betas=(optim_cfg.beta1, optim_cfg.beta2),
+                eps=optim_cfg.eps,
+                weight_decay=optim_cfg.weight_decay,
+                foreach=True,
+            )
+
+    def replica_group(self) -> None:
+        """Every FSDP rank is its own data-parallel replica (see `TrainEngine.replica_group`)."""
+        return None
+
+    def _shard(self, cfg: FSDPBackendConfig) -> None:
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+        assert self.groups is not None
+        mesh = self.groups.mesh  # our own group, not WORLD: time sharing tears it down (fsdp_groups)
+        mp = MixedPrecisionPolicy()  # compute in the weights' dtype (fp32, or bf16 in pure bf16)
+        if self.precision.mixed:
+            mp = MixedPrecisionPolicy(param_dtype=self.precision.compute_dtype, reduce_dtype=torch.float32)
+        for layer in self.lm.model.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=mp)
+        fully_shard(self.scorer, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=mp)
+        self.groups.attach(self.scorer)
+        for module in self.scorer.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+
+    # --- scoring -------------------------------------------------------------------------------
+
+    def _score(self, batch: SequenceBatch, with_entropy: bool) -> PolicyOutput:
+        real = len(batch) > 0
+        scored = batch if real else dummy_batch(self.pad_id)
+        rects, order_N, padding_mask_BT = self.layout(scored)
+        _, _, targets = completion_positions(scored)
+        # logps_N of a policy or reference, values_N of a critic (`self.scores`)
+        scored_N, entropy_N, aux = self.scorer(
+            [r.to(self.device) for r in rects],
+            targets.to(self.device),
+            with_entropy,
+            order_N.to(self.device) if order_N is not None else None,
+            padding_mask_BT.to(self.device) if padding_mask_BT is not None else None,
+        )
+        if not real:
+            # Keep the graph (so a zero loss still reaches every parameter) but hold no sequences.
+            empty_offsets = torch.zeros(1, dtype=torch.long)
+            return scored_output(
+                self.scores,
+                Ragged(scored_N[:0], empty_offsets),
+                Ragged(entropy_N[:0], empty_offsets) if entropy_N is not None else None,
+                anchor=scored_N.sum() * 0.0,
+                aux_loss=aux * 0.0 if aux is not None else None,
+            )
+        lengths = batch.completion_lens()
+        return scored_output(
+            self.scores,
+            Ragged.from_lengths(scored_N, lengths),
+            Ragged.from_lengths(entropy_N, lengths) if entropy_N is not None else None,
+            aux_loss=aux,
+        )
+
+    @torch.no_grad()
+    def forward_logps(self, micro_batches: list[SequenceBatch], with_entropy: bool = False) -> list[PolicyOutput]:
+        if self.scores != "logps":
+            raise wrong_scores_error("FSDPEngine", self.scores, "forward_logps")
+        self.scorer.eval()
+        outs = []
+        for mb in micro_batches:
+            out = self._score(mb, with_entropy)
+            assert out.logps is not None
+            outs.append(PolicyOutput(out.logps.detach(), out.entropy.detach() if out.entropy is not None else None))
+        return outs
+
+    @torch.no_grad()
+    def forward_values(self, micro_batches: list[SequenceBatch]) -> list[Ragged]:
+        if self.scores != "values":
+            raise wrong_scores_error("FSDPEngine", self.scores, "forward_values")
+        self.scorer.eval()
+        outs = []
+        for mb in micro_batches:
+            values = self._score(mb, with_entropy=False).values
+            assert values is not None
+            outs.append(values.detach())
+        return outs
+
+    def train_step(
+        self, micro_batches: list[SequenceBatch], loss_fn: LossFn, with_entropy: bool = False
+    ) -> dict[str, float]:
+        assert self.optimizer is not None and self.optim_cfg is not None, "train_step on a frozen engine"
+        if with_entropy and self.scores == "values":
+            raise ValueError("train_step(with_entropy=True) on a critic engine: a critic has no entropy")
+        self.scorer.train()
+        lr = lr_at(self.steps_taken, self.optim_cfg, self.max_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        sums: dict[str, torch.Tensor] = {}
+        errors = StepErrors(self.rank, self.fail_fast)
+        injector = faults.active()
+        share = 1.0 / (len(micro_batches) * self.world_size)  # per-micro-batch means -> one global mean
+        for i, mb in enumerate(micro_batches):
+            done = guarded_micro_batch(
+                MicroBatchGuard(self.scorer),
+                errors,
+                forward=lambda mb=mb: self._score(mb, with_entropy),
+                loss_fn=lambda out, mb=mb: self._train_loss(out, mb, loss_fn, share, injector),
+                dummy_forward=lambda: self._score(dummy_batch(self.pad_id), with_entropy=False),
+                before_backward=injector.arm_backward,
+                where=f"micro-batch {i} of step {injector.step}",
+            )
+            if done is None:
+                continue  # recovered: this micro-batch contributes a zero gradient and no metrics
+            loss, metrics = done
+            sums["loss"] = sums.get("loss", torch.zeros((), dtype=torch.float64)) + loss.detach().double()
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, torch.zeros((), dtype=torch.float64)) + torch.as_tensor(value).detach().double()
+        sums["safety/recovered_errors"] = torch.tensor(float(errors.recovered), dtype=torch.float64)
+        injector.poison_grads(self.scorer.parameters())
+        outcome = safe_optimizer_step(self.optimizer, self.scorer.parameters(), self.optim_cfg.max_grad_norm)
+        if not outcome.skipped:
+            self.steps_taken += 1
+        reduced = reduce_metric_sums(sums, partial=errors.recovered > 0)
+        self.error_budget.update(reduced["safety/recovered_errors"])
+        reduced["grad_norm"] = outcome.grad_norm
+        reduced["lr"] = lr
+        reduced["safety/skipped_steps"] = float(outcome.skipped)
+        return reduced
+
+    def _train_loss(
+        self, out: PolicyOutput, mb: SequenceBatch, loss_fn: LossFn, share: float, injector: faults.FaultInjector
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The algorithm's loss plus the dummy-batch anchor and, for a MoE model, its weighted
+        load-balancing loss (a per-micro-batch mean, scaled so the sum over micro-batches and ranks
+        is the mean)."""
+        injector.in_loss()
+        loss, metrics = loss_fn(out, mb)
+        if out.anchor is not None:
+            loss = loss + out.anchor
+        if out.aux_loss is not None:
+            assert self.moe_info is not None
+            loss = loss + self.moe_info.aux_loss_coef * share * out.aux_loss
+            metrics = {**metrics, "moe/aux_loss": out.aux_loss.detach() * share}
+        return loss, metrics
+
+    # --- weights out ---------------------------------------------------------------------------
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self._refuse_critic_export("export_weights")
+        for name, tensor in self.lm.state_dict().items():
+            if self.tied and name == "lm_head.weight":
+                continue
+            yield name, full_parameter(tensor).detach()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.export_weights())
+
+    def save_pretrained(self, directory: Path) -> None:
+        self._refuse_critic_export("save_pretrained")
+        state = self.full_state_dict()  # collective: every rank takes part
+        if self.rank == 0:
+            self.lm.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
+
+    def _refuse_critic_export(self, called: str) -> None:
+        if self.scores == "values":
+            raise TypeError(
+                f"FSDPEngine.{called}: a critic is not exported (its value head has no place in a Hugging Face "
+                "causal LM, and no rollout engine needs it); its weights and optimizer live in the run's checkpoints"
+            )
+
+    # --- checkpoints ---------------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.scorer, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory / "engine"))
+        if self.rank == 0:
+            (directory / "engine_state.json").write_text(json.dumps({"steps_taken": self.steps_taken}))
+
+    def load_checkpoint(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.scorer, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(directory / "engine"))
+        set_state_dict(self.scorer, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.steps_taken = json.loads((directory / "engine_state.json").read_text())["steps_taken"]
+
+    # --- time sharing --------------------------------------------------------------------------
+
+    def offload(self) -> None:
+        """Drop gradients; on GPU also move parameters and optimizer state to host memory (on CPU
+        there is nowhere else to put them)."""
+        for p in self.scorer.parameters():
+            p.grad = None
+        if self.device.type == "cuda":
+            self.scorer.to("cpu")
+            move_optimizer_state(self.optimizer, "cpu")
+
+    def onload(self) -> None:
+        if self.device.type == "cuda":
+            self.scorer.to(self.device)
+            move_optimizer_state(self.optimizer, self.device)
+
+
+    def teardown_communicators(self) -> None:
+        """Destroy the group FSDP shards over (collective). Export weights before: `full_tensor`
+        needs it. No-op with one rank."""
+        if self.groups is not None:
+            self.groups.teardown()
+
+    def recreate_communicators(self) -> int:
+        """Re-create the group and re-bind FSDP's cached handles (collective); returns how many."""
+        return self.groups.recreate() if self.groups is not None else 0
+
+
+def build_engine(ctx, role: str) -> FSDPEngine:
+    """The backend registry's entry (`backend=fsdp`) for one role (rltrain.backends.Role)."""
+    cfg = ctx.cfg
+    build = role_build(ctx, role)
+    return FSDPEngine(
+        build.model_dir,
+        cfg.backend,
+        build.optim,
+        cfg.trainer.max_steps,
+        ctx.dist.device,
+        precision=cfg.trainer.precision,
+        safety=cfg.safety,
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
+        value_head_seed=build.value_head_seed,
+    )

@@ -1,0 +1,166 @@
+"""The FSDP engine's own process group, so that time sharing can tear it down and rebuild it.
+
+Why not the default group: `fully_shard` without a mesh builds a 1-D mesh over the world, and a
+1-D world mesh *is* the default (WORLD) group, which belongs to the launcher (it holds the store
+and carries the trainer's flags and metrics) and cannot be destroyed without ending the job. So
+the engine shards over a group it creates itself (`dist.new_group` over every rank, wrapped in a
+`DeviceMesh.from_group`), and this class records how, so it can be destroyed and re-created with
+identical arguments (DESIGN invariant 4, RELIABILITY "time sharing and communicators").
+
+Re-binding: FSDP2 does not look the group up on every collective. `FSDPMeshInfo` caches the
+handle (`shard_process_group`) when `fully_shard` runs, for the parameter group and for every
+parameter, and the mesh holds the group's *name* (resolved on each `get_group()`, which DTensor's
+`full_tensor()` and grad-norm reductions use). After re-creation both are pointed at the new
+group: the mesh object is updated in place (every DTensor spec shares it) and every cached handle
+reachable from the attached modules' FSDP state is swapped; `stale_handles()` proves none is
+left. Failures raise on every rank (one all-reduced flag on WORLD), never on one rank alone.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator
+from dataclasses import fields, is_dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rltrain.runtime.distributed import agree_or_raise, control_device, gather_rows
+
+
+class FSDPGroups:
+    """One data-parallel sharding group over every rank, its mesh, and the modules that use it."""
+
+    def __init__(self, device_type: str, timeout_s: float | None = None) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        self.ranks = list(range(dist.get_world_size()))
+        self.timeout_s = timeout_s
+        self.group: dist.ProcessGroup | None = self._new_group()
+        self.mesh = DeviceMesh.from_group(self.group, device_type)
+        self._roots: list[nn.Module] = []
+        self._destroyed: dist.ProcessGroup | None = None  # the handle FSDP's state still caches
+        self.alive = True
+
+    def _new_group(self) -> dist.ProcessGroup:
+        timeout = datetime.timedelta(seconds=self.timeout_s) if self.timeout_s is not None else None
+        group = dist.new_group(self.ranks, timeout=timeout, group_desc="rltrain_fsdp_shard")
+        assert group is not None  # every rank is a member
+        return group
+
+    def attach(self, *roots: nn.Module) -> None:
+        """Modules sharded over this group (their FSDP state is re-bound on re-creation)."""
+        self._roots.extend(roots)
+
+    def handles(self) -> list[dist.ProcessGroup]:
+        return [self.group] if self.group is not None else []
+
+    def teardown(self) -> None:
+        """Destroy the sharding group (collective over every rank; all ranks agree)."""
+        error: BaseException | None = None
+        try:
+            if not self.alive or self.group is None:
+                raise RuntimeError("teardown of an FSDP process group that is not alive")
+            dist.destroy_process_group(self.group)
+            self._destroyed, self.group = self.group, None
+            self.alive = False
+        except Exception as exc:  # noqa: BLE001 - re-raised on every rank by _agree
+            error = exc
+        agree_or_raise(error is None, "FSDP process-group teardown", error)
+
+    def recreate(self) -> int:
+        """Create an identical group, warm it up, re-bind the mesh and every cached handle.
+        Returns how many cached handles were re-bound."""
+        agree_or_raise(not self.alive, "FSDP process-group re-creation (a rank still holds a live group)", None)
+        error: BaseException | None = None
+        rebound = 0
+        try:
+            new = self._new_group()
+            probe = torch.ones(1, device=control_device())
+            dist.all_reduce(probe, group=new)
+            if int(probe) != len(self.ranks):
+                raise RuntimeError("warm-up all-reduce on the re-created FSDP group returned a wrong sum")
+            # The mesh resolves its group by name on every get_group(); DTensor specs share it.
+            self.mesh._dim_group_names = [new.group_name]
+            self.mesh._pg_registry = {new.group_name: new}
+            rebound = self._rebind(self._destroyed, new)
+            self.group, self._destroyed = new, None
+            self.alive = True
+            stale = self.stale_handles()
+            if stale:
+                raise RuntimeError(f"stale process-group handles after re-binding: {stale}")
+        except Exception as exc:  # noqa: BLE001 - re-raised on every rank by _agree
+            error = exc
+        agree_or_raise(error is None, "FSDP process-group re-creation", error)
+        return rebound
+
+    # -- cached handles ---------------------------------------------------------------------
+
+    def _fsdp_objects(self) -> Iterator[Any]:
+        """FSDP's per-module state objects and what they hold (parameter groups, parameters,
+        mesh infos): everything that may cache a process-group handle."""
+        from torch.distributed.fsdp import FSDPModule
+
+        seen: set[int] = set()
+        stack: list[Any] = []
+        for root in self._roots:
+            for module in root.modules():
+                if isinstance(module, FSDPModule):
+                    stack.append(module._get_fsdp_state())
+        while stack:
+            obj = stack.pop()
+            if id(obj) in seen or not hasattr(obj, "__dict__"):
+                continue
+            seen.add(id(obj))
+            yield obj
+            for value in vars(obj).values():
+                items = value if isinstance(value, (list, tuple)) else [value]
+                for item in items:
+                    if _is_fsdp_internal(item):
+                        stack.append(item)
+
+    def _rebind(self, old: dist.ProcessGroup | None, new: dist.ProcessGroup) -> int:
+        count = 0
+        for obj in self._fsdp_objects():
+            for name, value in list(vars(obj).items()):
+                if value is old and old is not None:
+                    object.__setattr__(obj, name, new)
+                    count += 1
+        return count
+
+    def stale_handles(self) -> list[str]:
+        """Cached handles in the attached modules' FSDP state that are not this live group."""
+        return [
+            f"{type(obj).__name__}.{name}"
+            for obj in self._fsdp_objects()
+            for name, value in vars(obj).items()
+            if isinstance(value, dist.ProcessGroup) and value is not self.group
+        ]
+
+
+def _is_fsdp_internal(value: Any) -> bool:
+    """FSDP2's own classes (state, parameter groups, parameters, mesh infos), and dataclasses
+    holding a group: followed by the handle walk. Modules, tensors and meshes are not."""
+    module = type(value).__module__
+    if module.startswith("torch.distributed.fsdp._fully_shard") and not isinstance(
+        value, (nn.Module, torch.Tensor)
+    ):
+        return True
+    return (
+        is_dataclass(value)
+        and not isinstance(value, type)
+        and any(isinstance(getattr(value, f.name, None), dist.ProcessGroup) for f in fields(value))
+    )
+
+
+def full_parameter(tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter's full value: FSDP2's dim-0 shards gathered (`rltrain.runtime.distributed.gather_rows`)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(tensor, DTensor):
+        return tensor
+    if tuple(tensor.placements) != (Shard(0),):
+        return tensor.full_tensor()
+    return gather_rows(tensor.to_local(), tensor.shape[0], tensor.device_mesh.get_group())

@@ -1,0 +1,4 @@
+"""The run's configuration: the schema registered with Hydra (`schema`), the checks made before
+anything is built (`validate`, `layout`), and composition errors as one line (`compose_errors`).
+docs/configuration.md lists every key.
+"""

@@ -1,0 +1,340 @@
+"""Structured config: one dataclass per Hydra group, registered in Hydra's ConfigStore.
+
+Every group's YAML file in `conf/` extends the schema stored here (`<group>/<name>_schema`), so a
+misspelt key or a value of the wrong type fails while Hydra composes the config, before any model
+is built. Code reads config through these fields only (never `.get(key, default)`), so a default
+lives in exactly one place: here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 200
+    seed: int = 0
+    nproc: int = 1
+    resume: str = "auto"  # auto | never
+    save_every: int = 100
+    keep_checkpoints: int = 2
+    eval_every: int = 100
+    global_batch_size: int = 64
+    micro_batch_size: int = 64
+    max_tokens_per_micro_batch: int = 0  # > 0: micro-batches also capped at this many tokens (data/sharding.py)
+    log_every: int = 10
+    progress: str = "auto"  # auto | bar | lines
+    num_threads: int = 0  # torch intra-op threads per rank; 0 = cores / nproc
+    deterministic: bool = True
+    precision: str = "auto"  # auto (bf16-mixed on CUDA, fp32 on CPU) | fp32 | bf16-mixed | bf16
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.98
+    eps: float = 1e-8
+    warmup_steps: int = 20
+    schedule: str = "cosine"  # cosine | constant | linear
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class ModelConfig:
+    """`path=null` builds the embedded tiny model; otherwise a Hugging Face model directory."""
+
+    path: str | None = None
+    arch: str = "qwen2"  # qwen2 | llama (tiny model only)
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 384
+    tie_word_embeddings: bool = True
+    attention_bias: bool = True
+    max_position_embeddings: int = 512
+    gradient_checkpointing: bool = False  # recompute each decoder layer's activations in the backward
+    cache_dir: str | None = None  # where the built tiny model is cached; null = ~/.cache/rltrain
+    # model=tiny_sft: SFT the tiny model this many steps on the built-in task's training split
+    # first (rltrain/models/tiny_sft.py), so RL starts from answers it can sharpen; 0 = no SFT.
+    sft_steps: int = 0
+    sft_lr: float = 1e-3
+
+
+@dataclass
+class DataConfig:
+    """`path=null` uses the built-in synthetic task named by `task`."""
+
+    path: str | None = None
+    split: str = "train"
+    eval_path: str | None = None
+    eval_fraction: float = 0.05
+    task: str = "addition"
+    num_train: int = 0  # built-in task: 0 = every problem not held out
+    num_eval: int = 200
+    max_length: int = 256
+    overlong: str = "drop"  # drop | truncate | error
+    max_eval_samples: int = 200
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "auto"  # auto (online with an API key, else offline) | online | offline | disabled
+    project: str = "rltrain"
+    entity: str | None = None
+    group: str | None = None  # null: the sweep directory's name in a multirun
+    name: str | None = None
+
+
+@dataclass
+class LoggerConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    # GRPO: a `samples/train` table of prompts, completions and rewards every N steps; 0 = only the
+    # `samples/eval` table at each evaluation (README, "W&B").
+    sample_every: int = 0
+
+
+@dataclass
+class SweepConfig:
+    """What a sweep job returns to the sweeper (Optuna) and `sweep_summary.csv` (rltrain/launch/sweep.py):
+    the mean of the last `last_n` logged values of the metric `objective`."""
+
+    objective: str = "eval/accuracy"
+    direction: str = "maximize"  # maximize | minimize
+    last_n: int = 1
+
+
+@dataclass
+class AlgoConfig:
+    name: str = MISSING
+
+
+@dataclass
+class SFTConfig(AlgoConfig):
+    name: str = "sft"
+
+
+@dataclass
+class DPOConfig(AlgoConfig):
+    name: str = "dpo"
+    beta: float = 0.1
+    loss_type: str = "sigmoid"  # sigmoid | ipo | hinge | robust
+    label_smoothing: float = 0.0
+    sft_weight: float = 0.0
+    precompute_ref_logps: bool = False
+
+
+@dataclass
+class RLConfig(AlgoConfig):
+    """What every RL algorithm shares: the experience pipeline, the clipped policy loss and the
+    rollout correction (rltrain/algos/rl.py)."""
+
+    group_size: int = 8
+    prompts_per_step: int = 16
+    mini_batches: int = 1
+    num_iterations: int = 1
+    loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    beta: float = 0.0  # KL to the reference (0: no reference model)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 6
+    rollout_correction: str = "none"  # none | tis | mask (rltrain/algos/rollout_correction.py)
+    rollout_is_cap: float = 2.0  # tis: token importance weights truncated at this value
+    rollout_mask_band: float = 2.0  # mask: keep sequences whose train/rollout ratio is in [1/band, band]
+
+
+@dataclass
+class GRPOConfig(RLConfig):
+    name: str = "grpo"
+    scale_rewards: str = "group"  # group | batch | none
+
+
+@dataclass
+class PPOConfig(RLConfig):
+    name: str = "ppo"
+    gamma: float = 1.0  # GAE discount
+    lam: float = 0.95  # GAE lambda
+    vf_clip: float = 0.2  # clipped value loss: values move at most this far from the old ones
+    critic_warmup_steps: int = 0  # the first steps train the critic only
+    whiten_advantages: bool = True
+    kl_in_reward: bool = False  # true: -beta * KL per token in the reward; false: beta * k3 in the loss
+
+
+@dataclass
+class BackendConfig:
+    name: str = MISSING
+
+
+@dataclass
+class FSDPBackendConfig(BackendConfig):
+    name: str = "fsdp"
+    reshard_after_forward: bool = True
+    # A micro-batch of unrelated sequences is one packed row with document-masked attention
+    # (rltrain/backends/fsdp/padding_free.py) instead of a padded rectangle or length buckets.
+    padding_free: bool = False
+    compile: bool = False  # torch.compile each decoder layer (rltrain/backends/fsdp/compile_layers.py)
+
+
+@dataclass
+class MegatronBackendConfig(BackendConfig):
+    name: str = "megatron"
+    tp: int = 1
+    pp: int = 1
+
+
+@dataclass
+class RolloutConfig:
+    name: str = MISSING
+    seed: int = 0
+
+
+@dataclass
+class VLLMRolloutConfig(RolloutConfig):
+    name: str = "vllm"
+    process: str = "colocated"  # colocated | separate (the engine in a child process: rollout/separate.py)
+    kv_cache_gib: float = 1.0  # CPU: the KV-cache budget (on CUDA, gpu_memory_utilization decides)
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # longest prompt + completion; null = the model's own limit
+    # vLLM on CUDA (README, "vLLM on CUDA"); the CPU build takes none of these:
+    gpu_memory_utilization: float = 0.5  # fraction of the GPU the engine may take (weights + KV cache)
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False  # true: no CUDA graphs (the CPU build always runs eagerly)
+    sleep_level: int = 1  # time sharing: 1 keeps the weights in host memory, 2 drops them (resynced)
+    bucket_mb: int = 64  # process=separate: shared-memory bucket size of the weight transport
+    timeout_s: float = 300.0  # process=separate: bound on every wait for the child (a reply, a bucket)
+    start_timeout_s: float = 600.0  # process=separate: bound on the child building its engine
+
+
+@dataclass
+class HFRolloutConfig(RolloutConfig):
+    name: str = "hf"
+
+
+@dataclass
+class ReferenceConfig:
+    """The frozen reference (DPO always; GRPO when `algo.beta > 0`). `path=null`: the policy's initial
+    weights; else a Hugging Face model directory sharing the policy's tokenizer (rltrain/backends/roles.py)."""
+
+    path: str | None = None
+
+
+@dataclass
+class CriticConfig:
+    """The value model (PPO). `path=null`: the policy's initial weights with a fresh scalar value
+    head; else a Hugging Face model directory sharing the policy's tokenizer. Its own optimizer takes
+    `lr` and every other `optim.*` setting."""
+
+    path: str | None = None
+    lr: float = 1e-3  # on the embedded default, 1e-2 leaves the critic predicting the mean return (explained variance ~0)
+
+
+@dataclass
+class RewardModelConfig:
+    """A sequence classifier scoring prompt + completion, added to `reward.fns` with `weight`
+    (rltrain/rewards/model_reward.py); logged as `reward/model`."""
+
+    name: str = MISSING
+    path: str | None = None  # a Hugging Face AutoModelForSequenceClassification directory, num_labels=1
+    weight: float = 1.0
+    batch_size: int = 32  # texts per forward pass
+    max_length: int = 1024  # tokens per text; longer texts lose their beginning (the score reads the end)
+
+
+@dataclass
+class NoRewardModelConfig(RewardModelConfig):
+    name: str = "none"
+
+
+@dataclass
+class HFRewardModelConfig(RewardModelConfig):
+    name: str = "hf"
+
+
+@dataclass
+class RewardConfig:
+    """Reward functions by dotted path (`pkg.module:function`); empty = the built-in task's reward."""
+
+    fns: list[str] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+    timeout_s: float | None = 60.0  # bound on every reward call; 0 or null: no limit
+
+
+@dataclass
+class SafetyConfig:
+    """See README, "Failure behaviour"."""
+
+    fail_fast: bool = False  # RLTRAIN_FAIL_FAST=1/0 overrides
+    collective_timeout_s: float = 600.0
+    max_consecutive_errors: int = 3  # more consecutive steps with a recovered error fail the run
+
+
+@dataclass
+class HealthConfig:
+    port: int | None = None  # rank 0 serves /healthz and /healthz/deep here; 0 = any free port
+    host: str = "127.0.0.1"  # 0.0.0.0 for a cluster's probes
+    stale_after_s: float = 60.0
+    ping_timeout_s: float = 5.0  # the deep check's rollout-engine ping
+    hang_timeout_s: float = 0.0  # 0 = no watchdog
+
+
+@dataclass
+class PlacementConfig:
+    time_sharing: bool = False
+
+
+@dataclass
+class DebugConfig:
+    fault: str | None = None  # KIND:RANK:STEP, a testing aid (see README)
+
+
+@dataclass
+class Config:
+    algo: Any = MISSING
+    backend: Any = MISSING
+    rollout: Any = None
+    model: ModelConfig = field(default_factory=ModelConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: Any = MISSING
+    data: DataConfig = field(default_factory=DataConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    safety: SafetyConfig = field(default_factory=SafetyConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+
+
+GROUP_SCHEMAS: dict[str, dict[str, type]] = {
+    "algo": {"sft": SFTConfig, "dpo": DPOConfig, "grpo": GRPOConfig, "ppo": PPOConfig},
+    "backend": {"fsdp": FSDPBackendConfig, "megatron": MegatronBackendConfig},
+    "rollout": {"vllm": VLLMRolloutConfig, "hf": HFRolloutConfig},
+    "model": {"tiny": ModelConfig, "tiny_sft": ModelConfig},
+    "reference": {"default": ReferenceConfig},
+    "critic": {"default": CriticConfig},
+    "reward_model": {"none": NoRewardModelConfig, "hf": HFRewardModelConfig},
+    "data": {"default": DataConfig},
+    "logger": {"default": LoggerConfig},
+}
+
+
+def register_configs() -> None:
+    """Store the root schema and one `<name>_schema` node per group option."""
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    for group, options in GROUP_SCHEMAS.items():
+        for name, schema in options.items():
+            cs.store(group=group, name=f"{name}_schema", node=schema)

@@ -1,0 +1,343 @@
+"""Checks across keys that a schema cannot express, run before any model is built.
+
+Types and key names are already enforced by the structured config while Hydra composes; this
+catches values that are well-typed but unusable, with a message naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from rltrain.config.compose_errors import added_keys
+from rltrain.config.layout import data_parallel_size, validate_megatron_layout
+from rltrain.runtime.errors import UserError
+
+# Every enum-like key of every group and the values it accepts, checked before anything is built so a
+# typo (`algo.loss_agg=tokenmean`) is one message naming the allowed values, not a failure mid-run.
+# A key that exists for some options of its group only (`algo.loss_type` for algo=dpo,
+# `rollout.process` for rollout=vllm) is checked where it exists. The tuples mirror the code that
+# reads the keys (named in the comments; no torch here), and tests/unit/config/test_validate_choices.py
+# keeps them equal and finds every `a | b | c` key of rltrain/config/schema.py here.
+CHOICES = {
+    "trainer.resume": ("auto", "never"),
+    "trainer.progress": ("auto", "bar", "lines"),
+    "trainer.precision": ("auto", "fp32", "bf16-mixed", "bf16"),  # rltrain.runtime.precision.PRECISIONS
+    "data.overlong": ("drop", "truncate", "error"),
+    "data.task": ("addition",),  # rltrain.data.tasks.TASKS
+    "logger.wandb.mode": ("auto", "online", "offline", "disabled"),
+    "optim.schedule": ("cosine", "linear", "constant"),
+    "model.arch": ("qwen2", "llama"),
+    "algo.loss_type": ("sigmoid", "ipo", "hinge", "robust"),  # dpo: rltrain.algos.dpo_loss.LOSS_TYPES
+    "algo.scale_rewards": ("group", "batch", "none"),  # grpo: rltrain.algos.grpo_loss.SCALES
+    "algo.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),  # grpo, ppo: policy_loss.LOSS_AGGS
+    "algo.rollout_correction": ("none", "tis", "mask"),  # grpo, ppo: rltrain.algos.rollout_correction.MODES
+    "rollout.process": ("colocated", "separate"),  # vllm: rltrain.rollout.PROCESSES
+    "sweep.direction": ("maximize", "minimize"),  # rltrain.launch.sweep and hydra.sweeper.direction
+}
+CHOICE_HINTS = {
+    "rollout.process": " (the vLLM engine in the trainer's process, or in a child process of its own)",
+    "algo.rollout_correction": " (trust the samples, truncated importance weights per token, or drop sequences whose train/rollout ratio leaves a band)",
+    "algo.loss_agg": " (DAPO's token mean, GRPO's mean of per-sequence means, Dr. GRPO's sums over the generation budget)",
+}
+# Files of which a tokenizer directory has at least one (fast tokenizer, sentencepiece, BPE, WordPiece).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # rltrain.data.loading reads these (and directories)
+_ABSENT = object()
+
+
+def _get(cfg, dotted: str, default=None):
+    """`cfg.a.b`; `default` (when given) where a part is missing or a group is unset (rollout=null)."""
+    node = cfg
+    for part in dotted.split("."):
+        if default is not None and (node is None or part not in node):
+            return default
+        node = getattr(node, part)
+    return node
+
+
+def validate_choices(cfg) -> None:
+    for key, allowed in CHOICES.items():
+        value = _get(cfg, key, _ABSENT)
+        if value is not _ABSENT and value not in allowed:
+            raise UserError(f"{key}={value!r} is not one of {', '.join(allowed)}{CHOICE_HINTS.get(key, '')}.")
+
+
+def validate(cfg) -> None:
+    if added := added_keys(cfg):
+        raise UserError(
+            f"unknown config key(s) {', '.join(added)}: rltrain reads no such key, so the value would be ignored. "
+            "Remove the leading '+' and the key's typo (`python -m rltrain --cfg job` prints every key)."
+        )
+    validate_choices(cfg)
+    positive = ["trainer.max_steps", "trainer.nproc", "trainer.global_batch_size", "trainer.micro_batch_size", "data.max_length"]
+    for key in positive:
+        if _get(cfg, key) < 1:
+            raise UserError(f"{key}={_get(cfg, key)} must be at least 1.")
+    if cfg.trainer.max_tokens_per_micro_batch < 0:
+        raise UserError(
+            f"trainer.max_tokens_per_micro_batch={cfg.trainer.max_tokens_per_micro_batch} must be 0 (no token budget) "
+            "or a positive number of tokens."
+        )
+    if cfg.trainer.keep_checkpoints < 1:
+        raise UserError(
+            f"trainer.keep_checkpoints={cfg.trainer.keep_checkpoints} must be at least 1: it is how many of the "
+            "newest checkpoints are kept, and the one just written is always among them. To save none, set "
+            "trainer.save_every=0 (the last step is still saved for resume)."
+        )
+    validate_megatron_layout(cfg)
+    validate_compile(cfg)
+    if cfg.algo.name in ("sft", "dpo") and cfg.trainer.global_batch_size < data_parallel_size(cfg):  # RL sizes steps by algo.prompts_per_step
+        raise UserError(
+            f"trainer.global_batch_size={cfg.trainer.global_batch_size} is smaller than the {data_parallel_size(cfg)} "
+            "data-parallel ranks: every rank needs at least one example per step. Raise the batch or lower "
+            "trainer.nproc."
+        )
+    if cfg.sweep.last_n < 1:
+        raise UserError(f"sweep.last_n={cfg.sweep.last_n} must be at least 1 (the objective averages that many logged values).")
+    if cfg.logger.sample_every < 0:
+        raise UserError(
+            f"logger.sample_every={cfg.logger.sample_every} must be 0 (sample tables at evaluation only) or a number of steps."
+        )
+    if cfg.optim.lr <= 0:
+        raise UserError(f"optim.lr={cfg.optim.lr} must be positive.")
+    if cfg.reward.timeout_s is not None and cfg.reward.timeout_s < 0:
+        raise UserError(f"reward.timeout_s={cfg.reward.timeout_s} must be positive (seconds), or 0 / null for no limit.")
+    validate_model(cfg.model)
+    validate_data(cfg)
+    validate_algo(cfg.algo)
+    validate_roles(cfg)
+    if cfg.safety.collective_timeout_s <= 0 or cfg.safety.max_consecutive_errors < 0:
+        raise UserError(
+            f"safety.collective_timeout_s={cfg.safety.collective_timeout_s} must be positive and "
+            f"safety.max_consecutive_errors={cfg.safety.max_consecutive_errors} at least 0."
+        )
+    if cfg.rollout is not None and cfg.rollout.name == "vllm":
+        validate_vllm(cfg.rollout)
+    from rltrain.safety.faults import parse_faults
+
+    parse_faults(cfg.debug.fault)  # a malformed debug.fault fails here, before any model is built
+    for key in ("data.path", "data.eval_path"):
+        value = _get(cfg, key)
+        if value is not None and not Path(value).expanduser().exists():
+            raise UserError(
+                f"{key}={value!r} does not exist. Give a .jsonl or .parquet file or a directory saved with "
+                "datasets' save_to_disk."
+            )
+        if value is not None and Path(value).expanduser().is_file() and Path(value).suffix not in DATA_SUFFIXES:
+            raise UserError(
+                f"{key}={value!r}: unknown format {Path(value).suffix!r}. Use .jsonl, .parquet or a saved dataset "
+                "directory."
+            )
+
+
+def validate_model(model) -> None:
+    if model.path is None:
+        if model.num_heads < 1 or model.hidden_size % model.num_heads:
+            raise UserError(
+                f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads={model.num_heads}: "
+                "every attention head gets hidden_size / num_heads dimensions."
+            )
+        if model.num_kv_heads < 1 or model.num_heads % model.num_kv_heads:
+            raise UserError(
+                f"model.num_heads={model.num_heads} is not divisible by model.num_kv_heads={model.num_kv_heads}: "
+                "each key/value head serves the same number of query heads."
+            )
+        if model.arch == "qwen2" and not model.attention_bias:
+            raise UserError("model.attention_bias=false needs model.arch=llama (Qwen2 always has q/k/v biases).")
+        return
+    validate_hf_model_dir("model.path", model.path, "leave it unset for the built-in tiny model")
+
+
+def read_hf_config(key: str, value: str, unset_hint: str) -> dict:
+    """config.json of the Hugging Face model directory `value` given as `key`, checked to be one:
+    config.json with a `model_type`, and a tokenizer beside it. `unset_hint` says what the key's
+    null means (the fix that needs no directory)."""
+    directory = Path(value).expanduser()
+    if not (directory / "config.json").exists():
+        raise UserError(
+            f"{key}={value!r} is not a Hugging Face model directory (no config.json). Point it at a "
+            f"directory written by save_pretrained, or {unset_hint}."
+        )
+    try:
+        hf_config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{key}={value!r}: config.json could not be read as JSON ({exc}).") from None
+    if not isinstance(hf_config, dict) or "model_type" not in hf_config:
+        raise UserError(
+            f"{key}={value!r}: config.json has no 'model_type', so transformers cannot tell which "
+            f"architecture to build. Point {key} at a directory written by save_pretrained."
+        )
+    if not any((directory / name).exists() for name in TOKENIZER_FILES) and not any(directory.glob("*.tiktoken")):
+        raise UserError(
+            f"{key}={value!r} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} (or a *.tiktoken "
+            "file) is there, and without one transformers silently builds a tokenizer of a few special tokens. "
+            f"Save the model's tokenizer into the same directory (tokenizer.save_pretrained({key.split('.')[0]}_path))."
+        )
+    return hf_config
+
+
+def validate_hf_model_dir(key: str, value: str | None, unset_hint: str) -> None:
+    if value is not None:
+        read_hf_config(key, value, unset_hint)
+
+
+def validate_data(cfg) -> None:
+    data = cfg.data
+    if not 0 <= data.eval_fraction < 1:
+        raise UserError(f"data.eval_fraction={data.eval_fraction} must be in [0, 1): the share of data.path held out.")
+    if data.num_train < 0 or data.max_eval_samples < 0:
+        raise UserError(
+            f"data.num_train={data.num_train} and data.max_eval_samples={data.max_eval_samples} must be at least 0."
+        )
+    if data.path is None and not 1 <= data.num_eval < 10_000:
+        raise UserError(
+            f"data.num_eval={data.num_eval} must be between 1 and 9999: the built-in {data.task!r} task has "
+            "10,000 problems and holds that many out for evaluation."
+        )
+
+
+def validate_algo(algo) -> None:
+    """Values of algorithm-specific keys (each algorithm's schema has its own)."""
+    if algo.name == "dpo":
+        if algo.beta <= 0:
+            raise UserError(f"algo.beta={algo.beta} must be positive (the DPO temperature).")
+        if not 0 <= algo.label_smoothing < 0.5:
+            raise UserError(f"algo.label_smoothing={algo.label_smoothing} must be in [0, 0.5).")
+    if algo.name in ("grpo", "ppo"):
+        for key in ("group_size", "prompts_per_step", "mini_batches", "num_iterations", "max_new_tokens"):
+            if getattr(algo, key) < 1:
+                raise UserError(f"algo.{key}={getattr(algo, key)} must be at least 1.")
+        if algo.temperature <= 0 or not 0 < algo.top_p <= 1:
+            raise UserError(
+                f"algo.temperature={algo.temperature} must be positive and algo.top_p={algo.top_p} in (0, 1]."
+            )
+        if algo.clip_low < 0 or algo.clip_high < 0 or algo.beta < 0:
+            raise UserError(
+                f"algo.clip_low={algo.clip_low}, algo.clip_high={algo.clip_high} and algo.beta={algo.beta} "
+                "must be at least 0."
+            )
+        if algo.rollout_is_cap <= 0 or algo.rollout_mask_band < 1:
+            raise UserError(
+                f"algo.rollout_is_cap={algo.rollout_is_cap} must be positive and algo.rollout_mask_band="
+                f"{algo.rollout_mask_band} at least 1 (sequences are kept when their ratio is in [1/band, band])."
+            )
+    if algo.name == "ppo":
+        if not (0 <= algo.gamma <= 1 and 0 <= algo.lam <= 1):
+            raise UserError(f"algo.gamma={algo.gamma} and algo.lam={algo.lam} must be in [0, 1] (GAE).")
+        if algo.vf_clip <= 0 or algo.critic_warmup_steps < 0:
+            raise UserError(
+                f"algo.vf_clip={algo.vf_clip} must be positive and algo.critic_warmup_steps={algo.critic_warmup_steps} at least 0."
+            )
+
+
+# Algorithms that never build a role: a path given for it would be silently unused, so it is refused.
+ALGOS_WITHOUT_CRITIC = ("sft", "dpo", "grpo")
+ALGOS_WITHOUT_REWARDS = ("sft", "dpo")
+
+
+def validate_roles(cfg) -> None:
+    """`reference`, `critic` and `reward_model` (README, "Roles"): each path a usable Hugging Face
+    directory, each number in range, and no role configured that the algorithm would not build.
+    That a role's tokenizer is the policy's is checked once the policy's directory exists
+    (rltrain/backends/roles.py)."""
+    validate_hf_model_dir("reference.path", cfg.reference.path, "leave it null for the policy's initial weights")
+    validate_hf_model_dir(
+        "critic.path", cfg.critic.path, "leave it null for the policy's weights with a fresh value head"
+    )
+    if not cfg.critic.lr > 0:
+        raise UserError(f"critic.lr={cfg.critic.lr} must be positive (the critic's own learning rate).")
+    algo = cfg.algo
+    rl = algo.name in ("grpo", "ppo")
+    if cfg.reference.path is not None and (algo.name == "sft" or (rl and algo.beta == 0)):
+        why = "algo=sft has no reference" if algo.name == "sft" else f"algo={algo.name} builds a reference only when algo.beta > 0"
+        raise UserError(
+            f"reference.path={cfg.reference.path!r} is set but would be unused: {why}. Remove reference.path"
+            + (", or set algo.beta (e.g. algo.beta=0.04) to add the KL penalty." if rl else ".")
+        )
+    if cfg.critic.path is not None and algo.name in ALGOS_WITHOUT_CRITIC:
+        raise UserError(
+            f"critic.path={cfg.critic.path!r} is set but algo={algo.name} has no critic (only PPO trains one). "
+            "Remove critic.path, or choose an algorithm with a critic."
+        )
+    validate_reward_model(cfg.reward_model, algo.name)
+
+
+def validate_reward_model(rm, algo_name: str) -> None:
+    if rm.name == "none":
+        if rm.path is not None:
+            raise UserError(
+                f"reward_model.path={rm.path!r} is set but reward_model=none scores nothing. Add reward_model=hf "
+                "to the command line to use it, or remove reward_model.path."
+            )
+        return
+    if rm.path is None:
+        raise UserError(
+            "reward_model=hf needs reward_model.path: a Hugging Face AutoModelForSequenceClassification directory "
+            "with one output (num_labels=1) and its tokenizer, e.g. reward_model.path=/models/my-reward-model. "
+            "Or drop reward_model=hf to score with reward.fns alone."
+        )
+    if algo_name in ALGOS_WITHOUT_REWARDS:
+        raise UserError(
+            f"reward_model=hf is set but algo={algo_name} uses no rewards (GRPO and PPO do). Remove reward_model=hf."
+        )
+    hf_config = read_hf_config("reward_model.path", rm.path, "use reward_model=none")
+    architectures = hf_config.get("architectures") or []
+    if not any(str(name).endswith("ForSequenceClassification") for name in architectures):
+        raise UserError(
+            f"reward_model.path={rm.path!r} is not a sequence classifier (its config.json lists architectures "
+            f"{architectures}): loaded as one, its score head would be freshly random. Give a model saved from "
+            "AutoModelForSequenceClassification with num_labels=1."
+        )
+    labels = len(hf_config.get("id2label") or {}) or int(hf_config.get("num_labels", 2))
+    if labels != 1:
+        raise UserError(
+            f"reward_model.path={rm.path!r} has {labels} output labels; a reward model gives one score per text "
+            "(num_labels=1). Use a reward model, not a multi-class classifier."
+        )
+    if not math.isfinite(rm.weight):
+        raise UserError(f"reward_model.weight={rm.weight} must be a finite number (its factor in the total reward).")
+    for key in ("batch_size", "max_length"):
+        if getattr(rm, key) < 1:
+            raise UserError(f"reward_model.{key}={getattr(rm, key)} must be at least 1.")
+
+
+def validate_vllm(rollout) -> None:
+    """The vLLM engine's CUDA settings (README, "vLLM on CUDA"); checked on every machine, so a
+    config that would fail on the cluster fails on a laptop first."""
+    util = rollout.gpu_memory_utilization
+    if not 0 < util <= 1:
+        raise UserError(
+            f"rollout.gpu_memory_utilization={util} must be in (0, 1]: the fraction of the GPU's memory the vLLM "
+            "engine may take for its weights, activations and KV cache (e.g. 0.5 when the trainer shares the GPU)."
+        )
+    if rollout.sleep_level not in (1, 2):
+        raise UserError(
+            f"rollout.sleep_level={rollout.sleep_level} is not 1 or 2: vLLM's sleep between rollout turns either "
+            "keeps the weights in host memory (1) or discards them, to be sent again after the wake (2)."
+        )
+    if rollout.tensor_parallel_size < 1:
+        raise UserError(f"rollout.tensor_parallel_size={rollout.tensor_parallel_size} must be at least 1.")
+    if rollout.max_model_len is not None and rollout.max_model_len < 1:
+        raise UserError(
+            f"rollout.max_model_len={rollout.max_model_len} must be at least 1, or null for the model's own limit."
+        )
+
+
+def validate_compile(cfg) -> None:
+    """`backend.compile=true` (FSDP) needs a C++ compiler: inductor builds its CPU kernels with one
+    (and on CUDA, triton its kernel launchers). The compiler inductor looks for is `$CXX`, else g++
+    (clang++ on macOS); without it the run would fail at the first forward, after the model is built."""
+    if cfg.backend.name != "fsdp" or not cfg.backend.compile:
+        return
+    compiler = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
+    if shutil.which(compiler) is None:
+        raise UserError(
+            f"backend.compile=true needs a C++ compiler, and {compiler!r} (from $CXX, else the platform's default) "
+            "is not on PATH: torch.compile's inductor builds the compiled decoder layers with it. Install one "
+            "(e.g. apt-get install g++), point CXX at it, or set backend.compile=false."
+        )

@@ -1,0 +1,204 @@
+"""Local multi-rank launch (`trainer.nproc=N`) on torch's elastic agent, the engine under torchrun.
+
+Each rank is a separate process, `python -m rltrain.worker RUN_DIR LAUNCHER_PID`, started by a
+`LocalElasticAgent` over a c10d rendezvous on 127.0.0.1 (what `torchrun --standalone` does), so a
+rank sees exactly the environment torchrun gives it. It reads the resolved `config.yaml` from the
+run directory: no pickled state crosses the process boundary. Restarts are off (`max_restarts=0`):
+a failed rank fails the run, which resumes from its last checkpoint when run again.
+
+The agent's own policy on a failed rank is to SIGTERM every other rank at once and raise a
+`ChildFailedError` report. `GracefulAgent` changes the first half: the surviving ranks get a grace
+period to leave by themselves (a lost gloo peer fails their collective at once, and they say
+which rank they lost), and only then are they terminated. The report is replaced by one line
+naming the first failing rank; a rank that raised a `UserError` recorded its paragraph in the run
+directory (rltrain.runtime.errors): that paragraph is printed once, naming the rank, and the exit status
+is 2, as in a single-rank run; the peers stopped by its departure stay quiet.
+
+SIGTERM, SIGINT (Ctrl-C), SIGHUP and SIGQUIT to the launcher are forwarded to every rank by the
+agent (SIGKILL after `SHUTDOWN_TIMEOUT_S`); the run directory keeps its complete checkpoints, so
+the same command resumes. A rank also dies with the launcher if the launcher itself is killed
+(`rltrain.worker` asks the kernel for that), so no rank outlives it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+
+from rltrain.runtime.errors import clear_reports, first_report, format_error
+
+GRACE_S = 30.0
+# After a rank's user error the cause is known: the peers get this long to leave by themselves.
+USER_ERROR_GRACE_S = 10.0
+# How long the ranks have to exit after a forwarded signal before SIGKILL (after a failed rank's
+# grace period the agent's own SIGTERM-to-SIGKILL window, 30 s, applies).
+SHUTDOWN_TIMEOUT_S = 10
+MONITOR_INTERVAL_S = 0.2
+# The signals the agent forwards to the ranks (torch's default set).
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+@dataclass
+class LaunchResult:
+    code: int  # 0, the first failing rank's exit code, or 128 + the signal that stopped the run
+    message: str = ""  # what was printed about the failure (its first line)
+    interrupted: bool = False  # stopped by a signal to the launcher (Ctrl-C, SIGTERM), not by a rank
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    rank: int
+    message: str  # printed once, when the failure is first seen
+    user_error: bool
+
+
+def first_failure(codes: dict[int, int | None], run_dir: Path) -> RankFailure | None:
+    """The rank that caused the run to fail, given each rank's exit code (None: still running);
+    None while no rank has failed."""
+    failed = [rank for rank, code in codes.items() if code is not None and code != 0]
+    if not failed:
+        return None
+    report = first_report(run_dir)
+    if report is not None:
+        # A rank's user error: written before that rank left its collectives, so it is the cause
+        # even when a peer's exit was seen first.
+        rank, paragraph = report
+        return RankFailure(rank, format_error(paragraph, rank), user_error=True)
+    # A rank killed by a signal is the cause; peers that exited with an error in the same poll
+    # interval were its victims (their collectives failed).
+    rank = min(failed, key=lambda r: (codes[r] >= 0, r))
+    message = f"rltrain: rank {rank} exited with code {describe_exit(codes[rank])}; stopping the other ranks"
+    return RankFailure(rank, message, user_error=False)
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        return f"{code} (killed by {signal.Signals(-code).name})"
+    return str(code)
+
+
+class GracefulAgent(LocalElasticAgent):
+    """A `LocalElasticAgent` that names the first failing rank and lets its peers leave by
+    themselves for a grace period before the agent terminates them."""
+
+    def __init__(self, spec: WorkerSpec, run_dir: Path, grace_s: float) -> None:
+        super().__init__(
+            spec,
+            logs_specs=DefaultLogsSpecs(log_dir=os.devnull),  # the ranks print to our stdout/stderr
+            start_method="spawn",
+            shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        )
+        self.run_dir = run_dir
+        self.grace_s = grace_s
+        self.failure: RankFailure | None = None
+        self.exit_codes: dict[int, int | None] = {}
+        self._failed_at = 0.0
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self.exit_codes = self._poll_exit_codes(worker_group)
+        if self.failure is None:
+            self.failure = first_failure(self.exit_codes, self.run_dir)
+            if self.failure is not None:
+                self._failed_at = time.monotonic()
+                if self.failure.user_error:
+                    self.grace_s = min(self.grace_s, USER_ERROR_GRACE_S)
+                print(self.failure.message, file=sys.stderr, flush=True)
+        still_running = any(code is None for code in self.exit_codes.values())
+        if self.failure is not None and still_running and time.monotonic() - self._failed_at < self.grace_s:
+            return RunResult(state=WorkerState.HEALTHY)  # the peers may still leave by themselves
+        return super()._monitor_workers(worker_group)
+
+    def _poll_exit_codes(self, worker_group: WorkerGroup) -> dict[int, int | None]:
+        """Each rank's exit code (None: running), without the agent's stop-everyone reaction."""
+        context = self._pcontext
+        if not isinstance(context, SubprocessContext):
+            raise TypeError(f"rltrain starts its ranks as subprocesses, not through {type(context).__name__}")
+        return {
+            worker.global_rank: context.subprocess_handlers[worker.local_rank].proc.poll()
+            for worker in worker_group.workers
+        }
+
+
+def run_local(run_dir: Path, nproc: int, grace_s: float = GRACE_S) -> LaunchResult:
+    """Run `nproc` ranks of the run in `run_dir`; report the first failure, if any."""
+    run_dir = Path(run_dir)
+    clear_reports(run_dir)
+    rendezvous = RendezvousParameters(
+        backend="c10d",
+        endpoint="127.0.0.1:0",  # the agent hosts the store on a free port
+        run_id=uuid.uuid4().hex,
+        min_nodes=1,
+        max_nodes=1,
+        local_addr="127.0.0.1",
+    )
+    spec = WorkerSpec(
+        role="rltrain",
+        local_world_size=nproc,
+        entrypoint=sys.executable,
+        args=("-m", "rltrain.worker", str(run_dir), str(os.getpid())),
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(rendezvous),
+        max_restarts=0,
+        monitor_interval=MONITOR_INTERVAL_S,
+        local_addr="127.0.0.1",
+    )
+    agent = GracefulAgent(spec, run_dir, grace_s)
+    try:
+        with quiet_elastic_logs(), restored_signal_handlers():
+            result = agent.run()
+    except SignalException as exc:
+        name = signal.Signals(exc.sigval).name
+        message = f"rltrain: stopped by {name}; every rank was stopped (run the same command to resume)"
+        print(message, file=sys.stderr, flush=True)
+        return LaunchResult(128 + int(exc.sigval), message, interrupted=True)
+    finally:
+        spec.rdzv_handler.shutdown()
+    if not result.is_failed():
+        return LaunchResult(0)
+    failure = agent.failure or first_failure(agent.exit_codes, run_dir)
+    if failure is None:  # the agent failed the group without a failed rank (it lost track of one)
+        return LaunchResult(1, "rltrain: the elastic agent reported the ranks as failed")
+    code = result.failures[failure.rank].exitcode if failure.rank in result.failures else 1
+    return LaunchResult(code if code > 0 else 1, failure.message.splitlines()[0])
+
+
+@contextlib.contextmanager
+def quiet_elastic_logs() -> Iterator[None]:
+    """Keep torch elastic's own log lines (its ChildFailedError report, "Sending process ... closing
+    signal") out of the output: the launcher prints the one line that names the failure."""
+    elastic = logging.getLogger("torch.distributed.elastic")
+    null = logging.NullHandler()
+    previous = elastic.propagate
+    elastic.addHandler(null)
+    elastic.propagate = False
+    try:
+        yield
+    finally:
+        elastic.propagate = previous
+        elastic.removeHandler(null)
+
+
+@contextlib.contextmanager
+def restored_signal_handlers() -> Iterator[None]:
+    """The agent installs its forwarding handlers for the run's lifetime; put back the process's
+    own afterwards (a sweep runs several jobs in this process)."""
+    previous = {sig: signal.getsignal(sig) for sig in FORWARDED_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,148 @@
+"""Where metrics go: `metrics.jsonl` (one JSON object per optimizer step, plus eval rows), W&B, and
+the console (a progress bar on a terminal, plain periodic lines otherwise). Only rank 0 writes.
+
+On resume the rows after the checkpoint's step are dropped from `metrics.jsonl` (they belong to
+the run that was stopped and will be produced again), so the file ends with exactly one row per
+step. W&B receives exactly the values written to the file, plus the sample tables (`samples/train`,
+`samples/eval`: rltrain.run.samples), which only W&B shows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from rltrain.run.samples import Sample, samples_table
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Keep only rows with step <= last_step (atomic rewrite)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        if line.strip() and json.loads(line).get("step", 0) <= last_step:
+            kept.append(line)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+class MetricsLogger:
+    def __init__(self, cfg, run_dir: Path, is_main: bool, resume_step: int) -> None:
+        self.is_main = is_main
+        self.path = run_dir / "metrics.jsonl"
+        self.max_steps = cfg.trainer.max_steps
+        self.log_every = max(1, cfg.trainer.log_every)
+        self.wandb_run = None
+        self.bar = None
+        self.start_time = time.monotonic()
+        if not is_main:
+            return
+        truncate_metrics(self.path, resume_step)
+        self.file = self.path.open("a")
+        self.wandb_run = start_wandb(cfg, run_dir)
+        mode = cfg.trainer.progress
+        if mode == "bar" or (mode == "auto" and sys.stderr.isatty()):
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.max_steps, initial=resume_step, desc="train", dynamic_ncols=True)
+
+    def log(self, row: dict[str, Any]) -> None:
+        if not self.is_main:
+            return
+        row = {k: _clean(v) for k, v in row.items()}
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
+        self._console(row)
+
+    def log_samples(self, key: str, step: int, samples: list[Sample]) -> None:
+        """A W&B table of samples (rltrain.run.samples) under `key` at `step`; nothing without W&B."""
+        if self.wandb_run is not None and samples:
+            self.wandb_run.log({key: samples_table(samples, step)}, step=step)
+
+    def _console(self, row: dict[str, Any]) -> None:
+        step = int(row["step"])
+        is_eval = any(k.startswith("eval/") for k in row)
+        if self.bar is not None:
+            if is_eval:
+                self.bar.write(_format(row, self.max_steps))
+            else:
+                self.bar.n = step
+                self.bar.set_postfix(
+                    loss=f"{row.get('loss', float('nan')):.4f}", tok_s=f"{row.get('tokens_per_s', 0):.0f}", refresh=False
+                )
+                self.bar.refresh()
+            return
+        if is_eval or step % self.log_every == 0 or step == self.max_steps or step == 1:
+            print(_format(row, self.max_steps), flush=True)
+
+    def close(self) -> None:
+        if not self.is_main:
+            return
+        if self.bar is not None:
+            self.bar.close()
+        self.file.close()
+        if self.wandb_run is not None:
+            offline_dir = self.wandb_run.settings.sync_dir if self.wandb_run.offline else None
+            self.wandb_run.finish()
+            if offline_dir is not None:  # W&B is silent (console="off"), so say where the run went
+                print(f"rltrain: W&B run saved offline in {offline_dir}; upload it with `wandb sync {offline_dir}`",
+                      flush=True)
+
+
+def _format(row: dict[str, Any], max_steps: int) -> str:
+    """One console line; the step is shown out of `max_steps`, so a reader of plain lines (no bar)
+    knows how far the run has come."""
+    keys = ["loss", "eval/accuracy", "eval/dpo_accuracy", "reward/mean", "grad_norm", "lr", "tokens_per_s"]
+    parts = [f"step {int(row['step'])}/{max_steps}"]
+    for key in keys + sorted(k for k in row if k.startswith("eval/") and k not in keys):
+        if key in row and isinstance(row[key], (int, float)):
+            parts.append(f"{key} {row[key]:.4g}")
+    return " | ".join(dict.fromkeys(parts))
+
+
+def start_wandb(cfg, run_dir: Path):
+    """W&B on by default: online with an API key, offline (files under the run dir) without one."""
+    mode = cfg.logger.wandb.mode
+    if mode == "disabled":
+        return None
+    if mode == "auto":
+        mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    # vLLM imports openai, and W&B then advertises its Weave tracer at init ("Detected [openai] in
+    # use ..."): nothing a training run can act on. W&B's own switch, unless the user set it.
+    os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
+    import wandb
+
+    id_file = run_dir / "wandb_id.txt"
+    run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(6)
+    id_file.write_text(run_id)
+    return wandb.init(
+        project=cfg.logger.wandb.project,
+        entity=cfg.logger.wandb.entity,
+        group=cfg.logger.wandb.group,
+        name=cfg.logger.wandb.name or run_dir.name,
+        dir=str(run_dir),
+        mode=mode,
+        id=run_id,
+        resume="allow",
+        config=OmegaConf.to_container(cfg, resolve=True),
+        settings=wandb.Settings(console="off", silent=True),
+    )
+

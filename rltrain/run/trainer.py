@@ -1,0 +1,178 @@
+"""The training loop of one rank: set up, resume, step, evaluate, checkpoint, export.
+
+The loop is algorithm-agnostic: the algorithm turns `train_step(step)` into one optimizer step
+and returns metrics that are already identical on every rank; the loop adds timing, writes rows,
+runs evaluation every `trainer.eval_every` steps and at the end, saves atomic checkpoints every
+`trainer.save_every` steps and writes `final/` as a Hugging Face model directory; rank 0 then draws
+the run's curves into `plots.png` (rltrain.run.plot).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rltrain.algos.base import RunContext
+from rltrain.backends.roles import resolve_role_dirs
+from rltrain.models.model_dir import resolve_model_dir
+from rltrain.run.checkpoint import CheckpointManager, fingerprint, fsync_path
+from rltrain.run.metrics_log import MetricsLogger
+from rltrain.run.plot import write_run_plot
+from rltrain.runtime.distributed import DistInfo, barrier, init_distributed
+from rltrain.runtime.errors import UserError, report_user_error
+from rltrain.runtime.library_noise import quiet_transformers_checkpoint_bars
+from rltrain.runtime.process_state import reset_process_state
+from rltrain.safety.runtime import SafetyRuntime
+
+ALGORITHMS = {
+    "sft": "rltrain.algos.sft:SFT",
+    "dpo": "rltrain.algos.dpo:DPO",
+    "grpo": "rltrain.algos.grpo:GRPO",
+    "ppo": "rltrain.algos.ppo:PPO",
+}
+
+
+def build_algorithm(ctx: RunContext):
+    module_name, cls_name = ALGORITHMS[ctx.cfg.algo.name].split(":")
+    return getattr(importlib.import_module(module_name), cls_name)(ctx)
+
+
+def configure_threads(cfg, dist_info: DistInfo) -> None:
+    threads = cfg.trainer.num_threads or max(1, (os.cpu_count() or 1) // dist_info.world_size)
+    torch.set_num_threads(threads)
+
+
+def seed_everything(seed: int, rank: int) -> None:
+    random.seed(seed + rank)
+    torch.manual_seed(seed + rank)
+
+
+def prepare_model_dir(cfg, dist_info: DistInfo) -> Path:
+    """Rank 0 builds the tiny model (and its SFT start, model=tiny_sft) if needed before the
+    others read it from the cache. The barrier waits for the build: an SFT start built here must
+    finish within safety.collective_timeout_s."""
+    if dist_info.is_main:
+        model_dir = resolve_model_dir(cfg.model, cfg.data, cfg.trainer)
+        print(f"rltrain: model {model_dir}", flush=True)
+    barrier()
+    if not dist_info.is_main:
+        model_dir = resolve_model_dir(cfg.model, cfg.data, cfg.trainer)
+    return model_dir
+
+
+def run(cfg, run_dir: Path) -> None:
+    from rltrain.models.tokenizer import load_tokenizer
+
+    if os.environ.get("RANK", "0") != "0" or cfg.model.path is None:  # a user's model: rank 0 shows its load
+        quiet_transformers_checkpoint_bars()
+    dist_info = init_distributed(cfg.safety.collective_timeout_s)
+    try:
+        configure_threads(cfg, dist_info)
+        if cfg.trainer.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        seed_everything(cfg.trainer.seed, dist_info.rank)
+        model_dir = prepare_model_dir(cfg, dist_info)
+        tokenizer = load_tokenizer(model_dir)
+        role_dirs = resolve_role_dirs(cfg, model_dir, tokenizer, dist_info.rank)
+        ctx = RunContext(
+            cfg=cfg, run_dir=run_dir, dist=dist_info, model_dir=model_dir, tokenizer=tokenizer, role_dirs=role_dirs
+        )
+        algo = build_algorithm(ctx)
+        try:
+            train_loop(ctx, algo)
+        finally:
+            algo.close()
+    except UserError as exc:
+        # Recorded before this rank leaves its collectives, so that the peers whose collectives
+        # fail next find the cause and stay quiet (rltrain.runtime.errors).
+        if dist_info.world_size > 1:
+            report_user_error(run_dir, dist_info.rank, str(exc))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        reset_process_state()
+
+
+def train_loop(ctx: RunContext, algo) -> None:
+    cfg, dist_info, run_dir = ctx.cfg, ctx.dist, ctx.run_dir
+    ckpt = CheckpointManager(
+        run_dir, dist_info, cfg.trainer.keep_checkpoints, fingerprint(cfg, ctx.model_dir, dist_info.world_size)
+    )
+    start_step = 0
+    latest = ckpt.latest() if cfg.trainer.resume == "auto" else None
+    if latest is not None:
+        state = ckpt.load(latest, algo.checkpoint_engines())
+        algo.load_state_dict(state["algorithm"])
+        start_step = int(state["step"])
+        if dist_info.is_main:
+            print(f"rltrain: resumed from {latest} (step {start_step})", flush=True)
+    logger = MetricsLogger(cfg, run_dir, dist_info.is_main, start_step)
+    # heartbeat, hang watchdog, health server, fault injection (README, "Failure behaviour")
+    safety = SafetyRuntime(cfg, run_dir, dist_info.rank, dist_info.world_size, ping=algo.health_ping())
+    safety.start()
+    try:
+        max_steps = cfg.trainer.max_steps
+        if start_step == 0 and cfg.trainer.eval_every > 0:
+            logger.log({"step": 0, **algo.evaluate(0)})
+            logger.log_samples("samples/eval", 0, algo.samples())
+            safety.progress()  # /healthz/deep judges ranks by progress (README, "Health endpoints")
+        for step in range(start_step + 1, max_steps + 1):
+            safety.before_step(step)
+            t0 = time.perf_counter()
+            metrics = algo.train_step(step)
+            elapsed = time.perf_counter() - t0
+            row = {"step": step, **metrics, "time/step": elapsed}
+            if "tokens" in metrics:
+                row["tokens_per_s"] = metrics["tokens"] / max(elapsed, 1e-9)
+            logger.log(row)
+            logger.log_samples("samples/train", step, algo.samples())
+            is_last = step == max_steps
+            if is_last or (cfg.trainer.eval_every > 0 and step % cfg.trainer.eval_every == 0):
+                evals = algo.evaluate(step)
+                if evals:
+                    logger.log({"step": step, **evals})
+                logger.log_samples("samples/eval", step, algo.samples())
+            # Saved after the step's rows are written: a checkpoint at step N implies rows 1..N.
+            if is_last or (cfg.trainer.save_every > 0 and step % cfg.trainer.save_every == 0):
+                ckpt.save(step, algo.checkpoint_engines(), {"algorithm": algo.state_dict()})
+            safety.after_step(step)
+        export_final(ctx, algo)
+    except Exception as exc:
+        safety.explain_failure(exc)  # names the lost peer when a collective failed
+        raise
+    finally:
+        safety.close()
+        logger.close()
+    if dist_info.is_main:
+        write_run_plot(run_dir)  # RUN_DIR/plots.png; a plotting error is only a warning
+        print(f"rltrain: finished step {max_steps}; run directory {run_dir} (metrics.jsonl, final/, plots.png)",
+              flush=True)
+
+
+def export_final(ctx: RunContext, algo) -> None:
+    """`final/`: config, safetensors and tokenizer, loadable by transformers and vLLM."""
+    final = ctx.run_dir / "final"
+    tmp = ctx.run_dir / "final.tmp"
+    if ctx.dist.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    algo.export_engine().save_pretrained(tmp)
+    if ctx.dist.is_main:
+        ctx.tokenizer.save_pretrained(str(tmp))
+        for path in tmp.iterdir():
+            if path.is_file():
+                fsync_path(path)
+        fsync_path(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        fsync_path(ctx.run_dir)
+    barrier()

@@ -1,0 +1,212 @@
+"""Process-group set-up and the collective helpers every module shares, with their device rule.
+
+**Device rule.** Model tensors live on the training device; small control and metric tensors
+(flags, counts, metric sums, strings) live on the CPU. On CUDA the default group is created as
+`"cpu:gloo,cuda:nccl"`, so one group serves both: CUDA tensors go through NCCL, CPU tensors
+through gloo. Groups created later without an explicit backend (FSDP's sharding group,
+megatron-core's tp/pp/dp groups) inherit that pair. Code that all-reduces a value derived from
+model outputs first moves it to `control_device()` (`.cpu()`); nothing else needs to know which
+device a collective wants.
+
+`RLTRAIN_DIST_BACKEND` overrides the backend string: `gloo` runs several ranks on one GPU (NCCL
+refuses two ranks on one device; gloo carries CUDA tensors too), `nccl` asks for NCCL alone (then
+control tensors move to the GPU, `control_device()` says so). Every collective inherits the
+process-group timeout `safety.collective_timeout_s`, so a lost peer turns into an error instead of
+a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+BACKEND_ENV = "RLTRAIN_DIST_BACKEND"
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def default_backend(cuda: bool) -> str:
+    """The backend string for the default group (see the module docstring)."""
+    override = os.environ.get(BACKEND_ENV, "").strip()
+    if override:
+        return override
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
+def training_device(local_rank: int) -> torch.device:
+    """This rank's device: its GPU (ranks beyond the GPU count share them round-robin, which only
+    a gloo group can serve), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def init_distributed(timeout_s: float) -> DistInfo:
+    """Join (or create, for a single local rank) the default process group from the env:// variables."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    device = training_device(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = default_backend(device.type == "cuda")
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        if device.type == "cuda" and "nccl" in backend and local_world > torch.cuda.device_count():
+            from rltrain.runtime.errors import UserError
+
+            raise UserError(
+                f"{local_world} ranks on this machine but only {torch.cuda.device_count()} GPU(s): NCCL needs one GPU "
+                f"per rank. Lower trainer.nproc / --nproc_per_node, or set {BACKEND_ENV}=gloo to share GPUs over "
+                "gloo (slow; for testing)."
+            )
+        if world == 1 and "MASTER_ADDR" not in os.environ:
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+            os.environ["MASTER_PORT"] = str(_free_port())
+        kwargs = {}
+        if device.type == "cuda" and backend == "nccl":
+            kwargs["device_id"] = device
+        dist.init_process_group(
+            backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s), **kwargs
+        )
+    return DistInfo(rank, world, local_rank, device)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def control_device() -> torch.device:
+    """Where small control and metric tensors of collectives live: the CPU, unless the default
+    group cannot carry CPU tensors (NCCL alone), then this rank's GPU."""
+    if dist.is_initialized() and "gloo" not in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def control_tensor(values, dtype: torch.dtype) -> torch.Tensor:
+    """A small tensor for a collective, on `control_device()`."""
+    return torch.tensor(values, dtype=dtype, device=control_device())
+
+
+def broadcast_str(text: str | None, src: int = 0) -> str:
+    """Broadcast a string from `src` as raw UTF-8 bytes (no pickle)."""
+    if dist.get_world_size() == 1:
+        assert text is not None
+        return text
+    data = (text or "").encode()
+    length = control_tensor([len(data)], torch.long)
+    dist.broadcast(length, src)
+    buf = torch.zeros(int(length), dtype=torch.uint8, device=control_device())
+    if dist.get_rank() == src and data:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buf, src)
+    return bytes(buf.tolist()).decode()
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def all_ranks_agree(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """True only if `flag` is true on every rank of `group` (one MIN all-reduce)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return flag
+    t = control_tensor([1 if flag else 0], torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return bool(t.item())
+
+
+def agree_or_raise(ok: bool, what: str, cause: BaseException | None = None) -> None:
+    """Raise on every rank unless `ok` on every rank (one MIN all-reduce on the world group)."""
+    if not all_ranks_agree(ok):
+        raise RuntimeError(f"{what} failed on at least one rank; see that rank's error") from cause
+
+
+def all_reduce_sum(values: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """SUM-all-reduce a control tensor in place on `control_device()`; returns it (on its own
+    device). A tensor from the model's device is moved there and back."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return values
+    staged = values.to(control_device())
+    dist.all_reduce(staged, group=group)
+    return staged.to(values.device)
+
+
+def global_max(value: float, group: dist.ProcessGroup | None = None) -> float:
+    """The largest `value` over the ranks of `group`."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return value
+    t = control_tensor([value], torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
+
+
+# One all-gather into a single tensor. torch 2.13 (the venv's pin) names it `all_gather_single`
+# and warns (FutureWarning, on every rank) at each call of the old name; torch 2.11 (the GPU
+# image) has only the old name.
+_all_gather_single = dist.all_gather_single if hasattr(dist, "all_gather_single") else dist.all_gather_into_tensor
+
+
+def gather_rows(local: torch.Tensor, full_rows: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The full tensor whose dim-0 shards (`torch.chunk` layout, as FSDP2 shards parameters) the
+    ranks of `group` hold, on every rank. One all-gather into a single tensor of equal, zero-padded pieces:
+    unlike DTensor's `full_tensor` (functional collectives), it runs on gloo with CUDA tensors too,
+    which is how several ranks share one GPU."""
+    world = dist.get_world_size(group)
+    per_rank = -(-full_rows // world)
+    padded = local.new_zeros((per_rank, *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    out = local.new_empty((per_rank * world, *local.shape[1:]))
+    _all_gather_single(out, padded.contiguous(), group=group)
+    return out[:full_rows]
+
+
+def _through_host(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
+    """gloo's point-to-point transport reads and writes host memory only: a CUDA tensor sent over a
+    gloo group (several ranks sharing a GPU) is staged through a CPU copy. NCCL takes it as is."""
+    return tensor.device.type == "cuda" and "nccl" not in str(dist.get_backend(group))
+
+
+class SendHandle:
+    """An asynchronous send and the buffer it reads, kept alive until `wait()`."""
+
+    def __init__(self, work, buffer: torch.Tensor) -> None:
+        self.work, self.buffer = work, buffer
+
+    def wait(self) -> None:
+        self.work.wait()
+
+
+def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> SendHandle:
+    buffer = tensor.cpu() if _through_host(tensor, group) else tensor
+    return SendHandle(dist.isend(buffer, dst=dst, group=group), buffer)
+
+
+def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> None:
+    """Receive into `tensor` (on any device; see `_through_host`)."""
+    if _through_host(tensor, group):
+        staged = torch.empty_like(tensor, device="cpu")
+        dist.recv(staged, src=src, group=group)
+        tensor.copy_(staged)
+    else:
+        dist.recv(tensor, src=src, group=group)

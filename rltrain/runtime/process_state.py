@@ -1,0 +1,62 @@
+"""Process-global state a run leaves behind, reset so the next in-process run starts clean.
+
+A Hydra multirun (`python -m rltrain -m ...`) runs its jobs one after the other in one process
+(single-rank jobs train in it; multi-rank jobs spawn fresh workers). What one job sets in module
+globals must not leak into the next:
+
+- torch.distributed's default group: destroyed by `rltrain.run.trainer.run` itself;
+- megatron-core's parallel state (its module-global groups, memory buffer, CUDA RNG tracker) and
+  `rltrain.backends.megatron.groups._SHARED`, the record of the groups it created;
+- the fault injector (`rltrain.safety.faults`), installed per run;
+- `torch.use_deterministic_algorithms` (`trainer.deterministic`);
+- environment variables a job set (`MASTER_ADDR`/`MASTER_PORT` of a single-rank world, vLLM's
+  switches): `environment_snapshot()` before the job, `restore_environment()` after it.
+
+Thread counts and RNG seeds are set at the start of every run, so they need no reset.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def reset_process_state() -> None:
+    """Undo the module-global state of a finished run (idempotent; cheap when nothing was used)."""
+    if "megatron.core.parallel_state" in sys.modules:
+        _reset_megatron()
+    faults = sys.modules.get("rltrain.safety.faults")
+    if faults is not None:
+        faults._active = faults.FaultInjector()
+    import torch
+
+    torch.use_deterministic_algorithms(False)
+
+
+def _reset_megatron() -> None:
+    import torch
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()  # clears every group global; its gloo groups are destroyed if alive
+    groups = sys.modules.get("rltrain.backends.megatron.groups")
+    if groups is not None:
+        groups._SHARED = None
+    if torch.cuda.is_available():
+        # The next run seeds megatron's model-parallel RNG states from its own trainer.seed.
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.get_cuda_rng_tracker().reset()
+
+
+def environment_snapshot() -> dict[str, str]:
+    return dict(os.environ)
+
+
+def restore_environment(snapshot: dict[str, str]) -> None:
+    """Make os.environ equal `snapshot` again (variables a job added are removed)."""
+    for key in list(os.environ):
+        if key not in snapshot:
+            del os.environ[key]
+    for key, value in snapshot.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value

@@ -1,0 +1,146 @@
+"""Every enum-like key is checked at composition, with the allowed values named.
+
+`rltrain.config.validate.CHOICES` mirrors the tuples of the code that reads each key (validate imports no
+torch); these tests keep the two equal and find every `a | b | c` key of rltrain/config/schema.py in it,
+so a new enum-like key cannot be added without its check. The CLI side (one paragraph, exit 2) is
+tests/e2e/test_bad_input_cli.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+
+import pytest
+from helpers import compose_config
+
+from rltrain.config import schema as config_module
+from rltrain.config.validate import CHOICES, validate
+from rltrain.runtime.errors import UserError
+
+# The group (and, for algorithm- or engine-specific keys, the option) each schema class belongs to.
+SCHEMA_PREFIX = {
+    "TrainerConfig": "trainer",
+    "OptimConfig": "optim",
+    "ModelConfig": "model",
+    "DataConfig": "data",
+    "WandbConfig": "logger.wandb",
+    "DPOConfig": "algo",
+    "GRPOConfig": "algo",
+    "VLLMRolloutConfig": "rollout",
+    "SafetyConfig": "safety",
+    "HealthConfig": "health",
+    "SweepConfig": "sweep",
+}
+# The group option a key exists under; others use the default composition (algo=grpo, rollout=vllm).
+OPTION_OF = {"algo.loss_type": "algo=dpo"}
+
+
+@pytest.fixture(autouse=True)
+def _not_under_torchrun(monkeypatch) -> None:
+    for name in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _cfg(*overrides: str):
+    return compose_config(*overrides)
+
+
+def test_choices_mirror_the_code_that_reads_them():
+    from rltrain.algos.dpo_loss import LOSS_TYPES
+    from rltrain.algos.grpo_loss import SCALES
+    from rltrain.algos.policy_loss import LOSS_AGGS
+    from rltrain.data.tasks import TASKS
+    from rltrain.launch.sweep import DIRECTIONS
+    from rltrain.rollout import PROCESSES
+    from rltrain.runtime.precision import PRECISIONS
+
+    assert CHOICES["trainer.precision"] == PRECISIONS
+    assert CHOICES["algo.loss_type"] == LOSS_TYPES
+    assert CHOICES["algo.loss_agg"] == LOSS_AGGS
+    assert CHOICES["algo.scale_rewards"] == SCALES
+    assert CHOICES["rollout.process"] == PROCESSES
+    assert CHOICES["sweep.direction"] == DIRECTIONS
+    assert set(CHOICES["data.task"]) == set(TASKS)
+
+
+def test_every_enum_like_key_of_every_group_is_checked():
+    """A `str` field whose comment lists its values (`# a | b | c`) is enum-like."""
+    found = set()
+    for cls_name, prefix in SCHEMA_PREFIX.items():
+        cls = getattr(config_module, cls_name)
+        body = inspect.getsource(cls)
+        for f in dataclasses.fields(cls):
+            line = re.search(rf"^\s+{f.name}: str = .*$", body, re.M)
+            if line and re.search(r"#.* \| ", line.group(0)):
+                found.add(f"{prefix}.{f.name}")
+    assert found, "no enum-like keys found: the comment convention changed"
+    assert found <= set(CHOICES), f"enum-like keys without a check: {sorted(found - set(CHOICES))}"
+
+
+def test_the_defaults_of_every_algorithm_and_backend_pass():
+    for algo in ("sft", "dpo", "grpo"):
+        for backend in ("fsdp", "megatron"):
+            validate(_cfg(f"algo={algo}", f"backend={backend}"))
+    validate(_cfg("rollout=hf"))
+
+
+@pytest.mark.parametrize("key", sorted(CHOICES))
+def test_a_bad_value_names_the_key_and_every_allowed_value(key):
+    option = [OPTION_OF[key]] if key in OPTION_OF else []
+    cfg = _cfg(*option, f"{key}=tokenmean")
+    with pytest.raises(UserError) as info:
+        validate(cfg)
+    message = str(info.value)
+    assert f"{key}='tokenmean'" in message
+    assert all(str(v) in message for v in CHOICES[key]), message
+
+
+def test_a_key_of_another_algorithm_is_not_checked_where_it_does_not_exist():
+    cfg = _cfg("algo=sft")
+    assert "loss_agg" not in cfg.algo and "loss_type" not in cfg.algo
+    validate(cfg)
+
+
+@pytest.mark.parametrize(
+    "override, names",
+    [
+        ("model.num_heads=3", "model.hidden_size=128"),
+        ("model.num_kv_heads=3", "model.num_kv_heads=3"),
+        ("model.attention_bias=false", "model.arch=llama"),
+        ("data.num_eval=0", "data.num_eval=0"),
+        ("data.eval_fraction=1.5", "data.eval_fraction=1.5"),
+        ("algo.group_size=0", "algo.group_size=0"),
+        ("algo.top_p=0", "algo.top_p=0"),
+        ("sweep.last_n=0", "sweep.last_n=0"),
+        ("logger.sample_every=-1", "logger.sample_every=-1"),
+    ],
+)
+def test_unusable_values_are_refused_naming_the_key(override, names):
+    with pytest.raises(UserError, match=re.escape(names)):
+        validate(_cfg(override))
+
+
+def test_dpo_values_are_refused_naming_the_key():
+    with pytest.raises(UserError, match=r"algo\.label_smoothing=0\.5"):
+        validate(_cfg("algo=dpo", "algo.label_smoothing=0.5"))
+    with pytest.raises(UserError, match=r"algo\.beta=0"):
+        validate(_cfg("algo=dpo", "algo.beta=0"))
+
+
+def test_compile_without_a_cpp_compiler_is_refused_before_building(monkeypatch):
+    """`backend.compile=true` needs the C++ compiler inductor uses ($CXX, else g++)."""
+    cfg = compose_config("backend=fsdp", "backend.compile=true")
+    validate(cfg)  # g++ is installed here
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    with pytest.raises(UserError, match=r"backend.compile=true needs a C\+\+ compiler.*no-such-compiler-xyz"):
+        validate(cfg)
+    validate(compose_config("backend=fsdp"))  # off: no compiler needed
+
+
+def test_a_batch_smaller_than_the_ranks_is_refused_where_the_algorithm_reads_it():
+    for algo in ("sft", "dpo"):
+        with pytest.raises(UserError, match=r"trainer\.global_batch_size=1 is smaller than the 2"):
+            validate(_cfg(f"algo={algo}", "trainer.nproc=2", "trainer.global_batch_size=1"))
+    validate(_cfg("algo=grpo", "trainer.nproc=2", "trainer.global_batch_size=1"))  # RL steps are algo.prompts_per_step

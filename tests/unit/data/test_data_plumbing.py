@@ -1,0 +1,52 @@
+from rltrain.backends.lr_schedule import lr_at
+from rltrain.config.schema import OptimConfig
+from rltrain.data import tasks
+from rltrain.data.sampler import IndexStream
+from rltrain.data.sharding import micro_batch_count, rank_slice, split_micro_batches
+
+
+def test_rank_slices_cover_everything_once():
+    items = list(range(7))
+    slices = [rank_slice(items, r, 3) for r in range(3)]
+    assert slices == [[0, 1, 2], [3, 4], [5, 6]]
+
+
+def test_every_rank_gets_the_same_micro_batch_count():
+    assert micro_batch_count(7, 2, 2) == 2  # largest slice holds 4
+    assert split_micro_batches([1, 2, 3], 2, 2) == [[1, 2], [3]]
+    assert split_micro_batches([1], 2, 2) == [[1], []]
+
+
+def test_index_stream_resumes_exactly():
+    a = IndexStream(5, seed=3)
+    first = a.take(7)
+    state = a.state_dict()
+    rest = a.take(9)
+    b = IndexStream(5, seed=3)
+    b.load_state_dict(state)
+    assert b.take(9) == rest
+    assert sorted(first[:5]) == list(range(5))
+
+
+def test_addition_split_holds_out_unseen_problems():
+    train, held = tasks.addition_split(seed=0, num_eval=200)
+    assert len(held) == 200 and len(train) == 9800
+    assert not {(p.a, p.b) for p in train} & {(p.a, p.b) for p in held}
+    assert tasks.addition_split(seed=0, num_eval=200)[1] == held
+
+
+def test_wrong_answers_are_wrong_and_of_another_length():
+    import random
+
+    rng = random.Random(0)
+    for p in tasks.addition_split(0, 100)[1]:
+        w = tasks.wrong_answer(p, rng)
+        assert w != p.answer and len(w) != len(p.answer)
+
+
+def test_lr_schedule_warmup_then_cosine_floor():
+    cfg = OptimConfig(lr=1.0, warmup_steps=4, schedule="cosine", min_lr_ratio=0.1)
+    assert lr_at(0, cfg, 104) == 0.25
+    assert lr_at(3, cfg, 104) == 1.0
+    assert abs(lr_at(104, cfg, 104) - 0.1) < 1e-12
+    assert abs(lr_at(54, cfg, 104) - 0.55) < 1e-12

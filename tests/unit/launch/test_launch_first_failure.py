@@ -1,0 +1,28 @@
+"""Which rank the launcher names when a run fails (rltrain.launch.local.first_failure)."""
+
+from __future__ import annotations
+
+from rltrain.launch.local import first_failure
+from rltrain.runtime.errors import report_user_error
+
+
+def test_no_failure_while_ranks_run_or_succeed(tmp_path):
+    assert first_failure({0: None, 1: 0}, tmp_path) is None
+
+
+def test_a_rank_killed_by_a_signal_is_the_cause_not_its_victims(tmp_path):
+    failure = first_failure({0: 1, 1: -9, 2: None}, tmp_path)
+    assert failure is not None and failure.rank == 1 and not failure.user_error
+    assert failure.message == "rltrain: rank 1 exited with code -9 (killed by SIGKILL); stopping the other ranks"
+
+
+def test_the_lowest_failed_rank_without_a_signal(tmp_path):
+    failure = first_failure({0: None, 1: 3, 2: 1}, tmp_path)
+    assert failure is not None and failure.rank == 1 and "exited with code 3" in failure.message
+
+
+def test_a_recorded_user_error_names_its_rank_even_if_a_peer_exited_first(tmp_path):
+    report_user_error(tmp_path, 1, "reward function 'x:y' raised ValueError: bad")
+    failure = first_failure({0: 1, 1: None}, tmp_path)
+    assert failure is not None and failure.rank == 1 and failure.user_error
+    assert failure.message == "rltrain: error: rank 1: reward function 'x:y' raised ValueError: bad"
