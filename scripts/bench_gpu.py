@@ -223,14 +223,21 @@ class Workload:
         if self.name == "sft":
             prompts = [encode(self.tok, r["prompt"]) for r in chunk]
             completions = [encode(self.tok, r["completion"]) + [eos] for r in chunk]
-            extras = {"global_tokens": float(sum(map(len, completions)))}
+            batch = SequenceBatch.from_lists(prompts, completions, global_tokens=float(sum(map(len, completions))))
         else:
+            from rltrain.algos.rl_update import PolicyLossInputs
+            from rltrain.data.ragged import Ragged
+
             rollouts = fixed_rollouts(self.tok, rows, k, a.batch, a.group)
             prompts, completions = rollouts.prompts, rollouts.completions
-            extras = {"global_tokens": float(sum(map(len, completions))), "global_seqs": float(len(completions)),
-                      "adv": torch.tensor(rollouts.adv_B, device="cpu"), "old_logps": None, "entropy": None,
-                      "ref_logps": None, "engine_logps": None, "measure_parity": False}
-        batch = SequenceBatch.from_lists(prompts, completions, **extras)
+            batch = SequenceBatch.from_lists(prompts, completions)
+            # On-policy from the training pass (old/entropy/reference None); the engine's log-probabilities
+            # are not measured here (no rollout engine), so zeros stand in and no correction reads them.
+            no_engine_logps = Ragged.from_lengths(torch.zeros(batch.num_completion_tokens, device="cpu"), batch.completion_lens())
+            batch.loss_inputs = PolicyLossInputs(
+                adv=torch.tensor(rollouts.adv_B, device="cpu"), engine_logps=no_engine_logps,
+                global_tokens=float(sum(map(len, completions))), global_seqs=float(len(completions)),
+            )
         sizes = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
         count = micro_batch_count(len(batch), 1, rows_per_micro)
         return [batch.select(idx) for idx in split_micro_batches(list(range(len(batch))), count, rows_per_micro, sizes, a.max_tokens) if idx]
@@ -239,8 +246,8 @@ class Workload:
         from types import SimpleNamespace
 
         from rltrain.algos.dpo import make_dpo_loss
+        from rltrain.algos.losses import sft_loss
         from rltrain.algos.rl_update import make_policy_loss
-        from rltrain.algos.sft import sft_loss
 
         if self.name == "sft":
             return sft_loss

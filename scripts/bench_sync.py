@@ -43,7 +43,8 @@ from pathlib import Path
 
 import torch
 
-from rltrain.sync.transport import WeightReceiver, WeightSender
+from rltrain.sync.transport import WeightSender
+from rltrain.sync.transport_receiver import WeightReceiver
 
 Weights = list[tuple[str, torch.Tensor]]
 

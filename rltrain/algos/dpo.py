@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rltrain.algos.base import PolicyStreamAlgorithm, RunContext
-from rltrain.algos.dpo_loss import dpo_pair_losses, implicit_rewards
+from rltrain.algos.losses import dpo_pair_losses, implicit_rewards
 from rltrain.backends import build_engine
 from rltrain.backends.base import PolicyOutput
 from rltrain.data.batch import SequenceBatch

@@ -86,7 +86,6 @@ class Experience:
     entropy: Ragged | None = None
     ref_logps: Ragged | None = None
     values: Ragged | None = None
-    returns: Ragged | None = None  # the critic's targets (PPO)
 
 
 class ExperienceCollector:

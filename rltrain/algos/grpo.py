@@ -1,5 +1,5 @@
 """Group Relative Policy Optimisation: the shared RL step (rltrain/algos/rl.py) with group-relative
-advantages (rltrain/algos/grpo_loss.py) and the clipped policy loss (rltrain/algos/policy_loss.py).
+advantages (rltrain/algos/advantages.py) and the clipped policy loss (rltrain/algos/losses.py).
 
 One step: `algo.prompts_per_step` prompts (global), `algo.group_size` completions each from the
 rollout engine, which receives the weights every step -> rewards (built-in, `reward.fns`, a reward
@@ -16,17 +16,15 @@ baseline, clipped).
 
 from __future__ import annotations
 
-import torch
-
+from rltrain.algos.advantages import group_advantages
 from rltrain.algos.experience import Experience
-from rltrain.algos.grpo_loss import group_advantages
-from rltrain.algos.rl import RLAlgorithm
+from rltrain.algos.rl import Advantages, RLAlgorithm
 
 
 class GRPO(RLAlgorithm):
-    def advantages(self, exp: Experience) -> tuple[torch.Tensor, dict[str, float]]:
+    def advantages(self, exp: Experience) -> Advantages:
         a = self.algo_cfg
         # From the global batch of rewards: the rank count does not change them.
         adv_all = group_advantages(exp.global_scores.float(), a.group_size, a.scale_rewards)
         offset = self.collector.layout.offset
-        return adv_all[offset : offset + len(exp.completions)], {}
+        return Advantages(adv_all[offset : offset + len(exp.completions)])

@@ -1,5 +1,5 @@
 """Proximal Policy Optimisation with a critic: the shared RL step (rltrain/algos/rl.py) with
-per-token advantages from GAE (rltrain/algos/ppo_math.py) and a value model trained alongside.
+per-token advantages from GAE (rltrain/algos/advantages.py) and a value model trained alongside.
 
 One step: `algo.prompts_per_step` prompts x `algo.group_size` completions from the rollout engine
 -> rewards -> the trainer scores the batch once: the critic's values V_t of every completion token
@@ -22,37 +22,39 @@ from typing import ClassVar
 
 import torch
 
-from rltrain.algos.experience import Experience
-from rltrain.algos.ppo_math import (
+from rltrain.algos.advantages import (
     explained_variance,
     explained_variance_sums,
     gae,
     moments,
     moments_sums,
     token_rewards,
-    value_loss,
     whiten,
 )
-from rltrain.algos.rl import RLAlgorithm
+from rltrain.algos.experience import Experience
+from rltrain.algos.losses import value_loss
+from rltrain.algos.rl import Advantages, RLAlgorithm
+from rltrain.algos.rl_update import ValueLossInputs
 from rltrain.backends.base import PolicyOutput
+from rltrain.config.schema import PPOConfig
 from rltrain.data.batch import SequenceBatch
-from rltrain.data.ragged import Ragged, on_device
 from rltrain.data.sharding import sum_over_replicas
 
 
 def make_value_loss(vf_clip: float):
-    """The critic's loss for `train_step`: extras `old_values` and `returns` (ragged, host)."""
+    """The critic's loss for `train_step`, reading the batch's `ValueLossInputs` (host)."""
 
     def loss_fn(output: PolicyOutput, batch: SequenceBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         assert output.values is not None, "the value loss needs a critic's values"
-        e = {k: on_device(v, output.values.values.device) for k, v in batch.extras.items()}
-        return value_loss(output.values, e["old_values"], e["returns"], vf_clip, e["global_tokens"])
+        assert isinstance(batch.loss_inputs, ValueLossInputs), "the value loss needs ValueLossInputs"
+        e = batch.loss_inputs.to(output.values.values.device)
+        return value_loss(output.values, e.old_values, e.returns, vf_clip, e.global_tokens)
 
     return loss_fn
 
 
-def ppo_advantages(exp: Experience, algo_cfg, dp_size: int) -> tuple[Ragged, dict[str, float]]:
-    """This rank's whitened GAE advantages (and `exp.returns`, the critic's targets) from the
+def ppo_advantages(exp: Experience, algo_cfg: PPOConfig, dp_size: int) -> Advantages:
+    """This rank's whitened GAE advantages and the critic's targets (the returns) from the
     experience's scores, values and, with the KL in the reward, old and reference log-probabilities;
     moments and explained variance over the global batch (a collective over `dp_size` replicas)."""
     a = algo_cfg
@@ -69,14 +71,13 @@ def ppo_advantages(exp: Experience, algo_cfg, dp_size: int) -> tuple[Ragged, dic
     ev = explained_variance(sum_over_replicas(explained_variance_sums(returns.values, values.values), dp_size))
     if a.whiten_advantages:
         adv = adv.with_values(whiten(adv.values, adv_mean, adv_var))
-    exp.returns = returns
     metrics = {
         "adv/mean": adv_mean,
         "adv/std": adv_var**0.5,
         "critic/values_mean": value_mean,
         "critic/explained_variance": ev,
     }
-    return adv, metrics
+    return Advantages(adv, metrics, returns)
 
 
 class PPO(RLAlgorithm):
@@ -95,8 +96,9 @@ class PPO(RLAlgorithm):
     def updates_policy(self, step: int) -> bool:
         return step > self.algo_cfg.critic_warmup_steps
 
-    def advantages(self, exp: Experience) -> tuple[Ragged, dict[str, float]]:
+    def advantages(self, exp: Experience) -> Advantages:
         return ppo_advantages(exp, self.algo_cfg, self.policy.world_size)
 
-    def update_critic(self, exp: Experience, step: int) -> dict[str, float]:
-        return self.learner.update_critic(exp, self.value_loss_fn)
+    def update_critic(self, exp: Experience, advantages: Advantages, step: int) -> dict[str, float]:
+        assert advantages.returns is not None, "PPO's advantages come with the critic's targets"
+        return self.learner.update_critic(exp, advantages.returns, self.value_loss_fn)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -35,6 +36,16 @@ from rltrain.rollout import build_rollout
 from rltrain.run.samples import Sample
 from rltrain.runtime.distributed import global_max
 from rltrain.sync.timeshare import TimeSharing
+from rltrain.sync.weight_sync import WeightSync
+
+
+@dataclass
+class Advantages:
+    """What an algorithm's `advantages` computes for this rank's sequences."""
+
+    adv: torch.Tensor | Ragged  # [B] per sequence or Ragged per completion token
+    metrics: dict[str, float] = field(default_factory=dict)
+    returns: Ragged | None = None  # the critic's targets (algorithms with `uses_critic`)
 
 
 class RLAlgorithm:
@@ -55,7 +66,8 @@ class RLAlgorithm:
         engines = [e for e in (self.policy, self.reference, self.critic) if e is not None]
         reward_fns = build_reward_fns(cfg, ctx.dist.device)
         frozen = [rf.device_model for rf in reward_fns if rf.device_model is not None]
-        self.timeshare = TimeSharing(engines, self.rollout, ctx.dist.device, cfg.placement.time_sharing, frozen)
+        self.weights = WeightSync(self.rollout, deferred=cfg.placement.time_sharing)
+        self.timeshare = TimeSharing(engines, self.rollout, ctx.dist.device, cfg.placement.time_sharing, self.weights, frozen)
         self.collector = ExperienceCollector(ctx, self.rollout, self.timeshare, self.policy, reward_fns)
         parity = ParityProbe()
         update = MiniBatchUpdate(
@@ -80,11 +92,11 @@ class RLAlgorithm:
         """True when the advantages need the old log-probabilities (e.g. a KL in the reward)."""
         return False
 
-    def advantages(self, exp: Experience) -> tuple[torch.Tensor | Ragged, dict[str, float]]:
-        """(this rank's advantages: [B] per sequence or Ragged per token, metrics)."""
+    def advantages(self, exp: Experience) -> Advantages:
+        """This rank's advantages (and, with a critic, its targets), with their metrics."""
         raise NotImplementedError
 
-    def update_critic(self, exp: Experience, step: int) -> dict[str, float]:
+    def update_critic(self, exp: Experience, advantages: Advantages, step: int) -> dict[str, float]:
         """The critic's optimizer steps (algorithms with `uses_critic`)."""
         return {}
 
@@ -94,28 +106,33 @@ class RLAlgorithm:
     # --- one step ------------------------------------------------------------------------------
 
     def train_step(self, step: int) -> dict[str, float]:
+        # 1. Generate. With time sharing this is the engine's turn, and it begins by delivering the
+        #    weights published at the end of the last step (the `sync` phase: WeightSync.deliver).
         exp = self.collector.collect(step)
+        # 2. Learn: score the batch, advantages, the optimizer steps.
         t1 = time.perf_counter()
         with self.timeshare.train():
             self.learner.score(exp)
-            adv, adv_metrics = self.advantages(exp)
-            stats = self.learner.update_policy(exp, adv) if self.updates_policy(step) else {}
-            stats.update(self.update_critic(exp, step))
-            time_train = time.perf_counter() - t1
-            # Time sharing: exported into host memory now (a collective), synced at the next turn.
-            self.timeshare.publish(self.policy.export_weights)
+            advantages = self.advantages(exp)
+            stats = self.learner.update_policy(exp, advantages.adv) if self.updates_policy(step) else {}
+            stats.update(self.update_critic(exp, advantages, step))
+        time_train = time.perf_counter() - t1
+        # 3. Publish the new weights (an export: a collective on every rank). Without time sharing
+        #    they stream into the engine now; with it, into a host copy for the next turn's `sync`.
+        self.weights.publish(self.policy.export_weights)
         n_global = self.collector.layout.global_size
         dp_size = self.policy.world_size
         return {
             **stats,
-            **adv_metrics,
+            **advantages.metrics,
             **self.collector.reward_metrics(exp),
             "rollout/response_length_mean": float(exp.counts[0] / n_global),
             "rollout/truncated_fraction": float(exp.counts[2] / n_global),
             "rollout/tokens_per_s": float(exp.counts[0]) / max(global_max(exp.time_rollout), 1e-9),
             "time/rollout": exp.time_rollout,
             "time/train": time_train,
-            "time/sync": self.timeshare.last_sync_s,
+            "time/sync": self.weights.last_sync_s,
+            "time/publish": self.weights.last_publish_s,
             **self.timeshare.pop_metrics(),
             "tokens": float(sum_over_replicas(torch.tensor([float(exp.batch.tokens.num_tokens)], device="cpu"), dp_size)),
             "data/overlong_dropped": float(self.collector.dropped),
@@ -135,7 +152,7 @@ class RLAlgorithm:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.collector.stream.load_state_dict(state["stream"])
         # The engine was built from the initial weights: give it the restored ones.
-        self.timeshare.publish(self.policy.export_weights)
+        self.weights.publish(self.policy.export_weights)
 
     def health_ping(self) -> Callable[[], bool]:
         """The rollout engine's own real ping (`RolloutEngine.ping`) for `/healthz/deep`."""

@@ -3,27 +3,84 @@ the policy's loss function (shared by GRPO and PPO; the critic's update runs thr
 
 Mini-batches split the *global* batch by position (rltrain.algos.experience.BatchLayout), so the
 split does not depend on the number of ranks; each rank trains on its sequences that fall in the
-mini-batch, in as many micro-batches as the rank holding the most of them needs. Per-sequence and
-per-token extras (advantages, old / reference / engine log-probabilities, values, returns) travel
-with the micro-batches in `SequenceBatch.extras`, on the host; loss functions move them to the
-outputs' device.
+mini-batch, in as many micro-batches as the rank holding the most of them needs. What the losses
+read besides the model's output (`PolicyLossInputs`, `ValueLossInputs`) travels with the
+micro-batches as `SequenceBatch.loss_inputs`, on the host; the losses move it to the outputs' device.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, replace
 
 import torch
 
 from rltrain.algos.experience import BatchLayout, Experience
-from rltrain.algos.policy_loss import policy_loss
+from rltrain.algos.losses import policy_loss
 from rltrain.algos.rollout_correction import correction, correction_metrics
 from rltrain.backends.base import LossFn, PolicyOutput, TrainEngine
+from rltrain.config.schema import RLConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged, on_device
 from rltrain.data.sharding import split_micro_batches, sum_over_replicas
 from rltrain.runtime.distributed import global_max
+
+
+def _pick(value, idx: torch.Tensor):
+    """The sequences at `idx` of a per-sequence tensor or a Ragged (None stays None)."""
+    if isinstance(value, Ragged):
+        return value.select(idx) if len(idx) else value.like_empty()
+    if isinstance(value, torch.Tensor):
+        return value[idx] if len(idx) else value[:0]
+    return value
+
+
+@dataclass
+class PolicyLossInputs:
+    """What the policy's loss reads besides the model's output, per sequence of its batch.
+    None means on-policy scoring from the training pass itself (see `make_policy_loss`)."""
+
+    adv: torch.Tensor | Ragged  # [B] per sequence (GRPO) or per completion token (PPO)
+    engine_logps: Ragged  # the rollout engine's sampling log-probabilities
+    old_logps: Ragged | None = None
+    entropy: Ragged | None = None
+    ref_logps: Ragged | None = None
+    measure_parity: bool = False  # the loss measures train/rollout parity (the fused pass)
+    global_tokens: float = 0.0  # completion tokens of the mini-batch over every rank
+    global_seqs: float = 0.0  # sequences of the mini-batch over every rank
+
+    def select(self, indices: torch.Tensor) -> PolicyLossInputs:
+        return replace(
+            self, adv=_pick(self.adv, indices), engine_logps=_pick(self.engine_logps, indices),
+            old_logps=_pick(self.old_logps, indices), entropy=_pick(self.entropy, indices),
+            ref_logps=_pick(self.ref_logps, indices),
+        )
+
+    def to(self, device: torch.device) -> PolicyLossInputs:
+        return replace(
+            self, adv=self.adv.to(device), engine_logps=self.engine_logps.to(device),
+            old_logps=on_device(self.old_logps, device), entropy=on_device(self.entropy, device),
+            ref_logps=on_device(self.ref_logps, device),
+        )
+
+
+@dataclass
+class ValueLossInputs:
+    """What the critic's loss reads besides the critic's values, per sequence of its batch."""
+
+    old_values: Ragged  # the critic's values when the batch was scored
+    returns: Ragged  # the targets (GAE returns)
+    global_tokens: float = 0.0
+    global_seqs: float = 0.0
+
+    def select(self, indices: torch.Tensor) -> ValueLossInputs:
+        return replace(self, old_values=_pick(self.old_values, indices), returns=_pick(self.returns, indices))
+
+    def to(self, device: torch.device) -> ValueLossInputs:
+        return replace(self, old_values=self.old_values.to(device), returns=self.returns.to(device))
+
+
+LossInputsT = PolicyLossInputs | ValueLossInputs
 
 
 class ParityProbe:
@@ -39,9 +96,9 @@ class ParityProbe:
             self.max_diff = max(self.max_diff, float(diffs_N.max()))
 
 
-def make_policy_loss(algo_cfg: Any, parity: ParityProbe | None = None, kl_in_loss: bool = True) -> LossFn:
-    """The policy's loss for `train_step`. Extras set to None mean on-policy scoring from the
-    training pass itself: `old_logps` -> the pass's own detached log-probabilities (ratio 1),
+def make_policy_loss(algo_cfg: RLConfig, parity: ParityProbe | None = None, kl_in_loss: bool = True) -> LossFn:
+    """The policy's loss for `train_step`, reading the batch's `PolicyLossInputs`. Inputs set to
+    None mean on-policy scoring from the training pass itself: `old_logps` -> the pass's own detached log-probabilities (ratio 1),
     `entropy` -> the pass's entropies, `ref_logps` (without a reference model) -> the old
     log-probabilities, so `policy/kl` reads 0. With `engine_logps` the loss applies the rollout
     correction (`algo.rollout_correction`) and, when `measure_parity` is set, measures
@@ -50,32 +107,33 @@ def make_policy_loss(algo_cfg: Any, parity: ParityProbe | None = None, kl_in_los
 
     def loss_fn(output: PolicyOutput, batch: SequenceBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         assert output.logps is not None, "the policy's loss needs log-probabilities"
-        # Extras are built on the host; the loss runs where the model's outputs are.
-        e = {k: on_device(v, output.logps.values.device) for k, v in batch.extras.items()}
-        old = e["old_logps"] if e["old_logps"] is not None else output.logps.detach()
-        ref = e["ref_logps"] if e["ref_logps"] is not None else old
-        engine_logps = e["engine_logps"]
+        assert isinstance(batch.loss_inputs, PolicyLossInputs), "the policy's loss needs PolicyLossInputs"
+        # The inputs are built on the host; the loss runs where the model's outputs are.
+        e = batch.loss_inputs.to(output.logps.values.device)
+        old = e.old_logps if e.old_logps is not None else output.logps.detach()
+        ref = e.ref_logps if e.ref_logps is not None else old
+        engine_logps = e.engine_logps
         weights, keep_B = correction(old, engine_logps, algo_cfg.rollout_correction, algo_cfg.rollout_is_cap, algo_cfg.rollout_mask_band)
         loss, metrics = policy_loss(
             output.logps,
-            e["adv"],
+            e.adv,
             old_logps=old,
             ref_logps=ref,
-            entropy=e["entropy"] if e["entropy"] is not None else output.entropy,
+            entropy=e.entropy if e.entropy is not None else output.entropy,
             is_weights=weights,
             keep_B=keep_B,
             clip_low=algo_cfg.clip_low,
             clip_high=algo_cfg.clip_high,
             beta=beta,
             loss_agg=algo_cfg.loss_agg,
-            global_tokens=e["global_tokens"],
-            global_seqs=e["global_seqs"],
+            global_tokens=e.global_tokens,
+            global_seqs=e.global_seqs,
             max_len=algo_cfg.max_new_tokens,
         )
-        metrics.update(correction_metrics(weights, keep_B, output.logps.num_tokens, e["global_tokens"], e["global_seqs"]))
-        if e["measure_parity"]:
+        metrics.update(correction_metrics(weights, keep_B, output.logps.num_tokens, e.global_tokens, e.global_seqs))
+        if e.measure_parity:
             diffs_N = (output.logps.values.detach().float() - engine_logps.values.float()).abs()
-            metrics["rollout/logprob_diff_mean"] = diffs_N.sum() / max(float(e["global_tokens"]), 1.0)
+            metrics["rollout/logprob_diff_mean"] = diffs_N.sum() / max(float(e.global_tokens), 1.0)
             if parity is not None:
                 parity.observe(diffs_N)
         return loss, metrics
@@ -101,7 +159,7 @@ class MiniBatchUpdate:
         return split_micro_batches(positions, count, self.micro_batch_size, batch.tokens.lengths().tolist(), self.token_budget)
 
     def run(
-        self, engine: TrainEngine, batch: SequenceBatch, extras: dict[str, Any], loss_fn: LossFn, with_entropy: bool = False,
+        self, engine: TrainEngine, batch: SequenceBatch, inputs: LossInputsT, loss_fn: LossFn, with_entropy: bool = False,
         on_step: Callable[[], None] | None = None,
     ) -> dict[str, float]:
         offset = self.layout.offset
@@ -113,7 +171,7 @@ class MiniBatchUpdate:
                 lo, hi = mini * per_mini, (mini + 1) * per_mini
                 mine = [i for i in range(len(batch)) if lo <= offset + i < hi]
                 count = self.layout.micro_batches_per_rank(lo, hi, self.micro_batch_size)
-                metrics = self._train_on(engine, batch, mine, extras, loss_fn, count, with_entropy)
+                metrics = self._train_on(engine, batch, mine, inputs, loss_fn, count, with_entropy)
                 updates += 1
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
@@ -122,21 +180,15 @@ class MiniBatchUpdate:
         return {k: v / updates for k, v in sums.items()}
 
     def _train_on(
-        self, engine: TrainEngine, batch: SequenceBatch, positions: list[int], extras: dict[str, Any], loss_fn: LossFn,
+        self, engine: TrainEngine, batch: SequenceBatch, positions: list[int], inputs: LossInputsT, loss_fn: LossFn,
         count: int, with_entropy: bool,
     ) -> dict[str, float]:
         sub = batch.select(positions)
-        for key, value in extras.items():
-            if isinstance(value, Ragged):
-                sub.extras[key] = value.select(positions) if positions else value.like_empty()
-            elif isinstance(value, torch.Tensor):
-                sub.extras[key] = value[positions] if positions else value[:0]
-            else:
-                sub.extras[key] = value
         counts = sum_over_replicas(
             torch.tensor([float(sub.num_completion_tokens), float(len(sub))], dtype=torch.float64, device="cpu"), engine.world_size
         )
-        sub.extras["global_tokens"], sub.extras["global_seqs"] = float(counts[0]), float(counts[1])
+        mine = inputs.select(torch.as_tensor(positions, dtype=torch.long, device="cpu"))
+        sub.loss_inputs = replace(mine, global_tokens=float(counts[0]), global_seqs=float(counts[1]))
         micro = [sub.select(p) for p in self._split(list(range(len(sub))), count, sub)]
         return engine.train_step(micro, loss_fn, with_entropy=with_entropy)
 
@@ -175,11 +227,11 @@ class Learner:
 
     def update_policy(self, exp: Experience, adv: torch.Tensor | Ragged) -> dict[str, float]:
         """The policy's optimizer steps on `exp` with advantages `adv` ([B] or per token)."""
-        extras = {
-            "adv": adv, "old_logps": exp.old_logps, "entropy": exp.entropy, "ref_logps": exp.ref_logps,
-            "engine_logps": exp.engine_logps, "measure_parity": self.fused,
-        }
-        out = self.update.run(self.policy, exp.batch, extras, self.loss_fn, with_entropy=self.fused)
+        inputs = PolicyLossInputs(
+            adv=adv, engine_logps=exp.engine_logps, old_logps=exp.old_logps, entropy=exp.entropy,
+            ref_logps=exp.ref_logps, measure_parity=self.fused,
+        )
+        out = self.update.run(self.policy, exp.batch, inputs, self.loss_fn, with_entropy=self.fused)
         out["rollout/logprob_diff_max"] = global_max(self.parity.max_diff)
         if not self.fused:
             old = exp.old_logps
@@ -188,9 +240,9 @@ class Learner:
             out["rollout/logprob_diff_mean"] = float(diff_sum[0] / max(float(exp.counts[0]), 1.0))
         return out
 
-    def update_critic(self, exp: Experience, loss_fn: LossFn) -> dict[str, float]:
-        """The critic's optimizer steps on `exp` (extras: old values and returns), under `critic/`."""
-        assert self.critic is not None and exp.values is not None and exp.returns is not None
-        extras = {"old_values": exp.values, "returns": exp.returns}
-        stats = self.update.run(self.critic, exp.batch, extras, loss_fn)
+    def update_critic(self, exp: Experience, returns: Ragged, loss_fn: LossFn) -> dict[str, float]:
+        """The critic's optimizer steps on `exp` towards `returns`, metrics under `critic/`."""
+        assert self.critic is not None and exp.values is not None
+        inputs = ValueLossInputs(old_values=exp.values, returns=returns)
+        stats = self.update.run(self.critic, exp.batch, inputs, loss_fn)
         return {k if k.startswith("critic/") else f"critic/{k}": v for k, v in stats.items() if k != "loss"}

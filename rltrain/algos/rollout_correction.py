@@ -19,12 +19,14 @@ Metrics: `rollout/is_weight_mean` (mean token weight; 1 for `mask`), `rollout/ma
 from __future__ import annotations
 
 import math
+from typing import get_args
 
 import torch
 
+from rltrain.config.schema import RolloutCorrection
 from rltrain.data.ragged import Ragged
 
-MODES = ("none", "tis", "mask")
+MODES: tuple[str, ...] = get_args(RolloutCorrection)
 
 
 def correction(

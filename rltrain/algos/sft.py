@@ -11,24 +11,15 @@ number of ranks do not change it. No packing across examples, no label smoothing
 
 from __future__ import annotations
 
-import torch
-
 from rltrain.algos.base import PolicyStreamAlgorithm, RunContext
+from rltrain.algos.losses import sft_loss
 from rltrain.backends import build_engine
-from rltrain.backends.base import PolicyOutput
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.sampler import IndexStream
 from rltrain.data.sft_data import build_sft_data
 from rltrain.data.sharding import micro_batch_count, rank_slice, split_micro_batches
 from rltrain.run.evaluation import GreedyEvaluator
 from rltrain.runtime.precision import resolve_precision
-
-
-def sft_loss(output: PolicyOutput, batch: SequenceBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Summed completion NLL over the global completion-token count (in `extras`)."""
-    global_tokens = batch.extras["global_tokens"]
-    loss = -output.logps.values.sum() / global_tokens
-    return loss, {}
 
 
 class SFT(PolicyStreamAlgorithm):

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -76,13 +76,24 @@ def wrong_scores_error(engine: str, scores: Scores, called: str) -> TypeError:
 LossFn = Callable[[PolicyOutput, SequenceBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
+class Communicators(Protocol):
+    """An engine's process groups, torn down before the rollout engine's turn and re-created
+    after it by time sharing (rltrain/sync/timeshare.py), identical and warmed up."""
+
+    def teardown(self) -> None: ...
+
+    def recreate(self) -> int:
+        """Re-create every group; returns how many were created."""
+        ...
+
+
 class TrainEngine(Protocol):
     rank: int  # data-parallel rank
     world_size: int  # data-parallel size
     max_steps: int  # optimizer steps the LR schedule spans (an algorithm may set it after building)
     # The engine's process groups, torn down and re-created around the rollout engine's turn by
-    # time sharing (`teardown()`, `recreate() -> int`); None when it has none (one FSDP rank).
-    groups: Any
+    # time sharing; None when it has none (one FSDP rank).
+    groups: Communicators | None
 
     def replica_group(self) -> dist.ProcessGroup | None:
         """The process group of the ranks that form this rank's data-parallel replica and so must

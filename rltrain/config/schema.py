@@ -3,16 +3,47 @@
 Every group's YAML file in `conf/` extends the schema stored here (`<group>/<name>_schema`), so a
 misspelt key or a value of the wrong type fails while Hydra composes the config, before any model
 is built. Code reads config through these fields only (never `.get(key, default)`), so a default
-lives in exactly one place: here.
+lives in exactly one place: here. So do the allowed values of every enum-like key: a `Literal` below,
+attached to its field by `choice()`; rltrain.config.validate checks them and the code that reads a
+key takes its values from the same `Literal`. docs/configuration.md lists every key.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+Resume = Literal["auto", "never"]
+Progress = Literal["auto", "bar", "lines"]
+Precision = Literal["auto", "fp32", "bf16-mixed", "bf16"]  # auto: bf16-mixed on CUDA, fp32 on CPU
+Overlong = Literal["drop", "truncate", "error"]
+Task = Literal["addition"]  # the built-in tasks (rltrain/data/tasks.py)
+WandbMode = Literal["auto", "online", "offline", "disabled"]  # auto: online with an API key, else offline
+Schedule = Literal["cosine", "linear", "constant"]
+Arch = Literal["qwen2", "llama"]  # the tiny model only
+DPOLossType = Literal["sigmoid", "ipo", "hinge", "robust"]
+LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+RolloutCorrection = Literal["none", "tis", "mask"]  # rltrain/algos/rollout_correction.py
+ScaleRewards = Literal["group", "batch", "none"]
+RolloutProcess = Literal["colocated", "separate"]  # separate: the engine in a child process (rollout/separate.py)
+SweepDirection = Literal["maximize", "minimize"]
+
+
+def choice(default: str, allowed: Any) -> Any:
+    """A string field whose values are the `Literal` `allowed`. OmegaConf types it as `str` (it has
+    no Literal type); rltrain.config.validate refuses any other value, naming the allowed ones."""
+    values = get_args(allowed)
+    assert default in values, f"default {default!r} is not one of {values}"
+    return field(default=default, metadata={"choices": values})
+
+
+def choices_of(cls: type) -> dict[str, tuple[str, ...]]:
+    """{field name: allowed values} of the `choice()` fields of a schema dataclass."""
+    return {f.name: f.metadata["choices"] for f in dataclasses.fields(cls) if "choices" in f.metadata}
 
 
 @dataclass
@@ -20,7 +51,7 @@ class TrainerConfig:
     max_steps: int = 200
     seed: int = 0
     nproc: int = 1
-    resume: str = "auto"  # auto | never
+    resume: str = choice("auto", Resume)
     save_every: int = 100
     keep_checkpoints: int = 2
     eval_every: int = 100
@@ -28,10 +59,10 @@ class TrainerConfig:
     micro_batch_size: int = 64
     max_tokens_per_micro_batch: int = 0  # > 0: micro-batches also capped at this many tokens (data/sharding.py)
     log_every: int = 10
-    progress: str = "auto"  # auto | bar | lines
+    progress: str = choice("auto", Progress)
     num_threads: int = 0  # torch intra-op threads per rank; 0 = cores / nproc
     deterministic: bool = True
-    precision: str = "auto"  # auto (bf16-mixed on CUDA, fp32 on CPU) | fp32 | bf16-mixed | bf16
+    precision: str = choice("auto", Precision)
 
 
 @dataclass
@@ -42,7 +73,7 @@ class OptimConfig:
     beta2: float = 0.98
     eps: float = 1e-8
     warmup_steps: int = 20
-    schedule: str = "cosine"  # cosine | constant | linear
+    schedule: str = choice("cosine", Schedule)
     min_lr_ratio: float = 0.1
     max_grad_norm: float = 1.0
 
@@ -52,7 +83,7 @@ class ModelConfig:
     """`path=null` builds the embedded tiny model; otherwise a Hugging Face model directory."""
 
     path: str | None = None
-    arch: str = "qwen2"  # qwen2 | llama (tiny model only)
+    arch: str = choice("qwen2", Arch)
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 4
@@ -77,17 +108,17 @@ class DataConfig:
     split: str = "train"
     eval_path: str | None = None
     eval_fraction: float = 0.05
-    task: str = "addition"
+    task: str = choice("addition", Task)
     num_train: int = 0  # built-in task: 0 = every problem not held out
     num_eval: int = 200
     max_length: int = 256
-    overlong: str = "drop"  # drop | truncate | error
+    overlong: str = choice("drop", Overlong)
     max_eval_samples: int = 200
 
 
 @dataclass
 class WandbConfig:
-    mode: str = "auto"  # auto (online with an API key, else offline) | online | offline | disabled
+    mode: str = choice("auto", WandbMode)
     project: str = "rltrain"
     entity: str | None = None
     group: str | None = None  # null: the sweep directory's name in a multirun
@@ -108,7 +139,7 @@ class SweepConfig:
     the mean of the last `last_n` logged values of the metric `objective`."""
 
     objective: str = "eval/accuracy"
-    direction: str = "maximize"  # maximize | minimize
+    direction: str = choice("maximize", SweepDirection)
     last_n: int = 1
 
 
@@ -126,7 +157,7 @@ class SFTConfig(AlgoConfig):
 class DPOConfig(AlgoConfig):
     name: str = "dpo"
     beta: float = 0.1
-    loss_type: str = "sigmoid"  # sigmoid | ipo | hinge | robust
+    loss_type: str = choice("sigmoid", DPOLossType)
     label_smoothing: float = 0.0
     sft_weight: float = 0.0
     precompute_ref_logps: bool = False
@@ -141,14 +172,14 @@ class RLConfig(AlgoConfig):
     prompts_per_step: int = 16
     mini_batches: int = 1
     num_iterations: int = 1
-    loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+    loss_agg: str = choice("token_mean", LossAgg)
     clip_low: float = 0.2
     clip_high: float = 0.28
     beta: float = 0.0  # KL to the reference (0: no reference model)
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 6
-    rollout_correction: str = "none"  # none | tis | mask (rltrain/algos/rollout_correction.py)
+    rollout_correction: str = choice("none", RolloutCorrection)
     rollout_is_cap: float = 2.0  # tis: token importance weights truncated at this value
     rollout_mask_band: float = 2.0  # mask: keep sequences whose train/rollout ratio is in [1/band, band]
 
@@ -156,7 +187,7 @@ class RLConfig(AlgoConfig):
 @dataclass
 class GRPOConfig(RLConfig):
     name: str = "grpo"
-    scale_rewards: str = "group"  # group | batch | none
+    scale_rewards: str = choice("group", ScaleRewards)
 
 
 @dataclass
@@ -201,7 +232,7 @@ class RolloutConfig:
 @dataclass
 class VLLMRolloutConfig(RolloutConfig):
     name: str = "vllm"
-    process: str = "colocated"  # colocated | separate (the engine in a child process: rollout/separate.py)
+    process: str = choice("colocated", RolloutProcess)
     kv_cache_gib: float = 1.0  # CPU: the KV-cache budget (on CUDA, gpu_memory_utilization decides)
     max_num_seqs: int = 256
     max_model_len: int | None = None  # longest prompt + completion; null = the model's own limit

@@ -13,31 +13,23 @@ import shutil
 import sys
 from pathlib import Path
 
+from rltrain.config import schema
 from rltrain.config.compose_errors import added_keys
 from rltrain.config.layout import data_parallel_size, validate_megatron_layout
 from rltrain.runtime.errors import UserError
 
-# Every enum-like key of every group and the values it accepts, checked before anything is built so a
-# typo (`algo.loss_agg=tokenmean`) is one message naming the allowed values, not a failure mid-run.
-# A key that exists for some options of its group only (`algo.loss_type` for algo=dpo,
-# `rollout.process` for rollout=vllm) is checked where it exists. The tuples mirror the code that
-# reads the keys (named in the comments; no torch here), and tests/unit/config/test_validate_choices.py
-# keeps them equal and finds every `a | b | c` key of rltrain/config/schema.py here.
-CHOICES = {
-    "trainer.resume": ("auto", "never"),
-    "trainer.progress": ("auto", "bar", "lines"),
-    "trainer.precision": ("auto", "fp32", "bf16-mixed", "bf16"),  # rltrain.runtime.precision.PRECISIONS
-    "data.overlong": ("drop", "truncate", "error"),
-    "data.task": ("addition",),  # rltrain.data.tasks.TASKS
-    "logger.wandb.mode": ("auto", "online", "offline", "disabled"),
-    "optim.schedule": ("cosine", "linear", "constant"),
-    "model.arch": ("qwen2", "llama"),
-    "algo.loss_type": ("sigmoid", "ipo", "hinge", "robust"),  # dpo: rltrain.algos.dpo_loss.LOSS_TYPES
-    "algo.scale_rewards": ("group", "batch", "none"),  # grpo: rltrain.algos.grpo_loss.SCALES
-    "algo.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),  # grpo, ppo: policy_loss.LOSS_AGGS
-    "algo.rollout_correction": ("none", "tis", "mask"),  # grpo, ppo: rltrain.algos.rollout_correction.MODES
-    "rollout.process": ("colocated", "separate"),  # vllm: rltrain.rollout.PROCESSES
-    "sweep.direction": ("maximize", "minimize"),  # rltrain.launch.sweep and hydra.sweeper.direction
+# Every enum-like key of every group and the values it accepts (the schema's `Literal`s), checked
+# before anything is built so a typo (`algo.loss_agg=tokenmean`) is one message naming the allowed
+# values, not a failure mid-run. A key that exists for some options of its group only
+# (`algo.loss_type` for algo=dpo, `rollout.process` for rollout=vllm) is checked where it exists.
+SECTIONS: tuple[tuple[str, type], ...] = (
+    ("trainer", schema.TrainerConfig), ("optim", schema.OptimConfig), ("model", schema.ModelConfig),
+    ("data", schema.DataConfig), ("logger.wandb", schema.WandbConfig), ("sweep", schema.SweepConfig),
+    ("algo", schema.DPOConfig), ("algo", schema.GRPOConfig), ("algo", schema.PPOConfig),
+    ("rollout", schema.VLLMRolloutConfig),
+)
+CHOICES: dict[str, tuple[str, ...]] = {
+    f"{prefix}.{name}": values for prefix, cls in SECTIONS for name, values in schema.choices_of(cls).items()
 }
 CHOICE_HINTS = {
     "rollout.process": " (the vLLM engine in the trainer's process, or in a child process of its own)",

@@ -3,19 +3,27 @@
 A `SequenceBatch` is a ragged set of token sequences, each a prompt followed by a completion.
 Backends score only completion tokens: the log-probability of completion token j is taken from
 the logits at the position before it, so a sequence with prompt length P and total length L
-yields L - P log-probabilities. Anything else a loss needs per sequence or per completion token
-(advantages, reference or old log-probabilities, pair indices) rides along in `extras`, already
-sliced to this batch's sequences.
+yields L - P log-probabilities. What else a loss needs per sequence or per completion token rides
+along, already sliced to this batch's sequences: a typed `loss_inputs` (the RL losses:
+rltrain/algos/rl_update.py) or the string-keyed `extras` (SFT's and DPO's counts and reference sums).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from rltrain.data.ragged import Ragged
+
+
+class LossInputs(Protocol):
+    """Per-sequence inputs of a loss that follow the sequences when a batch is split."""
+
+    def select(self, indices: torch.Tensor) -> LossInputs:
+        """The inputs of the sequences at `indices`, in that order."""
+        ...
 
 
 @dataclass
@@ -23,6 +31,7 @@ class SequenceBatch:
     tokens: Ragged  # int64 token ids, prompt then completion
     prompt_lens: torch.Tensor  # [B] int64, >= 1 for every sequence
     extras: dict[str, Any] = field(default_factory=dict)
+    loss_inputs: LossInputs | None = None
 
     def __post_init__(self) -> None:
         if len(self.tokens) != self.prompt_lens.numel():
@@ -47,7 +56,8 @@ class SequenceBatch:
         return SequenceBatch(tokens, torch.tensor([len(p) for p in prompts], dtype=torch.long), dict(extras))
 
     def select(self, indices: list[int]) -> SequenceBatch:
-        """The sequences at `indices`; per-sequence extras (tensors with B rows, Ragged) follow."""
+        """The sequences at `indices`; `loss_inputs` and per-sequence extras (tensors with B rows,
+        Ragged) follow."""
         n = len(self)
         idx = torch.as_tensor(indices, dtype=torch.long)
         extras: dict[str, Any] = {}
@@ -63,7 +73,8 @@ class SequenceBatch:
         tokens = self.tokens.select(idx) if len(idx) else Ragged(
             torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.long)
         )
-        return SequenceBatch(tokens, self.prompt_lens[idx], extras)
+        inputs = self.loss_inputs.select(idx) if self.loss_inputs is not None else None
+        return SequenceBatch(tokens, self.prompt_lens[idx], extras, inputs)
 
 
 def length_buckets(lengths: list[int], bucket_cost_tokens: int) -> list[list[int]]:

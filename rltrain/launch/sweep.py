@@ -26,15 +26,17 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from rltrain.config.schema import SweepDirection
+
 SUMMARY_FILE = "sweep_summary.csv"
 ROW_FILE = "sweep_row.json"
-DIRECTIONS = ("maximize", "minimize")  # sweep.direction, as Optuna names them
+DIRECTIONS: tuple[str, ...] = get_args(SweepDirection)  # sweep.direction, as Optuna names them
 METRIC_COLUMNS = ("loss", "reward/mean", "eval/accuracy", "eval/reward")
 COLUMNS = ("job", "status", "exit_status", "overrides", "objective", *METRIC_COLUMNS, "error", "run_dir")
 

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any
+from typing import Any, get_args
+
+from rltrain.config.schema import RolloutProcess
 
 ROLLOUTS = {
     "vllm": "rltrain.rollout.vllm:build_engine",
     "vllm/separate": "rltrain.rollout.separate:build_engine",  # rollout.process=separate
     "hf": "rltrain.rollout.hf:build_engine",
 }
-PROCESSES = ("colocated", "separate")
+PROCESSES: tuple[str, ...] = get_args(RolloutProcess)
 
 
 def build_rollout(ctx: Any) -> Any:

@@ -72,7 +72,7 @@ def main(argv: list[str]) -> int:
 
         from rltrain.config.schema import VLLMRolloutConfig
         from rltrain.rollout.vllm import VLLMRolloutEngine
-        from rltrain.sync.transport import WeightReceiver
+        from rltrain.sync.transport_receiver import WeightReceiver
 
         torch.set_num_threads(int(spec["num_threads"]))
         engine = VLLMRolloutEngine(

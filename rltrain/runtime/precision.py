@@ -34,10 +34,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 
-PRECISIONS = ("auto", "fp32", "bf16-mixed", "bf16")
+from rltrain.config.schema import Precision
+
+PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 
 @dataclass(frozen=True)

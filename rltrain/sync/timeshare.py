@@ -1,46 +1,21 @@
 """Time sharing: the trainer and the rollout engine take turns on the same accelerator.
 
-With `placement.time_sharing=true` every GRPO step moves through named phases (DESIGN
-invariant 4), each timed as `time/phase/<name>` and followed by a memory sample `mem/<name>`
-(MiB: resident set size on CPU; on GPU the device memory in use as the driver reports it, plus
-`mem/<name>/allocated` from torch's allocator):
+With `placement.time_sharing=true` a step moves through named phases (docs/design.md, invariant 4),
+each timed as `time/phase/<name>` with a memory sample `mem/<name>`:
 
-    offload   drop gradients, move parameters and optimizer state to the host, tear down the
-              trainer's process groups (every engine's, each shared set once); frozen models
-              that only sit on the device (a reward model) move to the host too; on GPU the
-              freed memory goes back to the driver (`torch.cuda.empty_cache`), where the rollout
-              engine allocates
+    offload   gradients dropped, parameters and optimizer state to the host, process groups torn
+              down, frozen models (a reward model) to the host, freed memory back to the driver
     wake      the rollout engine takes its memory back
-    sync      the weights exported after the last train phase go into the engine
+    sync      the weights published after the last update go into the engine (WeightSync.deliver)
     generate  rollouts
-    sleep     the engine releases its memory (vLLM sleep mode; see below for the CPU build)
-    onload    re-create the process groups (identical, warmed up, handles re-bound), reload
-              (the frozen models too: rewards are scored after the turn, on the device)
-    train     scoring, the optimizer step(s), then the weight export for the next sync
+    sleep     the engine releases its memory
+    onload    process groups re-created, everything reloaded
+    train     scoring and the optimizer step(s)
 
-This is the cycle train -> offload -> wake -> sync -> generate -> sleep -> onload, entered at
-`offload`: a step begins and ends with the trainer holding the accelerator, so checkpointing,
-evaluation and the final export need no special case (evaluation takes a turn of its own).
-
-Export before teardown. The full tensors are gathered by a collective on the trainer's groups
-(FSDP's `full_tensor`, Megatron's TP/PP gathers), so they must be exported while the groups
-live. We export into host memory at the end of the train phase (`publish`), and the sync phase
-streams that host copy into the engine. The alternative, streaming straight into the engine
-before teardown, would need the engine awake while the trainer still holds its memory: the
-peak would be the sum of both, which is what time sharing exists to avoid. The cost is one
-host-memory copy of the model between the train and sync phases.
-
-Sleep level 2 (`rollout.sleep_level=2`, vLLM on CUDA) discards the engine's weights instead of
-keeping a host copy of them: the sync phase then sends the last weights again after every wake
-(evaluation turns included), from a host copy kept here until the next export replaces it, so at
-most one host copy exists at a time.
-
-The CPU build of vLLM has no sleep mode: `sleep()`/`wake()` only record the phase (so a
-phase-order bug still raises on CPU), and the KV cache and weights stay allocated; offload has
-nowhere to move tensors on CPU, so it frees gradients only. The phases, their order, the
-teardown and re-creation of process groups, and their timings are all real on CPU; `mem/*`
-shows RSS, which does not drop there. With `time_sharing=false` the same object runs the plain
-order: generate, train, then sync right away (streaming the export into the engine).
+A step begins and ends with the trainer holding the accelerator, so checkpointing, evaluation and
+the final export need no special case. The CPU build of vLLM has no sleep mode: there the phases,
+their order, the teardown and re-creation of process groups are real, the memory does not move.
+docs/time-sharing-and-sync.md explains export-before-teardown, sleep levels and the CPU build.
 """
 
 from __future__ import annotations
@@ -49,16 +24,19 @@ import contextlib
 import logging
 import resource
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
+
+from rltrain.backends.base import Communicators, TrainEngine
+from rltrain.rollout.base import RolloutEngine
+from rltrain.sync.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
 
 PHASES = ("offload", "wake", "sync", "generate", "sleep", "onload", "train")
-Weights = Iterable[tuple[str, torch.Tensor]]
 
 
 def resident_mib() -> float:
@@ -129,36 +107,36 @@ class PhaseClock:
 class TimeSharing:
     """Moves a trainer (its engines) and a rollout engine through the phases above.
 
-    engines: the training engines (policy first, then e.g. a reference); each may expose
-      `groups` (communicators with `teardown()`/`recreate()`, possibly shared between engines)
-      and `offload()`/`onload()`.
-    enabled: `placement.time_sharing`. When false, `rollout_turn` only times `generate`, and
-      `publish` syncs at once.
+    engines: the training engines (policy first, then e.g. a reference); each has `groups`
+      (`Communicators`, possibly shared between engines, or None) and `offload()`/`onload()`.
+    enabled: `placement.time_sharing`. When false, `rollout_turn` only times `generate`.
+    weights: the policy's weights on their way to the engine; the `sync` phase delivers them.
     frozen: frozen models on the device (`HostOffloadable`), offloaded after the engines and
       onloaded after them.
     """
 
     def __init__(
-        self, engines: list[Any], rollout: Any, device: torch.device, enabled: bool, frozen: Sequence[HostOffloadable] = ()
+        self,
+        engines: Sequence[TrainEngine],
+        rollout: RolloutEngine,
+        device: torch.device,
+        enabled: bool,
+        weights: WeightSync,
+        frozen: Sequence[HostOffloadable] = (),
     ) -> None:
-        self.engines = engines
+        self.engines = list(engines)
         self.frozen = list(frozen)
         self.rollout = rollout
         self.enabled = enabled
+        self.weights = weights
         self.clock = PhaseClock(device)
-        self.pending: list[tuple[str, torch.Tensor]] | None = None  # exported, not yet synced
-        # An engine that loses its weights in its sleep (vLLM at rollout.sleep_level=2 on CUDA)
-        # needs them again after every wake: the last synced host copy is kept until the next export.
-        self.resend_after_wake = enabled and not rollout.weights_survive_sleep
-        self.synced: list[tuple[str, torch.Tensor]] | None = None
-        self.last_sync_s = 0.0
         self.last_generate_s = 0.0
         if enabled:
             self.rollout.sleep()  # between turns the trainer holds the accelerator
 
-    def _communicators(self) -> list[Any]:
+    def _communicators(self) -> list[Communicators]:
         """Each engine's groups once, in engine order (a policy and its reference may share)."""
-        unique: dict[int, Any] = {}
+        unique: dict[int, Communicators] = {}
         for engine in self.engines:
             if engine.groups is not None:
                 unique.setdefault(id(engine.groups), engine.groups)
@@ -182,7 +160,7 @@ class TimeSharing:
         with self.clock.phase("wake"):
             self.rollout.wake()
         with self.clock.phase("sync"):
-            self._sync_pending()
+            self.weights.deliver()
         with self._generate_phase():
             yield
         with self.clock.phase("sleep"):
@@ -207,39 +185,6 @@ class TimeSharing:
         with self.clock.phase("train"):
             yield
 
-    def publish(self, export: Callable[[], Weights]) -> None:
-        """New trainer weights. Time sharing: export them into host memory now, while the
-        process groups live (a collective), for the next turn's sync phase. Otherwise: stream
-        them into the engine now."""
-        if not self.enabled:
-            started = time.perf_counter()
-            self.rollout.update_weights(export())
-            self.last_sync_s = time.perf_counter() - started
-            return
-        self.synced = None  # superseded: never hold two host copies
-        self.pending = [(name, _host_copy(tensor)) for name, tensor in export()]
-
-    def _sync_pending(self) -> None:
-        """The weights exported since the last turn; for an engine that dropped its weights in its
-        sleep, the last ones again (before any export such an engine restores its own checkpoint)."""
-        started = time.perf_counter()
-        weights, self.pending = self.pending, None
-        if weights is None and self.resend_after_wake:
-            weights = self.synced
-        if weights is not None:
-            self.rollout.update_weights(weights)
-            if self.resend_after_wake:
-                self.synced = weights
-        self.last_sync_s = time.perf_counter() - started
-
     def pop_metrics(self) -> dict[str, float]:
         return self.clock.pop()
 
-
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A host copy that shares no storage with a parameter (an export may return views of the
-    live parameters, which offload moves and the next optimizer step overwrites)."""
-    tensor = tensor.detach()
-    if tensor.device.type == "cuda":  # pinned, so the sync's host-to-device copies are fast
-        return torch.empty_like(tensor, device="cpu", pin_memory=True).copy_(tensor)
-    return tensor.clone()

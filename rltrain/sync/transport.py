@@ -47,12 +47,12 @@ import shutil
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from rltrain.sync.transport_layout import ALIGN_BYTES, BucketPacker, PackedBucket
+from rltrain.sync.transport_layout import BucketPacker, PackedBucket
+from rltrain.sync.transport_protocol import ALIGN_BYTES, NO_BUCKET, NO_SYNC, PROTOCOL_VERSION, SyncStats
 from rltrain.sync.transport_shm import SharedMemoryFull, SharedSegment, shm_full_error
 from rltrain.sync.transport_wire import (
     Channel,
@@ -82,26 +82,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
-NO_BUCKET = -1  # bucket_id of messages that are not about one bucket (hello, offer, ready)
-NO_SYNC = -1  # sync_id of the receiver's hello: it does not know the next sync id yet
-
 # Test-only: sees every data-plane message the sender is about to send and returns the messages to
 # send instead ([] drops it, [m, m] duplicates it, holding it back and returning it later reorders).
 FaultHook = Callable[[Message], list[Message]]
-
-
-@dataclass(frozen=True)
-class SyncStats:
-    sync_id: int
-    tensors: int
-    bytes: int
-    buckets: int
-    seconds: float
-
-    @property
-    def mb_per_s(self) -> float:
-        return self.bytes / 1e6 / max(self.seconds, 1e-9)
 
 
 class _SyncEndpoint:
@@ -360,7 +343,3 @@ class WeightSender:
             self.control_path.unlink()
         self._control = listen_unix(self.control_path)
 
-
-from rltrain.sync.transport_receiver import WeightReceiver  # noqa: E402 - the public API lives here too
-
-__all__ += ["WeightReceiver"]

@@ -25,9 +25,8 @@ from typing import Any
 
 import torch
 
+from rltrain.sync.transport_protocol import ALIGN_BYTES
 from rltrain.sync.transport_wire import ProtocolError
-
-ALIGN_BYTES = 256
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

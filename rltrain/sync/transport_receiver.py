@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from rltrain.sync.transport import NO_BUCKET, NO_SYNC, PROTOCOL_VERSION, SyncStats
-from rltrain.sync.transport_layout import ALIGN_BYTES, BucketUnpacker
+from rltrain.sync.transport_layout import BucketUnpacker
+from rltrain.sync.transport_protocol import ALIGN_BYTES, NO_BUCKET, NO_SYNC, PROTOCOL_VERSION, SyncStats
 from rltrain.sync.transport_shm import SharedSegment
 from rltrain.sync.transport_wire import (
     Channel,

@@ -37,10 +37,8 @@ import stat
 import torch
 
 from rltrain.runtime.errors import UserError
+from rltrain.sync.transport_protocol import SEGMENT_PREFIX, SHM_DIR_ENV
 from rltrain.sync.transport_wire import ProtocolError
-
-SEGMENT_PREFIX = "rltrain-w-"  # the brief name a segment has in /dev/shm while being created
-SHM_DIR_ENV = "RLTRAIN_SHM_DIR"  # a directory on a tmpfs to use instead of /dev/shm (tests)
 
 
 class SharedMemoryFull(UserError):

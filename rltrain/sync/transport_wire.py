@@ -28,12 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rltrain.sync.transport_protocol import MAGIC, MAX_MESSAGE_BYTES, MESSAGE_TYPES
+
 Message = dict[str, Any]
 
-MAGIC = b"RLW1"  # 4 bytes that start every frame; a pickle stream starts with b"\x80"
 _HEADER = struct.Struct(">4sI")  # magic, body length
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a bucket of many tiny tensors has a long entry list
-MESSAGE_TYPES = frozenset({"hello", "offer", "ready", "bucket", "ack", "end", "done", "abort"})
 _FDS_MARKER = b"F"  # the byte that carries passed descriptors
 _ABORT_SEND_TIMEOUT_S = 1.0  # an abort is a courtesy: never let it block the error path
 _MAX_UNIX_PATH_BYTES = 104  # sun_path is 108 bytes on Linux, 104 on macOS

@@ -41,7 +41,7 @@ def _both(rank: int, world: int, model_dir):
 def _train(rank: int, world: int, model_dir, padding_free: bool):
     import torch.distributed as dist
 
-    from rltrain.algos.sft import sft_loss
+    from rltrain.algos.losses import sft_loss
     from rltrain.backends.fsdp.engine import FSDPEngine
     from rltrain.config.schema import FSDPBackendConfig, OptimConfig
 

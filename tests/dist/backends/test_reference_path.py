@@ -45,7 +45,7 @@ def _engine_logps(rank, world, cfg, policy_dir):
 
 
 def test_a_reference_path_gives_the_kl_transformers_gives(tiny_cache, tmp_path):
-    from rltrain.algos.policy_loss import k3_kl
+    from rltrain.algos.losses import k3_kl
 
     policy_dir, other_dir = _model_dirs(tmp_path)
     cfg = compose_config("algo.beta=0.04", f"reference.path={other_dir}", "trainer.nproc=2")

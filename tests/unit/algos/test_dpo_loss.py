@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from rltrain.algos.dpo_loss import dpo_pair_losses, implicit_rewards
+from rltrain.algos.losses import dpo_pair_losses, implicit_rewards
 
 
 def _h():

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from rltrain.algos.grpo_loss import group_advantages
-from rltrain.algos.policy_loss import aggregate, k3_kl
-from rltrain.algos.policy_loss import policy_loss as grpo_loss
+from rltrain.algos.advantages import group_advantages
+from rltrain.algos.losses import aggregate, k3_kl
+from rltrain.algos.losses import policy_loss as grpo_loss
 from rltrain.data.ragged import Ragged
 
 

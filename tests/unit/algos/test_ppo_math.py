@@ -1,20 +1,20 @@
-"""PPO's pure functions against values computed by hand (rltrain/algos/ppo_math.py)."""
+"""PPO's pure functions against values computed by hand (rltrain/algos/advantages.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from rltrain.algos.ppo_math import (
+from rltrain.algos.advantages import (
     explained_variance,
     explained_variance_sums,
     gae,
     moments,
     moments_sums,
     token_rewards,
-    value_loss,
     whiten,
 )
+from rltrain.algos.losses import value_loss
 from rltrain.data.ragged import Ragged
 
 

@@ -1,5 +1,5 @@
 """Rollout correction weights and masks against values computed by hand, and their effect on the
-policy loss (rltrain/algos/rollout_correction.py, rltrain/algos/policy_loss.py)."""
+policy loss (rltrain/algos/rollout_correction.py, rltrain/algos/losses.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rltrain.algos.policy_loss import policy_loss
+from rltrain.algos.losses import policy_loss
 from rltrain.algos.rollout_correction import correction, correction_metrics
 from rltrain.data.ragged import Ragged
 

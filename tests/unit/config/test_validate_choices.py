@@ -1,8 +1,8 @@
 """Every enum-like key is checked at composition, with the allowed values named.
 
-`rltrain.config.validate.CHOICES` mirrors the tuples of the code that reads each key (validate imports no
-torch); these tests keep the two equal and find every `a | b | c` key of rltrain/config/schema.py in it,
-so a new enum-like key cannot be added without its check. The CLI side (one paragraph, exit 2) is
+The allowed values are declared once, as `Literal`s in rltrain/config/schema.py; `CHOICES` (validate)
+and the constants of the code that reads each key are derived from them. These tests keep them equal
+and find every enum-like key of the schema in CHOICES, so a new one cannot be added without its check. The CLI side (one paragraph, exit 2) is
 tests/e2e/test_bad_input_cli.py.
 """
 
@@ -32,6 +32,8 @@ SCHEMA_PREFIX = {
     "SafetyConfig": "safety",
     "HealthConfig": "health",
     "SweepConfig": "sweep",
+    "PPOConfig": "algo",
+    "RLConfig": "algo",
 }
 # The group option a key exists under; others use the default composition (algo=grpo, rollout=vllm).
 OPTION_OF = {"algo.loss_type": "algo=dpo"}
@@ -48,9 +50,8 @@ def _cfg(*overrides: str):
 
 
 def test_choices_mirror_the_code_that_reads_them():
-    from rltrain.algos.dpo_loss import LOSS_TYPES
-    from rltrain.algos.grpo_loss import SCALES
-    from rltrain.algos.policy_loss import LOSS_AGGS
+    from rltrain.algos.advantages import SCALES
+    from rltrain.algos.losses import LOSS_AGGS, LOSS_TYPES
     from rltrain.data.tasks import TASKS
     from rltrain.launch.sweep import DIRECTIONS
     from rltrain.rollout import PROCESSES
@@ -66,17 +67,19 @@ def test_choices_mirror_the_code_that_reads_them():
 
 
 def test_every_enum_like_key_of_every_group_is_checked():
-    """A `str` field whose comment lists its values (`# a | b | c`) is enum-like."""
+    """Every `choice()` field of every schema class is in CHOICES under its group, and no `str`
+    field lists its values in a comment (`# a | b | c`) instead of a Literal."""
     found = set()
-    for cls_name, prefix in SCHEMA_PREFIX.items():
-        cls = getattr(config_module, cls_name)
+    for cls_name, cls in inspect.getmembers(config_module, dataclasses.is_dataclass):
+        choices = config_module.choices_of(cls)
+        if choices:
+            assert cls_name in SCHEMA_PREFIX, f"{cls_name} has enum-like keys but no group prefix here"
+        found |= {f"{SCHEMA_PREFIX[cls_name]}.{name}" for name in choices}
         body = inspect.getsource(cls)
         for f in dataclasses.fields(cls):
             line = re.search(rf"^\s+{f.name}: str = .*$", body, re.M)
-            if line and re.search(r"#.* \| ", line.group(0)):
-                found.add(f"{prefix}.{f.name}")
-    assert found, "no enum-like keys found: the comment convention changed"
-    assert found <= set(CHOICES), f"enum-like keys without a check: {sorted(found - set(CHOICES))}"
+            assert not (line and re.search(r"#.* \| ", line.group(0))), f"{cls_name}.{f.name}: declare its values as a Literal"
+    assert found == set(CHOICES), f"enum-like keys without a check: {sorted(found - set(CHOICES))}"
 
 
 def test_the_defaults_of_every_algorithm_and_backend_pass():

@@ -31,7 +31,7 @@ PACKAGE = Path(__file__).resolve().parents[3] / "rltrain"
 FACTORIES = {"tensor", "zeros", "ones", "full", "empty", "arange", "as_tensor", "randn", "rand"}
 COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "gather", "reduce", "reduce_scatter", "send", "recv",
                "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "all_to_all", "scatter"}
-HOST_MEETS_MODEL = ["algos", "evaluation.py", "rewards"]
+HOST_MEETS_MODEL = ["algos", "run/evaluation.py", "rewards"]
 
 
 def _files(parts: list[str]) -> list[Path]:
@@ -95,7 +95,7 @@ def _batch() -> SequenceBatch:
 
 
 def test_sft_loss_runs_where_the_outputs_are():
-    from rltrain.algos.sft import sft_loss
+    from rltrain.algos.losses import sft_loss
 
     batch = _batch()
     batch.extras["global_tokens"] = float(batch.num_completion_tokens)
@@ -117,13 +117,13 @@ def test_dpo_loss_runs_where_the_outputs_are_with_host_reference_sums():
 
 
 def test_grpo_loss_runs_where_the_outputs_are_with_host_advantages_and_engine_logps():
-    from rltrain.algos.rl_update import make_policy_loss
+    from rltrain.algos.rl_update import PolicyLossInputs, make_policy_loss
     from rltrain.config.schema import GRPOConfig
 
     batch = _batch()
     lengths = batch.completion_lens()
     n = int(lengths.sum())
-    batch.extras.update(
+    batch.loss_inputs = PolicyLossInputs(
         adv=torch.tensor([1.0, -1.0, 0.5, -0.5], device="cpu"),
         old_logps=None, entropy=None, ref_logps=None,
         engine_logps=Ragged.from_lengths(torch.full((n,), -1.0, device="cpu"), lengths),
@@ -137,13 +137,13 @@ def test_grpo_loss_runs_where_the_outputs_are_with_host_advantages_and_engine_lo
 
 @pytest.mark.parametrize("reference_on", ["cpu", "meta"])
 def test_grpo_loss_with_reference_log_probs_on_either_device(reference_on):
-    from rltrain.algos.rl_update import make_policy_loss
+    from rltrain.algos.rl_update import PolicyLossInputs, make_policy_loss
     from rltrain.config.schema import GRPOConfig
 
     batch = _batch()
     lengths = batch.completion_lens()
     n = int(lengths.sum())
-    batch.extras.update(
+    batch.loss_inputs = PolicyLossInputs(
         adv=torch.tensor([1.0, -1.0, 0.5, -0.5], device="cpu"),
         old_logps=Ragged.from_lengths(torch.full((n,), -1.0, device=reference_on), lengths),
         entropy=Ragged.from_lengths(torch.ones(n, device=reference_on), lengths),
@@ -158,11 +158,12 @@ def test_grpo_loss_with_reference_log_probs_on_either_device(reference_on):
 
 def test_ppo_value_loss_runs_where_the_outputs_are_with_host_targets():
     from rltrain.algos.ppo import make_value_loss
+    from rltrain.algos.rl_update import ValueLossInputs
 
     batch = _batch()
     lengths = batch.completion_lens()
     n = int(lengths.sum())
-    batch.extras.update(
+    batch.loss_inputs = ValueLossInputs(
         old_values=Ragged.from_lengths(torch.zeros(n, device="cpu"), lengths),
         returns=Ragged.from_lengths(torch.ones(n, device="cpu"), lengths),
         global_tokens=float(n),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from rltrain.sync.timeshare import PHASES, TimeSharing, resident_mib
+from rltrain.sync.weight_sync import WeightSync
 
 
 class Groups:
@@ -64,7 +65,7 @@ def _setup(enabled: bool):
     shared = Groups(log, "mp")
     policy, reference = Engine(log, "policy", shared), Engine(log, "reference", shared)
     rollout = Rollout(log)
-    ts = TimeSharing([policy, reference], rollout, torch.device("cpu"), enabled)
+    ts = TimeSharing([policy, reference], rollout, torch.device("cpu"), enabled, WeightSync(rollout, deferred=enabled))
     return log, policy, rollout, ts
 
 
@@ -74,7 +75,7 @@ def _step(ts: TimeSharing, policy: Engine, log: list[str]) -> dict[str, float]:
     with ts.train():
         log.append("train")
         policy.weight.add_(1.0)
-        ts.publish(policy.export_weights)
+    ts.weights.publish(policy.export_weights)
     return ts.pop_metrics()
 
 
@@ -105,7 +106,7 @@ def test_without_time_sharing_only_generate_and_train_are_phases():
         "time/phase/generate",
         "time/phase/train",
     ]
-    assert ts.last_sync_s > 0.0
+    assert ts.weights.last_sync_s > 0.0 and ts.weights.last_publish_s >= ts.weights.last_sync_s
 
 
 def test_resident_memory_is_reported():
@@ -122,7 +123,7 @@ def test_an_engine_that_drops_its_weights_gets_them_again_after_every_wake():
     log: list[str] = []
     policy = Engine(log, "policy", None)
     rollout = ForgetfulRollout(log)
-    ts = TimeSharing([policy], rollout, torch.device("cpu"), enabled=True)
+    ts = TimeSharing([policy], rollout, torch.device("cpu"), True, WeightSync(rollout, deferred=True))
 
     def turn() -> None:  # a rollout turn without a train phase after it (an evaluation)
         with ts.rollout_turn():
@@ -135,12 +136,11 @@ def test_an_engine_that_drops_its_weights_gets_them_again_after_every_wake():
     turn()  # evaluation turn: w=2 again, the engine forgot it
     assert [float(r["w"][0]) for r in rollout.received] == [2.0, 2.0]
     policy.weight.add_(1.0)
-    with ts.train():
-        ts.publish(policy.export_weights)  # w=3: the kept copy of w=2 is dropped
-    assert ts.synced is None and ts.pending is not None
+    ts.weights.publish(policy.export_weights)  # w=3: the kept copy of w=2 is dropped
+    assert ts.weights.delivered is None and ts.weights.pending is not None
     turn()
     assert [float(r["w"][0]) for r in rollout.received] == [2.0, 2.0, 3.0]
-    assert ts.synced is not None and ts.pending is None
+    assert ts.weights.delivered is not None and ts.weights.pending is None
 
 
 def test_an_engine_that_keeps_its_weights_is_synced_once_per_export():
@@ -149,7 +149,7 @@ def test_an_engine_that_keeps_its_weights_is_synced_once_per_export():
     for _ in range(2):
         with ts.rollout_turn():
             pass
-    assert len(rollout.received) == 1 and ts.synced is None
+    assert len(rollout.received) == 1 and ts.weights.delivered is None
 
 
 class FrozenModel:
@@ -168,7 +168,8 @@ class FrozenModel:
 def test_a_frozen_model_leaves_the_device_for_the_engines_turn_only():
     log: list[str] = []
     policy = Engine(log, "policy", Groups(log, "mp"))
-    ts = TimeSharing([policy], Rollout(log), torch.device("cpu"), True, frozen=[FrozenModel(log)])
+    rollout = Rollout(log)
+    ts = TimeSharing([policy], rollout, torch.device("cpu"), True, WeightSync(rollout, True), frozen=[FrozenModel(log)])
     log.clear()
     _step(ts, policy, log)
     assert log == [
@@ -176,6 +177,7 @@ def test_a_frozen_model_leaves_the_device_for_the_engines_turn_only():
         "recreate mp", "onload policy", "onload reward model", "train", "export policy",
     ]  # fmt: skip
     log.clear()
-    off = TimeSharing([policy], Rollout(log), torch.device("cpu"), False, frozen=[FrozenModel(log)])
+    rollout_off = Rollout(log)
+    off = TimeSharing([policy], rollout_off, torch.device("cpu"), False, WeightSync(rollout_off, False), frozen=[FrozenModel(log)])
     _step(off, policy, log)
     assert "offload reward model" not in log and "onload reward model" not in log

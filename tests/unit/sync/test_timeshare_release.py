@@ -9,6 +9,7 @@ import torch
 
 from rltrain.sync import timeshare
 from rltrain.sync.timeshare import TimeSharing, release_cached_memory
+from rltrain.sync.weight_sync import WeightSync
 
 
 class Recorder:
@@ -37,7 +38,7 @@ def test_the_offload_phase_releases_cached_memory_before_the_engine_wakes(monkey
     log: list[str] = []
     monkeypatch.setattr(timeshare, "release_cached_memory", lambda device: log.append(f"release {device.type}"))
     unit = Recorder(log)
-    ts = TimeSharing([unit], unit, torch.device("cpu"), enabled=True, frozen=[unit])
+    ts = TimeSharing([unit], unit, torch.device("cpu"), True, WeightSync(unit, deferred=True), frozen=[unit])
     log.clear()
     with ts.rollout_turn():
         log.append("generate")

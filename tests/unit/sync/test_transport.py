@@ -31,12 +31,12 @@ from rltrain.sync.transport import (
     PeerClosed,
     ProtocolError,
     TransportTimeout,
-    WeightReceiver,
     WeightSender,
 )
-from rltrain.sync.transport_layout import ALIGN_BYTES, BucketPacker, Entry
-from rltrain.sync.transport_shm import SEGMENT_PREFIX
-from rltrain.sync.transport_wire import MAGIC, listen_unix, make_private_dir
+from rltrain.sync.transport_layout import BucketPacker, Entry
+from rltrain.sync.transport_protocol import ALIGN_BYTES, MAGIC, SEGMENT_PREFIX
+from rltrain.sync.transport_receiver import WeightReceiver
+from rltrain.sync.transport_wire import listen_unix, make_private_dir
 
 Weights = list[tuple[str, torch.Tensor]]
 HANG_DEADLINE_S = 30.0

@@ -17,8 +17,10 @@ from helpers import mounted_tmpfs
 
 from rltrain.runtime.errors import UserError
 from rltrain.sync import transport_shm
-from rltrain.sync.transport import WeightReceiver, WeightSender
-from rltrain.sync.transport_shm import SHM_DIR_ENV, SharedMemoryFull, SharedSegment
+from rltrain.sync.transport import WeightSender
+from rltrain.sync.transport_protocol import SHM_DIR_ENV
+from rltrain.sync.transport_receiver import WeightReceiver
+from rltrain.sync.transport_shm import SharedMemoryFull, SharedSegment
 
 MIB = 1 << 20
 

@@ -1,40 +1,69 @@
-"""The clipped policy loss that GRPO and PPO share (pure torch functions).
-
-What it computes, per completion token: PPO's clipped surrogate `max(-A r, -A clip(r, 1-clip_low,
-1+clip_high))` with `r = exp(logp - old_logp)`, asymmetric bounds as in DAPO ("clip-higher").
-`old_logp` is the trainer's own recomputation under the weights the batch was sampled with (with
-one mini-batch and one iteration, `logp.detach()`: ratio 1, REINFORCE with a baseline). The
-advantage is one scalar per sequence (GRPO, broadcast onto its tokens) or one per token (PPO's GAE).
-
-- **Rollout correction** (rltrain/algos/rollout_correction.py): optional per-token weights that
-  multiply the surrogate (truncated importance sampling between trainer and engine), and a
-  per-sequence keep mask (sequences whose train/rollout ratio left a band contribute nothing).
-  Both are constants (no gradient). Dropped sequences still count in the denominators.
-- **KL to the reference in the loss**: per token, the k3 estimator `exp(ref - logp) - (ref - logp)
-  - 1` (Schulman 2020; non-negative, unbiased for KL(pi||ref)), weighted by `beta`. With reference
-  log-probabilities and `beta=0`, `policy/kl` is still reported. (PPO can instead put the KL into
-  the reward: rltrain/algos/ppo_math.py.)
-- **Aggregation** (`loss_agg`), always divided by a *global* count (all micro-batches, all ranks),
-  so that summing micro-batch losses gives the full-batch loss whatever the split:
-  `token_mean` (DAPO): sum over every token / global token count; `seq_mean_token_mean` (GRPO):
-  mean over each sequence's tokens, then sum / global sequence count (GRPO's length bias);
-  `seq_mean_token_sum_norm` (Dr. GRPO): each sequence's sum / `max_len` (the generation budget),
-  then sum / global sequence count. An empty completion contributes 0 but counts as a sequence.
-- **Metrics**, each a per-token mean divided by the global token count (summing over micro-batches
-  and ranks gives the mean): `policy/clipfrac` (tokens whose clipped bound is active, i.e. that get
-  no gradient from the surrogate), `policy/approx_kl` (k2, `0.5 (logp - old_logp)^2`: how far this
-  update has moved from the sampling policy), `policy/kl` (k3 to the reference), `policy/entropy`
-  (when the backend computed it), `policy/pg_loss` (the surrogate alone, aggregated like the loss).
-No dual-clip, no entropy bonus.
+"""Every loss of rltrain, as pure torch functions: SFT, DPO, the clipped policy loss (GRPO, PPO) and
+PPO's clipped value loss. Each returns a loss already divided by a *global* count (tokens or
+sequences over every micro-batch and rank), so micro-batch size, accumulation and the rank count do
+not change it (docs/design.md, invariant 1). docs/algorithms.md says what each one computes, with
+its sources, and what is left out.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import get_args
 
+import torch
+import torch.nn.functional as F
+
+from rltrain.backends.base import PolicyOutput
+from rltrain.config.schema import DPOLossType, LossAgg
+from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
 
-LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+# --- SFT ---------------------------------------------------------------------------------------
+
+
+def sft_loss(output: PolicyOutput, batch: SequenceBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Summed completion NLL over the global completion-token count (in `extras`)."""
+    global_tokens = batch.extras["global_tokens"]
+    loss = -output.logps.values.sum() / global_tokens
+    return loss, {}
+
+
+# --- DPO: on per-sequence log-probability sums of chosen and rejected completions ----------------
+
+LOSS_TYPES: tuple[str, ...] = get_args(DPOLossType)
+
+
+def dpo_pair_losses(
+    policy_chosen_P: torch.Tensor,
+    policy_rejected_P: torch.Tensor,
+    ref_chosen_P: torch.Tensor,
+    ref_rejected_P: torch.Tensor,
+    beta: float,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """[P] loss of each pair."""
+    h_P = (policy_chosen_P - ref_chosen_P) - (policy_rejected_P - ref_rejected_P)
+    eps = label_smoothing
+    if loss_type == "sigmoid":
+        return -(1 - eps) * F.logsigmoid(beta * h_P) - eps * F.logsigmoid(-beta * h_P)
+    if loss_type == "robust":
+        if not 0 <= eps < 0.5:
+            raise ValueError(f"algo.label_smoothing={eps} must be in [0, 0.5) for the robust loss")
+        return (-(1 - eps) * F.logsigmoid(beta * h_P) + eps * F.logsigmoid(-beta * h_P)) / (1 - 2 * eps)
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * h_P)
+    if loss_type == "ipo":
+        return (h_P - 1 / (2 * beta)) ** 2
+    raise ValueError(f"algo.loss_type={loss_type!r}: choose one of {', '.join(LOSS_TYPES)}")
+
+
+def implicit_rewards(policy_P: torch.Tensor, ref_P: torch.Tensor, beta: float) -> torch.Tensor:
+    return beta * (policy_P - ref_P)
+
+
+# --- the clipped policy loss (GRPO, PPO) -------------------------------------------------------
+
+LOSS_AGGS: tuple[str, ...] = get_args(LossAgg)
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
@@ -131,3 +160,26 @@ def aggregate(
     if loss_agg == "seq_mean_token_sum_norm":
         return per_token.sum_per_seq().sum() / (max_len * global_seqs)
     raise ValueError(f"algo.loss_agg={loss_agg!r}: choose one of {', '.join(LOSS_AGGS)}")
+
+
+# --- PPO's critic --------------------------------------------------------------------------------
+
+
+def value_loss(
+    values: Ragged, old_values: Ragged, returns: Ragged, vf_clip: float, global_tokens: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(this micro-batch's share of the clipped value loss, metric contributions)."""
+    global_tokens = max(float(global_tokens), 1.0)
+    v_N = values.values.float()
+    device = v_N.device
+    old_N = old_values.values.float().detach().to(device)
+    ret_N = returns.values.float().detach().to(device)
+    unclipped_N = (v_N - ret_N) ** 2
+    clipped_v_N = old_N + torch.clamp(v_N - old_N, -vf_clip, vf_clip)
+    clipped_N = (clipped_v_N - ret_N) ** 2
+    loss_N = 0.5 * torch.maximum(unclipped_N, clipped_N)
+    loss = loss_N.sum() / global_tokens
+    return loss, {
+        "critic/value_loss": loss.detach(),
+        "critic/vf_clipfrac": (clipped_N > unclipped_N).float().sum().detach() / global_tokens,
+    }

@@ -1,29 +1,45 @@
-"""PPO's math: token rewards, GAE, whitening, the clipped value loss (pure torch functions).
-
-What PPO here does, per completion token t of a sequence of T tokens:
-- **Token rewards**: `r_t = -kl_coef * (old_t - ref_t)` when the KL to the reference goes into the
-  reward (`algo.kl_in_reward`; k1 estimate, as in InstructGPT), else 0; the sequence's score (the
-  weighted `reward.fns` / reward model) is added at its last token. An empty completion has no
-  token and so no reward to learn from.
-- **GAE** (Schulman 2016): `delta_t = r_t + gamma V_{t+1} - V_t` with `V_T = 0` (the episode ends
-  with the completion), `A_t = delta_t + gamma lam A_{t+1}`, returns `R_t = A_t + V_t`, where
-  `V_t` is the critic's value of the state before token t (old values, computed once per batch).
-- **Whitening**: advantages minus their mean, divided by their standard deviation, both over every
-  token of the *global* batch (so the rank count does not change them); the returns are not
-  whitened.
-- **Value loss**: `0.5 max((V - R)^2, (V_clip - R)^2)` with `V_clip = V_old + clip(V - V_old,
-  -vf_clip, vf_clip)` (PPO2's clipped value loss), a token mean over the global token count.
-  `critic/vf_clipfrac`: tokens where the clipped term is the larger one.
-- **Explained variance**: `1 - Var(R - V) / Var(R)` over the global batch's tokens, from sums that
-  can be all-reduced (`explained_variance_sums` then `explained_variance`).
-No reward normalisation across steps, no value bootstrapping beyond the completion.
+"""Advantages, as pure torch functions: GRPO's group-relative advantage (one scalar per completion)
+and PPO's per-token rewards, GAE, whitening and explained variance (from sums that can be
+all-reduced, so the rank count does not change them). docs/algorithms.md has the definitions.
 """
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 
+from rltrain.config.schema import ScaleRewards
 from rltrain.data.ragged import Ragged
+
+# --- GRPO --------------------------------------------------------------------------------------
+
+SCALES: tuple[str, ...] = get_args(ScaleRewards)
+
+
+def group_advantages(
+    rewards_B: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-6
+) -> torch.Tensor:
+    """[B] advantages of `B = num_groups * group_size` rewards laid out group after group (the
+    rollout engines' prompt-major order)."""
+    if scale not in SCALES:
+        raise ValueError(f"algo.scale_rewards={scale!r}: choose one of {', '.join(SCALES)}")
+    if group_size < 1 or rewards_B.numel() % group_size:
+        raise ValueError(f"{rewards_B.numel()} rewards do not split into groups of {group_size}")
+    rewards_GK = rewards_B.float().view(-1, group_size)
+    centred_GK = rewards_GK - rewards_GK.mean(dim=1, keepdim=True)
+    if scale == "none":
+        return centred_GK.reshape(-1)
+    if scale == "group":
+        std = rewards_GK.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(centred_GK[:, :1])
+    else:
+        std = (
+            rewards_B.float().std() if rewards_B.numel() > 1 else rewards_B.new_zeros((), dtype=torch.float32)
+        )
+    return (centred_GK / (std + eps)).reshape(-1)
+
+
+# --- PPO ---------------------------------------------------------------------------------------
 
 
 def token_rewards(scores_B: torch.Tensor, template: Ragged, kl_N: torch.Tensor | None = None, kl_coef: float = 0.0) -> Ragged:
@@ -74,26 +90,6 @@ def moments(sums: torch.Tensor) -> tuple[float, float]:
     count = max(float(sums[0]), 1.0)
     mean = float(sums[1]) / count
     return mean, max(float(sums[2]) / count - mean * mean, 0.0)
-
-
-def value_loss(
-    values: Ragged, old_values: Ragged, returns: Ragged, vf_clip: float, global_tokens: float
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(this micro-batch's share of the clipped value loss, metric contributions)."""
-    global_tokens = max(float(global_tokens), 1.0)
-    v_N = values.values.float()
-    device = v_N.device
-    old_N = old_values.values.float().detach().to(device)
-    ret_N = returns.values.float().detach().to(device)
-    unclipped_N = (v_N - ret_N) ** 2
-    clipped_v_N = old_N + torch.clamp(v_N - old_N, -vf_clip, vf_clip)
-    clipped_N = (clipped_v_N - ret_N) ** 2
-    loss_N = 0.5 * torch.maximum(unclipped_N, clipped_N)
-    loss = loss_N.sum() / global_tokens
-    return loss, {
-        "critic/value_loss": loss.detach(),
-        "critic/vf_clipfrac": (clipped_N > unclipped_N).float().sum().detach() / global_tokens,
-    }
 
 
 def explained_variance_sums(returns_N: torch.Tensor, values_N: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,74 @@
+"""When the policy's weights move: published after the update, delivered before generation.
+
+`publish` runs at the end of every RL step's update (and after a resume): the trainer exports its
+full tensors, a collective, so every rank calls it while the process groups live. Without time
+sharing the export streams straight into the rollout engine (nothing kept on the host). With time
+sharing the export becomes one host copy, and `deliver` puts it into the engine at the start of the
+engine's next turn (the `sync` phase of rltrain/sync/timeshare.py), after the engine woke up: that
+is how step N's weights reach step N+1's generation. An engine that drops its weights in its sleep
+(vLLM at `rollout.sleep_level=2`) gets the last copy again after every wake. How the tensors get
+into the engine is the engine's `update_weights` (in process: rltrain/sync/vllm_reload.py; across
+processes: rltrain/sync/transport.py). docs/time-sharing-and-sync.md has the whole story.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+from rltrain.rollout.base import RolloutEngine
+
+Weights = Iterable[tuple[str, torch.Tensor]]
+
+
+class WeightSync:
+    """The policy's weights on their way to one rollout engine. `deferred`: time sharing (publish
+    keeps a host copy that `deliver` hands over at the engine's next turn)."""
+
+    def __init__(self, rollout: RolloutEngine, deferred: bool) -> None:
+        self.rollout = rollout
+        self.deferred = deferred
+        self.pending: list[tuple[str, torch.Tensor]] | None = None  # published, not yet delivered
+        # An engine that loses its weights in its sleep needs them again after every wake: the last
+        # delivered host copy is kept until the next publish replaces it.
+        self.resend_after_wake = deferred and not rollout.weights_survive_sleep
+        self.delivered: list[tuple[str, torch.Tensor]] | None = None
+        self.last_publish_s = 0.0  # the export (and, not deferred, the delivery with it)
+        self.last_sync_s = 0.0  # the delivery into the engine
+
+    def publish(self, export: Callable[[], Weights]) -> None:
+        """New trainer weights (a collective: every rank). Deferred: a host copy for `deliver`;
+        otherwise streamed into the engine now."""
+        started = time.perf_counter()
+        if not self.deferred:
+            self.rollout.update_weights(export())
+            self.last_sync_s = self.last_publish_s = time.perf_counter() - started
+            return
+        self.delivered = None  # superseded: never hold two host copies
+        self.pending = [(name, _host_copy(tensor)) for name, tensor in export()]
+        self.last_publish_s = time.perf_counter() - started
+
+    def deliver(self) -> None:
+        """The weights published since the engine's last turn; for an engine that dropped its
+        weights in its sleep, the last ones again (before any publish such an engine restores its
+        own checkpoint). Called with the engine awake."""
+        started = time.perf_counter()
+        weights, self.pending = self.pending, None
+        if weights is None and self.resend_after_wake:
+            weights = self.delivered
+        if weights is not None:
+            self.rollout.update_weights(weights)
+            if self.resend_after_wake:
+                self.delivered = weights
+        self.last_sync_s = time.perf_counter() - started
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy that shares no storage with a parameter (an export may return views of the
+    live parameters, which offload moves and the next optimizer step overwrites)."""
+    tensor = tensor.detach()
+    if tensor.device.type == "cuda":  # pinned, so the delivery's host-to-device copies are fast
+        return torch.empty_like(tensor, device="cpu", pin_memory=True).copy_(tensor)
+    return tensor.clone()
