@@ -27,7 +27,7 @@ test-all:
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # Every debug.fault kind on both backends and 2 ranks, a killed rollout child, a killed weight
-# receiver and a lost sync message: one table (README, "The fault suite"); exit 1 on a broken promise.
+# receiver and a lost sync message: one table (docs/failure-behaviour.md, "The fault suite"); exit 1 on a broken promise.
 fault-suite:
 	$(PY) scripts/fault_suite.py
 

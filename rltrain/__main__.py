@@ -1,17 +1,9 @@
 """`python -m rltrain [overrides]`: compose the config with Hydra, validate it, launch the ranks.
 
-One rank runs in this process; `trainer.nproc=N` starts N local ranks on torch's elastic agent
-(rltrain.launch.local); under `torchrun` (one node or several) every process is already a rank and trains
-directly, sharing rank 0's run directory (rltrain.launch.shared_run_dir).
-
-In a multirun (`-m`), a job that fails is reported (its paragraph or traceback as usual) and the
-sweep goes on with the next job: the job returns its outcome (`rltrain.launch.sweep.JobOutcome`, whose
-float is the job's `sweep.objective` for sweepers such as Optuna) instead of exiting, the
-process-global state it left is reset (rltrain.runtime.process_state), `rltrain.launch.sweep.SweepSummary` (a
-Hydra callback, conf/config.yaml) writes `sweep_summary.csv`, and the process exits with the first
-failed job's exit status once every job has run. Under submitit (`hydra/launcher=slurm` or
-`submitit_local`) a job with several tasks makes each task one rank, with the environment torchrun
-would give it (`join_submitit_ranks`).
+One entry point for one rank, `trainer.nproc=N` local ranks (rltrain.launch.local) and torchrun,
+so every launch composes and checks the config the same way. In a multirun (`-m`) a failed job is
+reported and the sweep goes on, exiting with the first failure's status. Multirun and submitit
+details: docs/internals/launch.md; how to launch: docs/launching.md.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ hidden x (mean sequence length) for causal attention (forward + backward, half t
 forward-only token (DPO's reference) counts a third of that. Peak memory is
 `torch.cuda.max_memory_allocated` (CUDA only).
 
-With TRL importable (README, "Benchmarks": installed beside the venv; `--no-trl` skips it), TRL 1.16 runs each workload
+With TRL importable (docs/benchmarks.md: installed beside the venv; `--no-trl` skips it), TRL 1.16 runs each workload
 on the same model, rows, `--batch` and `--micro` (its `per_device_train_batch_size` = `--micro`,
 gradient accumulation = `--batch / --micro`), the same optimizer settings (AdamW, lr 1e-5
 constant, clipping at 1.0), bf16 autocast over fp32 weights where ours is `bf16-mixed` (fp32 on

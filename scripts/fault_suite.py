@@ -1,6 +1,6 @@
 """`make fault-suite`: every failure rltrain promises to survive or end cleanly, made to happen, in a table.
 
-On 2 CPU ranks and both backends, each `debug.fault` kind (README, "Fault injection") in a real
+On 2 CPU ranks and both backends, each `debug.fault` kind (docs/failure-behaviour.md, "Fault injection") in a real
 `python -m rltrain algo=sft` run of 8 steps with the fault at step 3; then a rollout child killed
 in a real 2-rank GRPO run (`rollout.process=separate`, both backends); then the weight transport on its own: a
 receiver process killed in the middle of a sync, and a sync whose bucket message is lost.
@@ -8,7 +8,7 @@ receiver process killed in the middle of a sync, and a sync whose bucket message
 One row per fault:
 
 - outcome: `recovered` (the run completed every step; what the metrics counted), `bounded exit`
-  (non-zero status within the time the README promises; the first error line), or `FAILED` where
+  (non-zero status within the time docs/failure-behaviour.md promises; the first error line), or `FAILED` where
   the behaviour is not the promised one (the script then exits 1, as it does for a file left in
   /dev/shm);
 - seconds: the whole run (for a kill, from the kill to the exit; for the transport, to the error);
@@ -75,7 +75,7 @@ GRPO = [
     "trainer.save_every=1",
     "trainer.progress=lines",
 ]
-# kind -> (the fault's rank, the outcome the README promises: recovered | exit)
+# kind -> (the fault's rank, the outcome docs/failure-behaviour.md promises: recovered | exit)
 KINDS = {
     "loss_error": (1, "recovered"),
     "backward_error": (1, "recovered"),

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The GPU checks (README "What ran on a GPU"), in parts that each fit one 10-minute call on the GPU
+# The GPU checks (docs/gpus.md, "What ran on a GPU"), in parts that each fit one 10-minute call on the GPU
 # test machine (../shared/gpu/README.md), run from the project root there:
 #
 #   bash .gpu/on-device.sh bash scripts/gpu_checks.sh suite        # make test-gpu, in 4 concurrent streams

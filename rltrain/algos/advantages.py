@@ -1,6 +1,6 @@
 """Advantages, as pure torch functions: GRPO's group-relative advantage (one scalar per completion)
 and PPO's per-token rewards, GAE, whitening and explained variance (from sums that can be
-all-reduced, so the rank count does not change them). docs/algorithms.md has the definitions.
+all-reduced, so the rank count does not change them). docs/internals/algos.md has the definitions.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Direct Preference Optimisation against a frozen reference.
 
-What it does: each pair contributes one loss term (see dpo_loss.py for the variants) on the
-difference of policy-vs-reference log-ratios of its chosen and rejected completions. A
-completion's log-probability is the sum of its completion-token log-probabilities, reduced from the
-ragged per-token values with the completion's own length: chosen and rejected are separate
-sequences, never padded to each other, and padding never enters a sum. The step loss is the sum
-over the global batch's pairs divided by the global pair count (micro-batch size, accumulation and
-rank count do not change it). `algo.sft_weight` adds the chosen completions' NLL per token.
-
-The reference is a frozen copy of the initial policy. With `algo.precompute_ref_logps=true` its
-log-probabilities are computed once over the whole dataset, stored in the run directory
-(`ref_logps.safetensors`) and the reference model is freed before training.
+Learns from preference pairs offline, with no rollout engine; chosen and rejected completions are
+separate ragged sequences, so padding never enters a log-probability sum. The loss variants and
+the precomputed reference (`algo.precompute_ref_logps`): docs/internals/algos.md.
 
     python -m rltrain algo=dpo algo.beta=0.1 algo.loss_type=sigmoid
 """

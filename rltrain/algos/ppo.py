@@ -1,16 +1,9 @@
 """Proximal Policy Optimisation with a critic: the shared RL step (rltrain/algos/rl.py) with
 per-token advantages from GAE (rltrain/algos/advantages.py) and a value model trained alongside.
 
-One step: `algo.prompts_per_step` prompts x `algo.group_size` completions from the rollout engine
--> rewards -> the trainer scores the batch once: the critic's values V_t of every completion token
-(and, with `algo.beta > 0`, the reference's log-probabilities; with `algo.kl_in_reward`, the
-policy's old log-probabilities first) -> token rewards (the sequence's score on its last token,
-`-beta * KL` per token when the KL is in the reward) -> GAE (`algo.gamma`, `algo.lam`) ->
-advantages whitened over the global batch (`algo.whiten_advantages`) -> `algo.num_iterations` x
-`algo.mini_batches` optimizer steps of the policy (clipped surrogate, `beta * k3` in the loss when
-the KL is not in the reward) and the same number of the critic (clipped value loss against the
-returns, `algo.vf_clip`, its own `critic.lr`). During the first `algo.critic_warmup_steps` steps
-only the critic learns. The critic is checkpointed with the policy and covered by time sharing.
+The critic gives credit per token instead of per completion; this module only adds what that
+needs (values, token rewards, the critic's update) to the shared step. The step, its keys and
+the critic warm-up: docs/internals/algos.md.
 
     python -m rltrain algo=ppo
     python -m rltrain algo=ppo backend=megatron backend.tp=2 trainer.nproc=2

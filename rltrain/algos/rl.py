@@ -1,19 +1,8 @@
 """One RL step, collect then update, for every RL algorithm (GRPO, PPO).
 
-A step: `ExperienceCollector.collect` (prompts -> completions -> rewards, rltrain/algos/experience.py)
--> scoring by the trainer, once per batch and only what the algorithm needs (old log-probabilities
-and entropies, the reference's log-probabilities, the critic's values) -> the algorithm's
-`advantages` -> `algo.num_iterations` x `algo.mini_batches` optimizer steps of the policy (and the
-critic's, when there is one: `update_critic`) -> the new weights published to the rollout engine.
-With one iteration and one mini-batch and no need for old log-probabilities before the update, the
-scoring of the policy *is* its training pass (same weights, before the update), not an extra
-forward. The rollout engine's sampling log-probabilities are compared with the trainer's
-(`rollout/logprob_diff_*`) and drive the optional rollout correction (rltrain/algos/rollout_correction.py).
-With `placement.time_sharing=true` the trainer's engines and the rollout engine take turns
-(rltrain/sync/timeshare.py).
-
-Subclasses say what they need (`needs_reference`, `needs_old_logps_first`, `uses_critic`) and
-implement `advantages`; they never touch the data, the rollout engine or the mini-batch loop.
+The data, the rollout engine, the trainer's scoring and the mini-batch loop live here once, so an
+algorithm only says what it needs (`needs_reference`, `needs_old_logps_first`, `uses_critic`) and
+implements `advantages`. The step in order: docs/internals/algos.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """Rollout correction: what to do when the rollout engine's sampling distribution is not exactly
 the trainer's (pure torch functions).
 
-The engine samples with its own kernels and often a lower precision (CUDA vLLM in bf16), so its
-log-probabilities `engine` differ from the trainer's recomputation `old` under the same weights;
-the policy gradient is then slightly off-policy. `algo.rollout_correction`:
-
-- `none`: trust the samples (the gap is still measured: `rollout/logprob_diff_*`).
-- `tis`: truncated importance sampling, per token: the surrogate is weighted by
-  `min(exp(old - engine), algo.rollout_is_cap)`, a constant (no gradient). Unbiased where the
-  ratio is below the cap, bounded variance above it.
-- `mask`: per sequence: the geometric-mean ratio `exp(mean_t(old - engine))` must lie in
-  `[1 / algo.rollout_mask_band, algo.rollout_mask_band]`, else the sequence contributes nothing to
-  the surrogate (it still counts in the loss's denominators).
-Metrics: `rollout/is_weight_mean` (mean token weight; 1 for `mask`), `rollout/masked_frac`
-(fraction of sequences dropped; 0 for `tis`).
+The engine samples with its own kernels and often a lower precision, so the policy gradient is
+slightly off-policy; `algo.rollout_correction` (`none`, `tis`, `mask`) bounds or drops what is too
+far off. Definitions and metrics: docs/internals/algos.md; when to turn it on: docs/algorithms.md.
 """
 
 from __future__ import annotations

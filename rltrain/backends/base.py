@@ -1,17 +1,8 @@
 """The TrainEngine protocol: what an algorithm may ask of a training backend.
 
-Algorithms never import a backend. They hand the engine micro-batches and a loss function; the
-engine owns the model, its parallel layout, the optimizer and the collectives. Loss functions
-return a loss that is already normalised by a *global* count (tokens or sequences over every
-micro-batch and every rank), so that the engine can simply sum gradients: micro-batch size,
-accumulation and the number of ranks then do not change the result.
-
-Every rank must call `forward_logps` (`forward_values`) and `train_step` with the same number of
-micro-batches (the collectives inside them must match); a rank with less data passes empty
-micro-batches, which the engine turns into a zero-loss pass over a dummy sequence.
-
-An engine scores one kind of quantity (`Scores`): a policy or reference engine log-probabilities
-through the LM head, a critic engine values through a scalar value head (rltrain.backends.value_head).
+Algorithms never import a backend: they hand the engine micro-batches and a loss normalised by a
+global count, and the engine owns the model, its layout, the optimizer and the collectives, so
+micro-batch size, accumulation and rank count do not change the result. docs/internals/backends.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """Target-token log-probabilities through the output head, one chunk of positions at a time.
 
-The plain path materialises `[N, V]` logits in fp32, their log-softmax and, in the backward, a
-gradient of the same size: for a micro-batch of 4k completion tokens and Qwen2's vocabulary of
-152k that is 2.5 GB per tensor. `chunked_target_logps` never holds more than one chunk of logits:
-its forward computes, chunk by chunk, the logits (a matmul in the compute dtype), upcasts them to
-fp32 and keeps only each position's log-sum-exp and target logit (and, without a graph, the
-entropy); its backward recomputes each chunk's logits and turns the incoming gradient `g_N` into
-`g * (onehot(target) - softmax)` in fp32, then into the hidden states' and the head weight's
-gradients in the compute dtype. The numbers are the plain path's (fp32 round-off; tested to 1e-6),
-at the cost of the head's forward matmul once more in the backward.
-
-It applies to a bias-free head (Qwen2, Llama) when the logits would exceed `CHUNK_ELEMENTS`;
-smaller heads (the embedded tiny model, every CPU test) keep the plain path. The megatron backend
-applies the same limit, per tensor-parallel rank, to its vocab-parallel head
-(`rltrain.backends.megatron.logprobs.chunked_vocab_parallel_logps`).
+Full fp32 logits, their log-softmax and their gradient are each `[N, V]`, gigabytes for a real
+vocabulary; this never holds more than one chunk, recomputing it in the backward, with the plain
+path's numbers. docs/internals/backends.md says when it applies and how the backward works.
 """
 
 from __future__ import annotations

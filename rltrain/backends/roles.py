@@ -1,14 +1,7 @@
-"""The roles of a run and where each one's engine comes from: one module for all of it.
+"""The roles of a run (policy, reference, critic) and where each one's engine comes from.
 
-- policy: trainable, `model.path`'s weights, the LM head, `optim`.
-- reference: frozen, the LM head; `reference.path` or the policy's initial weights.
-- critic: `critic.path` or the policy's weights, a fresh scalar value head seeded by `trainer.seed`
-  (rltrain.backends.value_head), its own AdamW (`optim` with `critic.lr`).
-
-A model given for the reference or critic scores the policy's token ids, so it must share the
-policy's tokenizer (vocabulary, special tokens, splitting): checked on every rank once the policy's
-directory exists, and refused with a message naming both directories. The reward model is not a
-role of this kind: it reads decoded text with its own tokenizer. docs/roles.md has the long story.
+One module decides each role's weights, head and optimizer, and checks that a reference or critic
+shares the policy's tokenizer, since it scores the policy's token ids. docs/internals/backends.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """The critic's scalar value head, shared by both training backends.
 
-A critic is a causal LM's transformer (its LM head unused) plus `Linear(hidden, 1)`. The head is
-fresh: drawn here from a generator seeded by `trainer.seed`, on the CPU in fp32, so every rank and
-both backends start from the same head bit for bit (which is what lets a Megatron critic be
-checked against a Hugging Face one, and 1 rank against N). Weights ~ N(0, 1 / (hidden + 1)), bias
-0: small values at the start, the usual choice for a value head (TRL's, for one).
-
-Values are computed in fp32 whatever the precision (the head's weights are upcast): the head is a
-single dot product per token, so this costs nothing, and the critic's regression target needs
-the precision more than the speed.
+A fresh head drawn from a generator seeded by `trainer.seed`, on the CPU in fp32, so that every rank
+and both backends start from the same head bit for bit; values are always computed in fp32.
+docs/internals/backends.md explains the initialisation and the precision.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Hydra's composition errors as rltrain's one-paragraph user errors (exit 2, DESIGN invariant 5).
+"""Hydra's composition errors as rltrain's one-paragraph user errors (exit 2, docs/failure-behaviour.md).
 
 Hydra reports a misspelt key, a wrong type, an unknown group option or an unparsable override in
 its own words and exits 1; its advice for a misspelt key ("To append to your config use +key=...")

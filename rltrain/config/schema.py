@@ -129,7 +129,7 @@ class WandbConfig:
 class LoggerConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     # GRPO: a `samples/train` table of prompts, completions and rewards every N steps; 0 = only the
-    # `samples/eval` table at each evaluation (README, "W&B").
+    # `samples/eval` table at each evaluation (docs/run-directory.md).
     sample_every: int = 0
 
 
@@ -236,7 +236,7 @@ class VLLMRolloutConfig(RolloutConfig):
     kv_cache_gib: float = 1.0  # CPU: the KV-cache budget (on CUDA, gpu_memory_utilization decides)
     max_num_seqs: int = 256
     max_model_len: int | None = None  # longest prompt + completion; null = the model's own limit
-    # vLLM on CUDA (README, "vLLM on CUDA"); the CPU build takes none of these:
+    # vLLM on CUDA (docs/time-sharing-and-sync.md, "vLLM on CUDA"); the CPU build takes none of these:
     gpu_memory_utilization: float = 0.5  # fraction of the GPU the engine may take (weights + KV cache)
     tensor_parallel_size: int = 1
     enforce_eager: bool = False  # true: no CUDA graphs (the CPU build always runs eagerly)
@@ -302,7 +302,7 @@ class RewardConfig:
 
 @dataclass
 class SafetyConfig:
-    """See README, "Failure behaviour"."""
+    """See docs/failure-behaviour.md."""
 
     fail_fast: bool = False  # RLTRAIN_FAIL_FAST=1/0 overrides
     collective_timeout_s: float = 600.0
@@ -325,7 +325,7 @@ class PlacementConfig:
 
 @dataclass
 class DebugConfig:
-    fault: str | None = None  # KIND:RANK:STEP, a testing aid (see README)
+    fault: str | None = None  # KIND:RANK:STEP, a testing aid (docs/failure-behaviour.md)
 
 
 @dataclass

@@ -233,7 +233,7 @@ ALGOS_WITHOUT_REWARDS = ("sft", "dpo")
 
 
 def validate_roles(cfg) -> None:
-    """`reference`, `critic` and `reward_model` (README, "Roles"): each path a usable Hugging Face
+    """`reference`, `critic` and `reward_model` (docs/rewards-and-roles.md, "Roles"): each path a usable Hugging Face
     directory, each number in range, and no role configured that the algorithm would not build.
     That a role's tokenizer is the policy's is checked once the policy's directory exists
     (rltrain/backends/roles.py)."""
@@ -299,7 +299,7 @@ def validate_reward_model(rm, algo_name: str) -> None:
 
 
 def validate_vllm(rollout) -> None:
-    """The vLLM engine's CUDA settings (README, "vLLM on CUDA"); checked on every machine, so a
+    """The vLLM engine's CUDA settings (docs/time-sharing-and-sync.md, "vLLM on CUDA"); checked on every machine, so a
     config that would fail on the cluster fails on a laptop first."""
     util = rollout.gpu_memory_utilization
     if not 0 < util <= 1:

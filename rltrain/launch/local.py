@@ -1,23 +1,9 @@
 """Local multi-rank launch (`trainer.nproc=N`) on torch's elastic agent, the engine under torchrun.
 
-Each rank is a separate process, `python -m rltrain.worker RUN_DIR LAUNCHER_PID`, started by a
-`LocalElasticAgent` over a c10d rendezvous on 127.0.0.1 (what `torchrun --standalone` does), so a
-rank sees exactly the environment torchrun gives it. It reads the resolved `config.yaml` from the
-run directory: no pickled state crosses the process boundary. Restarts are off (`max_restarts=0`):
-a failed rank fails the run, which resumes from its last checkpoint when run again.
-
-The agent's own policy on a failed rank is to SIGTERM every other rank at once and raise a
-`ChildFailedError` report. `GracefulAgent` changes the first half: the surviving ranks get a grace
-period to leave by themselves (a lost gloo peer fails their collective at once, and they say
-which rank they lost), and only then are they terminated. The report is replaced by one line
-naming the first failing rank; a rank that raised a `UserError` recorded its paragraph in the run
-directory (rltrain.runtime.errors): that paragraph is printed once, naming the rank, and the exit status
-is 2, as in a single-rank run; the peers stopped by its departure stay quiet.
-
-SIGTERM, SIGINT (Ctrl-C), SIGHUP and SIGQUIT to the launcher are forwarded to every rank by the
-agent (SIGKILL after `SHUTDOWN_TIMEOUT_S`); the run directory keeps its complete checkpoints, so
-the same command resumes. A rank also dies with the launcher if the launcher itself is killed
-(`rltrain.worker` asks the kernel for that), so no rank outlives it.
+Each rank is its own process (`python -m rltrain.worker`), so it sees exactly the environment
+torchrun would give it and reads its config from the run directory. `GracefulAgent` gives the
+surviving ranks a grace period when one fails, so they can name the rank they lost, and a user
+error is printed once. Failure and signal handling: docs/internals/launch.md.
 """
 
 from __future__ import annotations

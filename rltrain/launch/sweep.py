@@ -1,20 +1,9 @@
 """`sweep_summary.csv`: one row per job of a Hydra multirun, written by a Hydra callback.
 
-Registered in conf/config.yaml under `hydra.callbacks.sweep_summary`. Each job of a sweep returns
-a `JobOutcome` (`rltrain.__main__.sweep_job`): how it ended, and its objective, which is what a
-sweeper such as Optuna reads (`float(outcome)`; a failed job or one that never logged the objective
-raises ValueError there, so Optuna records a failed trial and goes on).
-
-`on_job_end` runs where the job ran: in this process with Hydra's basic launcher, in the job's own
-process with submitit (locally or on Slurm). It therefore writes its row to the job's directory
-(`sweep_row.json`), and `on_multirun_end`, in the process that started the sweep, gathers those
-files, writes `<sweep dir>/sweep_summary.csv` (atomically), prints the rows as a table and records
-the first failed job's exit status for the process to exit with (`sweep_exit_status`).
-
-Columns, in order: `job, status, exit_status, overrides, objective, <METRIC_COLUMNS...>, error,
-run_dir`. A metric column holds the last logged value of that key (empty when the job logged none).
-To add a column, add the key to METRIC_COLUMNS (or a field to `row()`): nothing else depends on the
-order.
+A sweep should end with one table of how every job went, and a sweeper such as Optuna should see
+a failed job as a failed trial, not a crash: each job returns a `JobOutcome` and `SweepSummary`
+gathers their rows wherever the jobs ran (here or under submitit). Rows, columns and the
+objective: docs/internals/launch.md.
 """
 
 from __future__ import annotations

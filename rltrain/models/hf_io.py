@@ -1,21 +1,8 @@
 """Loading a Hugging Face causal LM without a full copy of the model on every rank.
 
-One process (or one rank): `load_causal_lm` reads the checkpoint, as transformers does.
-
-Several FSDP ranks: no rank but rank 0 ever holds the full model. Every rank builds the
-architecture on the meta device (`load_causal_lm(..., on_meta=True)`: no storage), the engine
-applies `fully_shard` to the meta model and allocates only its own shards (`to_empty`), and then
-`load_sharded_weights` fills them: rank 0 reads the checkpoint and, one parameter at a time,
-*scatters* each rank its rows (dim-0 chunks, the `Shard(0)` placement FSDP2 uses), so a rank
-receives and stores only its shard. Buffers (not sharded, small) are broadcast whole. They matter:
-rotary `inv_freq` is a non-persistent buffer, absent from the checkpoint, that `to_empty` leaves as
-garbage; rank 0 takes the value its own loaded model computed. Tied weights are one Parameter
-(`named_parameters` lists it once), so it is loaded once and stays tied.
-
-Why not `set_model_state_dict(..., broadcast_from_rank0=True)`: it sends each tensor's metadata
-with `broadcast_object_list` (a pickle across processes, DESIGN invariant 6) and broadcasts every
-full tensor to every rank, where a scatter sends each rank its shard only. Every rank already knows
-every shape and dtype from its own meta model, so nothing but tensor bytes needs to cross.
+With several FSDP ranks, every rank builds a meta model and allocates its own shards, and rank 0
+scatters each rank its rows, so only rank 0 ever holds the full model and no metadata is pickled.
+docs/internals/models.md explains the buffers, tied weights and why not `set_model_state_dict`.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """Mixture-of-Experts models under FSDP2: the same graph on every rank, whatever the routing.
 
-What transformers 5.19 does (Qwen3-MoE, Mixtral): the experts of a layer are two fused 3-D
-parameters (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]), and the expert computation is
-dispatched on `config._experts_implementation`:
-
-* `grouped_mm` (the default wherever the kernel dispatches, CPU on torch 2.13 included) and
-  `batched_mm` compute every expert in one op whose shapes depend only on tokens x top-k: the
-  graph does not depend on the routing. Nothing to do.
-* `eager` (the fallback where grouped_mm cannot dispatch, or chosen by the user) loops only over
-  the experts that received tokens (`expert_hit`). The parameters still get a gradient (they are
-  fused), but the autograd graph, the number of saved tensors and the ops run differ per rank and
-  between a checkpointed forward and its recompute. rltrain replaces it by `every_expert_forward`,
-  which runs every expert every step, with an empty input where no token was routed to it.
-
-Router logits, and the load-balancing loss built from them, are requested only from a real MoE
-model (more than one expert), and only when its config asks for them (`output_router_logits`):
-dense configs may carry the key, and asking a dense model for router logits fails or wastes work.
+transformers' `eager` experts loop only over the experts that received tokens, so the autograd
+graph differs per rank; `every_expert_forward` runs every expert every step instead. Router logits
+are requested only from a real MoE model that asks for them. docs/internals/models.md has details.
 """
 
 from __future__ import annotations

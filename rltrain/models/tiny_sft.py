@@ -1,18 +1,8 @@
 """`model=tiny_sft`: the tiny model after a short SFT on the built-in task, built once and cached.
 
-RL from the randomly initialised tiny model has no right answers to reinforce: GRPO climbs the
-built-in reward's shape (digits, length, closeness) while held-out exact accuracy stays near zero.
-After a few hundred SFT steps the model answers some held-out problems right and RL can raise that
-number, which is the story the default RL command should tell.
-
-The SFT is an ordinary `python -m rltrain algo=sft` run on the tiny model, in a child process with
-a clean environment (no torch.distributed variables inherited from a multi-rank parent, W&B off,
-one rank, the run's `trainer.num_threads`). It trains on the built-in task's *training* split drawn
-with the RL run's seed and
-`data.num_eval`, so the RL run's held-out problems are never seen. Its run directory lies in a
-temporary sibling of the cache entry and its `final/` is renamed into place, so a crashed or
-concurrent build never leaves a half-written model. The key covers the tiny model's spec, the seed,
-the SFT settings and the task split.
+RL from the randomly initialised tiny model has no right answers to reinforce; after a short SFT it
+answers some held-out problems and RL can raise that number. The SFT is an ordinary `algo=sft` run
+in a clean child process, on the training split only. docs/internals/models.md has the details.
 """
 
 from __future__ import annotations

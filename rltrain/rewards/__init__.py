@@ -1,24 +1,7 @@
-"""Reward functions: built-in ones for the built-in tasks, and user functions by dotted path.
-
-A reward function has the signature
-
-    fn(prompts: list[str], completions: list[str], **columns) -> list[float]
-
-where `columns` holds the dataset's other columns (one value per completion, repeated across a
-prompt's group). `reward.fns=[pkg.module:function, ...]` with optional `reward.weights=[...]`
-selects them; `reward_model=hf` adds a reward model as one more function named `model`, weighted by
-`reward_model.weight` (rltrain/rewards/model_reward.py). The total reward is the weighted sum, and
-each function's mean is logged as `reward/<function name>` (`reward/model` for the reward model).
-
-Every call is bounded by `reward.timeout_s` (default 60 s; 0 or null: no limit). The function runs
-in a daemon worker thread and the training thread waits for it; when the time is up the run stops
-with a UserError naming the function and the limit. A thread cannot be killed, so the hung call is
-abandoned (the daemon thread ends with the process, which is exiting). A thread rather than a
-subprocess: the function keeps its process (its globals, caches, a model it loaded, no pickling of
-the batch across a process boundary, no start-up cost per call), and the bound is all we need.
-
-A rank whose slice of the prompts is empty (fewer prompts than ranks) has nothing to score: no
-function is called there, with or without columns.
+"""Reward functions, `fn(prompts, completions, **columns) -> list[float]`: built-in ones for the
+built-in tasks (`builtin`), user functions by dotted path (`reward.fns`, weighted by
+`reward.weights`) and a reward model (`model_reward`), each bounded by `reward.timeout_s`.
+docs/rewards-and-roles.md explains the signature, the weighting and the time bound.
 """
 
 from __future__ import annotations

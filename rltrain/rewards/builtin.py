@@ -1,20 +1,8 @@
 """Built-in reward for the addition task: checkable, in [0, 1], exact answers worth most.
 
-Half of the reward is exact match: the policy is paid for right answers, so RL raises held-out
-accuracy instead of only the shape of its outputs. The other half is dense and graded, so that a
-randomly initialised model (which emits random characters and is never exactly right) still has
-a signal to climb, one part after the other:
-
-- 0.1 x the fraction of generated characters that are digits (the answer's alphabet);
-- 0.1 x `max(0, 1 - |len(completion) - len(answer)| / 4)` (the answer's length, so the policy
-  learns to stop);
-- 0.3 x `max(0, 1 - |n - answer| / 100)` where n is the number formed by the completion's leading
-  digits (at most four), so values closer to the true sum earn more;
-- 0.5 x exact match (the stripped completion equals the answer).
-
-A correct answer (then EOS) scores 1.0; the best wrong one scores under 0.5. With the shaped
-parts alone a near miss scored within 0.01 of the right answer, and GRPO raised the reward from
-0.2 to 0.8 while held-out accuracy stayed at 0.005.
+Half of the reward is exact match, so RL raises held-out accuracy and not only the shape of the
+outputs; the other half is dense and graded, so a randomly initialised model still has a signal
+to climb. The parts, their weights and why exact match must dominate: docs/internals/rewards.md.
 """
 
 from __future__ import annotations

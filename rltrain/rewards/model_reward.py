@@ -1,24 +1,9 @@
 """The reward model: a Hugging Face sequence classifier scoring prompt + completion.
 
-`reward_model=hf reward_model.path=DIR` loads `AutoModelForSequenceClassification` (one output,
-`num_labels=1`, checked in rltrain/config/validate.py) and its own tokenizer from DIR, so it need not share
-the policy's tokenizer: it reads the decoded text `prompt + completion`, as a reward function does.
-It is one more reward function (`RewardFn` named `model`, weight `reward_model.weight`), so the total
-reward, the `reward/model` metric, the empty-slice rule and the `reward.timeout_s` bound are those of
-every reward function (rltrain/rewards/__init__.py).
-
-Every rank holds the whole model (frozen, in eval mode) on its training device and scores its own
-slice of completions in batches of `reward_model.batch_size` texts. Texts longer than
-`reward_model.max_length` tokens lose their *beginning*: a classifier scores at the last token, so
-the end of the completion is what must survive. Weights load in the run's compute dtype (fp32 on
-CPU, bf16 under `bf16-mixed` on CUDA); scores are returned in fp32 whatever the dtype.
-
-With time sharing it gives the device up for the rollout engine's turn (`offload`/`onload`,
-rltrain/sync/timeshare.py): rewards are scored after the turn, so it is never needed while the engine
-runs. On CPU there is nowhere else to put it and both are no-ops.
-
-The call runs in the reward-timeout worker thread (a fresh thread per call), and grad mode and the
-current CUDA device are per-thread in torch, so both are set inside the call, not at load time.
+It is one more reward function (`model`, weight `reward_model.weight`) reading decoded text, so it
+needs no shared tokenizer and gets the weighting, metrics and time bound of every reward function.
+Each rank scores its own slice with a frozen copy. Loading, truncation, time sharing and threads:
+docs/internals/rewards.md; enabling it: docs/rewards-and-roles.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""Lazy registry of rollout engines: `rollout=hf` never imports vLLM."""
+"""Rollout engines behind one protocol (`base.RolloutEngine`): vLLM in the trainer's process
+(`vllm`) or in a child process (`separate`, `separate_child`), and transformers' generate (`hf`).
+The registry below is lazy, so `rollout=hf` never imports vLLM; `share` hands a model-parallel
+replica's completions to its peers. docs/internals/rollout.md.
+"""
 
 from __future__ import annotations
 

@@ -1,20 +1,8 @@
 """The transformers rollout engine: `model.generate` on a private copy of the policy.
 
-The fallback when vLLM is not installed or not wanted (`rollout=hf`). It honours the same contract
-as the vLLM engine, so an algorithm cannot tell them apart:
-
-- Log-probabilities are of the *raw* distribution: the log-softmax of the unprocessed logits
-  (`output_logits=True`), before temperature and top-p, which is what the trainer computes.
-- A completion ends at the first stop token (EOS or `sampling.stop_token_ids`), which it includes,
-  with `finished=True`; otherwise it is cut at `max_new_tokens` with `finished=False`.
-- Sampling is seeded by (engine seed, `sampling.seed`) inside a forked RNG, so it is reproducible
-  and never disturbs the trainer's global RNG. Prompts are left-padded into one batch; the padding
-  is masked and never appears in a completion.
-- `update_weights` copies tensors by Hugging Face name into the model's own parameters, so a tied
-  output head follows its embedding automatically; an unknown name or a wrong shape raises.
-- `sleep()` moves the model to host memory on an accelerator and is a no-op on CPU.
-
-This module never imports vLLM.
+The fallback when vLLM is not installed or not wanted (`rollout=hf`); it honours the vLLM engine's
+contract (raw log-probabilities, stop tokens, seeding, weight updates), so an algorithm cannot tell
+them apart. It never imports vLLM. docs/internals/rollout.md lists the contract.
 """
 
 from __future__ import annotations

@@ -1,27 +1,8 @@
 """The vLLM engine in its own process (`rollout=vllm rollout.process=separate`).
 
-Why: the engine's memory, threads and process-wide state (vLLM seeds global RNGs, rebinds torch
-threading, owns a distributed world of its own) stay out of the trainer, and the weight sync
+The engine's memory, threads and process-wide state stay out of the trainer, and the weight sync
 crosses a real process boundary, as it does when the engine runs on other devices or hosts.
-
-How it is built (the failures it is built against are in RELIABILITY.md, "weight sync"):
-
-- The child is started with `subprocess` (`python -m rltrain.rollout.separate_child`), not
-  multiprocessing, which would pickle its arguments: DESIGN invariant 6, no pickle across a
-  process boundary. Its start-up spec is a JSON argument; torch.distributed's env variables
-  (RANK, MASTER_PORT, ...) are removed so vLLM builds its own one-rank world.
-- Control: one end of a `socketpair` handed to the child (`pass_fds`), carrying framed JSON
-  (the weight transport's `Channel`): strict request/reply, each reply tagged with the request's
-  id; token ids and log-probabilities travel as JSON numbers (float64 text round-trips exactly).
-  There is no socket file, and the child's death is an immediate EOF on the parent's end.
-- Weights: `WeightSender` / `WeightReceiver` (rltrain.sync.transport): fixed-size shared-memory
-  buckets (no /dev/shm names), JSON metadata, a fresh 0700 endpoint per sync under this engine's
-  own private directory. `update_weights` sends the `update` request first, then streams; the
-  child feeds the buckets straight into vLLM's in-place reload (the whole checkpoint in one call).
-- Every wait is bounded (`rollout.timeout_s`, start-up `rollout.start_timeout_s`). If the child
-  dies, the next wait fails at once with `RolloutProcessError` naming its exit code; if it stalls,
-  the wait fails at its timeout and the child is killed. `close()` (and any failure) removes the
-  private directory; the shared memory has no name to leave behind.
+docs/internals/rollout.md describes the child, its JSON control channel and its bounded waits.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """Generate once per data-parallel replica and hand the completions to the replica's other ranks.
 
-Under tensor or pipeline parallelism the tp x pp ranks of one replica must train on the same
-sequences (the Megatron engine fingerprints every micro-batch and fails on all ranks otherwise).
-Each rank has its own colocated rollout engine with the same weights and the same seed, so their
-completions agree only as far as generation is bitwise deterministic across processes, which no
-engine promises (batch composition, kernels chosen per device, atomics on GPUs). So the replica's
-lowest rank (`replica_leader`) generates and broadcasts what it sampled to its peers
-(`share_completions`), who never generate: identical inputs by construction, and the peers'
-compute is not spent sampling the same tokens twice. GRPO's `_generate` is the caller.
-
-Completions cross as raw tensors with fixed dtypes (DESIGN invariant 6, no pickle): one int64
-header, one int64 block of (prompt_index, length, finished) rows followed by every token id, and
-the sampling log-probabilities as float64, so the peers get the exact Python floats the leader has.
+The tp x pp ranks of one replica must train on identical sequences, and generation is not bitwise
+deterministic across processes, so the replica's leader samples and broadcasts (as raw tensors,
+never pickle). docs/internals/rollout.md has the reasoning and the wire layout.
 """
 
 from __future__ import annotations

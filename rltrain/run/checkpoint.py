@@ -1,21 +1,9 @@
 """Atomic checkpoints and `trainer.resume=auto`.
 
-A checkpoint is written into `checkpoints/step_N.tmp/` by every rank (engine state through
-torch.distributed.checkpoint, each rank's CPU and CUDA RNG states as safetensors), then rank 0 writes
-`trainer_state.json` (step, algorithm state such as the data position) and renames the directory
-to `checkpoints/step_N/`. A directory without the `.tmp` suffix is therefore always complete; a
-run killed mid-save leaves only a `.tmp` directory, which is ignored and cleaned up later.
-
-Checkpoints defend themselves (README, "The run directory"):
-
-- `trainer_state.json` lists every file of the checkpoint with its size and CRC-32 (rank 0 reads the
-  files back once per save, which also fsyncs them), and is itself fsynced, as are the directory
-  and the rename. On resume the newest checkpoint whose files all match is used; a newer one that is
-  torn or corrupt (a truncated or overwritten file, a missing engine file, unreadable JSON) is named
-  in a warning and moved aside to `step_N.corrupt/`, and the previous complete one is used.
-- It also records a fingerprint of what must match to resume (`fingerprint()`: the model's identity
-  and architecture, the world layout, the algorithm). A checkpoint whose fingerprint differs from the
-  run's is refused with a UserError naming each difference and the fix, on every rank.
+Every rank writes into `checkpoints/step_N.tmp/` and rank 0 renames it when complete, so a run
+killed mid-save never leaves a directory that looks whole. Each checkpoint lists its files with
+sizes and CRC-32s and a fingerprint of what must match to resume, so a corrupt or foreign one is
+skipped or refused instead of loaded. How: docs/internals/run.md; the files: docs/run-directory.md.
 """
 
 from __future__ import annotations

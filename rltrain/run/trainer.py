@@ -115,7 +115,7 @@ def train_loop(ctx: RunContext, algo) -> None:
         if dist_info.is_main:
             print(f"rltrain: resumed from {latest} (step {start_step})", flush=True)
     logger = MetricsLogger(cfg, run_dir, dist_info.is_main, start_step)
-    # heartbeat, hang watchdog, health server, fault injection (README, "Failure behaviour")
+    # heartbeat, hang watchdog, health server, fault injection (docs/failure-behaviour.md)
     safety = SafetyRuntime(cfg, run_dir, dist_info.rank, dist_info.world_size, ping=algo.health_ping())
     safety.start()
     try:
@@ -123,7 +123,7 @@ def train_loop(ctx: RunContext, algo) -> None:
         if start_step == 0 and cfg.trainer.eval_every > 0:
             logger.log({"step": 0, **algo.evaluate(0)})
             logger.log_samples("samples/eval", 0, algo.samples())
-            safety.progress()  # /healthz/deep judges ranks by progress (README, "Health endpoints")
+            safety.progress()  # /healthz/deep judges ranks by progress (docs/failure-behaviour.md, "Health endpoints")
         for step in range(start_step + 1, max_steps + 1):
             safety.before_step(step)
             t0 = time.perf_counter()

@@ -1,18 +1,9 @@
 """Process-group set-up and the collective helpers every module shares, with their device rule.
 
-**Device rule.** Model tensors live on the training device; small control and metric tensors
-(flags, counts, metric sums, strings) live on the CPU. On CUDA the default group is created as
-`"cpu:gloo,cuda:nccl"`, so one group serves both: CUDA tensors go through NCCL, CPU tensors
-through gloo. Groups created later without an explicit backend (FSDP's sharding group,
-megatron-core's tp/pp/dp groups) inherit that pair. Code that all-reduces a value derived from
-model outputs first moves it to `control_device()` (`.cpu()`); nothing else needs to know which
-device a collective wants.
-
-`RLTRAIN_DIST_BACKEND` overrides the backend string: `gloo` runs several ranks on one GPU (NCCL
-refuses two ranks on one device; gloo carries CUDA tensors too), `nccl` asks for NCCL alone (then
-control tensors move to the GPU, `control_device()` says so). Every collective inherits the
-process-group timeout `safety.collective_timeout_s`, so a lost peer turns into an error instead of
-a hang.
+Model tensors live on the training device and small control tensors on the CPU; one default group
+(`"cpu:gloo,cuda:nccl"` on CUDA) serves both, so no caller needs to know which device a collective
+wants. Every collective inherits `safety.collective_timeout_s`, so a lost peer is an error, not a
+hang. The rule and the `RLTRAIN_DIST_BACKEND` override: docs/internals/runtime.md.
 """
 
 from __future__ import annotations

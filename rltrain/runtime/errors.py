@@ -1,17 +1,9 @@
 """Errors that are the user's to fix: printed as one paragraph, never as a bare traceback.
 
-On several ranks a `UserError` may be raised on any of them (a reward function that fails only on
-rank 1's prompts). It must still reach the user once, as the same paragraph and exit status 2 as on
-rank 0, naming the rank; the peers, whose collectives fail because the rank left, stay quiet. The
-failing rank records the paragraph in the run directory *before* it leaves its collectives:
-
-    RUN_DIR/errors/rank<N>.txt   the paragraph of rank N (every rank that raised one)
-    RUN_DIR/errors/first         the rank that claimed the report first (created exclusively)
-
-The local launcher (`rltrain.launch.local`) prints the first rank's paragraph once; under torchrun the
-rank that claimed `first` prints it itself. A rank whose own failure came after a peer's report
-(`peer_reported`) exits non-zero without a traceback (its traceback goes to
-`errors/rank<N>.traceback`).
+A `UserError` may be raised on any rank, yet must reach the user once, naming the rank, with exit
+status 2, while the peers whose collectives fail stay quiet. So the failing rank records its
+paragraph under `RUN_DIR/errors/` before it leaves its collectives. The files and who prints
+them: docs/internals/runtime.md; what a user sees: docs/failure-behaviour.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Process-global state a run leaves behind, reset so the next in-process run starts clean.
 
-A Hydra multirun (`python -m rltrain -m ...`) runs its jobs one after the other in one process
-(single-rank jobs train in it; multi-rank jobs spawn fresh workers). What one job sets in module
-globals must not leak into the next:
-
-- torch.distributed's default group: destroyed by `rltrain.run.trainer.run` itself;
-- megatron-core's parallel state (its module-global groups, memory buffer, CUDA RNG tracker) and
-  `rltrain.backends.megatron.groups._SHARED`, the record of the groups it created;
-- the fault injector (`rltrain.safety.faults`), installed per run;
-- `torch.use_deterministic_algorithms` (`trainer.deterministic`);
-- environment variables a job set (`MASTER_ADDR`/`MASTER_PORT` of a single-rank world, vLLM's
-  switches): `environment_snapshot()` before the job, `restore_environment()` after it.
-
-Thread counts and RNG seeds are set at the start of every run, so they need no reset.
+A Hydra multirun (`python -m rltrain -m ...`) runs its jobs one after the other in one process, so
+what one job sets in module globals (process groups, megatron-core's state, the fault injector,
+deterministic mode, environment variables) must not leak into the next. The list:
+docs/internals/runtime.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,10 @@
 """Which errors a zero backward may stand in for, and which it never may.
 
-Which errors are recovered at all. Recovery (`safety.fail_fast=false`) is for errors that depend on
-the *values* of one micro-batch or on a moment in time: a bad row, a numerical blow-up, a flaky
-reward, an injected fault. Some errors never are: two kinds are passed through in both modes, at
-once, with the first traceback (the fail-fast path: this rank raises and exits non-zero, the
-launcher stops its peers).
-
-* A lost peer or a timed-out collective (`is_collective_failure`): the peers are gone or elsewhere.
-* A bug in the program (`is_programming_error`): an error about the *kind* of the tensors or
-  objects the code combines, not about their values, so the same code raises again on every
-  micro-batch of every step (or, on a device, leaves it unusable). Turning it into a zero backward
-  would only train on fewer micro-batches for `safety.max_consecutive_errors` steps and hide the
-  traceback behind the count. The rule, by exception type and torch's message:
-  - device: tensors on different devices ("Expected all tensors to be on the same device", "is
-    not on the expected device", "... but expected it to be on GPU", ...), a sticky CUDA fault
-    ("device-side assert triggered", "illegal memory access");
-  - dtype: "expected scalar type", "expected m1 and m2 to have the same dtype", "must have the
-    same scalar type", "can't be cast to the desired output type", `"op" not implemented for
-    'Half'`, ...;
-  - shape: "The size of tensor a (3) must match the size of tensor b (4)", "shape '[2, 3]' is
-    invalid for input of size 5", "mat1 and mat2 shapes cannot be multiplied", "Sizes of tensors
-    must match", "Dimension out of range", ...;
-  - by type alone: `TypeError`, `AttributeError`, `NameError` (and `UnboundLocalError`),
-    `NotImplementedError`: Python's (and torch's dispatcher's) own words for code that cannot run.
-  The messages are matched on `RuntimeError`, `ValueError` and `IndexError` (the types torch raises
-  them with), on the error and on the errors it was raised `from`. Not included: `KeyError` (a
-  missing column is a property of the data), `AssertionError` (asserts guard data-dependent
-  invariants too; one that recurs still stops the run at the consecutive-error limit), an index
-  out of bounds (a value: e.g. a token id beyond the vocabulary), out of memory.
+Recovery (`safety.fail_fast=false`) is for errors that depend on the values of one micro-batch or
+on a moment in time. A lost peer (`is_collective_failure`) and a bug in the program
+(`is_programming_error`: wrong device, dtype or shape, recurring on every micro-batch) are passed
+through at once in both modes, so a bug is never hidden behind an error count. The full rule, with
+the messages matched and what is deliberately left out: docs/internals/safety.md.
 """
 
 from __future__ import annotations

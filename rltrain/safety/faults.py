@@ -1,18 +1,8 @@
 """Fault injection, a testing aid: `debug.fault=KIND:RANK:STEP`.
 
 Each safety behaviour of rltrain is proved by making the failure happen on purpose, on one rank,
-at one step, in a real run, and watching the others cope:
-
-    loss_error      the loss raises (after the forward, before the backward)
-    device_error    the loss raises torch's device-mismatch error (a bug: never recovered, guard.py)
-    backward_error  the backward raises, before the gradient reaches the model's outputs
-    nan_grad        one gradient becomes NaN before the optimizer step
-    kill            the rank SIGKILLs itself at the start of the step
-    rollout_dead    from that step on, the rollout engine's ping fails (deep health turns 503)
-
-STEP is a step number or an inclusive range `FIRST-LAST`; several faults are separated by commas
-(quote the value on a Hydra command line: `'debug.fault="loss_error:1:3,nan_grad:0:5"'`). A
-fault fires at most once per step, in the first micro-batch. Never set this in production.
+at one step, in a real run, and watching the others cope. The kinds and the STEP syntax:
+docs/internals/safety.md; the fault suite: docs/failure-behaviour.md. Never set this in production.
 """
 
 from __future__ import annotations

@@ -1,33 +1,10 @@
 """Forward, loss and backward of one micro-batch, guarded so that no rank is left alone in a collective.
 
-Under FSDP2 (and DDP, and Megatron's pipeline) the backward pass is itself a sequence of
-collectives: every rank must run a backward through the *whole* model, or its peers wait forever in
-a reduce-scatter. So when the loss (or anything between the forward and the backward) raises on one
-rank, that rank must still run a backward, through a loss that is zero and is built from the
-model's *outputs*: then every trainable parameter receives a (zero) gradient, every backward hook
-fires and every collective is matched. A zero anchored on one parameter, or a detached zero, is
-wrong: only that parameter gets a gradient, FSDP2 reduce-scatters only parameters that have one,
-and the ranks fall out of step (tests/dist/safety/test_safety_guard.py shows it).
-
-Whether a zero backward is still owed is decided by an explicit state per micro-batch
-(`Phase`), never by guessing:
-
-* START: the model has not been entered, so no collective of this micro-batch ran. Owed: a forward
-  on a dummy batch, then a zero backward from its outputs.
-* FORWARD: the model was entered but returned no outputs. Its forward collectives ran part way and
-  the peers are further on; they cannot be realigned, so this is unrecoverable.
-* OUTPUTS / LOSS / BACKWARD: the outputs' graph is alive and none of its nodes has run (BACKWARD
-  means `backward()` was called but raised before the gradient reached the outputs). Owed: a zero
-  backward from the outputs. No double backward: the nodes it runs never ran.
-* MODEL_BACKWARD: the gradient reached the outputs, so the model's backward (and its collectives)
-  began and its graph is being freed; unrecoverable.
-* DONE: the backward completed; nothing is owed.
-
-The helpers take a module *or a list of modules* (Megatron's virtual-pipeline chunks) and any
-nested structure of output tensors (a pipeline stage's output tensor included).
-
-Which errors are recovered at all, and why some never are (a lost peer, a bug in the program):
-`rltrain.safety.error_kinds`.
+Under FSDP2, DDP and Megatron's pipeline the backward is itself a sequence of collectives, so a
+rank whose loss raised must still run a zero backward built from the model's outputs, or its peers
+hang. An explicit per-micro-batch state (`Phase`) says whether that backward is still owed. The
+phases and why a detached zero is wrong: docs/internals/safety.md; which errors are recovered at
+all: rltrain/safety/error_kinds.py.
 """
 
 from __future__ import annotations
@@ -261,8 +238,8 @@ class StepErrors:
             if bug and not self.fail_fast:
                 exc.add_note(
                     "rltrain: not recovered (safety.fail_fast=false): a device, dtype or shape mismatch or a "
-                    "Python type/name error is a bug in the program that every step would repeat; see README, "
-                    '"Failure behaviour"'
+                    "Python type/name error is a bug in the program that every step would repeat; see "
+                    "docs/failure-behaviour.md"
                 )
             raise exc
         try:

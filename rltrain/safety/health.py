@@ -1,20 +1,9 @@
 """HTTP health endpoints on rank 0 (`health.port=N`), for a load balancer or a cluster's probes.
 
-    GET /healthz       200 while the process lives (liveness: the HTTP thread answers)
-    GET /healthz/deep  200 only when every rank's heartbeat is fresher than health.stale_after_s
-                       *and* the rank completed a step within it (rltrain.safety.heartbeat: progress,
-                       not the beat thread's pulse), and the rollout engine (if any) answers a real
-                       ping (`RolloutEngine.ping`); otherwise 503. The JSON body names each rank's
-                       state and, under "dead", whatever failed.
-
-stdlib `http.server` in a daemon thread: no dependency, and it keeps answering while the main
-thread is busy or stuck in a collective (which is when a deep check is most useful). The ping runs
-in its own thread with a timeout, so a hung rollout engine makes the check fail, not hang; only one
-ping is in flight at a time (a probe that arrives while one is unanswered is told so, 503), and the
-engine itself is never touched by the health check's timeout (a wedged ping is just "unhealthy").
-Requests are bounded too: each connection's socket times out after `request_timeout_s`, and at
-most `max_connections` are served at once (more are answered 503 and closed at once), so idle or
-slow clients cannot pile up threads.
+`/healthz` is liveness; `/healthz/deep` also needs every rank's recent progress and a rollout
+engine that answers a ping. Served by stdlib `http.server` in a daemon thread, so it keeps
+answering while the main thread is stuck in a collective, with every ping and request bounded so
+the check fails instead of hanging. Details: docs/internals/safety.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """Per-rank heartbeats: a small JSON file per rank in the run directory, rewritten every second.
 
-Why files: every rank already shares the run directory (torchrun ranks use rank 0's), reading them
-needs no collective (so it still works while a collective hangs or after a peer died), and a human
-can `cat` them. Each file holds the rank's pid and host (so a survivor on the same host can tell a
-dead process from a slow one), the wall-clock time of the beat and the last step begun and finished.
-A multi-node run needs the run directory on a shared filesystem for cross-node heartbeats.
-
-The beat only proves the process (its beat thread) is alive; a rank stuck in a collective beats on.
-So the file also records `progress_time`, the wall-clock time of the rank's last progress: the
-start of training, the end of the step-0 evaluation, and the end of every step (its evaluation and
-checkpoint included). `rank_status` judges a rank by both: no beat for `stale_after_s` (process
-gone or frozen), or no progress for `stale_after_s` (stuck). Before the rank's first completed step
-the progress limit is `FIRST_STEP_FACTOR` x `stale_after_s`, for the first step's one-off costs
-(start-up of the rollout engine's caches, allocator warm-up, the step-0 evaluation before it).
+Files need no collective, so they can still be read while a collective hangs or after a peer died.
+A beat only proves the process lives, so each file also records the rank's last progress, and
+`rank_status` judges a rank by both. Why files, and the limits: docs/internals/safety.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""The per-rank safety services of a run, behind four calls the training loop makes.
+"""The per-rank safety services of a run (heartbeat, hang watchdog, health server, faults), behind
+the few calls the training loop makes (`SafetyRuntime`).
 
-    safety = SafetyRuntime(cfg, run_dir, rank, world_size, ping=...)
-    safety.start()                 heartbeat thread, hang watchdog, health server (rank 0), faults
-    safety.before_step(step)       fault injection for the step (`kill` fires here), heartbeat
-    safety.progress()              progress that is not a step (the step-0 evaluation)
-    safety.after_step(step)        heartbeat (the step's progress), watchdog progress
-    safety.explain_failure(exc)    on the way out: name the lost peer when a collective failed
-    safety.close()
-
-The loss/backward guard and the optimizer step live in the training backends (they need the
-model); this module holds what only needs the run directory and the clock.
+The guard and the optimizer step need the model and live in the backends; this module holds what
+only needs the run directory and the clock. The call sequence: docs/internals/safety.md.
 """
 
 from __future__ import annotations

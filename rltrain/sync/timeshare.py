@@ -1,21 +1,9 @@
 """Time sharing: the trainer and the rollout engine take turns on the same accelerator.
 
-With `placement.time_sharing=true` a step moves through named phases (docs/design.md, invariant 4),
-each timed as `time/phase/<name>` with a memory sample `mem/<name>`:
-
-    offload   gradients dropped, parameters and optimizer state to the host, process groups torn
-              down, frozen models (a reward model) to the host, freed memory back to the driver
-    wake      the rollout engine takes its memory back
-    sync      the weights published after the last update go into the engine (WeightSync.deliver)
-    generate  rollouts
-    sleep     the engine releases its memory
-    onload    process groups re-created, everything reloaded
-    train     scoring and the optimizer step(s)
-
-A step begins and ends with the trainer holding the accelerator, so checkpointing, evaluation and
-the final export need no special case. The CPU build of vLLM has no sleep mode: there the phases,
-their order, the teardown and re-creation of process groups are real, the memory does not move.
-docs/time-sharing-and-sync.md explains export-before-teardown, sleep levels and the CPU build.
+With `placement.time_sharing=true` a step moves through named phases (offload, wake, sync,
+generate, sleep, onload, train), so that the peak memory is the larger of the two, not their sum.
+docs/time-sharing-and-sync.md explains the phases, sleep levels and the CPU build;
+docs/internals/sync.md has the design (export before teardown, what each phase moves).
 """
 
 from __future__ import annotations

@@ -1,41 +1,9 @@
 """Out-of-process weight transport: trainer (`WeightSender`) to rollout process (`WeightReceiver`).
 
-Moves a stream of `(hf_name, tensor)` through fixed-size shared-memory buckets, with a Unix
-socket carrying JSON metadata, so a rollout engine in another process can stream the new
-weights straight into `model_runner.reload_weights(weights_iterator=...)`: at most one bucket
-(two with double buffering) plus one reassembled oversized tensor is in flight, never a second
-copy of the model.
-
-Use across many syncs (the rollout engine is a child process of the trainer):
-
-    sender = WeightSender(bucket_bytes=16 << 20, timeout_s=60)      # trainer, once
-    start_rollout_child(control_path=str(sender.control_path))       # however the child is started
-    receiver = WeightReceiver(control_path, timeout_s=60)            # child, once
-    stats = sender.send(policy.export_weights())                     # trainer, every step ...
-    runner.reload_weights(weights_iterator=receiver.receive())       # ... while the child does this
-    sender.close(); receiver.close()                                 # at shutdown
-
-`send()` and `receive()` each block until the sync is complete, so the trainer's call into the
-rollout process (whatever RPC tells it "load new weights") must be asynchronous, or sent before
-`send()` starts; either side simply waits (at most `timeout_s`) for the other to arrive.
-
-Protocol of one sync (every message JSON, tagged with `sync_id` and `bucket_id`):
-
-    receiver -> control socket   hello                      (the receiver is ready to receive)
-    sender   -> control socket   offer(endpoint, slots)     (a fresh 0700 dir for this sync)
-                                 + segment descriptors      (SCM_RIGHTS; segments have no name)
-    receiver -> data endpoint    ready                      (segments mapped; the sender now
-                                                              removes the endpoint dir: nothing
-                                                              left on disk whatever happens next)
-    sender -> bucket(b, entries) ... receiver -> ack(b)     strict request/reply, b = 0, 1, ...
-    sender -> end(n_buckets, n_tensors) ... receiver -> done
-    either side, on any error    -> abort(reason)          (the peer fails fast, not at timeout)
-
-The control socket is the only path that lives across syncs; it belongs to the sender and is
-re-created after a failed sync, like the shared-memory segments (which otherwise live as long as
-the sender, unnamed, so steady-state syncs touch no fresh pages). The data socket is new for
-every sync, so an error never leaves stale bytes for the next one. With two slots the sender
-fills bucket b+1 while the receiver unpacks bucket b, yet never has two requests outstanding.
+A rollout engine in another process needs the new weights every step without a second copy of the
+model in flight: tensors stream through fixed-size shared-memory buckets, with JSON metadata on a
+Unix socket, straight into the engine's in-place reload.
+docs/internals/sync.md has the usage, the protocol of one sync and the lifetimes of its sockets.
 """
 
 from __future__ import annotations

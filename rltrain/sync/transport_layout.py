@@ -1,19 +1,8 @@
 """How named tensors are laid out in fixed-size buckets, and put back together.
 
-Sender side, `BucketPacker` copies a stream of `(name, tensor)` into shared-memory slots and
-describes each bucket as a list of `Entry`s. Receiver side, `BucketUnpacker` validates those
-entries against the bucket it mapped and turns them back into tensors.
-
-Rules, each fixing a failure seen in real sync code:
-
-* Every entry starts at a multiple of `ALIGN_BYTES` (256), so an odd-sized tensor (a 3-element
-  bool mask) never leaves the next tensor at an offset its dtype cannot be viewed at.
-* A tensor larger than a bucket is cut into byte chunks (`chunk_index` of `chunk_count`, at
-  `chunk_byte_offset` in the full tensor) and reassembled; a sync that ends with a tensor still
-  missing chunks is an error, never a silently half-updated weight.
-* Metadata is plain JSON (name, dtype name from a fixed table, shape, offsets); the receiver
-  checks every offset and size against the bucket, so bad metadata cannot read out of bounds.
-* Bytes are copied verbatim, so every dtype (bf16, bool, NaN payloads) round-trips bitwise.
+`BucketPacker` (sender) and `BucketUnpacker` (receiver) keep alignment, chunking of oversized
+tensors and bounds checks of the JSON metadata in one place, so that no dtype or size can corrupt
+or half-update a weight. docs/internals/sync.md lists the rules.
 """
 
 from __future__ import annotations

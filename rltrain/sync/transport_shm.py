@@ -1,28 +1,8 @@
 """Data plane of the weight transport: anonymous POSIX shared-memory segments as uint8 tensors.
 
-A segment is created with `shm_open` and unlinked at once, so its name exists in /dev/shm only
-for the microseconds between the two calls: the memory is reachable only through file
-descriptors, which the sender hands to the receiver over the Unix socket (SCM_RIGHTS). Nothing
-is ever left in /dev/shm, whichever process dies and however (SIGKILL included): the kernel frees
-the memory when the last descriptor and mapping are gone.
-
-Because descriptors, not names, cross the boundary, the sender can keep its segments for many
-syncs and the receiver can keep its mappings (recognised by device and inode), so a steady
-stream of syncs touches no fresh pages. The sender re-creates its segments after a failed sync.
-
-Why not `multiprocessing.shared_memory.SharedMemory`: on Python 3.11 it registers every segment
-with the resource tracker, which unlinks or warns about names it believes leaked, and it cannot
-be built from a received descriptor; we call the same `_posixshmem` primitives directly.
-
-Segments are allocated up front (`posix_fallocate`), not left sparse: on a small `/dev/shm`
-(Docker's default is 64 MiB) a sparse segment maps fine and the first write past the free space
-kills the process with SIGBUS, without a Python traceback. Allocated, a segment that does not fit
-fails at creation with `SharedMemoryFull`, a UserError naming the size needed and the fix.
-`RLTRAIN_SHM_DIR` puts segments on another tmpfs (an unlinked file there instead of a POSIX
-shared-memory object; the tests use it to impose a small limit).
-
-A CUDA build would add a sibling of `SharedSegment` whose handle is a CUDA IPC handle instead of
-a descriptor; the packer and the protocol only use `bytes_u8` and `nbytes`.
+Segments are unlinked at once and handed over as file descriptors, so nothing is ever left in
+/dev/shm whoever dies, and they are allocated up front, so a full /dev/shm is a clear error, not a
+SIGBUS. docs/internals/sync.md explains why not `multiprocessing.shared_memory` and `RLTRAIN_SHM_DIR`.
 """
 
 from __future__ import annotations

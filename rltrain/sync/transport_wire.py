@@ -1,17 +1,8 @@
 """Control plane of the weight transport: Unix sockets, framed JSON messages, errors.
 
-Why its own module: everything that crosses a socket between the trainer and the rollout process
-goes through `Channel`, so the two rules that keep that boundary safe live in one place:
-
-* **JSON only, never pickle.** A frame is `MAGIC + uint32 length + UTF-8 JSON object`. Anything
-  else (a pickle stream, a frame whose body is a pickle, a non-object, an unknown type) raises
-  `ProtocolError` before a single byte is interpreted as code.
-* **Every wait is bounded.** Each receive, accept and connect takes a deadline; a silent peer
-  becomes `TransportTimeout`, a dead peer `PeerClosed`, an `abort` message from the peer
-  `PeerAborted`, each naming the sync and bucket it happened in.
-
-Every message carries `sync_id` and `bucket_id` (-1 where no bucket applies), so a receiver that
-falls out of step notices at the next message instead of silently mixing weights of two steps.
+Everything that crosses a socket between the trainer and the rollout process goes through `Channel`,
+so the two rules that keep that boundary safe live in one place: JSON only, never pickle, and every
+wait bounded. docs/internals/sync.md describes the frames and the errors.
 """
 
 from __future__ import annotations

@@ -1,52 +1,9 @@
-"""A fast in-place weight sync for vLLM's CPU build: rebuild each layer directly, skip vLLM's
-generic reload machinery.
+"""A fast in-place weight sync for vLLM's CPU build: rebuild each layer directly.
 
-Why: `model_runner.reload_weights` (vLLM's layerwise reload) is generic. For every module it records
-kernel tensors, rebuilds the module's parameters on the meta device, wraps every weight loader,
-buffers the loader calls, re-materialises the parameters, replays the loaders, repacks, and copies
-back. For small models that bookkeeping dominates a sync: ~16-20 ms for the 0.8M-parameter default
-model, of which the work that cannot be avoided (18 repacks: 16 linear layers, the embedding and
-the head; the copies) is ~5 ms. A `SyncPlan` does only that work, with the layout worked out once:
-median `update_weights` on 2 CPU cores, vLLM's reload -> plan: 16 -> 6.4 ms for the default model,
-31 -> 17 ms for the 10M-parameter bench model, ~90 -> ~65 ms for a 50M-parameter one.
-
-What it does, for an exact `Qwen2ForCausalLM` or `LlamaForCausalLM` on vLLM's CPU platform with
-unquantized layers and no tensor parallelism:
-
-- `SyncPlan.build` maps every Hugging Face tensor name of the checkpoint to the vLLM parameter it
-  lands in, using the model's own `packed_modules_mapping` for fused layers (`qkv_proj` <- q/k/v,
-  `gate_up_proj` <- gate/up) and the fused layer's `output_sizes` for the row offsets, and checks
-  every shape. Anything else (another architecture, an unknown module type, a quantized layer, a
-  name it cannot map, a module whose parameters the checkpoint does not all cover) raises
-  `UnsupportedModel`, and the engine keeps using vLLM's reload.
-- `SyncPlan.load` first checks that it got exactly the planned names and shapes; if not it changes
-  nothing and returns False, and the caller falls back to vLLM's reload. Otherwise:
-  - a linear layer's full weight (fused where needed) is assembled in a fresh tensor, set as
-    `layer.weight`, and the layer's own `quant_method.process_weights_after_loading` repacks it,
-    exactly as at load time. The CPU build replaces `layer.weight` by an empty parameter there and
-    computes from a private packed copy (oneDNN handle or sgl-kernel buffer), which is why copying
-    into the parameter (`model.load_weights` alone) does nothing. The tensor is always a fresh copy:
-    some CPU kernels (zentorch without prepacking) keep the very tensor they are given, which must
-    then not be the trainer's;
-  - biases and norms are copied in place (fused biases at their row offsets), and so is the
-    embedding, into its first `org_vocab_size` rows (vLLM pads the vocabulary; the padding rows stay
-    zero, as vLLM's loader left them);
-  - every module with an embedding method whose weight changed re-runs its
-    `process_weights_after_loading`: the embedding itself and an untied head, and a *tied* head,
-    which receives no tensor but shares the embedding's parameter and packs a private copy of it
-    (the trap `VLLMRolloutEngine._refresh_tied_head` exists for on vLLM's path).
-
-What it does not handle (all of it falls back): partial or extra tensors (a layer rebuilt from part
-of its tensors would be wrong), other architectures (their `load_weights` may transform tensors, e.g.
-permute or offset them, in ways a name mapping cannot see), quantized layers, tensor parallelism,
-LoRA-wrapped layers, non-CPU platforms (CUDA keeps plain weights and cudagraph references), and
-layers the CPU build did not repack (e.g. its `torch.nn.functional.linear` fallback).
-
-Memory: vLLM's reload holds each layer's tensors until the layer is complete; `update_weights` on
-this path holds every tensor of the update until it returns (the plan checks them all before it
-changes anything, and a fallback needs them again). That is one extra copy of the model where the
-caller's tensors are fresh copies (a transport receiver), none where they are views of the
-trainer's parameters. Either way they must be owned by the caller, not views of a reused buffer.
+vLLM's generic layerwise reload spends most of a small model's sync on bookkeeping; a `SyncPlan`
+does only the repacks and copies, bit-identical, for Qwen2/Llama on CPU, and anything it does not
+fit falls back to vLLM's reload. docs/internals/sync.md has what it handles, what it does not, its
+memory cost and the measured timings.
 """
 
 from __future__ import annotations

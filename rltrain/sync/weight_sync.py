@@ -1,14 +1,8 @@
 """When the policy's weights move: published after the update, delivered before generation.
 
-`publish` runs at the end of every RL step's update (and after a resume): the trainer exports its
-full tensors, a collective, so every rank calls it while the process groups live. Without time
-sharing the export streams straight into the rollout engine (nothing kept on the host). With time
-sharing the export becomes one host copy, and `deliver` puts it into the engine at the start of the
-engine's next turn (the `sync` phase of rltrain/sync/timeshare.py), after the engine woke up: that
-is how step N's weights reach step N+1's generation. An engine that drops its weights in its sleep
-(vLLM at `rollout.sleep_level=2`) gets the last copy again after every wake. How the tensors get
-into the engine is the engine's `update_weights` (in process: rltrain/sync/vllm_reload.py; across
-processes: rltrain/sync/transport.py). docs/time-sharing-and-sync.md has the whole story.
+The export is a collective, so it must run while the trainer's process groups live; the engine may
+be asleep then, so with time sharing the export is kept as one host copy until the engine's next
+turn. docs/time-sharing-and-sync.md has the whole story, docs/internals/sync.md the design.
 """
 
 from __future__ import annotations

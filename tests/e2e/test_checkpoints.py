@@ -1,4 +1,4 @@
-"""Checkpoints defend themselves (README, "The run directory"): keep_checkpoints >= 1, a torn or
+"""Checkpoints defend themselves (docs/run-directory.md): keep_checkpoints >= 1, a torn or
 corrupt newest checkpoint is reported and the previous one used, a foreign checkpoint is refused on
 every rank, and DPO and GRPO resume after SIGKILL to exactly the uninterrupted rows, like SFT."""
 

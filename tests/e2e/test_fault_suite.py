@@ -1,7 +1,7 @@
 """`make fault-suite` as a test (marked `slow`: `make test-all` runs it, `make test` does not).
 
 scripts/fault_suite.py runs every `debug.fault` kind on both backends and 2 ranks, a killed rollout
-child, a killed weight receiver and a lost sync message, prints the table the README shows, and
+child, a killed weight receiver and a lost sync message, prints the table docs/failure-behaviour.md shows, and
 exits 1 when a row breaks its promise: a fault not recovered or not counted, an exit that took too
 long or never came, a file left in /dev/shm.
 """

@@ -1,5 +1,5 @@
 """`/healthz/deep` asks the real rollout engine: a GRPO run whose separate engine process is killed
-answers 503 naming the rollout engine (README, "Health endpoints and the hang watchdog")."""
+answers 503 naming the rollout engine (docs/failure-behaviour.md, "Health endpoints and the hang watchdog")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`trainer.nproc=N` on torch's elastic agent (README, "Failure behaviour"): the ranks are the
+"""`trainer.nproc=N` on torch's elastic agent (docs/failure-behaviour.md): the ranks are the
 agent's workers with restarts off, none outlives the launcher (even a SIGKILLed one, ours or
 torchrun), and Ctrl-C
 stops every rank and leaves a run that the same command resumes. The failure reports (a killed

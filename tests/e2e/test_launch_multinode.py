@@ -1,4 +1,4 @@
-"""Several machines (README, "Several machines"): two torchrun agents on 127.0.0.1, one rank each,
+"""Several machines (docs/launching.md, "Several machines"): two torchrun agents on 127.0.0.1, one rank each,
 joined by a c10d rendezvous as two nodes would be, train exactly as one `trainer.nproc=2` launch:
 the same `loss` on every step, for SFT and GRPO, in one shared run directory. A "node" that sees
 another directory at the run directory's path (a private mount namespace with a tmpfs over it)

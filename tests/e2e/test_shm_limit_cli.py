@@ -1,6 +1,6 @@
 """A GRPO run with the separate rollout process on a /dev/shm as small as Docker's default (64 MiB)
 ends at the first weight sync with one paragraph naming the size needed and the fix, exit 2, never
-SIGBUS (README, "The separate-process engine")."""
+SIGBUS (docs/time-sharing-and-sync.md, "The separate-process engine")."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""The README's commands on CUDA, run as a user runs them (`python -m rltrain ...` processes).
+"""The documented commands on CUDA, run as a user runs them (`python -m rltrain ...` processes).
 
 Marked `gpu` (skipped without CUDA; `make test-gpu` runs them). GRPO uses `rollout=hf`: the CUDA
-build of vLLM is not installed on the GPU test machine (see README, "GPU"). Each run checks that it
+build of vLLM is not installed on the GPU test machine (see docs/gpus.md). Each run checks that it
 trained on the GPU: finite losses, non-zero gradient norms, no recovered errors (a device bug in
 the loss would otherwise be "recovered" as a zero backward), evaluation rows at the first and last
 step.

@@ -1,10 +1,11 @@
-"""The README and docs/architecture.md against the code they describe.
+"""The README and every docs/*.md page against the code they describe.
 
 The docs name config keys and their defaults, config groups and their options, repository files,
 test functions, modules and metric keys. Each name is checked here against what exists (the
 composed Hydra config, `conf/`, the repository tree, the source of `rltrain/`), so a rename, a new
 option or a changed default that the docs do not follow fails this test instead of misleading a
-user. Each check collects every mismatch and reports them all at once, with the README line.
+user. Each check runs over the README and every page of docs/, collects every mismatch and
+reports them all at once, with the page and line.
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ from rltrain.config.schema import register_configs
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-ARCHITECTURE = ROOT / "docs" / "architecture.md"
+DOCS_DIR = ROOT / "docs"
+ARCHITECTURE = DOCS_DIR / "architecture.md"
+# The page whose "## Metrics" section names the safety metrics.
+METRICS_PAGE = DOCS_DIR / "failure-behaviour.md"
 CONF = Path(CONF_DIR)
 
 # A default cell that says the value depends on something else, instead of giving it.
@@ -53,6 +57,16 @@ MISSING_KEY = object()
 
 
 # --- reading the docs -------------------------------------------------------------------------
+
+
+def doc_pages() -> list[Path]:
+    """The README and every page of docs/ (docs/**/*.md, internals included), the pages every check reads."""
+    return [README, *sorted(DOCS_DIR.rglob("*.md"))]
+
+
+def label(path: Path) -> str:
+    """`path` as the reports name it: relative to the repository, or its name when outside."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
 
 
 def numbered_lines(path: Path) -> list[tuple[int, str]]:
@@ -211,8 +225,9 @@ def defined_in(path: Path, name: str) -> bool:
 
 def test_every_key_in_the_tables_exists_with_the_default_given():
     problems = []
-    for number, keys, override, cell in key_table_rows(README):
-        where = f"README.md:{number}"
+    rows = [(doc, row) for doc in doc_pages() for row in key_table_rows(doc)]
+    for doc, (number, keys, override, cell) in rows:
+        where = f"{label(doc)}:{number}"
         overrides = (override,) if override else ()
         for key in keys:
             if value_for(key, overrides) is MISSING_KEY:
@@ -233,22 +248,40 @@ def test_every_key_in_the_tables_exists_with_the_default_given():
                 if code is not MISSING_KEY and not same_value(doc, code):
                     run = " ".join(("python -m rltrain", *value_overrides))
                     problems.append(f"{where}: `{key}` is documented as {doc!r}, `{run}` composes {code!r}")
-    assert not problems, "README key tables disagree with the config:\n" + "\n".join(problems)
+    assert not problems, "key tables in the docs disagree with the config:\n" + "\n".join(problems)
 
 
-def groups_paragraph() -> tuple[int, str]:
-    lines = section(README, "## Configuration")
-    start = next(i for i, (_, text) in enumerate(lines) if text.startswith("Groups (pick one per group"))
-    paragraph = []
-    for _, text in lines[start:]:
-        if not text.strip():
-            break
-        paragraph.append(text)
-    return lines[start][0], " ".join(paragraph)
+GROUPS_OPENING = "Groups (pick one per group"
+
+
+def groups_paragraphs(path: Path) -> list[tuple[int, str]]:
+    """Every paragraph of `path` that lists the config groups (starts with GROUPS_OPENING)."""
+    lines = numbered_lines(path)
+    found = []
+    for i, (number, text) in enumerate(lines):
+        if not text.startswith(GROUPS_OPENING):
+            continue
+        paragraph = []
+        for _, line in lines[i:]:
+            if not line.strip():
+                break
+            paragraph.append(line)
+        found.append((number, " ".join(paragraph)))
+    return found
 
 
 def test_the_groups_listed_are_the_conf_folders_with_their_options():
-    number, paragraph = groups_paragraph()
+    assert groups_paragraphs(README), f"README.md must list the config groups ({GROUPS_OPENING} ...)"
+    problems = [
+        f"{label(doc)}:{number} (Groups ...): {problem}"
+        for doc in doc_pages()
+        for number, paragraph in groups_paragraphs(doc)
+        for problem in groups_problems(paragraph)
+    ]
+    assert not problems, "config groups in the docs:\n" + "\n".join(problems)
+
+
+def groups_problems(paragraph: str) -> list[str]:
     groups_text, plain_text = paragraph.split("Plain sections:", 1)
     documented: dict[str, set[str] | None] = {}
     for group, options in re.findall(r"`(\w+)`(?: \(((?:`\w+`(?:, )?)+)\))?", groups_text):
@@ -268,7 +301,7 @@ def test_the_groups_listed_are_the_conf_folders_with_their_options():
     top_level = set(composed().keys()) - set(actual) - {"hydra"}
     if plain_sections != top_level:
         problems.append(f"plain sections named {sorted(plain_sections)}, the config has {sorted(top_level)}")
-    assert not problems, f"README.md:{number} (Groups ...):\n" + "\n".join(problems)
+    return problems
 
 
 def mentioned_paths(path: Path) -> list[tuple[int, str]]:
@@ -319,39 +352,43 @@ def layout_block_problems() -> list[str]:
 
 def test_every_path_and_test_named_in_the_docs_exists():
     problems = []
-    for doc in (README, ARCHITECTURE):
+    for doc in doc_pages():
         for number, mention in mentioned_paths(doc):
             problem = path_problem(mention)
             if problem:
-                problems.append(f"{doc.relative_to(ROOT)}:{number}: {problem}")
+                problems.append(f"{label(doc)}:{number}: {problem}")
     problems += layout_block_problems()
     assert not problems, "paths named in the docs:\n" + "\n".join(problems)
 
 
-def test_every_test_function_and_module_attribute_named_in_the_readme_exists():
+def test_every_test_function_and_module_attribute_named_in_the_docs_exists():
     """Bare test names (`test_bf16_mixed_tracks_fp32`, in the GPU table) and dotted names
     (`rltrain.runtime.distributed.isend`, `rltrain.rewards.builtin:exact_match`)."""
     test_files = sorted((ROOT / "tests").rglob("test_*.py"))
     problems = []
-    for number, line in numbered_lines(README):
+    for doc, number, line in doc_lines():
         for token in backticked(line):
             bare_test = re.fullmatch(r"(test_\w+)(?:\[[^\]]*\])?", token)
             if bare_test and not any(defined_in(f, bare_test.group(1)) for f in test_files):
-                problems.append(f"README.md:{number}: no test function `{bare_test.group(1)}` in tests/")
+                problems.append(f"{label(doc)}:{number}: no test function `{bare_test.group(1)}` in tests/")
             for dotted in re.findall(r"\brltrain(?:\.\w+)+(?::\w+)?", token):
                 problem = dotted_name_problem(dotted)
                 if problem:
-                    problems.append(f"README.md:{number}: {problem}")
-    assert not problems, "names in the README:\n" + "\n".join(problems)
+                    problems.append(f"{label(doc)}:{number}: {problem}")
+    assert not problems, "names in the docs:\n" + "\n".join(problems)
+
+
+def doc_lines() -> list[tuple[Path, int, str]]:
+    """(page, line number, text) for every line of every page."""
+    return [(doc, number, line) for doc in doc_pages() for number, line in numbered_lines(doc)]
 
 
 def test_every_make_target_named_in_the_docs_exists():
     """`make X` in backticks or starting a line of a code block."""
     targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.MULTILINE))
     problems = [
-        f"{doc.relative_to(ROOT)}:{number}: `make {target}` is not a Makefile target"
-        for doc in (README, ARCHITECTURE)
-        for number, line in numbered_lines(doc)
+        f"{label(doc)}:{number}: `make {target}` is not a Makefile target"
+        for doc, number, line in doc_lines()
         for target in re.findall(r"(?:^|`)make ([a-z][\w-]*)", line)
         if target not in targets
     ]
@@ -396,21 +433,22 @@ def built_by_an_fstring(key: str) -> bool:
     return False
 
 
-def test_every_metric_key_in_the_readme_is_in_the_code():
+def test_every_metric_key_in_the_docs_is_in_the_code():
     problems = []
     keys_pattern = rf"^(?:{'|'.join(METRIC_NAMESPACES)})/[\w<>*./]+$"
-    for number, line in numbered_lines(README):
+    for doc, number, line in doc_lines():
         for token in backticked(line):
             if not re.fullmatch(keys_pattern, token):
                 continue
             if not metric_key_pattern(token).search(rltrain_source()) and not built_by_an_fstring(token):
-                problems.append(f"README.md:{number}: `{token}` appears nowhere in rltrain/")
-    assert not problems, "metric keys in the README:\n" + "\n".join(problems)
+                problems.append(f"{label(doc)}:{number}: `{token}` appears nowhere in rltrain/")
+    assert not problems, "metric keys in the docs:\n" + "\n".join(problems)
 
 
 def test_the_metrics_section_names_keys():
-    """The "### Metrics" section must keep naming its keys, or the check above checks nothing there."""
-    keys = [t for _, line in section(README, "### Metrics") for t in backticked(line) if "/" in t]
+    """The "## Metrics" section of failure-behaviour.md must keep naming its keys, or the check above
+    checks nothing there."""
+    keys = [t for _, line in section(METRICS_PAGE, "## Metrics") for t in backticked(line) if "/" in t]
     assert {"safety/recovered_errors", "safety/skipped_steps"} <= set(keys)
 
 
@@ -440,9 +478,12 @@ def test_a_wrong_default_is_reported(tmp_path, monkeypatch):
         "| `trainer.seed` / `trainer.nproc` | 0 / 2 | x |\n| `trainer.max_stepz` | 5 | x |\n"
     )
     monkeypatch.setitem(globals(), "README", fake)
+    monkeypatch.setitem(globals(), "DOCS_DIR", tmp_path / "no_docs")
     with pytest.raises(AssertionError) as failure:
         test_every_key_in_the_tables_exists_with_the_default_given()
-    assert "`trainer.nproc` is documented as 2.0, `python -m rltrain` composes 1" in str(failure.value)
+    assert "README.md:3: `trainer.nproc` is documented as 2.0, `python -m rltrain` composes 1" in str(
+        failure.value
+    )
     assert "`trainer.max_stepz` is not a config key" in str(failure.value)
 
 
@@ -454,6 +495,7 @@ def test_the_groups_check_reports_a_missing_option_and_section(tmp_path, monkeyp
         "`critic`, `reward_model` (`none`, `hf`), `data`, `logger`. Plain sections: `trainer`, `optim`.\n"
     )
     monkeypatch.setitem(globals(), "README", fake)
+    monkeypatch.setitem(globals(), "DOCS_DIR", tmp_path / "no_docs")
     with pytest.raises(AssertionError) as failure:
         test_the_groups_listed_are_the_conf_folders_with_their_options()
     assert "`algo` lists ['dpo', 'grpo', 'sft'], conf/algo/ has ['dpo', 'grpo', 'ppo', 'sft']" in str(
@@ -486,3 +528,30 @@ def test_missing_paths_names_and_metrics_are_found():
     assert dotted_name_problem("rltrain.rewards.builtin:exact_match") is None
     assert built_by_an_fstring("time/phase/generate") and not built_by_an_fstring("time/phase/no_such_phase")
     assert not metric_key_pattern("critic/no_such_metric").search(rltrain_source())
+
+
+def test_every_docs_page_is_checked():
+    """The pages the README links to are among those the checks read."""
+    pages = {label(p) for p in doc_pages()}
+    linked = set(re.findall(r"\]\((docs/[\w-]+\.md)", README.read_text()))
+    assert linked and linked <= pages, sorted(linked - pages)
+
+
+def test_a_docs_page_is_checked_like_the_readme(tmp_path, monkeypatch):
+    """A page of docs/ with a wrong default, a missing file and a missing test is reported by name."""
+    readme = tmp_path / "README.md"
+    readme.write_text("nothing to check\n")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "page.md").write_text(
+        "| key | default | meaning |\n| --- | --- | --- |\n| `trainer.nproc` | 2 | x |\n\n"
+        "See `rltrain/no_such_module.py` and `test_no_such_test_anywhere`.\n"
+    )
+    monkeypatch.setitem(globals(), "README", readme)
+    monkeypatch.setitem(globals(), "DOCS_DIR", docs)
+    with pytest.raises(AssertionError, match=r"page\.md:3: `trainer\.nproc` is documented as 2\.0"):
+        test_every_key_in_the_tables_exists_with_the_default_given()
+    with pytest.raises(AssertionError, match=r"page\.md:5: no test function `test_no_such_test_anywhere`"):
+        test_every_test_function_and_module_attribute_named_in_the_docs_exists()
+    problems = [path_problem(mention) for _, mention in mentioned_paths(docs / "page.md")]
+    assert problems == ["`rltrain/no_such_module.py` does not exist"]

@@ -1,17 +1,8 @@
 """The attention mask a `Rectangle` hands the model, in the form the model's attention takes.
 
-Two attention implementations are used:
-- sdpa (every device; what CPU runs and every CPU test checks) takes a dense 4D boolean mask
-  `[B, 1, T, T]`, True where a query may attend to a key. Its memory is T^2 per row.
-- flex_attention (CUDA only, chosen by the engine for padding-free packing, `use_flex_attention`)
-  takes a `BlockMask`: the same rule written as a `mask_mod(b, h, q, kv)` function and compiled
-  into a block-sparse description, so a packed row of many short documents costs the attention of
-  its documents rather than of its T x T square, and no T x T tensor is ever built.
-
-A padding-free row (rltrain.backends.fsdp.padding_free) describes its rule by `document_ids_BT`:
-document-causal, a token sees earlier tokens of its own document only. A shared-prompt row
-(rltrain.backends.fsdp.shared_prefix) carries its rule as a dense mask; on a flex model that mask is
-read by lookup. A plain rectangle carries neither and the model builds its own causal mask.
+sdpa (every device) takes a dense 4D boolean mask; flex_attention (CUDA, padding-free packing)
+takes a block-sparse `BlockMask`, so a packed row never builds a T x T tensor.
+docs/internals/backends.md describes the masks of each row kind.
 """
 
 from __future__ import annotations

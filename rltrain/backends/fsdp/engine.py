@@ -1,51 +1,9 @@
 """Hugging Face transformers model on FSDP2 (`fully_shard`), the default training backend.
 
-Layout: each decoder layer is its own FSDP unit; the root unit holds embeddings, final norm and
-the output head and wraps a small scoring module, so one root forward computes log-probabilities
-of completion tokens only (the output head runs on those positions, not on prompts or padding).
-Sequences that share a prompt (GRPO groups, DPO pairs) are packed one row per prompt, so every
-prompt is computed once (rltrain.backends.fsdp.shared_prefix). With one rank the model is not wrapped
-at all, and a micro-batch is scored as a few rectangles of similar-length rows (length buckets)
-instead of one rectangle padded to its longest row. With `backend.padding_free` a micro-batch
-that shares no prompt is one packed row with document-masked attention instead (no padding; on
-CUDA through flex_attention: rltrain.backends.fsdp.padding_free).
-
-Gradients are summed, not averaged, across ranks (`set_gradient_divide_factor(1)`): loss
-functions already divide by a global count, which is what makes 1 rank and N ranks agree.
-
-Start-up with several ranks never puts the full model on any rank but 0: every rank builds the
-model on the meta device, `fully_shard` is applied there, each rank allocates its shards only, and
-rank 0 reads the checkpoint and scatters each rank its rows (`rltrain.models.hf_io`).
-
-Precision (`trainer.precision`, `rltrain.runtime.precision`): `fp32`, or `bf16` (weights, gradients and
-AdamW state in bf16), or `bf16-mixed`: weights, gradients and AdamW state stay fp32 and the model
-computes in bf16. Sharded, FSDP2 does the casting (`MixedPrecisionPolicy(param_dtype=bf16,
-reduce_dtype=fp32)`: bf16 all-gathers and activations, fp32 gradient reduce-scatter). One
-unsharded rank has no FSDP to cast, so the scorer runs the model under `torch.autocast(bf16)`
-instead: matmuls in bf16, while the embeddings, norms and residual stream stay fp32, a little
-more precise than the sharded path (so 1 rank and N ranks agree to bf16 round-off, not to fp32's
-as they do in `fp32`). Either way the logits are upcast and log-probabilities and losses are fp32.
-
-`model.gradient_checkpointing`: each decoder layer's activations are recomputed in the backward
-(transformers' `gradient_checkpointing_enable`, non-reentrant `torch.utils.checkpoint`, which
-replays autocast and the RNG), set before `fully_shard`; the numbers do not change.
-
-`backend.compile`: each decoder layer is compiled with `torch.compile(dynamic=True)` before
-`fully_shard` (rltrain.backends.fsdp.compile_layers); the numbers do not change (fp32 round-off).
-
-Each micro-batch's forward, loss and backward run under `rltrain.safety.guard`: an error on one
-rank is paid for with a zero backward built from the model's outputs (recover mode) or re-raised
-(fail-fast), so no rank is left alone in FSDP's collectives. A Mixture-of-Experts model gets a
-routing-independent experts graph and, if its config asks, the load-balancing loss
-(`rltrain.models.moe`).
-
-A critic (`value_head_seed` given; rltrain.backends.roles) is the same engine around a
-`CompletionValuer`: the transformer's hidden states at the same selected positions (same packing,
-buckets and dummy batches) go through a fresh `Linear(hidden, 1)` instead of the LM head, which is
-dropped (neither trained nor kept). The head sits in the root FSDP unit; when sharded it is filled
-after the shards are allocated, from the same seeded draw on every rank. `forward_values` replaces
-`forward_logps`; `train_step` hands the loss `PolicyOutput(logps=None, values=...)`. A critic is
-never exported (`export_weights`/`save_pretrained` raise): its state lives in the run's checkpoints.
+It scores only completion tokens, packs shared prompts, sums gradients across ranks (losses are
+globally normalised) and never puts the full model on any rank but 0. docs/internals/backends.md
+covers the layout, start-up, precision, checkpointing, compilation, failures and the critic;
+docs/backends.md is the user's guide.
 """
 
 from __future__ import annotations

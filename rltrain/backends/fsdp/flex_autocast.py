@@ -1,20 +1,8 @@
-"""The attention a padding-free FSDP engine switches its model to on CUDA: transformers'
-flex_attention, with query, key and value first cast to autocast's dtype when autocast is on.
+"""transformers' flex_attention with query, key and value cast to autocast's dtype first.
 
-Why: one unsharded rank in `bf16-mixed` runs fp32 weights under autocast, so the residual stream
-stays fp32. The rotary embedding is computed in the hidden states' dtype (fp32) and multiplies the
-bf16 query and key projections back into fp32, while the value projection stays bf16: the
-attention receives fp32 query and key with a bf16 value. sdpa is on autocast's list and casts all
-three to bf16. flex_attention is not on it in every torch: depending on the version it refuses mixed
-dtypes ("Expected query, key, and value to have the same dtype"), or upcasts key and value to the
-query's dtype and runs the whole attention in fp32, slower than the sdpa path and not what it
-computes. Casting here, as autocast does for sdpa, makes flex compute what sdpa computes on every
-torch; without autocast (fp32, pure bf16, sharded ranks whose FSDP casts the weights) nothing
-changes.
-
-The function is registered in transformers' attention registry under its own name, with the
-flex_attention mask builder for calls that pass no mask, so other models in the process keep
-transformers' own flex_attention.
+Under autocast one unsharded `bf16-mixed` rank hands attention fp32 query/key and a bf16 value;
+sdpa casts them, flex_attention does not in every torch, so this makes flex compute what sdpa
+computes. docs/internals/backends.md has the details.
 """
 
 from __future__ import annotations

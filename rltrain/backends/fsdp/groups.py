@@ -1,19 +1,8 @@
 """The FSDP engine's own process group, so that time sharing can tear it down and rebuild it.
 
-Why not the default group: `fully_shard` without a mesh builds a 1-D mesh over the world, and a
-1-D world mesh *is* the default (WORLD) group, which belongs to the launcher (it holds the store
-and carries the trainer's flags and metrics) and cannot be destroyed without ending the job. So
-the engine shards over a group it creates itself (`dist.new_group` over every rank, wrapped in a
-`DeviceMesh.from_group`), and this class records how, so it can be destroyed and re-created with
-identical arguments (DESIGN invariant 4, RELIABILITY "time sharing and communicators").
-
-Re-binding: FSDP2 does not look the group up on every collective. `FSDPMeshInfo` caches the
-handle (`shard_process_group`) when `fully_shard` runs, for the parameter group and for every
-parameter, and the mesh holds the group's *name* (resolved on each `get_group()`, which DTensor's
-`full_tensor()` and grad-norm reductions use). After re-creation both are pointed at the new
-group: the mesh object is updated in place (every DTensor spec shares it) and every cached handle
-reachable from the attached modules' FSDP state is swapped; `stale_handles()` proves none is
-left. Failures raise on every rank (one all-reduced flag on WORLD), never on one rank alone.
+The default (WORLD) group belongs to the launcher and cannot be destroyed, so the engine shards over
+a group it creates and records, and re-binds FSDP2's cached handles after re-creation.
+docs/internals/backends.md explains the re-binding.
 """
 
 from __future__ import annotations

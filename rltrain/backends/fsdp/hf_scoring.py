@@ -1,16 +1,8 @@
 """Scoring completion tokens with a Hugging Face causal LM: the module FSDP wraps as its root.
 
-The head runs only on the positions that predict completion tokens (not on prompts or padding),
-and a rank with no data scores a dummy sequence so its collectives still happen. Two heads share
-the one hidden-state selection (`_SelectedHidden`: plain, length-bucketed, shared-prompt or
-padding-free layouts): `CompletionScorer`, the LM's output head (log-probabilities of a policy or
-reference), and `CompletionValuer`, a critic's scalar value head (values, always fp32).
-
-Precision (`rltrain.runtime.precision`): the model and the output head run in the compute dtype, either
-because FSDP casts the weights (sharded, `MixedPrecisionPolicy`) or under the `autocast` context
-this module is given (one unsharded rank with fp32 weights); the logits are upcast to fp32 and the
-log-softmax, log-probabilities, entropies and a MoE load-balancing loss are computed in fp32,
-outside autocast, whatever the precision.
+The output head runs only on positions that predict completion tokens, and a rank with no data
+scores a dummy sequence so its collectives still happen; log-softmax and losses are always fp32.
+docs/internals/backends.md describes the two heads and the precision.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
 """Padding-free micro-batches: a micro-batch's sequences concatenated into one row, no padding.
 
-Why: a micro-batch padded to its longest sequence runs every padding position through every layer
-(with lengths spread over 30-250 tokens, about 1.7x the real tokens); length buckets cut that at
-the price of more, smaller model calls. One packed row computes exactly the real tokens in one
-call. Position ids restart at 0 for each sequence, so rotary embeddings see the positions the
-sequence alone would see, and attention is block-diagonal causal (`document_ids_BT`: a token sees
-only earlier tokens of its own sequence), so every scored log-probability is the one the unpacked
-sequence gives, to fp32 round-off, gradients included.
-
-The mask is built where the model runs (rltrain.backends.fsdp.attention_masks): a dense boolean
-`[1, 1, T, T]` mask for sdpa (CPU and the tests; memory T^2 for the row), or on CUDA a
-flex_attention `BlockMask`, block-sparse, so the row costs its documents' attention and not the
-square's.
-
-When it is used (`backend.padding_free`, rltrain.backends.fsdp.layout): shared-prompt packing
-(rltrain.backends.fsdp.shared_prefix) still wins when it applies, since it computes each shared prompt
-once (its rows stay right-padded); padding-free replaces the padded rectangle or length buckets
-otherwise. A MoE model is never packed (its load-balancing loss is computed over a plain
-rectangle). One row is one model call, which is what sharded FSDP ranks need.
+Padding runs wasted positions through every layer; one packed row with restarted positions and
+document-causal attention computes exactly the real tokens, in one call, with the unpacked
+log-probabilities. docs/internals/backends.md says when it is used (`backend.padding_free`).
 """
 
 from __future__ import annotations

@@ -1,30 +1,8 @@
 """Scoring sequences that share a prompt with the prompt computed once (one packed row per prompt).
 
-Why: GRPO scores `group_size` completions of every prompt and DPO a chosen and a rejected
-completion of every prompt; laid out one sequence per row, the model runs over each prompt that
-many times. Packed, a row is the prompt followed by each completion, with an attention mask that
-lets every completion see the prompt and its own earlier tokens but no other completion, and
-position ids that restart after the prompt for each completion. Every scored log-probability is
-the one the unpacked sequence gives (to fp32 round-off): attention over a prompt does not depend
-on what follows it, and rotary embeddings see the same positions.
-
-What the layout does and does not do:
-- Sequences are grouped by identical prompt token ids within one micro-batch; the order they
-  come in does not matter, and a prompt held by one sequence is a row of one completion.
-- The last token of each completion is not fed (nothing scored is predicted from it), and the
-  first completion token is predicted from the prompt's last position, shared by the row.
-- Rows are right-padded into rectangles (one, or several of similar length: length buckets); a
-  padding position attends only to itself, so no row of the attention is empty (an empty row
-  would give NaN, and NaN times a zero gradient is still NaN in the weight gradients).
-- Packing trades linear work (the prompt once) for attention work: a packed row attends over
-  its whole length through a dense mask, so a group of long completions would cost far more
-  attention (and a length-squared mask) than it saves. `PackingCost` estimates both from the
-  model's shape and splits each group into the chunk size that is cheapest (down to one sequence
-  a row), never longer than `max_row_tokens`. Short completions (GRPO on short answers, DPO
-  pairs) pack whole; groups of long completions are left unpacked.
-- It needs a model that takes a 4D boolean `attention_mask` and `position_ids` (Hugging Face
-  transformers decoders do); a Mixture-of-Experts model is not packed (its load-balancing loss is
-  computed over one plain rectangle).
+GRPO groups and DPO pairs would otherwise run the model over each prompt once per completion; the
+packed row gives the unpacked log-probabilities to fp32 round-off. docs/internals/backends.md has
+the layout rules and how `PackingCost` decides when packing pays.
 """
 
 from __future__ import annotations

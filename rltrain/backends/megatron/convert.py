@@ -1,18 +1,8 @@
 """Weight conversion between Hugging Face (Qwen2/Llama) names and megatron-core GPTModel shards.
 
-Pure tensor code, no process group: the engine gathers tensor-parallel shards and hands them here.
-Layout facts it encodes:
-
-- q/k/v are one fused `linear_qkv` whose rows are grouped per key/value head: for each kv group,
-  its query heads, then its key head, then its value head. Tensor parallelism splits whole groups,
-  so the concatenation of the TP shards is the full fused layout.
-- gate and up are one fused `linear_fc1`; each TP shard is [gate shard; up shard] (megatron's
-  SwiGLU chunks the local output in two), so the full tensor is *not* [gate; up].
-- vocab rows are padded to a multiple of tp with zero rows (masked in the log-softmax) and split
-  by rows; o_proj and down_proj split by columns; norms are replicated.
-- each pipeline stage numbers its decoder layers from 0; the global layer is offset + local.
-- with tied embeddings the last stage of a multi-stage pipeline holds a copy of the embedding as
-  `output_layer.weight`; it is loaded from and never exported as `lm_head.weight`.
+Pure tensor code, no process group: the engine gathers tensor-parallel shards and hands them here,
+so the layout facts (fused q/k/v and gate/up, vocabulary padding, stage offsets, tied embeddings)
+live in one place. docs/internals/backends.md lists them.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
 """Make megatron-core 0.16 run on a CPU-only torch build (gloo), touching as little as possible.
 
-megatron-core assumes CUDA in a handful of places that the local (no Transformer Engine) GPT path
-reaches even when every parameter lives on the CPU. Each is patched here, in one module, and only
-when CUDA is absent, so that on a GPU machine megatron runs exactly as shipped:
-
-1. `GlobalMemoryBuffer.get_tensor` allocates its scratch buffer (used by core attention's
-   `baddbmm`) on `torch.cuda.current_device()`.
-2. The CUDA RNG tracker forks CUDA RNG state around dropout regions; the inference tracker's
-   `fork` is a no-op, which is all a CPU run with zero dropout needs.
-3. `RotaryEmbedding.get_emb` moves `inv_freq` to the current CUDA device on first use.
-4. `LanguageModule.setup_embeddings_and_output_layer` calls `.cuda()` on the tied output weight
-   of the last pipeline stage before all-reducing it with the first stage.
-5. The tensor-parallel linear layers' autograd Functions record and replay *CUDA* autocast only
-   (`custom_fwd(device_type="cuda")`), so under CPU autocast (`trainer.precision=bf16-mixed`) the
-   backward multiplies a bf16 gradient by the fp32 weight and fails. The shim records the CPU
-   autocast state in the forward and re-enters it in the backward, as `custom_bwd` does on CUDA.
-
-A fifth spot, the default causal mask built with `device="cuda"`, is avoided rather than patched:
-the model wrapper always passes an explicit mask (see `model.causal_mask`).
+megatron-core assumes CUDA in a handful of places on the local GPT path; each is patched here, in
+one module, and only when CUDA is absent, so on a GPU machine megatron runs exactly as shipped.
+docs/internals/backends.md lists every patched spot.
 """
 
 from __future__ import annotations

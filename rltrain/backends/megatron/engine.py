@@ -1,29 +1,9 @@
 """MegatronEngine: the TrainEngine protocol on a megatron-core GPTModel with TP x PP x DP.
 
-What one call does, and where each piece lives:
-
-- `forward_logps`: pad each micro-batch (`batching`), run the stages (`schedule`), score the
-  completion tokens: the last stage's final hidden states at the positions that predict them
-  through the vocab-parallel output layer, chunked when large (`logprobs`), broadcast from the last stage
-  so every rank returns the same ragged outputs.
-- `train_step`: the same forward plus the loss_fn on the last stage, backward through the
-  pipeline (under `rltrain.safety.guard`: a failed loss or backward is paid for with a zero
-  backward from the logits), gradients SUMMED over data parallel and the tied-embedding copies,
-  a global norm over tp x pp, one all-ranks finite verdict, clipping, AdamW (`grads`, `optim`),
-  one metrics reduction (`metrics`).
-- weights in and out: `convert` (pure tensor layout code) and `export` (gathers); checkpoints:
-  `checkpoint` (DCP); communicators: `groups` (recorded, torn down and re-created for time sharing).
-
-A critic (`value_head_seed` given, rltrain.backends.roles) is the same engine on a stage whose
-last layer is a scalar value head instead of the vocab-parallel output layer (`value_model`):
-`forward_values` returns values where `forward_logps` returns log-probabilities, broadcast from
-the last stage the same way; `train_step` hands the loss `PolicyOutput(logps=None, values=...)`.
-A critic is not exported (`export_weights`/`save_pretrained` raise); checkpoints, offloading and
-communicator re-creation cover its head and optimizer like any parameter.
-
-Contract with the caller: every rank of one data-parallel replica (its tp x pp ranks) receives
-the same micro-batches; `rank`/`world_size` are the data-parallel coordinates used to shard data.
-The engine checks the first part with a cheap fingerprint and fails on every rank if it is broken.
+The engine ties together the modules of this package (batching, schedule, logprobs, grads, optim,
+convert, export, checkpoint, groups) behind the same protocol as the FSDP engine, policy or critic.
+docs/internals/backends.md says what one call does, where each piece lives and the contract that
+every rank of a replica receives the same micro-batches.
 """
 
 from __future__ import annotations

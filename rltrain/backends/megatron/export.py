@@ -1,17 +1,8 @@
 """Stream full Hugging Face tensors out of a tp x pp sharded model; write a HF directory.
 
-Every rank knows the full list of megatron parameters of every stage and their shard shapes (they
-follow from the HF config), so tensors are exchanged without any metadata on the wire:
-
-- the owning stage all-gathers a sharded parameter over its TP group and converts it to HF
-  tensors (un-fusing q/k/v and gate/up, dropping vocab padding);
-- `to_rank0=False` (weight sync with a rollout engine on every rank): the owner broadcasts each
-  tensor over the pipeline group, so every rank yields every tensor, in the same order;
-- `to_rank0=True` (saving): only data-parallel replica 0 takes part, the owning stage's TP rank 0
-  sends to global rank 0, and only rank 0 yields.
-
-Yielded tensors are fresh copies, never views of live parameters. The generator issues
-collectives: every rank must exhaust it (no early `break`).
+Every rank knows every shard shape from the config, so tensors are exchanged with no metadata on
+the wire, to every rank (weight sync) or to rank 0 (saving). The generator issues collectives:
+every rank must exhaust it. docs/internals/backends.md describes both modes.
 """
 
 from __future__ import annotations

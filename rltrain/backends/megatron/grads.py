@@ -1,14 +1,8 @@
 """Gradient reduction and clipping for sharded megatron parameters.
 
-- Data parallel: gradients are SUMMED (the loss is already divided by a global count), in one
-  flat buffer per dtype. A parameter that got no gradient contributes zeros, so every rank
-  reduces the same buffer whatever its local graph looked like.
-- Tied embeddings across pipeline stages: the first stage's embedding and the last stage's copy
-  sum their gradients over megatron's embedding group, so both copies take the same step.
-- Global norm: each parameter counts once across the model-parallel group: TP-replicated ones
-  (norms, replicated biases) only on TP rank 0, the last stage's tied embedding copy never.
-  Squares are summed over the tp x pp group; data-parallel replicas already hold equal grads.
-- One verdict: a MIN-reduced finite flag over the world decides whether every rank steps.
+Gradients are summed over data parallel and tied-embedding copies, the global norm counts each
+parameter once across tp x pp, and one finite verdict decides whether every rank steps.
+docs/internals/backends.md lists the rules.
 """
 
 from __future__ import annotations

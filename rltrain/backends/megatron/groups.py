@@ -1,21 +1,8 @@
 """Megatron's process groups, created under a record so they can be torn down and rebuilt exactly.
 
-Time sharing (DESIGN invariant 4) tears down the trainer's communicators while the rollout engine
-runs, then rebuilds them. Doing that by scanning megatron's globals for things that look like
-groups misses some, double-destroys others and drifts with every megatron release; so instead
-every group is recorded *when it is created*, by wrapping `parallel_state.create_group` during
-`initialize_model_parallel`, together with the arguments it was created with (including the
-groups this rank is not a member of: `new_group` is collective over the world, so re-creation
-must replay every call in the same order).
-
-- `teardown()` destroys each recorded group once, resets megatron's parallel-state globals,
-  keeps the layout snapshot, and raises on every rank if it failed on any (one all-reduced flag).
-- `recreate()` first checks that every rank is ready (same flag), replays the creation, checks
-  that the replayed groups are identical to the snapshot, runs a one-element all-reduce on each
-  group, and returns the old -> new handle map; `rebind()` swaps the handles held by the model
-  (and anything else handed to it), and `stale_handles()` proves none is left.
-
-The default (world) group belongs to the launcher and is never touched; it carries the flags.
+Time sharing destroys and re-creates the trainer's communicators; scanning megatron's globals for
+groups is fragile, so every group is recorded when it is created and replayed in the same order.
+docs/internals/backends.md describes `teardown()`, `recreate()` and the re-binding of handles.
 """
 
 from __future__ import annotations

@@ -1,24 +1,8 @@
 """Log-probabilities and entropy of tokens from vocab-parallel logits, never gathering the vocab.
 
-Each tensor-parallel rank holds the logits of a contiguous slice of the vocabulary. The
-log-softmax needs only three scalars per token from across ranks: the max (for stability, no
-gradient), the sum of exponentials, and the target's logit (which lives on exactly one rank);
-entropy needs one more, the sum of p * logit. Each is all-reduced with an identity backward:
-every TP rank computes the same loss from the same replicated sums, and the gradient of that loss
-with respect to a rank's local partial sum is exactly the gradient with respect to the full sum,
-so no TP rank double-counts (megatron's `reduce_from_tensor_model_parallel_region` convention).
-
-Padded vocabulary rows (added so the vocab splits evenly over tp) get a large negative logit:
-probability exactly 0, so they change neither the normaliser nor the entropy.
-
-`chunked_vocab_parallel_logps` is the same computation from the final hidden states and this
-rank's `[V/tp, H]` slice of the output weight, one chunk of positions at a time, with each chunk's
-logits recomputed in the backward (the FSDP head's scheme, `rltrain.backends.chunked_head`, whose
-size limit it shares): `[positions x V/tp]` fp32 logits never exist. Per position it keeps this
-rank's max, sum of exponentials, target logit and entropy partial; four all-reduces over the
-whole micro-batch (not per chunk) combine them. Its backward turns the incoming gradient into
-`g * (onehot(target) - softmax)` per chunk, the local weight's gradient, and the hidden states'
-gradient summed over TP ranks (what megatron's column-parallel output layer does on its input).
+Only a few scalars per token cross tensor-parallel ranks (all-reduced with an identity backward),
+and `chunked_vocab_parallel_logps` never materialises the fp32 logits of a rank's vocabulary slice.
+docs/internals/backends.md has the maths and the padded-vocabulary rule.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
 """Build one pipeline stage of a megatron-core GPTModel that computes what the HF model computes.
 
-The local layer spec (no Transformer Engine) is configured to match Qwen2/Llama exactly: RMSNorm
-everywhere, SwiGLU MLP without biases, unscaled non-interleaved RoPE on the full head, grouped-query
-attention, q/k/v bias for Qwen2, no dropout. Initialisation is skipped: weights are always loaded
-from a Hugging Face directory right after construction (see `convert`).
-
-Precision (`rltrain.runtime.precision`): parameters are built in the precision's parameter dtype: fp32 for
-`fp32` and `bf16-mixed` (whose bf16 compute is autocast around each stage's forward, see
-`schedule`), bf16 for pure `bf16` (megatron's `bf16=True`, which keeps its softmax in fp32).
-
-Activation checkpointing (`checkpoint_layers`) wraps each decoder layer in torch's non-reentrant
-`torch.utils.checkpoint` rather than megatron's `recompute_granularity="full"`: megatron's
-`CheckpointFunction` saves and restores CUDA RNG state (no CPU path) and does not replay autocast
-in its recompute, so under `bf16-mixed` it would recompute in fp32 a layer that ran in bf16.
-Dropout is zero, so the CUDA RNG tracker's states need no replay.
-
-Sequences are right-padded into a [B, T] rectangle only for the kernel call; a causal mask is
-passed explicitly (megatron's default mask is allocated on CUDA), and with right padding the real
-tokens never attend to padding, so no padding value reaches a real position.
+The local layer spec is configured to match Qwen2/Llama exactly, so the megatron backend can be
+checked against the Hugging Face one. docs/internals/backends.md covers precision, activation
+checkpointing (torch's, not megatron's) and padding.
 """
 
 from __future__ import annotations

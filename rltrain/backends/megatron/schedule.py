@@ -1,19 +1,8 @@
 """A pipeline schedule over point-to-point send/recv, for micro-batches of different shapes.
 
-megatron's own schedules exchange activations through CUDA-allocated buffers and expect one
-sequence length per step (or an extra shape exchange); here each stage derives every
-micro-batch's [T, B, H] from the micro-batch itself (all stages of a pipeline receive the same
-data), so ragged micro-batches need no metadata on the wire.
-
-Training uses the 1F1B order: stage s runs `pp - s - 1` warm-up forwards, then alternates one
-forward and one backward, then drains the remaining backwards. At most `pp - s` micro-batch
-graphs are alive on a stage at once (with one stage: forward, backward, next), so micro-batching
-bounds activation memory as gradient accumulation should. Sends are asynchronous and receives
-blocking; every stage posts them in micro-batch order, which cannot deadlock.
-
-Each stage's forward runs under the pipeline's `autocast` (bf16 compute over fp32 parameters in
-`trainer.precision=bf16-mixed`, see `rltrain.runtime.precision`); activations cross between stages in the
-parameters' dtype, and the last stage's loss hook (log-probabilities, losses) runs outside it.
+megatron's own schedules expect one sequence length per step and CUDA buffers; here each stage
+derives every shape from the micro-batch itself, and 1F1B bounds activation memory.
+docs/internals/backends.md describes the order and the autocast boundaries.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """A megatron-core GPTModel stage as a critic: final hidden states through a scalar value head.
 
-Only the last pipeline stage changes. Its vocab-parallel output layer is dropped (never loaded,
-trained or kept), and `post_process` is switched off after construction, so the GPTModel returns
-the decoder's output, [T, B, H] after the final layernorm (the decoder was built with it), instead
-of logits. The engine applies `value_head`, a `Linear(hidden, 1)` registered on the stage so that
-checkpoints, offloading, the optimizer and gradient reductions see it like any other parameter.
-
-Tensor parallelism: sequence parallelism is off (`model.transformer_config`), so every TP rank
-holds the full, identical hidden states. The head is replicated: each TP rank computes the same
-values and the same loss, and gets the same head gradient and the full gradient of the hidden
-states, which it back-propagates into its own shards (the last row-parallel layer's reduction has
-an identity backward). Nothing needs reducing across TP; the head counts once in the global norm
-(`convert.split_dim` calls it replicated). Pipeline: the critic's model is built untied (no
-embedding copy on the last stage), whatever the checkpoint's `tie_word_embeddings`.
+Only the last stage changes: its output layer is dropped and a replicated `Linear(hidden, 1)`
+registered on it, so checkpoints, offloading and gradient reductions see it like any parameter.
+docs/internals/backends.md explains tensor and pipeline parallelism for the head.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""vLLM on CUDA, checked without a GPU (README, "vLLM on CUDA"; CUDA vLLM cannot be installed here).
+"""vLLM on CUDA, checked without a GPU (docs/time-sharing-and-sync.md, "vLLM on CUDA"; CUDA vLLM cannot be installed here).
 
 - `engine_kwargs` maps the rollout config to `vllm.LLM(...)` for the CPU build and for CUDA, and
   every key it produces is an engine argument of the installed vLLM (the same release as CUDA's).

@@ -1,4 +1,4 @@
-"""The CPU suite catches the GPU device bug class without a GPU (README, "Device rule").
+"""The CPU suite catches the GPU device bug class without a GPU (docs/gpus.md, "Device rule").
 
 On a CPU-only machine every tensor is on the CPU, so a tensor created on the host that meets the
 model's outputs, or a control tensor sent through a collective from the wrong module, works here
@@ -61,7 +61,7 @@ def test_host_code_next_to_model_outputs_names_every_device_and_calls_no_collect
     problems = []
     for path in _files(HOST_MEETS_MODEL):
         problems += device_rule_violations(path.read_text(), str(path.relative_to(PACKAGE.parent)))
-    assert not problems, "device rule (README, 'Device rule'):\n" + "\n".join(problems)
+    assert not problems, "device rule (docs/gpus.md, 'Device rule'):\n" + "\n".join(problems)
 
 
 def test_the_static_check_flags_the_bugs_that_crashed_on_cuda():

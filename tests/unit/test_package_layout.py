@@ -1,0 +1,132 @@
+"""The house drawn from its imports: no import cycle anywhere in rltrain/, a root that is a table of
+contents, every package opening with what lives there, and module docstrings short enough to read
+(the long story is in docs/). docs/architecture.md draws the layout.
+
+Every import counts (module level, inside functions, under TYPE_CHECKING): a cycle hidden behind a
+late import still ties two modules into one unit a reader must hold at once.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "rltrain"
+ROOT_MODULES_MAX = 8
+PACKAGE_DOC_LINES = (2, 5)
+MODULE_DOC_LINES_MAX = 10
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the rltrain modules it imports (a name imported from a package that is a module of
+    it counts as that module)."""
+
+    def resolve(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = mod.split(".") if is_package else mod.split(".")[:-1]
+                    anchor = anchor[: len(anchor) - (node.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{a.name}" for a in node.names] + [base]
+            for target in targets:
+                if target.split(".")[0] == "rltrain" and (resolved := resolve(target)) and resolved != mod:
+                    edges[mod].add(resolved)
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_in_rltrain():
+    mods = modules()
+    assert len(mods) > 50, "the package was not found"
+    assert cycles(import_graph(mods)) == []
+
+
+def test_the_root_holds_entry_points_and_packages():
+    root_modules = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(root_modules) <= ROOT_MODULES_MAX, root_modules
+    packages = [p for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()]
+    assert len(packages) >= 8
+
+
+def _docstring(path: Path) -> str | None:
+    return ast.get_docstring(ast.parse(path.read_text()), clean=False)
+
+
+def test_every_package_opens_with_what_lives_there():
+    lo, hi = PACKAGE_DOC_LINES
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        if init.parent == PACKAGE:
+            continue  # the root's table of contents may be longer
+        doc = _docstring(init)
+        assert doc, f"{init.relative_to(PACKAGE.parent)} has no opening docstring"
+        assert lo <= len(doc.strip().splitlines()) <= hi, f"{init.relative_to(PACKAGE.parent)}: {lo}-{hi} lines"
+
+
+def test_module_docstrings_are_short_and_present():
+    long = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        doc = _docstring(path)
+        assert doc, f"{path.relative_to(PACKAGE.parent)} has no docstring"
+        if len(doc.strip().splitlines()) > MODULE_DOC_LINES_MAX:
+            long[str(path.relative_to(PACKAGE.parent))] = len(doc.strip().splitlines())
+    assert not long, f"module docstrings over {MODULE_DOC_LINES_MAX} lines (move the story to docs/): {long}"
