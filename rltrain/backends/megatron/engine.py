@@ -255,7 +255,7 @@ class MegatronEngine:
         padded = [pad_micro_batch(mb, self.device) for mb in micro_batches]
         for p in self.params:
             p.grad = None
-        guarded = GuardedLosses(self, padded, micro_batches, loss_fn, with_entropy)
+        guarded = GuardedLosses(self._score, self.scores, self.layout, self.fail_fast, padded, micro_batches, loss_fn, with_entropy)
         run_pipeline(self.model, self._pipeline(), padded, guarded.on_output, train=True, on_backward=guarded.on_backward)
         recovered, mixed = guarded.errors.recovered, guarded.mixed
         if layout.tp > 1:  # each error is counted once, by the TP rank that had it

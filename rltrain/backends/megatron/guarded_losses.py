@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from rltrain.backends.base import LossFn, scored_output
+from rltrain.backends.base import LossFn, Scores, scored_output
 from rltrain.backends.megatron.batching import PaddedMicroBatch
+from rltrain.backends.megatron.groups import Layout
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
 from rltrain.runtime.distributed import control_device
@@ -21,8 +22,8 @@ from rltrain.safety.guard import (
     zero_loss_from_outputs,
 )
 
-if TYPE_CHECKING:
-    from rltrain.backends.megatron.engine import MegatronEngine
+# score(micro-batch, last stage's output, with_entropy) -> (scored [N], entropy [N] or None)
+ScoreFn = Callable[[PaddedMicroBatch, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 class GuardedLosses:
@@ -46,17 +47,21 @@ class GuardedLosses:
 
     def __init__(
         self,
-        engine: MegatronEngine,
+        score: ScoreFn,
+        scores: Scores,
+        layout: Layout,
+        fail_fast: bool,
         padded: list[PaddedMicroBatch],
         batches: list[SequenceBatch],
         loss_fn: LossFn,
         with_entropy: bool = False,
     ) -> None:
-        self.engine, self.padded, self.batches, self.loss_fn = engine, padded, batches, loss_fn
+        self.score, self.scores = score, scores
+        self.padded, self.batches, self.loss_fn = padded, batches, loss_fn
         self.with_entropy = with_entropy
-        self.layout = engine.layout
+        self.layout = layout
         self.injector = faults.active()
-        self.errors = StepErrors(dist.get_rank(), engine.fail_fast)
+        self.errors = StepErrors(dist.get_rank(), fail_fast)
         self.sums: dict[str, float] = {}
         self.mixed = False
         self._guards: dict[int, MicroBatchGuard] = {}
@@ -74,10 +79,10 @@ class GuardedLosses:
         return bool(int(t))
 
     def on_output(self, i: int, stage_out: torch.Tensor) -> torch.Tensor:
-        """`stage_out`: the last stage's final hidden states, a policy's or a critic's (`engine._score`)."""
+        """`stage_out`: the last stage's final hidden states, a policy's or a critic's (`score`)."""
         mb = self.padded[i]
         # Scoring holds TP collectives: an error there is a forward error (not guarded, fatal).
-        scored_N, entropy_N = self.engine._score(mb, stage_out, self.with_entropy)
+        scored_N, entropy_N = self.score(mb, stage_out, self.with_entropy)
         guard = MicroBatchGuard()
         # The scored values, not `stage_out`: a zero backward must pass through the output layer,
         # whose backward all-reduces over TP exactly as the peers' real backward does.
@@ -91,7 +96,7 @@ class GuardedLosses:
             entropy_N = entropy_N[:0] if entropy_N is not None else None
         lens = mb.completion_lens_B
         output = scored_output(
-            self.engine.scores,
+            self.scores,
             Ragged.from_lengths(scored_N, lens),
             Ragged.from_lengths(entropy_N, lens) if entropy_N is not None else None,
             anchor=anchor if mb.is_dummy else None,

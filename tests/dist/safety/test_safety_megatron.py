@@ -17,12 +17,15 @@ tests/e2e/test_safety_megatron_cli.py.
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import run_ranks
-from test_megatron_engine import OPTIM, _batches, _hf_dir, _portable, _tensors
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
+from test_megatron_engine import OPTIM, _batches, _hf_dir, _portable, _tensors  # noqa: E402 - the engine suite's model and batches
 
 pytestmark = pytest.mark.dist
 
