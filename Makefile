@@ -20,7 +20,8 @@ install:
 	$(PIP_INSTALL) -q --no-deps --no-build-isolation -e .
 	$(PY) -W ignore -c "import torch, transformers, vllm, megatron.core, hydra, wandb, datasets, optuna, submitit, matplotlib; from transformers import Qwen2ForCausalLM; print('rltrain: environment OK (torch', torch.__version__, '/ transformers', transformers.__version__, '/ vllm', vllm.__version__, ')')"
 
-test:
+# The gate runs the linters and the type checker first (`make lint`), so CI holds them too.
+test: lint
 	$(PY) -m pytest -q -m "not slow" --durations=15 $(PYTEST_ARGS)
 
 test-all:
@@ -33,6 +34,7 @@ fault-suite:
 
 lint:
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 clean:
 	rm -rf outputs multirun wandb .pytest_cache

@@ -66,12 +66,6 @@ def quiet_transformers() -> None:
     datasets.disable_progress_bars()
 
 
-def disable_length_buckets(engine) -> None:
-    """Ablation: score every micro-batch as one rectangle padded to its longest sequence (what the
-    engine did before length buckets), to show what the buckets buy."""
-    engine.bucket_cost = None
-
-
 def silence_trainer(trainer) -> None:
     """With progress bars off, Trainer prints its log dicts instead; the table is the output."""
     from transformers.trainer_callback import PrinterCallback

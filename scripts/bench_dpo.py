@@ -37,7 +37,6 @@ from bench_common import (
     Timing,
     bench_model_dir,
     count_params,
-    disable_length_buckets,
     dpo_pair_tokens,
     init_single_rank,
     paired_ratio,
@@ -89,12 +88,10 @@ class RltrainDPO:
         self.per_step = pairs_per_step
         optim = OptimConfig(lr=1e-4, warmup_steps=0, schedule="constant", beta2=0.999, max_grad_norm=1.0)
         cpu = torch.device("cpu")
-        self.policy = FSDPEngine(model_dir, FSDPBackendConfig(), optim, total_steps, cpu)
-        self.reference = FSDPEngine(model_dir, FSDPBackendConfig(), None, total_steps, cpu)
-        for engine in (self.policy, self.reference):
-            if not buckets:
-                disable_length_buckets(engine)
-            engine.share_prompts = packing
+        # The ablations are the backend's own switches (backend.length_buckets, backend.share_prompts).
+        backend = FSDPBackendConfig(length_buckets=buckets, share_prompts=packing)
+        self.policy = FSDPEngine(model_dir, backend, optim, total_steps, cpu)
+        self.reference = FSDPEngine(model_dir, backend, None, total_steps, cpu)
         self.loss_fn = make_dpo_loss(BETA, "sigmoid", 0.0, 0.0)
         self._micro = dpo_micro_batches
         self._attach = attach_reference

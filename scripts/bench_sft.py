@@ -32,7 +32,6 @@ from bench_common import (
     Timing,
     bench_model_dir,
     count_params,
-    disable_length_buckets,
     init_single_rank,
     paired_ratio,
     per_step,
@@ -76,9 +75,8 @@ class RltrainSFT:
         tok = load_tokenizer(model_dir)
         self.loss_fn = sft_loss
         optim = OptimConfig(lr=1e-4, warmup_steps=0, schedule="constant", beta2=0.999, max_grad_norm=1.0)
-        self.engine = FSDPEngine(model_dir, FSDPBackendConfig(), optim, total_steps, torch.device("cpu"))
-        if not buckets:
-            disable_length_buckets(self.engine)
+        backend = FSDPBackendConfig(length_buckets=buckets)  # the ablation is the backend's own switch
+        self.engine = FSDPEngine(model_dir, backend, optim, total_steps, torch.device("cpu"))
         self.batches: list[tuple[SequenceBatch, int]] = []
         for step in range(total_steps):
             chunk = rows[step * batch : (step + 1) * batch]

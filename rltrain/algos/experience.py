@@ -127,7 +127,10 @@ class ExperienceCollector:
         with self.timeshare.rollout_turn():
             mine = (self.rollout.generate(prompts, sampling) if prompts else []) if leads else None
         group = self.policy.replica_group()  # re-created by the turn
-        return mine if group is None else share_completions(mine, group)
+        if group is not None:
+            return share_completions(mine, group)
+        assert mine is not None  # without a replica group every rank leads
+        return mine
 
     def texts(self, completions: list[Completion]) -> list[str]:
         return [self.ctx.tokenizer.decode([t for t in c.token_ids if t != self.eos], skip_special_tokens=True) for c in completions]

@@ -23,7 +23,7 @@ from rltrain.data.ragged import Ragged
 def sft_loss(output: PolicyOutput, batch: SequenceBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Summed completion NLL over the global completion-token count (in `extras`)."""
     global_tokens = batch.extras["global_tokens"]
-    loss = -output.logps.values.sum() / global_tokens
+    loss = -output.policy_logps().values.sum() / global_tokens
     return loss, {}
 
 

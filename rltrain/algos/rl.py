@@ -44,14 +44,12 @@ class RLAlgorithm:
         self.ctx = ctx
         cfg = ctx.cfg
         a = self.algo_cfg = cfg.algo
-        self.policy = build_engine(ctx, "policy")
         # The LR schedule spans every optimizer step the run will take.
-        self.policy.max_steps = cfg.trainer.max_steps * a.mini_batches * a.num_iterations
-        self.reference = build_engine(ctx, "reference") if self.needs_reference() else None
+        optimizer_steps = cfg.trainer.max_steps * a.mini_batches * a.num_iterations
+        self.policy = build_engine(ctx, "policy", optimizer_steps)
+        self.reference = build_engine(ctx, "reference", cfg.trainer.max_steps) if self.needs_reference() else None
         self.rollout = build_rollout(ctx)
-        self.critic = build_engine(ctx, "critic") if self.uses_critic else None
-        if self.critic is not None:
-            self.critic.max_steps = self.policy.max_steps
+        self.critic = build_engine(ctx, "critic", optimizer_steps) if self.uses_critic else None
         engines = [e for e in (self.policy, self.reference, self.critic) if e is not None]
         reward_fns = build_reward_fns(cfg, ctx.dist.device)
         frozen = [rf.device_model for rf in reward_fns if rf.device_model is not None]

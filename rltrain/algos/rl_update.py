@@ -18,7 +18,7 @@ import torch
 from rltrain.algos.experience import BatchLayout, Experience
 from rltrain.algos.losses import policy_loss
 from rltrain.algos.rollout_correction import correction, correction_metrics
-from rltrain.backends.base import LossFn, PolicyOutput, TrainEngine
+from rltrain.backends.base import LossFn, LossMetrics, PolicyOutput, TrainEngine
 from rltrain.config.schema import RLConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged, on_device
@@ -105,7 +105,7 @@ def make_policy_loss(algo_cfg: RLConfig, parity: ParityProbe | None = None, kl_i
     train/rollout parity. `kl_in_loss=False` (PPO's KL in the reward): `beta` is not applied here."""
     beta = algo_cfg.beta if kl_in_loss else 0.0
 
-    def loss_fn(output: PolicyOutput, batch: SequenceBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss_fn(output: PolicyOutput, batch: SequenceBatch) -> tuple[torch.Tensor, LossMetrics]:
         assert output.logps is not None, "the policy's loss needs log-probabilities"
         assert isinstance(batch.loss_inputs, PolicyLossInputs), "the policy's loss needs PolicyLossInputs"
         # The inputs are built on the host; the loss runs where the model's outputs are.
@@ -114,7 +114,7 @@ def make_policy_loss(algo_cfg: RLConfig, parity: ParityProbe | None = None, kl_i
         ref = e.ref_logps if e.ref_logps is not None else old
         engine_logps = e.engine_logps
         weights, keep_B = correction(old, engine_logps, algo_cfg.rollout_correction, algo_cfg.rollout_is_cap, algo_cfg.rollout_mask_band)
-        loss, metrics = policy_loss(
+        loss, loss_metrics = policy_loss(
             output.logps,
             e.adv,
             old_logps=old,
@@ -130,6 +130,7 @@ def make_policy_loss(algo_cfg: RLConfig, parity: ParityProbe | None = None, kl_i
             global_seqs=e.global_seqs,
             max_len=algo_cfg.max_new_tokens,
         )
+        metrics: dict[str, torch.Tensor | float] = dict(loss_metrics)
         metrics.update(correction_metrics(weights, keep_B, output.logps.num_tokens, e.global_tokens, e.global_seqs))
         if e.measure_parity:
             diffs_N = (output.logps.values.detach().float() - engine_logps.values.float()).abs()
@@ -214,13 +215,13 @@ class Learner:
         micro = self.update.micro_batches(batch) if need_micro else []
         if not self.fused:
             scored = self.policy.forward_logps(micro, with_entropy=True)
-            exp.old_logps = Ragged.cat([s.logps for s in scored]) if len(batch) else None
-            exp.entropy = Ragged.cat([s.entropy for s in scored]) if len(batch) else None
+            exp.old_logps = Ragged.cat([s.policy_logps() for s in scored]) if len(batch) else None
+            exp.entropy = Ragged.cat([s.policy_entropy() for s in scored]) if len(batch) else None
             if exp.old_logps is not None:
                 self.parity.observe((exp.old_logps.values.float() - exp.engine_logps.values.to(exp.old_logps.values.device)).abs())
         if self.reference is not None:
             ref_scored = self.reference.forward_logps(micro)
-            exp.ref_logps = Ragged.cat([s.logps for s in ref_scored]) if len(batch) else None
+            exp.ref_logps = Ragged.cat([s.policy_logps() for s in ref_scored]) if len(batch) else None
         if self.critic is not None:
             values = self.critic.forward_values(micro)
             exp.values = Ragged.cat(values).to("cpu") if len(batch) else exp.engine_logps.like_empty()

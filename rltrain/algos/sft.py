@@ -28,7 +28,7 @@ class SFT(PolicyStreamAlgorithm):
         cfg = ctx.cfg
         self.data = build_sft_data(ctx.tokenizer, cfg.data, cfg.trainer.seed)
         self.stream = IndexStream(len(self.data.train), cfg.trainer.seed)
-        self.policy = build_engine(ctx, "policy")
+        self.policy = build_engine(ctx, "policy", cfg.trainer.max_steps)
         max_answer = max((len(ctx.tokenizer(e.reference)["input_ids"]) for e in self.data.eval), default=8)
         self.recorded = []
         self.evaluator = GreedyEvaluator(ctx.model_dir, ctx.tokenizer, resolve_precision(cfg.trainer.precision, ctx.dist.device).compute_dtype, max_answer + 2, device=ctx.dist.device)

@@ -21,13 +21,13 @@ BACKENDS = {
 }
 
 
-def build_engine(ctx: RunContext, role: Role) -> TrainEngine:
+def build_engine(ctx: RunContext, role: Role, max_steps: int) -> TrainEngine:
     """The configured backend's engine for one role of the run (`roles.Role`); its weights come
-    from `ctx.model_dir_for(role)`."""
+    from `ctx.model_dir_for(role)`. `max_steps`: the optimizer steps its LR schedule spans."""
     if role not in ROLES:
         raise ValueError(f"engine role {role!r} is unknown; choose one of {ROLES}")
     name = ctx.cfg.backend.name
     if name not in BACKENDS:
         raise ValueError(f"backend={name!r} is unknown; choose one of {sorted(BACKENDS)}")
     module_name, fn_name = BACKENDS[name].split(":")
-    return cast(TrainEngine, getattr(importlib.import_module(module_name), fn_name)(ctx, role))
+    return cast(TrainEngine, getattr(importlib.import_module(module_name), fn_name)(ctx, role, max_steps))

@@ -7,7 +7,7 @@ micro-batch size, accumulation and rank count do not change the result. docs/int
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
@@ -38,6 +38,18 @@ class PolicyOutput:
     # A critic's values (fp32), ragged exactly like `logps` would be.
     values: Ragged | None = None
 
+    def policy_logps(self) -> Ragged:
+        """`logps`, for code that holds a policy's output (a critic's has none)."""
+        if self.logps is None:
+            raise ValueError("this output has no log-probabilities: it is a critic's")
+        return self.logps
+
+    def policy_entropy(self) -> Ragged:
+        """`entropy`, for code that asked the engine for it (`with_entropy=True`)."""
+        if self.entropy is None:
+            raise ValueError("this output has no entropy: score with with_entropy=True")
+        return self.entropy
+
 
 def scored_output(
     scores: Scores,
@@ -64,7 +76,9 @@ def wrong_scores_error(engine: str, scores: Scores, called: str) -> TypeError:
 
 # loss_fn(output, micro_batch) -> (loss already divided by the global count, metric contributions
 # already divided by their global counts: summing them over micro-batches and ranks gives the mean)
-LossFn = Callable[[PolicyOutput, SequenceBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# A loss's metrics: tensors (summed over micro-batches) or plain floats.
+LossMetrics = Mapping[str, torch.Tensor | float]
+LossFn = Callable[[PolicyOutput, SequenceBatch], tuple[torch.Tensor, LossMetrics]]
 
 
 class Communicators(Protocol):
@@ -81,7 +95,6 @@ class Communicators(Protocol):
 class TrainEngine(Protocol):
     rank: int  # data-parallel rank
     world_size: int  # data-parallel size
-    max_steps: int  # optimizer steps the LR schedule spans (an algorithm may set it after building)
     # The engine's process groups, torn down and re-created around the rollout engine's turn by
     # time sharing; None when it has none (one FSDP rank).
     groups: Communicators | None

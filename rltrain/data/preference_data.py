@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 from rltrain.data import tasks
 from rltrain.data.loading import load_rows_dataset, require_columns
@@ -39,7 +40,9 @@ class PreferenceData:
 
 
 def _texts(tokenizer, row: dict, where: str) -> tuple[str, str, str]:
-    prompt, chosen, rejected = row.get("prompt"), row.get("chosen"), row.get("rejected")
+    prompt: Any = row.get("prompt")  # a dataset row's values: checked below
+    chosen: Any = row.get("chosen")
+    rejected: Any = row.get("rejected")
     if isinstance(chosen, list):  # conversational: lists of messages sharing the prompt turns
         if not getattr(tokenizer, "chat_template", None):
             raise UserError(f"{where}: conversational rows need a tokenizer with a chat template.")

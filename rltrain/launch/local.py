@@ -56,7 +56,7 @@ class RankFailure:
 def first_failure(codes: dict[int, int | None], run_dir: Path) -> RankFailure | None:
     """The rank that caused the run to fail, given each rank's exit code (None: still running);
     None while no rank has failed."""
-    failed = [rank for rank, code in codes.items() if code is not None and code != 0]
+    failed = {rank: code for rank, code in codes.items() if code is not None and code != 0}
     if not failed:
         return None
     report = first_report(run_dir)
@@ -67,8 +67,8 @@ def first_failure(codes: dict[int, int | None], run_dir: Path) -> RankFailure | 
         return RankFailure(rank, format_error(paragraph, rank), user_error=True)
     # A rank killed by a signal is the cause; peers that exited with an error in the same poll
     # interval were its victims (their collectives failed).
-    rank = min(failed, key=lambda r: (codes[r] >= 0, r))
-    message = f"rltrain: rank {rank} exited with code {describe_exit(codes[rank])}; stopping the other ranks"
+    rank = min(failed, key=lambda r: (failed[r] >= 0, r))
+    message = f"rltrain: rank {rank} exited with code {describe_exit(failed[rank])}; stopping the other ranks"
     return RankFailure(rank, message, user_error=False)
 
 

@@ -81,7 +81,7 @@ def objective_value(run_dir: Path, key: str, last_n: int) -> float | None:
 
 
 def row(job_num: int, overrides: list[str], run_dir: Path, outcome: JobOutcome) -> dict[str, Any]:
-    r = {column: "" for column in COLUMNS}
+    r: dict[str, Any] = {column: "" for column in COLUMNS}
     r.update(
         job=job_num,
         status=outcome.status,

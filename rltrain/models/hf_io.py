@@ -8,12 +8,19 @@ docs/internals/models.md explains the buffers, tied weights and why not `set_mod
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-def load_causal_lm(model_dir: Path, dtype: torch.dtype, on_meta: bool = False) -> torch.nn.Module:
+    # What AutoModelForCausalLM returns: a PreTrainedModel with GenerationMixin's `generate`.
+    from transformers.models.auto.modeling_auto import _BaseModelWithGenerate as GenerativeLM  # noqa: F401
+
+
+def load_causal_lm(model_dir: Path, dtype: torch.dtype, on_meta: bool = False) -> PreTrainedModel:
     """The model at `model_dir` in `dtype`, read from disk; or (`on_meta`) its architecture on the
     meta device, with no storage, for `load_sharded_weights` to fill after sharding."""
     from transformers import AutoConfig, AutoModelForCausalLM

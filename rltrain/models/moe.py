@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 EVERY_EXPERT = "rltrain_every_expert"
 
@@ -36,7 +39,10 @@ def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t
 
 
 def every_expert_forward(
-    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    self: Any,  # a transformers experts module: its weights and flags vary by model family
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
     """The eager experts loop, over *every* expert: an expert without tokens runs on an empty
     input, so the graph is identical on every rank and in every recompute."""
@@ -73,7 +79,7 @@ class MoEInfo:
     implementation: str
 
 
-def prepare_moe(model: torch.nn.Module) -> MoEInfo | None:
+def prepare_moe(model: PreTrainedModel) -> MoEInfo | None:
     """For a MoE causal LM: make the experts routing-independent (see the module docstring) and
     say whether to request router logits. None for a dense model."""
     config = model.config

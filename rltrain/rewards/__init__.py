@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rltrain.runtime.errors import UserError
 
@@ -119,7 +119,7 @@ def score(fns: list[RewardFn], prompts: list[str], completions: list[str], colum
         return {rf.name: [] for rf in fns}  # an empty slice: nothing to score, nothing is called
     for rf in fns:
         try:
-            values = call_bounded(rf, prompts=prompts, completions=completions, **columns)
+            values: Any = call_bounded(rf, prompts=prompts, completions=completions, **columns)  # checked below
         except UserError:
             raise
         except Exception as exc:

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any, get_args
+from typing import TYPE_CHECKING, cast, get_args
 
 from rltrain.config.schema import RolloutProcess
+
+if TYPE_CHECKING:
+    from rltrain.algos.base import RunContext
+    from rltrain.rollout.base import RolloutEngine
 
 ROLLOUTS = {
     "vllm": "rltrain.rollout.vllm:build_engine",
@@ -20,7 +24,7 @@ ROLLOUTS = {
 PROCESSES: tuple[str, ...] = get_args(RolloutProcess)
 
 
-def build_rollout(ctx: Any) -> Any:
+def build_rollout(ctx: RunContext) -> RolloutEngine:
     name = ctx.cfg.rollout.name
     if name not in ROLLOUTS:
         raise ValueError(f"rollout={name!r} is unknown; choose one of {sorted(ROLLOUTS)}")
@@ -32,4 +36,4 @@ def build_rollout(ctx: Any) -> Any:
     # vLLM logs every weight reload and cache reset at INFO; keep the console for training.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     module_name, fn_name = ROLLOUTS[name].split(":")
-    return getattr(importlib.import_module(module_name), fn_name)(ctx)
+    return cast("RolloutEngine", getattr(importlib.import_module(module_name), fn_name)(ctx))

@@ -10,12 +10,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from rltrain.config.schema import HFRolloutConfig
 from rltrain.rollout.base import Completion, SamplingSettings, exclusive
 from rltrain.runtime.precision import resolve_precision
+
+if TYPE_CHECKING:
+    from rltrain.models.hf_io import GenerativeLM
 
 
 class HFRolloutEngine:
@@ -37,22 +41,26 @@ class HFRolloutEngine:
         self.cfg = cfg
         self.seed = seed
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
-        self.model.to(self.device).eval()
-        self.model.requires_grad_(False)
-        gen_cfg = self.model.generation_config
-        eos = gen_cfg.eos_token_id if gen_cfg.eos_token_id is not None else self.model.config.eos_token_id
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+        model.to(self.device).eval()  # type: ignore[arg-type]  # transformers mistypes GenerativeLM.to's wrapper
+        model.requires_grad_(False)
+        gen_cfg = model.generation_config
+        eos = gen_cfg.eos_token_id if gen_cfg.eos_token_id is not None else model.config.eos_token_id
         self.eos_ids: list[int] = [eos] if isinstance(eos, int) else list(eos or [])
-        pad = self.model.config.pad_token_id
+        pad = model.config.pad_token_id
         self.pad_id = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
         # generate() fills every unset field from the model's generation_config (a checkpoint may
         # ship top_k, repetition_penalty, suppress_tokens, ...): give this private copy a blank one.
         from transformers import GenerationConfig
 
-        self.model.generation_config = GenerationConfig(
-            eos_token_id=self.eos_ids or None, pad_token_id=self.pad_id
-        )
+        model.generation_config = GenerationConfig(eos_token_id=self.eos_ids or None, pad_token_id=self.pad_id)
+        self.model: GenerativeLM | None = model  # None once closed
         self.asleep = False
+
+    def _live(self) -> GenerativeLM:
+        if self.model is None:
+            raise RuntimeError("the transformers rollout engine is closed")
+        return self.model
 
     @exclusive
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
@@ -67,11 +75,12 @@ class HFRolloutEngine:
         input_ids_BT, mask_BT = self._left_pad(rows)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(self.seed * 1_000_003 + sampling.seed)
-            out = self.model.generate(
+            out = self.model.generate(  # type: ignore[misc]  # transformers' generate() declares a self protocol its models miss
                 input_ids=input_ids_BT,
                 attention_mask=mask_BT,
                 generation_config=self._generation_config(sampling, stop_ids),
             )
+        assert not isinstance(out, torch.Tensor) and out.logits is not None  # return_dict_in_generate, output_logits
         new_tokens_BN = out.sequences[:, input_ids_BT.shape[1] :].cpu()
         logits_BNV = torch.stack(out.logits, dim=1).float().cpu()
         logps_BN = torch.log_softmax(logits_BNV, dim=-1).gather(-1, new_tokens_BN.unsqueeze(-1)).squeeze(-1)
@@ -131,7 +140,7 @@ class HFRolloutEngine:
     @torch.no_grad()
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy full tensors into the model by Hugging Face name (there is no prefix cache)."""
-        params = self.model.state_dict(keep_vars=True)
+        params = self._live().state_dict(keep_vars=True)
         for name, tensor in weights:
             if name not in params:
                 raise KeyError(f"update_weights: the rollout model has no tensor named {name!r}")
@@ -147,7 +156,7 @@ class HFRolloutEngine:
     def sleep(self) -> None:
         """Move the model to host memory (accelerators only; on CPU nothing is freed)."""
         if self.device.type != "cpu" and not self.asleep:
-            self.model.to("cpu")
+            self._live().to("cpu")  # type: ignore[arg-type]  # transformers mistypes GenerativeLM.to's wrapper
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         self.asleep = True
@@ -155,7 +164,7 @@ class HFRolloutEngine:
     @exclusive
     def wake(self) -> None:
         if self.device.type != "cpu" and self.asleep:
-            self.model.to(self.device)
+            self._live().to(self.device)  # type: ignore[arg-type]  # transformers mistypes GenerativeLM.to's wrapper
         self.asleep = False
 
     def ping(self) -> bool:

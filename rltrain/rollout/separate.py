@@ -69,7 +69,7 @@ class ControlChannel(Channel):
 
 def _config_dict(cfg: Any) -> dict[str, Any]:
     """The rollout config (a dataclass, or the run's OmegaConf node) as plain JSON values."""
-    if is_dataclass(cfg):
+    if is_dataclass(cfg) and not isinstance(cfg, type):
         return asdict(cfg)
     from omegaconf import OmegaConf
 

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from functools import cached_property, partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,10 @@ from rltrain.rollout.vllm_args import engine_kwargs, set_vllm_env
 from rltrain.runtime.library_noise import quiet_vllm_import
 from rltrain.runtime.precision import resolve_precision
 from rltrain.sync.vllm_reload import SyncPlan, build_plan
+
+if TYPE_CHECKING:
+    from vllm import LLM
+    from vllm.inputs import TokensPrompt
 
 
 def _request_seed(call_seed: int, prompt_index: int, n: int) -> int:
@@ -98,8 +102,8 @@ class VLLMRolloutEngine:
         # a collective: every trainer rank must build its engine at the same time).
         self.owns_default_group = not torch.distributed.is_initialized()
         with _ProcessStateGuard():
-            self.llm = LLM(**kwargs)
-        hf_config = self.llm.llm_engine.model_config.hf_config
+            self.llm: LLM | None = LLM(**kwargs)
+        hf_config = self._live().llm_engine.model_config.hf_config
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.expected_names = _checkpoint_names(self.model_dir)
         if self.tied:
@@ -129,13 +133,14 @@ class VLLMRolloutEngine:
             )
             for i in range(len(prompts))
         ]
-        inputs = [{"prompt_token_ids": list(p)} for p in prompts]
+        inputs: list[TokensPrompt] = [{"prompt_token_ids": list(p)} for p in prompts]
         with _ProcessStateGuard():
-            outputs = self.llm.generate(inputs, params, use_tqdm=False)
+            outputs = self._live().generate(inputs, params, use_tqdm=False)
         completions: list[Completion] = []
         for i, out in enumerate(outputs):
             for c in sorted(out.outputs, key=lambda c: c.index):
                 token_ids = list(c.token_ids)
+                assert c.logprobs is not None  # requested: SamplingParams(logprobs=0)
                 logprobs = [float(c.logprobs[j][tok].logprob) for j, tok in enumerate(token_ids)]
                 completions.append(Completion(i, token_ids, logprobs, finished=c.finish_reason == "stop"))
         return completions
@@ -158,15 +163,15 @@ class VLLMRolloutEngine:
         else:
             plan = self._sync_plan
             if plan is not None:
-                named = list(named)  # the plan needs every tensor at once; a fallback reuses them
-            if plan is None or not self.llm.apply_model(partial(plan.load, weights=named))[0]:
+                named = listed = list(named)  # the plan needs every tensor at once; a fallback reuses them
+            if plan is None or not self._live().apply_model(partial(plan.load, weights=listed))[0]:
                 self._reload_in_place(named)
                 if self.tied:
                     self._refresh_tied_head()
         self.updated = True
         self.weights_discarded = False
         self._wake_kv_cache()
-        self.llm.reset_prefix_cache()
+        self._live().reset_prefix_cache()
         missing = self.expected_names - seen
         if missing:
             raise ValueError(
@@ -182,7 +187,7 @@ class VLLMRolloutEngine:
         def reload(worker, weights_iterator):
             worker.model_runner.reload_weights(weights_iterator=weights_iterator)
 
-        self.llm.collective_rpc(reload, args=(iter(weights),))
+        self._live().collective_rpc(reload, args=(iter(weights),))
 
     def _reload_supported(self, weights: Iterable[tuple[str, torch.Tensor]] | None) -> None:
         """vLLM's supported reload on an accelerator: the worker's `reload_weights` (layerwise: each
@@ -192,7 +197,7 @@ class VLLMRolloutEngine:
         kwargs: dict[str, Any] = {}
         if weights is not None:
             kwargs["weights_iterator"] = list(weights) if self.cfg.tensor_parallel_size > 1 else iter(weights)
-        self.llm.collective_rpc("reload_weights", kwargs=kwargs)
+        self._live().collective_rpc("reload_weights", kwargs=kwargs)
 
     def _restore_checkpoint(self) -> None:
         """Generating after a level-2 sleep with nothing loaded since: before the first update the
@@ -207,27 +212,27 @@ class VLLMRolloutEngine:
         self._reload_supported(None)
         self.weights_discarded = False
         self._wake_kv_cache()
-        self.llm.reset_prefix_cache()
+        self._live().reset_prefix_cache()
 
     def _wake_kv_cache(self) -> None:
         if self.kv_cache_asleep:
-            self.llm.wake_up(tags=["kv_cache"])
+            self._live().wake_up(tags=["kv_cache"])
             self.kv_cache_asleep = False
 
     @cached_property
     def _sync_plan(self) -> SyncPlan | None:
         """The fast sync's plan for this engine's model, built on the first update; None where it
         does not apply."""
-        return self.llm.apply_model(partial(build_plan, names=self.expected_names))[0]
+        return self._live().apply_model(partial(build_plan, names=self.expected_names))[0]
 
     def _refresh_tied_head(self) -> None:
         """Repack the output head from the (already reloaded) shared embedding parameter."""
 
         def refresh(model: torch.nn.Module) -> None:
-            head = model.lm_head
+            head: Any = model.lm_head  # vLLM's ParallelLMHead (torch types submodules as `Tensor | Module`)
             head.quant_method.process_weights_after_loading(head)
 
-        self.llm.apply_model(refresh)
+        self._live().apply_model(refresh)
 
     # --- time sharing and liveness --------------------------------------------------------------
 
@@ -240,7 +245,7 @@ class VLLMRolloutEngine:
         if self.asleep:
             return
         if self.has_sleep_mode:
-            self.llm.sleep(level=self.cfg.sleep_level)
+            self._live().sleep(level=self.cfg.sleep_level)
             self.weights_discarded = not self.weights_survive_sleep
         self.asleep = True
 
@@ -253,11 +258,16 @@ class VLLMRolloutEngine:
             return
         if self.has_sleep_mode:
             if self.weights_discarded:
-                self.llm.wake_up(tags=["weights"])
+                self._live().wake_up(tags=["weights"])
                 self.kv_cache_asleep = True
             else:
-                self.llm.wake_up()
+                self._live().wake_up()
         self.asleep = False
+
+    def _live(self) -> LLM:
+        if self.llm is None:
+            raise RuntimeError("the vLLM engine is closed")
+        return self.llm
 
     def ping(self) -> bool:
         """True when the engine core answers a no-op call on its worker (see `RolloutEngine.ping`:
@@ -266,9 +276,7 @@ class VLLMRolloutEngine:
         if not self._gate.acquire(blocking=False):
             return True
         try:
-            if self.llm is None:
-                raise RuntimeError("the vLLM engine is closed")
-            return all(self.llm.collective_rpc(_pong))
+            return all(self._live().collective_rpc(_pong))
         finally:
             self._gate.release()
 

@@ -12,6 +12,7 @@ completions as samples (reward 1 for an exact match, else 0) for the W&B sample 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,9 @@ import torch.distributed as dist
 from rltrain.data.sharding import rank_slice
 from rltrain.run.samples import MAX_SAMPLES, Sample, first_samples
 from rltrain.runtime.distributed import all_reduce_sum
+
+if TYPE_CHECKING:
+    from rltrain.models.hf_io import GenerativeLM
 
 
 @dataclass
@@ -36,7 +40,7 @@ class GreedyEvaluator:
         self.config = AutoConfig.from_pretrained(str(model_dir))
         self.dtype = dtype
         self.device = torch.device(device)
-        self.model = None
+        self.model: GenerativeLM | None = None  # built by `load`, dropped by `release`
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
 
@@ -69,7 +73,8 @@ class GreedyEvaluator:
             width = max(len(p) for p in chunk)
             ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=self.device)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=self.device)
-            out = self.model.generate(
+            assert self.model is not None, "GreedyEvaluator.generate before load"
+            out = self.model.generate(  # type: ignore[misc]  # transformers' generate() declares a self protocol its models miss
                 input_ids=ids,
                 attention_mask=mask,
                 max_new_tokens=self.max_new_tokens,

@@ -16,7 +16,7 @@ import secrets
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import OmegaConf
 
@@ -142,7 +142,7 @@ def start_wandb(cfg, run_dir: Path):
         mode=mode,
         id=run_id,
         resume="allow",
-        config=OmegaConf.to_container(cfg, resolve=True),
+        config=cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True)),  # a DictConfig: a dict
         settings=wandb.Settings(console="off", silent=True),
     )
 

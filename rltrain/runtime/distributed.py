@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -68,7 +69,7 @@ def init_distributed(timeout_s: float) -> DistInfo:
         if world == 1 and "MASTER_ADDR" not in os.environ:
             os.environ["MASTER_ADDR"] = "127.0.0.1"
             os.environ["MASTER_PORT"] = str(_free_port())
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if device.type == "cuda" and backend == "nccl":
             kwargs["device_id"] = device
         dist.init_process_group(

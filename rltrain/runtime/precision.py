@@ -13,9 +13,9 @@ from typing import get_args
 
 import torch
 
-from rltrain.config.schema import Precision
+from rltrain.config.schema import Precision as PrecisionName
 
-PRECISIONS: tuple[str, ...] = get_args(Precision)
+PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
 
 
 @dataclass(frozen=True)

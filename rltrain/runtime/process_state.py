@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 
 def reset_process_state() -> None:
     """Undo the module-global state of a finished run (idempotent; cheap when nothing was used)."""
     if "megatron.core.parallel_state" in sys.modules:
         _reset_megatron()
-    faults = sys.modules.get("rltrain.safety.faults")
+    faults: Any = sys.modules.get("rltrain.safety.faults")  # reset only if loaded: not imported here
     if faults is not None:
         faults._active = faults.FaultInjector()
     import torch
@@ -29,7 +30,7 @@ def _reset_megatron() -> None:
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()  # clears every group global; its gloo groups are destroyed if alive
-    groups = sys.modules.get("rltrain.backends.megatron.groups")
+    groups: Any = sys.modules.get("rltrain.backends.megatron.groups")
     if groups is not None:
         groups._SHARED = None
     if torch.cuda.is_available():

@@ -15,7 +15,7 @@ import enum
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -261,11 +261,11 @@ def guarded_micro_batch(
     guard: MicroBatchGuard,
     errors: StepErrors,
     forward: Callable[[], Out],
-    loss_fn: Callable[[Out], tuple[torch.Tensor, dict[str, Any]]],
+    loss_fn: Callable[[Out], tuple[torch.Tensor, Mapping[str, Any]]],
     dummy_forward: Callable[[], Out],
     before_backward: Callable[[torch.Tensor], None] | None = None,
     where: str = "micro-batch",
-) -> tuple[torch.Tensor, dict[str, Any]] | None:
+) -> tuple[torch.Tensor, Mapping[str, Any]] | None:
     """forward -> loss -> backward for one micro-batch. Returns (loss, metrics), or None when the
     micro-batch failed and was paid for with a zero backward (its metrics are lost)."""
     try:

@@ -141,6 +141,7 @@ class HealthServer:
                 return False, f"no answer to ping within {self.ping_timeout_s:g} s (still waiting, {waited:.0f} s)"
             self._ping_started = time.monotonic()
             threads: list[threading.Thread] = []
+            assert self.ping is not None  # only called when a ping was given
             result = ping_with_timeout(self.ping, self.ping_timeout_s, threads)
             self._ping_thread = threads[0] if threads else None
             return result

@@ -139,7 +139,8 @@ def rank_status(
 
 def describe_lost_peers(run_dir: Path, world_size: int, rank: int, stale_after_s: float = 5.0) -> str:
     """A sentence naming the peers that look lost (dead or silent), for a survivor's error message."""
-    lost, alive = [], []
+    lost: list[str] = []
+    alive: list[str] = []
     for peer in range(world_size):
         if peer == rank:
             continue

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -57,7 +58,7 @@ def _agreed_keys(keys: list[str], partial: bool, group=None) -> list[str]:
     return union
 
 
-def reduce_metric_sums(metrics: dict[str, float | torch.Tensor], group=None, partial: bool = False) -> dict[str, float]:
+def reduce_metric_sums(metrics: Mapping[str, float | torch.Tensor], group=None, partial: bool = False) -> dict[str, float]:
     """Sum each metric over the ranks of `group`. Every rank must hold the same key set, except a
     `partial` rank (one that recovered from an error and so lost a micro-batch's metrics): it
     contributes zero for the keys it lacks."""

@@ -68,6 +68,11 @@ class _SyncEndpoint:
             shutil.rmtree(self.directory, ignore_errors=True)
             raise
 
+    def accepting(self) -> socket.socket:
+        if self.listener is None:
+            raise TransportError(f"the data socket of sync endpoint {self.socket_path} is closed")
+        return self.listener
+
     def close(self) -> None:
         if self.listener is not None:
             self.listener.close()
@@ -109,7 +114,7 @@ class WeightSender:
         self.last_sync_id = 0
         self.control_dir = make_private_dir(self.base_dir, prefix="rlc-")
         self.control_path = self.control_dir / "c"
-        self._control = listen_unix(self.control_path)
+        self._control: socket.socket | None = listen_unix(self.control_path)
         self._segments: list[SharedSegment] = []  # created on first use, re-created after a failure
 
     def __enter__(self) -> WeightSender:
@@ -169,7 +174,7 @@ class WeightSender:
         try:
             control = self._await_receiver(sync_id, endpoint)
             data = Channel(
-                accept_until(endpoint.listener, self._deadline(), "the receiver on the data socket"),
+                accept_until(endpoint.accepting(), self._deadline(), "the receiver on the data socket"),
                 "receiver",
                 self.timeout_s,
             )
@@ -222,6 +227,8 @@ class WeightSender:
         A connection left in the backlog by a receiver that already gave up is skipped."""
         deadline = self._deadline()
         while True:
+            if self._control is None:
+                raise TransportError("this WeightSender is closed")
             conn = accept_until(
                 self._control, deadline, "the receiver to start a sync (WeightReceiver.receive)"
             )
@@ -245,7 +252,7 @@ class WeightSender:
                         "slots": len(self._segments),
                     }
                 )
-                channel.send_fds([segment.fd for segment in self._segments])
+                channel.send_fds([segment.sender_fd for segment in self._segments])
             except PeerClosed:
                 channel.close()  # a stale connection from an earlier, abandoned receive()
                 continue

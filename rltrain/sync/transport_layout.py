@@ -140,7 +140,8 @@ class BucketPacker:
         self.total_bytes = 0
 
     def buckets(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[PackedBucket]:
-        bucket_id, cursor, entries = 0, 0, []
+        bucket_id, cursor = 0, 0
+        entries: list[Entry] = []
         for name, tensor in weights:
             if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
                 raise TypeError(

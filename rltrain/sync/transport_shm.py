@@ -85,7 +85,20 @@ class SharedSegment:
         self.nbytes = nbytes
         self.identity = identity  # (st_dev, st_ino): the same memory seen through another fd
         self._mapping: mmap.mmap | None = mapping
-        self.bytes_u8: torch.Tensor | None = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+        self._bytes_u8: torch.Tensor | None = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+
+    @property
+    def bytes_u8(self) -> torch.Tensor:
+        if self._bytes_u8 is None:
+            raise ProtocolError("this shared-memory segment is closed")
+        return self._bytes_u8
+
+    @property
+    def sender_fd(self) -> int:
+        """The descriptor to pass to the receiver (only the sender's open segments have one)."""
+        if self.fd is None:
+            raise ProtocolError("this shared-memory segment has no descriptor to send")
+        return self.fd
 
     @classmethod
     def create(cls, nbytes: int) -> SharedSegment:
@@ -126,5 +139,5 @@ class SharedSegment:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-        self.bytes_u8 = None
+        self._bytes_u8 = None
         self._mapping = None

@@ -12,10 +12,15 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import Any
 
 import torch
 
 log = logging.getLogger(__name__)
+
+# A vLLM model or layer: it carries attributes torch's Module does not declare
+# (packed_modules_mapping, quant_method, org_vocab_size, output_size_per_partition, ...).
+VLLMModule = Any
 
 
 class UnsupportedModel(Exception):
@@ -54,7 +59,7 @@ class SyncPlan:
     repacks: tuple[str, ...]
 
     @classmethod
-    def build(cls, model: torch.nn.Module, names: Iterable[str]) -> SyncPlan:
+    def build(cls, model: VLLMModule, names: Iterable[str]) -> SyncPlan:
         """The plan for loading the checkpoint tensors `names` into `model`, or `UnsupportedModel`."""
         from vllm.platforms import current_platform
 
@@ -130,7 +135,7 @@ class SyncPlan:
             for copy in self.copies:
                 getattr(model.get_submodule(copy.module), copy.param)[copy.rows].copy_(tensors[copy.name])
             for rebuild in self.rebuilds:
-                layer = model.get_submodule(rebuild.module)
+                layer: VLLMModule = model.get_submodule(rebuild.module)
                 weight = torch.empty(rebuild.shape, dtype=rebuild.dtype)
                 for name, rows in rebuild.parts:
                     weight[rows].copy_(tensors[name])
@@ -159,7 +164,7 @@ def _supported_models() -> tuple[type, ...]:
     return Qwen2ForCausalLM, LlamaForCausalLM
 
 
-def _submodule(model: torch.nn.Module, path: str) -> torch.nn.Module:
+def _submodule(model: torch.nn.Module, path: str) -> VLLMModule:
     try:
         return model.get_submodule(path)
     except AttributeError as exc:
@@ -204,7 +209,7 @@ def _is_norm(module: torch.nn.Module) -> bool:
 
 def _plan_linear(
     path: str,
-    module: torch.nn.Module,
+    module: VLLMModule,
     params: dict[str, list[tuple[int | None, str]]],
     shapes: dict[str, torch.Size],
     copies: list[_Copy],

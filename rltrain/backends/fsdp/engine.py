@@ -13,11 +13,12 @@ import json
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rltrain.backends.base import LossFn, PolicyOutput, Scores, scored_output, wrong_scores_error
+from rltrain.backends.base import LossFn, LossMetrics, PolicyOutput, Scores, scored_output, wrong_scores_error
 from rltrain.backends.fsdp.attention_masks import use_flex_attention
 from rltrain.backends.fsdp.compile_layers import compile_decoder_layers
 from rltrain.backends.fsdp.flex_autocast import switch_to_flex_attention
@@ -79,7 +80,7 @@ class FSDPEngine:
         # Sharded: on the meta device until `_shard` has placed it (no rank holds the full model).
         self.lm = load_causal_lm(self.model_dir, self.precision.param_dtype, on_meta=self.sharded)
         if not self.sharded:
-            self.lm.to(device)
+            self.lm.to(device)  # type: ignore[arg-type]  # transformers types PreTrainedModel.to's wrapper as taking the model
         self.pad_id = int(self.lm.config.pad_token_id or 0)
         self.tied = bool(self.lm.config.tie_word_embeddings)
         self.moe_info = moe.prepare_moe(self.lm)
@@ -88,7 +89,14 @@ class FSDPEngine:
         # How a micro-batch meets the model (packed shared prompts, one padding-free row, length
         # buckets, one rectangle); padding-free rows on CUDA run flex_attention (attention_masks).
         self.layout = MicroBatchLayout.for_model(
-            self.lm.config, self.pad_id, device, self.sharded, self.moe_info is not None, backend_cfg.padding_free
+            self.lm.config,
+            self.pad_id,
+            device,
+            self.sharded,
+            self.moe_info is not None,
+            padding_free=backend_cfg.padding_free,
+            share_prompts=backend_cfg.share_prompts,
+            length_buckets=backend_cfg.length_buckets,
         )
         flex = self.layout.padding_free and use_flex_attention(self.lm, device)
         if flex:  # under autocast too (one unsharded rank in bf16-mixed): rltrain.backends.fsdp.flex_autocast
@@ -231,8 +239,8 @@ class FSDPEngine:
             done = guarded_micro_batch(
                 MicroBatchGuard(self.scorer),
                 errors,
-                forward=lambda mb=mb: self._score(mb, with_entropy),
-                loss_fn=lambda out, mb=mb: self._train_loss(out, mb, loss_fn, share, injector),
+                forward=partial(self._score, mb, with_entropy),
+                loss_fn=partial(self._train_loss, mb=mb, loss_fn=loss_fn, share=share, injector=injector),
                 dummy_forward=lambda: self._score(dummy_batch(self.pad_id), with_entropy=False),
                 before_backward=injector.arm_backward,
                 where=f"micro-batch {i} of step {injector.step}",
@@ -257,7 +265,7 @@ class FSDPEngine:
 
     def _train_loss(
         self, out: PolicyOutput, mb: SequenceBatch, loss_fn: LossFn, share: float, injector: faults.FaultInjector
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    ) -> tuple[torch.Tensor, LossMetrics]:
         """The algorithm's loss plus the dummy-batch anchor and, for a MoE model, its weighted
         load-balancing loss (a per-micro-batch mean, scaled so the sum over micro-batches and ranks
         is the mean)."""
@@ -302,6 +310,7 @@ class FSDPEngine:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        assert self.optimizer is not None  # only a trainable engine is checkpointed
         model_sd, optim_sd = get_state_dict(self.scorer, self.optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory / "engine"))
         if self.rank == 0:
@@ -311,8 +320,9 @@ class FSDPEngine:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+        assert self.optimizer is not None  # only a trainable engine is checkpointed
         model_sd, optim_sd = get_state_dict(self.scorer, self.optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(directory / "engine"))
         set_state_dict(self.scorer, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.steps_taken = json.loads((directory / "engine_state.json").read_text())["steps_taken"]
@@ -345,7 +355,7 @@ class FSDPEngine:
         return self.groups.recreate() if self.groups is not None else 0
 
 
-def build_engine(ctx, role: str) -> FSDPEngine:
+def build_engine(ctx, role: str, max_steps: int) -> FSDPEngine:
     """The backend registry's entry (`backend=fsdp`) for one role (rltrain.backends.Role)."""
     cfg = ctx.cfg
     build = role_build(ctx, role)
@@ -353,7 +363,7 @@ def build_engine(ctx, role: str) -> FSDPEngine:
         build.model_dir,
         cfg.backend,
         build.optim,
-        cfg.trainer.max_steps,
+        max_steps,
         ctx.dist.device,
         precision=cfg.trainer.precision,
         safety=cfg.safety,

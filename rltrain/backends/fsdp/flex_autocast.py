@@ -7,9 +7,14 @@ computes. docs/internals/backends.md has the details.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from transformers.integrations.flex_attention import flex_attention_forward
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 AUTOCAST_FLEX_ATTENTION = "rltrain_flex_attention"
 
@@ -31,7 +36,7 @@ def autocast_flex_attention(
     return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def switch_to_flex_attention(lm: nn.Module) -> None:
+def switch_to_flex_attention(lm: PreTrainedModel) -> None:
     """Run `lm` with `autocast_flex_attention` (registered in transformers' attention and mask
     registries on first use; registering again replaces the entry with the same function)."""
     from transformers.masking_utils import AttentionMaskInterface, flex_attention_mask

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -53,7 +54,7 @@ class _SelectedHidden(nn.Module):
 
     def selected_hidden(
         self, rects: Sequence[Rectangle], order_N: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """(hidden states [N, H] in ragged order, the router logits of a MoE model or None). Call
         inside `self.autocast()`. One model call per rectangle (several: length buckets or packed
         rows, see `rltrain.backends.fsdp.layout`); the selected hidden states are concatenated in rectangle
@@ -71,7 +72,8 @@ class _SelectedHidden(nn.Module):
                 kwargs["position_ids"] = rect.position_ids_BT
             if router:
                 kwargs["output_router_logits"] = True
-            out = self.lm.model(input_ids=rect.input_ids_BT, use_cache=False, **kwargs)
+            # The decoder stack: torch types a submodule attribute as `Tensor | Module`.
+            out = cast(nn.Module, self.lm.model)(input_ids=rect.input_ids_BT, use_cache=False, **kwargs)
             parts.append(out.last_hidden_state[rect.rows_N, rect.cols_N])
             if router:
                 router_logits = out.router_logits
@@ -80,9 +82,12 @@ class _SelectedHidden(nn.Module):
             hidden_NH = hidden_NH[order_N]
         return hidden_NH, router_logits
 
-    def _aux_loss(self, router_logits: torch.Tensor | None, padding_mask_BT: torch.Tensor | None) -> torch.Tensor | None:
+    def _aux_loss(
+        self, router_logits: tuple[torch.Tensor, ...] | None, padding_mask_BT: torch.Tensor | None
+    ) -> torch.Tensor | None:
         if router_logits is None:
             return None
+        assert self.moe_info is not None  # router logits are requested only for a MoE model
         return moe.load_balancing_loss(self.lm, self.moe_info, router_logits, padding_mask_BT)
 
 
@@ -101,7 +106,7 @@ class CompletionScorer(_SelectedHidden):
         tokens of a single plain rectangle, for a MoE load-balancing loss."""
         with self.autocast():
             hidden_NH, router_logits = self.selected_hidden(rects, order_N)
-            head = self.lm.lm_head
+            head = cast(nn.Linear, self.lm.lm_head)  # a submodule attribute (torch: `Tensor | Module`)
             chunked = use_chunked_head(hidden_NH.shape[0], head)
             if chunked:  # large vocabulary: logits exist one chunk at a time (chunked_head)
                 logps_N, entropy_N = chunked_target_logps(hidden_NH, head.weight, targets_N, with_entropy)
@@ -136,7 +141,7 @@ class CompletionValuer(_SelectedHidden):
         flex_attention: bool = False,
     ) -> None:
         super().__init__(lm, moe_info, autocast, flex_attention)
-        lm.lm_head = None
+        lm.lm_head = None  # type: ignore[assignment]  # torch's stub omits None, which unregisters a submodule
         self.value_head = value_head
 
     def forward(

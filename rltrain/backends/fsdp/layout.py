@@ -33,12 +33,23 @@ class MicroBatchLayout:
 
     @staticmethod
     def for_model(
-        hf_config, pad_id: int, device: torch.device, sharded: bool, moe: bool, padding_free: bool = False
+        hf_config,
+        pad_id: int,
+        device: torch.device,
+        sharded: bool,
+        moe: bool,
+        padding_free: bool = False,
+        share_prompts: bool = True,
+        length_buckets: bool = True,
     ) -> MicroBatchLayout:
+        """The layout for a model, from the backend's switches (`backend.padding_free`,
+        `backend.share_prompts`, `backend.length_buckets`) and what the model allows."""
         bucket_cost = None
-        if not sharded and not moe:
+        if length_buckets and not sharded and not moe:
             bucket_cost = BUCKET_COST_TOKENS.get(device.type, BUCKET_COST_TOKENS["cpu"])
-        return MicroBatchLayout(pad_id, not moe, PackingCost.from_config(hf_config), bucket_cost, padding_free and not moe)
+        return MicroBatchLayout(
+            pad_id, share_prompts and not moe, PackingCost.from_config(hf_config), bucket_cost, padding_free and not moe
+        )
 
     def __call__(self, batch: SequenceBatch) -> tuple[list[Rectangle], torch.Tensor | None, torch.Tensor | None]:
         """How one micro-batch meets the model: (rectangles, order_N, padding mask).

@@ -28,11 +28,12 @@ class Rectangle:
     document_ids_BT: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> Rectangle:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t.to(device) if t is not None else None
+
         return Rectangle(
-            *(t.to(device) if t is not None else None for t in (
-                self.input_ids_BT, self.rows_N, self.cols_N, self.position_ids_BT, self.attention_mask_B1TT,
-                self.document_ids_BT,
-            ))
+            self.input_ids_BT.to(device), self.rows_N.to(device), self.cols_N.to(device),
+            move(self.position_ids_BT), move(self.attention_mask_B1TT), move(self.document_ids_BT),
         )
 
 

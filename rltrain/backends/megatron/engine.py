@@ -348,7 +348,7 @@ class MegatronEngine:
         return self.groups.recreate()
 
 
-def build_engine(ctx, role: str) -> MegatronEngine:
+def build_engine(ctx, role: str, max_steps: int) -> MegatronEngine:
     """The backend registry's entry (`backend=megatron`) for one role (rltrain.backends.Role);
     every role's engine joins the policy's process groups."""
     cfg = ctx.cfg
@@ -357,7 +357,7 @@ def build_engine(ctx, role: str) -> MegatronEngine:
         build.model_dir,
         cfg.backend,
         build.optim,
-        cfg.trainer.max_steps,
+        max_steps,
         ctx.dist.device,
         precision=cfg.trainer.precision,
         collective_timeout_s=cfg.safety.collective_timeout_s,

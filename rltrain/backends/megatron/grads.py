@@ -32,6 +32,7 @@ def sum_over_data_parallel(params: list[torch.nn.Parameter], dp_group) -> None:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
+        assert p.grad is not None  # every trained parameter has a gradient after the backward
         by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
     for grads in by_dtype.values():
         flat = _flatten_dense_tensors(grads)
@@ -63,6 +64,7 @@ def global_grad_norm(counted: list[torch.nn.Parameter], mp_group) -> torch.Tenso
     rank of the model-parallel group."""
     sq = torch.zeros(1, dtype=torch.float64, device=counted[0].device if counted else "cpu")
     for p in counted:
+        assert p.grad is not None
         sq += p.grad.detach().double().pow(2).sum()
     if _group_size(mp_group) > 1:
         dist.all_reduce(sq, group=mp_group)
@@ -84,4 +86,5 @@ def clip_(params: list[torch.nn.Parameter], total_norm: float, max_norm: float) 
     coef = max_norm / (total_norm + 1e-6)
     if coef < 1.0:
         for p in params:
+            assert p.grad is not None
             p.grad.mul_(coef)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,9 @@ from rltrain.backends.chunked_head import (
     positions_per_chunk,
     target_logps_grad,
 )
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
 _PAD_LOGIT = -1e30  # exp() underflows to 0 in fp32, and 0 * _PAD_LOGIT stays finite
 
@@ -183,7 +187,7 @@ class _ChunkedVocabParallelLogps(torch.autograd.Function):
 
 
 def head_logps(
-    model: torch.nn.Module,
+    model: GPTModel,
     hidden_NH: torch.Tensor,
     targets_N: torch.Tensor,
     tp_rank: int,

@@ -7,11 +7,16 @@ checkpointing (torch's, not megatron's) and padding.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from rltrain.backends.megatron.convert import split_dim
 from rltrain.backends.megatron.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
 
 def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = torch.float32):
@@ -77,7 +82,7 @@ def build_stage(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torch.dt
     return model
 
 
-def checkpoint_layers(model: torch.nn.Module) -> int:
+def checkpoint_layers(model: GPTModel) -> int:
     """Recompute every decoder layer's activations in the backward instead of keeping them (one
     layer per checkpoint, like megatron's full/uniform/1 recompute). Parameter names do not change
     (the layer's `forward` is wrapped, not the module). Returns the number of layers wrapped."""

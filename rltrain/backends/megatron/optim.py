@@ -19,7 +19,7 @@ def build_adamw(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.opt
     )
 
 
-def ensure_state(optimizer: torch.optim.AdamW) -> None:
+def ensure_state(optimizer: torch.optim.Optimizer) -> None:
     """Create zero moments for parameters that have not stepped yet (so a checkpoint always has
     them); AdamW treats step 0 with zero moments exactly like a fresh state."""
     for group in optimizer.param_groups:

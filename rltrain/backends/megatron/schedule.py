@@ -68,6 +68,7 @@ class _Stage:
         input_TBH = None
         if not pipe.first:
             input_TBH = torch.empty(mb.seq_len, mb.batch_size, pipe.hidden_size, dtype=pipe.dtype, device=pipe.device)
+            assert pipe.prev is not None  # every stage but the first has a previous one
             p2p.recv(input_TBH, src=pipe.prev, group=pipe.group)
             input_TBH.requires_grad_(train)
         with pipe.autocast():
@@ -75,6 +76,7 @@ class _Stage:
         if pipe.last:
             return input_TBH, self.on_output(i, out)
         out = out.to(pipe.dtype)  # the wire's dtype (no-op unless autocast produced another)
+        assert pipe.next is not None  # every stage but the last has a next one
         self.sends.append(p2p.isend(out.detach().contiguous(), dst=pipe.next, group=pipe.group))
         return input_TBH, out if train else None
 
@@ -85,9 +87,11 @@ class _Stage:
             self.on_backward(i, out)
         else:
             grad_TBH = torch.empty_like(out)
+            assert pipe.next is not None
             p2p.recv(grad_TBH, src=pipe.next, group=pipe.group)
             torch.autograd.backward(out, grad_TBH)
-        if input_TBH is not None:
+        if input_TBH is not None:  # not the first stage
+            assert pipe.prev is not None
             grad_in = input_TBH.grad if input_TBH.grad is not None else torch.zeros_like(input_TBH)
             self.sends.append(p2p.isend(grad_in.contiguous(), dst=pipe.prev, group=pipe.group))
 

@@ -7,13 +7,18 @@ docs/internals/backends.md explains tensor and pipeline parallelism for the head
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from rltrain.backends.megatron.convert import VALUE_HEAD_BIAS, VALUE_HEAD_WEIGHT
 from rltrain.backends.value_head import initial_value_head
 
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
-def make_value_stage(model: torch.nn.Module, hidden_size: int, dtype: torch.dtype) -> None:
+
+def make_value_stage(model: GPTModel, hidden_size: int, dtype: torch.dtype) -> None:
     """Turn a last-stage GPTModel (built untied) into a critic stage, in place. The head's weights
     are loaded with the stage's (`value_head_shards`)."""
     if model.share_embeddings_and_output_weights:

@@ -42,7 +42,8 @@ def _ppo_step(rank, world, model_dir, mb_size, overrides):
     cfg = compose_config("algo=ppo", "optim.lr=1e-2", *overrides)
     dist_info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
     ctx = RunContext(cfg=cfg, run_dir=Path("."), dist=dist_info, model_dir=Path(model_dir), tokenizer=None)
-    policy, critic = build_engine(ctx, "policy"), build_engine(ctx, "critic")
+    steps = cfg.trainer.max_steps
+    policy, critic = build_engine(ctx, "policy", steps), build_engine(ctx, "critic", steps)
     a = cfg.algo
     layout = BatchLayout(PROMPTS, GROUP, policy.rank, policy.world_size)
     parity = ParityProbe()

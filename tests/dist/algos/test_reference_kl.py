@@ -38,7 +38,8 @@ def _learner_kl(rank, world, policy_dir, reference_dir):
     dist_info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
     ctx = RunContext(cfg=cfg, run_dir=Path("."), dist=dist_info, model_dir=Path(policy_dir), tokenizer=None,
                      role_dirs={"reference": Path(reference_dir)})
-    policy, reference = build_engine(ctx, "policy"), build_engine(ctx, "reference")
+    steps = cfg.trainer.max_steps
+    policy, reference = build_engine(ctx, "policy", steps), build_engine(ctx, "reference", steps)
     parity = ParityProbe()
     layout = BatchLayout(len(PROMPTS), 1, rank, world)
     learner = Learner(policy, MiniBatchUpdate(layout, 1, 1, 8, 0), make_policy_loss(cfg.algo, parity), parity, True, reference=reference)

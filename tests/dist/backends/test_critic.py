@@ -181,7 +181,7 @@ def _extras(eng, ctx, batches, n_tokens: int, out_dir: Path) -> dict:
 
     refusals = []
     for call in (lambda: eng.forward_logps(batches), lambda: list(eng.export_weights()),
-                 lambda: eng.save_pretrained(out_dir / "hf"), lambda: build_engine(ctx, "policy").forward_values(batches)):
+                 lambda: eng.save_pretrained(out_dir / "hf"), lambda: build_engine(ctx, "policy", ctx.cfg.trainer.max_steps).forward_values(batches)):
         try:
             call()
             refusals.append("no error")
@@ -203,7 +203,7 @@ def _worker(rank: int, world: int, cfg_yaml: str, model_dir: str, data, n_tokens
 
     cfg = OmegaConf.create(cfg_yaml)
     ctx = RunContext(cfg, Path(out_dir), DistInfo(rank, world, rank, torch.device("cpu")), Path(model_dir), None)
-    eng = build_engine(ctx, "critic")
+    eng = build_engine(ctx, "critic", cfg.trainer.max_steps)
     batches = _batches(data[eng.rank])
     res: dict = dict(dp=eng.rank, before=_values(eng, batches))
     res["metrics"] = eng.train_step(batches, _mse(n_tokens))

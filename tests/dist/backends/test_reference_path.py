@@ -39,7 +39,7 @@ def _engine_logps(rank, world, cfg, policy_dir):
     batch = SequenceBatch.from_lists(PROMPTS, COMPLETIONS)
     out = {}
     for role in ("policy", "reference"):
-        (scored,) = build_engine(ctx, role).forward_logps([batch])
+        (scored,) = build_engine(ctx, role, cfg.trainer.max_steps).forward_logps([batch])
         out[role] = scored.logps.values.detach().clone()
     return out, role_dirs
 
