@@ -152,7 +152,7 @@ def policy_loss(
 def aggregate(
     per_token: Ragged, loss_agg: str, global_tokens: float, global_seqs: float, max_len: int = 0
 ) -> torch.Tensor:
-    """Reduce per-token values to this micro-batch's share of the global loss (see module doc)."""
+    """Reduce per-token values to this micro-batch's share of the global loss (docs/internals/algos.md, "Aggregation")."""
     if loss_agg == "token_mean":
         return per_token.values.sum() / global_tokens
     if loss_agg == "seq_mean_token_mean":

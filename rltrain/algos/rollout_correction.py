@@ -22,7 +22,7 @@ MODES: tuple[str, ...] = get_args(RolloutCorrection)
 def correction(
     old_logps: Ragged, engine_logps: Ragged, mode: str, is_cap: float, mask_band: float
 ) -> tuple[Ragged | None, torch.Tensor | None]:
-    """(per-token weights or None, [B] bool keep mask or None) for `mode` (see module docstring)."""
+    """(per-token weights or None, [B] bool keep mask or None) for `mode` (docs/internals/algos.md)."""
     if mode not in MODES:
         raise ValueError(f"algo.rollout_correction={mode!r}: choose one of {', '.join(MODES)}")
     if mode == "none":
