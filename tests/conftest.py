@@ -13,12 +13,32 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def session_dir(tmp_path_factory, name: str) -> Path:
+    """A directory shared by the whole session: under pytest-xdist, by every worker (they share the
+    parent of their base temp directories), so what one worker builds the others reuse."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    path = base / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory) -> Path:
-    """One tiny-model cache for the whole test session."""
-    path = Path(os.environ.get("RLTRAIN_TEST_CACHE", tmp_path_factory.mktemp("rltrain_cache")))
+    """One tiny-model cache for the whole test session (builds are published by an atomic rename,
+    so two workers building the same model is safe)."""
+    path = Path(os.environ.get("RLTRAIN_TEST_CACHE", session_dir(tmp_path_factory, "rltrain_cache")))
     os.environ["RLTRAIN_CACHE"] = str(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tiny_cache, tmp_path_factory):
+    """The session's shared runs (tests/cli.py, SharedRuns): one run per configuration."""
+    from cli import SharedRuns
+
+    return SharedRuns(session_dir(tmp_path_factory, "shared_runs"))
 
 
 def pytest_collection_modifyitems(config, items):

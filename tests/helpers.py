@@ -2,6 +2,11 @@
 
 A hang in the code under test becomes a failure: every collective times out after
 `pg_timeout_s`, and the whole group is killed after `timeout_s`.
+
+Ranks are fresh processes forked from a fork server that has imported torch and transformers once
+per test process (docs/testing.md, "Start-up"): each test still gets new processes and a new
+process group, without paying the imports again. The parent's environment, working directory and
+sys.path travel with each call, since the server was started before the test set them.
 """
 
 from __future__ import annotations
@@ -23,10 +28,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable, nproc: int, port: int, pg_timeout_s: float, result_q, collected, args: tuple) -> None:
+# What the fork server imports before forking ranks: the cost every rank would otherwise pay.
+PRELOAD = ["torch", "torch.distributed", "transformers", "safetensors.torch"]
+
+
+def rank_context():
+    """The multiprocessing context ranks start from (forkserver, with PRELOAD imported once)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _entry(rank: int, fn: Callable, nproc: int, port: int, pg_timeout_s: float, result_q, collected, args: tuple,
+           parent: tuple[dict, str, list]) -> None:
+    import sys
+
     import torch
     import torch.distributed as dist
 
+    env, cwd, sys_path = parent
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.path[:] = sys_path
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
@@ -52,12 +76,15 @@ def run_ranks(fn: Callable, *args: Any, nproc: int = 2, timeout_s: float = 120, 
     `fn` must be importable (a module-level function). Results cross by a multiprocessing queue,
     so keep them small (floats, lists, tensors). Raises if any rank raised or the group timed out.
     """
-    ctx = mp.get_context("spawn")
+    import sys
+
+    ctx = rank_context()
     q = ctx.Queue()
     collected = ctx.Event()
     port = free_port()
+    parent = (dict(os.environ), os.getcwd(), list(sys.path))
     procs = [
-        ctx.Process(target=_entry, args=(r, fn, nproc, port, pg_timeout_s, q, collected, args), daemon=True)
+        ctx.Process(target=_entry, args=(r, fn, nproc, port, pg_timeout_s, q, collected, args, parent), daemon=True)
         for r in range(nproc)
     ]
     for p in procs:

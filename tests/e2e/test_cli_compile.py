@@ -7,21 +7,21 @@ Inductor writes into a cache directory of the test's own, so a run that silently
 from __future__ import annotations
 
 import pytest
-from cli import QUICK, SMALL_MODEL, rltrain, train_rows
+from cli import SMALL_SFT_RUN_2_RANKS, rltrain, train_rows
 
 pytestmark = pytest.mark.e2e
 
-SFT_2_RANKS = ["algo=sft", "trainer.max_steps=2", "trainer.nproc=2", *QUICK, *SMALL_MODEL]
 
-
-def test_compiled_sft_on_two_ranks_matches_eager(tiny_cache, tmp_path):
-    eager_dir, compiled_dir, inductor_dir = tmp_path / "eager", tmp_path / "compiled", tmp_path / "inductor"
-    rltrain(*SFT_2_RANKS, run_dir=eager_dir)
-    rltrain(*SFT_2_RANKS, "backend.compile=true", run_dir=compiled_dir, env={"TORCHINDUCTOR_CACHE_DIR": str(inductor_dir)})
+def test_compiled_sft_on_two_ranks_matches_eager(shared_runs, tmp_path):
+    eager_dir = shared_runs.get(*SMALL_SFT_RUN_2_RANKS)
+    compiled_dir, inductor_dir = tmp_path / "compiled", tmp_path / "inductor"
+    assert "compile: false" in (eager_dir / "config.yaml").read_text()
+    rltrain(*SMALL_SFT_RUN_2_RANKS, "backend.compile=true", run_dir=compiled_dir,
+            env={"TORCHINDUCTOR_CACHE_DIR": str(inductor_dir)})
     assert "compile: true" in (compiled_dir / "config.yaml").read_text()
     assert any((inductor_dir / "fxgraph").rglob("*")), "inductor compiled no graph"
     eager, compiled = train_rows(eager_dir), train_rows(compiled_dir)
-    assert [r["step"] for r in compiled] == [r["step"] for r in eager] == [1, 2]
+    assert [r["step"] for r in compiled] == [r["step"] for r in eager] == [1, 2, 3]
     for e, c in zip(eager, compiled, strict=True):
         assert c["loss"] == pytest.approx(e["loss"], rel=1e-5, abs=1e-6), (e, c)
         assert c["grad_norm"] == pytest.approx(e["grad_norm"], rel=1e-5, abs=1e-6), (e, c)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from cli import QUICK, read_metrics, rltrain, train_rows
+from cli import DPO_RUN, QUICK, read_metrics, rltrain, train_rows
 
 pytestmark = pytest.mark.e2e
 
@@ -15,12 +15,13 @@ DPO_KEYS = {
 }
 
 
-def test_precomputed_reference_gives_the_online_losses(tiny_cache, tmp_path):
-    common = ["algo=dpo", "trainer.max_steps=3", "trainer.global_batch_size=8", "trainer.micro_batch_size=4", *QUICK]
-    rltrain(*common, "algo.precompute_ref_logps=false", run_dir=tmp_path / "online")
-    rltrain(*common, "algo.precompute_ref_logps=true", run_dir=tmp_path / "pre")
+def test_precomputed_reference_gives_the_online_losses(shared_runs, tmp_path):
+    online_dir = shared_runs.get(*DPO_RUN)  # algo.precompute_ref_logps=false, the default
+    assert "precompute_ref_logps: false" in (online_dir / "config.yaml").read_text()
+    rltrain(*DPO_RUN, "algo.precompute_ref_logps=true", "trainer.save_every=0", "logger.wandb.mode=disabled",
+            run_dir=tmp_path / "pre")
     assert (tmp_path / "pre" / "ref_logps.safetensors").exists()
-    online, pre = train_rows(tmp_path / "online"), train_rows(tmp_path / "pre")
+    online, pre = train_rows(online_dir), train_rows(tmp_path / "pre")
     for a, b in zip(online, pre, strict=True):
         assert DPO_KEYS <= set(a)
         for key in DPO_KEYS - {"dpo/accuracy"}:
@@ -32,12 +33,10 @@ def test_precomputed_reference_gives_the_online_losses(tiny_cache, tmp_path):
         assert a["dpo/accuracy"] == b["dpo/accuracy"]
 
 
-def test_dpo_logs_eval_preference_and_task_accuracy(tiny_cache, tmp_path):
-    run_dir = tmp_path / "run"
-    rltrain("algo=dpo", "trainer.max_steps=2", "trainer.eval_every=2", "trainer.save_every=0",
-            "logger.wandb.mode=disabled", "data.num_eval=20", run_dir=run_dir)
+def test_dpo_logs_eval_preference_and_task_accuracy(shared_runs):
+    run_dir = shared_runs.get(*DPO_RUN)
     evals = [r for r in read_metrics(run_dir) if "eval/dpo_accuracy" in r]
-    assert [r["step"] for r in evals] == [0, 2]
+    assert [r["step"] for r in evals] == [0, 3, 6]
     assert all("eval/accuracy" in r for r in evals)
 
 

@@ -7,7 +7,7 @@ import json
 import textwrap
 
 import pytest
-from cli import QUICK, rltrain, train_rows
+from cli import GRPO_HF_RUN, GRPO_RUN, GRPO_RUN_2_RANKS, QUICK, rltrain, train_rows
 
 pytestmark = pytest.mark.e2e
 
@@ -22,41 +22,43 @@ STEP_KEYS = {
 @pytest.mark.parametrize(
     "model",
     [
-        ["model.arch=qwen2", "model.tie_word_embeddings=true"],
+        None,  # the default tiny model (qwen2, tied embeddings): the shared GRPO_RUN, 4 steps
         ["model.arch=qwen2", "model.tie_word_embeddings=false"],
         ["model.arch=llama", "model.attention_bias=false", "model.tie_word_embeddings=true"],
         ["model.arch=llama", "model.attention_bias=true", "model.tie_word_embeddings=false"],
     ],
     ids=["qwen2-tied", "qwen2-untied", "llama-nobias-tied", "llama-bias-untied"],
 )
-def test_rollout_logprobs_match_the_trainer_every_step(tiny_cache, tmp_path, model):
-    run_dir = tmp_path / "run"
-    rltrain(*SMALL, "trainer.max_steps=3", *model, run_dir=run_dir, timeout=400)
+def test_rollout_logprobs_match_the_trainer_every_step(shared_runs, tmp_path, model):
+    if model is None:
+        run_dir, steps = shared_runs.get(*GRPO_RUN), 4
+    else:
+        # 2 steps: the second generates with the weights synced after the first update.
+        run_dir, steps = tmp_path / "run", 2
+        rltrain(*SMALL, "trainer.max_steps=2", *model, run_dir=run_dir, timeout=400)
     rows = train_rows(run_dir)
-    assert len(rows) == 3
+    assert len(rows) == steps
     for row in rows:
         assert STEP_KEYS <= set(row), STEP_KEYS - set(row)
         assert row["rollout/logprob_diff_max"] < 1e-3
         assert 0.0 <= row["reward/mean"] <= 1.0
 
 
-def test_two_ranks_each_generate_their_share(tiny_cache, tmp_path):
-    run_dir = tmp_path / "run"
-    rltrain(*SMALL, "trainer.max_steps=2", "trainer.nproc=2", run_dir=run_dir, timeout=400)
+def test_two_ranks_each_generate_their_share(shared_runs):
+    run_dir = shared_runs.get(*GRPO_RUN_2_RANKS)
     rows = train_rows(run_dir)
     assert len(rows) == 2 and all(r["rollout/logprob_diff_max"] < 1e-3 for r in rows)
 
 
-def test_transformers_rollout_fallback(tiny_cache, tmp_path):
-    run_dir = tmp_path / "run"
-    rltrain(*SMALL, "rollout=hf", "trainer.max_steps=2", run_dir=run_dir, timeout=400)
+def test_transformers_rollout_fallback(shared_runs):
+    run_dir = shared_runs.get(*GRPO_HF_RUN)
     assert all(r["rollout/logprob_diff_max"] < 1e-3 for r in train_rows(run_dir))
 
 
 def test_kl_to_a_reference_model(tiny_cache, tmp_path):
     run_dir = tmp_path / "run"
-    rltrain(*SMALL, "algo.beta=0.05", "algo.loss_agg=seq_mean_token_mean", "trainer.max_steps=3", run_dir=run_dir,
-            timeout=400)
+    rltrain(*SMALL, "algo.beta=0.05", "algo.loss_agg=seq_mean_token_mean", "trainer.max_steps=2", run_dir=run_dir,
+            timeout=400)  # step 2 comes after an update
     rows = train_rows(run_dir)
     assert rows[0]["policy/kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before any update
     assert rows[-1]["policy/kl"] > 0.0

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
-from cli import QUICK, comparable, read_metrics, rltrain, train_rows
+from cli import QUICK, comparable, copy_run, read_metrics, rltrain, train_rows
 
 pytestmark = pytest.mark.e2e
 
@@ -25,35 +26,44 @@ PPO_METRICS = (
     "policy/clipfrac", "policy/approx_kl", "adv/mean", "adv/std", "reward/mean", "rollout/is_weight_mean",
     "rollout/masked_frac", "rollout/logprob_diff_max",
 )
+# The shared PPO run (4 steps, checkpoints at 2 and 4): every metric, the uninterrupted run the
+# resume is compared with, and the run time sharing is compared with.
+PPO_RUN = [*SMALL, "trainer.max_steps=4", "trainer.save_every=2", "algo.rollout_correction=tis"]
 
 
-def test_ppo_logs_every_metric_and_resumes_with_its_critic(tiny_cache, tmp_path):
-    args = [*SMALL, "trainer.max_steps=4", "trainer.save_every=2", "algo.rollout_correction=tis"]
-    rltrain(*args, run_dir=tmp_path / "full", timeout=400)
-    full = train_rows(tmp_path / "full")
+def test_ppo_logs_every_metric_and_resumes_with_its_critic(shared_runs, tmp_path):
+    whole = shared_runs.get(*PPO_RUN)
+    full = train_rows(whole)
     assert [r["step"] for r in full] == [1, 2, 3, 4]
     for row in full:
         for key in PPO_METRICS:
             assert key in row and math.isfinite(row[key]), (key, row)
         assert row["rollout/masked_frac"] == 0.0 and 0.5 < row["rollout/is_weight_mean"] <= 2.0
     assert full[-1]["critic/value_loss"] > 0.0
-    ckpt = tmp_path / "full" / "checkpoints"
+    ckpt = whole / "checkpoints"
     assert any(p.name.startswith("step_") for p in ckpt.iterdir())
     assert any("critic" in str(p) for p in ckpt.rglob("*")), "the critic is checkpointed with the policy"
 
     # Stopped after step 2 (its checkpoint) and resumed: steps 3-4 equal the uninterrupted run's,
-    # which needs the critic's weights and optimizer state back, not a fresh value head.
-    rltrain(*args[:-2], "trainer.max_steps=2", "trainer.save_every=2", "algo.rollout_correction=tis", run_dir=tmp_path / "resumed", timeout=400)
-    rltrain(*args, run_dir=tmp_path / "resumed", timeout=400)
-    resumed = train_rows(tmp_path / "resumed")
+    # which needs the critic's weights and optimizer state back, not a fresh value head. The
+    # stopped run is a private copy of the shared one as it stood after step 2: no later
+    # checkpoint, no later metric row.
+    run_dir = copy_run(whole, tmp_path / "resumed")
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000004")
+    metrics = run_dir / "metrics.jsonl"
+    kept = [line for line in metrics.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= 2]
+    metrics.write_text("".join(line + "\n" for line in kept))
+    assert [r["step"] for r in train_rows(run_dir)] == [1, 2]
+    proc = rltrain(*PPO_RUN, run_dir=run_dir, timeout=400)
+    assert "step_00000002 (step 2)" in proc.stdout  # "resumed from ... (step 2)", not trained afresh
+    resumed = train_rows(run_dir)
     assert comparable(resumed) == comparable(full)
 
 
-def test_time_sharing_covers_the_critic_and_changes_no_number(tiny_cache, tmp_path):
-    common = [*SMALL, "trainer.max_steps=2"]
-    rltrain(*common, "placement.time_sharing=false", run_dir=tmp_path / "plain", timeout=400)
-    rltrain(*common, "placement.time_sharing=true", run_dir=tmp_path / "shared", timeout=400)
-    plain, shared = train_rows(tmp_path / "plain"), train_rows(tmp_path / "shared")
+def test_time_sharing_covers_the_critic_and_changes_no_number(shared_runs, tmp_path):
+    rltrain(*PPO_RUN, "placement.time_sharing=true", run_dir=tmp_path / "shared", timeout=400)
+    plain, shared = train_rows(shared_runs.get(*PPO_RUN)), train_rows(tmp_path / "shared")
+    assert len(shared) == len(plain) == 4
     keys = ("loss", "reward/mean", "critic/value_loss", "critic/values_mean", "adv/std")
     assert [[r[k] for k in keys] for r in shared] == [[r[k] for k in keys] for r in plain]
     assert all(r["time/phase/offload"] >= 0.0 for r in shared)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli import QUICK, ROOT, comparable, kill_when, read_metrics, rltrain, train_rows
+from cli import ROOT, SFT_RUN, SFT_RUN_2_RANKS, comparable, kill_when, read_metrics, rltrain, train_rows
 from wandb_reader import find_run_file, read_offline_run
 
 pytestmark = pytest.mark.e2e
@@ -43,21 +43,18 @@ def test_bad_key_or_type_fails_before_any_model_is_built(tmp_path, override, say
     assert time.monotonic() - t0 < 60
 
 
-def test_sft_run_directory_holds_config_metrics_checkpoints_and_final_model(tiny_cache, tmp_path):
-    run_dir = tmp_path / "run"
-    rltrain(
-        "algo=sft", "trainer.max_steps=4", "trainer.save_every=2", "trainer.eval_every=2",
-        "logger.wandb.mode=disabled", "trainer.progress=lines", run_dir=run_dir,
-    )
-    assert (run_dir / "config.yaml").read_text().count("max_steps: 4") == 1
+def test_sft_run_directory_holds_config_metrics_checkpoints_and_final_model(shared_runs):
+    run_dir = shared_runs.get(*SFT_RUN)
+    assert (run_dir / "config.yaml").read_text().count("max_steps: 6") == 1
     rows = read_metrics(run_dir)
     steps = [r for r in rows if "loss" in r]
-    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
     for r in steps:
         assert {"step", "loss", "lr", "grad_norm", "tokens"} <= set(r)
     evals = [r for r in rows if "eval/accuracy" in r]
-    assert [r["step"] for r in evals] == [0, 2, 4]
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+    assert [r["step"] for r in evals] == [0, 3, 6]
+    # save_every=2 over 6 steps, trainer.keep_checkpoints=2: the two newest.
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000004", "step_00000006"]
     final = run_dir / "final"
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         assert (final / name).exists()
@@ -71,9 +68,8 @@ def test_sft_run_directory_holds_config_metrics_checkpoints_and_final_model(tiny
     assert model(ids).logits.shape[-1] == model.config.vocab_size
 
 
-def test_final_model_loads_in_vllm(tiny_cache, tmp_path):
-    run_dir = tmp_path / "run"
-    rltrain("algo=sft", "trainer.max_steps=1", *QUICK, run_dir=run_dir)
+def test_final_model_loads_in_vllm(shared_runs):
+    run_dir = shared_runs.get(*SFT_RUN)
     script = (
         "import sys\n"
         "from vllm import LLM, SamplingParams\n"
@@ -93,30 +89,28 @@ def _losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in train_rows(run_dir)]
 
 
-def test_one_rank_and_two_ranks_give_the_same_losses(tiny_cache, tmp_path):
-    common = ["algo=sft", "trainer.max_steps=5", "trainer.global_batch_size=8", "trainer.micro_batch_size=4", *QUICK]
-    rltrain(*common, "trainer.nproc=1", run_dir=tmp_path / "n1")
-    rltrain(*common, "trainer.nproc=2", run_dir=tmp_path / "n2")
-    one, two = _losses(tmp_path / "n1"), _losses(tmp_path / "n2")
-    assert len(one) == len(two) == 5
+def test_one_rank_and_two_ranks_give_the_same_losses(shared_runs):
+    one, two = _losses(shared_runs.get(*SFT_RUN)), _losses(shared_runs.get(*SFT_RUN_2_RANKS))
+    assert len(one) == len(two) == 6
     assert one == pytest.approx(two, rel=1e-4)
 
 
-def test_micro_batching_does_not_change_the_losses(tiny_cache, tmp_path):
-    common = ["algo=sft", "trainer.max_steps=5", "trainer.global_batch_size=8", *QUICK]
-    rltrain(*common, "trainer.micro_batch_size=1", run_dir=tmp_path / "mb1")
-    rltrain(*common, "trainer.micro_batch_size=8", run_dir=tmp_path / "mb8")
-    assert _losses(tmp_path / "mb1") == pytest.approx(_losses(tmp_path / "mb8"), rel=1e-4)
+def test_micro_batching_does_not_change_the_losses(shared_runs, tmp_path):
+    # The shared run's micro-batches hold 4 rows; here 1 (8 micro-batches per step).
+    rltrain(*SFT_RUN, "trainer.micro_batch_size=1", "trainer.save_every=0", "logger.wandb.mode=disabled",
+            run_dir=tmp_path / "mb1")
+    assert _losses(tmp_path / "mb1") == pytest.approx(_losses(shared_runs.get(*SFT_RUN)), rel=1e-4)
 
 
-def test_torchrun_launch_matches_local_ranks(tiny_cache, tmp_path):
-    common = ["algo=sft", "trainer.max_steps=3", "trainer.global_batch_size=8", *QUICK]
-    rltrain(*common, "trainer.nproc=2", run_dir=tmp_path / "local")
+def test_torchrun_launch_matches_local_ranks(shared_runs, tmp_path):
+    local = shared_runs.get(*SFT_RUN_2_RANKS)
     torchrun = Path(sys.executable).parent / "torchrun"
-    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "rltrain", *common, f"hydra.run.dir={tmp_path / 'tr'}"]
+    args = [a for a in SFT_RUN_2_RANKS if a != "trainer.nproc=2"]  # torchrun gives the ranks
+    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "rltrain", *args,
+           "logger.wandb.mode=disabled", f"hydra.run.dir={tmp_path / 'tr'}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert _losses(tmp_path / "tr") == pytest.approx(_losses(tmp_path / "local"), rel=1e-5)
+    assert _losses(tmp_path / "tr") == pytest.approx(_losses(local), rel=1e-5)
     assert (tmp_path / "tr" / "final" / "model.safetensors").exists()
 
 
@@ -138,12 +132,10 @@ def test_multirun_sweep_makes_complete_runs_in_one_wandb_group(tiny_cache, tmp_p
     assert len(lrs) == 2
 
 
-def test_wandb_receives_exactly_the_metrics_file(tiny_cache, tmp_path):
-    run_dir = tmp_path / "run"
-    rltrain("algo=sft", "trainer.max_steps=3", "trainer.eval_every=2", "trainer.save_every=0",
-            "logger.wandb.mode=offline", run_dir=run_dir)
+def test_wandb_receives_exactly_the_metrics_file(shared_runs):
+    run_dir = shared_runs.get(*SFT_RUN)
     wb = read_offline_run(find_run_file(run_dir))
-    assert wb["config"]["trainer"]["max_steps"] == 3  # the run's config is the composed config
+    assert wb["config"]["trainer"]["max_steps"] == 6  # the run's config is the composed config
     for row in read_metrics(run_dir):
         logged = wb["history"][row["step"]]
         for key, value in row.items():
@@ -151,18 +143,17 @@ def test_wandb_receives_exactly_the_metrics_file(tiny_cache, tmp_path):
                 assert logged[key] == pytest.approx(value, rel=1e-12), key
 
 
-
 @pytest.mark.parametrize("sig, nproc", [(signal.SIGKILL, 1), (signal.SIGTERM, 2)])
-def test_killed_run_resumes_to_the_uninterrupted_result(tiny_cache, tmp_path, sig, nproc):
-    common = [
-        "algo=sft", "trainer.max_steps=8", "trainer.save_every=3", "trainer.eval_every=4", f"trainer.nproc={nproc}",
-        "trainer.global_batch_size=8", "logger.wandb.mode=disabled", "trainer.progress=lines",
-    ]
-    rltrain(*common, run_dir=tmp_path / "whole")
+def test_killed_run_resumes_to_the_uninterrupted_result(shared_runs, tmp_path, sig, nproc):
+    shared = SFT_RUN if nproc == 1 else SFT_RUN_2_RANKS
+    whole = shared_runs.get(*shared)
+    common = [*shared, "logger.wandb.mode=disabled"]  # W&B changes no row; the shared run is the whole one
     run_dir = tmp_path / "killed"
-    kill_when(common, run_dir, run_dir / "checkpoints" / "step_00000006", sig)
-    assert len(train_rows(run_dir)) < 8
+    # Killed at the first checkpoint: 4 steps and an evaluation of margin, so a busy machine still
+    # kills it before the end.
+    kill_when(common, run_dir, run_dir / "checkpoints" / "step_00000002", sig)
+    assert len(train_rows(run_dir)) < 6
     rltrain(*common, run_dir=run_dir)
-    resumed, whole = read_metrics(run_dir), read_metrics(tmp_path / "whole")
-    assert [r["step"] for r in resumed if "loss" in r] == list(range(1, 9))
-    assert comparable(resumed) == comparable(whole)
+    resumed = read_metrics(run_dir)
+    assert [r["step"] for r in resumed if "loss" in r] == list(range(1, 7))
+    assert comparable(resumed) == comparable(read_metrics(whole))

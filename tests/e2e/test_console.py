@@ -6,25 +6,20 @@ directory and one naming the offline W&B run; and none of the library output a u
 from __future__ import annotations
 
 import pytest
-from cli import SMALL_MODEL, rltrain
+from cli import GRPO_RUN_2_RANKS
 
 pytestmark = pytest.mark.e2e
 
 NOISE = ("Loading weights", "Writing model shards", "checkpoint shards", "Triton", "reduce_op", "Weave", "is deprecated")
 
 
-def test_a_two_rank_grpo_run_prints_progress_once_and_no_library_noise(tiny_cache, tmp_path):
-    run_dir = tmp_path / "run"
-    proc = rltrain(
-        "algo=grpo", "model=tiny", *SMALL_MODEL, "algo.prompts_per_step=4", "algo.group_size=2",
-        "trainer.max_steps=2", "trainer.log_every=1", "trainer.eval_every=2", "trainer.save_every=0",
-        "trainer.progress=lines", "trainer.nproc=2", "logger.wandb.mode=offline",
-        run_dir=run_dir, timeout=400,
-    )
-    console = proc.stdout + proc.stderr
-    step_lines = [line.split(" | ")[0] for line in proc.stdout.splitlines() if line.startswith("step ")]
+# The shared 2-rank GRPO run (tests/cli.py), which test_cli_grpo.py reads too.
+def test_a_two_rank_grpo_run_prints_progress_once_and_no_library_noise(shared_runs):
+    run_dir, stdout, stderr = shared_runs.get_with_output(*GRPO_RUN_2_RANKS)
+    console = stdout + stderr
+    step_lines = [line.split(" | ")[0] for line in stdout.splitlines() if line.startswith("step ")]
     assert step_lines == ["step 0/2", "step 1/2", "step 2/2", "step 2/2"], console  # evals at 0 and 2
-    assert f"rltrain: finished step 2; run directory {run_dir}" in proc.stdout
+    assert f"rltrain: finished step 2; run directory {run_dir}" in stdout
     (offline_dir,) = (run_dir / "wandb").glob("offline-run-*")
-    assert proc.stdout.count(f"upload it with `wandb sync {offline_dir}`") == 1
+    assert stdout.count(f"upload it with `wandb sync {offline_dir}`") == 1
     assert [word for word in NOISE if word in console] == [], console

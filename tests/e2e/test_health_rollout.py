@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 from cli import QUICK, ROOT
 
-pytestmark = pytest.mark.e2e
+# Separate-engine runs create rlsep-* directories and /dev/shm segments that the cleanup checks
+# count: one pytest-xdist worker runs them all, one after the other (docs/testing.md, "Start-up").
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("separate_engine")]
 
 # Step 2's reward call parks the training loop outside the engine for a while, so the probe sees
 # the dead engine before the next engine call ends the run.

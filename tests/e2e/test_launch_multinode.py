@@ -12,15 +12,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli import QUICK, ROOT, rltrain, train_rows
+from cli import QUICK, ROOT, SFT_RUN_2_RANKS, rltrain, train_rows
 from helpers import free_port
 
 pytestmark = pytest.mark.e2e
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 RUNS = {
-    "sft": ["algo=sft", "trainer.max_steps=3", "trainer.global_batch_size=8"],
-    "grpo": ["algo=grpo", "rollout=hf", "algo.prompts_per_step=4", "algo.group_size=2", "trainer.max_steps=2"],
+    # SFT: the shared 2-rank run is the local launch (tests/cli.py); the nodes run its settings.
+    "sft": [*(a for a in SFT_RUN_2_RANKS if a != "trainer.nproc=2"), "logger.wandb.mode=disabled"],
+    "grpo": ["algo=grpo", "rollout=hf", "algo.prompts_per_step=4", "algo.group_size=2", "trainer.max_steps=2", *QUICK],
 }
 SHORT_TIMEOUT = ["safety.collective_timeout_s=60"]  # a rank left alone fails instead of hanging
 
@@ -54,12 +55,16 @@ def run_two_nodes(args: list[str], run_dir: Path, logs: Path, node1_prefix: tupl
 
 
 @pytest.mark.parametrize("algo", sorted(RUNS))
-def test_two_nodes_train_like_two_local_ranks(tiny_cache, tmp_path, algo):
-    args = [*RUNS[algo], *QUICK, *SHORT_TIMEOUT]
-    rltrain(*args, "trainer.nproc=2", run_dir=tmp_path / "local", timeout=500)
+def test_two_nodes_train_like_two_local_ranks(shared_runs, tmp_path, algo):
+    args = [*RUNS[algo], *SHORT_TIMEOUT]
+    if algo == "sft":
+        local_dir = shared_runs.get(*SFT_RUN_2_RANKS)
+    else:
+        local_dir = tmp_path / "local"
+        rltrain(*args, "trainer.nproc=2", run_dir=local_dir, timeout=500)
     codes, output = run_two_nodes(args, tmp_path / "nodes", tmp_path)
     assert codes == [0, 0], output[-6000:]
-    local, nodes = train_rows(tmp_path / "local"), train_rows(tmp_path / "nodes")
+    local, nodes = train_rows(local_dir), train_rows(tmp_path / "nodes")
     assert [r["step"] for r in nodes] == [r["step"] for r in local] == list(range(1, len(local) + 1))
     assert [r["loss"] for r in nodes] == [r["loss"] for r in local]  # the same two processes, so bitwise
     assert (tmp_path / "nodes" / "final" / "model.safetensors").exists()
@@ -79,7 +84,7 @@ def private_tmpfs_prefix(mount_point: Path) -> tuple[str, ...]:
 def test_a_node_that_does_not_share_the_run_directory_is_refused(tiny_cache, tmp_path):
     run_dir = tmp_path / "nodes"
     run_dir.mkdir()
-    codes, output = run_two_nodes([*RUNS["sft"], *QUICK, *SHORT_TIMEOUT], run_dir, tmp_path,
+    codes, output = run_two_nodes([*RUNS["sft"], *SHORT_TIMEOUT], run_dir, tmp_path,
                                   node1_prefix=private_tmpfs_prefix(run_dir), timeout=300)
     assert all(code != 0 for code in codes), output[-6000:]
     assert output.count("exitcode  : 2") == 2  # torchrun's report: each node's rank exited 2

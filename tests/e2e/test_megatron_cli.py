@@ -34,19 +34,17 @@ COMPARED = ("loss", "grad_norm", "lr", "tokens")
 NOISE = ("Apex is not installed", "Transformer Engine and Apex", "full scope is deprecated", "CUDA_DEVICE_MAX_CONNECTIONS")
 
 
-@pytest.fixture(scope="module")
-def fsdp_sft(tiny_cache, tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("fsdp_sft") / "run"
-    rltrain(*SMALL_SFT, "trainer.nproc=1", run_dir=run_dir)
-    return run_dir
+@pytest.fixture
+def fsdp_sft(shared_runs) -> Path:
+    return shared_runs.get(*SMALL_SFT, "trainer.nproc=1")
 
 
-@pytest.fixture(scope="module")
-def megatron_tp2_sft(tiny_cache, tmp_path_factory) -> tuple[Path, str]:
-    """Checkpoints every 2 steps: the uninterrupted run the resume test compares with."""
-    run_dir = tmp_path_factory.mktemp("megatron_tp2_sft") / "run"
-    proc = rltrain(*SMALL_SFT, *MEGATRON_TP2, "trainer.save_every=2", run_dir=run_dir)
-    return run_dir, proc.stderr
+@pytest.fixture
+def megatron_tp2_sft(shared_runs) -> tuple[Path, str]:
+    """Checkpoints every 2 steps: the uninterrupted run the resume test compares with (a shared run,
+    so it runs once whichever pytest-xdist worker asks first)."""
+    run_dir, _, stderr = shared_runs.get_with_output(*SMALL_SFT, *MEGATRON_TP2, "trainer.save_every=2")
+    return run_dir, stderr
 
 
 def _assert_same_training(rows: list[dict], reference: list[dict]) -> None:

@@ -10,22 +10,17 @@ import subprocess
 import sys
 
 import pytest
-from cli import QUICK, ROOT, SMALL_MODEL, rltrain, train_rows
+from cli import ROOT, SMALL_SFT_RUN_2_RANKS, rltrain, train_rows
 from helpers import free_port
 from wandb_reader import find_run_file, read_offline_run
 
 pytestmark = pytest.mark.e2e
 
-SFT_2_RANKS = [
-    "algo=sft", "trainer.nproc=2", "trainer.max_steps=3", "trainer.global_batch_size=16", "trainer.micro_batch_size=4",
-    *SMALL_MODEL, *(o for o in QUICK if not o.startswith("logger.wandb.mode")),
-]
-
-
-def test_padding_free_sft_matches_the_padded_run(tiny_cache, tmp_path):
-    rltrain(*SFT_2_RANKS, "logger.wandb.mode=disabled", run_dir=tmp_path / "padded")
-    rltrain(*SFT_2_RANKS, "logger.wandb.mode=offline", "backend.padding_free=true", run_dir=tmp_path / "free")
-    padded, free = train_rows(tmp_path / "padded"), train_rows(tmp_path / "free")
+def test_padding_free_sft_matches_the_padded_run(shared_runs, tmp_path):
+    padded_dir = shared_runs.get(*SMALL_SFT_RUN_2_RANKS)
+    assert "padding_free: false" in (padded_dir / "config.yaml").read_text()
+    rltrain(*SMALL_SFT_RUN_2_RANKS, "logger.wandb.mode=offline", "backend.padding_free=true", run_dir=tmp_path / "free")
+    padded, free = train_rows(padded_dir), train_rows(tmp_path / "free")
     assert [r["step"] for r in free] == [r["step"] for r in padded] == [1, 2, 3]
     for a, b in zip(padded, free):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-5)

@@ -8,7 +8,9 @@ import pytest
 from cli import QUICK, rltrain
 from helpers import mounted_tmpfs
 
-pytestmark = pytest.mark.e2e
+# Separate-engine runs create rlsep-* directories and /dev/shm segments that the cleanup checks
+# count: one pytest-xdist worker runs them all, one after the other (docs/testing.md, "Start-up").
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("separate_engine")]
 
 
 @pytest.fixture

@@ -5,27 +5,24 @@ numbers: each algorithm's loss and gradient norm equal the row-count split's, al
 from __future__ import annotations
 
 import pytest
-from cli import QUICK, rltrain, train_rows
+from cli import DPO_RUN, GRPO_HF_RUN, SFT_RUN_2_RANKS, rltrain, train_rows
 
 from rltrain.data.sharding import split_micro_batches
 
 pytestmark = pytest.mark.e2e
 
-CASES = {
-    "sft": ["algo=sft", "trainer.global_batch_size=8", "trainer.micro_batch_size=8", "trainer.nproc=2"],
-    "dpo": ["algo=dpo", "trainer.global_batch_size=8", "trainer.micro_batch_size=8"],
-    "grpo": ["algo=grpo", "rollout=hf", "algo.prompts_per_step=4", "algo.group_size=4", "trainer.micro_batch_size=16",
-             "data.num_eval=4", "trainer.nproc=2"],
-}
+# The row-count split is the shared run (tests/cli.py); SFT's is on 2 ranks.
+CASES = {"sft": SFT_RUN_2_RANKS, "dpo": DPO_RUN, "grpo": GRPO_HF_RUN}
+STEPS = {"sft": 6, "dpo": 6, "grpo": 4}
 
 
 @pytest.mark.parametrize("algo", sorted(CASES))
-def test_a_token_budget_does_not_change_the_numbers(algo, tiny_cache, tmp_path):
-    common = [*CASES[algo], "trainer.max_steps=3", *QUICK]
-    rltrain(*common, run_dir=tmp_path / "rows")
-    rltrain(*common, "trainer.max_tokens_per_micro_batch=40", run_dir=tmp_path / "budget")
-    rows, budget = train_rows(tmp_path / "rows"), train_rows(tmp_path / "budget")
-    assert len(rows) == len(budget) == 3
+def test_a_token_budget_does_not_change_the_numbers(algo, shared_runs, tmp_path):
+    rows = train_rows(shared_runs.get(*CASES[algo]))
+    rltrain(*CASES[algo], "trainer.max_tokens_per_micro_batch=40", "trainer.save_every=0", "logger.wandb.mode=disabled",
+            run_dir=tmp_path / "budget")
+    budget = train_rows(tmp_path / "budget")
+    assert len(rows) == len(budget) == STEPS[algo]
     for a, b in zip(rows, budget):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)

@@ -5,7 +5,7 @@ read back from the offline run's own files."""
 from __future__ import annotations
 
 import pytest
-from cli import read_metrics, rltrain
+from cli import DPO_RUN, SFT_RUN, read_metrics, rltrain
 from wandb_reader import find_run_file, read_offline_run, read_table
 
 pytestmark = pytest.mark.e2e
@@ -24,13 +24,12 @@ def _evals(run_dir, key: str) -> dict[int, float]:
 
 
 @pytest.mark.parametrize("algo", ["sft", "dpo"])
-def test_greedy_completions_are_logged_at_every_evaluation(tiny_cache, tmp_path, algo):
-    run_dir = tmp_path / "run"
-    rltrain(f"algo={algo}", "trainer.max_steps=3", "trainer.eval_every=2", "trainer.save_every=0", "data.num_eval=8",
-            "logger.wandb.mode=offline", "trainer.progress=lines", run_dir=run_dir)
+def test_greedy_completions_are_logged_at_every_evaluation(shared_runs, algo):
+    # The shared runs: 6 steps, trainer.eval_every=3, data.num_eval=8, W&B offline.
+    run_dir = shared_runs.get(*{"sft": SFT_RUN, "dpo": DPO_RUN}[algo])
     tables = _tables(run_dir, "samples/eval")
     accuracy = _evals(run_dir, "eval/accuracy")
-    assert sorted(tables) == sorted(accuracy) == [0, 2, 3]
+    assert sorted(tables) == sorted(accuracy) == [0, 3, 6]
     assert not _tables(run_dir, "samples/train")
     for step, table in tables.items():
         assert table["columns"] == COLUMNS and len(table["data"]) == 8  # every held-out prompt (one rank)

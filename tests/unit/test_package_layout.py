@@ -130,3 +130,43 @@ def test_module_docstrings_are_short_and_present():
         if len(doc.strip().splitlines()) > MODULE_DOC_LINES_MAX:
             long[str(path.relative_to(PACKAGE.parent))] = len(doc.strip().splitlines())
     assert not long, f"module docstrings over {MODULE_DOC_LINES_MAX} lines (move the story to docs/): {long}"
+
+
+def test_every_test_directory_is_collected():
+    """pytest silently skips a directory matching `norecursedirs` (by default `dist` and `build`
+    among them): no test directory may match the configured list, or its tests never run."""
+    import fnmatch
+    import tomllib
+
+    root = PACKAGE.parent
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["norecursedirs"]
+    test_dirs = {p.parent for p in (root / "tests").rglob("test_*.py")}
+    for directory in sorted(test_dirs):
+        for part in directory.relative_to(root).parts:
+            hit = [pat for pat in patterns if fnmatch.fnmatch(part, pat)]
+            assert not hit, f"{directory} is never collected: '{part}' matches norecursedirs {hit}"
+    assert any(d.name == "dist" for d in (root / "tests").iterdir())  # the layer this guards
+
+
+# What a process imports when it neither generates with vLLM nor trains on Megatron: the launcher,
+# an FSDP rank of any algorithm, the transformers engine. vllm and megatron-core take seconds each to
+# import (docs/testing.md, "Start-up"), paid by every process that imports them.
+LIGHT_PROCESS_MODULES = [
+    "rltrain.__main__", "rltrain.worker", "rltrain.launch.local", "rltrain.config.validate", "rltrain.run.trainer",
+    "rltrain.backends.fsdp.engine", "rltrain.algos.sft", "rltrain.algos.dpo", "rltrain.algos.grpo",
+    "rltrain.algos.ppo", "rltrain.rollout.hf", "rltrain.sync",
+]
+
+
+def test_vllm_and_megatron_are_imported_only_where_used():
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib, sys\n"
+        f"for name in {LIGHT_PROCESS_MODULES!r}: importlib.import_module(name)\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'megatron'}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=PACKAGE.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]", f"imported at module level: {proc.stdout.strip()}"

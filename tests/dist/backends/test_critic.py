@@ -27,7 +27,8 @@ import torch
 from helpers import compose_config, run_ranks
 from test_megatron_engine import _hf_dir, _portable, _tensors
 
-pytestmark = pytest.mark.dist
+# Its module-scoped fixture runs once when one pytest-xdist worker runs the whole module.
+pytestmark = [pytest.mark.dist, pytest.mark.xdist_group("test_critic")]
 
 SEED = 3
 CRITIC_LR = 2e-4

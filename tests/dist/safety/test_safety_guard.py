@@ -21,7 +21,8 @@ import pytest
 import torch
 from helpers import run_ranks
 
-pytestmark = pytest.mark.dist
+# Its module-scoped fixture runs once when one pytest-xdist worker runs the whole module.
+pytestmark = [pytest.mark.dist, pytest.mark.xdist_group("test_safety_guard")]
 
 
 def _zero_anchored(rank, world, model_dir, anchor):

@@ -27,7 +27,8 @@ from helpers import run_ranks
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
 from test_megatron_engine import OPTIM, _batches, _hf_dir, _portable, _tensors  # noqa: E402 - the engine suite's model and batches
 
-pytestmark = pytest.mark.dist
+# Its module-scoped fixture runs once when one pytest-xdist worker runs the whole module.
+pytestmark = [pytest.mark.dist, pytest.mark.xdist_group("test_safety_megatron")]
 
 SHAPES = [[(3, 2), (4, 3)], [(2, 4), (5, 2)]]  # two micro-batches of two sequences each
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 from helpers import run_ranks
 
-pytestmark = pytest.mark.dist
+# Its module-scoped fixture runs once when one pytest-xdist worker runs the whole module.
+pytestmark = [pytest.mark.dist, pytest.mark.xdist_group("test_safety_recovery")]
 
 STEPS = 6
 FAULTS = "loss_error:1:2,backward_error:1:3,nan_grad:0:5"

@@ -22,6 +22,10 @@ from rltrain.rollout.base import Completion, SamplingSettings
 from rltrain.rollout.separate import ControlChannel, completions_from_json, completions_to_json
 from rltrain.sync.transport_wire import ProtocolError
 
+# Counts rlsep-* directories and /dev/shm segments, which any separate-engine run creates: no such run
+# may overlap it on another pytest-xdist worker (docs/testing.md, "Start-up").
+pytestmark = pytest.mark.xdist_group("separate_engine")
+
 SAMPLING = SamplingSettings(n=2, temperature=1.0, max_new_tokens=5, seed=7)
 PROMPTS = [[1, 2, 3, 4], [5, 6]]
 
