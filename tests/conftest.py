@@ -11,6 +11,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Two pytest-xdist workers each start runs whose torch threads add up to more than the cores: an
+# OpenMP thread that spins while it waits then steals the core another process needs, and a run
+# takes several times as long. Waiting threads sleep instead; no number changes (docs/testing.md).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def session_dir(tmp_path_factory, name: str) -> Path:
