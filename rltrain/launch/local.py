@@ -9,6 +9,7 @@ error is printed once. Failure and signal handling: docs/internals/launch.md.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import signal
@@ -18,6 +19,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -78,6 +80,14 @@ def describe_exit(code: int) -> str:
     return str(code)
 
 
+def shutdown_timeout_kwargs() -> dict[str, Any]:
+    """`shutdown_timeout` arrived in torch 2.13's agent; on an older torch (the GPU test machine's
+    image has 2.11) the ranks get the agent's fixed 30 s between SIGTERM and SIGKILL instead."""
+    if "shutdown_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters:
+        return {"shutdown_timeout": SHUTDOWN_TIMEOUT_S}
+    return {}
+
+
 class GracefulAgent(LocalElasticAgent):
     """A `LocalElasticAgent` that names the first failing rank and lets its peers leave by
     themselves for a grace period before the agent terminates them."""
@@ -87,7 +97,7 @@ class GracefulAgent(LocalElasticAgent):
             spec,
             logs_specs=DefaultLogsSpecs(log_dir=os.devnull),  # the ranks print to our stdout/stderr
             start_method="spawn",
-            shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+            **shutdown_timeout_kwargs(),
         )
         self.run_dir = run_dir
         self.grace_s = grace_s

@@ -26,3 +26,18 @@ def test_a_recorded_user_error_names_its_rank_even_if_a_peer_exited_first(tmp_pa
     failure = first_failure({0: 1, 1: None}, tmp_path)
     assert failure is not None and failure.rank == 1 and failure.user_error
     assert failure.message == "rltrain: error: rank 1: reward function 'x:y' raised ValueError: bad"
+
+
+def test_the_agent_gets_a_shutdown_timeout_only_where_torch_takes_one(monkeypatch):
+    """torch 2.13's agent takes `shutdown_timeout`; 2.11's (the GPU machine's image) refused it with a
+    TypeError and no rank started."""
+    from rltrain.launch import local
+
+    assert local.shutdown_timeout_kwargs() == {"shutdown_timeout": local.SHUTDOWN_TIMEOUT_S}
+
+    class OlderAgent:
+        def __init__(self, spec, logs_specs, start_method="spawn", exit_barrier_timeout=300.0):
+            pass
+
+    monkeypatch.setattr(local, "LocalElasticAgent", OlderAgent)
+    assert local.shutdown_timeout_kwargs() == {}
