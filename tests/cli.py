@@ -3,6 +3,7 @@ per configuration per test session, read by every test that inspects it (docs/te
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -33,15 +34,126 @@ QUICK = [
 ]
 
 
-def rltrain(*args: str, run_dir: Path | None = None, timeout: float = 300, env: dict | None = None, check: bool = True):
+def rltrain(*args: str, run_dir: Path | None = None, timeout: float = 300, env: dict | None = None, check: bool = True,
+            warm: bool = True):
+    """`python -m rltrain *args` (cwd: the project root), its output captured.
+
+    With `warm` (the default) the command runs in a process forked from the tests' warm fork server
+    (`run_warm`): the same `python -m rltrain` code path, minus the interpreter start and the imports
+    that fork server already made. A test that reads the whole console (import-time output
+    included), or a command whose environment differs where a preloaded library reads it, runs cold:
+    a fresh interpreter, as a user's shell starts it (docs/testing.md, "Warm CLI runs")."""
     cmd = [sys.executable, "-m", "rltrain", *args]
     if run_dir is not None:
         cmd.append(f"hydra.run.dir={run_dir}")
     full_env = dict(os.environ, **(env or {}))
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    proc = run_warm(cmd, full_env, timeout) if warm else None
+    if proc is None:
+        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}")
     return proc
+
+
+# Environment variables a warm run may set differently from the fork server's: each is read only
+# by rltrain or by a library the fork server has not imported (tests/helpers.py PRELOAD), so the run
+# sees it as a fresh interpreter would. Any other difference (PYTHONPATH, HF_*, OMP_*...) runs cold.
+WARM_ENV_PREFIXES = ("RLTRAIN_", "PYTEST_", "WANDB_", "VLLM_")
+# Set by a preloaded library on import (inductor writes its default cache dir back into the
+# environment): a command that does not set it gets the same value in a fresh interpreter.
+SET_BY_PRELOAD = ("TORCHINDUCTOR_CACHE_DIR",)
+WARM_REFUSED = 86  # the warm child's exit status when the environment needs a fresh interpreter
+WARM_REFUSED_MARK = "tests/cli.py: this environment needs a cold run: "
+
+
+def run_warm(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess | None:
+    """Run `cmd` (`python -m rltrain ...`) in a child of the warm fork server; None when its
+    environment needs a fresh interpreter. Stdout and stderr go to files the child's file
+    descriptors 1 and 2 point at, so ranks the command starts write there too, as with a pipe."""
+    import tempfile
+
+    from helpers import rank_context
+
+    ctx = rank_context()
+    with tempfile.TemporaryDirectory(prefix="rltrain-warm-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        child = ctx.Process(target=_warm_entry, args=(cmd[3:], env, str(ROOT), _cold_sys_path(env), str(out), str(err)))
+        child.start()
+        child.join(timeout)
+        if child.is_alive():
+            child.kill()
+            child.join()
+            raise subprocess.TimeoutExpired(cmd, timeout, output=_text(out), stderr=_text(err))
+        stdout, stderr = _text(out), _text(err)
+    if child.exitcode == WARM_REFUSED and stderr.startswith(WARM_REFUSED_MARK):
+        return None
+    assert child.exitcode is not None
+    return subprocess.CompletedProcess(cmd, child.exitcode, stdout, stderr)
+
+
+def _text(path: Path) -> str:
+    """What the child wrote there (nothing if it died before opening it)."""
+    return path.read_text() if path.exists() else ""
+
+
+_COLD_SYS_PATH: dict[str, list[str]] = {}
+
+
+def _cold_sys_path(env: dict[str, str]) -> list[str]:
+    """`sys.path` of a fresh `python -m` in ROOT with this environment (PYTHONPATH, site), asked once."""
+    key = env.get("PYTHONPATH", "")
+    if key not in _COLD_SYS_PATH:
+        probe = subprocess.run([sys.executable, "-c", "import json, sys; print(json.dumps(sys.path))"], cwd=ROOT,
+                               env=env, capture_output=True, text=True, check=True)
+        _COLD_SYS_PATH[key] = [str(ROOT), *json.loads(probe.stdout)[1:]]  # `-m` puts the cwd first
+    return _COLD_SYS_PATH[key]
+
+
+def _warm_entry(args: list[str], env: dict[str, str], cwd: str, sys_path: list[str], out: str, err: str) -> None:
+    """In the forked child: become `python -m rltrain *args` and exit as that interpreter would
+    (non-daemon threads joined, atexit handlers run, exit status from SystemExit)."""
+    import atexit
+    import runpy
+    import threading
+    import traceback
+
+    for fd, path in ((1, out), (2, err)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - the interpreter's own streams
+    sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
+    differing = sorted(k for k in set(env) | set(os.environ)
+                       if env.get(k) != os.environ.get(k) and not k.startswith(WARM_ENV_PREFIXES)
+                       and not (k in SET_BY_PRELOAD and k not in env))
+    if differing:
+        sys.stderr.write(WARM_REFUSED_MARK + ", ".join(differing) + "\n")
+        sys.stderr.flush()
+        os._exit(WARM_REFUSED)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.path[:] = sys_path
+    sys.argv = ["-m", *args]
+    code: int = 0
+    try:
+        runpy.run_module("rltrain", run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # noqa: BLE001 - printed as the interpreter prints an uncaught exception
+        traceback.print_exc()
+        code = 1
+    threading._shutdown()  # type: ignore[attr-defined]  # the interpreter joins non-daemon threads first
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                stream.flush()
+    os._exit(code)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -116,7 +228,8 @@ class SharedRuns:
     Under pytest-xdist the workers share one directory and a file lock, so a configuration runs
     once whichever worker asks first; the others wait and read it. A failed run is remembered and
     re-raised to every reader. Readers must not write into a shared run: `copy_run` makes a private
-    copy (e.g. to corrupt a checkpoint and resume)."""
+    copy (e.g. to corrupt a checkpoint and resume). Shared runs start cold (a fresh interpreter):
+    the runs most tests read come from exactly the command a user types."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -139,7 +252,7 @@ class SharedRuns:
             if not (run_dir / "SHARED_RUN_DONE").exists():
                 shutil.rmtree(run_dir, ignore_errors=True)
                 try:
-                    proc = rltrain(*args, run_dir=run_dir, timeout=timeout, env=env)
+                    proc = rltrain(*args, run_dir=run_dir, timeout=timeout, env=env, warm=False)
                 except BaseException as exc:
                     failed.write_text(str(exc))
                     raise

@@ -28,8 +28,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# What the fork server imports before forking ranks: the cost every rank would otherwise pay.
-PRELOAD = ["torch", "torch.distributed", "transformers", "safetensors.torch"]
+# What the fork server imports before forking ranks and warm CLI runs (tests/cli.py run_warm): the
+# cost every process would otherwise pay. Only libraries, never rltrain: its modules are imported in
+# each child, after that child's environment is in place.
+PRELOAD = ["torch", "torch.distributed", "torch._inductor.config", "transformers", "safetensors.torch", "datasets",
+           "hydra", "omegaconf"]
 
 
 def rank_context():

@@ -60,7 +60,7 @@ class TrainerConfig:
     max_tokens_per_micro_batch: int = 0  # > 0: micro-batches also capped at this many tokens (data/sharding.py)
     log_every: int = 10
     progress: str = choice("auto", Progress)
-    num_threads: int = 0  # torch intra-op threads per rank; 0 = cores / nproc
+    num_threads: int = 0  # torch intra-op threads per rank; 0 = usable cores (CPU affinity) / nproc
     deterministic: bool = True
     precision: str = choice("auto", Precision)
 

@@ -44,8 +44,16 @@ def build_algorithm(ctx: RunContext):
     return getattr(importlib.import_module(module_name), cls_name)(ctx)
 
 
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity (a container's cpuset, `taskset`), not the
+    machine's count, so a limited process does not start more threads than it has cores."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def configure_threads(cfg, dist_info: DistInfo) -> None:
-    threads = cfg.trainer.num_threads or max(1, (os.cpu_count() or 1) // dist_info.world_size)
+    threads = cfg.trainer.num_threads or max(1, usable_cores() // dist_info.world_size)
     torch.set_num_threads(threads)
 
 

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -34,13 +33,12 @@ def test_cfg_job_prints_the_composed_config(tiny_cache):
 )
 def test_bad_key_or_type_fails_before_any_model_is_built(tmp_path, override, says):
     run_dir = tmp_path / "run"
-    t0 = time.monotonic()
-    proc = rltrain("algo=sft", override, run_dir=run_dir, check=False, timeout=120)
+    proc = rltrain("algo=sft", override, run_dir=run_dir, check=False, timeout=120, warm=False)  # the whole console
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("rltrain: error: ") and says in proc.stderr, proc.stderr
     assert proc.stderr.count("\n") == 1 and "HYDRA_FULL_ERROR" not in proc.stderr, proc.stderr
     assert not run_dir.exists(), "nothing may be written for a config that does not compose"
-    assert time.monotonic() - t0 < 60
+    assert "rltrain: model" not in proc.stdout, "no model may be built for a config that does not compose"
 
 
 def test_sft_run_directory_holds_config_metrics_checkpoints_and_final_model(shared_runs):

@@ -1,0 +1,37 @@
+"""The tests' warm CLI runner (tests/cli.py `run_warm`) behaves as a fresh `python -m rltrain`:
+the same output and exit status, and a cold run wherever the environment would make a difference
+(docs/testing.md, "Warm CLI runs"). Every other end-to-end test relies on this."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+from cli import rltrain, run_warm
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--cfg", "job", "algo=grpo", "algo.group_size=3"],  # exits 0 after printing the config
+        ["algo=grpo", "algo.loss_agg=tokenmean"],  # a validation error: exit status 2, one paragraph
+    ],
+)
+def test_a_warm_run_prints_and_exits_as_a_cold_one(tiny_cache, tmp_path, args):
+    warm = rltrain(*args, run_dir=tmp_path / "warm", check=False, timeout=120)
+    cold = rltrain(*args, run_dir=tmp_path / "cold", check=False, timeout=120, warm=False)
+    assert warm.returncode == cold.returncode, (warm.stderr, cold.stderr)
+    for stream in ("stdout", "stderr"):
+        warm_text = getattr(warm, stream).replace(str(tmp_path / "warm"), "RUN_DIR")
+        assert warm_text == getattr(cold, stream).replace(str(tmp_path / "cold"), "RUN_DIR"), stream
+    assert (tmp_path / "warm").exists() == (tmp_path / "cold").exists()
+
+
+def test_an_environment_a_preloaded_library_reads_runs_cold(tiny_cache):
+    env = dict(os.environ, HF_HUB_OFFLINE="0" if os.environ.get("HF_HUB_OFFLINE") == "1" else "1")
+    assert run_warm([sys.executable, "-m", "rltrain", "--cfg", "job"], env, timeout=120) is None
+    same = run_warm([sys.executable, "-m", "rltrain", "--cfg", "job"], dict(os.environ, RLTRAIN_X="1"), timeout=120)
+    assert same is not None and same.returncode == 0 and "trainer:" in same.stdout
