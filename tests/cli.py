@@ -57,8 +57,9 @@ def rltrain(*args: str, run_dir: Path | None = None, timeout: float = 300, env: 
 
 # Environment variables a warm run may set differently from the fork server's: each is read only
 # by rltrain or by a library the fork server has not imported (tests/helpers.py PRELOAD), so the run
-# sees it as a fresh interpreter would. Any other difference (PYTHONPATH, HF_*, OMP_*...) runs cold.
-WARM_ENV_PREFIXES = ("RLTRAIN_", "PYTEST_", "WANDB_", "VLLM_")
+# sees it as a fresh interpreter would; PYTHONPATH too, since the child's sys.path is the one a fresh
+# interpreter would build from it (_cold_sys_path). Any other difference (HF_*, OMP_*...) runs cold.
+WARM_ENV_PREFIXES = ("RLTRAIN_", "PYTEST_", "WANDB_", "VLLM_", "PYTHONPATH")
 # Set by a preloaded library on import (inductor writes its default cache dir back into the
 # environment): a command that does not set it gets the same value in a fresh interpreter.
 SET_BY_PRELOAD = ("TORCHINDUCTOR_CACHE_DIR",)

@@ -30,8 +30,13 @@ def test_a_warm_run_prints_and_exits_as_a_cold_one(tiny_cache, tmp_path, args):
     assert (tmp_path / "warm").exists() == (tmp_path / "cold").exists()
 
 
-def test_an_environment_a_preloaded_library_reads_runs_cold(tiny_cache):
+def test_an_environment_a_preloaded_library_reads_runs_cold(tiny_cache, tmp_path):
+    cfg_job = [sys.executable, "-m", "rltrain", "--cfg", "job"]
     env = dict(os.environ, HF_HUB_OFFLINE="0" if os.environ.get("HF_HUB_OFFLINE") == "1" else "1")
-    assert run_warm([sys.executable, "-m", "rltrain", "--cfg", "job"], env, timeout=120) is None
-    same = run_warm([sys.executable, "-m", "rltrain", "--cfg", "job"], dict(os.environ, RLTRAIN_X="1"), timeout=120)
+    assert run_warm(cfg_job, env, timeout=120) is None
+    same = run_warm(cfg_job, dict(os.environ, RLTRAIN_X="1"), timeout=120)
     assert same is not None and same.returncode == 0 and "trainer:" in same.stdout
+    # PYTHONPATH runs warm: the child's sys.path is the one a fresh interpreter builds from it (the
+    # user reward modules of test_rank_errors.py are imported through it).
+    with_path = run_warm(cfg_job, dict(os.environ, PYTHONPATH=str(tmp_path)), timeout=120)
+    assert with_path is not None and with_path.returncode == 0, with_path
