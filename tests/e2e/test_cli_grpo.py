@@ -12,6 +12,9 @@ from cli import GRPO_HF_RUN, GRPO_RUN, GRPO_RUN_2_RANKS, QUICK, rltrain, train_r
 pytestmark = pytest.mark.e2e
 
 SMALL = ["algo=grpo", "algo.prompts_per_step=4", "algo.group_size=4", *QUICK]
+# Where the rollout engine plays no part in what is checked (the KL term, a reward function's
+# errors), the transformers engine: it starts in a fraction of vLLM's time on CPU.
+SMALL_HF = [*SMALL, "rollout=hf"]
 STEP_KEYS = {
     "loss", "reward/mean", "reward/std", "reward/addition_reward", "rollout/response_length_mean",
     "rollout/truncated_fraction", "policy/clipfrac", "policy/kl", "policy/entropy", "rollout/tokens_per_s",
@@ -57,7 +60,7 @@ def test_transformers_rollout_fallback(shared_runs):
 
 def test_kl_to_a_reference_model(tiny_cache, tmp_path):
     run_dir = tmp_path / "run"
-    rltrain(*SMALL, "algo.beta=0.05", "algo.loss_agg=seq_mean_token_mean", "trainer.max_steps=2", run_dir=run_dir,
+    rltrain(*SMALL_HF, "algo.beta=0.05", "algo.loss_agg=seq_mean_token_mean", "trainer.max_steps=2", run_dir=run_dir,
             timeout=400)  # step 2 comes after an update
     rows = train_rows(run_dir)
     assert rows[0]["policy/kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before any update
@@ -94,7 +97,7 @@ def test_user_reward_function_on_user_data(tiny_cache, tmp_path):
 )
 def test_broken_reward_function_gets_a_clear_error(tiny_cache, tmp_path, body, message):
     env = _user_module(tmp_path, body)
-    proc = rltrain(*SMALL, "reward.fns=[myrewards:bad]", "trainer.max_steps=1", run_dir=tmp_path / "run", env=env,
+    proc = rltrain(*SMALL_HF, "reward.fns=[myrewards:bad]", "trainer.max_steps=1", run_dir=tmp_path / "run", env=env,
                    check=False, timeout=400)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr and "Traceback" not in proc.stderr
