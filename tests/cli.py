@@ -131,10 +131,9 @@ def _warm_entry(args: list[str], env: dict[str, str], cwd: str, sys_path: list[s
         sys.stderr.write(WARM_REFUSED_MARK + ", ".join(differing) + "\n")
         sys.stderr.flush()
         os._exit(WARM_REFUSED)
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
-    sys.path[:] = sys_path
+    from helpers import adopt
+
+    adopt(env, cwd, sys_path)
     sys.argv = ["-m", *args]
     code: int = 0
     try:

@@ -42,18 +42,24 @@ def rank_context():
     return ctx
 
 
-def _entry(rank: int, fn: Callable, nproc: int, port: int, pg_timeout_s: float, result_q, collected, args: tuple,
-           parent: tuple[dict, str, list]) -> None:
+def adopt(env: dict, cwd: str, sys_path: list) -> None:
+    """In a child of the fork server: take on the environment, working directory and sys.path of the
+    process that asked for it (the server was started before tests set theirs)."""
     import sys
 
-    import torch
-    import torch.distributed as dist
-
-    env, cwd, sys_path = parent
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
     sys.path[:] = sys_path
+
+
+def _entry(rank: int, fn: Callable, nproc: int, port: int, pg_timeout_s: float, result_q, collected, args: tuple,
+           parent: tuple[dict, str, list]) -> None:
+
+    import torch
+    import torch.distributed as dist
+
+    adopt(*parent)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
