@@ -22,7 +22,7 @@ install:
 	@# next to the CPU torch ("operator torchvision::nms does not exist"); rltrain needs none of them.
 	$(if $(filter cpu,$(FLAVOR)),$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec)
 	$(PIP_INSTALL) -q --no-deps --no-build-isolation -e .
-	$(PY) -W ignore -c "import torch, transformers, vllm, megatron.core, hydra, wandb, datasets, optuna, submitit, matplotlib; from transformers import Qwen2ForCausalLM; print('rltrain: environment OK (torch', torch.__version__, '/ transformers', transformers.__version__, '/ vllm', vllm.__version__, ')')"
+	$(PY) -W ignore -c "import torch, transformers, vllm, megatron.core, peft, math_verify, hydra, wandb, datasets, optuna, submitit, matplotlib; from transformers import Qwen2ForCausalLM; print('rltrain: environment OK (torch', torch.__version__, '/ transformers', transformers.__version__, '/ vllm', vllm.__version__, ')')"
 
 # The gate runs the linters and the type checker first (`make lint`), so CI holds them too.
 test: lint

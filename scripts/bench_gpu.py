@@ -182,7 +182,12 @@ def fixed_rollouts(tok, rows: list[dict[str, str]], k: int, batch: int, group: i
 class Workload:
     """One algorithm's optimizer steps on fixed batches: `step(k)` -> (seconds, model FLOPs, tokens)."""
 
-    def __init__(self, name: str, model_dir: Path, rows: list[dict[str, str]], args, device: torch.device) -> None:
+    def __init__(
+        self, name: str, model_dir: Path, rows: list[dict[str, str]], args, device: torch.device, adapters=None,
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        """`adapters`: a LoraAdapterConfig to train LoRA adapters (scripts/bench_lora.py); DPO's
+        reference is then the policy's base with the adapters off, as in a run."""
         from transformers import AutoConfig
 
         from rltrain.backends.fsdp.engine import FSDPEngine
@@ -198,10 +203,15 @@ class Workload:
         optim = OptimConfig(lr=LR, warmup_steps=0, schedule="constant", beta2=0.999, max_grad_norm=1.0)
         total = args.steps + args.warmup
         backend = FSDPBackendConfig(padding_free=args.padding_free, compile=args.compile)
-        self.policy = FSDPEngine(model_dir, backend, optim, total, device, precision=args.precision)
+        self.policy = FSDPEngine(
+            model_dir, backend, optim, total, device, precision=args.precision, adapters=adapters,
+            gradient_checkpointing=gradient_checkpointing,
+        )
         self.reference = None
         if name == "dpo":
-            self.reference = FSDPEngine(model_dir, backend, None, total, device, precision=args.precision)
+            self.reference = self.policy.base_weights() or FSDPEngine(
+                model_dir, backend, None, total, device, precision=args.precision
+            )
         self.steps = [self._build(rows, k) for k in range(total)]
 
     def _build(self, rows: list[dict[str, str]], k: int):

@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from rltrain.algos.base import PolicyStreamAlgorithm, RunContext
 from rltrain.algos.losses import dpo_pair_losses, implicit_rewards
-from rltrain.backends import build_engine
-from rltrain.backends.base import PolicyOutput, TrainEngine
+from rltrain.backends import build_engine, build_reference
+from rltrain.backends.base import LogProbScorer, PolicyOutput
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.preference_data import PreferencePair, build_preference_data
 from rltrain.data.sampler import IndexStream
@@ -101,7 +101,8 @@ class DPO(PolicyStreamAlgorithm):
             cfg.algo.beta, cfg.algo.loss_type, cfg.algo.label_smoothing, cfg.algo.sft_weight
         )
         self.policy = build_engine(ctx, "policy", cfg.trainer.max_steps)
-        self.reference: TrainEngine | None = build_engine(ctx, "reference", cfg.trainer.max_steps)
+        self.reference: LogProbScorer | None
+        self.reference, _ = build_reference(ctx, self.policy, cfg.trainer.max_steps)
         # The reference is frozen, so eval pairs are scored once.
         self.ref_eval = self._reference_sums(self.data.eval)
         self.ref_train: tuple[torch.Tensor, torch.Tensor] | None = None

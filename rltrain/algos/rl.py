@@ -17,13 +17,16 @@ import torch
 from rltrain.algos.base import RunContext
 from rltrain.algos.experience import Experience, ExperienceCollector
 from rltrain.algos.rl_update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
-from rltrain.backends import build_engine
+from rltrain.backends import build_engine, build_reference
+from rltrain.backends.base import LogProbScorer
 from rltrain.data.ragged import Ragged
 from rltrain.data.sharding import sum_over_replicas
 from rltrain.rewards import build_reward_fns
 from rltrain.rollout import build_rollout
 from rltrain.run.samples import Sample
 from rltrain.runtime.distributed import global_max
+from rltrain.runtime.precision import resolve_precision
+from rltrain.safety.parity import check_parity, parity_limit
 from rltrain.sync.timeshare import TimeSharing
 from rltrain.sync.weight_sync import WeightSync
 
@@ -47,10 +50,13 @@ class RLAlgorithm:
         # The LR schedule spans every optimizer step the run will take.
         optimizer_steps = cfg.trainer.max_steps * a.mini_batches * a.num_iterations
         self.policy = build_engine(ctx, "policy", optimizer_steps)
-        self.reference = build_engine(ctx, "reference", cfg.trainer.max_steps) if self.needs_reference() else None
+        self.reference: LogProbScorer | None = None
+        reference_engine = None  # the reference's own engine (none for a LoRA policy's base)
+        if self.needs_reference():
+            self.reference, reference_engine = build_reference(ctx, self.policy, cfg.trainer.max_steps)
         self.rollout = build_rollout(ctx)
         self.critic = build_engine(ctx, "critic", optimizer_steps) if self.uses_critic else None
-        engines = [e for e in (self.policy, self.reference, self.critic) if e is not None]
+        engines = [e for e in (self.policy, reference_engine, self.critic) if e is not None]
         reward_fns = build_reward_fns(cfg, ctx.dist.device)
         frozen = [rf.device_model for rf in reward_fns if rf.device_model is not None]
         self.weights = WeightSync(self.rollout, deferred=cfg.placement.time_sharing)
@@ -66,6 +72,8 @@ class RLAlgorithm:
         fused = a.num_iterations == 1 and a.mini_batches == 1 and not self.needs_old_logps_first()
         loss_fn = make_policy_loss(a, parity, kl_in_loss=self.kl_in_loss())
         self.learner = Learner(self.policy, update, loss_fn, parity, fused, self.reference, self.critic)
+        precision = resolve_precision(cfg.trainer.precision, ctx.dist.device).name
+        self.parity_limit = parity_limit(cfg.safety.max_logprob_diff, precision)
 
     # --- what a subclass decides ---------------------------------------------------------------
 
@@ -104,6 +112,8 @@ class RLAlgorithm:
             stats = self.learner.update_policy(exp, advantages.adv) if self.updates_policy(step) else {}
             stats.update(self.update_critic(exp, advantages, step))
         time_train = time.perf_counter() - t1
+        if "rollout/logprob_diff_max" in stats:
+            check_parity(stats["rollout/logprob_diff_max"], self.parity_limit, step)
         # 3. Publish the new weights (an export: a collective on every rank). Without time sharing
         #    they stream into the engine now; with it, into a host copy for the next turn's `sync`.
         self.weights.publish(self.policy.export_weights)
@@ -120,6 +130,7 @@ class RLAlgorithm:
             "time/train": time_train,
             "time/sync": self.weights.last_sync_s,
             "time/publish": self.weights.last_publish_s,
+            "sync/bytes": float(self.weights.last_bytes),
             **self.timeshare.pop_metrics(),
             "tokens": float(sum_over_replicas(torch.tensor([float(exp.batch.tokens.num_tokens)], device="cpu"), dp_size)),
             "data/overlong_dropped": float(self.collector.dropped),

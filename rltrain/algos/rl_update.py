@@ -18,7 +18,7 @@ import torch
 from rltrain.algos.experience import BatchLayout, Experience
 from rltrain.algos.losses import policy_loss
 from rltrain.algos.rollout_correction import correction, correction_metrics
-from rltrain.backends.base import LossFn, LossMetrics, PolicyOutput, TrainEngine
+from rltrain.backends.base import LogProbScorer, LossFn, LossMetrics, PolicyOutput, TrainEngine
 from rltrain.config.schema import RLConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged, on_device
@@ -202,7 +202,7 @@ class Learner:
 
     def __init__(
         self, policy: TrainEngine, update: MiniBatchUpdate, loss_fn: LossFn, parity: ParityProbe, fused: bool,
-        reference: TrainEngine | None = None, critic: TrainEngine | None = None,
+        reference: LogProbScorer | None = None, critic: TrainEngine | None = None,
     ) -> None:
         self.policy, self.reference, self.critic = policy, reference, critic
         self.update, self.loss_fn, self.parity, self.fused = update, loss_fn, parity, fused

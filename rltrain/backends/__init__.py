@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, cast
 
-from rltrain.backends.base import TrainEngine
+from rltrain.backends.base import LogProbScorer, TrainEngine
 from rltrain.backends.roles import ROLES, Role
 
 if TYPE_CHECKING:
@@ -31,3 +31,14 @@ def build_engine(ctx: RunContext, role: Role, max_steps: int) -> TrainEngine:
         raise ValueError(f"backend={name!r} is unknown; choose one of {sorted(BACKENDS)}")
     module_name, fn_name = BACKENDS[name].split(":")
     return cast(TrainEngine, getattr(importlib.import_module(module_name), fn_name)(ctx, role, max_steps))
+
+
+def build_reference(ctx: RunContext, policy: TrainEngine, max_steps: int) -> tuple[LogProbScorer, TrainEngine | None]:
+    """The frozen reference, and the engine it owns (None when it owns none). A LoRA policy with no
+    `reference.path` of its own scores its base with the adapters off: no second copy of the model
+    (docs/lora.md); any other run builds a reference engine."""
+    base = policy.base_weights()
+    if base is not None and "reference" not in ctx.role_dirs:
+        return base, None
+    engine = build_engine(ctx, "reference", max_steps)
+    return engine, engine

@@ -81,6 +81,16 @@ LossMetrics = Mapping[str, torch.Tensor | float]
 LossFn = Callable[[PolicyOutput, SequenceBatch], tuple[torch.Tensor, LossMetrics]]
 
 
+class LogProbScorer(Protocol):
+    """What a frozen reference is asked: log-probabilities of completion tokens, no gradients. A
+    TrainEngine is one; so is a LoRA policy's base (`TrainEngine.base_weights`)."""
+
+    rank: int  # data-parallel rank
+    world_size: int  # data-parallel size
+
+    def forward_logps(self, micro_batches: list[SequenceBatch], with_entropy: bool = False) -> list[PolicyOutput]: ...
+
+
 class Communicators(Protocol):
     """An engine's process groups, torn down before the rollout engine's turn and re-created
     after it by time sharing (rltrain/sync/timeshare.py), identical and warmed up."""
@@ -121,6 +131,10 @@ class TrainEngine(Protocol):
         `PolicyOutput(logps=None, values=<with a graph>)`. `with_entropy`: the outputs
         handed to `loss_fn` carry per-token entropies (detached), so an on-policy algorithm can
         take its metrics from the training pass instead of a separate scoring pass."""
+
+    def base_weights(self) -> LogProbScorer | None:
+        """An engine training adapters on a frozen base: that base, scored with the adapters off
+        (the reference for free); None for an engine that trains every weight."""
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full (unsharded) tensors under Hugging Face names, for weight sync and export."""

@@ -81,13 +81,14 @@ class RoleBuild:
     model_dir: Path
     optim: Any | None  # an OptimConfig-shaped node; None builds a frozen engine
     value_head_seed: int | None  # a critic's head seed; None scores log-probabilities (LM head)
+    adapters: Any | None = None  # the policy's LoRA settings (model.lora); None trains every weight
 
 
 def role_build(ctx: Any, role: str) -> RoleBuild:
     cfg = ctx.cfg
     model_dir = Path(ctx.model_dir_for(role))
     if role == "policy":
-        return RoleBuild(model_dir, cfg.optim, None)
+        return RoleBuild(model_dir, cfg.optim, None, cfg.model.lora if cfg.model.lora.rank > 0 else None)
     if role == "reference":
         return RoleBuild(model_dir, None, None)
     if role == "critic":

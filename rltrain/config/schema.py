@@ -79,6 +79,19 @@ class OptimConfig:
 
 
 @dataclass
+class LoraAdapterConfig:
+    """Low-rank adapters on the policy (peft), FSDP backend only. docs/lora.md."""
+
+    rank: int = 0  # 0 = full fine-tuning; > 0 trains rank-r adapters and freezes the base
+    alpha: int = 16  # the adapters' update is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapters' input (training passes only)
+    # Module names to adapt (peft's target_modules); [all-linear] = every linear layer of the
+    # decoder (attention and MLP projections, not the LM head).
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    save_merged: bool = False  # final/merged/: the base with the adapters merged in, a plain HF model
+
+
+@dataclass
 class ModelConfig:
     """`path=null` builds the embedded tiny model; otherwise a Hugging Face model directory."""
 
@@ -98,6 +111,7 @@ class ModelConfig:
     # first (rltrain/models/tiny_sft.py), so RL starts from answers it can sharpen; 0 = no SFT.
     sft_steps: int = 0
     sft_lr: float = 1e-3
+    lora: LoraAdapterConfig = field(default_factory=LoraAdapterConfig)
 
 
 @dataclass
@@ -313,6 +327,9 @@ class SafetyConfig:
     fail_fast: bool = False  # RLTRAIN_FAIL_FAST=1/0 overrides
     collective_timeout_s: float = 600.0
     max_consecutive_errors: int = 3  # more consecutive steps with a recovered error fail the run
+    # RL: stop when rollout/logprob_diff_max exceeds this (the engine is not sampling from the
+    # trainer's weights); null = auto (1e-2 in fp32, off in bf16), 0 = off (rltrain/safety/parity.py)
+    max_logprob_diff: float | None = None
 
 
 @dataclass

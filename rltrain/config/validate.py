@@ -100,6 +100,7 @@ def validate(cfg) -> None:
     if cfg.reward.timeout_s is not None and cfg.reward.timeout_s < 0:
         raise UserError(f"reward.timeout_s={cfg.reward.timeout_s} must be positive (seconds), or 0 / null for no limit.")
     validate_model(cfg.model)
+    validate_lora(cfg)
     validate_data(cfg)
     validate_algo(cfg.algo)
     validate_roles(cfg)
@@ -107,6 +108,11 @@ def validate(cfg) -> None:
         raise UserError(
             f"safety.collective_timeout_s={cfg.safety.collective_timeout_s} must be positive and "
             f"safety.max_consecutive_errors={cfg.safety.max_consecutive_errors} at least 0."
+        )
+    if cfg.safety.max_logprob_diff is not None and cfg.safety.max_logprob_diff < 0:
+        raise UserError(
+            f"safety.max_logprob_diff={cfg.safety.max_logprob_diff} must be a positive limit (nats), 0 (no check) or "
+            "null (auto: 1e-2 in fp32, none in bf16)."
         )
     if cfg.rollout is not None and cfg.rollout.name == "vllm":
         validate_vllm(cfg.rollout)
@@ -145,11 +151,45 @@ def validate_model(model) -> None:
     validate_hf_model_dir("model.path", model.path, "leave it unset for the built-in tiny model")
 
 
+def validate_lora(cfg) -> None:
+    """model.lora: values peft accepts, on the backend that supports it (docs/lora.md)."""
+    lora = cfg.model.lora
+    if lora.rank < 0:
+        raise UserError(f"model.lora.rank={lora.rank} must be 0 (full fine-tuning) or a positive adapter rank (e.g. 8).")
+    if lora.rank == 0:
+        return
+    if cfg.backend.name != "fsdp":
+        raise UserError(
+            f"model.lora.rank={lora.rank} with backend={cfg.backend.name}: LoRA adapters are trained on the FSDP backend "
+            "only. Set backend=fsdp, or model.lora.rank=0 for full fine-tuning on Megatron."
+        )
+    if lora.alpha <= 0:
+        raise UserError(f"model.lora.alpha={lora.alpha} must be positive (the adapters' update is scaled by alpha / rank).")
+    if not 0 <= lora.dropout < 1:
+        raise UserError(f"model.lora.dropout={lora.dropout} must be in [0, 1).")
+    targets = list(lora.target_modules)
+    if not targets:
+        raise UserError("model.lora.target_modules is empty: name the modules to adapt (e.g. [q_proj,v_proj]), or [all-linear].")
+    from rltrain.models.lora import UNSUPPORTED_TARGETS
+
+    if bad := [t for t in targets if t in UNSUPPORTED_TARGETS]:
+        raise UserError(
+            f"model.lora.target_modules={targets}: {', '.join(bad)} cannot take an adapter here (the embeddings and the "
+            "LM head are tied or indexed, not multiplied). Adapt the decoder's linear layers: [all-linear]."
+        )
+
+
 def read_hf_config(key: str, value: str, unset_hint: str) -> dict:
     """config.json of the Hugging Face model directory `value` given as `key`, checked to be one:
     config.json with a `model_type`, and a tokenizer beside it. `unset_hint` says what the key's
     null means (the fix that needs no directory)."""
     directory = Path(value).expanduser()
+    if not (directory / "config.json").exists() and (directory / "adapter_config.json").exists():
+        raise UserError(
+            f"{key}={value!r} is a PEFT adapter directory (a LoRA run's final/), not a model. Point {key} at the "
+            "merged model beside it (final/merged/, written with model.lora.save_merged=true), or merge the adapter "
+            "into its base with peft (PeftModel.from_pretrained(base, dir).merge_and_unload())."
+        )
     if not (directory / "config.json").exists():
         raise UserError(
             f"{key}={value!r} is not a Hugging Face model directory (no config.json). Point it at a "

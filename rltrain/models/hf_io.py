@@ -7,6 +7,7 @@ docs/internals/models.md explains the buffers, tied weights and why not `set_mod
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,11 +37,17 @@ def load_causal_lm(model_dir: Path, dtype: torch.dtype, on_meta: bool = False) -
 
 
 def load_sharded_weights(
-    model: torch.nn.Module, model_dir: Path, dtype: torch.dtype, group: dist.ProcessGroup | None = None
+    model: torch.nn.Module,
+    model_dir: Path,
+    dtype: torch.dtype,
+    group: dist.ProcessGroup | None = None,
+    source_name: Callable[[str], str | None] = lambda name: name,
 ) -> int:
     """Fill `model` (built with `on_meta=True`, sharded, then `to_empty` on its device) with the
     checkpoint at `model_dir`, read by rank 0 of `group` only. Collective over `group`, whose rank 0
-    must be global rank 0. Returns the number of collectives (one per parameter and buffer)."""
+    must be global rank 0. `source_name`: the checkpoint's name of each parameter, None for one it
+    does not hold (LoRA adapters: rltrain.models.lora). Returns the number of collectives (one per
+    parameter and buffer filled)."""
     source = None
     if dist.get_rank() == 0:
         source = load_causal_lm(model_dir, dtype)
@@ -49,7 +56,10 @@ def load_sharded_weights(
     collectives = 0
     with torch.no_grad():
         for name, param in model.named_parameters():
-            fill_parameter(param, src_params[name] if source is not None else None, group)
+            src = source_name(name)
+            if src is None:
+                continue
+            fill_parameter(param, src_params[src] if source is not None else None, group)
             collectives += 1
         for name, buf in model.named_buffers():
             _broadcast_into(buf, src_buffers[name] if source is not None else None, group)

@@ -105,8 +105,9 @@ def fingerprint(cfg: Any, model_dir: Path, world_size: int) -> dict[str, Any]:
     built-in tiny model, and its architecture and config.json), the world layout (ranks, backend,
     megatron's tp/pp), the algorithm, and the frozen roles a checkpoint does not hold (the
     reference and the reward model are read from their paths at start-up, so another path would
-    silently change the KL or the reward of the resumed steps). An unset role path is recorded as
-    None, which a checkpoint written before roles were recorded also reads as."""
+    silently change the KL or the reward of the resumed steps), and the LoRA adapters' shape. An
+    unset role path is recorded as None, which a checkpoint written before roles were recorded also
+    reads as."""
     arch, config_hash = _config_identity(model_dir)
     layout = {"world_size": world_size, "backend": cfg.backend.name}
     if cfg.backend.name == "megatron":
@@ -120,7 +121,17 @@ def fingerprint(cfg: Any, model_dir: Path, world_size: int) -> dict[str, Any]:
         "algorithm": cfg.algo.name,
         "reference": _role_path(cfg, "reference"),
         "reward_model": _role_path(cfg, "reward_model"),
+        "lora": _lora_identity(cfg),
     }
+
+
+def _lora_identity(cfg: Any) -> str | None:
+    """The adapters' shape (None for full fine-tuning, which a checkpoint written before LoRA
+    existed also reads as): another rank or set of targets cannot load the saved adapters."""
+    lora = cfg.model.lora
+    if lora.rank == 0:
+        return None
+    return f"rank {lora.rank}, alpha {lora.alpha}, target_modules {','.join(sorted(lora.target_modules))}"
 
 
 def _role_path(cfg: Any, role: str) -> str | None:

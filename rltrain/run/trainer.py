@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from rltrain.algos.base import RunContext
 from rltrain.backends.roles import resolve_role_dirs
+from rltrain.models.lora import MERGED_DIR
 from rltrain.models.model_dir import resolve_model_dir
 from rltrain.run.checkpoint import CheckpointManager, fingerprint, fsync_path
 from rltrain.run.metrics_log import MetricsLogger
@@ -166,7 +167,8 @@ def train_loop(ctx: RunContext, algo) -> None:
 
 
 def export_final(ctx: RunContext, algo) -> None:
-    """`final/`: config, safetensors and tokenizer, loadable by transformers and vLLM."""
+    """`final/`: config, safetensors and tokenizer, loadable by transformers and vLLM; with LoRA a
+    PEFT adapter directory (docs/lora.md)."""
     final = ctx.run_dir / "final"
     tmp = ctx.run_dir / "final.tmp"
     if ctx.dist.is_main:
@@ -175,11 +177,15 @@ def export_final(ctx: RunContext, algo) -> None:
     barrier()
     algo.export_engine().save_pretrained(tmp)
     if ctx.dist.is_main:
-        ctx.tokenizer.save_pretrained(str(tmp))
-        for path in tmp.iterdir():
-            if path.is_file():
-                fsync_path(path)
-        fsync_path(tmp)
+        # A LoRA run's final/ is an adapter directory, its merged model (if asked for) in merged/.
+        for directory in (tmp, tmp / MERGED_DIR):
+            if not directory.is_dir():
+                continue
+            ctx.tokenizer.save_pretrained(str(directory))
+            for path in directory.iterdir():
+                if path.is_file():
+                    fsync_path(path)
+            fsync_path(directory)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         fsync_path(ctx.run_dir)

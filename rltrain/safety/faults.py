@@ -16,7 +16,7 @@ import torch
 
 from rltrain.runtime.errors import UserError
 
-KINDS = ("loss_error", "device_error", "backward_error", "nan_grad", "kill", "rollout_dead")
+KINDS = ("loss_error", "device_error", "backward_error", "nan_grad", "kill", "rollout_dead", "adapter_dropped")
 
 
 class InjectedFault(RuntimeError):
@@ -120,6 +120,11 @@ class FaultInjector:
 
     def rollout_dead(self) -> bool:
         return any(f.kind == "rollout_dead" and f.rank == self.rank and self.step >= f.first_step for f in self.faults)
+
+    def adapters_dropped(self) -> bool:
+        """`adapter_dropped`: from its step on, this rank's weight export leaves the LoRA adapters
+        out (the engine samples from the base), a broken sync the parity check must catch."""
+        return any(f.kind == "adapter_dropped" and f.rank == self.rank and self.step >= f.first_step for f in self.faults)
 
     def wrap_ping(self, ping: Callable[[], object] | None) -> Callable[[], object] | None:
         """The rollout engine's ping, failing once `rollout_dead` applies. With no engine and a

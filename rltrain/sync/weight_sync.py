@@ -8,7 +8,7 @@ turn. docs/time-sharing-and-sync.md has the whole story, docs/internals/sync.md 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -31,18 +31,25 @@ class WeightSync:
         self.delivered: list[tuple[str, torch.Tensor]] | None = None
         self.last_publish_s = 0.0  # the export (and, not deferred, the delivery with it)
         self.last_sync_s = 0.0  # the delivery into the engine
+        self.last_bytes = 0  # bytes of the last publish (what one sync moves: `sync/bytes`)
 
     def publish(self, export: Callable[[], Weights]) -> None:
         """New trainer weights (a collective: every rank). Deferred: a host copy for `deliver`;
         otherwise streamed into the engine now."""
         started = time.perf_counter()
+        self.last_bytes = 0
         if not self.deferred:
-            self.rollout.update_weights(export())
+            self.rollout.update_weights(self._counted(export()))
             self.last_sync_s = self.last_publish_s = time.perf_counter() - started
             return
         self.delivered = None  # superseded: never hold two host copies
-        self.pending = [(name, _host_copy(tensor)) for name, tensor in export()]
+        self.pending = [(name, _host_copy(tensor)) for name, tensor in self._counted(export())]
         self.last_publish_s = time.perf_counter() - started
+
+    def _counted(self, weights: Weights) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            self.last_bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
 
     def deliver(self) -> None:
         """The weights published since the engine's last turn; for an engine that dropped its

@@ -136,3 +136,29 @@ def test_ppo_from_the_sft_start_raises_heldout_accuracy(tiny_cache, tmp_path):
     evals = [r for r in read_metrics(run_dir) if "eval/accuracy" in r]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 100
     assert evals[-1]["eval/accuracy"] - evals[0]["eval/accuracy"] >= 0.1, evals
+
+
+# LoRA (docs/lora.md, "Does it learn?"): the documented commands, adapters of rank 32 on every
+# linear layer of the decoder.
+LORA = ["model.lora.rank=32", "model.lora.alpha=64"]
+
+
+@pytest.mark.slow
+def test_lora_dpo_reaches_heldout_preference_accuracy(tiny_cache, tmp_path):
+    run_dir = tmp_path / "run"
+    rltrain("algo=dpo", *LORA, "optim.lr=2e-3", "trainer.max_steps=300", *SAME_TRAINING, run_dir=run_dir, timeout=1500)
+    final = [r for r in read_metrics(run_dir) if "eval/dpo_accuracy" in r][-1]
+    assert final["step"] == 300 and final["eval/dpo_accuracy"] >= 0.9
+
+
+@pytest.mark.slow
+def test_lora_grpo_from_the_sft_start_raises_heldout_accuracy(tiny_cache, tmp_path):
+    """The default GRPO command with rank-32 adapters and a 10x learning rate: held-out exact-match
+    accuracy rises (seen +0.14 where full fine-tuning gained +0.125 on the same SFT start; the margin
+    is lower since one seed was measured, docs/lora.md)."""
+    run_dir = tmp_path / "run"
+    rltrain(*LORA, "optim.lr=3e-4", "logger.wandb.mode=disabled", "trainer.save_every=0", "trainer.progress=lines",
+            run_dir=run_dir, timeout=2400)
+    evals = [r for r in read_metrics(run_dir) if "eval/accuracy" in r]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 100
+    assert evals[-1]["eval/accuracy"] - evals[0]["eval/accuracy"] >= 0.05, evals

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from rltrain.__main__ import CONF_DIR
 from rltrain.config.schema import register_configs
@@ -204,6 +204,8 @@ def value_for(key: str, overrides: tuple[str, ...]) -> Any:
 
 
 def same_value(doc: Any, code: Any) -> bool:
+    if isinstance(code, list | ListConfig):  # documented as a Hydra override writes it: [a,b]
+        return doc == "[" + ",".join(str(v) for v in code) + "]"
     if isinstance(code, bool) or code is None or isinstance(doc, str):
         return doc == code
     return isinstance(code, int | float) and float(doc) == float(code)

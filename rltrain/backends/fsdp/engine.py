@@ -18,7 +18,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rltrain.backends.base import LossFn, LossMetrics, PolicyOutput, Scores, scored_output, wrong_scores_error
+from rltrain.backends.base import (
+    LogProbScorer,
+    LossFn,
+    LossMetrics,
+    PolicyOutput,
+    Scores,
+    scored_output,
+    wrong_scores_error,
+)
 from rltrain.backends.fsdp.attention_masks import use_flex_attention
 from rltrain.backends.fsdp.compile_layers import compile_decoder_layers
 from rltrain.backends.fsdp.flex_autocast import switch_to_flex_attention
@@ -34,10 +42,10 @@ from rltrain.backends.lr_schedule import lr_at
 from rltrain.backends.optimizer_state import move_optimizer_state
 from rltrain.backends.roles import role_build
 from rltrain.backends.value_head import fill_value_head, new_value_head
-from rltrain.config.schema import FSDPBackendConfig, OptimConfig, SafetyConfig
+from rltrain.config.schema import FSDPBackendConfig, LoraAdapterConfig, OptimConfig, SafetyConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
-from rltrain.models import moe
+from rltrain.models import lora, moe
 from rltrain.models.hf_io import load_causal_lm, load_sharded_weights
 from rltrain.runtime.precision import Precision, resolve_precision
 from rltrain.safety import faults
@@ -54,7 +62,8 @@ from rltrain.safety.step import safe_optimizer_step
 
 class FSDPEngine:
     """The TrainEngine protocol on Hugging Face transformers + FSDP2. `optim_cfg=None` builds a
-    frozen engine (a reference); `value_head_seed` a critic (see the module docstring)."""
+    frozen engine (a reference); `value_head_seed` a critic (see the module docstring); `adapters`
+    with a rank > 0 trains LoRA adapters drawn from `seed` on a frozen base (docs/lora.md)."""
 
     def __init__(
         self,
@@ -67,6 +76,8 @@ class FSDPEngine:
         safety: SafetyConfig | None = None,
         gradient_checkpointing: bool = False,
         value_head_seed: int | None = None,
+        adapters: LoraAdapterConfig | None = None,
+        seed: int = 0,
     ) -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -79,8 +90,13 @@ class FSDPEngine:
         self.sharded = self.world_size > 1
         # Sharded: on the meta device until `_shard` has placed it (no rank holds the full model).
         self.lm = load_causal_lm(self.model_dir, self.precision.param_dtype, on_meta=self.sharded)
+        # LoRA: the linear layers become peft LoRA layers in place, before sharding (rltrain.models.lora)
+        self.adapters = lora.add_adapters(self.lm, adapters) if adapters is not None and adapters.rank > 0 else None
+        self.save_merged = adapters is not None and adapters.save_merged
         if not self.sharded:
             self.lm.to(device)  # type: ignore[arg-type]  # transformers types PreTrainedModel.to's wrapper as taking the model
+            if self.adapters is not None:
+                lora.fill_adapters(self.lm, seed)
         self.pad_id = int(self.lm.config.pad_token_id or 0)
         self.tied = bool(self.lm.config.tie_word_embeddings)
         self.moe_info = moe.prepare_moe(self.lm)
@@ -126,7 +142,13 @@ class FSDPEngine:
             self.groups = FSDPGroups(device.type, timeout_s=safety.collective_timeout_s)
             self._shard(backend_cfg)
             self.scorer.to_empty(device=device)  # this rank's shards (and buffers), uninitialised
-            load_sharded_weights(self.lm, self.model_dir, self.precision.param_dtype, self.groups.group)
+            if self.adapters is None:
+                load_sharded_weights(self.lm, self.model_dir, self.precision.param_dtype, self.groups.group)
+            else:
+                load_sharded_weights(
+                    self.lm, self.model_dir, self.precision.param_dtype, self.groups.group, source_name=lora.source_name
+                )
+                lora.fill_adapters(self.lm, seed, self.groups.group, sharded=True)
             if isinstance(self.scorer, CompletionValuer):  # its rows from the seeded draw
                 assert value_head_seed is not None
                 fill_value_head(self.scorer.value_head, value_head_seed, self.precision.param_dtype, self.groups.group)
@@ -142,6 +164,11 @@ class FSDPEngine:
                 weight_decay=optim_cfg.weight_decay,
                 foreach=True,
             )
+
+    def base_weights(self) -> LogProbScorer | None:
+        """The base model scored with the adapters switched off: a LoRA policy's reference at no
+        cost in memory. None without adapters."""
+        return AdaptersOff(self) if self.adapters is not None else None
 
     def replica_group(self) -> None:
         """Every FSDP rank is its own data-parallel replica (see `TrainEngine.replica_group`)."""
@@ -282,17 +309,31 @@ class FSDPEngine:
     # --- weights out ---------------------------------------------------------------------------
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """With LoRA, the adapters merged into the base (docs/lora.md, "Weight sync")."""
         self._refuse_critic_export("export_weights")
-        for name, tensor in self.lm.state_dict().items():
+        if self.adapters is not None:
+            weights = lora.merged_weights(self.lm, full_parameter, with_adapters=not faults.active().adapters_dropped())
+        else:
+            weights = ((name, full_parameter(tensor).detach()) for name, tensor in self.lm.state_dict().items())
+        for name, tensor in weights:
             if self.tied and name == "lm_head.weight":
                 continue
-            yield name, full_parameter(tensor).detach()
+            yield name, tensor
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.export_weights())
 
     def save_pretrained(self, directory: Path) -> None:
+        """A Hugging Face model directory; with LoRA a PEFT adapter directory, plus the merged
+        model in `merged/` when `model.lora.save_merged` (docs/lora.md, "Outputs")."""
         self._refuse_critic_export("save_pretrained")
+        if self.adapters is not None:
+            adapter_state = lora.adapter_state(self.lm, full_parameter)  # collective
+            if self.rank == 0:
+                lora.save_adapter_dir(self.adapters, directory, adapter_state, self.model_dir)
+            if not self.save_merged:
+                return
+            directory = directory / lora.MERGED_DIR
         state = self.full_state_dict()  # collective: every rank takes part
         if self.rank == 0:
             self.lm.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
@@ -308,24 +349,39 @@ class FSDPEngine:
 
     def save_checkpoint(self, directory: Path) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        assert self.optimizer is not None  # only a trainable engine is checkpointed
-        model_sd, optim_sd = get_state_dict(self.scorer, self.optimizer)
+        model_sd, optim_sd = self._checkpoint_state()
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory / "engine"))
         if self.rank == 0:
             (directory / "engine_state.json").write_text(json.dumps({"steps_taken": self.steps_taken}))
 
     def load_checkpoint(self, directory: Path) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        assert self.optimizer is not None  # only a trainable engine is checkpointed
+        model_sd, optim_sd = self._checkpoint_state()
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(directory / "engine"))  # fails on any key the checkpoint lacks
+        # strict=False with LoRA: the frozen base is not in the state, it stays as loaded from the model directory
+        options = StateDictOptions(strict=self.adapters is None)
+        set_state_dict(
+            self.scorer, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
+        )
+        self.steps_taken = json.loads((directory / "engine_state.json").read_text())["steps_taken"]
+
+    def _checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The model's and the optimizer's state as a checkpoint holds them. With LoRA, the adapters
+        and their optimizer state only: the frozen base (tied weights included, which torch's
+        `ignore_frozen_params` would keep under their second name) is read from the model
+        directory again on resume."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         assert self.optimizer is not None  # only a trainable engine is checkpointed
         model_sd, optim_sd = get_state_dict(self.scorer, self.optimizer)
-        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(directory / "engine"))
-        set_state_dict(self.scorer, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        self.steps_taken = json.loads((directory / "engine_state.json").read_text())["steps_taken"]
+        if self.adapters is not None:
+            model_sd = {name: value for name, value in model_sd.items() if ".lora_" in name}
+        return model_sd, optim_sd
 
     # --- time sharing --------------------------------------------------------------------------
 
@@ -355,6 +411,21 @@ class FSDPEngine:
         return self.groups.recreate() if self.groups is not None else 0
 
 
+class AdaptersOff:
+    """A LoRA engine's frozen base: its log-probabilities with every adapter disabled, which are
+    the log-probabilities of the model it started from (the adapters' only difference)."""
+
+    def __init__(self, engine: FSDPEngine) -> None:
+        assert engine.adapters is not None
+        self.engine = engine
+        self.adapters = engine.adapters
+        self.rank, self.world_size = engine.rank, engine.world_size
+
+    def forward_logps(self, micro_batches: list[SequenceBatch], with_entropy: bool = False) -> list[PolicyOutput]:
+        with self.adapters.disable_adapter():
+            return self.engine.forward_logps(micro_batches, with_entropy)
+
+
 def build_engine(ctx, role: str, max_steps: int) -> FSDPEngine:
     """The backend registry's entry (`backend=fsdp`) for one role (rltrain.backends.Role)."""
     cfg = ctx.cfg
@@ -369,4 +440,6 @@ def build_engine(ctx, role: str, max_steps: int) -> FSDPEngine:
         safety=cfg.safety,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
         value_head_seed=build.value_head_seed,
+        adapters=build.adapters,
+        seed=int(cfg.trainer.seed),
     )

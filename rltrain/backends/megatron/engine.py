@@ -143,6 +143,10 @@ class MegatronEngine:
     def device(self) -> torch.device:
         return self.params[0].device
 
+    def base_weights(self) -> None:
+        """Megatron trains every weight (model.lora is refused before anything is built)."""
+        return None
+
     def replica_group(self) -> dist.ProcessGroup | None:
         """The tp x pp ranks of this rank's data-parallel replica (they must see the same data),
         or None when a replica is a single rank. Re-read each time: time sharing re-creates it."""

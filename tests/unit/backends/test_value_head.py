@@ -62,7 +62,8 @@ def test_wrong_scores_errors_name_what_to_call() -> None:
 
 def _ctx(tmp_path: Path) -> SimpleNamespace:
     cfg = OmegaConf.create(
-        {"optim": {"lr": 0.5, "eps": 1e-6}, "critic": {"path": None, "lr": 1e-5}, "trainer": {"seed": 7}}
+        {"optim": {"lr": 0.5, "eps": 1e-6}, "critic": {"path": None, "lr": 1e-5}, "trainer": {"seed": 7},
+         "model": {"lora": {"rank": 4}}}
     )
     dirs = {"critic": tmp_path / "critic"}
     return SimpleNamespace(cfg=cfg, model_dir_for=lambda role: dirs.get(role, tmp_path / "policy"))
@@ -76,8 +77,9 @@ def test_roles_are_built_from_their_own_settings(tmp_path: Path) -> None:
     assert ctx.cfg.optim.lr == 0.5, "the policy's optimizer settings must not change"
     policy = role_build(ctx, "policy")
     assert policy.optim.lr == 0.5 and policy.value_head_seed is None and policy.model_dir == tmp_path / "policy"
+    assert policy.adapters.rank == 4 and critic.adapters is None  # LoRA is the policy's alone
     reference = role_build(ctx, "reference")
-    assert reference.optim is None and reference.value_head_seed is None
+    assert reference.optim is None and reference.value_head_seed is None and reference.adapters is None
     with pytest.raises(ValueError, match="unknown"):
         role_build(ctx, "judge")
 

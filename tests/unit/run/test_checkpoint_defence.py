@@ -52,7 +52,7 @@ def test_truncated_overwritten_missing_and_unreadable_files_are_named(tmp_path):
 
 def test_fingerprint_names_every_difference_and_the_fix(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "hidden_size": 8}))
-    cfg = OmegaConf.create({"model": {"path": None}, "backend": {"name": "fsdp"}, "algo": {"name": "sft"}})
+    cfg = OmegaConf.create({"model": {"path": None, "lora": {"rank": 0}}, "backend": {"name": "fsdp"}, "algo": {"name": "sft"}})
     saved = fingerprint(cfg, tmp_path, world_size=1)
     assert saved["architecture"] == "Qwen2ForCausalLM" and saved["world_size"] == 1
     assert fingerprint_mismatch(saved, fingerprint(cfg, tmp_path, 1), tmp_path) == ""
@@ -72,7 +72,7 @@ def test_fingerprint_covers_the_frozen_roles_a_checkpoint_does_not_hold(tmp_path
     resume with another one must be refused, while unset paths match older checkpoints."""
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
     cfg = OmegaConf.create({
-        "model": {"path": None}, "backend": {"name": "fsdp"}, "algo": {"name": "grpo"},
+        "model": {"path": None, "lora": {"rank": 0}}, "backend": {"name": "fsdp"}, "algo": {"name": "grpo"},
         "reference": {"path": None}, "reward_model": {"path": None},
     })
     saved = fingerprint(cfg, tmp_path, world_size=1)
@@ -85,6 +85,22 @@ def test_fingerprint_covers_the_frozen_roles_a_checkpoint_does_not_hold(tmp_path
     message = fingerprint_mismatch(saved, fingerprint(cfg, tmp_path, 1), tmp_path / "step_1")
     assert f"reference: checkpoint None, this run {str(tmp_path / 'ref')!r}" in message
     assert f"reward_model: checkpoint None, this run {str(tmp_path / 'rm')!r}" in message
+
+
+def test_fingerprint_refuses_adapters_of_another_shape_and_full_fine_tuning_checkpoints(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
+    lora = {"rank": 8, "alpha": 16, "target_modules": ["all-linear"]}
+    cfg = OmegaConf.create({"model": {"path": None, "lora": lora}, "backend": {"name": "fsdp"}, "algo": {"name": "sft"}})
+    saved = fingerprint(cfg, tmp_path, world_size=1)
+    assert saved["lora"] == "rank 8, alpha 16, target_modules all-linear"
+    cfg.model.lora.rank = 16
+    message = fingerprint_mismatch(saved, fingerprint(cfg, tmp_path, 1), tmp_path / "step_1")
+    assert "lora: checkpoint 'rank 8, alpha 16, target_modules all-linear', this run 'rank 16" in message
+    cfg.model.lora.rank = 0  # full fine-tuning cannot resume from adapters, nor the other way round
+    full = fingerprint(cfg, tmp_path, 1)
+    assert full["lora"] is None and "lora: checkpoint 'rank 8" in fingerprint_mismatch(saved, full, tmp_path)
+    older = {k: v for k, v in full.items() if k != "lora"}  # written before LoRA existed
+    assert fingerprint_mismatch(older, full, tmp_path) == ""
 
 
 class _Engine:
