@@ -7,10 +7,12 @@ docs/rewards-and-roles.md explains the signature, the weighting and the time bou
 from __future__ import annotations
 
 import importlib
-import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from math import (
+    isfinite,  # by name: the submodule rltrain.rewards.math, once imported, is this package's `math`
+)
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -133,7 +135,7 @@ def score(fns: list[RewardFn], prompts: list[str], completions: list[str], colum
                 f"reward function {rf.path!r} returned {len(values)} rewards for {len(completions)} completions; "
                 "it must return exactly one per completion."
             )
-        if not all(math.isfinite(v) for v in values):
+        if not all(isfinite(v) for v in values):
             raise UserError(f"reward function {rf.path!r} returned a non-finite reward.")
         out[rf.name] = values
     return out
