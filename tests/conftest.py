@@ -1,5 +1,7 @@
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # OpenMP thread that spins while it waits then steals the core another process needs, and a run
 # takes several times as long. Waiting threads sleep instead; no number changes (docs/testing.md).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# No test touches the network: the Hugging Face libraries run offline, from caches of this test run
+# (shared by its pytest-xdist workers, which inherit the id), where tests lay the models and
+# datasets they name by Hub id (tests/hub_cache.py). Set before any of them is imported: they read
+# these once.
+os.environ["HF_HUB_OFFLINE"] = "1"
+if "RLTRAIN_TEST_HF_HOME" not in os.environ:  # pytest's own process; its workers inherit the variable
+    os.environ["RLTRAIN_TEST_HF_HOME"] = tempfile.mkdtemp(prefix="rltrain-tests-hf-")
+    os.environ["RLTRAIN_TEST_HF_HOME_OWNER"] = str(os.getpid())
+HF_HOME = Path(os.environ["RLTRAIN_TEST_HF_HOME"])
+os.environ["HF_HOME"] = str(HF_HOME)
+os.environ.pop("HF_HUB_CACHE", None)
+os.environ.pop("HF_DATASETS_CACHE", None)
 
 
 def session_dir(tmp_path_factory, name: str) -> Path:
@@ -54,3 +68,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The test run's Hugging Face caches go with it (removed by the process that made them)."""
+    if os.environ.get("RLTRAIN_TEST_HF_HOME_OWNER") == str(os.getpid()):
+        shutil.rmtree(HF_HOME, ignore_errors=True)

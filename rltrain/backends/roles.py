@@ -25,12 +25,15 @@ PROBE_TEXT = "Q: 12+34=? A: 46.\n  The quick brown fox, jumps over (the) lazy do
 def resolve_role_dirs(cfg: Any, policy_dir: Path, policy_tokenizer: Any, rank: int) -> dict[str, Path]:
     """The directory of every role given a path of its own, each checked to be readable on this
     rank and to share the policy's tokenizer."""
-    paths = {"reference": ("reference.path", cfg.reference.path), "critic": ("critic.path", cfg.critic.path)}
+    from rltrain.models.hub import local_model_dir
+
+    groups = {"reference": cfg.reference, "critic": cfg.critic}
     dirs: dict[str, Path] = {}
-    for role, (key, value) in paths.items():
+    for role, group in groups.items():
+        key, value = f"{role}.path", group.path
         if value is None:
             continue
-        directory = Path(value).expanduser().resolve()
+        directory = local_model_dir(key, value, group.revision).resolve()
         if not (directory / "config.json").is_file():
             raise UserError(
                 f"{key}={value!r} has no config.json on rank {rank}: every rank reads the {role}'s model "

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
+from rltrain.models.hub import local_model_dir
 from rltrain.runtime.errors import UserError
 
 
@@ -37,7 +37,8 @@ def _model_dims(cfg) -> dict[str, int] | None:
             "model.intermediate_size": m.intermediate_size,
         }
     try:
-        hf = json.loads((Path(cfg.model.path).expanduser() / "config.json").read_text())
+        model_dir = local_model_dir("model.path", cfg.model.path, cfg.model.revision)
+        hf = json.loads((model_dir / "config.json").read_text())
         heads = int(hf["num_attention_heads"])
         return {
             "num_hidden_layers in model.path's config.json": int(hf["num_hidden_layers"]),
@@ -45,7 +46,7 @@ def _model_dims(cfg) -> dict[str, int] | None:
             "num_key_value_heads in model.path's config.json": int(hf.get("num_key_value_heads") or heads),
             "intermediate_size in model.path's config.json": int(hf["intermediate_size"]),
         }
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, UserError):
         return None
 
 

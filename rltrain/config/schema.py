@@ -93,9 +93,11 @@ class LoraAdapterConfig:
 
 @dataclass
 class ModelConfig:
-    """`path=null` builds the embedded tiny model; otherwise a Hugging Face model directory."""
+    """`path=null` builds the embedded tiny model; otherwise a Hugging Face model directory or Hub id
+    (rltrain/models/hub.py)."""
 
     path: str | None = None
+    revision: str | None = None  # a Hub id's branch, tag or commit; null = main
     arch: str = choice("qwen2", Arch)
     hidden_size: int = 128
     num_layers: int = 4
@@ -115,11 +117,29 @@ class ModelConfig:
 
 
 @dataclass
+class DataColumns:
+    """Which of the dataset's columns plays each conventional (TRL) column: `prompt: question` gives
+    every row a `prompt` holding its `question` (which stays). null: the dataset's own column."""
+
+    prompt: str | None = None
+    completion: str | None = None
+    messages: str | None = None
+    chosen: str | None = None
+    rejected: str | None = None
+    solution: str | None = None  # what rltrain.rewards.math:accuracy compares with
+
+
+@dataclass
 class DataConfig:
-    """`path=null` uses the built-in synthetic task named by `task`."""
+    """`path=null` uses the built-in synthetic task named by `task`; otherwise a file, a saved dataset
+    or a Hub dataset id (rltrain/data/loading.py, docs/models-and-data.md)."""
 
     path: str | None = None
+    name: str | None = None  # a Hub dataset's configuration (e.g. main for openai/gsm8k)
+    revision: str | None = None  # a Hub dataset's branch, tag or commit; null = main
     split: str = "train"
+    columns: DataColumns = field(default_factory=DataColumns)
+    map_fn: str | None = None  # pkg.module:fn, one row in, the columns to set out (datasets.map), after `columns`
     eval_path: str | None = None
     eval_fraction: float = 0.05
     task: str = choice("addition", Task)
@@ -274,18 +294,20 @@ class HFRolloutConfig(RolloutConfig):
 @dataclass
 class ReferenceConfig:
     """The frozen reference (DPO always; GRPO when `algo.beta > 0`). `path=null`: the policy's initial
-    weights; else a Hugging Face model directory sharing the policy's tokenizer (rltrain/backends/roles.py)."""
+    weights; else a Hugging Face model directory or Hub id sharing the policy's tokenizer (rltrain/backends/roles.py)."""
 
     path: str | None = None
+    revision: str | None = None  # a Hub id's branch, tag or commit; null = main
 
 
 @dataclass
 class CriticConfig:
     """The value model (PPO). `path=null`: the policy's initial weights with a fresh scalar value
-    head; else a Hugging Face model directory sharing the policy's tokenizer. Its own optimizer takes
-    `lr` and every other `optim.*` setting."""
+    head; else a Hugging Face model directory or Hub id sharing the policy's tokenizer. Its own optimizer
+    takes `lr` and every other `optim.*` setting."""
 
     path: str | None = None
+    revision: str | None = None  # a Hub id's branch, tag or commit; null = main
     lr: float = 1e-3  # on the embedded default, 1e-2 leaves the critic predicting the mean return (explained variance ~0)
 
 
@@ -295,7 +317,8 @@ class RewardModelConfig:
     (rltrain/rewards/model_reward.py); logged as `reward/model`."""
 
     name: str = MISSING
-    path: str | None = None  # a Hugging Face AutoModelForSequenceClassification directory, num_labels=1
+    path: str | None = None  # a Hugging Face AutoModelForSequenceClassification directory or Hub id, num_labels=1
+    revision: str | None = None  # a Hub id's branch, tag or commit; null = main
     weight: float = 1.0
     batch_size: int = 32  # texts per forward pass
     max_length: int = 1024  # tokens per text; longer texts lose their beginning (the score reads the end)

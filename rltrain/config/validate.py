@@ -38,7 +38,6 @@ CHOICE_HINTS = {
 }
 # Files of which a tokenizer directory has at least one (fast tokenizer, sentencepiece, BPE, WordPiece).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # rltrain.data.loading reads these (and directories)
 _ABSENT = object()
 
 
@@ -119,14 +118,35 @@ def validate(cfg) -> None:
     from rltrain.safety.faults import parse_faults
 
     parse_faults(cfg.debug.fault)  # a malformed debug.fault fails here, before any model is built
-    for key in ("data.path", "data.eval_path"):
-        value = _get(cfg, key)
-        if value is not None and not Path(value).expanduser().exists():
+    validate_data_sources(cfg.data)
+
+
+def validate_data_sources(data) -> None:
+    """`data.path` and `data.eval_path` exist, or name Hub datasets, which are fetched here (with
+    datasets' progress bars) so a wrong id, configuration or split fails before any model is built
+    and the ranks read the prepared copy from the cache."""
+    from rltrain.data.loading import DATA_SUFFIXES, is_dataset_id, load_hub_dataset
+
+    sources = {"data.path": data.path, "data.eval_path": data.eval_path}
+    hub = {key for key, value in sources.items() if value is not None and is_dataset_id(value)}
+    for key, value in (("data.name", data.name), ("data.revision", data.revision)):
+        if value is not None and not hub:
+            picks = "configuration" if key == "data.name" else "version"
             raise UserError(
-                f"{key}={value!r} does not exist. Give a .jsonl or .parquet file or a directory saved with "
-                "datasets' save_to_disk."
+                f"{key}={value!r} is set but data.path={data.path!r} is not a Hub dataset id: {key} picks a Hub "
+                f"dataset's {picks}. Remove it, or name the dataset by its id (org/name)."
             )
-        if value is not None and Path(value).expanduser().is_file() and Path(value).suffix not in DATA_SUFFIXES:
+    for key, value in sources.items():
+        if value is None:
+            continue
+        if key in hub:
+            load_hub_dataset(key, value, data, progress=True)
+        elif not Path(value).expanduser().exists():
+            raise UserError(
+                f"{key}={value!r} does not exist. Give a .jsonl or .parquet file, a directory saved with datasets' "
+                "save_to_disk, or a Hugging Face Hub dataset id (org/name)."
+            )
+        elif Path(value).expanduser().is_file() and Path(value).suffix not in DATA_SUFFIXES:
             raise UserError(
                 f"{key}={value!r}: unknown format {Path(value).suffix!r}. Use .jsonl, .parquet or a saved dataset "
                 "directory."
@@ -134,6 +154,7 @@ def validate(cfg) -> None:
 
 
 def validate_model(model) -> None:
+    check_revision("model", model)
     if model.path is None:
         if model.num_heads < 1 or model.hidden_size % model.num_heads:
             raise UserError(
@@ -148,7 +169,7 @@ def validate_model(model) -> None:
         if model.arch == "qwen2" and not model.attention_bias:
             raise UserError("model.attention_bias=false needs model.arch=llama (Qwen2 always has q/k/v biases).")
         return
-    validate_hf_model_dir("model.path", model.path, "leave it unset for the built-in tiny model")
+    validate_model_source("model", model, "leave it unset for the built-in tiny model")
 
 
 def validate_lora(cfg) -> None:
@@ -179,11 +200,13 @@ def validate_lora(cfg) -> None:
         )
 
 
-def read_hf_config(key: str, value: str, unset_hint: str) -> dict:
-    """config.json of the Hugging Face model directory `value` given as `key`, checked to be one:
-    config.json with a `model_type`, and a tokenizer beside it. `unset_hint` says what the key's
-    null means (the fix that needs no directory)."""
-    directory = Path(value).expanduser()
+def read_hf_config(key: str, value: str, unset_hint: str, revision: str | None = None) -> dict:
+    """config.json of the Hugging Face model directory (or Hub id, fetched here: rltrain/models/hub.py)
+    `value` given as `key`, checked to be one: config.json with a `model_type`, and a tokenizer beside
+    it. `unset_hint` says what the key's null means (the fix that needs no directory)."""
+    from rltrain.models.hub import local_model_dir
+
+    directory = local_model_dir(key, value, revision)
     if not (directory / "config.json").exists() and (directory / "adapter_config.json").exists():
         raise UserError(
             f"{key}={value!r} is a PEFT adapter directory (a LoRA run's final/), not a model. Point {key} at the "
@@ -213,9 +236,23 @@ def read_hf_config(key: str, value: str, unset_hint: str) -> dict:
     return hf_config
 
 
-def validate_hf_model_dir(key: str, value: str | None, unset_hint: str) -> None:
-    if value is not None:
-        read_hf_config(key, value, unset_hint)
+def validate_model_source(prefix: str, group, unset_hint: str) -> None:
+    """`{prefix}.path` a usable model directory or Hub id, and `{prefix}.revision` only with an id."""
+    check_revision(prefix, group)
+    if group.path is not None:
+        read_hf_config(f"{prefix}.path", group.path, unset_hint, group.revision)
+
+
+def check_revision(prefix: str, group) -> None:
+    from rltrain.models.hub import is_hub_id
+
+    if group.revision is None:
+        return
+    if group.path is None or Path(group.path).expanduser().exists() or not is_hub_id(group.path):
+        raise UserError(
+            f"{prefix}.revision={group.revision!r} picks a version of a Hub id, but {prefix}.path={group.path!r} is not one. "
+            f"Remove {prefix}.revision, or set {prefix}.path to the model's Hub id (org/name)."
+        )
 
 
 def validate_data(cfg) -> None:
@@ -277,10 +314,8 @@ def validate_roles(cfg) -> None:
     directory, each number in range, and no role configured that the algorithm would not build.
     That a role's tokenizer is the policy's is checked once the policy's directory exists
     (rltrain/backends/roles.py)."""
-    validate_hf_model_dir("reference.path", cfg.reference.path, "leave it null for the policy's initial weights")
-    validate_hf_model_dir(
-        "critic.path", cfg.critic.path, "leave it null for the policy's weights with a fresh value head"
-    )
+    validate_model_source("reference", cfg.reference, "leave it null for the policy's initial weights")
+    validate_model_source("critic", cfg.critic, "leave it null for the policy's weights with a fresh value head")
     if not cfg.critic.lr > 0:
         raise UserError(f"critic.lr={cfg.critic.lr} must be positive (the critic's own learning rate).")
     algo = cfg.algo
@@ -317,7 +352,8 @@ def validate_reward_model(rm, algo_name: str) -> None:
         raise UserError(
             f"reward_model=hf is set but algo={algo_name} uses no rewards (GRPO and PPO do). Remove reward_model=hf."
         )
-    hf_config = read_hf_config("reward_model.path", rm.path, "use reward_model=none")
+    check_revision("reward_model", rm)
+    hf_config = read_hf_config("reward_model.path", rm.path, "use reward_model=none", rm.revision)
     architectures = hf_config.get("architectures") or []
     if not any(str(name).endswith("ForSequenceClassification") for name in architectures):
         raise UserError(

@@ -1,58 +1,177 @@
 """Loading user datasets (`data.path`) with `datasets`, and turning bad input into clear errors.
 
-Accepted: a `.jsonl`/`.json` file, a `.parquet` file, or a directory written by
-`Dataset.save_to_disk` / `DatasetDict.save_to_disk`. Columns follow TRL's conventions; which ones
-are needed depends on the algorithm (`prompt`/`completion`, `prompt`/`chosen`/`rejected`,
-`messages`, or `prompt` alone for online RL).
+`data.path` is a `.jsonl`/`.json`/`.parquet` file, a directory written by `save_to_disk`, or a
+Hugging Face Hub dataset id (`org/name`, with `data.name` and `data.split`; read from the
+`datasets` cache when offline). `data.columns` then gives the rows the conventional column names
+and `data.map_fn` reshapes each row (`datasets.map`). Columns follow TRL's conventions; which
+ones are needed depends on the algorithm. docs/models-and-data.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import random
 from pathlib import Path
+from typing import Any
 
+from rltrain.config.schema import DataColumns
+from rltrain.models.hub import is_hub_id
 from rltrain.runtime.errors import UserError
+from rltrain.runtime.library_noise import quiet_datasets_offline_notes
+from rltrain.runtime.user_code import load_callable
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # files read here (besides save_to_disk directories)
 
 
-def load_rows_dataset(path: str, split: str):
-    """A `datasets.Dataset` from `path`, or a UserError naming the problem and the fix."""
+def is_dataset_id(path: str) -> bool:
+    """`path` names a Hub dataset: no such local file or directory, and an id's form."""
+    return not Path(path).expanduser().exists() and Path(path).suffix not in DATA_SUFFIXES and is_hub_id(path)
+
+
+def train_and_eval_rows(data_cfg, seed: int, needs: list[tuple[str, ...]]) -> tuple[list[dict], list[dict], str]:
+    """(train rows, eval rows, where) of `data.path`: the eval rows are `data.eval_path`'s, else a
+    seeded `data.eval_fraction` of the rows (at most `data.max_eval_samples`)."""
+    where = f"data.path={data_cfg.path!r}"
+    rows = load_rows("data.path", data_cfg.path, data_cfg, needs).to_list()
+    if data_cfg.eval_path is not None:
+        return rows, load_rows("data.eval_path", data_cfg.eval_path, data_cfg, needs).to_list(), where
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    held = set(order[: min(int(len(rows) * data_cfg.eval_fraction), data_cfg.max_eval_samples)])
+    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held], where
+
+
+def load_rows(key: str, path: str, data_cfg, needs: list[tuple[str, ...]]):
+    """The `datasets.Dataset` that `key=path` names, with `data.columns` and `data.map_fn` applied
+    and one of the column sets `needs` present; else a UserError naming the problem and the fix."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    quiet_datasets_offline_notes()
+    ds = load_hub_dataset(key, path, data_cfg) if is_dataset_id(path) else load_local_dataset(key, path, data_cfg.split)
+    ds = reshape(ds, key, path, data_cfg)
+    if len(ds) == 0:
+        raise UserError(f"{key}={path!r} holds no rows; give a dataset with at least one example.")
+    require_columns(ds, key, path, needs)
+    return ds
+
+
+def load_local_dataset(key: str, path: str, split: str):
     import datasets
 
     p = Path(path).expanduser()
     if not p.exists():
         raise UserError(
-            f"data.path={path!r} does not exist. Give a .jsonl or .parquet file, or a directory saved with "
-            "datasets' save_to_disk (or leave data.path unset to use the built-in task)."
+            f"{key}={path!r} does not exist. Give a .jsonl or .parquet file, a directory saved with datasets' "
+            "save_to_disk, or a Hugging Face Hub dataset id (org/name)."
         )
-    datasets.disable_progress_bars()
     try:
         if p.is_dir():
             loaded = datasets.load_from_disk(str(p))
             if isinstance(loaded, datasets.DatasetDict):
                 if split not in loaded:
                     raise UserError(
-                        f"data.path={path!r} holds splits {sorted(loaded)} but data.split={split!r}; "
-                        "set data.split to one of them."
+                        f"{key}={path!r} holds splits {sorted(loaded)} but data.split={split!r}; set data.split to one of them."
                     )
                 loaded = loaded[split]
-            ds = loaded
-        elif p.suffix in (".jsonl", ".json"):
-            ds = datasets.load_dataset("json", data_files=str(p), split="train")
-        elif p.suffix == ".parquet":
-            ds = datasets.load_dataset("parquet", data_files=str(p), split="train")
-        else:
-            raise UserError(
-                f"data.path={path!r}: unknown format {p.suffix!r}. Use .jsonl, .parquet or a saved dataset directory."
-            )
+            return loaded
+        if p.suffix in (".jsonl", ".json"):
+            return datasets.load_dataset("json", data_files=str(p), split="train")
+        if p.suffix == ".parquet":
+            return datasets.load_dataset("parquet", data_files=str(p), split="train")
     except UserError:
         raise
     except Exception as exc:  # datasets raises many types for unreadable input
-        raise UserError(f"data.path={path!r} could not be read: {type(exc).__name__}: {exc}") from exc
-    if len(ds) == 0:
-        raise UserError(f"data.path={path!r} holds no rows; give a dataset with at least one example.")
-    return ds
+        raise UserError(f"{key}={path!r} could not be read: {type(exc).__name__}: {exc}") from exc
+    raise UserError(f"{key}={path!r}: unknown format {p.suffix!r}. Use .jsonl, .parquet or a saved dataset directory.")
 
 
-def require_columns(ds, path: str, options: list[tuple[str, ...]]) -> tuple[str, ...]:
+def load_hub_dataset(key: str, repo_id: str, data_cfg, progress: bool = False):
+    """Split `data.split` of configuration `data.name` of the Hub dataset `repo_id`: downloaded and
+    prepared by `datasets` (its progress bars with `progress`), or its prepared copy when offline."""
+    import datasets
+
+    if progress:
+        datasets.enable_progress_bars()
+    try:
+        return datasets.load_dataset(repo_id, data_cfg.name, split=data_cfg.split, revision=data_cfg.revision)
+    except Exception as exc:  # noqa: BLE001 - datasets raises many types; each becomes one message
+        raise UserError(hub_dataset_failure(key, repo_id, data_cfg, exc)) from None
+    finally:
+        datasets.disable_progress_bars()
+
+
+def hub_dataset_failure(key: str, repo_id: str, data_cfg, exc: Exception) -> str:
+    """What went wrong, in datasets' words, and the fix for that case."""
+    from datasets import config
+
+    detail = " ".join(str(exc).split()).rstrip(".")
+    chosen = f"data.name={data_cfg.name!r}, data.split={data_cfg.split!r}" + (
+        f", data.revision={data_cfg.revision!r}" if data_cfg.revision else ""
+    )
+    if "split" in detail.lower():
+        fix = "set data.split to one of the dataset's splits"
+    elif "config" in detail.lower() and ("available" in detail.lower() or "missing" in detail.lower()):
+        fix = "set data.name to one of the dataset's configurations"
+    elif config.HF_HUB_OFFLINE:
+        fix = (
+            f"HF_HUB_OFFLINE=1 reads datasets' prepared copies only ({config.HF_DATASETS_CACHE}): load it once with "
+            "network access and the same HF_HOME, or save it with save_to_disk and point data.path at that directory"
+        )
+    else:
+        fix = (
+            "check the id, data.name (the configuration) and data.split on the dataset's Hub page (log in with "
+            "`hf auth login` for a private or gated one), or give a local .jsonl/.parquet file"
+        )
+    return f"{key}={repo_id!r} ({chosen}) could not be loaded as a Hugging Face Hub dataset: {type(exc).__name__}: {detail}. Fix: {fix}."
+
+
+def reshape(ds, key: str, path: str, data_cfg):
+    """`data.columns` (each conventional column a copy of the named one, which stays) and then
+    `data.map_fn` (one row in, the columns to set out), in one `datasets.map` pass."""
+    named = {f.name: getattr(data_cfg.columns, f.name) for f in dataclasses.fields(DataColumns)}
+    copies = {conv: source for conv, source in named.items() if source is not None}
+    if missing := sorted({source for source in copies.values() if source not in ds.column_names}):
+        raise UserError(
+            f"{key}={path!r} has columns {sorted(ds.column_names)}, but data.columns names {missing}: "
+            + ", ".join(f"data.columns.{c}={s}" for c, s in copies.items() if s in missing)
+            + ". Name a column the dataset has."
+        )
+    fn = load_callable("data.map_fn", data_cfg.map_fn) if data_cfg.map_fn else None
+    if not copies and fn is None:
+        return ds
+
+    def transform(row: dict, index: int) -> dict:
+        for conv, source in copies.items():
+            row[conv] = row[source]
+        if fn is None:
+            return row
+        try:
+            update: Any = fn(dict(row))
+        except Exception as exc:
+            raise UserError(
+                f"data.map_fn={data_cfg.map_fn!r} raised {type(exc).__name__}: {exc} on row {index} of {key}={path!r} "
+                f"(columns {sorted(row)})."
+            ) from exc
+        if not isinstance(update, dict):
+            raise UserError(
+                f"data.map_fn={data_cfg.map_fn!r} returned {type(update).__name__} for row {index} of {key}={path!r}; "
+                "it must return a dict of the columns to set (e.g. {'solution': ...})."
+            )
+        return {**row, **update}
+
+    try:
+        return ds.map(transform, with_indices=True, load_from_cache_file=False, keep_in_memory=True)
+    except UserError:
+        raise
+    except Exception as exc:  # datasets cannot store what the function returned
+        raise UserError(
+            f"data.map_fn={data_cfg.map_fn!r} on {key}={path!r}: {type(exc).__name__}: {exc}. Return the same columns, "
+            "with values of one type, for every row."
+        ) from exc
+
+
+def require_columns(ds, key: str, path: str, options: list[tuple[str, ...]]) -> tuple[str, ...]:
     """The first column set in `options` that `ds` has; otherwise a UserError listing them."""
     columns = set(ds.column_names)
     for option in options:
@@ -60,6 +179,6 @@ def require_columns(ds, path: str, options: list[tuple[str, ...]]) -> tuple[str,
             return option
     wanted = " or ".join("/".join(o) for o in options)
     raise UserError(
-        f"data.path={path!r} has columns {sorted(columns)} but this algorithm needs {wanted}. "
-        "Rename the columns (TRL conventions) or pick the matching algo=."
+        f"{key}={path!r} has columns {sorted(columns)} but this algorithm needs {wanted}. Map them with "
+        f"data.columns (e.g. data.columns.{options[0][0]}=YOUR_COLUMN) or data.map_fn, or pick the matching algo=."
     )

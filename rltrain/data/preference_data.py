@@ -7,12 +7,11 @@ completion. A missing column is an error.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 from typing import Any
 
 from rltrain.data import tasks
-from rltrain.data.loading import load_rows_dataset, require_columns
+from rltrain.data.loading import train_and_eval_rows
 from rltrain.data.tokenize import OverlongStats, check_messages, encode, fit_length
 from rltrain.runtime.errors import UserError
 
@@ -96,17 +95,8 @@ def build_preference_data(tokenizer, data_cfg, seed: int) -> PreferenceData:
         train_rows, eval_rows = tasks.preference_rows(train_p, seed), tasks.preference_rows(eval_p, seed + 7)
         answers = [p.answer for p in eval_p]
     else:
-        where = f"data.path={data_cfg.path!r}"
-        ds = load_rows_dataset(data_cfg.path, data_cfg.split)
-        require_columns(ds, data_cfg.path, [("prompt", "chosen", "rejected"), ("chosen", "rejected")])
-        rows = ds.to_list()
-        rng = random.Random(seed)
-        order = list(range(len(rows)))
-        rng.shuffle(order)
-        n_eval = min(int(len(rows) * data_cfg.eval_fraction), data_cfg.max_eval_samples)
-        held = set(order[:n_eval])
-        train_rows = [r for i, r in enumerate(rows) if i not in held]
-        eval_rows = [r for i, r in enumerate(rows) if i in held]
+        needs = [("prompt", "chosen", "rejected"), ("chosen", "rejected")]
+        train_rows, eval_rows, where = train_and_eval_rows(data_cfg, seed, needs)
         answers = []
     train = rows_to_pairs(tokenizer, train_rows, data_cfg, where, skipped)
     if not train:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 
 from rltrain.data import tasks
-from rltrain.data.loading import load_rows_dataset, require_columns
+from rltrain.data.loading import train_and_eval_rows
 from rltrain.data.tokenize import check_messages, encode
 from rltrain.runtime.errors import UserError
 
@@ -39,16 +38,7 @@ def build_prompt_data(tokenizer, data_cfg, seed: int) -> tuple[list[PromptRow], 
         train_p, eval_p = tasks.addition_split(seed, data_cfg.num_eval, data_cfg.num_train)
         train_rows, eval_rows, where = tasks.prompt_rows(train_p), tasks.prompt_rows(eval_p), "built-in task"
     else:
-        where = f"data.path={data_cfg.path!r}"
-        ds = load_rows_dataset(data_cfg.path, data_cfg.split)
-        require_columns(ds, data_cfg.path, [("prompt",)])
-        rows = ds.to_list()
-        order = list(range(len(rows)))
-        random.Random(seed).shuffle(order)
-        n_eval = min(int(len(rows) * data_cfg.eval_fraction), data_cfg.max_eval_samples)
-        held = set(order[:n_eval])
-        train_rows = [r for i, r in enumerate(rows) if i not in held]
-        eval_rows = [r for i, r in enumerate(rows) if i in held]
+        train_rows, eval_rows, where = train_and_eval_rows(data_cfg, seed, [("prompt",)])
     dropped = 0
     train = []
     for row in train_rows:

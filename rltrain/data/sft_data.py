@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
 from rltrain.data import tasks
-from rltrain.data.loading import load_rows_dataset, require_columns
+from rltrain.data.loading import train_and_eval_rows
 from rltrain.data.tokenize import OverlongStats, TokenizedPair, encode, fit_length, render_messages
 from rltrain.runtime.errors import UserError
 
@@ -29,23 +28,7 @@ def text_rows(data_cfg, seed: int) -> tuple[list[dict], list[dict], str]:
     if data_cfg.path is None:
         train, held_out = tasks.addition_split(seed, data_cfg.num_eval, data_cfg.num_train)
         return tasks.sft_rows(train), tasks.sft_rows(held_out), f"built-in task {data_cfg.task!r}"
-    ds = load_rows_dataset(data_cfg.path, data_cfg.split)
-    require_columns(ds, data_cfg.path, [("prompt", "completion"), ("messages",)])
-    rows = ds.to_list()
-    if data_cfg.eval_path is not None:
-        eval_ds = load_rows_dataset(data_cfg.eval_path, data_cfg.split)
-        require_columns(eval_ds, data_cfg.eval_path, [("prompt", "completion"), ("messages",)])
-        return rows, eval_ds.to_list(), f"data.path={data_cfg.path!r}"
-    rng = random.Random(seed)
-    order = list(range(len(rows)))
-    rng.shuffle(order)
-    n_eval = min(int(len(rows) * data_cfg.eval_fraction), data_cfg.max_eval_samples)
-    held = set(order[:n_eval])
-    return (
-        [r for i, r in enumerate(rows) if i not in held],
-        [r for i, r in enumerate(rows) if i in held],
-        f"data.path={data_cfg.path!r}",
-    )
+    return train_and_eval_rows(data_cfg, seed, [("prompt", "completion"), ("messages",)])
 
 
 def row_texts(tokenizer, row: dict, where: str) -> tuple[str, str]:

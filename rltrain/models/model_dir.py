@@ -1,4 +1,5 @@
-"""Which Hugging Face directory a run loads: `model.path`, the SFT'd tiny model, or the tiny model.
+"""Which Hugging Face directory a run loads: `model.path` (a directory, or a Hub id's cached
+snapshot: rltrain/models/hub.py), the SFT'd tiny model, or the tiny model.
 
 One place decides, so every rank (rank 0 builds, the others read the cache afterwards:
 rltrain/run/trainer.py prepare_model_dir) resolves the same directory.
@@ -9,18 +10,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from rltrain.config.schema import DataConfig, ModelConfig, TrainerConfig
+from rltrain.models.hub import local_model_dir
 from rltrain.models.tiny import build_tiny_model_dir
 from rltrain.models.tiny_sft import build_sft_model_dir
 
 
 def resolve_model_dir(model_cfg: ModelConfig, data_cfg: DataConfig, trainer_cfg: TrainerConfig) -> Path:
-    """`model.path` as it is (the tiny model's keys, SFT included, are unused then); else the tiny
+    """`model.path` (a Hub id resolved to its snapshot; the tiny model's keys, SFT included, are unused then); else the tiny
     model, after its short SFT when `model.sft_steps > 0` (model=tiny_sft)."""
     if model_cfg.path is None:
         if model_cfg.sft_steps:
             return build_sft_model_dir(model_cfg, data_cfg, trainer_cfg)
         return build_tiny_model_dir(model_cfg, trainer_cfg.seed)
-    path = Path(model_cfg.path).expanduser()
+    path = local_model_dir("model.path", model_cfg.path, model_cfg.revision)
     if not (path / "config.json").exists():
         raise FileNotFoundError(
             f"model.path={model_cfg.path!r} is not a Hugging Face model directory (no config.json there). "

@@ -6,17 +6,17 @@ docs/rewards-and-roles.md explains the signature, the weighting and the time bou
 
 from __future__ import annotations
 
-import importlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from math import (
     isfinite,  # by name: the submodule rltrain.rewards.math, once imported, is this package's `math`
 )
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rltrain.models.hub import local_model_dir
 from rltrain.runtime.errors import UserError
+from rltrain.runtime.user_code import load_callable
 
 if TYPE_CHECKING:
     import torch
@@ -37,22 +37,6 @@ class RewardFn:
     device_model: HostOffloadable | None = None  # a model it holds on the training device (time sharing moves it)
 
 
-def load_reward_fn(path: str) -> Callable:
-    module_name, _, attr = path.partition(":")
-    if not attr:
-        module_name, _, attr = path.rpartition(".")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise UserError(
-            f"reward function {path!r} could not be loaded ({type(exc).__name__}: {exc}). Give it as "
-            "'package.module:function' importable from the working directory."
-        ) from exc
-    if not callable(fn):
-        raise UserError(f"reward function {path!r} is not callable.")
-    return fn
-
-
 def build_reward_fns(cfg, device: torch.device) -> list[RewardFn]:
     """The run's reward functions: `reward.fns` (the built-in task's reward when empty and the data
     is built in), plus the reward model named `model` when `reward_model=hf`, loaded on `device`."""
@@ -70,7 +54,7 @@ def build_reward_fns(cfg, device: torch.device) -> list[RewardFn]:
     if len(weights) != len(paths):
         raise UserError(f"reward.weights has {len(weights)} entries but reward.fns has {len(paths)}; give one weight per function.")
     timeout = float(reward_cfg.timeout_s) if reward_cfg.timeout_s else None
-    fns = [RewardFn(p.split(":")[-1].split(".")[-1], p, load_reward_fn(p), float(w), timeout) for p, w in zip(paths, weights)]
+    fns = [RewardFn(p.split(":")[-1].split(".")[-1], p, load_callable("reward function", p), float(w), timeout) for p, w in zip(paths, weights)]
     if rm.path is not None:
         model = load_reward_model(cfg, device)
         fns.append(RewardFn("model", f"reward_model.path={rm.path}", model, float(rm.weight), timeout, device_model=model))
@@ -84,7 +68,8 @@ def load_reward_model(cfg, device: torch.device) -> SequenceClassifierReward:
 
     rm = cfg.reward_model
     dtype = resolve_precision(cfg.trainer.precision, device).compute_dtype
-    return SequenceClassifierReward(Path(rm.path).expanduser(), device, dtype, rm.batch_size, rm.max_length)
+    directory = local_model_dir("reward_model.path", rm.path, rm.revision)
+    return SequenceClassifierReward(directory, device, dtype, rm.batch_size, rm.max_length)
 
 
 def call_bounded(rf: RewardFn, **kwargs) -> object:

@@ -101,10 +101,15 @@ class AnswerChecker:
 _checker: AnswerChecker | None = None
 
 
-def accuracy(prompts: list[str], completions: list[str], solution: list[str], **_: object) -> list[float]:
+def accuracy(prompts: list[str], completions: list[str], solution: list[str] | None = None, **_: object) -> list[float]:
     """1.0 per completion whose final answer equals its `solution` (math-verify), else 0.0; a
     sample that takes longer than SAMPLE_TIMEOUT_S to check scores 0."""
     global _checker
+    if solution is None:
+        raise ValueError(
+            "rltrain.rewards.math:accuracy compares with the dataset's 'solution' column, which the data has not: "
+            "name the column holding the answers with data.columns.solution=COLUMN (e.g. answer), or make one with data.map_fn"
+        )
     if _checker is None:
         _checker = AnswerChecker()
     return [_checker.score(c, s) for c, s in zip(completions, solution, strict=True)]

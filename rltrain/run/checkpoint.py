@@ -22,6 +22,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
+from rltrain.models.hub import model_identity
 from rltrain.runtime.distributed import DistInfo, barrier, broadcast_str
 from rltrain.runtime.errors import UserError
 
@@ -112,7 +113,7 @@ def fingerprint(cfg: Any, model_dir: Path, world_size: int) -> dict[str, Any]:
     layout = {"world_size": world_size, "backend": cfg.backend.name}
     if cfg.backend.name == "megatron":
         layout.update(tp=cfg.backend.tp, pp=cfg.backend.pp)
-    model = "built-in tiny model" if cfg.model.path is None else str(Path(cfg.model.path).expanduser().resolve())
+    model = "built-in tiny model" if cfg.model.path is None else model_identity(cfg.model.path, cfg.model.revision)
     return {
         "model": model,
         "architecture": arch,
@@ -136,7 +137,7 @@ def _lora_identity(cfg: Any) -> str | None:
 
 def _role_path(cfg: Any, role: str) -> str | None:
     path = OmegaConf.select(cfg, f"{role}.path")
-    return None if path is None else str(Path(path).expanduser().resolve())
+    return None if path is None else model_identity(path, OmegaConf.select(cfg, f"{role}.revision"))
 
 
 def fingerprint_mismatch(saved: dict[str, Any] | None, current: dict[str, Any], path: Path) -> str:

@@ -42,6 +42,29 @@ class _CheckpointBarFilter:
         return factory(*args, **kwargs)
 
 
+# datasets, reading a Hub dataset's prepared copy offline, says so at WARNING on every load; the
+# launcher's load (rltrain/config/validate.py) shows it once, each rank's reload need not.
+DATASETS_OFFLINE_NOTES = ("Using the latest cached version of the dataset", "Found the latest cached dataset configuration")
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+def quiet_datasets_offline_notes() -> None:
+    """Drop datasets' "using the cached copy" notes (DATASETS_OFFLINE_NOTES) from its two loggers.
+    Idempotent."""
+    for name in ("datasets.load", "datasets.packaged_modules.cache.cache"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) for f in logger.filters):
+            logger.addFilter(_DropMessages(DATASETS_OFFLINE_NOTES))
+
+
 def quiet_vllm_import() -> None:
     """Call before vLLM is first imported: its import-time log lines obey `VLLM_LOGGING_LEVEL`, and
     its known deprecation warning is ignored (see the module docstring). Idempotent."""

@@ -50,7 +50,7 @@ def test_each_role_is_a_group_with_its_keys_in_the_composed_config():
     assert cfg.reference.path is None
     assert cfg.critic.path is None and cfg.critic.lr == 1e-3  # its own, not optim.lr
     assert cfg.reward_model.name == "none" and cfg.reward_model.path is None
-    assert set(cfg.reward_model) == {"name", "path", "weight", "batch_size", "max_length"}
+    assert set(cfg.reward_model) == {"name", "path", "revision", "weight", "batch_size", "max_length"}
     validate(cfg)
     swapped = compose_config("reward_model=hf", "reward_model.path=/some/dir", "reward_model.weight=0.5")
     assert swapped.reward_model.name == "hf" and swapped.reward_model.weight == 0.5

@@ -18,6 +18,7 @@ PAIRS = [
     ("She pays 12.50 dollars.", "12.5", 1.0),  # a decimal with a trailing zero and a unit
     ("It is 3 cm long.", "3", 1.0),  # a unit
     ("Natalia sold 72 clips.", "Natalia sold 48/2 = 24 clips in May.\n48+24 = 72\n#### 72", 1.0),  # GSM8K
+    ("48 / 2 = 24 in May, 48 + 24 = 72.\n#### 72", "#### 72", 1.0),  # a completion in GSM8K's own format
     ("The answer is 41.", "42", 0.0),  # a wrong answer that looks close
     ("0.333", "\\frac{1}{3}", 0.0),  # a rounded fraction is not the fraction
     ("I do not know.", "7", 0.0),  # no answer at all
@@ -57,3 +58,8 @@ def test_a_hanging_check_costs_its_sample_not_the_step():
 @pytest.mark.parametrize("bad", ["\\frac{", "$$$", "x" * 5000])
 def test_unparseable_answers_score_zero_without_an_error(bad):
     assert accuracy(["q"], [bad], ["5"]) == [0.0]
+
+
+def test_data_without_a_solution_column_is_told_how_to_map_one():
+    with pytest.raises(ValueError, match="data.columns.solution=COLUMN"):
+        accuracy(["q"], ["1"])

