@@ -82,3 +82,20 @@ def test_a_revision_without_a_hub_id_is_refused(overrides, expected):
 
     with pytest.raises(UserError, match=re.escape(expected)):
         validate(compose_config(*overrides))
+
+
+def test_every_role_takes_a_hub_id_through_validation(tmp_path):
+    """reference.path, critic.path and reward_model.path resolve and validate like model.path."""
+    from helpers import compose_config
+
+    from rltrain.config.validate import validate
+
+    lay_model("test-org/ref", model_files(tmp_path / "ref", 64), revision="v2")
+    rm = model_files(tmp_path / "rm", 64)
+    (rm / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForSequenceClassification"],
+                                                "num_labels": 1}))
+    lay_model("test-org/rm", rm)
+    validate(compose_config("algo=ppo", "algo.beta=0.04", "reference.path=test-org/ref", "reference.revision=v2",
+                            "critic.path=test-org/ref", "critic.revision=v2", "reward_model=hf", "reward_model.path=test-org/rm"))
+    with pytest.raises(UserError, match=r"reward_model.path='test-org/rm' is not a local directory.*'v9'"):
+        validate(compose_config("algo=grpo", "reward_model=hf", "reward_model.path=test-org/rm", "reward_model.revision=v9"))
