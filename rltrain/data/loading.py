@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rltrain.config.schema import DataColumns
-from rltrain.models.hub import is_hub_id
+from rltrain.models.hub import names_hub_id
 from rltrain.runtime.errors import UserError
 from rltrain.runtime.library_noise import quiet_datasets_offline_notes
 from rltrain.runtime.user_code import load_callable
@@ -25,7 +25,7 @@ DATA_SUFFIXES = (".jsonl", ".json", ".parquet")  # files read here (besides save
 
 def is_dataset_id(path: str) -> bool:
     """`path` names a Hub dataset: no such local file or directory, and an id's form."""
-    return not Path(path).expanduser().exists() and Path(path).suffix not in DATA_SUFFIXES and is_hub_id(path)
+    return Path(path).suffix not in DATA_SUFFIXES and names_hub_id(path)
 
 
 def train_and_eval_rows(data_cfg, seed: int, needs: list[tuple[str, ...]]) -> tuple[list[dict], list[dict], str]:

@@ -34,22 +34,21 @@ def is_hub_id(value: str) -> bool:
     return True
 
 
+def names_hub_id(value: str) -> bool:
+    """`value` is taken as a Hub id: nothing of that name exists here, and it has an id's form."""
+    return not Path(value).expanduser().exists() and is_hub_id(value)
+
+
 def local_model_dir(key: str, value: str, revision: str | None) -> Path:
     """The directory `key=value` names: `value` itself when it exists or is not an id, else the
     Hub snapshot of `value` at `revision` (a UserError naming the id and the fixes when it can
     neither be downloaded nor found in the cache)."""
-    local = Path(value).expanduser()
-    if local.exists() or not is_hub_id(value):
-        return local
-    return _snapshot(key, value, revision)
+    return _snapshot(key, value, revision) if names_hub_id(value) else Path(value).expanduser()
 
 
 def model_identity(value: str, revision: str | None) -> str:
     """How a checkpoint records the model: a local directory's absolute path, or `id@revision`."""
-    local = Path(value).expanduser()
-    if local.exists() or not is_hub_id(value):
-        return str(local.resolve())
-    return f"{value}@{revision or 'main'}"
+    return f"{value}@{revision or 'main'}" if names_hub_id(value) else str(Path(value).expanduser().resolve())
 
 
 @cache
@@ -85,10 +84,11 @@ def hub_failure(key: str, repo_id: str, revision: str | None, exc: Exception, of
     else:
         reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     rev_flag = f" --revision {revision}" if revision else ""
+    home = f" ({os.environ['HF_HOME']})" if os.environ.get("HF_HOME") else ""
+    online = ", without HF_HUB_OFFLINE=1" if offline else ""
     return (
         f"{key}={repo_id!r} is not a local directory, and as a Hugging Face Hub id{at} it could not be loaded: "
         f"{reason}. Either put it into the cache (`hf download {repo_id}{rev_flag}` on a machine that reaches the "
-        f"Hub, with the same HF_HOME{'' if not os.environ.get('HF_HOME') else ' (' + os.environ['HF_HOME'] + ')'}; or "
-        f"run once with network access{', without HF_HUB_OFFLINE=1' if offline else ''}), or point {key} at a local "
+        f"Hub, with the same HF_HOME{home}; or run once with network access{online}), or point {key} at a local "
         "directory written by save_pretrained."
     )

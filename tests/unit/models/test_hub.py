@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from hub_cache import lay_model
 
-from rltrain.config.validate import read_hf_config
+from rltrain.config.sources import read_hf_config
 from rltrain.models.hub import is_hub_id, local_model_dir, model_identity
 from rltrain.runtime.errors import UserError
 
