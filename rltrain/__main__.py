@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from rltrain.config.compose_errors import composition_done, reporting_composition_errors
 from rltrain.config.schema import register_configs
-from rltrain.launch.parent_death import die_with_parent
+from rltrain.launch.parent_death import DIE_WITH_PARENT_ENV, die_with_parent
 from rltrain.launch.sweep import JobOutcome, objective_value, sweep_exit_status
 from rltrain.runtime.errors import (
     EXIT_USER_ERROR,
@@ -154,6 +154,13 @@ def run_job(cfg, run_dir: Path) -> None:
         return
     from rltrain.launch.local import run_local
 
+    if cfg.model.path is None and cfg.model.sft_steps:
+        from rltrain.models.tiny_sft import build_sft_model_dir
+
+        try:  # here, before the ranks start: no rank waits for it at a barrier (a collective timeout)
+            build_sft_model_dir(cfg.model, cfg.data, cfg.trainer)
+        except UserError as exc:
+            fail(exc)
     result = run_local(run_dir, cfg.trainer.nproc)
     if result.code != 0:
         raise JobFailed(result.code, result.message, interrupted=result.interrupted)
@@ -212,6 +219,8 @@ def fail(exc: UserError) -> NoReturn:
 def main() -> None:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank: SIGKILLed torchrun must not orphan it
         die_with_parent(os.getppid())
+    elif DIE_WITH_PARENT_ENV in os.environ:  # a run started by a run (the SFT start): it goes when its parent goes
+        die_with_parent(int(os.environ.pop(DIE_WITH_PARENT_ENV)))
     register_configs()
     with reporting_composition_errors():
         hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)(job)()

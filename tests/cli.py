@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -49,7 +50,10 @@ def rltrain(*args: str, run_dir: Path | None = None, timeout: float = 300, env: 
     full_env = dict(os.environ, **(env or {}))
     proc = run_warm(cmd, full_env, timeout) if warm else None
     if proc is None:
-        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise CommandTimedOut(cmd, timeout, _decoded(exc.output), _decoded(exc.stderr)) from None
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}")
     return proc
@@ -67,6 +71,19 @@ WARM_REFUSED = 86  # the warm child's exit status when the environment needs a f
 WARM_REFUSED_MARK = "tests/cli.py: this environment needs a cold run: "
 
 
+class CommandTimedOut(subprocess.TimeoutExpired):
+    """A command ran past its time: the report shows the ends of its output, so a hang seen once
+    (in CI, under load) can be traced from the test's failure alone."""
+
+    def __str__(self) -> str:
+        return (f"{super().__str__()}\nstdout (end):\n{(self.output or '')[-3000:]}"
+                f"\nstderr (end):\n{(self.stderr or '')[-5000:]}")
+
+
+def _decoded(text: str | bytes | None) -> str:
+    return text.decode(errors="replace") if isinstance(text, bytes) else (text or "")
+
+
 def run_warm(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess | None:
     """Run `cmd` (`python -m rltrain ...`) in a child of the warm fork server; None when its
     environment needs a fresh interpreter. Stdout and stderr go to files the child's file
@@ -82,9 +99,10 @@ def run_warm(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.
         child.start()
         child.join(timeout)
         if child.is_alive():
-            child.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)  # the child and every process it started
             child.join()
-            raise subprocess.TimeoutExpired(cmd, timeout, output=_text(out), stderr=_text(err))
+            raise CommandTimedOut(cmd, timeout, _text(out), _text(err))
         stdout, stderr = _text(out), _text(err)
     if child.exitcode == WARM_REFUSED and stderr.startswith(WARM_REFUSED_MARK):
         return None
@@ -118,6 +136,7 @@ def _warm_entry(args: list[str], env: dict[str, str], cwd: str, sys_path: list[s
     import threading
     import traceback
 
+    os.setpgrp()  # a process group of its own, as a shell gives a command: a timeout kills all of it
     for fd, path in ((1, out), (2, err)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(target, fd)

@@ -23,7 +23,7 @@ from rltrain.data.prompt_data import PromptRow, build_prompt_data
 from rltrain.data.ragged import Ragged
 from rltrain.data.sampler import IndexStream
 from rltrain.data.sharding import rank_slice, sum_over_replicas
-from rltrain.rewards import RewardFn, score
+from rltrain.rewards.scoring import Failures, RewardScorer
 from rltrain.rollout.base import Completion, RolloutEngine, SamplingSettings
 from rltrain.rollout.share import replica_leader, share_completions
 from rltrain.run.samples import Sample, first_samples
@@ -78,6 +78,7 @@ class Experience:
     batch: SequenceBatch  # prompt + completion token ids of every completion
     engine_logps: Ragged  # the rollout engine's sampling log-probabilities
     rewards_by_fn: dict[str, list[float]]  # this rank's, per reward function (unweighted)
+    reward_failures: Failures  # this rank's samples scored `reward.on_failure` (per function)
     scores_B: torch.Tensor  # this rank's weighted total reward per completion (float64, host)
     global_scores: torch.Tensor  # every rank's totals at their global positions (float64, host)
     counts: torch.Tensor  # global [completion tokens, sequences, truncated sequences] (host)
@@ -92,12 +93,13 @@ class ExperienceCollector:
     """Owns the prompt data, the reward functions and the rollout side of a step."""
 
     def __init__(
-        self, ctx: RunContext, rollout: RolloutEngine, timeshare: TimeSharing, policy, reward_fns: list[RewardFn]
+        self, ctx: RunContext, rollout: RolloutEngine, timeshare: TimeSharing, policy, scorer: RewardScorer
     ) -> None:
         cfg = ctx.cfg
         self.ctx, self.algo_cfg = ctx, cfg.algo
         self.train_prompts, self.eval_prompts, self.dropped = build_prompt_data(ctx.tokenizer, cfg.data, cfg.trainer.seed)
-        self.reward_fns = reward_fns
+        self.scorer = scorer
+        self.reward_fns = scorer.fns
         self.stream = IndexStream(len(self.train_prompts), cfg.trainer.seed)
         self.rollout, self.timeshare, self.policy = rollout, timeshare, policy
         self.eos = ctx.tokenizer.eos_token_id
@@ -135,17 +137,18 @@ class ExperienceCollector:
     def texts(self, completions: list[Completion]) -> list[str]:
         return [self.ctx.tokenizer.decode([t for t in c.token_ids if t != self.eos], skip_special_tokens=True) for c in completions]
 
-    def rewards(self, rows: list[PromptRow], completions: list[Completion]) -> dict[str, list[float]]:
+    def rewards(self, rows: list[PromptRow], completions: list[Completion]) -> tuple[dict[str, list[float]], Failures]:
         owners = [rows[c.prompt_index] for c in completions]
         columns = {key: [r.columns[key] for r in owners] for key in (owners[0].columns if owners else {})}
-        return score(self.reward_fns, [r.text for r in owners], self.texts(completions), columns)
+        groups = [c.prompt_index for c in completions]
+        return self.scorer.score([r.text for r in owners], self.texts(completions), columns, groups)
 
     def collect(self, step: int) -> Experience:
         global_index = self.stream.take(self.algo_cfg.prompts_per_step)
         rows = [self.train_prompts[i] for i in rank_slice(global_index, self.policy.rank, self.policy.world_size)]
         completions = self.generate([r.ids for r in rows], self.sampling(step))
         time_rollout = self.timeshare.last_generate_s
-        per_fn = self.rewards(rows, completions)
+        per_fn, failures = self.rewards(rows, completions)
         scores_B = torch.zeros(len(completions), dtype=torch.float64, device="cpu")
         for rf in self.reward_fns:
             scores_B += rf.weight * torch.tensor(per_fn[rf.name], dtype=torch.float64, device="cpu")
@@ -165,20 +168,26 @@ class ExperienceCollector:
         )
         return Experience(
             rows=rows, completions=completions, batch=batch, engine_logps=engine_logps, rewards_by_fn=per_fn,
+            reward_failures=failures,
             scores_B=scores_B, global_scores=global_scores, counts=sum_over_replicas(local_counts, dp_size),
             time_rollout=time_rollout,
         )
 
     def reward_metrics(self, exp: Experience) -> dict[str, float]:
-        """`reward/mean`, `reward/std` and `reward/<fn>` over the global batch."""
+        """`reward/mean`, `reward/std` and `reward/<fn>` over the global batch; `reward/timeouts` and
+        `reward/errors`: its samples (per function) that scored `reward.on_failure` instead."""
         n_global = self.layout.global_size
+        failed = exp.reward_failures
         sums = torch.tensor(
-            [sum(v) for v in exp.rewards_by_fn.values()] + [float((exp.scores_B**2).sum()), float(exp.scores_B.sum())],
+            [sum(v) for v in exp.rewards_by_fn.values()]
+            + [float(failed.timeouts), float(failed.errors), float((exp.scores_B**2).sum()), float(exp.scores_B.sum())],
             dtype=torch.float64, device="cpu",
         )
-        means = sum_over_replicas(sums, self.policy.world_size) / n_global
+        totals = sum_over_replicas(sums, self.policy.world_size)
+        means = totals / n_global
         reward_mean = float(means[-1])
         out = {"reward/mean": reward_mean, "reward/std": max(0.0, float(means[-2]) - reward_mean**2) ** 0.5}
+        out["reward/timeouts"], out["reward/errors"] = float(totals[-4]), float(totals[-3])
         for i, rf in enumerate(self.reward_fns):
             out[f"reward/{rf.name}"] = float(means[i])
         return out
@@ -196,7 +205,7 @@ class ExperienceCollector:
         mine = rank_slice(self.eval_prompts, self.policy.rank, self.policy.world_size)
         completions = self.generate([r.ids for r in mine], self.sampling(step, greedy=True))
         self.timeshare.pop_metrics()  # a step's row reports the step's phases only
-        per_fn = self.rewards(mine, completions)
+        per_fn, _ = self.rewards(mine, completions)  # evaluation's failed samples score reward.on_failure, uncounted
         texts = self.texts(completions)
         correct = 0.0
         if mine and "answer" in mine[0].columns:

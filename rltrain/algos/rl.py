@@ -21,7 +21,7 @@ from rltrain.backends import build_engine, build_reference
 from rltrain.backends.base import LogProbScorer
 from rltrain.data.ragged import Ragged
 from rltrain.data.sharding import sum_over_replicas
-from rltrain.rewards import build_reward_fns
+from rltrain.rewards.scoring import RewardScorer, build_reward_fns
 from rltrain.rollout import build_rollout
 from rltrain.run.samples import Sample
 from rltrain.runtime.distributed import global_max
@@ -61,7 +61,8 @@ class RLAlgorithm:
         frozen = [rf.device_model for rf in reward_fns if rf.device_model is not None]
         self.weights = WeightSync(self.rollout, deferred=cfg.placement.time_sharing)
         self.timeshare = TimeSharing(engines, self.rollout, ctx.dist.device, cfg.placement.time_sharing, self.weights, frozen)
-        self.collector = ExperienceCollector(ctx, self.rollout, self.timeshare, self.policy, reward_fns)
+        scorer = RewardScorer(reward_fns, cfg.reward, cfg.safety.collective_timeout_s)
+        self.collector = ExperienceCollector(ctx, self.rollout, self.timeshare, self.policy, scorer)
         parity = ParityProbe()
         update = MiniBatchUpdate(
             self.collector.layout, a.mini_batches, a.num_iterations, cfg.trainer.micro_batch_size, cfg.trainer.max_tokens_per_micro_batch
@@ -157,8 +158,10 @@ class RLAlgorithm:
         return self.rollout.ping
 
     def close(self) -> None:
-        """Shut the rollout engine down before the trainer's process group goes away."""
+        """Shut the rollout engine down before the trainer's process group goes away, and the
+        reward functions' workers with it."""
         self.rollout.close()
+        self.collector.scorer.close()
 
     def checkpoint_engines(self) -> dict[str, Any]:
         return {"policy": self.policy, **({"critic": self.critic} if self.critic is not None else {})}

@@ -113,6 +113,7 @@ class ModelConfig:
     # first (rltrain/models/tiny_sft.py), so RL starts from answers it can sharpen; 0 = no SFT.
     sft_steps: int = 0
     sft_lr: float = 1e-3
+    sft_carry_problems: int | None = None  # its data.max_carry_problems (the RL run keeps every problem)
     lora: LoraAdapterConfig = field(default_factory=LoraAdapterConfig)
 
 
@@ -144,6 +145,7 @@ class DataConfig:
     eval_fraction: float = 0.05
     task: str = choice("addition", Task)
     num_train: int = 0  # built-in task: 0 = every problem not held out
+    max_carry_problems: int | None = None  # built-in task: keep this many training sums that carry; null = all
     num_eval: int = 200
     max_length: int = 256
     overlong: str = choice("drop", Overlong)
@@ -340,7 +342,12 @@ class RewardConfig:
 
     fns: list[str] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)
-    timeout_s: float | None = 60.0  # bound on every reward call; 0 or null: no limit
+    timeout_s: float | None = 60.0  # bound on each call (one chunk); 0 or null: no limit
+    workers: int = 1  # worker processes per rank that run the functions (killed and replaced on a timeout)
+    chunk_size: int = 0  # completions per call: 0 = one prompt's group; N = at most N of one group
+    chunk_spans_groups: bool = False  # true: chunks of chunk_size may hold several prompts' completions
+    on_failure: float = 0.0  # the reward of a sample whose call raised, returned nonsense or timed out
+    max_failure_frac: float = 0.25  # a rank stops when more of its step's samples fail for one function
 
 
 @dataclass

@@ -100,6 +100,13 @@ def validate(cfg) -> None:
         raise UserError(f"optim.lr={cfg.optim.lr} must be positive.")
     if cfg.reward.timeout_s is not None and cfg.reward.timeout_s < 0:
         raise UserError(f"reward.timeout_s={cfg.reward.timeout_s} must be positive (seconds), or 0 / null for no limit.")
+    if cfg.reward.workers < 1 or cfg.reward.chunk_size < 0:
+        raise UserError(
+            f"reward.workers={cfg.reward.workers} must be at least 1 and reward.chunk_size={cfg.reward.chunk_size} at "
+            "least 0 (0: one prompt's group per call)."
+        )
+    if not 0 <= cfg.reward.max_failure_frac <= 1:
+        raise UserError(f"reward.max_failure_frac={cfg.reward.max_failure_frac} must be in [0, 1] (a share of a step's samples).")
     validate_model(cfg.model)
     validate_lora(cfg)
     validate_data(cfg)
@@ -183,6 +190,9 @@ def validate_data(cfg) -> None:
             f"data.num_eval={data.num_eval} must be between 1 and 9999: the built-in {data.task!r} task has "
             "10,000 problems and holds that many out for evaluation."
         )
+    for key, value in (("data.max_carry_problems", data.max_carry_problems), ("model.sft_carry_problems", cfg.model.sft_carry_problems)):
+        if value is not None and value < 0:
+            raise UserError(f"{key}={value} must be at least 0 (null: every training problem whose sum carries).")
 
 
 def validate_algo(algo) -> None:

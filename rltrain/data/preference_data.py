@@ -90,7 +90,7 @@ def rows_to_pairs(tokenizer, rows: list[dict], data_cfg, where: str, skipped: Sk
 def build_preference_data(tokenizer, data_cfg, seed: int) -> PreferenceData:
     skipped = SkipCounts()
     if data_cfg.path is None:
-        train_p, eval_p = tasks.addition_split(seed, data_cfg.num_eval, data_cfg.num_train)
+        train_p, eval_p = tasks.builtin_split(data_cfg, seed)
         where = f"built-in task {data_cfg.task!r}"
         train_rows, eval_rows = tasks.preference_rows(train_p, seed), tasks.preference_rows(eval_p, seed + 7)
         answers = [p.answer for p in eval_p]

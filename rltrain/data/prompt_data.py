@@ -35,7 +35,7 @@ def _to_row(tokenizer, row: dict, where: str, max_length: int) -> PromptRow | No
 def build_prompt_data(tokenizer, data_cfg, seed: int) -> tuple[list[PromptRow], list[PromptRow], int]:
     """(train prompts, eval prompts, prompts dropped as longer than data.max_length)."""
     if data_cfg.path is None:
-        train_p, eval_p = tasks.addition_split(seed, data_cfg.num_eval, data_cfg.num_train)
+        train_p, eval_p = tasks.builtin_split(data_cfg, seed)
         train_rows, eval_rows, where = tasks.prompt_rows(train_p), tasks.prompt_rows(eval_p), "built-in task"
     else:
         train_rows, eval_rows, where = train_and_eval_rows(data_cfg, seed, [("prompt",)])

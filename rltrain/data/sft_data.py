@@ -26,7 +26,7 @@ class SFTData:
 def text_rows(data_cfg, seed: int) -> tuple[list[dict], list[dict], str]:
     """(train rows, eval rows, where) for prompt/completion-style data."""
     if data_cfg.path is None:
-        train, held_out = tasks.addition_split(seed, data_cfg.num_eval, data_cfg.num_train)
+        train, held_out = tasks.builtin_split(data_cfg, seed)
         return tasks.sft_rows(train), tasks.sft_rows(held_out), f"built-in task {data_cfg.task!r}"
     return train_and_eval_rows(data_cfg, seed, [("prompt", "completion"), ("messages",)])
 

@@ -2,7 +2,9 @@
 
 `addition`: two-digit addition `a+b=` -> `c`. The held-out split is a fixed random subset of the
 10,000 problems that never appears in training, so evaluation accuracy measures generalisation,
-not memorisation. The same problems give the preference task (chosen = the right sum, rejected =
+not memorisation. `data.max_carry_problems` keeps only that many of the training problems whose sum
+carries (units or tens): the SFT start learns from the easy problems and a few hard ones, and RL
+then generalises to the rest (docs/algorithms.md, "RL that learns"). The same problems give the preference task (chosen = the right sum, rejected =
 a wrong one of a different length) and the reward for online RL (see rltrain/rewards/builtin.py).
 """
 
@@ -25,9 +27,17 @@ class Problem:
     def answer(self) -> str:
         return str(self.a + self.b)
 
+    @property
+    def carries(self) -> bool:
+        """Whether the sum carries out of the units or out of the tens (a three-digit sum)."""
+        return self.a % 10 + self.b % 10 >= 10 or self.a // 10 + self.b // 10 >= 10
 
-def addition_split(seed: int, num_eval: int, num_train: int = 0) -> tuple[list[Problem], list[Problem]]:
-    """(train, eval) problems; disjoint; `num_train=0` keeps every problem not held out."""
+
+def addition_split(
+    seed: int, num_eval: int, num_train: int = 0, max_carry: int | None = None
+) -> tuple[list[Problem], list[Problem]]:
+    """(train, eval) problems; disjoint; `num_train=0` keeps every problem not held out; `max_carry`
+    keeps the first that many training problems that carry (and every one that does not)."""
     problems = [Problem(a, b) for a in range(100) for b in range(100)]
     rng = random.Random(seed)
     rng.shuffle(problems)
@@ -36,7 +46,16 @@ def addition_split(seed: int, num_eval: int, num_train: int = 0) -> tuple[list[P
     eval_set, train_set = problems[:num_eval], problems[num_eval:]
     if num_train:
         train_set = train_set[:num_train]
+    if max_carry is not None:
+        carrying = [p for p in train_set if p.carries][:max_carry]
+        kept = set(carrying)
+        train_set = [p for p in train_set if not p.carries or p in kept]
     return train_set, eval_set
+
+
+def builtin_split(data_cfg, seed: int) -> tuple[list[Problem], list[Problem]]:
+    """The built-in task's (train, eval) problems as `data.*` selects them."""
+    return TASKS[data_cfg.task](seed, data_cfg.num_eval, data_cfg.num_train, data_cfg.max_carry_problems)
 
 
 def wrong_answer(problem: Problem, rng: random.Random) -> str:

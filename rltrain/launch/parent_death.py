@@ -14,6 +14,9 @@ import signal
 import sys
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# Set to the parent's pid in the environment of a `python -m rltrain` that a run starts itself (the
+# SFT start's child run): that child dies with it.
+DIE_WITH_PARENT_ENV = "RLTRAIN_DIE_WITH_PARENT"
 
 
 def die_with_parent(parent_pid: int) -> None:

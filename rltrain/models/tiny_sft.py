@@ -1,8 +1,11 @@
 """`model=tiny_sft`: the tiny model after a short SFT on the built-in task, built once and cached.
 
-RL from the randomly initialised tiny model has no right answers to reinforce; after a short SFT it
-answers some held-out problems and RL can raise that number. The SFT is an ordinary `algo=sft` run
-in a clean child process, on the training split only. docs/internals/models.md has the details.
+RL from the randomly initialised tiny model has no right answers to reinforce; after an SFT it
+answers some held-out problems and RL can raise that number. The SFT sees every training sum that
+does not carry and only `model.sft_carry_problems` that do: it reaches a plateau (easy sums right,
+carrying ones often wrong) that does not depend on where a steep learning curve was cut, so the
+start, and RL's gain from it, hold across seeds and CPUs. The SFT is an ordinary `algo=sft` run in a
+clean child process, on the training split only. docs/internals/models.md has the details.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 from pathlib import Path
 
 from rltrain.config.schema import DataConfig, ModelConfig, TrainerConfig
+from rltrain.launch.parent_death import DIE_WITH_PARENT_ENV
 from rltrain.models.tiny import build_tiny_model_dir, publish_directory
 from rltrain.runtime.errors import UserError
 
@@ -53,6 +57,7 @@ def sft_key(model_cfg: ModelConfig, data_cfg: DataConfig, base_dir: Path) -> str
         "task": data_cfg.task,
         "num_eval": data_cfg.num_eval,
         "num_train": data_cfg.num_train,
+        "carry_problems": model_cfg.sft_carry_problems,
         "format": 1,
     }
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
@@ -81,15 +86,17 @@ def sft_command(
         f"data.task={data_cfg.task}",
         f"data.num_eval={data_cfg.num_eval}",
         f"data.num_train={data_cfg.num_train}",
+        f"data.max_carry_problems={'null' if model_cfg.sft_carry_problems is None else model_cfg.sft_carry_problems}",
         f"hydra.run.dir={run_dir}",
     ]
 
 
 def child_env() -> dict[str, str]:
-    """This process's environment without the launcher's torch.distributed variables."""
-    return {
-        k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV_NAMES and not k.startswith(LAUNCHER_ENV_PREFIX)
-    }
+    """This process's environment without the launcher's torch.distributed variables, asking the
+    child to die with this process (a killed run leaves no SFT running behind it)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV_NAMES and not k.startswith(LAUNCHER_ENV_PREFIX)}
+    env[DIE_WITH_PARENT_ENV] = str(os.getpid())
+    return env
 
 
 def final_accuracy(metrics_path: Path) -> float | None:
@@ -104,6 +111,7 @@ def build_sft_model_dir(model_cfg: ModelConfig, data_cfg: DataConfig, trainer_cf
     if model_cfg.sft_steps < 1:
         raise UserError(f"model.sft_steps={model_cfg.sft_steps} must be at least 1 for an SFT start (0: model=tiny).")
     base_dir = build_tiny_model_dir(model_cfg, trainer_cfg.seed)
+    carry = "" if model_cfg.sft_carry_problems is None else f", {model_cfg.sft_carry_problems} of its sums that carry"
     target = base_dir.parent / f"{base_dir.name}-sft-{sft_key(model_cfg, data_cfg, base_dir)}"
     if (target / "config.json").exists():
         return target
@@ -114,7 +122,7 @@ def build_sft_model_dir(model_cfg: ModelConfig, data_cfg: DataConfig, trainer_cf
         log_path = tmp / "sft.log"
         print(
             f"rltrain: building the SFT'd tiny model once: {model_cfg.sft_steps} SFT steps (lr {model_cfg.sft_lr:g}) "
-            f"on the '{data_cfg.task}' training split, cached in {target} (progress: {log_path}) ...",
+            f"on the '{data_cfg.task}' training split{carry}, cached in {target} (progress: {log_path}) ...",
             flush=True,
         )
         with log_path.open("w") as log:

@@ -15,6 +15,8 @@ import multiprocessing
 from multiprocessing.connection import Connection
 from typing import Any
 
+from rltrain.runtime.call_pool import receive, send
+
 SAMPLE_TIMEOUT_S = 5.0  # per sample; the whole call is still bounded by reward.timeout_s
 STARTUP_S = 30.0  # a fresh worker's first sample may also wait for its imports
 GSM8K_MARK = "####"
@@ -46,13 +48,13 @@ def _serve(conn: Connection, check_path: str) -> None:
     check = getattr(importlib.import_module(module), name)
     while True:
         try:
-            completion, solution = conn.recv()
+            completion, solution = receive(conn)
         except EOFError:
             return
         try:
-            conn.send(float(check(completion, solution)))
+            send(conn, float(check(completion, solution)))
         except Exception:  # an answer math-verify cannot handle is a wrong answer
-            conn.send(0.0)
+            send(conn, 0.0)
 
 
 class AnswerChecker:
@@ -86,10 +88,10 @@ class AnswerChecker:
 
     def score(self, completion: str, solution: str) -> float:
         conn = self.conn if self.conn is not None and self.process.is_alive() else self._start()
-        conn.send((completion, solution))
+        send(conn, [completion, solution])
         if conn.poll(self.timeout_s + (STARTUP_S if self.starting else 0.0)):
             self.starting = False
-            return float(conn.recv())
+            return float(receive(conn))
         self.timeouts += 1
         self._kill()
         return 0.0

@@ -65,8 +65,9 @@ def seed_everything(seed: int, rank: int) -> None:
 
 def prepare_model_dir(cfg, dist_info: DistInfo) -> Path:
     """Rank 0 builds the tiny model (and its SFT start, model=tiny_sft) if needed before the
-    others read it from the cache. The barrier waits for the build: an SFT start built here must
-    finish within safety.collective_timeout_s."""
+    others read it from the cache. The local launcher builds the SFT start before it starts the
+    ranks; under torchrun the barrier waits for rank 0's build, which must then finish within
+    safety.collective_timeout_s."""
     if dist_info.is_main:
         model_dir = resolve_model_dir(cfg.model, cfg.data, cfg.trainer)
         print(f"rltrain: model {model_dir}", flush=True)

@@ -51,3 +51,14 @@ def test_bench_gpu_prints_trl_beside_every_workload_when_trl_is_importable():
     ours = [line.split() for line in proc.stdout.splitlines() if line.startswith("rltrain ")]
     assert all(cells[-1].endswith("x") and float(cells[-1][:-1]) > 0 for cells in ours), proc.stdout
     assert "warning" not in proc.stdout, proc.stdout  # both sides counted the same tokens
+
+
+def test_bench_rewards_prints_the_direct_call_and_the_pool():
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_rewards.py", "--prompts", "2", "--group", "2", "--workers", "1", "--repeats", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.rsplit(None, 1) for line in proc.stdout.splitlines()[2:]]
+    assert [name for name, _ in rows] == ["direct call", "pool, 1 worker(s), a call per group"], proc.stdout
+    assert all(float(ms) > 0 for _, ms in rows)

@@ -1,6 +1,7 @@
 """Errors on any rank reach the user once (issue 14, points 2 and 3): a user error raised on rank 1
 ends like one on rank 0 (one paragraph naming the rank, exit 2, no traceback); a hanging reward
-function is bounded by `reward.timeout_s`; a rank with no prompts calls no reward function."""
+function is bounded by `reward.timeout_s`; a rank with no prompts calls no reward function; reward
+calls that hang or raise cost their own samples (issue 23, point 3)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,14 @@ REWARDS = textwrap.dedent("""
     def hangs(prompts, completions, **_):
         while True:
             time.sleep(1)
+
+    def flaky(prompts, completions, **_):
+        a = int(prompts[0].split("+")[0])  # one call is one prompt's group
+        if a % 4 == 0:
+            time.sleep(1000)
+        if a % 4 == 1:
+            raise ValueError("odd one")
+        return [1.0] * len(completions)
 """)
 
 
@@ -84,6 +93,22 @@ def test_hanging_reward_is_bounded_by_reward_timeout(tiny_cache, tmp_path, rewar
     _one_paragraph(proc.stderr, "reward function 'rw_rank:hangs' did not return within reward.timeout_s=2 s")
     assert time.monotonic() - t0 < 300
     assert not (run_dir / "final").exists()
+
+
+def test_failing_reward_chunks_cost_their_samples_and_the_run_goes_on(tiny_cache, tmp_path, rewards):
+    """Groups whose reward call hangs or raises score reward.on_failure, are counted, and the run
+    finishes (max_failure_frac=1: no share of failures stops it)."""
+    run_dir = tmp_path / "run"
+    rltrain(*TWO_RANKS_HF, "algo.prompts_per_step=8", "reward.fns=[rw_rank:flaky]", "reward.timeout_s=1",
+            "reward.max_failure_frac=1", "reward.on_failure=-2", "safety.collective_timeout_s=120", run_dir=run_dir,
+            env=rewards, timeout=400)
+    rows = train_rows(run_dir)
+    assert len(rows) == 2
+    assert sum(r["reward/timeouts"] for r in rows) > 0 and sum(r["reward/errors"] for r in rows) > 0, rows
+    for r in rows:  # each failed sample scored -2, every other one 1
+        failed = (r["reward/timeouts"] + r["reward/errors"]) / 16
+        assert r["reward/mean"] == pytest.approx(-2 * failed + (1 - failed)), r
+    assert (run_dir / "final").exists()
 
 
 def test_rank_without_prompts_calls_no_reward(tiny_cache, tmp_path, rewards):

@@ -29,7 +29,7 @@ def test_submitit_sweep_of_two_rank_jobs_records_a_failed_point(tiny_cache, tmp_
     # optim.lr=-1 fails validation in its job (a UserError, exit status 2); the other job trains.
     proc = rltrain(
         "-m", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2", "optim.lr=1e-3,-1", *SFT,
-        f"hydra.sweep.dir={sweep}", check=False, timeout=400,
+        "safety.collective_timeout_s=120", f"hydra.sweep.dir={sweep}", check=False, timeout=400,
     )
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = _summary(sweep)

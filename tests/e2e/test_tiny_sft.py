@@ -1,20 +1,26 @@
-"""`model=tiny_sft`: the SFT start of RL is built once by rank 0, cached atomically, and reused.
+"""`model=tiny_sft`: the SFT start of RL is built once (by the launcher before it starts the ranks,
+or by rank 0 alone), cached atomically, and reused.
 
 The cheap test runs the real thing with a small tiny model and a few SFT steps on 2 ranks: the
-SFT child must not join the parent's process group (it would hang until the collective timeout),
-and a second run must reuse the cache entry without building. The slow test is the README's claim:
+SFT child must not join a process group of the parent (it would hang until the collective
+timeout), and a second run must reuse the cache entry without building. The slow test is the README's claim:
 from the default SFT start, GRPO raises held-out exact-match accuracy by at least 0.1.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
-from cli import read_metrics, rltrain
+from cli import ROOT, read_metrics, rltrain
 
 from rltrain.config.schema import DataConfig, ModelConfig, TrainerConfig
+from rltrain.launch.parent_death import DIE_WITH_PARENT_ENV
 from rltrain.models import tiny_sft
 
 pytestmark = pytest.mark.e2e
@@ -44,7 +50,7 @@ def small_run_args(cache) -> list[str]:
     ]
 
 
-def test_rank0_builds_the_sft_start_once_and_later_runs_reuse_it(tmp_path):
+def test_the_sft_start_is_built_once_and_later_runs_reuse_it(tmp_path):
     cache = tmp_path / "cache"
     first = rltrain(*small_run_args(cache), run_dir=tmp_path / "first", timeout=600)
     assert first.stdout.count(BUILDING) == 1, first.stdout[-3000:]
@@ -73,8 +79,19 @@ def test_another_sft_setting_is_another_cache_entry(tmp_path):
     key = tiny_sft.sft_key(model, data, base)
     assert tiny_sft.sft_key(ModelConfig(**{**SMALL_MODEL, "sft_steps": 4}), data, base) != key
     assert tiny_sft.sft_key(ModelConfig(**SMALL_MODEL, sft_lr=2e-3), data, base) != key
+    assert tiny_sft.sft_key(ModelConfig(**SMALL_MODEL, sft_carry_problems=10), data, base) != key
     assert tiny_sft.sft_key(model, DataConfig(num_eval=300), base) != key  # another held-out split
     assert tiny_sft.sft_key(model, data, tmp_path / "tiny-qwen2-4567") != key  # another spec or seed
+
+
+def test_the_sft_child_trains_on_the_selected_carrying_sums(tmp_path):
+    command = tiny_sft.sft_command(
+        ModelConfig(**SMALL_MODEL, sft_carry_problems=300), DataConfig(), TrainerConfig(), tmp_path, tmp_path / "run"
+    )
+    assert "data.max_carry_problems=300" in command
+    assert "data.max_carry_problems=null" in tiny_sft.sft_command(
+        ModelConfig(**SMALL_MODEL), DataConfig(), TrainerConfig(), tmp_path, tmp_path / "run"
+    )
 
 
 def test_a_failed_build_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
@@ -88,6 +105,39 @@ def test_a_failed_build_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [tiny_sft.build_tiny_model_dir(model, 0).name]
 
 
+def test_a_killed_run_leaves_no_sft_child_running(tmp_path):
+    """SIGKILL cannot be forwarded: the kernel ends the SFT child when the run that started it dies."""
+    cache = tmp_path / "cache"
+    args = [*small_run_args(cache), "trainer.nproc=1", "model.sft_steps=100000"]
+    log = tmp_path / "run.log"
+    with log.open("w") as out:
+        run = subprocess.Popen([sys.executable, "-m", "rltrain", *args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT,
+                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (children := sft_children(cache)):
+            assert run.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        run.kill()
+        run.wait()
+        deadline = time.monotonic() + 30
+        while sft_children(cache) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert sft_children(cache) == [], f"the SFT child {children} outlived its SIGKILLed run"
+    finally:
+        if run.poll() is None:
+            run.kill()
+        for pid in sft_children(cache):
+            os.kill(pid, signal.SIGKILL)
+
+
+def sft_children(cache) -> list[int]:
+    """Live `python -m rltrain algo=sft` processes building into `cache` (not zombies)."""
+    listing = subprocess.run(["ps", "-ww", "-eo", "pid=,stat=,args="], capture_output=True, text=True, check=True).stdout
+    rows = (line.split(None, 2) for line in listing.splitlines())
+    return [int(pid) for pid, stat, args in rows if not stat.startswith("Z") and "algo=sft" in args and str(cache) in args]
+
+
 def test_the_child_gets_no_launcher_variables(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("MASTER_PORT", "29500")
@@ -96,6 +146,7 @@ def test_the_child_gets_no_launcher_variables(monkeypatch):
     env = tiny_sft.child_env()
     assert not {"RANK", "MASTER_PORT", "TORCHELASTIC_RUN_ID"} & set(env)
     assert env["RLTRAIN_CACHE"] == "/somewhere"
+    assert env[DIE_WITH_PARENT_ENV] == str(os.getpid())  # the child dies with its parent run
 
 
 def test_an_sft_start_with_a_user_dataset_is_refused_with_the_fix(tmp_path):

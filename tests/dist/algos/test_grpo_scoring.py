@@ -30,6 +30,7 @@ def _model_dir():
 
 def _grpo_update(rank, world, model_dir, backend, fused):
     from rltrain.algos.experience import BatchLayout, Experience
+    from rltrain.rewards.scoring import Failures
     from rltrain.algos.rl_update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
     from rltrain.config.schema import FSDPBackendConfig, GRPOConfig, MegatronBackendConfig, OptimConfig
     from rltrain.data.batch import SequenceBatch
@@ -64,7 +65,7 @@ def _grpo_update(rank, world, model_dir, backend, fused):
     all_tokens = sum(len(_completion(g, k)) for g in range(PROMPTS) for k in range(GROUP))
     counts = torch.tensor([float(all_tokens), float(PROMPTS * GROUP), 0.0], dtype=torch.float64)
     empty = torch.zeros(0, dtype=torch.float64)
-    exp = Experience(rows=[], completions=[], batch=batch, engine_logps=engine, rewards_by_fn={}, scores_B=empty,
+    exp = Experience(rows=[], completions=[], batch=batch, engine_logps=engine, rewards_by_fn={}, reward_failures=Failures(), scores_B=empty,
                      global_scores=empty, counts=counts, time_rollout=0.0)
     learner.score(exp)
     metrics = learner.update_policy(exp, adv)

@@ -31,6 +31,7 @@ def _ppo_step(rank, world, model_dir, mb_size, overrides):
 
     from rltrain.algos.base import RunContext
     from rltrain.algos.experience import BatchLayout, Experience
+    from rltrain.rewards.scoring import Failures
     from rltrain.algos.ppo import make_value_loss, ppo_advantages
     from rltrain.algos.rl_update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
     from rltrain.backends import build_engine
@@ -59,7 +60,7 @@ def _ppo_step(rank, world, model_dir, mb_size, overrides):
     scores_B = global_scores[layout.offset : layout.offset + len(batch)]
     n_tokens = sum(len(_completion(g, k)) for g in range(PROMPTS) for k in range(GROUP))
     counts = torch.tensor([float(n_tokens), float(PROMPTS * GROUP), 0.0], dtype=torch.float64)
-    exp = Experience(rows=[], completions=[], batch=batch, engine_logps=engine, rewards_by_fn={}, scores_B=scores_B,
+    exp = Experience(rows=[], completions=[], batch=batch, engine_logps=engine, rewards_by_fn={}, reward_failures=Failures(), scores_B=scores_B,
                      global_scores=global_scores, counts=counts, time_rollout=0.0)
     learner.score(exp)
     advantages = ppo_advantages(exp, a, policy.world_size)

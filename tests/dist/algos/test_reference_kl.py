@@ -29,6 +29,7 @@ def _learner_kl(rank, world, policy_dir, reference_dir):
 
     from rltrain.algos.base import RunContext
     from rltrain.algos.experience import BatchLayout, Experience
+    from rltrain.rewards.scoring import Failures
     from rltrain.algos.rl_update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
     from rltrain.backends import build_engine
     from rltrain.data.batch import SequenceBatch
@@ -47,7 +48,7 @@ def _learner_kl(rank, world, policy_dir, reference_dir):
     engine = policy.forward_logps([batch])[0].logps
     counts = torch.tensor([float(batch.num_completion_tokens), float(len(batch)), 0.0], dtype=torch.float64)
     empty = torch.zeros(0, dtype=torch.float64)
-    exp = Experience(rows=[], completions=[], batch=batch, engine_logps=engine, rewards_by_fn={}, scores_B=empty,
+    exp = Experience(rows=[], completions=[], batch=batch, engine_logps=engine, rewards_by_fn={}, reward_failures=Failures(), scores_B=empty,
                      global_scores=empty, counts=counts, time_rollout=0.0)
     learner.score(exp)
     metrics = learner.update_policy(exp, torch.zeros(len(batch)))

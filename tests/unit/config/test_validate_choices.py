@@ -114,6 +114,8 @@ def test_a_key_of_another_algorithm_is_not_checked_where_it_does_not_exist():
         ("model.attention_bias=false", "model.arch=llama"),
         ("data.num_eval=0", "data.num_eval=0"),
         ("data.eval_fraction=1.5", "data.eval_fraction=1.5"),
+        ("data.max_carry_problems=-1", "data.max_carry_problems=-1"),
+        ("model.sft_carry_problems=-5", "model.sft_carry_problems=-5"),
         ("algo.group_size=0", "algo.group_size=0"),
         ("algo.top_p=0", "algo.top_p=0"),
         ("sweep.last_n=0", "sweep.last_n=0"),

@@ -35,6 +35,22 @@ def test_addition_split_holds_out_unseen_problems():
     assert tasks.addition_split(seed=0, num_eval=200)[1] == held
 
 
+def test_carrying_sums_are_the_ones_with_a_carry_out_of_units_or_tens():
+    assert [tasks.Problem(a, b).carries for a, b in ((12, 34), (45, 54), (15, 5), (60, 40), (99, 99))] == [
+        False, False, True, True, True,
+    ]
+
+
+def test_max_carry_keeps_every_easy_sum_and_that_many_carrying_ones():
+    train, held = tasks.addition_split(seed=3, num_eval=200)
+    kept, kept_held = tasks.addition_split(seed=3, num_eval=200, max_carry=300)
+    assert kept_held == held  # the held-out problems (and so evaluation) do not change
+    assert sum(p.carries for p in kept) == 300
+    assert [p for p in kept if not p.carries] == [p for p in train if not p.carries]
+    assert set(kept) <= set(train)
+    assert tasks.addition_split(seed=3, num_eval=200, max_carry=0)[0] == [p for p in train if not p.carries]
+
+
 def test_wrong_answers_are_wrong_and_of_another_length():
     import random
 

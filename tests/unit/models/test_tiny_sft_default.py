@@ -13,12 +13,12 @@ from helpers import compose_config
 @pytest.mark.parametrize(
     "overrides, sft_steps",
     [
-        ([], 600),  # `python -m rltrain`: GRPO
+        ([], 3000),  # `python -m rltrain`: GRPO
         (["algo=grpo", "model.sft_steps=50"], 50),
         (["algo=grpo", "model=tiny"], 0),
         (["algo=sft"], 0),
         (["algo=dpo"], 0),
-        (["algo=sft", "model=tiny_sft"], 600),
+        (["algo=sft", "model=tiny_sft"], 3000),
     ],
 )
 def test_which_algorithms_start_from_the_sft_model(overrides, sft_steps):

@@ -1,5 +1,6 @@
 """The reward model scores prompt + completion exactly as transformers does, and joins the reward
-functions as `model` with its weight, through the same bounded call and empty-slice rule."""
+functions as `model` with its weight (the functions in their workers, the model in the trainer's
+process) under the same empty-slice rule."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from helpers import compose_config
 
 from rltrain.config.schema import ModelConfig
 from rltrain.models.tiny_reward import build_tiny_reward_model_dir
-from rltrain.rewards import build_reward_fns, score
+from rltrain.rewards.scoring import RewardScorer, build_reward_fns
 
 SMALL = ModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
 PROMPTS = ["12+34=", "7+8=", "1+1=", "99+1=", "5+5="]
@@ -45,9 +46,14 @@ def test_scores_equal_transformers_and_join_the_builtin_reward_by_weight(reward_
     )
     fns = build_reward_fns(cfg, torch.device("cpu"))
     assert [(rf.name, rf.weight) for rf in fns] == [("addition_reward", 1.0), ("model", 0.5)]
-    assert fns[1].timeout_s == cfg.reward.timeout_s  # called in the bounded worker thread
+    scorer = RewardScorer(fns, cfg.reward, cfg.safety.collective_timeout_s)
+    assert scorer.pool is not None and scorer.pool.paths == ["rltrain.rewards.builtin:addition_reward"]  # not the model
     answers = ["46", "15", "2", "100", "10"]
-    per_fn = score(fns, PROMPTS, COMPLETIONS, {"answer": answers})
+    try:
+        per_fn, failures = scorer.score(PROMPTS, COMPLETIONS, {"answer": answers}, groups=[0, 1, 2, 3, 4])
+    finally:
+        scorer.close()
+    assert failures.timeouts == failures.errors == 0
     direct = _direct_scores(reward_dir)
     assert per_fn["model"] == pytest.approx(direct, abs=1e-5)
     assert len(set(per_fn["model"])) == len(PROMPTS)  # the texts really are told apart
@@ -60,7 +66,9 @@ def test_the_model_alone_rewards_a_user_dataset(reward_dir, tmp_path):
     cfg = compose_config(f"data.path={data}", "reward_model=hf", f"reward_model.path={reward_dir}")
     fns = build_reward_fns(cfg, torch.device("cpu"))
     assert [rf.name for rf in fns] == ["model"]
-    assert score(fns, [], [], {}) == {"model": []}  # a rank with no completions calls nothing
+    scorer = RewardScorer(fns, cfg.reward, cfg.safety.collective_timeout_s)
+    assert scorer.pool is None  # nothing to run in a worker
+    assert scorer.score([], [], {}, groups=[])[0] == {"model": []}  # a rank with no completions calls nothing
 
 
 def test_long_texts_keep_their_end(reward_dir):

@@ -1,0 +1,185 @@
+"""Scoring a step's completions: every reward function on small chunks in killable workers.
+
+A reward function is user code: it can be slow, hang or raise on one odd completion. So each is
+called on chunks of one prompt's group (`reward.chunk_size`) in worker processes
+(rltrain.runtime.call_pool): a chunk that raises, returns nonsense or runs past `reward.timeout_s`
+scores `reward.on_failure` and is counted (`reward/errors`, `reward/timeouts`), and the run goes on.
+Only when more than `reward.max_failure_frac` of the samples a rank scores in a step fail for one
+function does that rank stop with a UserError naming it; and every rank's scoring ends by half the
+collective timeout, so a peer never waits into it. The reward model is ours and on the training
+device: it runs in the trainer's process. docs/rewards-and-roles.md.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from math import isfinite
+from typing import TYPE_CHECKING, Any
+
+from rltrain.runtime.call_pool import Call, CallPool, CallResult
+from rltrain.runtime.errors import UserError
+from rltrain.runtime.user_code import load_callable
+
+if TYPE_CHECKING:
+    import torch
+
+    from rltrain.rewards.model_reward import SequenceClassifierReward
+    from rltrain.sync.timeshare import HostOffloadable
+
+BUILTIN_FOR_TASK = {"addition": "rltrain.rewards.builtin:addition_reward"}
+
+
+@dataclass
+class RewardFn:
+    name: str
+    path: str
+    fn: Callable
+    weight: float
+    device_model: HostOffloadable | None = None  # a model it holds on the training device (time sharing moves it)
+
+
+@dataclass
+class Failures:
+    """Samples (per reward function) whose score is `reward.on_failure` because their chunk failed."""
+
+    timeouts: int = 0
+    errors: int = 0
+
+
+def build_reward_fns(cfg, device: torch.device) -> list[RewardFn]:
+    """The run's reward functions: `reward.fns` (the built-in task's reward when empty and the data
+    is built in), plus the reward model named `model` when `reward_model=hf`, loaded on `device`."""
+    reward_cfg, rm = cfg.reward, cfg.reward_model
+    paths = list(reward_cfg.fns)
+    if not paths and cfg.data.path is None:
+        paths = [BUILTIN_FOR_TASK[cfg.data.task]]
+    if not paths and rm.path is None:
+        raise UserError(
+            "GRPO on a user dataset needs reward functions: set reward.fns=[package.module:function] "
+            "(signature: fn(prompts, completions, **columns) -> list[float]), or a reward model "
+            "(reward_model=hf reward_model.path=DIR)."
+        )
+    weights = list(reward_cfg.weights) or [1.0] * len(paths)
+    if len(weights) != len(paths):
+        raise UserError(f"reward.weights has {len(weights)} entries but reward.fns has {len(paths)}; give one weight per function.")
+    fns = [RewardFn(p.split(":")[-1].split(".")[-1], p, load_callable("reward function", p), float(w)) for p, w in zip(paths, weights)]
+    if rm.path is not None:
+        model = load_reward_model(cfg, device)
+        fns.append(RewardFn("model", f"reward_model.path={rm.path}", model, float(rm.weight), device_model=model))
+    return fns
+
+
+def load_reward_model(cfg, device: torch.device) -> SequenceClassifierReward:
+    """The reward model of `reward_model.path` in the run's compute dtype (rewards/model_reward.py)."""
+    from rltrain.models.hub import local_model_dir
+    from rltrain.rewards.model_reward import SequenceClassifierReward
+    from rltrain.runtime.precision import resolve_precision
+
+    rm = cfg.reward_model
+    dtype = resolve_precision(cfg.trainer.precision, device).compute_dtype
+    directory = local_model_dir("reward_model.path", rm.path, rm.revision)
+    return SequenceClassifierReward(directory, device, dtype, rm.batch_size, rm.max_length)
+
+
+def chunk_bounds(groups: list[int], chunk_size: int, spans_groups: bool) -> list[tuple[int, int]]:
+    """[start, end) ranges over completions listed prompt by prompt (`groups[i]`: completion i's
+    prompt): one prompt's group each (`chunk_size` 0), or at most `chunk_size` completions of one
+    group, or of consecutive groups when `spans_groups`."""
+    bounds: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(groups) + 1):
+        ends_group = i == len(groups) or groups[i] != groups[i - 1]
+        full = chunk_size > 0 and i - start >= chunk_size
+        if full or (ends_group and not spans_groups) or i == len(groups):
+            bounds.append((start, i))
+            start = i
+    return bounds
+
+
+def checked_values(result: CallResult, n: int, timeout_s: float | None) -> tuple[list[float] | None, str, str]:
+    """(values, failure kind, what went wrong): values None when the call failed or returned
+    something other than `n` finite floats."""
+    if result.failure == "timeout":
+        return None, "timeout", f"did not return within reward.timeout_s={timeout_s:g} s" if timeout_s else "was stopped"
+    if result.failure is not None:
+        return None, "error", result.message if result.failure == "died" else f"raised {result.message}"
+    try:
+        values = [float(v) for v in result.value]
+    except (TypeError, ValueError):
+        return None, "error", f"must return a list of floats; got {result.value!r:.200}"
+    if len(values) != n:
+        return None, "error", f"returned {len(values)} rewards for {n} completions; it must return exactly one per completion"
+    if not all(isfinite(v) for v in values):
+        return None, "error", "returned a non-finite reward"
+    return values, "", ""
+
+
+class RewardScorer:
+    """The run's reward functions and the worker pool that runs the user ones."""
+
+    def __init__(self, fns: list[RewardFn], reward_cfg, collective_timeout_s: float) -> None:
+        self.fns, self.cfg = fns, reward_cfg
+        self.timeout_s = float(reward_cfg.timeout_s) if reward_cfg.timeout_s else None
+        self.budget_s = collective_timeout_s / 2  # a rank's scoring never keeps a peer into the collective timeout
+        pooled = [rf.path for rf in fns if rf.device_model is None]
+        self.pool = CallPool(reward_cfg.workers, pooled, "reward function") if pooled else None
+        if self.pool is not None:
+            self.pool.start()  # the workers import while the engines are built
+
+    def score(
+        self, prompts: list[str], completions: list[str], columns: dict[str, list], groups: list[int]
+    ) -> tuple[dict[str, list[float]], Failures]:
+        """Each function's rewards (one float per completion) and the samples that failed."""
+        failures = Failures()
+        if not completions:
+            return {rf.name: [] for rf in self.fns}, failures  # an empty slice: nothing to score, nothing is called
+        deadline = time.monotonic() + self.budget_s
+        bounds = chunk_bounds(groups, self.cfg.chunk_size, self.cfg.chunk_spans_groups)
+        pooled = [rf for rf in self.fns if rf.device_model is None]
+        calls = [
+            Call(rf.path, {"prompts": prompts[s:e], "completions": completions[s:e], **{k: v[s:e] for k, v in columns.items()}})
+            for rf in pooled
+            for s, e in bounds
+        ]
+        results = self.pool.run(calls, self.timeout_s, deadline) if self.pool is not None else []
+        out: dict[str, list[float]] = {}
+        for i, rf in enumerate(pooled):
+            values: list[float] = []
+            failed, first_problem = 0, ""
+            for (s, e), result in zip(bounds, results[i * len(bounds) : (i + 1) * len(bounds)], strict=True):
+                chunk, kind, problem = checked_values(result, e - s, self.timeout_s)
+                if chunk is None:
+                    chunk = [float(self.cfg.on_failure)] * (e - s)
+                    failed += e - s
+                    first_problem = first_problem or problem
+                    if kind == "timeout":
+                        failures.timeouts += e - s
+                    else:
+                        failures.errors += e - s
+                values += chunk
+            if failed > self.cfg.max_failure_frac * len(completions):
+                raise UserError(
+                    f"reward function {rf.path!r} {first_problem} (on {failed} of the {len(completions)} samples this "
+                    f"rank scored, more than reward.max_failure_frac={self.cfg.max_failure_frac:g}). Fix the function, "
+                    "or raise reward.timeout_s or reward.max_failure_frac."
+                )
+            out[rf.name] = values
+        for rf in self.fns:
+            if rf.device_model is not None:
+                out[rf.name] = in_process(rf, prompts, completions, columns)
+        return {rf.name: out[rf.name] for rf in self.fns}, failures
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+
+def in_process(rf: RewardFn, prompts: list[str], completions: list[str], columns: dict[str, list]) -> list[float]:
+    """The reward model (our code, on the training device): called directly, its output checked."""
+    values: Any = rf.fn(prompts=prompts, completions=completions, **columns)
+    checked, _, problem = checked_values(CallResult(value=values), len(completions), None)
+    if checked is None:
+        raise UserError(f"reward function {rf.path!r} {problem}.")
+    return checked
