@@ -113,21 +113,22 @@ def test_ppo_default_raises_the_reward_and_its_critic_explains_it(tiny_cache, tm
     assert statistics.mean(r["critic/explained_variance"] for r in rows[-10:]) > 0.0
 
 
-# The README's story of the embedded default (docs/algorithms.md, "RL that learns"), measured over
-# trainer.seed=0,1,2 with 1 and 2 threads: the SFT start's held-out accuracy and the gain of the
-# default GRPO command and of the documented PPO command, each within +-0.05 of the documented mean.
-SFT_START = 0.50
-GRPO_GAIN = 0.29
-PPO_GAIN = 0.27
+# The README's story of the embedded default (docs/algorithms.md, "What it does on every seed and
+# thread count"), measured over trainer.seed=0,1,2 with 1 and 2 threads: the SFT start's held-out
+# accuracy within +-0.05 of its mean, and each RL gain at least 0.1 and within 0.05 of the range
+# those six runs spanned (GRPO's seed 0 with two threads sits 0.07 under its mean, as documented).
+SFT_START = 0.51
+GRPO_GAINS = (0.22, 0.335)
+PPO_GAINS = (0.285, 0.345)
 PPO_FROM_THE_SFT_START = ["algo=ppo", "model=tiny_sft", "optim.lr=1e-4", "algo.prompts_per_step=64", "algo.group_size=8",
                           "trainer.max_steps=300", "trainer.eval_every=50"]
 
 
-def assert_the_documented_story(evals: list[dict], gain: float) -> None:
+def assert_the_documented_story(evals: list[dict], gains: tuple[float, float]) -> None:
     start, end = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 300, evals
     assert abs(start - SFT_START) <= 0.05, evals
-    assert end - start >= 0.1 and abs(end - start - gain) <= 0.05, evals
+    assert end - start >= 0.1 and gains[0] - 0.05 <= end - start <= gains[1] + 0.05, evals
 
 
 @pytest.mark.slow
@@ -139,7 +140,7 @@ def test_grpo_default_raises_heldout_accuracy(tiny_cache, tmp_path, seed):
     run_dir = tmp_path / "run"
     rltrain(f"trainer.seed={seed}", "logger.wandb.mode=disabled", "trainer.save_every=0", "trainer.progress=lines",
             run_dir=run_dir, timeout=2400)
-    assert_the_documented_story([r for r in read_metrics(run_dir) if "eval/accuracy" in r], GRPO_GAIN)
+    assert_the_documented_story([r for r in read_metrics(run_dir) if "eval/accuracy" in r], GRPO_GAINS)
 
 
 @pytest.mark.slow
@@ -150,7 +151,7 @@ def test_ppo_from_the_sft_start_raises_heldout_accuracy(tiny_cache, tmp_path, se
     run_dir = tmp_path / "run"
     rltrain(*PPO_FROM_THE_SFT_START, f"trainer.seed={seed}", "logger.wandb.mode=disabled", "trainer.save_every=0",
             "trainer.progress=lines", run_dir=run_dir, timeout=2400)
-    assert_the_documented_story([r for r in read_metrics(run_dir) if "eval/accuracy" in r], PPO_GAIN)
+    assert_the_documented_story([r for r in read_metrics(run_dir) if "eval/accuracy" in r], PPO_GAINS)
 
 
 # LoRA (docs/lora.md, "Does it learn?"): the documented commands, adapters of rank 32 on every
