@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from rltrain.launch.forked_rank import RANK_SERVER_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # A smaller tiny model, for runs whose subject is not the model (launching, failures).
@@ -95,7 +97,8 @@ def run_warm(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.
     ctx = rank_context()
     with tempfile.TemporaryDirectory(prefix="rltrain-warm-") as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        child = ctx.Process(target=_warm_entry, args=(cmd[3:], env, str(ROOT), _cold_sys_path(env), str(out), str(err)))
+        child = ctx.Process(target=_warm_entry,
+                            args=(cmd[3:], env, str(ROOT), _cold_sys_path(env), str(out), str(err), rank_server()))
         child.start()
         child.join(timeout)
         if child.is_alive():
@@ -108,6 +111,43 @@ def run_warm(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.
         return None
     assert child.exitcode is not None
     return subprocess.CompletedProcess(cmd, child.exitcode, stdout, stderr)
+
+
+_RANK_SERVER: list[str] = []
+
+
+def rank_server() -> str:
+    """The socket of this test process's rank server (tests/rank_server.py), started on first use."""
+    if not _RANK_SERVER:
+        import atexit
+        import tempfile
+        import time
+
+        directory = tempfile.mkdtemp(prefix="rlrs-")  # short: a socket path has at most 107 bytes
+        path = str(Path(directory) / "socket")
+        server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "rank_server.py"), path, str(os.getpid())], cwd=ROOT)
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        atexit.register(server.kill)  # atexit runs it first
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path):  # bound before it imports anything: a fraction of a second
+            assert server.poll() is None and time.monotonic() < deadline, "the rank server did not start"
+            time.sleep(0.02)
+        _RANK_SERVER.append(path)
+    return _RANK_SERVER[0]
+
+
+def ranks_forked() -> int:
+    """How many ranks this test process's rank server has forked."""
+    import socket
+
+    from rltrain.launch.forked_rank import LineReader, send_message
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(rank_server())
+        send_message(sock, {"count": True})
+        answer = LineReader(sock).next()
+    assert answer is not None
+    return int(answer["forked"])
 
 
 def _text(path: Path) -> str:
@@ -128,9 +168,11 @@ def _cold_sys_path(env: dict[str, str]) -> list[str]:
     return _COLD_SYS_PATH[key]
 
 
-def _warm_entry(args: list[str], env: dict[str, str], cwd: str, sys_path: list[str], out: str, err: str) -> None:
+def _warm_entry(args: list[str], env: dict[str, str], cwd: str, sys_path: list[str], out: str, err: str,
+                rank_server_path: str) -> None:
     """In the forked child: become `python -m rltrain *args` and exit as that interpreter would
-    (non-daemon threads joined, atexit handlers run, exit status from SystemExit)."""
+    (non-daemon threads joined, atexit handlers run, exit status from SystemExit). Its ranks, if it
+    starts any, are forked from the rank server (tests/rank_server.py)."""
     import atexit
     import runpy
     import threading
@@ -153,6 +195,7 @@ def _warm_entry(args: list[str], env: dict[str, str], cwd: str, sys_path: list[s
     from helpers import adopt
 
     adopt(env, cwd, sys_path)
+    os.environ[RANK_SERVER_ENV] = rank_server_path
     sys.argv = ["-m", *args]
     code: int = 0
     try:

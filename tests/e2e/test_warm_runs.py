@@ -8,7 +8,7 @@ import os
 import sys
 
 import pytest
-from cli import rltrain, run_warm
+from cli import SMALL_SFT_RUN_2_RANKS, ranks_forked, rltrain, run_warm, train_rows
 
 pytestmark = pytest.mark.e2e
 
@@ -40,3 +40,14 @@ def test_an_environment_a_preloaded_library_reads_runs_cold(tiny_cache, tmp_path
     # user reward modules of test_rank_errors.py are imported through it).
     with_path = run_warm(cfg_job, dict(os.environ, PYTHONPATH=str(tmp_path)), timeout=120)
     assert with_path is not None and with_path.returncode == 0, with_path
+
+
+def test_warm_ranks_are_forked_from_the_rank_server_and_train_as_cold_ones(shared_runs, tmp_path):
+    """The ranks of a warm 2-rank run come from the rank server (tests/rank_server.py) and log the
+    numbers of the cold shared run of the same command (its ranks fresh interpreters)."""
+    cold = train_rows(shared_runs.get(*SMALL_SFT_RUN_2_RANKS))
+    before = ranks_forked()
+    rltrain(*SMALL_SFT_RUN_2_RANKS, run_dir=tmp_path / "warm")
+    assert ranks_forked() == before + 2
+    warm = train_rows(tmp_path / "warm")
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in warm] == [(r["step"], r["loss"], r["grad_norm"]) for r in cold]
