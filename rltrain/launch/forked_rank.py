@@ -1,23 +1,16 @@
-"""A rank forked from a server that has already imported torch and transformers.
+"""A rank forked from a server that has already imported torch and transformers (tests only).
 
-Every rank of `trainer.nproc=N` is a fresh `python -m rltrain.worker`, which imports torch and
-transformers before it trains: seconds of CPU per rank, and most of a short run's time. The test
-suite runs hundreds of such short runs, so it keeps a server that imported them once
-(tests/rank_server.py) and names its socket in `RLTRAIN_RANK_SERVER`. A rank started with that
-variable is only a stand-in: it passes its arguments, environment, working directory, `sys.path`
-and standard streams to the server, which forks the real rank; the stand-in forwards the signals
-the elastic agent sends and exits as the rank did (code or signal). When the stand-in dies (even
-SIGKILLed) the server kills the rank, so a rank still dies with its launcher. Unset (every user
-run), nothing here runs. docs/testing.md, "Warm CLI runs".
-
-Messages are one JSON object per line: the stand-in sends `{"argv", "env", "cwd", "sys_path",
-"parent"}` with its fds 0-2 attached; the server answers `{"pid": N}` once the rank runs and
-`{"exit": code}` (negative: killed by that signal) when it ended, or `{"cold": [names]}` when
-the environment differs where a pre-imported library reads it (the stand-in then trains itself).
+A fresh `python -m rltrain.worker` spends seconds of CPU importing torch and transformers, most of a
+short run's time; the test suite runs hundreds of short runs. With `RLTRAIN_RANK_SERVER` naming a
+rank server's socket (tests/rank_server.py) the worker is only a stand-in: the server forks the real
+rank with the stand-in's argv, environment, cwd, sys.path and fds 0-2, the stand-in forwards the
+agent's signals and exits as the rank did, and the server kills a rank whose stand-in dies. Unset
+(every user run), nothing here runs. Protocol (JSON lines) and story: docs/testing.md, "Warm ranks".
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -84,7 +77,8 @@ def run_in_server(path: str, argv: list[str]) -> None:
     ended = reader.next()
     code = int(ended["exit"]) if ended is not None and "exit" in ended else 1
     if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL and SIGSTOP have no handler to reset
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
         os._exit(128 - code)  # not reached unless the signal does not end a process
     os._exit(code)

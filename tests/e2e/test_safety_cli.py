@@ -100,7 +100,7 @@ def test_sigkill_of_a_rank_ends_the_job_in_bounded_time_naming_it(tiny_cache, tm
     proc = rltrain("algo=sft", *QUICK, *SMALL, "trainer.max_steps=5", "debug.fault=kill:1:2",
                    run_dir=run_dir, check=False, timeout=180)
     assert proc.returncode != 0
-    assert "rank 1 exited with code -9 (killed by SIGKILL)" in proc.stderr
+    assert "rank 1 exited with code -9 (killed by SIGKILL)" in proc.stderr, proc.stderr
     assert "rltrain: rank 0: a collective failed" in proc.stderr and "lost rank 1: process" in proc.stderr
     killed_at = json.loads((run_dir / "heartbeats" / "rank-1.json").read_text())["time"]
     survivor_done = (run_dir / "heartbeats" / "rank-0.json").stat().st_mtime
