@@ -8,7 +8,7 @@ import os
 import sys
 
 import pytest
-from cli import SMALL_SFT_RUN_2_RANKS, ranks_forked, rltrain, run_warm, train_rows
+from cli import SMALL_SFT_RUN_2_RANKS, rank_server, ranks_forked, rltrain, run_warm, train_rows
 
 pytestmark = pytest.mark.e2e
 
@@ -51,3 +51,23 @@ def test_warm_ranks_are_forked_from_the_rank_server_and_train_as_cold_ones(share
     assert ranks_forked() == before + 2
     warm = train_rows(tmp_path / "warm")
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in warm] == [(r["step"], r["loss"], r["grad_norm"]) for r in cold]
+
+
+def test_a_rank_whose_environment_a_preloaded_library_reads_starts_cold(tmp_path):
+    """The rank server forks nothing for an environment its libraries were not imported with: it
+    answers `cold` and the stand-in trains itself (rltrain/launch/forked_rank.py); with no server
+    at all the stand-in goes on at once."""
+    import socket
+
+    from rltrain.launch.forked_rank import LineReader, run_in_server, send_message
+
+    before = ranks_forked()
+    env = dict(os.environ, HF_HUB_OFFLINE="0" if os.environ.get("HF_HUB_OFFLINE") == "1" else "1")
+    request = {"argv": ["worker.py", str(tmp_path), str(os.getpid())], "env": env, "cwd": os.getcwd(),
+               "sys_path": sys.path, "parent": os.getpid()}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(rank_server())
+        send_message(sock, request, [0, 1, 2])
+        assert LineReader(sock).next() == {"cold": ["HF_HUB_OFFLINE"]}
+    assert ranks_forked() == before
+    assert run_in_server(str(tmp_path / "no-server"), request["argv"]) is None
