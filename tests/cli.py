@@ -38,19 +38,22 @@ QUICK = [
 
 
 def rltrain(*args: str, run_dir: Path | None = None, timeout: float = 300, env: dict | None = None, check: bool = True,
-            warm: bool = True):
+            warm: bool = True, warm_ranks: bool = True):
     """`python -m rltrain *args` (cwd: the project root), its output captured.
 
     With `warm` (the default) the command runs in a process forked from the tests' warm fork server
     (`run_warm`): the same `python -m rltrain` code path, minus the interpreter start and the imports
     that fork server already made. A test that reads the whole console (import-time output
     included), or a command whose environment differs where a preloaded library reads it, runs cold:
-    a fresh interpreter, as a user's shell starts it (docs/testing.md, "Warm CLI runs")."""
+    a fresh interpreter, as a user's shell starts it (docs/testing.md, "Warm CLI runs"). Its ranks
+    are forked from the rank server unless `warm_ranks` is False: a test whose report depends on
+    which of two ranks that fail together exits first keeps fresh rank processes, since a forked
+    rank's exit reaches the launcher through its stand-in ("Warm ranks")."""
     cmd = [sys.executable, "-m", "rltrain", *args]
     if run_dir is not None:
         cmd.append(f"hydra.run.dir={run_dir}")
     full_env = dict(os.environ, **(env or {}))
-    proc = run_warm(cmd, full_env, timeout) if warm else None
+    proc = run_warm(cmd, full_env, timeout, warm_ranks) if warm else None
     if proc is None:
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
@@ -86,7 +89,8 @@ def _decoded(text: str | bytes | None) -> str:
     return text.decode(errors="replace") if isinstance(text, bytes) else (text or "")
 
 
-def run_warm(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess | None:
+def run_warm(cmd: list[str], env: dict[str, str], timeout: float,
+             warm_ranks: bool = True) -> subprocess.CompletedProcess | None:
     """Run `cmd` (`python -m rltrain ...`) in a child of the warm fork server; None when its
     environment needs a fresh interpreter. Stdout and stderr go to files the child's file
     descriptors 1 and 2 point at, so ranks the command starts write there too, as with a pipe."""
@@ -98,7 +102,8 @@ def run_warm(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.
     with tempfile.TemporaryDirectory(prefix="rltrain-warm-") as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
         child = ctx.Process(target=_warm_entry,
-                            args=(cmd[3:], env, str(ROOT), _cold_sys_path(env), str(out), str(err), rank_server()))
+                            args=(cmd[3:], env, str(ROOT), _cold_sys_path(env), str(out), str(err),
+                                  rank_server() if warm_ranks else ""))
         child.start()
         child.join(timeout)
         if child.is_alive():
@@ -195,7 +200,8 @@ def _warm_entry(args: list[str], env: dict[str, str], cwd: str, sys_path: list[s
     from helpers import adopt
 
     adopt(env, cwd, sys_path)
-    os.environ[RANK_SERVER_ENV] = rank_server_path
+    if rank_server_path:
+        os.environ[RANK_SERVER_ENV] = rank_server_path
     sys.argv = ["-m", *args]
     code: int = 0
     try:
