@@ -178,10 +178,7 @@ def _warm_entry(args: list[str], env: dict[str, str], cwd: str, sys_path: list[s
     """In the forked child: become `python -m rltrain *args` and exit as that interpreter would
     (non-daemon threads joined, atexit handlers run, exit status from SystemExit). Its ranks, if it
     starts any, are forked from the rank server (tests/rank_server.py)."""
-    import atexit
     import runpy
-    import threading
-    import traceback
 
     os.setpgrp()  # a process group of its own, as a shell gives a command: a timeout kills all of it
     for fd, path in ((1, out), (2, err)):
@@ -197,31 +194,13 @@ def _warm_entry(args: list[str], env: dict[str, str], cwd: str, sys_path: list[s
         sys.stderr.write(WARM_REFUSED_MARK + ", ".join(differing) + "\n")
         sys.stderr.flush()
         os._exit(WARM_REFUSED)
-    from helpers import adopt
+    from helpers import adopt, run_as_interpreter
 
     adopt(env, cwd, sys_path)
     if rank_server_path:
         os.environ[RANK_SERVER_ENV] = rank_server_path
     sys.argv = ["-m", *args]
-    code: int = 0
-    try:
-        runpy.run_module("rltrain", run_name="__main__", alter_sys=True)
-    except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            code = exc.code or 0
-        else:
-            print(exc.code, file=sys.stderr)
-            code = 1
-    except BaseException:  # noqa: BLE001 - printed as the interpreter prints an uncaught exception
-        traceback.print_exc()
-        code = 1
-    threading._shutdown()  # type: ignore[attr-defined]  # the interpreter joins non-daemon threads first
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        if stream is not None:
-            with contextlib.suppress(Exception):
-                stream.flush()
-    os._exit(code)
+    run_as_interpreter(lambda: runpy.run_module("rltrain", run_name="__main__", alter_sys=True))
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

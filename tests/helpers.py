@@ -183,3 +183,34 @@ def direct_completion_logps(model_dir, prompts: list[list[int]], completions: li
             positions = torch.arange(len(prompt) - 1, len(prompt) + len(completion) - 1)
             out.append(logps_TV[positions, ids_T[0, len(prompt) :]])
     return torch.cat(out)
+
+
+def run_as_interpreter(main) -> None:
+    """Call `main()` (a module run as `__main__`) and end this forked process as `python` would end:
+    the exit status from SystemExit (a non-int code printed, status 1), an uncaught exception's
+    traceback and status 1, non-daemon threads joined, atexit handlers run, streams flushed."""
+    import atexit
+    import contextlib
+    import sys
+    import threading
+    import traceback
+
+    code = 0
+    try:
+        main()
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # noqa: BLE001 - printed as the interpreter prints an uncaught exception
+        traceback.print_exc()
+        code = 1
+    threading._shutdown()  # type: ignore[attr-defined]  # the interpreter joins non-daemon threads first
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                stream.flush()
+    os._exit(code)

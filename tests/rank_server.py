@@ -21,7 +21,6 @@ import selectors
 import signal
 import socket
 import sys
-import traceback
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
@@ -63,43 +62,32 @@ def read_request(client: StandIn) -> dict | None:
 
 def become_rank(request: dict, fds: list[int], listener: socket.socket, conns: list[socket.socket]) -> None:
     """In the forked child: turn into the rank and exit as `python -m rltrain.worker` would."""
-    code = 1
-    try:
-        listener.close()
-        for c in conns:
-            c.close()
-        os.setsid()
-        die_with(int(request["server"]))
-        for target, fd in enumerate(fds[:3]):
-            os.dup2(fd, target)
-        for fd in fds:
-            if fd > 2:
-                os.close(fd)
-        sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - the interpreter's own streams
-        sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
-        os.environ.clear()
-        os.environ.update(request["env"])
-        os.chdir(request["cwd"])
-        sys.path[:] = request["sys_path"]
-        sys.argv = list(request["argv"])
+    from helpers import run_as_interpreter
+
+    listener.close()
+    for c in conns:
+        c.close()
+    os.setsid()
+    die_with(int(request["server"]))
+    for target, fd in enumerate(fds[:3]):
+        os.dup2(fd, target)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
+    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - the interpreter's own streams
+    sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    sys.path[:] = request["sys_path"]
+    sys.argv = list(request["argv"])
+
+    def rank() -> None:
         from rltrain.worker import train_rank
 
-        code = train_rank(Path(request["argv"][1]))
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:  # noqa: BLE001 - printed as the interpreter prints an uncaught exception
-        traceback.print_exc()
-        code = 1
-    import atexit
-    import threading
+        sys.exit(train_rank(Path(request["argv"][1])))
 
-    threading._shutdown()  # type: ignore[attr-defined]  # the interpreter joins non-daemon threads first
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        if stream is not None:
-            with contextlib.suppress(Exception):
-                stream.flush()
-    os._exit(code)
+    run_as_interpreter(rank)
 
 
 def send(conn: socket.socket, message: dict) -> None:

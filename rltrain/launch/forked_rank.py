@@ -86,7 +86,5 @@ def run_in_server(path: str, argv: list[str]) -> None:
 
 def _forward(pid: int, signum: int) -> None:
     """To the rank's process group, as the agent's `killpg` of a rank reaches what it started."""
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
