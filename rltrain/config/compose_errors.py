@@ -27,8 +27,8 @@ def _nearest(word: str, choices: list[str]) -> str:
     return f"Did you mean {close[0]}? " if close else ""
 
 
-def _known_keys(schema: type | None) -> list[str]:
-    return [f.name for f in dataclasses.fields(schema)] if schema is not None and dataclasses.is_dataclass(schema) else []
+def _known_keys(schema: object) -> list[str]:
+    return [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else []
 
 
 def describe(exc: BaseException) -> str | None:

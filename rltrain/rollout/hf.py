@@ -42,7 +42,7 @@ class HFRolloutEngine:
         self.seed = seed
         self.device = torch.device(device)
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
-        model.to(self.device).eval()  # type: ignore[arg-type]  # transformers mistypes GenerativeLM.to's wrapper
+        model.to(self.device).eval()
         model.requires_grad_(False)
         gen_cfg = model.generation_config
         eos = gen_cfg.eos_token_id if gen_cfg.eos_token_id is not None else model.config.eos_token_id
@@ -75,7 +75,7 @@ class HFRolloutEngine:
         input_ids_BT, mask_BT = self._left_pad(rows)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(self.seed * 1_000_003 + sampling.seed)
-            out = self.model.generate(  # type: ignore[misc]  # transformers' generate() declares a self protocol its models miss
+            out = self.model.generate(
                 input_ids=input_ids_BT,
                 attention_mask=mask_BT,
                 generation_config=self._generation_config(sampling, stop_ids),
@@ -156,7 +156,7 @@ class HFRolloutEngine:
     def sleep(self) -> None:
         """Move the model to host memory (accelerators only; on CPU nothing is freed)."""
         if self.device.type != "cpu" and not self.asleep:
-            self._live().to("cpu")  # type: ignore[arg-type]  # transformers mistypes GenerativeLM.to's wrapper
+            self._live().to("cpu")
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         self.asleep = True
@@ -164,7 +164,7 @@ class HFRolloutEngine:
     @exclusive
     def wake(self) -> None:
         if self.device.type != "cpu" and self.asleep:
-            self._live().to(self.device)  # type: ignore[arg-type]  # transformers mistypes GenerativeLM.to's wrapper
+            self._live().to(self.device)
         self.asleep = False
 
     def ping(self) -> bool:

@@ -73,7 +73,7 @@ def _config_dict(cfg: Any) -> dict[str, Any]:
         return asdict(cfg)
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    return OmegaConf.to_container(cfg, resolve=True)
 
 
 def completions_to_json(completions: list[Completion]) -> list[dict[str, Any]]:

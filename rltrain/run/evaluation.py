@@ -74,7 +74,7 @@ class GreedyEvaluator:
             ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=self.device)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=self.device)
             assert self.model is not None, "GreedyEvaluator.generate before load"
-            out = self.model.generate(  # type: ignore[misc]  # transformers' generate() declares a self protocol its models miss
+            out = self.model.generate(
                 input_ids=ids,
                 attention_mask=mask,
                 max_new_tokens=self.max_new_tokens,

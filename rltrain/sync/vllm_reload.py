@@ -182,11 +182,12 @@ def _is_linear(module: torch.nn.Module) -> bool:
         linear.RowParallelLinear,
         linear.ReplicatedLinear,
     )
-    return (
+    return bool(
         type(module) in kinds
         and type(module.quant_method) is linear.UnquantizedLinearMethod
         and module.tp_size == 1
-        and module.weight.numel() == 0
+        and isinstance(weight := module.weight, torch.Tensor)
+        and weight.numel() == 0
     )
 
 
@@ -194,7 +195,7 @@ def _is_embedding(module: torch.nn.Module) -> bool:
     """An unquantized, unsharded embedding or output head (it keeps its weight, plus a packed copy)."""
     from vllm.model_executor.layers import vocab_parallel_embedding as vpe
 
-    return (
+    return bool(
         type(module) in (vpe.VocabParallelEmbedding, vpe.ParallelLMHead)
         and type(module.quant_method) is vpe.UnquantizedEmbeddingMethod
         and module.tp_size == 1
@@ -204,7 +205,7 @@ def _is_embedding(module: torch.nn.Module) -> bool:
 def _is_norm(module: torch.nn.Module) -> bool:
     from vllm.model_executor.layers.layernorm import RMSNorm
 
-    return type(module) is RMSNorm and module.has_weight
+    return type(module) is RMSNorm and bool(module.has_weight)
 
 
 def _plan_linear(

@@ -94,7 +94,7 @@ class FSDPEngine:
         self.adapters = lora.add_adapters(self.lm, adapters) if adapters is not None and adapters.rank > 0 else None
         self.save_merged = adapters is not None and adapters.save_merged
         if not self.sharded:
-            self.lm.to(device)  # type: ignore[arg-type]  # transformers types PreTrainedModel.to's wrapper as taking the model
+            self.lm.to(device)
             if self.adapters is not None:
                 lora.fill_adapters(self.lm, seed)
         self.pad_id = int(self.lm.config.pad_token_id or 0)
