@@ -67,8 +67,11 @@ def rltrain(*args: str, run_dir: Path | None = None, timeout: float = 300, env: 
 # Environment variables a warm run may set differently from the fork server's: each is read only
 # by rltrain or by a library the fork server has not imported (tests/helpers.py PRELOAD), so the run
 # sees it as a fresh interpreter would; PYTHONPATH too, since the child's sys.path is the one a fresh
-# interpreter would build from it (_cold_sys_path). Any other difference (HF_*, OMP_*...) runs cold.
-WARM_ENV_PREFIXES = ("RLTRAIN_", "PYTEST_", "WANDB_", "VLLM_", "PYTHONPATH")
+# interpreter would build from it (_cold_sys_path); and the terminal size (COLUMNS, LINES), which
+# readline writes into the C environment of an interactive test process (a server started from it
+# inherits them) and which is read when output is laid out, never on import. Any other difference
+# (HF_*, OMP_*...) runs cold.
+WARM_ENV_PREFIXES = ("RLTRAIN_", "PYTEST_", "WANDB_", "VLLM_", "PYTHONPATH", "COLUMNS", "LINES")
 # Set by a preloaded library on import (inductor writes its default cache dir back into the
 # environment): a command that does not set it gets the same value in a fresh interpreter.
 SET_BY_PRELOAD = ("TORCHINDUCTOR_CACHE_DIR",)
@@ -275,8 +278,10 @@ class SharedRuns:
     Under pytest-xdist the workers share one directory and a file lock, so a configuration runs
     once whichever worker asks first; the others wait and read it. A failed run is remembered and
     re-raised to every reader. Readers must not write into a shared run: `copy_run` makes a private
-    copy (e.g. to corrupt a checkpoint and resume). Shared runs start cold (a fresh interpreter):
-    the runs most tests read come from exactly the command a user types."""
+    copy (e.g. to corrupt a checkpoint and resume). A shared run's launcher starts cold (a fresh
+    interpreter): the runs most tests read come from exactly the command a user types. Its ranks are
+    forked from the rank server ("Warm ranks" in docs/testing.md; tests/e2e/test_warm_runs.py holds
+    them to a cold rank's numbers)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -299,7 +304,8 @@ class SharedRuns:
             if not (run_dir / "SHARED_RUN_DONE").exists():
                 shutil.rmtree(run_dir, ignore_errors=True)
                 try:
-                    proc = rltrain(*args, run_dir=run_dir, timeout=timeout, env=env, warm=False)
+                    proc = rltrain(*args, run_dir=run_dir, timeout=timeout, warm=False,
+                                   env={**(env or {}), RANK_SERVER_ENV: rank_server()})
                 except BaseException as exc:
                     failed.write_text(str(exc))
                     raise

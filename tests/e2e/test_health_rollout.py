@@ -23,8 +23,8 @@ from cli import QUICK, ROOT
 # count: one pytest-xdist worker runs them all, one after the other (docs/testing.md, "Start-up").
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("separate_engine")]
 
-# Step 2's reward call parks the training loop outside the engine for a while, so the probe sees
-# the dead engine before the next engine call ends the run.
+# Step 2's reward call parks the training loop outside the engine until the test has probed (it
+# writes the release file), so the probe sees the dead engine before the next engine call ends the run.
 REWARD = """
     import os, pathlib, time
 
@@ -34,7 +34,10 @@ REWARD = """
         calls[0] += 1
         if calls[0] == 2:
             pathlib.Path(os.environ["RLTRAIN_TEST_MARK"]).write_text("rewarding")
-            time.sleep(20)
+            release = pathlib.Path(os.environ["RLTRAIN_TEST_RELEASE"])
+            deadline = time.monotonic() + 20
+            while not release.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
         return [0.0] * len(completions)
 """
 
@@ -65,10 +68,11 @@ def _engine_child(parent: int) -> int:
 
 def test_killed_separate_engine_turns_deep_health_503_naming_it(tiny_cache, tmp_path):
     (tmp_path / "slowreward.py").write_text(textwrap.dedent(REWARD))
-    mark = tmp_path / "mark"
+    mark, release = tmp_path / "mark", tmp_path / "release"
     run_dir = tmp_path / "run"
     private_tmp = Path(tempfile.mkdtemp(prefix="rlh-", dir="/tmp"))  # short: Unix socket paths live here
-    env = dict(os.environ, PYTHONPATH=str(tmp_path), RLTRAIN_TEST_MARK=str(mark), TMPDIR=str(private_tmp))
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), RLTRAIN_TEST_MARK=str(mark),
+               RLTRAIN_TEST_RELEASE=str(release), TMPDIR=str(private_tmp))
     cmd = [
         sys.executable, "-m", "rltrain", "algo=grpo", "rollout=vllm", "rollout.process=separate", *QUICK,
         "algo.prompts_per_step=4", "algo.group_size=4", "data.num_eval=4", "trainer.max_steps=3",
@@ -95,6 +99,7 @@ def test_killed_separate_engine_turns_deep_health_503_naming_it(tiny_cache, tmp_
         assert body["dead"] == [f"rollout engine: ping failed: RolloutProcessError: the rollout process (pid {child}) "
                                 "exited with code -9"], body
         assert set(body["ranks"]) == {"0"} and body["ranks"]["0"].startswith("rank 0: alive")
+        release.write_text("probed")
 
         _, err = proc.communicate(timeout=120)  # the next engine call ends the run, naming the process
         assert proc.returncode != 0

@@ -10,6 +10,8 @@ import sys
 import pytest
 from cli import SMALL_SFT_RUN_2_RANKS, rank_server, ranks_forked, rltrain, run_warm, train_rows
 
+from rltrain.launch.forked_rank import RANK_SERVER_ENV
+
 pytestmark = pytest.mark.e2e
 
 
@@ -42,10 +44,13 @@ def test_an_environment_a_preloaded_library_reads_runs_cold(tiny_cache, tmp_path
     assert with_path is not None and with_path.returncode == 0, with_path
 
 
-def test_warm_ranks_are_forked_from_the_rank_server_and_train_as_cold_ones(shared_runs, tmp_path):
+def test_warm_ranks_are_forked_from_the_rank_server_and_train_as_cold_ones(tmp_path):
     """The ranks of a warm 2-rank run come from the rank server (tests/rank_server.py) and log the
-    numbers of the cold shared run of the same command (its ranks fresh interpreters)."""
-    cold = train_rows(shared_runs.get(*SMALL_SFT_RUN_2_RANKS))
+    numbers of a cold run of the same command (no rank server: its ranks fresh interpreters). The
+    shared runs' ranks are forked, so this reference is a run of its own."""
+    assert RANK_SERVER_ENV not in os.environ
+    rltrain(*SMALL_SFT_RUN_2_RANKS, run_dir=tmp_path / "cold", warm=False)
+    cold = train_rows(tmp_path / "cold")
     before = ranks_forked()
     rltrain(*SMALL_SFT_RUN_2_RANKS, run_dir=tmp_path / "warm")
     assert ranks_forked() == before + 2
