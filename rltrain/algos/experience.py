@@ -12,7 +12,8 @@ prompt-major order plus the *global* reward vector every rank agrees on. What ha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,7 @@ from rltrain.data.prompt_data import PromptRow, build_prompt_data
 from rltrain.data.ragged import Ragged
 from rltrain.data.sampler import IndexStream
 from rltrain.data.sharding import rank_slice, sum_over_replicas
+from rltrain.envs.episodes import EpisodeRunner
 from rltrain.rewards.scoring import Failures, RewardScorer
 from rltrain.rollout.base import Completion, RolloutEngine, SamplingSettings
 from rltrain.rollout.share import replica_leader, share_completions
@@ -81,19 +83,33 @@ class Experience:
     reward_failures: Failures  # this rank's samples scored `reward.on_failure` (per function)
     scores_B: torch.Tensor  # this rank's weighted total reward per completion (float64, host)
     global_scores: torch.Tensor  # every rank's totals at their global positions (float64, host)
-    counts: torch.Tensor  # global [completion tokens, sequences, truncated sequences] (host)
+    counts: torch.Tensor  # global [completion tokens, sequences, truncated sequences, sampled tokens] (host)
     time_rollout: float
+    env_failures: Failures = field(default_factory=Failures)  # multi-turn episodes that failed (env=python)
+    turns: float = 0.0  # the model's turns over this rank's episodes (env=python)
     old_logps: Ragged | None = None
     entropy: Ragged | None = None
     ref_logps: Ragged | None = None
     values: Ragged | None = None
 
 
+def sampled_mask(completions: list[Completion]) -> Ragged | None:
+    """Which completion tokens the policy sampled, where a multi-turn rollout interleaved
+    observations (None: a single-turn batch, every token sampled)."""
+    if all(c.sampled is None for c in completions):
+        return None
+    flags = [c.sampled if c.sampled is not None else [True] * len(c.token_ids) for c in completions]
+    return Ragged.from_lengths(
+        torch.tensor([f for fs in flags for f in fs], dtype=torch.bool), torch.tensor([len(fs) for fs in flags], dtype=torch.long)
+    )
+
+
 class ExperienceCollector:
     """Owns the prompt data, the reward functions and the rollout side of a step."""
 
     def __init__(
-        self, ctx: RunContext, rollout: RolloutEngine, timeshare: TimeSharing, policy, scorer: RewardScorer
+        self, ctx: RunContext, rollout: RolloutEngine, timeshare: TimeSharing, policy, scorer: RewardScorer,
+        episodes: EpisodeRunner | None = None,
     ) -> None:
         cfg = ctx.cfg
         self.ctx, self.algo_cfg = ctx, cfg.algo
@@ -102,6 +118,7 @@ class ExperienceCollector:
         self.reward_fns = scorer.fns
         self.stream = IndexStream(len(self.train_prompts), cfg.trainer.seed)
         self.rollout, self.timeshare, self.policy = rollout, timeshare, policy
+        self.episodes = episodes  # env=python: multi-turn episodes, rewarded by the environment
         self.eos = ctx.tokenizer.eos_token_id
         self.layout = BatchLayout(cfg.algo.prompts_per_step, cfg.algo.group_size, policy.rank, policy.world_size)
         self.sample_every = cfg.logger.sample_every
@@ -146,12 +163,21 @@ class ExperienceCollector:
     def collect(self, step: int) -> Experience:
         global_index = self.stream.take(self.algo_cfg.prompts_per_step)
         rows = [self.train_prompts[i] for i in rank_slice(global_index, self.policy.rank, self.policy.world_size)]
-        completions = self.generate([r.ids for r in rows], self.sampling(step))
-        time_rollout = self.timeshare.last_generate_s
-        per_fn, failures = self.rewards(rows, completions)
-        scores_B = torch.zeros(len(completions), dtype=torch.float64, device="cpu")
-        for rf in self.reward_fns:
-            scores_B += rf.weight * torch.tensor(per_fn[rf.name], dtype=torch.float64, device="cpu")
+        env_failures, turns = Failures(), 0.0
+        if self.episodes is not None:
+            started = time.perf_counter()
+            played = self.episodes.run(rows, self.algo_cfg.group_size, self.sampling(step), f"train-{step}", self.generate)
+            completions, time_rollout = played.completions, time.perf_counter() - started
+            per_fn, failures = {"env": played.returns}, Failures()
+            env_failures, turns = played.failures, played.turns
+            scores_B = torch.tensor(played.returns, dtype=torch.float64, device="cpu")
+        else:
+            completions = self.generate([r.ids for r in rows], self.sampling(step))
+            time_rollout = self.timeshare.last_generate_s
+            per_fn, failures = self.rewards(rows, completions)
+            scores_B = torch.zeros(len(completions), dtype=torch.float64, device="cpu")
+            for rf in self.reward_fns:
+                scores_B += rf.weight * torch.tensor(per_fn[rf.name], dtype=torch.float64, device="cpu")
         if self.sample_every and step % self.sample_every == 0:
             self.recorded = first_samples([rows[c.prompt_index].text for c in completions], self.texts(completions), scores_B.tolist())
         dp_size = self.policy.world_size
@@ -160,8 +186,10 @@ class ExperienceCollector:
         global_scores[offset : offset + len(completions)] = scores_B
         global_scores = sum_over_replicas(global_scores, dp_size)
         batch = SequenceBatch.from_lists([rows[c.prompt_index].ids for c in completions], [c.token_ids for c in completions])
+        batch.sampled = sampled_mask(completions)
         local_counts = torch.tensor(
-            [batch.num_completion_tokens, len(completions), sum(not c.finished for c in completions)], dtype=torch.float64, device="cpu"
+            [batch.num_completion_tokens, len(completions), sum(not c.finished for c in completions), batch.num_sampled_tokens],
+            dtype=torch.float64, device="cpu",
         )
         engine_logps = Ragged.from_lengths(
             torch.tensor([lp for c in completions for lp in c.logprobs], dtype=torch.float32, device="cpu"), batch.completion_lens()
@@ -170,16 +198,17 @@ class ExperienceCollector:
             rows=rows, completions=completions, batch=batch, engine_logps=engine_logps, rewards_by_fn=per_fn,
             reward_failures=failures,
             scores_B=scores_B, global_scores=global_scores, counts=sum_over_replicas(local_counts, dp_size),
-            time_rollout=time_rollout,
+            time_rollout=time_rollout, env_failures=env_failures, turns=turns,
         )
 
     def reward_metrics(self, exp: Experience) -> dict[str, float]:
         """`reward/mean`, `reward/std` and `reward/<fn>` over the global batch; `reward/timeouts` and
         `reward/errors`: its samples (per function) that scored `reward.on_failure` instead."""
         n_global = self.layout.global_size
-        failed = exp.reward_failures
+        failed, env_failed = exp.reward_failures, exp.env_failures
         sums = torch.tensor(
             [sum(v) for v in exp.rewards_by_fn.values()]
+            + [float(env_failed.timeouts), float(env_failed.errors), exp.turns]
             + [float(failed.timeouts), float(failed.errors), float((exp.scores_B**2).sum()), float(exp.scores_B.sum())],
             dtype=torch.float64, device="cpu",
         )
@@ -188,8 +217,10 @@ class ExperienceCollector:
         reward_mean = float(means[-1])
         out = {"reward/mean": reward_mean, "reward/std": max(0.0, float(means[-2]) - reward_mean**2) ** 0.5}
         out["reward/timeouts"], out["reward/errors"] = float(totals[-4]), float(totals[-3])
-        for i, rf in enumerate(self.reward_fns):
-            out[f"reward/{rf.name}"] = float(means[i])
+        if self.episodes is not None:
+            out["env/timeouts"], out["env/errors"], out["env/turns_mean"] = float(totals[-7]), float(totals[-6]), float(means[-5])
+        for i, name in enumerate(exp.rewards_by_fn):
+            out[f"reward/{name}"] = float(means[i])
         return out
 
     def samples(self) -> list[Sample]:
@@ -203,6 +234,8 @@ class ExperienceCollector:
         if not self.eval_prompts:
             return {}
         mine = rank_slice(self.eval_prompts, self.policy.rank, self.policy.world_size)
+        if self.episodes is not None:
+            return self.evaluate_episodes(mine, step)
         completions = self.generate([r.ids for r in mine], self.sampling(step, greedy=True))
         self.timeshare.pop_metrics()  # a step's row reports the step's phases only
         per_fn, _ = self.rewards(mine, completions)  # evaluation's failed samples score reward.on_failure, uncounted
@@ -218,3 +251,12 @@ class ExperienceCollector:
         if "answer" in self.eval_prompts[0].columns:
             out["eval/accuracy"] = float(sums[0] / n)
         return out
+
+    def evaluate_episodes(self, mine: list[PromptRow], step: int) -> dict[str, float]:
+        """env=python: one greedy episode per held-out prompt; `eval/reward` is their mean return."""
+        assert self.episodes is not None
+        played = self.episodes.run(mine, 1, self.sampling(step, greedy=True), f"eval-{step}", self.generate)
+        self.timeshare.pop_metrics()
+        self.recorded = first_samples([r.text for r in mine], self.texts(played.completions), played.returns)
+        total = sum_over_replicas(torch.tensor([float(sum(played.returns))], dtype=torch.float64, device="cpu"), self.policy.world_size)
+        return {"eval/reward": float(total[0] / len(self.eval_prompts))}

@@ -88,6 +88,7 @@ def policy_loss(
     global_tokens: float,
     global_seqs: float,
     max_len: int = 0,
+    sampled: Ragged | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss of this micro-batch divided by the global count, metric contributions).
 
@@ -96,7 +97,9 @@ def policy_loss(
     per token); `keep_B` (bool) drops sequences from the surrogate. `old_logps=None` means
     on-policy (`logps.detach()`). `global_tokens` / `global_seqs` count completion tokens /
     sequences over every micro-batch and rank of the optimizer step; `max_len` is Dr. GRPO's
-    constant.
+    constant. `sampled` (bool per token, multi-turn trajectories) keeps the tokens the policy
+    sampled: the environment's observations get no gradient and count in no mean, and
+    `global_tokens` then counts sampled tokens only.
     """
     if loss_agg not in LOSS_AGGS:
         raise ValueError(f"algo.loss_agg={loss_agg!r}: choose one of {', '.join(LOSS_AGGS)}")
@@ -122,10 +125,11 @@ def policy_loss(
         adv_N = adv.values.float().detach().to(device)
     else:
         adv_N = logps.broadcast(adv.float().detach().to(device)).values
+    keep_N = torch.ones_like(logps_N) if sampled is None else sampled.values.to(device=device, dtype=logps_N.dtype)
     ratio_N = torch.exp(logps_N - old_N)
     unclipped_N = -adv_N * ratio_N
     clipped_N = -adv_N * torch.clamp(ratio_N, 1.0 - clip_low, 1.0 + clip_high)
-    pg_N = torch.maximum(unclipped_N, clipped_N)
+    pg_N = torch.maximum(unclipped_N, clipped_N) * keep_N
     if is_weights is not None:
         pg_N = pg_N * is_weights.values.float().detach().to(device)
     if keep_B is not None:
@@ -133,30 +137,36 @@ def policy_loss(
     loss_N = pg_N
     metrics: dict[str, torch.Tensor] = {}
     if ref_logps is not None:
-        kl_N = k3_kl(logps_N, ref_logps.values.float().detach())
+        kl_N = k3_kl(logps_N, ref_logps.values.float().detach()) * keep_N
         if beta != 0.0:
             loss_N = pg_N + beta * kl_N
         metrics["policy/kl"] = kl_N.detach().sum() / global_tokens
 
-    loss = aggregate(logps.with_values(loss_N), loss_agg, global_tokens, global_seqs, max_len)
+    counts = None if sampled is None else logps.with_values(keep_N)
+    loss = aggregate(logps.with_values(loss_N), loss_agg, global_tokens, global_seqs, max_len, counts)
     metrics["policy/pg_loss"] = aggregate(
-        logps.with_values(pg_N.detach()), loss_agg, global_tokens, global_seqs, max_len
+        logps.with_values(pg_N.detach()), loss_agg, global_tokens, global_seqs, max_len, counts
     )
-    metrics["policy/clipfrac"] = (clipped_N > unclipped_N).float().sum().detach() / global_tokens
-    metrics["policy/approx_kl"] = (0.5 * (logps_N.detach() - old_N) ** 2).sum() / global_tokens
+    metrics["policy/clipfrac"] = ((clipped_N > unclipped_N).float() * keep_N).sum().detach() / global_tokens
+    metrics["policy/approx_kl"] = (0.5 * (logps_N.detach() - old_N) ** 2 * keep_N).sum() / global_tokens
     if entropy is not None:
-        metrics["policy/entropy"] = entropy.values.float().detach().sum() / global_tokens
+        metrics["policy/entropy"] = (entropy.values.float().detach().to(device) * keep_N).sum() / global_tokens
     return loss, metrics
 
 
 def aggregate(
-    per_token: Ragged, loss_agg: str, global_tokens: float, global_seqs: float, max_len: int = 0
+    per_token: Ragged, loss_agg: str, global_tokens: float, global_seqs: float, max_len: int = 0,
+    counts: Ragged | None = None,
 ) -> torch.Tensor:
-    """Reduce per-token values to this micro-batch's share of the global loss (docs/internals/algos.md, "Aggregation")."""
+    """Reduce per-token values to this micro-batch's share of the global loss (docs/internals/algos.md,
+    "Aggregation"). `counts` (1 per sampled token, 0 per observation) replaces each sequence's length
+    in a per-sequence mean; the values of uncounted tokens must already be 0."""
     if loss_agg == "token_mean":
         return per_token.values.sum() / global_tokens
     if loss_agg == "seq_mean_token_mean":
-        return per_token.mean_per_seq().sum() / global_seqs
+        if counts is None:
+            return per_token.mean_per_seq().sum() / global_seqs
+        return (per_token.sum_per_seq() / counts.sum_per_seq().clamp(min=1.0)).sum() / global_seqs
     if loss_agg == "seq_mean_token_sum_norm":
         return per_token.sum_per_seq().sum() / (max_len * global_seqs)
     raise ValueError(f"algo.loss_agg={loss_agg!r}: choose one of {', '.join(LOSS_AGGS)}")

@@ -21,6 +21,7 @@ from rltrain.backends import build_engine, build_reference
 from rltrain.backends.base import LogProbScorer
 from rltrain.data.ragged import Ragged
 from rltrain.data.sharding import sum_over_replicas
+from rltrain.envs.episodes import EpisodeRunner
 from rltrain.rewards.scoring import RewardScorer, build_reward_fns
 from rltrain.rollout import build_rollout
 from rltrain.run.samples import Sample
@@ -57,12 +58,16 @@ class RLAlgorithm:
         self.rollout = build_rollout(ctx)
         self.critic = build_engine(ctx, "critic", optimizer_steps) if self.uses_critic else None
         engines = [e for e in (self.policy, reference_engine, self.critic) if e is not None]
-        reward_fns = build_reward_fns(cfg, ctx.dist.device)
+        # env=python: the environment's step rewards are the reward; reward.fns are not called.
+        reward_fns = build_reward_fns(cfg, ctx.dist.device) if cfg.env.name == "none" else []
         frozen = [rf.device_model for rf in reward_fns if rf.device_model is not None]
         self.weights = WeightSync(self.rollout, deferred=cfg.placement.time_sharing)
         self.timeshare = TimeSharing(engines, self.rollout, ctx.dist.device, cfg.placement.time_sharing, self.weights, frozen)
         scorer = RewardScorer(reward_fns, cfg.reward, cfg.safety.collective_timeout_s)
-        self.collector = ExperienceCollector(ctx, self.rollout, self.timeshare, self.policy, scorer)
+        episodes = None
+        if cfg.env.name == "python":
+            episodes = EpisodeRunner(cfg.env, cfg.reward, ctx.tokenizer, a.max_new_tokens, cfg.safety.collective_timeout_s)
+        self.collector = ExperienceCollector(ctx, self.rollout, self.timeshare, self.policy, scorer, episodes)
         parity = ParityProbe()
         update = MiniBatchUpdate(
             self.collector.layout, a.mini_batches, a.num_iterations, cfg.trainer.micro_batch_size, cfg.trainer.max_tokens_per_micro_batch
@@ -162,6 +167,8 @@ class RLAlgorithm:
         reward functions' workers with it."""
         self.rollout.close()
         self.collector.scorer.close()
+        if self.collector.episodes is not None:
+            self.collector.episodes.close()
 
     def checkpoint_engines(self) -> dict[str, Any]:
         return {"policy": self.policy, **({"critic": self.critic} if self.critic is not None else {})}

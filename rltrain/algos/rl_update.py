@@ -83,6 +83,13 @@ class ValueLossInputs:
 LossInputsT = PolicyLossInputs | ValueLossInputs
 
 
+def sampled_gap(trainer_N: torch.Tensor, engine_N: torch.Tensor, sampled: Ragged | None) -> torch.Tensor:
+    """|trainer - engine| log-probability per completion token, 0 on an environment's observation
+    tokens (the engine sampled none of them: docs/environments.md)."""
+    gap_N = (trainer_N.float() - engine_N.float().to(trainer_N.device)).abs()
+    return gap_N if sampled is None else gap_N * sampled.values.to(gap_N.device, gap_N.dtype)
+
+
 class ParityProbe:
     """The largest |engine - trainer| log-probability gap seen by the loss function this step. A
     max cannot travel with the summed metrics of `train_step`, so the loss reports it here and the
@@ -113,7 +120,10 @@ def make_policy_loss(algo_cfg: RLConfig, parity: ParityProbe | None = None, kl_i
         old = e.old_logps if e.old_logps is not None else output.logps.detach()
         ref = e.ref_logps if e.ref_logps is not None else old
         engine_logps = e.engine_logps
-        weights, keep_B = correction(old, engine_logps, algo_cfg.rollout_correction, algo_cfg.rollout_is_cap, algo_cfg.rollout_mask_band)
+        sampled = batch.sampled.to(output.logps.values.device) if batch.sampled is not None else None
+        weights, keep_B = correction(
+            old, engine_logps, algo_cfg.rollout_correction, algo_cfg.rollout_is_cap, algo_cfg.rollout_mask_band, sampled
+        )
         loss, loss_metrics = policy_loss(
             output.logps,
             e.adv,
@@ -129,11 +139,12 @@ def make_policy_loss(algo_cfg: RLConfig, parity: ParityProbe | None = None, kl_i
             global_tokens=e.global_tokens,
             global_seqs=e.global_seqs,
             max_len=algo_cfg.max_new_tokens,
+            sampled=sampled,
         )
         metrics: dict[str, torch.Tensor | float] = dict(loss_metrics)
-        metrics.update(correction_metrics(weights, keep_B, output.logps.num_tokens, e.global_tokens, e.global_seqs))
+        metrics.update(correction_metrics(weights, keep_B, batch.num_sampled_tokens, e.global_tokens, e.global_seqs, sampled))
         if e.measure_parity:
-            diffs_N = (output.logps.values.detach().float() - engine_logps.values.float()).abs()
+            diffs_N = sampled_gap(output.logps.values.detach(), engine_logps.values, sampled)
             metrics["rollout/logprob_diff_mean"] = diffs_N.sum() / max(float(e.global_tokens), 1.0)
             if parity is not None:
                 parity.observe(diffs_N)
@@ -186,7 +197,7 @@ class MiniBatchUpdate:
     ) -> dict[str, float]:
         sub = batch.select(positions)
         counts = sum_over_replicas(
-            torch.tensor([float(sub.num_completion_tokens), float(len(sub))], dtype=torch.float64, device="cpu"), engine.world_size
+            torch.tensor([float(sub.num_sampled_tokens), float(len(sub))], dtype=torch.float64, device="cpu"), engine.world_size
         )
         mine = inputs.select(torch.as_tensor(positions, dtype=torch.long, device="cpu"))
         sub.loss_inputs = replace(mine, global_tokens=float(counts[0]), global_seqs=float(counts[1]))
@@ -218,7 +229,7 @@ class Learner:
             exp.old_logps = Ragged.cat([s.policy_logps() for s in scored]) if len(batch) else None
             exp.entropy = Ragged.cat([s.policy_entropy() for s in scored]) if len(batch) else None
             if exp.old_logps is not None:
-                self.parity.observe((exp.old_logps.values.float() - exp.engine_logps.values.to(exp.old_logps.values.device)).abs())
+                self.parity.observe(sampled_gap(exp.old_logps.values, exp.engine_logps.values, batch.sampled))
         if self.reference is not None:
             ref_scored = self.reference.forward_logps(micro)
             exp.ref_logps = Ragged.cat([s.policy_logps() for s in ref_scored]) if len(batch) else None
@@ -236,9 +247,9 @@ class Learner:
         out["rollout/logprob_diff_max"] = global_max(self.parity.max_diff)
         if not self.fused:
             old = exp.old_logps
-            diffs_sum = (old.values.float() - exp.engine_logps.values.to(old.values.device)).abs().sum() if old is not None else 0.0
+            diffs_sum = sampled_gap(old.values, exp.engine_logps.values, exp.batch.sampled).sum() if old is not None else 0.0
             diff_sum = sum_over_replicas(torch.tensor([float(diffs_sum)], dtype=torch.float64, device="cpu"), self.policy.world_size)
-            out["rollout/logprob_diff_mean"] = float(diff_sum[0] / max(float(exp.counts[0]), 1.0))
+            out["rollout/logprob_diff_mean"] = float(diff_sum[0] / max(float(exp.counts[3]), 1.0))
         return out
 
     def update_critic(self, exp: Experience, returns: Ragged, loss_fn: LossFn) -> dict[str, float]:

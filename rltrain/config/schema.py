@@ -31,6 +31,7 @@ RolloutCorrection = Literal["none", "tis", "mask"]  # rltrain/algos/rollout_corr
 ScaleRewards = Literal["group", "batch", "none"]
 RolloutProcess = Literal["colocated", "separate"]  # separate: the engine in a child process (rollout/separate.py)
 SweepDirection = Literal["maximize", "minimize"]
+EnvName = Literal["none", "python"]  # rltrain/envs
 
 
 def choice(default: str, allowed: Any) -> Any:
@@ -337,6 +338,31 @@ class HFRewardModelConfig(RewardModelConfig):
 
 
 @dataclass
+class EnvConfig:
+    """Multi-turn episodes (docs/environments.md). `none`: single-turn RL, one completion per sample
+    scored by `reward.fns`. `python`: `cls` (`pkg.module:Class`) is a user environment with
+    `reset(**row)` and `step(text)`; one instance per episode, run in worker processes that a timeout kills."""
+
+    name: str = MISSING
+    cls: str | None = None
+    max_turns: int = 4  # model turns per episode
+    max_tokens_per_turn: int | None = None  # one turn's generation budget; null = algo.max_new_tokens
+    max_total_tokens: int = 256  # an episode's completion: every model turn and observation
+    timeout_s: float | None = 30.0  # bound on one reset or step; a failed episode scores reward.on_failure
+    workers: int = 1  # worker processes per rank that host the episodes
+
+
+@dataclass
+class NoEnvConfig(EnvConfig):
+    name: str = "none"
+
+
+@dataclass
+class PythonEnvConfig(EnvConfig):
+    name: str = "python"
+
+
+@dataclass
 class RewardConfig:
     """Reward functions by dotted path (`pkg.module:function`); empty = the built-in task's reward."""
 
@@ -390,6 +416,7 @@ class Config:
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward_model: Any = MISSING
+    env: Any = MISSING
     data: DataConfig = field(default_factory=DataConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -410,6 +437,7 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "reference": {"default": ReferenceConfig},
     "critic": {"default": CriticConfig},
     "reward_model": {"none": NoRewardModelConfig, "hf": HFRewardModelConfig},
+    "env": {"none": NoEnvConfig, "python": PythonEnvConfig},
     "data": {"default": DataConfig},
     "logger": {"default": LoggerConfig},
 }

@@ -112,6 +112,7 @@ def validate(cfg) -> None:
     validate_data(cfg)
     validate_algo(cfg.algo)
     validate_roles(cfg)
+    validate_env(cfg)
     if cfg.safety.collective_timeout_s <= 0 or cfg.safety.max_consecutive_errors < 0:
         raise UserError(
             f"safety.collective_timeout_s={cfg.safety.collective_timeout_s} must be positive and "
@@ -257,6 +258,38 @@ def validate_roles(cfg) -> None:
             "Remove critic.path, or choose an algorithm with a critic."
         )
     validate_reward_model(cfg.reward_model, algo.name)
+
+
+def validate_env(cfg) -> None:
+    """`env=python` (docs/environments.md): what this release runs multi-turn, and in-range numbers."""
+    env = cfg.env
+    if env.name == "none":
+        if env.cls is not None:
+            raise UserError(f"env.cls={env.cls!r} is set but env=none runs single-turn RL: add env=python to use it.")
+        return
+    if not env.cls or ":" not in env.cls:
+        raise UserError(f"env=python needs env.cls=package.module:Class, your environment class (got {env.cls!r}).")
+    if cfg.algo.name != "grpo":
+        why = "SFT and DPO train on fixed data" if cfg.algo.name in ALGOS_WITHOUT_REWARDS else (
+            "PPO's critic and GAE over interleaved observations are not implemented yet")
+        raise UserError(f"env=python trains with algo=grpo; algo={cfg.algo.name} cannot: {why}.")
+    if list(cfg.reward.fns) or cfg.reward_model.name != "none":
+        raise UserError(
+            "env=python takes its rewards from the environment's step() (summed over the episode); reward.fns and "
+            "reward_model are not called. Remove them, or score inside step()."
+        )
+    if cfg.backend.name == "megatron" and cfg.backend.tp * cfg.backend.pp > 1:
+        raise UserError(
+            f"env=python with backend.tp={cfg.backend.tp} backend.pp={cfg.backend.pp}: multi-turn episodes run on data-"
+            "parallel ranks only in this release. Use backend.tp=1 backend.pp=1 (or backend=fsdp)."
+        )
+    for key in ("max_turns", "max_total_tokens", "workers"):
+        if getattr(env, key) < 1:
+            raise UserError(f"env.{key}={getattr(env, key)} must be at least 1.")
+    if env.max_tokens_per_turn is not None and env.max_tokens_per_turn < 1:
+        raise UserError(f"env.max_tokens_per_turn={env.max_tokens_per_turn} must be at least 1 (null: algo.max_new_tokens).")
+    if env.timeout_s is not None and env.timeout_s < 0:
+        raise UserError(f"env.timeout_s={env.timeout_s} must be positive (seconds), or 0 / null for no limit.")
 
 
 def validate_reward_model(rm, algo_name: str) -> None:

@@ -3,9 +3,10 @@
 A `SequenceBatch` is a ragged set of token sequences, each a prompt followed by a completion.
 Backends score only completion tokens: the log-probability of completion token j is taken from
 the logits at the position before it, so a sequence with prompt length P and total length L
-yields L - P log-probabilities. What else a loss needs per sequence or per completion token rides
-along, already sliced to this batch's sequences: a typed `loss_inputs` (the RL losses:
-rltrain/algos/rl_update.py) or the string-keyed `extras` (SFT's and DPO's counts and reference sums).
+yields L - P log-probabilities. What else a loss needs rides along, sliced to this batch's
+sequences: a typed `loss_inputs` (rltrain/algos/rl_update.py), the string-keyed `extras` (SFT's
+and DPO's counts), and `sampled`: which completion tokens the policy sampled, where a multi-turn
+episode interleaves observations (docs/environments.md).
 """
 
 from __future__ import annotations
@@ -32,12 +33,16 @@ class SequenceBatch:
     prompt_lens: torch.Tensor  # [B] int64, >= 1 for every sequence
     extras: dict[str, Any] = field(default_factory=dict)
     loss_inputs: LossInputs | None = None
+    sampled: Ragged | None = None  # bool per completion token: sampled by the policy; None = every one
+
 
     def __post_init__(self) -> None:
         if len(self.tokens) != self.prompt_lens.numel():
             raise ValueError("SequenceBatch needs one prompt length per sequence")
         if len(self.tokens) and bool((self.prompt_lens < 1).any()):
             raise ValueError("every sequence needs a prompt of at least one token")
+        if self.sampled is not None and not torch.equal(self.sampled.lengths(), self.completion_lens()):
+            raise ValueError("SequenceBatch.sampled needs one flag per completion token")
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -48,6 +53,11 @@ class SequenceBatch:
     @property
     def num_completion_tokens(self) -> int:
         return int(self.completion_lens().sum())
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        """Completion tokens the policy sampled (what a policy loss averages over)."""
+        return self.num_completion_tokens if self.sampled is None else int(self.sampled.values.sum())
 
     @staticmethod
     def from_lists(prompts: list[list[int]], completions: list[list[int]], **extras: Any) -> SequenceBatch:
@@ -74,7 +84,8 @@ class SequenceBatch:
             torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.long)
         )
         inputs = self.loss_inputs.select(idx) if self.loss_inputs is not None else None
-        return SequenceBatch(tokens, self.prompt_lens[idx], extras, inputs)
+        sampled = self.sampled.select(idx) if self.sampled is not None else None
+        return SequenceBatch(tokens, self.prompt_lens[idx], extras, inputs, sampled)
 
 
 def length_buckets(lengths: list[int], bucket_cost_tokens: int) -> list[list[int]]:

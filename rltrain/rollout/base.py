@@ -26,6 +26,9 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]  # sampling log-probability of each generated token (of the unmodified distribution)
     finished: bool  # stopped at a stop token; False = cut at max_new_tokens
+    # A multi-turn trajectory (rltrain/envs): True where the model sampled the token, False on the
+    # environment's observations (their logprob is 0). None: every token was sampled.
+    sampled: list[bool] | None = None
 
 
 class RolloutEngine(Protocol):

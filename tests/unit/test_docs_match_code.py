@@ -48,6 +48,7 @@ METRIC_NAMESPACES = (
     "mem",
     "data",
     "samples",
+    "env",
 )
 
 # Top-level folders of the repository that the docs name paths under.

@@ -1,0 +1,184 @@
+"""Multi-turn episodes (rltrain/envs): token in, token out; the environment's calls bounded in real
+worker processes; a killed worker's episodes rebuilt by replay. The engine is a scripted stand-in
+(a function of the ids it is given), the environments and their workers are real."""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass
+
+import pytest
+
+from rltrain.data.prompt_data import PromptRow
+from rltrain.envs.episodes import EpisodeRunner
+from rltrain.envs.observations import observation_ids
+from rltrain.models.tokenizer import build_char_tokenizer
+from rltrain.rollout.base import Completion, SamplingSettings
+from rltrain.runtime.errors import UserError
+
+ENVS = textwrap.dedent('''
+    import time
+
+    class Countdown:
+        """' go:' first; two steps; each step's reward is the number of 'a' in the reply."""
+        def reset(self, **row):
+            self.k = 0
+            self.tag = row["tag"]
+            return " go:"
+
+        def step(self, text):
+            self.k += 1
+            reward = float(text.count("a"))
+            return (None, reward, True) if self.k >= 2 else (f" n{self.k}:", reward, False)
+
+    class HangsOnX(Countdown):
+        def step(self, text):
+            if "x" in text:
+                time.sleep(1000)
+            return super().step(text)
+
+    class RaisesOnX(Countdown):
+        def step(self, text):
+            if "x" in text:
+                raise KeyError("no such thing")
+            return super().step(text)
+
+    class Messages(Countdown):
+        def step(self, text):
+            observation, reward, done = super().step(text)
+            return ([{"role": "user", "content": observation}] if observation else None), reward, done
+''')
+
+# What the scripted model replies to each prompt (by its tag), turn by turn.
+SCRIPT = {"p0": ["aa", "a"], "p1": ["xa", "aaa"], "p2": ["b", "aa"]}
+
+
+@dataclass
+class EnvCfg:
+    cls: str
+    max_turns: int = 4
+    max_tokens_per_turn: int | None = None
+    max_total_tokens: int = 64
+    timeout_s: float | None = 2.0
+    workers: int = 1
+
+
+@dataclass
+class RewardCfg:
+    on_failure: float = -1.0
+    max_failure_frac: float = 0.5
+
+
+@pytest.fixture
+def envs_module(tmp_path, monkeypatch) -> str:
+    (tmp_path / "env_fixtures.py").write_text(ENVS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "env_fixtures"
+
+
+TOKENIZER = build_char_tokenizer()
+EOS = TOKENIZER.eos_token_id
+
+
+def scripted_generate(calls: list[list[list[int]]]):
+    """The engine stand-in: replies SCRIPT[tag][turn] + EOS, the turn read from the ids so far
+    (how many model replies they hold); logprob of the j-th reply token -(j + 1) / 10."""
+
+    def generate(prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+        assert sampling.n == 1
+        calls.append([list(p) for p in prompts])
+        out = []
+        for i, ids in enumerate(prompts):
+            text = TOKENIZER.decode(ids)
+            tag = text.split("|")[0]
+            reply = SCRIPT[tag][ids.count(EOS)]
+            reply_ids = TOKENIZER(reply, add_special_tokens=False)["input_ids"][: sampling.max_new_tokens - 1] + [EOS]
+            out.append(Completion(i, reply_ids, [-(j + 1) / 10 for j in range(len(reply_ids))], True))
+        return out
+
+    return generate
+
+
+def rows(*tags: str) -> list[PromptRow]:
+    return [PromptRow(TOKENIZER(f"{t}|", add_special_tokens=False)["input_ids"], f"{t}|", {"tag": t}) for t in tags]
+
+
+def run(module: str, cls: str, tags=("p0", "p2"), copies: int = 1, calls=None, **env):
+    runner = EpisodeRunner(EnvCfg(f"{module}:{cls}", **env), RewardCfg(), TOKENIZER, 16, collective_timeout_s=600)
+    try:
+        sampling = SamplingSettings(n=copies, stop_token_ids=[EOS])
+        return runner.run(rows(*tags), copies, sampling, "train-0", scripted_generate(calls if calls is not None else []))
+    finally:
+        runner.close()
+
+
+def ids(text: str) -> list[int]:
+    return TOKENIZER(text, add_special_tokens=False)["input_ids"]
+
+
+def test_an_episode_is_exactly_the_sampled_ids_and_the_tokenized_observations(envs_module):
+    calls: list = []
+    played = run(envs_module, "Countdown", calls=calls)
+    c0, c2 = played.completions
+    # reset's observation, reply 1, step 1's observation, reply 2 (the environment ends it)
+    assert c0.token_ids == ids(" go:") + ids("aa") + [EOS] + ids(" n1:") + ids("a") + [EOS]
+    assert c0.sampled == [False] * 4 + [True] * 3 + [False] * 4 + [True] * 2
+    assert c0.logprobs == [0.0] * 4 + [-0.1, -0.2, -0.3] + [0.0] * 4 + [-0.1, -0.2]
+    assert c0.finished and c2.finished
+    assert played.returns == [3.0, 2.0] and played.turns == 4.0
+    assert played.failures.timeouts == played.failures.errors == 0
+    # Each turn the engine was given the prompt's ids and the episode's ids so far, nothing re-rendered.
+    assert calls[1][0] == ids("p0|") + c0.token_ids[:11]
+
+
+def test_a_chat_template_that_is_not_append_only_never_changes_a_sampled_id(envs_module):
+    """A template that renders earlier turns differently once more follow (here only the last
+    message ends with '.') would re-tokenize the model's replies if the conversation were re-templated;
+    an episode keeps the sampled ids, and chat-message observations are refused by name for it."""
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'][0] | upper }}:{{ m['content'] }}{% if loop.last %}{{ '.' }}{% else %}"
+        "{{ '\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '\\nA:' }}{% endif %}"
+    )
+    played = run(envs_module, "Countdown")
+    sampled = [t for t, s in zip(played.completions[0].token_ids, played.completions[0].sampled, strict=True) if s]
+    assert sampled == ids("aa") + [EOS] + ids("a") + [EOS]  # turn by turn, as the engine sampled them
+    chat = [{"role": "user", "content": "p0| go:"}, {"role": "assistant", "content": "aa"}]
+    once = tokenizer.apply_chat_template(chat, tokenize=False)
+    more = tokenizer.apply_chat_template([*chat, {"role": "user", "content": " n1:"}], tokenize=False)
+    assert not more.startswith(once)  # re-templating would have changed the tokens after "aa"
+    with pytest.raises(UserError, match="renders a conversation differently"):
+        observation_ids(tokenizer, [{"role": "user", "content": " n1:"}], "Env.step()")
+
+
+def test_chat_message_observations_are_the_templates_continuation(envs_module):
+    played = run(envs_module, "Messages")
+    # The char tokenizer's template: "U:<content>\n" per user message, then the generation prompt "A:".
+    assert played.completions[0].token_ids == ids(" go:") + ids("aa") + [EOS] + ids("U: n1:\nA:") + ids("a") + [EOS]
+    assert played.returns == [3.0, 2.0]
+
+
+def test_a_hung_step_costs_its_episode_and_the_killed_workers_episodes_are_rebuilt(envs_module):
+    """p1's first reply hangs its step: the worker is killed after env.timeout_s, p1 scores
+    reward.on_failure and is counted; p0 and p2, whose environments died with that worker, are
+    rebuilt by replay in the new one and end exactly as in a run where nothing hung."""
+    clean = run(envs_module, "Countdown", tags=("p0", "p2"))
+    hung = run(envs_module, "HangsOnX", tags=("p0", "p1", "p2"), timeout_s=1.0)
+    assert hung.failures.timeouts == 1 and hung.failures.errors == 0
+    assert hung.returns == [clean.returns[0], -1.0, clean.returns[1]]
+    assert [c.token_ids for c in (hung.completions[0], hung.completions[2])] == [c.token_ids for c in clean.completions]
+    assert not hung.completions[1].finished
+
+
+def test_a_raising_step_is_counted_and_too_many_failures_stop_with_the_class_named(envs_module):
+    played = run(envs_module, "RaisesOnX", tags=("p0", "p1", "p2"))
+    assert played.failures.errors == 1 and played.returns[1] == -1.0
+    with pytest.raises(UserError, match=r"env_fixtures:RaisesOnX.*failed on 1 of this rank's 1 episodes"):
+        run(envs_module, "RaisesOnX", tags=("p1",))
+
+
+def test_the_token_budget_cuts_an_episode_at_max_total_tokens(envs_module):
+    played = run(envs_module, "Countdown", tags=("p1",), max_total_tokens=6)
+    (c,) = played.completions
+    assert c.token_ids == ids(" go:") + ids("x") + [EOS]  # the reply had room for 2 tokens; no room for step 1's observation
+    assert not c.finished and played.turns == 1.0
