@@ -100,7 +100,8 @@ def sampled_mask(completions: list[Completion]) -> Ragged | None:
         return None
     flags = [c.sampled if c.sampled is not None else [True] * len(c.token_ids) for c in completions]
     return Ragged.from_lengths(
-        torch.tensor([f for fs in flags for f in fs], dtype=torch.bool), torch.tensor([len(fs) for fs in flags], dtype=torch.long)
+        torch.tensor([f for fs in flags for f in fs], dtype=torch.bool, device="cpu"),
+        torch.tensor([len(fs) for fs in flags], dtype=torch.long, device="cpu"),
     )
 
 

@@ -63,7 +63,7 @@ def _grpo_update(rank, world, model_dir, backend, fused):
     engine = exact.with_values(exact.values + 1e-4 * (exact.seq_ids() % 3).float()) if exact is not None else Ragged.from_lengths(torch.zeros(0), [])
     adv = torch.linspace(-1.0, 1.0, PROMPTS * GROUP)[layout.offset : layout.offset + len(batch)]
     all_tokens = sum(len(_completion(g, k)) for g in range(PROMPTS) for k in range(GROUP))
-    counts = torch.tensor([float(all_tokens), float(PROMPTS * GROUP), 0.0], dtype=torch.float64)
+    counts = torch.tensor([float(all_tokens), float(PROMPTS * GROUP), 0.0, float(all_tokens)], dtype=torch.float64)
     empty = torch.zeros(0, dtype=torch.float64)
     exp = Experience(rows=[], completions=[], batch=batch, engine_logps=engine, rewards_by_fn={}, reward_failures=Failures(), scores_B=empty,
                      global_scores=empty, counts=counts, time_rollout=0.0)

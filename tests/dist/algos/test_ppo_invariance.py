@@ -59,7 +59,7 @@ def _ppo_step(rank, world, model_dir, mb_size, overrides):
     global_scores = torch.tensor([0.1 * ((3 * i) % 7) for i in range(PROMPTS * GROUP)], dtype=torch.float64)
     scores_B = global_scores[layout.offset : layout.offset + len(batch)]
     n_tokens = sum(len(_completion(g, k)) for g in range(PROMPTS) for k in range(GROUP))
-    counts = torch.tensor([float(n_tokens), float(PROMPTS * GROUP), 0.0], dtype=torch.float64)
+    counts = torch.tensor([float(n_tokens), float(PROMPTS * GROUP), 0.0, float(n_tokens)], dtype=torch.float64)
     exp = Experience(rows=[], completions=[], batch=batch, engine_logps=engine, rewards_by_fn={}, reward_failures=Failures(), scores_B=scores_B,
                      global_scores=global_scores, counts=counts, time_rollout=0.0)
     learner.score(exp)

@@ -46,7 +46,7 @@ def _learner_kl(rank, world, policy_dir, reference_dir):
     learner = Learner(policy, MiniBatchUpdate(layout, 1, 1, 8, 0), make_policy_loss(cfg.algo, parity), parity, True, reference=reference)
     batch = SequenceBatch.from_lists(PROMPTS, COMPLETIONS)
     engine = policy.forward_logps([batch])[0].logps
-    counts = torch.tensor([float(batch.num_completion_tokens), float(len(batch)), 0.0], dtype=torch.float64)
+    counts = torch.tensor([float(batch.num_completion_tokens), float(len(batch)), 0.0, float(batch.num_completion_tokens)], dtype=torch.float64)
     empty = torch.zeros(0, dtype=torch.float64)
     exp = Experience(rows=[], completions=[], batch=batch, engine_logps=engine, rewards_by_fn={}, reward_failures=Failures(), scores_B=empty,
                      global_scores=empty, counts=counts, time_rollout=0.0)
