@@ -53,7 +53,7 @@ def rltrain(*args: str, run_dir: Path | None = None, timeout: float = 300, env: 
     if run_dir is not None:
         cmd.append(f"hydra.run.dir={run_dir}")
     full_env = dict(os.environ, **(env or {}))
-    proc = run_warm(cmd, full_env, timeout, rank_server(uses_vllm(args)) if warm_ranks else "") if warm else None
+    proc = run_warm(cmd, full_env, timeout, warm_ranks) if warm else None
     if proc is None:
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
@@ -93,12 +93,10 @@ def _decoded(text: str | bytes | None) -> str:
 
 
 def run_warm(cmd: list[str], env: dict[str, str], timeout: float,
-             ranks_from: str | None = None) -> subprocess.CompletedProcess | None:
+             warm_ranks: bool = True) -> subprocess.CompletedProcess | None:
     """Run `cmd` (`python -m rltrain ...`) in a child of the warm fork server; None when its
     environment needs a fresh interpreter. Stdout and stderr go to files the child's file
-    descriptors 1 and 2 point at, so ranks the command starts write there too, as with a pipe. Its
-    ranks are forked from the rank server at `ranks_from` (None: the plain one; "": none, fresh
-    interpreters)."""
+    descriptors 1 and 2 point at, so ranks the command starts write there too, as with a pipe."""
     import tempfile
 
     from helpers import rank_context
@@ -108,7 +106,7 @@ def run_warm(cmd: list[str], env: dict[str, str], timeout: float,
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
         child = ctx.Process(target=_warm_entry,
                             args=(cmd[3:], env, str(ROOT), _cold_sys_path(env), str(out), str(err),
-                                  rank_server() if ranks_from is None else ranks_from))
+                                  rank_server() if warm_ranks else ""))
         child.start()
         child.join(timeout)
         if child.is_alive():
@@ -123,52 +121,37 @@ def run_warm(cmd: list[str], env: dict[str, str], timeout: float,
     return subprocess.CompletedProcess(cmd, child.exitcode, stdout, stderr)
 
 
-_RANK_SERVERS: dict[bool, str] = {}
+_RANK_SERVER: list[str] = []
 
 
-def rank_server(vllm: bool = False) -> str:
-    """The socket of this test process's rank server (tests/rank_server.py), started on first use;
-    with `vllm`, the one that has vllm imported too (for ranks that generate with it in-process)."""
-    if vllm not in _RANK_SERVERS:
+def rank_server() -> str:
+    """The socket of this test process's rank server (tests/rank_server.py), started on first use."""
+    if not _RANK_SERVER:
         import atexit
         import tempfile
         import time
 
         directory = tempfile.mkdtemp(prefix="rlrs-")  # short: a socket path has at most 107 bytes
         path = str(Path(directory) / "socket")
-        server = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "rank_server.py"), path, str(os.getpid()), *(["--vllm"] if vllm else [])],
-            cwd=ROOT,
-        )
+        server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "rank_server.py"), path, str(os.getpid())], cwd=ROOT)
         atexit.register(shutil.rmtree, directory, ignore_errors=True)
         atexit.register(server.kill)  # atexit runs it first
         deadline = time.monotonic() + 60
         while not os.path.exists(path):  # bound before it imports anything: a fraction of a second
             assert server.poll() is None and time.monotonic() < deadline, "the rank server did not start"
             time.sleep(0.02)
-        _RANK_SERVERS[vllm] = path
-    return _RANK_SERVERS[vllm]
+        _RANK_SERVER.append(path)
+    return _RANK_SERVER[0]
 
 
-def uses_vllm(args: tuple[str, ...] | list[str]) -> bool:
-    """Whether `python -m rltrain *args` builds a vLLM engine in its ranks: GRPO (the default
-    algorithm) or PPO with the default `rollout=vllm`, colocated. Only which rank server forks the
-    ranks depends on it (a wrong guess costs time, not a number: the servers differ in what they
-    imported, and tests/e2e/test_warm_runs.py holds both to a cold rank's numbers)."""
-    if "--cfg" in args or any(a.startswith(("+experiment=", "rollout=hf", "rollout.process=separate")) for a in args):
-        return False
-    algos = [a.split("=", 1)[1] for a in args if a.startswith("algo=")]
-    return (algos[-1] if algos else "grpo") in ("grpo", "ppo")
-
-
-def ranks_forked(vllm: bool = False) -> int:
-    """How many ranks this test process's rank server (`vllm`: the one with vllm) has forked."""
+def ranks_forked() -> int:
+    """How many ranks this test process's rank server has forked."""
     import socket
 
     from rltrain.launch.forked_rank import LineReader, send_message
 
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.connect(rank_server(vllm))
+        sock.connect(rank_server())
         send_message(sock, {"count": True})
         answer = LineReader(sock).next()
     assert answer is not None
@@ -322,7 +305,7 @@ class SharedRuns:
                 shutil.rmtree(run_dir, ignore_errors=True)
                 try:
                     proc = rltrain(*args, run_dir=run_dir, timeout=timeout, warm=False,
-                                   env={**(env or {}), RANK_SERVER_ENV: rank_server(uses_vllm(args))})
+                                   env={**(env or {}), RANK_SERVER_ENV: rank_server()})
                 except BaseException as exc:
                     failed.write_text(str(exc))
                     raise

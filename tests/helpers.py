@@ -33,16 +33,6 @@ def free_port() -> int:
 # each child, after that child's environment is in place.
 PRELOAD = ["torch", "torch.distributed", "torch._inductor.config", "transformers", "safetensors.torch", "datasets",
            "hydra", "omegaconf"]
-# What the rank server of runs whose ranks generate with vLLM in-process adds (tests/rank_server.py
-# --vllm): vllm and the modules its engine imports lazily when an `LLM` is built, most of a vLLM
-# rank's start-up on CPU. rltrain's own setting comes first, as a rank sets it before `import vllm`.
-PRELOAD_VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-PRELOAD_VLLM = [
-    "vllm", "vllm.entrypoints.llm", "vllm.v1.engine.llm_engine", "vllm.v1.engine.core", "vllm.v1.engine.core_client",
-    "vllm.v1.executor.uniproc_executor", "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner",
-    "vllm.model_executor.models.qwen2", "vllm.model_executor.models.llama", "vllm.v1.sample.sampler",
-    "vllm.model_executor.model_loader",
-]
 
 
 def rank_context():

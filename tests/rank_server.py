@@ -1,8 +1,6 @@
-"""The rank server of warm CLI runs: `python tests/rank_server.py SOCKET PARENT_PID [--vllm]`.
+"""The rank server of warm CLI runs: `python tests/rank_server.py SOCKET PARENT_PID`.
 
-It imports the libraries every rank imports (helpers.PRELOAD: torch, transformers, ...; with
-`--vllm` also vllm and its engine's modules, helpers.PRELOAD_VLLM) once, freezes them out of the
-garbage collector's reach (a rank's collections then skip them), then
+It imports the libraries every rank imports (helpers.PRELOAD: torch, transformers, ...) once, then
 forks a rank for each stand-in that connects (rltrain.launch.forked_rank has the protocol and the
 stand-in's side; `{"count": true}` asks how many it forked). The rank becomes what `python -m rltrain.worker` would be: the stand-in's argv,
 environment, working directory, sys.path and standard streams, its own session (as the agent's
@@ -16,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import gc
 import importlib
 import json
 import os
@@ -34,9 +31,6 @@ RANK_ENV_PREFIXES = ("RLTRAIN_", "PYTEST_", "WANDB_", "VLLM_", "PYTHONPATH", "CO
                      "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME",
                      "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 SERVER_ENV = dict(os.environ)
-# Variables the preloaded imports set (vllm sets a few on import): a forked rank gets them too, as a
-# rank that imports those libraries itself would.
-SET_BY_IMPORTS: dict[str, str] = {}
 
 
 def die_with(parent_pid: int) -> None:
@@ -84,8 +78,6 @@ def become_rank(request: dict, fds: list[int], listener: socket.socket, conns: l
     sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
     os.environ.clear()
     os.environ.update(request["env"])
-    for key, value in SET_BY_IMPORTS.items():  # what the preloaded imports set, as they would in the rank
-        os.environ.setdefault(key, value)
     os.chdir(request["cwd"])
     sys.path[:] = request["sys_path"]
     sys.argv = list(request["argv"])
@@ -192,19 +184,10 @@ def main(argv: list[str]) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)  # before the imports: a stand-in that comes early waits in the backlog
     listener.listen(64)
-    from helpers import PRELOAD, PRELOAD_VLLM, PRELOAD_VLLM_ENV
+    from helpers import PRELOAD
 
-    modules = list(PRELOAD)
-    if "--vllm" in argv[2:]:
-        os.environ.update(PRELOAD_VLLM_ENV)
-        modules += PRELOAD_VLLM
-    before = dict(os.environ)
-    for module in modules:
+    for module in PRELOAD:
         importlib.import_module(module)
-    SET_BY_IMPORTS.update({k: v for k, v in os.environ.items() if before.get(k) != v})
-    os.environ.clear()
-    os.environ.update(before)  # a request's environment is compared with the one the server started from
-    gc.freeze()
     serve(listener)
 
 

@@ -8,17 +8,7 @@ import os
 import sys
 
 import pytest
-from cli import (
-    GRPO_RUN_2_RANKS,
-    SMALL_SFT_RUN_2_RANKS,
-    comparable,
-    rank_server,
-    ranks_forked,
-    rltrain,
-    run_warm,
-    train_rows,
-    uses_vllm,
-)
+from cli import SMALL_SFT_RUN_2_RANKS, rank_server, ranks_forked, rltrain, run_warm, train_rows
 
 from rltrain.launch.forked_rank import RANK_SERVER_ENV
 
@@ -66,20 +56,6 @@ def test_warm_ranks_are_forked_from_the_rank_server_and_train_as_cold_ones(tmp_p
     assert ranks_forked() == before + 2
     warm = train_rows(tmp_path / "warm")
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in warm] == [(r["step"], r["loss"], r["grad_norm"]) for r in cold]
-
-
-def test_vllm_ranks_are_forked_from_the_server_that_imported_vllm_and_train_as_cold_ones(tmp_path):
-    """GRPO's ranks build a vLLM engine in-process: their warm run forks them from the rank server
-    that also imported vllm (tests/cli.py `uses_vllm`), and they log exactly a cold run's numbers
-    (engine log-probabilities and parity included)."""
-    assert uses_vllm(GRPO_RUN_2_RANKS) and not uses_vllm([*GRPO_RUN_2_RANKS, "rollout=hf"])
-    assert not uses_vllm(SMALL_SFT_RUN_2_RANKS)
-    rltrain(*GRPO_RUN_2_RANKS, run_dir=tmp_path / "cold", warm=False)
-    before = ranks_forked(vllm=True)
-    rltrain(*GRPO_RUN_2_RANKS, run_dir=tmp_path / "warm")
-    assert ranks_forked(vllm=True) == before + 2
-    warm, cold = train_rows(tmp_path / "warm"), train_rows(tmp_path / "cold")
-    assert len(warm) == 2 and comparable(warm) == comparable(cold)
 
 
 def test_a_rank_whose_environment_a_preloaded_library_reads_starts_cold(tmp_path):
