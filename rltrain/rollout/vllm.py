@@ -29,6 +29,28 @@ if TYPE_CHECKING:
     from vllm.inputs import TokensPrompt
 
 
+def prefill_waves(prompt_lens: list[int], n: int, max_num_seqs: int, token_budget: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of prompts to generate one engine call each, so that the CPU build never
+    prefills a seeded request in chunks: it rewinds the request's generator for a partial prefill,
+    which a CPU generator cannot do (the engine raises). A call is safe when every request it admits
+    fits the step's token budget whole: at most `max_num_seqs` requests (`n` per prompt) at the
+    longest prompt's length within `token_budget`. One call when that holds for the whole batch (the
+    common case, same batching as ever); else the fewest consecutive waves that each hold. Each
+    request is seeded by its own index, so the split changes no sample's seed."""
+    longest = max(prompt_lens, default=0)
+    if min(len(prompt_lens) * n, max_num_seqs) * longest <= token_budget:
+        return [(0, len(prompt_lens))]
+    waves: list[tuple[int, int]] = []
+    lo, tokens = 0, 0
+    for i, length in enumerate(prompt_lens):
+        if i > lo and ((i - lo + 1) * n > max_num_seqs or tokens + n * length > token_budget):
+            waves.append((lo, i))
+            lo, tokens = i, 0
+        tokens += n * length
+    waves.append((lo, len(prompt_lens)))
+    return waves
+
+
 def _request_seed(call_seed: int, prompt_index: int, n: int) -> int:
     """The vLLM seed of prompt `prompt_index`: vLLM gives its `n` children seed, seed+1, ...,
     so prompts are spaced `n` apart and identical prompts in one call still differ."""
@@ -134,8 +156,14 @@ class VLLMRolloutEngine:
             for i in range(len(prompts))
         ]
         inputs: list[TokensPrompt] = [{"prompt_token_ids": list(p)} for p in prompts]
+        waves = [(0, len(prompts))]
+        if self.device_type == "cpu":
+            scheduler = self._live().llm_engine.vllm_config.scheduler_config
+            waves = prefill_waves([len(p) for p in prompts], sampling.n, scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
+        outputs = []
         with _ProcessStateGuard():
-            outputs = self._live().generate(inputs, params, use_tqdm=False)
+            for lo, hi in waves:
+                outputs += self._live().generate(inputs[lo:hi], params[lo:hi], use_tqdm=False)
         completions: list[Completion] = []
         for i, out in enumerate(outputs):
             for c in sorted(out.outputs, key=lambda c: c.index):
