@@ -71,7 +71,7 @@ class EpisodeRunner:
         self.cfg, self.reward_cfg, self.tokenizer = env_cfg, reward_cfg, tokenizer
         self.turn_tokens = env_cfg.max_tokens_per_turn or max_new_tokens
         self.timeout_s = float(env_cfg.timeout_s) if env_cfg.timeout_s else None
-        self.budget_s = collective_timeout_s / 2  # one call's wait never keeps a peer into the collective timeout
+        self.budget_s = collective_timeout_s / 2  # a step's environment calls, all turns together
         self.pool = CallPool(env_cfg.workers, [ADVANCE, env_cfg.cls], "environment")
         self.pool.start()
 
@@ -87,7 +87,10 @@ class EpisodeRunner:
             for k in range(copies)
         ]
         failures = Failures()
-        self._advance(episodes, failures, "reset")
+        # One deadline for every call of the phase: however many turns hang, a peer never waits
+        # into the collective timeout.
+        deadline = time.monotonic() + self.budget_s
+        self._advance(episodes, failures, "reset", deadline)
         turns = 0
         for turn in range(self.cfg.max_turns):
             live = [e for e in episodes if not e.done and len(e.tokens) < self.cfg.max_total_tokens]
@@ -103,7 +106,7 @@ class EpisodeRunner:
                 e.append(reply.token_ids[:room], reply.logprobs[:room])  # a prefix of what was sampled
                 e.actions.append(self._text(reply.token_ids[:room], sampling.stop_token_ids))
             turns += len(live)
-            self._advance(live, failures, "step")
+            self._advance(live, failures, "step", deadline)
         for e in episodes:
             if e.failure is not None:
                 e.reward = float(self.reward_cfg.on_failure)
@@ -122,12 +125,12 @@ class EpisodeRunner:
     def _text(self, ids: list[int], stop_ids: list[int]) -> str:
         return self.tokenizer.decode([t for t in ids if t not in stop_ids], skip_special_tokens=True)
 
-    def _advance(self, episodes: list[Episode], failures: Failures, what: str) -> None:
+    def _advance(self, episodes: list[Episode], failures: Failures, what: str, deadline: float) -> None:
         """One reset or step of every episode in `episodes`, in the workers; a failed call ends its episode."""
         if not episodes:
             return
         calls = [Call(ADVANCE, {"cls": self.cfg.cls, "episode": e.key, "row": e.row, "actions": e.actions}) for e in episodes]
-        results = self.pool.run(calls, self.timeout_s, time.monotonic() + self.budget_s)
+        results = self.pool.run(calls, self.timeout_s, deadline)
         for e, result in zip(episodes, results, strict=True):
             self._apply(e, result, failures, what)
 

@@ -43,6 +43,11 @@ ENVS = textwrap.dedent('''
                 raise KeyError("no such thing")
             return super().step(text)
 
+    class SlowSteps(Countdown):
+        def step(self, text):
+            time.sleep(1.5)
+            return super().step(text)
+
     class Messages(Countdown):
         def step(self, text):
             observation, reward, done = super().step(text)
@@ -182,3 +187,20 @@ def test_the_token_budget_cuts_an_episode_at_max_total_tokens(envs_module):
     (c,) = played.completions
     assert c.token_ids == ids(" go:") + ids("x") + [EOS]  # the reply had room for 2 tokens; no room for step 1's observation
     assert not c.finished and played.turns == 1.0
+
+
+def test_every_turn_shares_one_deadline_so_slow_steps_never_outlast_half_the_collective_timeout(envs_module):
+    """Each step takes 1.5 s, under env.timeout_s; with a 4 s collective timeout the phase has 2 s
+    for all its environment calls: the second episode's first step and every later step expire."""
+    import time
+
+    runner = EpisodeRunner(EnvCfg(f"{envs_module}:SlowSteps", timeout_s=10.0), RewardCfg(max_failure_frac=1.0), TOKENIZER, 16,
+                           collective_timeout_s=4.0)
+    try:
+        started = time.monotonic()
+        played = runner.run(rows("p0", "p2"), 1, SamplingSettings(stop_token_ids=[EOS]), "train-0", scripted_generate([]))
+        elapsed = time.monotonic() - started
+    finally:
+        runner.close()
+    assert played.failures.timeouts == 2 and played.returns == [-1.0, -1.0]
+    assert elapsed < 4.0, elapsed  # one 2 s budget for both turns, not 2 s per turn
