@@ -74,6 +74,26 @@ def gae(rewards: Ragged, values: Ragged, gamma: float, lam: float) -> tuple[Ragg
     return rewards.with_values(adv_N), rewards.with_values(adv_N + values_BT[mask_BT])
 
 
+def on_sampled(x: Ragged, sampled: Ragged | None) -> Ragged:
+    """`x` restricted to the tokens the policy sampled (each sequence keeps its own, in order): what
+    PPO's rewards, values and GAE run over in a multi-turn episode, where observation tokens are
+    context, not actions (docs/environments.md). `sampled` None: every token, `x` itself."""
+    if sampled is None:
+        return x
+    keep_N = sampled.values.to(device=x.values.device, dtype=torch.bool)
+    counts_B = sampled.with_values(sampled.values.long()).sum_per_seq().cpu()
+    return Ragged.from_lengths(x.values[keep_N], counts_B)
+
+
+def scatter_sampled(part: Ragged, sampled: Ragged | None, template: Ragged) -> Ragged:
+    """`part` (laid out by `on_sampled`) back at its tokens of `template`, 0 at the others."""
+    if sampled is None:
+        return part
+    out_N = torch.zeros(template.num_tokens, dtype=part.values.dtype, device=part.values.device)
+    out_N[sampled.values.to(device=out_N.device, dtype=torch.bool)] = part.values
+    return template.with_values(out_N)
+
+
 def whiten(values_N: torch.Tensor, mean: float, var: float, eps: float = 1e-8) -> torch.Tensor:
     """`(x - mean) / sqrt(var + eps)` with the global batch's mean and (biased) variance."""
     return (values_N - mean) / (var + eps) ** 0.5

@@ -85,8 +85,9 @@ class Experience:
     global_scores: torch.Tensor  # every rank's totals at their global positions (float64, host)
     counts: torch.Tensor  # global [completion tokens, sequences, truncated sequences, sampled tokens] (host)
     time_rollout: float
-    env_failures: Failures = field(default_factory=Failures)  # multi-turn episodes that failed (env=python)
-    turns: float = 0.0  # the model's turns over this rank's episodes (env=python)
+    env_failures: Failures = field(default_factory=Failures)  # failed environment steps or tool calls (env=python, env=tools)
+    turns: float = 0.0  # the model's turns over this rank's episodes
+    tool_calls: float = 0.0  # the tool calls over this rank's episodes (env=tools)
     old_logps: Ragged | None = None
     entropy: Ragged | None = None
     ref_logps: Ragged | None = None
@@ -114,12 +115,14 @@ class ExperienceCollector:
     ) -> None:
         cfg = ctx.cfg
         self.ctx, self.algo_cfg = ctx, cfg.algo
-        self.train_prompts, self.eval_prompts, self.dropped = build_prompt_data(ctx.tokenizer, cfg.data, cfg.trainer.seed)
+        self.train_prompts, self.eval_prompts, self.dropped = build_prompt_data(
+            ctx.tokenizer, cfg.data, cfg.trainer.seed, episodes.renderer if episodes is not None else None
+        )
         self.scorer = scorer
         self.reward_fns = scorer.fns
         self.stream = IndexStream(len(self.train_prompts), cfg.trainer.seed)
         self.rollout, self.timeshare, self.policy = rollout, timeshare, policy
-        self.episodes = episodes  # env=python: multi-turn episodes, rewarded by the environment
+        self.episodes = episodes  # multi-turn episodes: rewarded by the environment (env=python) or reward.fns (env=tools)
         self.eos = ctx.tokenizer.eos_token_id
         self.layout = BatchLayout(cfg.algo.prompts_per_step, cfg.algo.group_size, policy.rank, policy.world_size)
         self.sample_every = cfg.logger.sample_every
@@ -155,30 +158,41 @@ class ExperienceCollector:
     def texts(self, completions: list[Completion]) -> list[str]:
         return [self.ctx.tokenizer.decode([t for t in c.token_ids if t != self.eos], skip_special_tokens=True) for c in completions]
 
-    def rewards(self, rows: list[PromptRow], completions: list[Completion]) -> tuple[dict[str, list[float]], Failures]:
+    def rewards(
+        self, rows: list[PromptRow], completions: list[Completion], texts: list[str] | None = None
+    ) -> tuple[dict[str, list[float]], Failures]:
+        """Every reward function's scores of `texts` (default: the completions' text)."""
         owners = [rows[c.prompt_index] for c in completions]
         columns = {key: [r.columns[key] for r in owners] for key in (owners[0].columns if owners else {})}
         groups = [c.prompt_index for c in completions]
-        return self.scorer.score([r.text for r in owners], self.texts(completions), columns, groups)
+        return self.scorer.score([r.text for r in owners], texts if texts is not None else self.texts(completions), columns, groups)
+
+    def weighted(self, per_fn: dict[str, list[float]], n: int) -> torch.Tensor:
+        scores_B = torch.zeros(n, dtype=torch.float64, device="cpu")
+        for rf in self.reward_fns:
+            scores_B += rf.weight * torch.tensor(per_fn[rf.name], dtype=torch.float64, device="cpu")
+        return scores_B
 
     def collect(self, step: int) -> Experience:
         global_index = self.stream.take(self.algo_cfg.prompts_per_step)
         rows = [self.train_prompts[i] for i in rank_slice(global_index, self.policy.rank, self.policy.world_size)]
-        env_failures, turns = Failures(), 0.0
+        env_failures, episode_counts = Failures(), (0.0, 0.0)
         if self.episodes is not None:
             started = time.perf_counter()
             played = self.episodes.run(rows, self.algo_cfg.group_size, self.sampling(step), f"train-{step}", self.generate)
             completions, time_rollout = played.completions, time.perf_counter() - started
-            per_fn, failures = {"env": played.returns}, Failures()
-            env_failures, turns = played.failures, played.turns
-            scores_B = torch.tensor(played.returns, dtype=torch.float64, device="cpu")
+            env_failures, episode_counts = played.failures, (played.turns, played.tool_calls)
+            if self.reward_fns:  # env=tools: the episode's answer (its last reply) is scored
+                per_fn, failures = self.rewards(rows, completions, played.final_texts)
+                scores_B = self.weighted(per_fn, len(completions))
+            else:
+                per_fn, failures = {"env": played.returns}, Failures()
+                scores_B = torch.tensor(played.returns, dtype=torch.float64, device="cpu")
         else:
             completions = self.generate([r.ids for r in rows], self.sampling(step))
             time_rollout = self.timeshare.last_generate_s
             per_fn, failures = self.rewards(rows, completions)
-            scores_B = torch.zeros(len(completions), dtype=torch.float64, device="cpu")
-            for rf in self.reward_fns:
-                scores_B += rf.weight * torch.tensor(per_fn[rf.name], dtype=torch.float64, device="cpu")
+            scores_B = self.weighted(per_fn, len(completions))
         if self.sample_every and step % self.sample_every == 0:
             self.recorded = first_samples([rows[c.prompt_index].text for c in completions], self.texts(completions), scores_B.tolist())
         dp_size = self.policy.world_size
@@ -199,7 +213,7 @@ class ExperienceCollector:
             rows=rows, completions=completions, batch=batch, engine_logps=engine_logps, rewards_by_fn=per_fn,
             reward_failures=failures,
             scores_B=scores_B, global_scores=global_scores, counts=sum_over_replicas(local_counts, dp_size),
-            time_rollout=time_rollout, env_failures=env_failures, turns=turns,
+            time_rollout=time_rollout, env_failures=env_failures, turns=episode_counts[0], tool_calls=episode_counts[1],
         )
 
     def reward_metrics(self, exp: Experience) -> dict[str, float]:
@@ -207,9 +221,10 @@ class ExperienceCollector:
         `reward/errors`: its samples (per function) that scored `reward.on_failure` instead."""
         n_global = self.layout.global_size
         failed, env_failed = exp.reward_failures, exp.env_failures
+        successes = float((exp.scores_B > 0).sum())
         sums = torch.tensor(
             [sum(v) for v in exp.rewards_by_fn.values()]
-            + [float(env_failed.timeouts), float(env_failed.errors), exp.turns]
+            + [successes, exp.tool_calls, float(env_failed.timeouts), float(env_failed.errors), exp.turns]
             + [float(failed.timeouts), float(failed.errors), float((exp.scores_B**2).sum()), float(exp.scores_B.sum())],
             dtype=torch.float64, device="cpu",
         )
@@ -220,6 +235,7 @@ class ExperienceCollector:
         out["reward/timeouts"], out["reward/errors"] = float(totals[-4]), float(totals[-3])
         if self.episodes is not None:
             out["env/timeouts"], out["env/errors"], out["env/turns_mean"] = float(totals[-7]), float(totals[-6]), float(means[-5])
+            out["env/tool_calls_mean"], out["env/success"] = float(means[-8]), float(means[-9])
         for i, name in enumerate(exp.rewards_by_fn):
             out[f"reward/{name}"] = float(means[i])
         return out
@@ -254,10 +270,24 @@ class ExperienceCollector:
         return out
 
     def evaluate_episodes(self, mine: list[PromptRow], step: int) -> dict[str, float]:
-        """env=python: one greedy episode per held-out prompt; `eval/reward` is their mean return."""
+        """One greedy episode per held-out prompt: `eval/reward` is their mean reward (the return with
+        env=python; reward.fns on the answer with env=tools, plus `eval/accuracy` where the data has an
+        `answer` column), `eval/success` the share above 0."""
         assert self.episodes is not None
         played = self.episodes.run(mine, 1, self.sampling(step, greedy=True), f"eval-{step}", self.generate)
         self.timeshare.pop_metrics()
-        self.recorded = first_samples([r.text for r in mine], self.texts(played.completions), played.returns)
-        total = sum_over_replicas(torch.tensor([float(sum(played.returns))], dtype=torch.float64, device="cpu"), self.policy.world_size)
-        return {"eval/reward": float(total[0] / len(self.eval_prompts))}
+        scores = played.returns
+        correct = 0.0
+        if self.reward_fns:  # env=tools; failed samples score reward.on_failure, uncounted (as single-turn evaluation)
+            per_fn, _ = self.rewards(mine, played.completions, played.final_texts)
+            scores = self.weighted(per_fn, len(played.completions)).tolist()
+            if mine and "answer" in mine[0].columns:
+                correct = float(sum(t.strip() == str(r.columns["answer"]).strip() for t, r in zip(played.final_texts, mine)))
+        self.recorded = first_samples([r.text for r in mine], self.texts(played.completions), scores)
+        sums = torch.tensor([float(sum(scores)), float(sum(v > 0 for v in scores)), correct], dtype=torch.float64, device="cpu")
+        total = sum_over_replicas(sums, self.policy.world_size)
+        n = len(self.eval_prompts)
+        out = {"eval/reward": float(total[0] / n), "eval/success": float(total[1] / n)}
+        if self.reward_fns and "answer" in self.eval_prompts[0].columns:
+            out["eval/accuracy"] = float(total[2] / n)
+        return out

@@ -176,9 +176,10 @@ def aggregate(
 
 
 def value_loss(
-    values: Ragged, old_values: Ragged, returns: Ragged, vf_clip: float, global_tokens: float
+    values: Ragged, old_values: Ragged, returns: Ragged, vf_clip: float, global_tokens: float, sampled: Ragged | None = None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(this micro-batch's share of the clipped value loss, metric contributions)."""
+    """(this micro-batch's share of the clipped value loss, metric contributions). With `sampled`
+    (a multi-turn batch) only the policy's tokens count; `global_tokens` then counts those."""
     global_tokens = max(float(global_tokens), 1.0)
     v_N = values.values.float()
     device = v_N.device
@@ -187,9 +188,10 @@ def value_loss(
     unclipped_N = (v_N - ret_N) ** 2
     clipped_v_N = old_N + torch.clamp(v_N - old_N, -vf_clip, vf_clip)
     clipped_N = (clipped_v_N - ret_N) ** 2
-    loss_N = 0.5 * torch.maximum(unclipped_N, clipped_N)
+    keep_N = sampled.values.to(device=device, dtype=v_N.dtype) if sampled is not None else torch.ones_like(v_N)
+    loss_N = 0.5 * torch.maximum(unclipped_N, clipped_N) * keep_N
     loss = loss_N.sum() / global_tokens
     return loss, {
         "critic/value_loss": loss.detach(),
-        "critic/vf_clipfrac": (clipped_N > unclipped_N).float().sum().detach() / global_tokens,
+        "critic/vf_clipfrac": ((clipped_N > unclipped_N).float() * keep_N).sum().detach() / global_tokens,
     }

@@ -21,6 +21,8 @@ from rltrain.algos.advantages import (
     gae,
     moments,
     moments_sums,
+    on_sampled,
+    scatter_sampled,
     token_rewards,
     whiten,
 )
@@ -41,7 +43,7 @@ def make_value_loss(vf_clip: float):
         assert output.values is not None, "the value loss needs a critic's values"
         assert isinstance(batch.loss_inputs, ValueLossInputs), "the value loss needs ValueLossInputs"
         e = batch.loss_inputs.to(output.values.values.device)
-        return value_loss(output.values, e.old_values, e.returns, vf_clip, e.global_tokens)
+        return value_loss(output.values, e.old_values, e.returns, vf_clip, e.global_tokens, batch.sampled)
 
     return loss_fn
 
@@ -51,19 +53,25 @@ def ppo_advantages(exp: Experience, algo_cfg: PPOConfig, dp_size: int) -> Advant
     experience's scores, values and, with the KL in the reward, old and reference log-probabilities;
     moments and explained variance over the global batch (a collective over `dp_size` replicas)."""
     a = algo_cfg
+    # Multi-turn episodes: rewards, values and GAE run over the tokens the policy sampled, each
+    # episode's in order (observation tokens are context, not actions), then land back in place.
+    sampled = exp.batch.sampled
     template = exp.engine_logps  # ragged over the completion tokens
     kl_N = None
     if a.kl_in_reward and a.beta != 0:
         assert exp.old_logps is not None and exp.ref_logps is not None, "a KL in the reward needs old and reference log-probabilities"
-        kl_N = (exp.old_logps.values.float() - exp.ref_logps.values.float().to(exp.old_logps.values.device)).cpu()
+        kl = exp.old_logps.with_values((exp.old_logps.values.float() - exp.ref_logps.values.float().to(exp.old_logps.values.device)).cpu())
+        kl_N = on_sampled(kl, sampled).values
     values = exp.values if exp.values is not None else template.with_values(torch.zeros(template.num_tokens, device="cpu"))
-    rewards = token_rewards(exp.scores_B, template, kl_N, a.beta)
+    values = on_sampled(values, sampled)
+    rewards = token_rewards(exp.scores_B, on_sampled(template, sampled), kl_N, a.beta)
     adv, returns = gae(rewards, values, a.gamma, a.lam)
     adv_mean, adv_var = moments(sum_over_replicas(moments_sums(adv.values), dp_size))
     value_mean, _ = moments(sum_over_replicas(moments_sums(values.values), dp_size))
     ev = explained_variance(sum_over_replicas(explained_variance_sums(returns.values, values.values), dp_size))
     if a.whiten_advantages:
         adv = adv.with_values(whiten(adv.values, adv_mean, adv_var))
+    adv, returns = scatter_sampled(adv, sampled, template), scatter_sampled(returns, sampled, template)
     metrics = {
         "adv/mean": adv_mean,
         "adv/std": adv_var**0.5,

@@ -21,7 +21,7 @@ from rltrain.backends import build_engine, build_reference
 from rltrain.backends.base import LogProbScorer
 from rltrain.data.ragged import Ragged
 from rltrain.data.sharding import sum_over_replicas
-from rltrain.envs.episodes import EpisodeRunner
+from rltrain.envs.build import build_episode_runner
 from rltrain.rewards.scoring import RewardScorer, build_reward_fns
 from rltrain.rollout import build_rollout
 from rltrain.run.samples import Sample
@@ -59,14 +59,12 @@ class RLAlgorithm:
         self.critic = build_engine(ctx, "critic", optimizer_steps) if self.uses_critic else None
         engines = [e for e in (self.policy, reference_engine, self.critic) if e is not None]
         # env=python: the environment's step rewards are the reward; reward.fns are not called.
-        reward_fns = build_reward_fns(cfg, ctx.dist.device) if cfg.env.name == "none" else []
+        reward_fns = build_reward_fns(cfg, ctx.dist.device) if cfg.env.name != "python" else []
         frozen = [rf.device_model for rf in reward_fns if rf.device_model is not None]
         self.weights = WeightSync(self.rollout, deferred=cfg.placement.time_sharing)
         self.timeshare = TimeSharing(engines, self.rollout, ctx.dist.device, cfg.placement.time_sharing, self.weights, frozen)
         scorer = RewardScorer(reward_fns, cfg.reward, cfg.safety.collective_timeout_s)
-        episodes = None
-        if cfg.env.name == "python":
-            episodes = EpisodeRunner(cfg.env, cfg.reward, ctx.tokenizer, a.max_new_tokens, cfg.safety.collective_timeout_s)
+        episodes = build_episode_runner(cfg, ctx.tokenizer)
         self.collector = ExperienceCollector(ctx, self.rollout, self.timeshare, self.policy, scorer, episodes)
         parity = ParityProbe()
         update = MiniBatchUpdate(

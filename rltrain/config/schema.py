@@ -31,7 +31,7 @@ RolloutCorrection = Literal["none", "tis", "mask"]  # rltrain/algos/rollout_corr
 ScaleRewards = Literal["group", "batch", "none"]
 RolloutProcess = Literal["colocated", "separate"]  # separate: the engine in a child process (rollout/separate.py)
 SweepDirection = Literal["maximize", "minimize"]
-EnvName = Literal["none", "python"]  # rltrain/envs
+EnvName = Literal["none", "python", "tools"]  # rltrain/envs
 
 
 def choice(default: str, allowed: Any) -> Any:
@@ -341,10 +341,14 @@ class HFRewardModelConfig(RewardModelConfig):
 class EnvConfig:
     """Multi-turn episodes (docs/environments.md). `none`: single-turn RL, one completion per sample
     scored by `reward.fns`. `python`: `cls` (`pkg.module:Class`) is a user environment with
-    `reset(**row)` and `step(text)`; one instance per episode, run in worker processes that a timeout kills."""
+    `reset(**row)` and `step(text)`; one instance per episode, run in worker processes that a timeout kills.
+    `tools`: `tools` (`pkg.module:function` each) are offered to the model, called in those workers, and
+    the episode's last reply is scored by `reward.fns`."""
 
     name: str = MISSING
     cls: str | None = None
+    tools: list[str] = field(default_factory=list)  # env=tools: the functions offered to the model
+    describe_tools: bool = True  # env=tools: list the tools in a text prompt (a chat prompt gets them from its template)
     max_turns: int = 4  # model turns per episode
     max_tokens_per_turn: int | None = None  # one turn's generation budget; null = algo.max_new_tokens
     max_total_tokens: int = 256  # an episode's completion: every model turn and observation
@@ -360,6 +364,11 @@ class NoEnvConfig(EnvConfig):
 @dataclass
 class PythonEnvConfig(EnvConfig):
     name: str = "python"
+
+
+@dataclass
+class ToolsEnvConfig(EnvConfig):
+    name: str = "tools"
 
 
 @dataclass
@@ -437,7 +446,7 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "reference": {"default": ReferenceConfig},
     "critic": {"default": CriticConfig},
     "reward_model": {"none": NoRewardModelConfig, "hf": HFRewardModelConfig},
-    "env": {"none": NoEnvConfig, "python": PythonEnvConfig},
+    "env": {"none": NoEnvConfig, "python": PythonEnvConfig, "tools": ToolsEnvConfig},
     "data": {"default": DataConfig},
     "logger": {"default": LoggerConfig},
 }

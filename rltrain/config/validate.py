@@ -261,27 +261,35 @@ def validate_roles(cfg) -> None:
 
 
 def validate_env(cfg) -> None:
-    """`env=python` (docs/environments.md): what this release runs multi-turn, and in-range numbers."""
+    """`env=python` and `env=tools` (docs/environments.md): what this release runs multi-turn, and in-range numbers."""
     env = cfg.env
+    if env.name != "python" and env.cls is not None:
+        raise UserError(f"env.cls={env.cls!r} is set but env={env.name} does not use it: add env=python to use it.")
+    if env.name != "tools" and list(env.tools):
+        raise UserError(f"env.tools={list(env.tools)} is set but env={env.name} does not use it: add env=tools to use them.")
     if env.name == "none":
-        if env.cls is not None:
-            raise UserError(f"env.cls={env.cls!r} is set but env=none runs single-turn RL: add env=python to use it.")
         return
-    if not env.cls or ":" not in env.cls:
+    if env.name == "python" and (not env.cls or ":" not in env.cls):
         raise UserError(f"env=python needs env.cls=package.module:Class, your environment class (got {env.cls!r}).")
-    if cfg.algo.name != "grpo":
-        why = "SFT and DPO train on fixed data" if cfg.algo.name in ALGOS_WITHOUT_REWARDS else (
-            "PPO's critic and GAE over interleaved observations are not implemented yet")
-        raise UserError(f"env=python trains with algo=grpo; algo={cfg.algo.name} cannot: {why}.")
-    if list(cfg.reward.fns) or cfg.reward_model.name != "none":
+    if env.name == "tools":
+        if not list(env.tools):
+            raise UserError("env=tools needs env.tools=[package.module:function,...], the functions the model may call.")
+        for path in env.tools:
+            if ":" not in path:
+                raise UserError(f"env.tools entry {path!r} must be package.module:function.")
+    if cfg.algo.name in ALGOS_WITHOUT_REWARDS:
+        raise UserError(
+            f"env={env.name} trains with algo=grpo or algo=ppo; algo={cfg.algo.name} cannot: SFT and DPO train on fixed data."
+        )
+    if env.name == "python" and (list(cfg.reward.fns) or cfg.reward_model.name != "none"):
         raise UserError(
             "env=python takes its rewards from the environment's step() (summed over the episode); reward.fns and "
             "reward_model are not called. Remove them, or score inside step()."
         )
     if cfg.backend.name == "megatron" and cfg.backend.tp * cfg.backend.pp > 1:
         raise UserError(
-            f"env=python with backend.tp={cfg.backend.tp} backend.pp={cfg.backend.pp}: multi-turn episodes run on data-"
-            "parallel ranks only in this release. Use backend.tp=1 backend.pp=1 (or backend=fsdp)."
+            f"env={env.name} with backend.tp={cfg.backend.tp} backend.pp={cfg.backend.pp}: multi-turn episodes run on "
+            "data-parallel ranks only in this release. Use backend.tp=1 backend.pp=1 (or backend=fsdp)."
         )
     for key in ("max_turns", "max_total_tokens", "workers"):
         if getattr(env, key) < 1:

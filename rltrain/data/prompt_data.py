@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from rltrain.data import tasks
 from rltrain.data.loading import train_and_eval_rows
@@ -15,24 +16,41 @@ class PromptRow:
     ids: list[int]
     text: str
     columns: dict = field(default_factory=dict)
+    chat: bool = False  # the prompt was chat messages, rendered by the chat template
 
 
-def _to_row(tokenizer, row: dict, where: str, max_length: int) -> PromptRow | None:
+class PromptRenderer(Protocol):
+    """Renders a prompt as the text the model reads (env=tools offers its tools this way)."""
+
+    def text(self, prompt: str) -> str: ...
+
+    def chat(self, messages: list[dict]) -> str: ...
+
+
+def _to_row(tokenizer, row: dict, where: str, max_length: int, renderer: PromptRenderer | None) -> PromptRow | None:
     prompt = row["prompt"]
-    if isinstance(prompt, list):
+    chat = isinstance(prompt, list)
+    if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise UserError(f"{where}: conversational prompts need a tokenizer with a chat template.")
         check_messages(prompt, where, "prompt")
-        prompt = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        if renderer is not None:
+            prompt = renderer.chat(prompt)
+        else:
+            prompt = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     if not isinstance(prompt, str) or not prompt:
         raise UserError(f"{where}: every row needs a non-empty 'prompt'; found {row.get('prompt')!r:.120}")
+    if renderer is not None and not chat:
+        prompt = renderer.text(prompt)
     ids = encode(tokenizer, prompt)
     if len(ids) > max_length:
         return None
-    return PromptRow(ids, prompt, {k: v for k, v in row.items() if k != "prompt"})
+    return PromptRow(ids, prompt, {k: v for k, v in row.items() if k != "prompt"}, chat)
 
 
-def build_prompt_data(tokenizer, data_cfg, seed: int) -> tuple[list[PromptRow], list[PromptRow], int]:
+def build_prompt_data(
+    tokenizer, data_cfg, seed: int, renderer: PromptRenderer | None = None
+) -> tuple[list[PromptRow], list[PromptRow], int]:
     """(train prompts, eval prompts, prompts dropped as longer than data.max_length)."""
     if data_cfg.path is None:
         train_p, eval_p = tasks.builtin_split(data_cfg, seed)
@@ -42,12 +60,13 @@ def build_prompt_data(tokenizer, data_cfg, seed: int) -> tuple[list[PromptRow], 
     dropped = 0
     train = []
     for row in train_rows:
-        converted = _to_row(tokenizer, row, where, data_cfg.max_length)
+        converted = _to_row(tokenizer, row, where, data_cfg.max_length, renderer)
         if converted is None:
             dropped += 1
         else:
             train.append(converted)
     if not train:
-        raise UserError(f"{where}: no prompts left (all longer than data.max_length={data_cfg.max_length}).")
-    evals = [r for r in (_to_row(tokenizer, row, where, data_cfg.max_length) for row in eval_rows) if r is not None]
+        hint = " (env=tools lists the tools in each text prompt: raise data.max_length, or set env.describe_tools=false)" if renderer else ""
+        raise UserError(f"{where}: no prompts left (all longer than data.max_length={data_cfg.max_length}){hint}.")
+    evals = [r for r in (_to_row(tokenizer, row, where, data_cfg.max_length, renderer) for row in eval_rows) if r is not None]
     return train, evals[: data_cfg.max_eval_samples], dropped

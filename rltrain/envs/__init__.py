@@ -1,5 +1,5 @@
-"""Multi-turn environments (`env=python`): the episode loop on the trainer's side (`episodes`),
-the worker side that hosts the user's environment objects and rebuilds them by replay (`hosted`),
-observations as token ids appended to an episode (`observations`) and a built-in example
-(`retry`). docs/environments.md tells the story.
+"""Multi-turn episodes (`env=python`, `env=tools`): the loop on the trainer's side (`episodes`), built
+from config (`build`); a user environment class (`user_env`, hosted and rebuilt by replay in workers by
+`hosted`) or typed functions offered as tools (`tools`); observations as appended token ids
+(`observations`); a built-in example (`retry`). docs/environments.md tells the story.
 """

@@ -1,18 +1,22 @@
-"""`env=python` end to end (docs/environments.md): GRPO on two ranks with the vLLM engine plays
-multi-turn episodes of the built-in retry environment in worker processes; the model's tokens keep
-their engine log-probabilities through the turns (train/rollout parity in fp32), the episode metrics
-are logged, and held-out episodes are evaluated. A configuration this release cannot run multi-turn
-is refused before anything is built."""
+"""`env=python` and `env=tools` end to end (docs/environments.md): GRPO on two ranks with the vLLM
+engine plays multi-turn episodes of a user environment (examples/higher_lower.py, which the package
+never imports) and of user tools (examples/calculator.py plus a tool that hangs) in worker
+processes; the model's tokens keep their engine log-probabilities through the turns (train/rollout
+parity in fp32), the episode metrics are logged, held-out episodes are evaluated, and a hung tool
+costs its call, not the run. A configuration this release cannot run multi-turn is refused by name."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
-from cli import SMALL_MODEL, read_metrics, rltrain, train_rows
+from cli import QUICK, ROOT, SMALL_MODEL, read_metrics, rltrain, train_rows
 
 pytestmark = pytest.mark.e2e
 
+EXAMPLES = {"PYTHONPATH": str(ROOT / "examples")}
 ENV_RUN = [
-    "algo=grpo", "model=tiny", *SMALL_MODEL, "env=python", "env.cls=rltrain.envs.retry:AdditionWithRetries",
+    "algo=grpo", "model=tiny", *SMALL_MODEL, "env=python", "env.cls=higher_lower:HigherLower",
     "env.max_turns=3", "algo.prompts_per_step=4", "algo.group_size=2", "data.num_eval=4", "trainer.max_steps=2",
     "trainer.log_every=1", "trainer.eval_every=2", "trainer.save_every=0", "trainer.progress=lines",
     "trainer.nproc=2", "logger.wandb.mode=disabled",
@@ -20,7 +24,7 @@ ENV_RUN = [
 
 
 def test_grpo_trains_on_multi_turn_episodes_on_two_ranks(tiny_cache, tmp_path):
-    rltrain(*ENV_RUN, run_dir=tmp_path / "run", timeout=400)
+    rltrain(*ENV_RUN, run_dir=tmp_path / "run", timeout=400, env=EXAMPLES)
     rows = train_rows(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -30,19 +34,88 @@ def test_grpo_trains_on_multi_turn_episodes_on_two_ranks(tiny_cache, tmp_path):
         assert r["rollout/logprob_diff_max"] < 1e-3, r  # every sampled token, whatever turn it came from
         assert "reward/env" in r and r["reward/mean"] == pytest.approx(r["reward/env"])
     evals = [r for r in read_metrics(tmp_path / "run") if "eval/reward" in r]
-    assert evals and all("eval/accuracy" not in r for r in evals)
+    assert evals and all("eval/accuracy" not in r and 0.0 <= r["eval/success"] <= 1.0 for r in evals)
+
+
+def test_ppo_trains_on_multi_turn_episodes_with_the_hf_engine_on_two_ranks(tiny_cache, tmp_path):
+    """PPO's critic and GAE over the sampled tokens only (tests/unit/algos/test_ppo_math.py has the
+    values), the HF engine taking the turns."""
+    rltrain(*ENV_RUN, "algo=ppo", "rollout=hf", "trainer.eval_every=0", run_dir=tmp_path / "run", timeout=400, env=EXAMPLES)
+    rows = train_rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert 1.0 < r["env/turns_mean"] <= 3.0, r
+        assert r["rollout/logprob_diff_max"] < 1e-3, r
+        assert {"critic/value_loss", "critic/explained_variance", "adv/mean", "env/success"} <= set(r)
 
 
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        (["algo=ppo"], "PPO's critic and GAE over interleaved observations are not implemented yet"),
+        (["backend=megatron", "backend.pp=2"], "multi-turn episodes run on data-parallel ranks only"),
         (["reward.fns=[rltrain.rewards.builtin:exact_match]"], "reward.fns and reward_model are not called"),
         (["env.cls=no_colon"], "env=python needs env.cls=package.module:Class"),
         (["env.max_turns=0"], "env.max_turns=0 must be at least 1"),
+        (["env.tools=[calculator:add]"], "env.tools=['calculator:add'] is set but env=python does not use it"),
     ],
 )
 def test_what_env_python_cannot_run_is_refused_by_name(tiny_cache, tmp_path, override, message):
-    proc = rltrain(*ENV_RUN, *override, run_dir=tmp_path / "run", check=False, timeout=120)
+    proc = rltrain(*ENV_RUN, *override, run_dir=tmp_path / "run", check=False, timeout=120, env=EXAMPLES)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr
+
+
+HANG_TOOL = """
+import time
+
+def hang(seconds: int) -> str:
+    \"\"\"Sleeps far longer than any timeout.
+
+    Args:
+        seconds: ignored
+    \"\"\"
+    time.sleep(100000)
+    return "late"
+"""
+ADD_CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+HANG_CALL = '<tool_call>{"name": "hang", "arguments": {"seconds": 1}}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tool_caller(tiny_cache, tmp_path_factory):
+    """A small model taught (a short SFT) to call `add` after prompts "a.|" and `hang` after "h.|"."""
+    root = tmp_path_factory.mktemp("tool_caller")
+    rows = [{"prompt": f"{'ah'[i % 2]}{i % 10}|", "completion": ADD_CALL if i % 2 == 0 else HANG_CALL} for i in range(64)]
+    (root / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    rltrain("algo=sft", *QUICK, *SMALL_MODEL, f"data.path={root / 'sft.jsonl'}", "trainer.max_steps=120", "optim.lr=3e-3",
+            run_dir=root / "sft", timeout=300)
+    (root / "hanging_tools.py").write_text(HANG_TOOL)
+    prompts = [{"prompt": f"{'ah'[i % 2]}{i % 10}|", "answer": "5"} for i in range(40)]
+    (root / "rl.jsonl").write_text("\n".join(json.dumps(r) for r in prompts))
+    return root
+
+
+def test_tools_are_called_in_workers_and_a_hung_tool_is_counted_while_the_run_goes_on(tool_caller, tmp_path):
+    root = tool_caller
+    rltrain(
+        "algo=grpo", f"model.path={root / 'sft' / 'final'}", f"data.path={root / 'rl.jsonl'}", "data.eval_fraction=0.1",
+        "env=tools", "env.tools=[calculator:add,hanging_tools:hang]", "env.describe_tools=false", "env.max_turns=2",
+        "env.max_tokens_per_turn=96", "algo.temperature=0.5",
+        "env.timeout_s=1",
+        "reward.fns=[rltrain.rewards.builtin:exact_match]", "algo.prompts_per_step=4", "algo.group_size=2",
+        "trainer.max_steps=2", "trainer.log_every=1", "trainer.eval_every=2", "trainer.save_every=0",
+        "trainer.progress=lines", "trainer.nproc=2", "logger.wandb.mode=disabled",
+        run_dir=tmp_path / "run", timeout=400, env={"PYTHONPATH": f"{ROOT / 'examples'}:{root}"},
+    )
+    rows = train_rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        # The model calls a tool at its first turn (half the prompts `add`, half `hang`) and answers
+        # after reading the result (here, an error for `hang`: killed after 1 s).
+        assert r["env/tool_calls_mean"] >= 0.5 and r["env/turns_mean"] > 1.0, r
+        assert r["env/errors"] == 0.0, r
+        assert r["rollout/logprob_diff_max"] < 1e-3, r  # over the sampled tokens of every turn
+        assert {"reward/exact_match", "env/success"} <= set(r)
+    assert sum(r["env/timeouts"] for r in rows) >= 1.0  # the hung calls, counted; the run went on
+    evals = [r for r in read_metrics(tmp_path / "run") if "eval/accuracy" in r]
+    assert evals and {"eval/reward", "eval/success"} <= set(evals[0])

@@ -83,3 +83,35 @@ def test_explained_variance():
     values = returns + torch.tensor([0.5, -0.5, 0.5, -0.5])
     sums = explained_variance_sums(returns[:2], values[:2]) + explained_variance_sums(returns[2:], values[2:])
     assert explained_variance(sums) == pytest.approx(0.8)
+
+
+def test_multi_turn_gae_runs_over_the_sampled_tokens_and_leaves_observations_out():
+    """An episode [s, s, o, o, s] (o: observation tokens): rewards, values and GAE are those of the
+    sampled tokens alone, [s, s, s], each back in its place; the observations get advantage 0 and
+    no share of the value loss, and the whitening moments count sampled tokens only."""
+    from types import SimpleNamespace
+
+    from rltrain.algos.ppo import ppo_advantages
+    from rltrain.config.schema import PPOConfig
+
+    sampled = Ragged.from_lengths(torch.tensor([True, True, False, False, True, True, True]), [5, 2])
+    values = _ragged([0.5, 0.6, 9.0, 9.0, 0.7, 1.0, 1.5], [5, 2])
+    engine = _ragged([0.0] * 7, [5, 2])
+    cfg = PPOConfig(gamma=0.9, lam=0.8, whiten_advantages=False, kl_in_reward=False)
+    exp = SimpleNamespace(batch=SimpleNamespace(sampled=sampled), engine_logps=engine, values=values,
+                          scores_B=torch.tensor([1.0, 2.0], dtype=torch.float64), old_logps=None, ref_logps=None)
+    out = ppo_advantages(exp, cfg, dp_size=1)
+    # The first episode's sampled tokens are test_gae_by_hand's sequence: A = [0.21712, 0.246, 0.3].
+    # The second, r = [0, 2], V = [1.0, 1.5]: A_1 = 0.5, A_0 = 0.9 * 1.5 - 1.0 + 0.72 * 0.5 = 0.71.
+    assert out.adv.values.tolist() == pytest.approx([0.21712, 0.246, 0.0, 0.0, 0.3, 0.71, 0.5], abs=1e-6)
+    assert out.returns.values.tolist() == pytest.approx([0.71712, 0.846, 0.0, 0.0, 1.0, 1.71, 2.0], abs=1e-6)
+    assert out.metrics["critic/values_mean"] == pytest.approx((0.5 + 0.6 + 0.7 + 1.0 + 1.5) / 5)
+    # The value loss: the observation tokens' (huge) errors count for nothing.
+    new = _ragged([0.5, 0.6, 100.0, -100.0, 0.7, 1.0, 1.5], [5, 2])
+    masked, _ = value_loss(new, values, out.returns, vf_clip=10.0, global_tokens=5, sampled=sampled)
+    keep = sampled.values
+    alone, _ = value_loss(
+        Ragged.from_lengths(new.values[keep], [3, 2]), Ragged.from_lengths(values.values[keep], [3, 2]),
+        Ragged.from_lengths(out.returns.values[keep], [3, 2]), vf_clip=10.0, global_tokens=5,
+    )
+    assert float(masked) == pytest.approx(float(alone)) and float(alone) > 0

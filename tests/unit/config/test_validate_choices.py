@@ -149,3 +149,25 @@ def test_a_batch_smaller_than_the_ranks_is_refused_where_the_algorithm_reads_it(
         with pytest.raises(UserError, match=r"trainer\.global_batch_size=1 is smaller than the 2"):
             validate(_cfg(f"algo={algo}", "trainer.nproc=2", "trainer.global_batch_size=1"))
     validate(_cfg("algo=grpo", "trainer.nproc=2", "trainer.global_batch_size=1"))  # RL steps are algo.prompts_per_step
+
+
+@pytest.mark.parametrize(
+    "overrides, names",
+    [
+        (("algo=sft", "env=python", "env.cls=m:C"), "env=python trains with algo=grpo or algo=ppo; algo=sft cannot"),
+        (("algo=dpo", "env=tools", "env.tools=[m:f]"), "env=tools trains with algo=grpo or algo=ppo; algo=dpo cannot"),
+        (("env=tools",), "env=tools needs env.tools=[package.module:function,...]"),
+        (("env=tools", "env.tools=[no_colon]"), "env.tools entry 'no_colon' must be package.module:function"),
+        (("env=tools", "env.tools=[m:f]", "env.cls=m:C"), "env.cls='m:C' is set but env=tools does not use it"),
+        (("env.tools=[m:f]",), "env.tools=['m:f'] is set but env=none does not use it"),
+    ],
+)
+def test_multi_turn_configurations_this_release_cannot_run_are_refused(overrides, names):
+    with pytest.raises(UserError, match=re.escape(names)):
+        validate(_cfg(*overrides))
+
+
+def test_ppo_and_grpo_run_with_either_env():
+    for algo in ("grpo", "ppo"):
+        validate(_cfg(f"algo={algo}", "env=python", "env.cls=m:C"))
+        validate(_cfg(f"algo={algo}", "env=tools", "env.tools=[m:f]", "reward.fns=[m:r]"))

@@ -57,6 +57,6 @@ def test_dpo_conversations_are_checked(tokenizer):
 
 
 def test_grpo_conversational_prompts_are_checked(tokenizer):
-    assert _to_row(tokenizer, {"prompt": [USER], "answer": "2"}, "here", 64).text == "U:1+1?\nA:"
+    assert _to_row(tokenizer, {"prompt": [USER], "answer": "2"}, "here", 64, None).text == "U:1+1?\nA:"
     with pytest.raises(UserError, match="'prompt' column has message 0 with the unknown role 'human'"):
-        _to_row(tokenizer, {"prompt": [{"role": "human", "content": "1+1?"}]}, "here", 64)
+        _to_row(tokenizer, {"prompt": [{"role": "human", "content": "1+1?"}]}, "here", 64, None)

@@ -12,6 +12,7 @@ import pytest
 from rltrain.data.prompt_data import PromptRow
 from rltrain.envs.episodes import EpisodeRunner
 from rltrain.envs.observations import observation_ids
+from rltrain.envs.user_env import HostedEnvironments
 from rltrain.models.tokenizer import build_char_tokenizer
 from rltrain.rollout.base import Completion, SamplingSettings
 from rltrain.runtime.errors import UserError
@@ -108,8 +109,13 @@ def rows(*tags: str) -> list[PromptRow]:
     return [PromptRow(TOKENIZER(f"{t}|", add_special_tokens=False)["input_ids"], f"{t}|", {"tag": t}) for t in tags]
 
 
+def hosted_runner(env_cfg: EnvCfg, reward_cfg: RewardCfg, collective_timeout_s: float = 600) -> EpisodeRunner:
+    steps = HostedEnvironments(env_cfg, reward_cfg, TOKENIZER)
+    return EpisodeRunner(env_cfg, reward_cfg, TOKENIZER, 16, collective_timeout_s, steps)
+
+
 def run(module: str, cls: str, tags=("p0", "p2"), copies: int = 1, calls=None, **env):
-    runner = EpisodeRunner(EnvCfg(f"{module}:{cls}", **env), RewardCfg(), TOKENIZER, 16, collective_timeout_s=600)
+    runner = hosted_runner(EnvCfg(f"{module}:{cls}", **env), RewardCfg())
     try:
         sampling = SamplingSettings(n=copies, stop_token_ids=[EOS])
         return runner.run(rows(*tags), copies, sampling, "train-0", scripted_generate(calls if calls is not None else []))
@@ -194,8 +200,7 @@ def test_every_turn_shares_one_deadline_so_slow_steps_never_outlast_half_the_col
     for all its environment calls: the second episode's first step and every later step expire."""
     import time
 
-    runner = EpisodeRunner(EnvCfg(f"{envs_module}:SlowSteps", timeout_s=10.0), RewardCfg(max_failure_frac=1.0), TOKENIZER, 16,
-                           collective_timeout_s=4.0)
+    runner = hosted_runner(EnvCfg(f"{envs_module}:SlowSteps", timeout_s=10.0), RewardCfg(max_failure_frac=1.0), 4.0)
     try:
         started = time.monotonic()
         played = runner.run(rows("p0", "p2"), 1, SamplingSettings(stop_token_ids=[EOS]), "train-0", scripted_generate([]))

@@ -1,0 +1,75 @@
+"""`env=python`, the trainer's side: a user environment class answers each reply with `step`.
+
+The environment objects live in call workers (rltrain/envs/hosted.py holds them); every call
+carries the episode's actions so far, so a worker that lost an episode (killed on a timeout) rebuilds
+it by replay. A failed call ends its episode, which scores `reward.on_failure`; more than
+`reward.max_failure_frac` of a phase's episodes failing stops the run with a UserError naming the
+class (docs/environments.md, "Timeouts and rebuilt episodes").
+"""
+
+from __future__ import annotations
+
+from rltrain.envs.episodes import Episode
+from rltrain.envs.observations import observation_ids
+from rltrain.runtime.call_pool import Call, CallPool, CallResult
+from rltrain.runtime.errors import UserError
+
+ADVANCE = "rltrain.envs.hosted:advance"
+
+
+class HostedEnvironments:
+    """`EpisodeSteps` for a user environment class (`env.cls`)."""
+
+    def __init__(self, env_cfg, reward_cfg, tokenizer) -> None:
+        if not env_cfg.cls or ":" not in env_cfg.cls:
+            raise UserError(f"env=python needs env.cls=package.module:Class (got {env_cfg.cls!r}).")
+        self.cfg, self.reward_cfg, self.tokenizer = env_cfg, reward_cfg, tokenizer
+        self.timeout_s = float(env_cfg.timeout_s) if env_cfg.timeout_s else None
+        self.pool = CallPool(env_cfg.workers, [ADVANCE, env_cfg.cls], "environment")
+        self.pool.start()
+
+    def reset(self, episodes: list[Episode], deadline: float) -> None:
+        self._advance(episodes, "reset", deadline)
+
+    def step(self, episodes: list[Episode], deadline: float) -> None:
+        self._advance(episodes, "step", deadline)
+
+    def check(self, episodes: list[Episode]) -> None:
+        failed = [e for e in episodes if e.failure is not None]
+        if len(failed) > self.reward_cfg.max_failure_frac * len(episodes):
+            timeouts = sum(e.failure == "timeout" for e in failed)
+            raise UserError(
+                f"the environment {self.cfg.cls!r} failed on {len(failed)} of this rank's {len(episodes)} episodes "
+                f"({timeouts} timed out after env.timeout_s={self.timeout_s}, {len(failed) - timeouts} raised), more than "
+                f"reward.max_failure_frac={self.reward_cfg.max_failure_frac:g}. Fix it, or raise env.timeout_s or "
+                "reward.max_failure_frac."
+            )
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def _advance(self, episodes: list[Episode], what: str, deadline: float) -> None:
+        """One reset or step of every episode in `episodes`, in the workers; a failed call ends its episode."""
+        if not episodes:
+            return
+        calls = [Call(ADVANCE, {"cls": self.cfg.cls, "episode": e.key, "row": e.row, "actions": e.actions}) for e in episodes]
+        results = self.pool.run(calls, self.timeout_s, deadline)
+        for e, result in zip(episodes, results, strict=True):
+            self._apply(e, result, what)
+
+    def _apply(self, e: Episode, result: CallResult, what: str) -> None:
+        if result.failure is not None or not isinstance(result.value, dict):
+            e.done, e.failure = True, "timeout" if result.failure == "timeout" else "error"
+            if e.failure == "timeout":
+                e.timeouts += 1
+            else:
+                e.errors += 1
+            return
+        e.reward += result.value["reward"]
+        observation = result.value["observation"]
+        if result.value["done"] or (observation is None and what == "step"):
+            e.done, e.ended_by_env = True, True
+            return
+        if observation is not None:
+            ids = observation_ids(self.tokenizer, observation, f"{self.cfg.cls}.{what}()")
+            e.append(ids[: self.cfg.max_total_tokens - len(e.tokens)], None)
