@@ -2,7 +2,7 @@
 hints and the docstring (a line per argument under "Args:").
 
     PYTHONPATH=examples python -m rltrain algo=grpo env=tools \
-        'env.tools=[calculator:add,calculator:multiply]'
+        'env.tools=[calculator:add,calculator:subtract]'
 
 A tool may be slow, hang or raise: each call runs in a worker process under env.timeout_s, and a
 failure is read back to the model as an error (docs/environments.md, "Tools").
@@ -21,11 +21,11 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
-def multiply(a: int, b: int) -> int:
-    """Multiply two integers.
+def subtract(a: int, b: int) -> int:
+    """Subtract one integer from another.
 
     Args:
-        a: The first factor.
-        b: The second factor.
+        a: The number to subtract from.
+        b: The number to subtract.
     """
-    return a * b
+    return a - b

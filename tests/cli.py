@@ -214,13 +214,14 @@ def train_rows(run_dir: Path) -> list[dict]:
     return [r for r in read_metrics(run_dir) if "loss" in r]
 
 
-def kill_when(args: list[str], run_dir: Path, ready: Path, sig: int, timeout: float = 240) -> None:
+def kill_when(args: list[str], run_dir: Path, ready: Path, sig: int, timeout: float = 240, env: dict | None = None) -> None:
     """Start `python -m rltrain *args` in its own session, wait until `ready` exists, then send
     `sig` to its whole process group (every rank) and wait for it to end."""
     import time
 
     cmd = [sys.executable, "-m", "rltrain", *args, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, **(env or {})), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + timeout
     while not ready.exists():
         assert proc.poll() is None, "the run ended before it could be killed"

@@ -186,14 +186,17 @@ def validate_data(cfg) -> None:
         raise UserError(
             f"data.num_train={data.num_train} and data.max_eval_samples={data.max_eval_samples} must be at least 0."
         )
-    if data.path is None and not 1 <= data.num_eval < 10_000:
+    size = {"addition": 10_000, "multiplication": 64_800}[data.task]
+    if data.path is None and not 1 <= data.num_eval < size:
         raise UserError(
-            f"data.num_eval={data.num_eval} must be between 1 and 9999: the built-in {data.task!r} task has "
-            "10,000 problems and holds that many out for evaluation."
+            f"data.num_eval={data.num_eval} must be between 1 and {size - 1}: the built-in {data.task!r} task has "
+            f"{size:,} problems and holds that many out for evaluation."
         )
     for key, value in (("data.max_carry_problems", data.max_carry_problems), ("model.sft_carry_problems", cfg.model.sft_carry_problems)):
         if value is not None and value < 0:
             raise UserError(f"{key}={value} must be at least 0 (null: every training problem whose sum carries).")
+        if value is not None and data.task != "addition" and (key.startswith("data.") or cfg.model.sft_steps > 0):
+            raise UserError(f"{key}={value} selects sums that carry: only data.task=addition has them. Set {key}=null.")
 
 
 def validate_algo(algo) -> None:

@@ -23,11 +23,12 @@ class SFTData:
     overlong: OverlongStats
 
 
-def text_rows(data_cfg, seed: int) -> tuple[list[dict], list[dict], str]:
-    """(train rows, eval rows, where) for prompt/completion-style data."""
+def text_rows(data_cfg, seed: int, eos: str) -> tuple[list[dict], list[dict], str]:
+    """(train rows, eval rows, where) for prompt/completion-style data; `eos` is the tokenizer's
+    end-of-sequence text (a built-in tool demonstration ends its call turn with it)."""
     if data_cfg.path is None:
         train, held_out = tasks.builtin_split(data_cfg, seed)
-        return tasks.sft_rows(train), tasks.sft_rows(held_out), f"built-in task {data_cfg.task!r}"
+        return tasks.sft_rows(train, eos), tasks.sft_rows(held_out, eos, demonstrations=False), f"built-in task {data_cfg.task!r}"
     return train_and_eval_rows(data_cfg, seed, [("prompt", "completion"), ("messages",)])
 
 
@@ -41,7 +42,7 @@ def row_texts(tokenizer, row: dict, where: str) -> tuple[str, str]:
 
 
 def build_sft_data(tokenizer, data_cfg, seed: int) -> SFTData:
-    train_rows, eval_rows, where = text_rows(data_cfg, seed)
+    train_rows, eval_rows, where = text_rows(data_cfg, seed, tokenizer.eos_token)
     stats = OverlongStats()
     eos = tokenizer.eos_token_id
     train: list[TokenizedPair] = []

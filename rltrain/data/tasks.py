@@ -1,31 +1,55 @@
 """Built-in synthetic tasks: generated locally, deterministic from the seed, with exact answers.
 
-`addition`: two-digit addition `a+b=` -> `c`. The held-out split is a fixed random subset of the
-10,000 problems that never appears in training, so evaluation accuracy measures generalisation,
-not memorisation. `data.max_carry_problems` keeps only that many of the training problems whose sum
-carries (units or tens): the SFT start learns from the easy problems and a few hard ones, and RL
-then generalises to the rest (docs/algorithms.md, "RL that learns"). The same problems give the preference task (chosen = the right sum, rejected =
-a wrong one of a different length) and the reward for online RL (see rltrain/rewards/builtin.py).
+`addition`: `a+b=` -> the sum, a and b in 0..99; a held-out split that never appears in training;
+`data.max_carry_problems` keeps that many training sums that carry (docs/algorithms.md, "RL that
+learns"). `multiplication`: `a*b*c=` -> the product, a and b in 10..99, c in 2..9, beyond the tiny
+model's reach without the `multiply` tool; its SFT demonstrations call the tool twice for
+TOOL_DEMO_FRACTION of the problems and answer directly for the rest (docs/environments.md).
 """
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
+
+TOOL_DEMO_FRACTION = 0.3  # multiplication: SFT demonstrations that call the tool
 
 
 @dataclass(frozen=True)
 class Problem:
     a: int
     b: int
+    op: str = "+"
+    c: int = 0  # multiplication's third factor
 
     @property
     def prompt(self) -> str:
-        return f"{self.a}+{self.b}="
+        return f"{self.a}+{self.b}=" if self.op == "+" else f"{self.a}*{self.b}*{self.c}="
+
+    @property
+    def value(self) -> int:
+        return self.a + self.b if self.op == "+" else self.a * self.b * self.c
 
     @property
     def answer(self) -> str:
-        return str(self.a + self.b)
+        return str(self.value)
+
+    @property
+    def calls_tool(self) -> bool:
+        """Whether its SFT demonstration calls the `multiply` tool (a fixed share of the products)."""
+        return self.op == "*" and (self.a * 7919 + self.b * 104729 + self.c * 15485863) % 1000 < TOOL_DEMO_FRACTION * 1000
+
+    def demonstration(self, eos: str) -> str:
+        """The SFT completion: the answer, or two tool calls (a*b, then that times c), each followed
+        by its result, then the answer. `eos` ends each call turn, as the engine's stop token does."""
+        if not self.calls_tool:
+            return self.answer
+        turns = []
+        for x, y in ((self.a, self.b), (self.a * self.b, self.c)):
+            call = json.dumps({"name": "multiply", "arguments": {"a": x, "b": y}})
+            turns.append(f"<tool_call>{call}</tool_call>{eos}<tool_response>{x * y}</tool_response>")
+        return "".join(turns) + self.answer
 
     @property
     def carries(self) -> bool:
@@ -53,6 +77,18 @@ def addition_split(
     return train_set, eval_set
 
 
+def multiplication_split(
+    seed: int, num_eval: int, num_train: int = 0, max_carry: int | None = None
+) -> tuple[list[Problem], list[Problem]]:
+    """(train, eval) products a*b*c; disjoint (`max_carry` is addition's: refused by the config check)."""
+    problems = [Problem(a, b, "*", c) for a in range(10, 100) for b in range(10, 100) for c in range(2, 10)]
+    random.Random(seed).shuffle(problems)
+    if not 0 < num_eval < len(problems):
+        raise ValueError(f"data.num_eval={num_eval} must be between 1 and {len(problems) - 1} for the multiplication task")
+    eval_set, train_set = problems[:num_eval], problems[num_eval:]
+    return (train_set[:num_train] if num_train else train_set), eval_set
+
+
 def builtin_split(data_cfg, seed: int) -> tuple[list[Problem], list[Problem]]:
     """The built-in task's (train, eval) problems as `data.*` selects them."""
     return TASKS[data_cfg.task](seed, data_cfg.num_eval, data_cfg.num_train, data_cfg.max_carry_problems)
@@ -60,7 +96,7 @@ def builtin_split(data_cfg, seed: int) -> tuple[list[Problem], list[Problem]]:
 
 def wrong_answer(problem: Problem, rng: random.Random) -> str:
     """A wrong sum whose length differs from the right one (so chosen and rejected are ragged)."""
-    right = problem.a + problem.b
+    right = problem.value
     while True:
         digits = rng.choice([d for d in (1, 2, 3, 4) if d != len(str(right))])
         low = 0 if digits == 1 else 10 ** (digits - 1)
@@ -69,8 +105,10 @@ def wrong_answer(problem: Problem, rng: random.Random) -> str:
             return str(candidate)
 
 
-def sft_rows(problems: list[Problem]) -> list[dict[str, str]]:
-    return [{"prompt": p.prompt, "completion": p.answer} for p in problems]
+def sft_rows(problems: list[Problem], eos: str, demonstrations: bool = True) -> list[dict[str, str]]:
+    """Prompt / completion rows: the demonstrations (training), or the bare answers (held out: what
+    SFT's exact-match evaluation compares a greedy reply with)."""
+    return [{"prompt": p.prompt, "completion": p.demonstration(eos) if demonstrations else p.answer} for p in problems]
 
 
 def preference_rows(problems: list[Problem], seed: int) -> list[dict[str, str]]:
@@ -83,4 +121,4 @@ def prompt_rows(problems: list[Problem]) -> list[dict[str, str]]:
     return [{"prompt": p.prompt, "answer": p.answer} for p in problems]
 
 
-TASKS = {"addition": addition_split}
+TASKS = {"addition": addition_split, "multiplication": multiplication_split}

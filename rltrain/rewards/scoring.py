@@ -28,7 +28,10 @@ if TYPE_CHECKING:
     from rltrain.rewards.model_reward import SequenceClassifierReward
     from rltrain.sync.timeshare import HostOffloadable
 
-BUILTIN_FOR_TASK = {"addition": "rltrain.rewards.builtin:addition_reward"}
+BUILTIN_FOR_TASK = {
+    "addition": "rltrain.rewards.builtin:addition_reward",
+    "multiplication": "rltrain.rewards.builtin:exact_match",  # the tool task: the product, exactly
+}
 
 
 @dataclass

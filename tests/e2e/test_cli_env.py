@@ -1,16 +1,18 @@
-"""`env=python` and `env=tools` end to end (docs/environments.md): GRPO on two ranks with the vLLM
-engine plays multi-turn episodes of a user environment (examples/higher_lower.py, which the package
-never imports) and of user tools (examples/calculator.py plus a tool that hangs) in worker
-processes; the model's tokens keep their engine log-probabilities through the turns (train/rollout
-parity in fp32), the episode metrics are logged, held-out episodes are evaluated, and a hung tool
-costs its call, not the run. A configuration this release cannot run multi-turn is refused by name."""
+"""`env=python` and `env=tools` end to end (docs/environments.md), every run on two ranks: GRPO
+(vLLM, FSDP) and PPO (HF engine, Megatron) play multi-turn episodes of a user environment
+(examples/higher_lower.py, which the package never imports); GRPO with time sharing calls user tools
+(examples/calculator.py plus one that hangs). The model's tokens keep their engine log-probabilities
+through the turns (train/rollout parity in fp32), the episode metrics are logged, held-out episodes
+are evaluated, a hung tool costs its call and not the run, and a run killed mid-way resumes to the
+uninterrupted result. A configuration this release cannot run multi-turn is refused by name."""
 
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
-from cli import QUICK, ROOT, SMALL_MODEL, read_metrics, rltrain, train_rows
+from cli import QUICK, ROOT, SMALL_MODEL, comparable, kill_when, read_metrics, rltrain, train_rows
 
 pytestmark = pytest.mark.e2e
 
@@ -18,14 +20,20 @@ EXAMPLES = {"PYTHONPATH": str(ROOT / "examples")}
 ENV_RUN = [
     "algo=grpo", "model=tiny", *SMALL_MODEL, "env=python", "env.cls=higher_lower:HigherLower",
     "env.max_turns=3", "algo.prompts_per_step=4", "algo.group_size=2", "data.num_eval=4", "trainer.max_steps=2",
-    "trainer.log_every=1", "trainer.eval_every=2", "trainer.save_every=0", "trainer.progress=lines",
+    "trainer.log_every=1", "trainer.eval_every=2", "trainer.save_every=1", "trainer.progress=lines",
     "trainer.nproc=2", "logger.wandb.mode=disabled",
 ]
 
 
-def test_grpo_trains_on_multi_turn_episodes_on_two_ranks(tiny_cache, tmp_path):
-    rltrain(*ENV_RUN, run_dir=tmp_path / "run", timeout=400, env=EXAMPLES)
-    rows = train_rows(tmp_path / "run")
+@pytest.fixture(scope="module")
+def env_run(tiny_cache, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("env_run") / "run"
+    rltrain(*ENV_RUN, run_dir=run_dir, timeout=400, env=EXAMPLES)
+    return run_dir
+
+
+def test_grpo_trains_on_multi_turn_episodes_on_two_ranks(env_run):
+    rows = train_rows(env_run)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         # The random tiny model rarely answers right: most episodes take every turn.
@@ -33,14 +41,27 @@ def test_grpo_trains_on_multi_turn_episodes_on_two_ranks(tiny_cache, tmp_path):
         assert r["env/timeouts"] == r["env/errors"] == 0.0
         assert r["rollout/logprob_diff_max"] < 1e-3, r  # every sampled token, whatever turn it came from
         assert "reward/env" in r and r["reward/mean"] == pytest.approx(r["reward/env"])
-    evals = [r for r in read_metrics(tmp_path / "run") if "eval/reward" in r]
+    evals = [r for r in read_metrics(env_run) if "eval/reward" in r]
     assert evals and all("eval/accuracy" not in r and 0.0 <= r["eval/success"] <= 1.0 for r in evals)
 
 
-def test_ppo_trains_on_multi_turn_episodes_with_the_hf_engine_on_two_ranks(tiny_cache, tmp_path):
+def test_a_multi_turn_run_killed_after_its_first_step_resumes_to_the_uninterrupted_result(env_run, tmp_path):
+    """The environments live for one step: the resumed run starts step 2 with new ones, and every
+    row (rewards, turns, losses) equals the uninterrupted run's."""
+    run_dir = tmp_path / "killed"
+    kill_when(ENV_RUN, run_dir, run_dir / "checkpoints" / "step_00000001", signal.SIGKILL, timeout=400, env=EXAMPLES)
+    assert len(train_rows(run_dir)) < 2
+    rltrain(*ENV_RUN, run_dir=run_dir, timeout=400, env=EXAMPLES)
+    resumed = read_metrics(run_dir)
+    assert [r["step"] for r in resumed if "loss" in r] == [1, 2]
+    assert comparable(resumed) == comparable(read_metrics(env_run))
+
+
+def test_ppo_trains_on_multi_turn_episodes_with_the_hf_engine_and_megatron_on_two_ranks(tiny_cache, tmp_path):
     """PPO's critic and GAE over the sampled tokens only (tests/unit/algos/test_ppo_math.py has the
-    values), the HF engine taking the turns."""
-    rltrain(*ENV_RUN, "algo=ppo", "rollout=hf", "trainer.eval_every=0", run_dir=tmp_path / "run", timeout=400, env=EXAMPLES)
+    values), the HF engine taking the turns, Megatron training."""
+    rltrain(*ENV_RUN, "algo=ppo", "rollout=hf", "backend=megatron", "trainer.eval_every=0", "trainer.save_every=0",
+            run_dir=tmp_path / "run", timeout=400, env=EXAMPLES)
     rows = train_rows(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -104,7 +125,7 @@ def test_tools_are_called_in_workers_and_a_hung_tool_is_counted_while_the_run_go
         "env.timeout_s=1",
         "reward.fns=[rltrain.rewards.builtin:exact_match]", "algo.prompts_per_step=4", "algo.group_size=2",
         "trainer.max_steps=2", "trainer.log_every=1", "trainer.eval_every=2", "trainer.save_every=0",
-        "trainer.progress=lines", "trainer.nproc=2", "logger.wandb.mode=disabled",
+        "trainer.progress=lines", "trainer.nproc=2", "logger.wandb.mode=disabled", "placement.time_sharing=true",
         run_dir=tmp_path / "run", timeout=400, env={"PYTHONPATH": f"{ROOT / 'examples'}:{root}"},
     )
     rows = train_rows(tmp_path / "run")

@@ -178,3 +178,25 @@ def test_lora_grpo_from_the_sft_start_raises_heldout_accuracy(tiny_cache, tmp_pa
     evals = [r for r in read_metrics(run_dir) if "eval/accuracy" in r]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 300
     assert evals[-1]["eval/accuracy"] - evals[0]["eval/accuracy"] >= 0.15, evals
+
+
+# The built-in tool task (docs/environments.md, "The built-in tool task"): `+experiment=grpo_calculator`
+# over trainer.seed=0,1,2 with 1 and 2 threads. The start calls the tool on a share of the held-out
+# prompts (its greedy success CALCULATOR_START, +-0.05 here); RL makes it call on nearly every one.
+CALCULATOR_START = (0.12, 0.175)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_grpo_calculator_learns_to_call_its_tool(tiny_cache, tmp_path, seed):
+    run_dir = tmp_path / "run"
+    rltrain("+experiment=grpo_calculator", f"trainer.seed={seed}", "logger.wandb.mode=disabled", "trainer.save_every=0",
+            "trainer.progress=lines", run_dir=run_dir, timeout=2400)
+    rows = read_metrics(run_dir)
+    evals = [r for r in rows if "eval/success" in r]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 40, evals
+    start, end = evals[0]["eval/success"], evals[-1]["eval/success"]
+    assert CALCULATOR_START[0] - 0.05 <= start <= CALCULATOR_START[1] + 0.05, evals
+    assert end >= 0.95 and end - start >= 0.1, evals
+    last = [r for r in rows if "env/turns_mean" in r][-1]
+    assert last["env/turns_mean"] >= 2.0 and last["env/tool_calls_mean"] >= 1.0, last

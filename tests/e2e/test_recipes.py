@@ -9,7 +9,7 @@ The GRPO recipe's run is also the end-to-end test of Hub ids (model and dataset)
 from __future__ import annotations
 
 import pytest
-from cli import ROOT, read_metrics, rltrain
+from cli import ROOT, SMALL_MODEL, read_metrics, rltrain
 from helpers import compose_config
 from hub_cache import lay_dataset, lay_model
 
@@ -27,7 +27,12 @@ STAND_IN_RUNS = {
                           "trainer.log_every=1"],
     "sft_chat": [*CPU, "trainer.max_steps=2", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
                  "trainer.log_every=1"],
+    # The built-in tool task: a short SFT start of the small tiny model stands in for the recipe's.
+    "grpo_calculator": [*CPU, "trainer.max_steps=2", "algo.prompts_per_step=2", "algo.group_size=2", "data.num_eval=4",
+                        "model.sft_steps=10", *SMALL_MODEL, "trainer.log_every=1"],
 }
+# Recipes of a first real run: a Hub model and a Hub dataset (the others run on the built-in tiny model and task).
+HUB_RECIPES = ["dpo_ultrafeedback", "grpo_gsm8k", "sft_chat"]
 
 
 def chat(*turns: str) -> list[dict]:
@@ -54,7 +59,7 @@ def stand_ins(tiny_cache):
 
     laid = {}
     model_dir = build_tiny_model_dir(ModelConfig(), seed=0)
-    for name in RECIPES:
+    for name in HUB_RECIPES:
         cfg = compose_config(f"+experiment={name}")
         laid[cfg.model.path] = lay_model(cfg.model.path, model_dir)
         lay_dataset(cfg.data.path, cfg.data.name or "default", {cfg.data.split: STAND_IN_ROWS[cfg.data.path]})
@@ -69,7 +74,10 @@ def test_every_recipe_composes_names_its_hardware_and_sources_and_is_documented(
         text = (ROOT / "conf" / "experiment" / f"{name}.yaml").read_text()
         assert "Meant for:" in text and "Where the settings come from:" in text, name
         assert f"+experiment={name}" in docs, name
-        assert "/" in cfg.model.path and "/" in cfg.data.path  # Hub ids, not local paths
+        if name in HUB_RECIPES:
+            assert "/" in cfg.model.path and "/" in cfg.data.path  # Hub ids, not local paths
+        else:
+            assert cfg.model.path is None and cfg.data.path is None  # the built-in tiny model and task
         assert cfg.algo.name == name.split("_")[0]
 
 
@@ -80,7 +88,10 @@ def test_each_recipe_runs_offline_on_its_stand_ins(stand_ins, tmp_path, name):
     steps = int(next(a for a in STAND_IN_RUNS[name] if a.startswith("trainer.max_steps=")).split("=")[1])
     rows = [r for r in read_metrics(run_dir) if "loss" in r]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    assert f"rltrain: model {stand_ins['Qwen/Qwen2.5-0.5B-Instruct']}" in proc.stdout  # the id's cached snapshot
-    assert "path: Qwen/Qwen2.5-0.5B-Instruct" in (run_dir / "config.yaml").read_text()  # the id, as given
+    if name in HUB_RECIPES:
+        assert f"rltrain: model {stand_ins['Qwen/Qwen2.5-0.5B-Instruct']}" in proc.stdout  # the id's cached snapshot
+        assert "path: Qwen/Qwen2.5-0.5B-Instruct" in (run_dir / "config.yaml").read_text()  # the id, as given
     if name == "grpo_gsm8k":  # columns, the map and the math reward: a missing column would have stopped it
         assert all(0.0 <= r["reward/accuracy"] <= 1.0 for r in rows)
+    if name == "grpo_calculator":  # episodes with the built-in tool, scored by exact match on the product
+        assert all("env/tool_calls_mean" in r and 0.0 <= r["reward/exact_match"] <= 1.0 for r in rows)

@@ -66,3 +66,26 @@ def test_lr_schedule_warmup_then_cosine_floor():
     assert lr_at(3, cfg, 104) == 1.0
     assert abs(lr_at(104, cfg, 104) - 0.1) < 1e-12
     assert abs(lr_at(54, cfg, 104) - 0.55) < 1e-12
+
+
+def test_the_multiplication_task_holds_out_unseen_products_and_demonstrates_the_tool_on_a_fixed_share():
+    """The built-in tool task (docs/environments.md): `a*b*c=`; a demonstration is either the bare
+    product or two `multiply` calls, each ended by EOS and followed by its result, then the product."""
+    import json
+
+    train, held = tasks.multiplication_split(seed=0, num_eval=200)
+    assert len(train) + len(held) == 90 * 90 * 8 and not set(train) & set(held)
+    assert tasks.Problem(12, 34, "*", 5).prompt == "12*34*5=" and tasks.Problem(12, 34, "*", 5).answer == "2040"
+    demo = next(p for p in train if p.calls_tool)
+    ab = demo.a * demo.b
+    calls = [json.dumps({"name": "multiply", "arguments": {"a": x, "b": y}}) for x, y in ((demo.a, demo.b), (ab, demo.c))]
+    assert demo.demonstration("<eos>") == (
+        f"<tool_call>{calls[0]}</tool_call><eos><tool_response>{ab}</tool_response>"
+        f"<tool_call>{calls[1]}</tool_call><eos><tool_response>{ab * demo.c}</tool_response>{demo.answer}"
+    )
+    direct = next(p for p in train if not p.calls_tool)
+    assert direct.demonstration("<eos>") == direct.answer
+    share = sum(p.calls_tool for p in train) / len(train)
+    assert abs(share - tasks.TOOL_DEMO_FRACTION) < 0.02, share
+    rows = tasks.sft_rows(held[:3], "<eos>", demonstrations=False)
+    assert [r["completion"] for r in rows] == [p.answer for p in held[:3]]  # SFT's evaluation: the bare product
