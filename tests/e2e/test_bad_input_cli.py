@@ -46,7 +46,7 @@ CASES = [
     ("unknown_file_format", None, ["data.path={tmp}/rows.csv"], ["unknown format '.csv'"]),
     ("missing_split", None, ["data.path={tmp}/saved", "data.split=validation"], ["data.split='validation'", "['train']"]),
     ("num_eval_out_of_range", None, ["data.num_eval=0"], ["data.num_eval=0", "between 1 and 9999"]),
-    ("unknown_task", None, ["data.task=multiplication"], ["data.task='multiplication'", "addition"]),
+    ("unknown_task", None, ["data.task=division"], ["data.task='division'", "addition", "multiplication"]),
     # a model directory without tokenizer files
     ("model_without_tokenizer", None, ["model.path={tmp}/model"], ["has no tokenizer", "tokenizer.json", "vocab.json"]),
     ("model_config_not_json", None, ["model.path={tmp}/model"], ["config.json could not be read as JSON"]),
