@@ -94,6 +94,11 @@ class Experience:
     values: Ragged | None = None
 
 
+def exact_matches(texts: list[str], rows: list[PromptRow]) -> float:
+    """How many texts equal their row's `answer` (stripped): evaluation's `eval/accuracy` count."""
+    return float(sum(t.strip() == str(r.columns["answer"]).strip() for t, r in zip(texts, rows, strict=True)))
+
+
 def sampled_mask(completions: list[Completion]) -> Ragged | None:
     """Which completion tokens the policy sampled, where a multi-turn rollout interleaved
     observations (None: a single-turn batch, every token sampled)."""
@@ -259,7 +264,7 @@ class ExperienceCollector:
         texts = self.texts(completions)
         correct = 0.0
         if mine and "answer" in mine[0].columns:
-            correct = float(sum(t.strip() == str(r.columns["answer"]).strip() for t, r in zip(texts, mine)))
+            correct = exact_matches(texts, mine)
         totals = [sum(rf.weight * per_fn[rf.name][i] for rf in self.reward_fns) for i in range(len(completions))]
         self.recorded = first_samples([mine[c.prompt_index].text for c in completions], texts, totals)
         sums = sum_over_replicas(torch.tensor([correct, float(sum(totals))], dtype=torch.float64, device="cpu"), self.policy.world_size)
@@ -282,7 +287,7 @@ class ExperienceCollector:
             per_fn, _ = self.rewards(mine, played.completions, played.final_texts)
             scores = self.weighted(per_fn, len(played.completions)).tolist()
             if mine and "answer" in mine[0].columns:
-                correct = float(sum(t.strip() == str(r.columns["answer"]).strip() for t, r in zip(played.final_texts, mine)))
+                correct = exact_matches(played.final_texts, mine)
         self.recorded = first_samples([r.text for r in mine], self.texts(played.completions), scores)
         sums = torch.tensor([float(sum(scores)), float(sum(v > 0 for v in scores)), correct], dtype=torch.float64, device="cpu")
         total = sum_over_replicas(sums, self.policy.world_size)

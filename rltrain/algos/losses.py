@@ -188,10 +188,13 @@ def value_loss(
     unclipped_N = (v_N - ret_N) ** 2
     clipped_v_N = old_N + torch.clamp(v_N - old_N, -vf_clip, vf_clip)
     clipped_N = (clipped_v_N - ret_N) ** 2
-    keep_N = sampled.values.to(device=device, dtype=v_N.dtype) if sampled is not None else torch.ones_like(v_N)
-    loss_N = 0.5 * torch.maximum(unclipped_N, clipped_N) * keep_N
+    loss_N = 0.5 * torch.maximum(unclipped_N, clipped_N)
+    clipped_frac_N = (clipped_N > unclipped_N).float()
+    if sampled is not None:  # observation tokens are context: no share of the loss
+        keep_N = sampled.values.to(device=device, dtype=v_N.dtype)
+        loss_N, clipped_frac_N = loss_N * keep_N, clipped_frac_N * keep_N
     loss = loss_N.sum() / global_tokens
     return loss, {
         "critic/value_loss": loss.detach(),
-        "critic/vf_clipfrac": ((clipped_N > unclipped_N).float() * keep_N).sum().detach() / global_tokens,
+        "critic/vf_clipfrac": clipped_frac_N.sum().detach() / global_tokens,
     }
