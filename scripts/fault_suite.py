@@ -2,7 +2,8 @@
 
 On 2 CPU ranks and both backends, each `debug.fault` kind (docs/failure-behaviour.md, "Fault injection") in a real
 `python -m rltrain algo=sft` run of 8 steps with the fault at step 3; then a rollout child killed
-in a real 2-rank GRPO run (`rollout.process=separate`, both backends); then the weight transport on its own: a
+in a real 2-rank GRPO run (`rollout.process=separate`, both backends), and killed or frozen while the engine
+generates ahead (`placement.max_staleness=1`); then the weight transport on its own: a
 receiver process killed in the middle of a sync, and a sync whose bucket message is lost.
 
 One row per fault:
@@ -228,20 +229,22 @@ def rollout_children(root_pid: int) -> list[int]:
     return [p for p, cmd in cmdlines.items() if "rltrain.rollout.separate_child" in cmd and descends(p)]
 
 
-def killed_rollout_child(backend: str, base: Path) -> Row:
-    run_dir = base / f"{backend}-grpo-killed-child"
+def killed_rollout_child(backend: str, base: Path, staleness: int = 0, sig: int = signal.SIGKILL) -> Row:
+    """The rollout child killed (SIGKILL) or frozen (SIGSTOP: it stops answering) after step 2;
+    with `staleness` >= 1 the engine is generating ahead, a batch in flight on its worker thread."""
+    name = f"rollout child {signal.Signals(sig).name}" + (f", placement.max_staleness={staleness}" if staleness else "")
+    run_dir = base / f"{backend}-grpo-{signal.Signals(sig).name}-child-k{staleness}"
     where = f"{backend} GRPO, separate engine, 2 ranks"
     before = shm_names()
-    proc = start([*GRPO, f"backend={backend}"], run_dir)
+    proc = start([*GRPO, f"backend={backend}", f"placement.max_staleness={staleness}"], run_dir)
     deadline = time.monotonic() + 600
     while len(train_rows(run_dir)) < 2 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     children = rollout_children(proc.pid)
     if proc.poll() is not None or not children:
         code, err = finish(proc, 60)
-        return Row("rollout child SIGKILL", where,
-                   f"FAILED: could not kill a child (exit {code}: {first_error(err)})", 0.0, "-", 0, False)
-    os.kill(children[0], signal.SIGKILL)
+        return Row(name, where, f"FAILED: could not signal a child (exit {code}: {first_error(err)})", 0.0, "-", 0, False)
+    os.kill(children[0], sig)
     killed = time.monotonic()
     code, err = finish(proc, TIMEOUT_S + 120)
     seconds = time.monotonic() - killed
@@ -250,7 +253,7 @@ def killed_rollout_child(backend: str, base: Path) -> Row:
     ok = code not in (0, None) and seconds < TIMEOUT_S + 90
     what = "killed at the time limit" if code is None else f"exit {code}"
     outcome = f"bounded exit ({what}: {first_error(err)})" if code else f"completed (exit {code})"
-    return Row("rollout child SIGKILL (after step 2)", where,
+    return Row(f"{name} (after step 2)", where,
                outcome if ok else f"FAILED: {outcome}", seconds, str(lost), len(shm_names() - before), ok)
 
 
@@ -329,7 +332,7 @@ def table(rows: list[Row]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", nargs="*", help="case names: KIND@BACKEND, rollout_child@BACKEND, receiver, lost")
+    parser.add_argument("--only", nargs="*", help="case names: KIND@BACKEND, rollout_child@BACKEND, async_sigkill@BACKEND, async_sigstop@BACKEND, receiver, lost")
     parser.add_argument("--out", type=Path, help="also write the table here")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -337,6 +340,9 @@ def main() -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     cases = [(f"{k}@{b}", lambda k=k, b=b, base=None: debug_fault(k, b, base)) for b in ("fsdp", "megatron") for k in KINDS]
     cases += [(f"rollout_child@{b}", lambda b=b, base=None: killed_rollout_child(b, base)) for b in ("fsdp", "megatron")]
+    # Generating ahead (docs/async.md): the child killed, or frozen, with a batch in flight.
+    cases += [(f"async_{signal.Signals(sig).name.lower()}@{b}", lambda b=b, sig=sig, base=None: killed_rollout_child(b, base, 1, sig))
+              for b in ("fsdp", "megatron") for sig in (signal.SIGKILL, signal.SIGSTOP)]
     cases += [
               ("receiver", lambda base: transport_case("killed")), ("lost", lambda base: transport_case("lost"))]
     rows = []

@@ -24,8 +24,9 @@ from rltrain.data.prompt_data import PromptRow, build_prompt_data
 from rltrain.data.ragged import Ragged
 from rltrain.data.sampler import IndexStream
 from rltrain.data.sharding import rank_slice, sum_over_replicas
-from rltrain.envs.episodes import EpisodeRunner
+from rltrain.envs.episodes import EpisodeResults, EpisodeRunner
 from rltrain.rewards.scoring import Failures, RewardScorer
+from rltrain.rollout.ahead import RolloutWorker
 from rltrain.rollout.base import Completion, RolloutEngine, SamplingSettings
 from rltrain.rollout.share import replica_leader, share_completions
 from rltrain.run.samples import Sample, first_samples
@@ -88,6 +89,8 @@ class Experience:
     env_failures: Failures = field(default_factory=Failures)  # failed environment steps or tool calls (env=python, env=tools)
     turns: float = 0.0  # the model's turns over this rank's episodes
     tool_calls: float = 0.0  # the tool calls over this rank's episodes (env=tools)
+    staleness: int = 0  # policy versions between the sampler and the trainer (placement.max_staleness)
+    global_index: list[int] = field(default_factory=list)  # the step's prompts (global, every rank's)
     old_logps: Ragged | None = None
     entropy: Ragged | None = None
     ref_logps: Ragged | None = None
@@ -132,6 +135,8 @@ class ExperienceCollector:
         self.layout = BatchLayout(cfg.algo.prompts_per_step, cfg.algo.group_size, policy.rank, policy.world_size)
         self.sample_every = cfg.logger.sample_every
         self.recorded: list[Sample] = []  # W&B sample tables: every logger.sample_every steps and at evaluation
+        self.worker: RolloutWorker | None = None  # placement.max_staleness >= 1 (rltrain/algos/async_rollouts.py)
+        self.worker_wait_s = 0.0
 
     def sampling(self, step: int, greedy: bool = False) -> SamplingSettings:
         a = self.algo_cfg
@@ -153,12 +158,19 @@ class ExperienceCollector:
         group = self.policy.replica_group()
         leads = group is None or dist.get_rank() == replica_leader(group)
         with self.timeshare.rollout_turn():
-            mine = (self.rollout.generate(prompts, sampling) if prompts else []) if leads else None
+            mine = (self._engine_generate(prompts, sampling) if prompts else []) if leads else None
         group = self.policy.replica_group()  # re-created by the turn
         if group is not None:
             return share_completions(mine, group)
         assert mine is not None  # without a replica group every rank leads
         return mine
+
+    def _engine_generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+        """In an asynchronous run the engine is driven by its worker thread: a generation queues
+        behind the batches and weights already submitted, so it samples the newest published policy."""
+        if self.worker is None:
+            return self.rollout.generate(prompts, sampling)
+        return self.worker.wait(self.worker.submit(self.rollout.generate, prompts, sampling), "a generation", self.worker_wait_s)
 
     def texts(self, completions: list[Completion]) -> list[str]:
         return [self.ctx.tokenizer.decode([t for t in c.token_ids if t != self.eos], skip_special_tokens=True) for c in completions]
@@ -178,14 +190,34 @@ class ExperienceCollector:
             scores_B += rf.weight * torch.tensor(per_fn[rf.name], dtype=torch.float64, device="cpu")
         return scores_B
 
+    def take_prompts(self) -> list[int]:
+        """The next step's prompts (global indices into the training prompts), from the stream."""
+        return self.stream.take(self.algo_cfg.prompts_per_step)
+
+    def my_rows(self, global_index: list[int]) -> list[PromptRow]:
+        return [self.train_prompts[i] for i in rank_slice(global_index, self.policy.rank, self.policy.world_size)]
+
     def collect(self, step: int) -> Experience:
-        global_index = self.stream.take(self.algo_cfg.prompts_per_step)
-        rows = [self.train_prompts[i] for i in rank_slice(global_index, self.policy.rank, self.policy.world_size)]
-        env_failures, episode_counts = Failures(), (0.0, 0.0)
+        global_index = self.take_prompts()
+        rows = self.my_rows(global_index)
         if self.episodes is not None:
             started = time.perf_counter()
             played = self.episodes.run(rows, self.algo_cfg.group_size, self.sampling(step), f"train-{step}", self.generate)
-            completions, time_rollout = played.completions, time.perf_counter() - started
+            time_rollout = time.perf_counter() - started
+            return self.assemble(step, global_index, played.completions, time_rollout, played)
+        completions = self.generate([r.ids for r in rows], self.sampling(step))
+        return self.assemble(step, global_index, completions, self.timeshare.last_generate_s)
+
+    def assemble(
+        self, step: int, global_index: list[int], completions: list[Completion], time_rollout: float,
+        played: EpisodeResults | None = None, staleness: int = 0,
+    ) -> Experience:
+        """The step's `Experience` from this rank's completions of the step's prompts (`global_index`):
+        rewards, the batch, global counts (a collective: every rank). `played`: the episodes the
+        completions come from (env)."""
+        rows = self.my_rows(global_index)
+        env_failures, episode_counts = Failures(), (0.0, 0.0)
+        if played is not None:
             env_failures, episode_counts = played.failures, (played.turns, played.tool_calls)
             if self.reward_fns:  # env=tools: the episode's answer (its last reply) is scored
                 per_fn, failures = self.rewards(rows, completions, played.final_texts)
@@ -194,8 +226,6 @@ class ExperienceCollector:
                 per_fn, failures = {"env": played.returns}, Failures()
                 scores_B = torch.tensor(played.returns, dtype=torch.float64, device="cpu")
         else:
-            completions = self.generate([r.ids for r in rows], self.sampling(step))
-            time_rollout = self.timeshare.last_generate_s
             per_fn, failures = self.rewards(rows, completions)
             scores_B = self.weighted(per_fn, len(completions))
         if self.sample_every and step % self.sample_every == 0:
@@ -219,6 +249,7 @@ class ExperienceCollector:
             reward_failures=failures,
             scores_B=scores_B, global_scores=global_scores, counts=sum_over_replicas(local_counts, dp_size),
             time_rollout=time_rollout, env_failures=env_failures, turns=episode_counts[0], tool_calls=episode_counts[1],
+            staleness=staleness, global_index=global_index,
         )
 
     def reward_metrics(self, exp: Experience) -> dict[str, float]:

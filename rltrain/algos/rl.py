@@ -2,7 +2,8 @@
 
 The data, the rollout engine, the trainer's scoring and the mini-batch loop live here once, so an
 algorithm only says what it needs (`needs_reference`, `needs_old_logps_first`, `uses_critic`) and
-implements `advantages`. The step in order: docs/internals/algos.md.
+implements `advantages`. Generating ahead (`placement.max_staleness`), the batch comes from the
+schedule of rltrain/algos/async_rollouts.py instead. The step in order: docs/internals/algos.md.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from rltrain.algos.async_rollouts import AsyncRollouts
 from rltrain.algos.base import RunContext
 from rltrain.algos.experience import Experience, ExperienceCollector
 from rltrain.algos.rl_update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
@@ -24,6 +26,8 @@ from rltrain.data.sharding import sum_over_replicas
 from rltrain.envs.build import build_episode_runner
 from rltrain.rewards.scoring import RewardScorer, build_reward_fns
 from rltrain.rollout import build_rollout
+from rltrain.rollout.ahead import RolloutWorker
+from rltrain.run.metrics_log import append_batch_record
 from rltrain.run.samples import Sample
 from rltrain.runtime.distributed import global_max
 from rltrain.runtime.precision import resolve_precision
@@ -61,11 +65,19 @@ class RLAlgorithm:
         # env=python: the environment's step rewards are the reward; reward.fns are not called.
         reward_fns = build_reward_fns(cfg, ctx.dist.device) if cfg.env.name != "python" else []
         frozen = [rf.device_model for rf in reward_fns if rf.device_model is not None]
-        self.weights = WeightSync(self.rollout, deferred=cfg.placement.time_sharing)
+        k = cfg.placement.max_staleness
+        # k >= 1: the engine runs beside the trainer, driven by its own thread (docs/async.md).
+        worker = RolloutWorker() if k >= 1 else None
+        self.weights = WeightSync(self.rollout, deferred=cfg.placement.time_sharing, worker=worker)
         self.timeshare = TimeSharing(engines, self.rollout, ctx.dist.device, cfg.placement.time_sharing, self.weights, frozen)
         scorer = RewardScorer(reward_fns, cfg.reward, cfg.safety.collective_timeout_s)
         episodes = build_episode_runner(cfg, ctx.tokenizer)
         self.collector = ExperienceCollector(ctx, self.rollout, self.timeshare, self.policy, scorer, episodes)
+        self.ahead: AsyncRollouts | None = None
+        if worker is not None:  # each engine call is bounded by rollout.timeout_s; a wait spans k + 2 of them
+            self.ahead = AsyncRollouts(
+                self.collector, self.rollout, worker, k, cfg.trainer.max_steps, cfg.rollout.timeout_s * (k + 2), ctx.dist.rank
+            )
         parity = ParityProbe()
         update = MiniBatchUpdate(
             self.collector.layout, a.mini_batches, a.num_iterations, cfg.trainer.micro_batch_size, cfg.trainer.max_tokens_per_micro_batch
@@ -74,7 +86,7 @@ class RLAlgorithm:
         # parity check come from the training pass itself (same weights, before the update), which
         # saves a forward over the whole batch every step.
         fused = a.num_iterations == 1 and a.mini_batches == 1 and not self.needs_old_logps_first()
-        loss_fn = make_policy_loss(a, parity, kl_in_loss=self.kl_in_loss())
+        loss_fn = make_policy_loss(a, parity, kl_in_loss=self.kl_in_loss(), max_staleness=k)
         self.learner = Learner(self.policy, update, loss_fn, parity, fused, self.reference, self.critic)
         precision = resolve_precision(cfg.trainer.precision, ctx.dist.device).name
         self.parity_limit = parity_limit(cfg.safety.max_logprob_diff, precision)
@@ -107,7 +119,13 @@ class RLAlgorithm:
     def train_step(self, step: int) -> dict[str, float]:
         # 1. Generate. With time sharing this is the engine's turn, and it begins by delivering the
         #    weights published at the end of the last step (the `sync` phase: WeightSync.deliver).
-        exp = self.collector.collect(step)
+        waits: dict[str, float] = {}
+        if self.ahead is not None:
+            exp, waits["time/wait_rollout"] = self.ahead.next_experience(step)
+        else:
+            exp = self.collector.collect(step)
+        if self.ctx.dist.is_main:
+            append_batch_record(self.ctx.run_dir, step, exp.global_index, step - 1 - exp.staleness)
         # 2. Learn: score the batch, advantages, the optimizer steps.
         t1 = time.perf_counter()
         with self.timeshare.train():
@@ -116,11 +134,24 @@ class RLAlgorithm:
             stats = self.learner.update_policy(exp, advantages.adv) if self.updates_policy(step) else {}
             stats.update(self.update_critic(exp, advantages, step))
         time_train = time.perf_counter() - t1
-        if "rollout/logprob_diff_max" in stats:
+        if exp.staleness > 0:
+            # Sampled by an older version: the gap is the engine's numerics plus the policy's
+            # change since, not parity, so it is reported as such and not checked.
+            for stat in ("mean", "max"):
+                if f"rollout/logprob_diff_{stat}" in stats:
+                    stats[f"rollout/offpolicy_diff_{stat}"] = stats.pop(f"rollout/logprob_diff_{stat}")
+        elif "rollout/logprob_diff_max" in stats:
             check_parity(stats["rollout/logprob_diff_max"], self.parity_limit, step)
         # 3. Publish the new weights (an export: a collective on every rank). Without time sharing
-        #    they stream into the engine now; with it, into a host copy for the next turn's `sync`.
+        #    they stream into the engine now; with it, into a host copy for the next turn's `sync`;
+        #    generating ahead, onto the engine's queue, and the batch this version samples after them.
         self.weights.publish(self.policy.export_weights)
+        if self.ahead is not None:
+            self.ahead.after_update(step)
+            waits.update({
+                "rollout/staleness_mean": float(exp.staleness), "rollout/staleness_max": float(exp.staleness),
+                "time/wait_train": self.ahead.worker.pop_idle_s(),
+            })
         n_global = self.collector.layout.global_size
         dp_size = self.policy.world_size
         return {
@@ -138,6 +169,7 @@ class RLAlgorithm:
             **self.timeshare.pop_metrics(),
             "tokens": float(sum_over_replicas(torch.tensor([float(exp.batch.tokens.num_tokens)], device="cpu"), dp_size)),
             "data/overlong_dropped": float(self.collector.dropped),
+            **waits,
         }
 
     # --- evaluation, state, lifecycle ----------------------------------------------------------
@@ -162,14 +194,22 @@ class RLAlgorithm:
 
     def close(self) -> None:
         """Shut the rollout engine down before the trainer's process group goes away, and the
-        reward functions' workers with it."""
+        reward functions' workers with it (the engine's worker thread first)."""
+        if self.ahead is not None:
+            self.ahead.close()
         self.rollout.close()
         self.collector.scorer.close()
         if self.collector.episodes is not None:
             self.collector.episodes.close()
 
     def checkpoint_engines(self) -> dict[str, Any]:
-        return {"policy": self.policy, **({"critic": self.critic} if self.critic is not None else {})}
+        """What a checkpoint holds besides the trainer state; generating ahead, the batches in flight."""
+        parts: dict[str, Any] = {"policy": self.policy}
+        if self.critic is not None:
+            parts["critic"] = self.critic
+        if self.ahead is not None:
+            parts["rollouts"] = self.ahead
+        return parts
 
     def export_engine(self) -> Any:
         return self.policy

@@ -17,7 +17,7 @@ import torch
 
 from rltrain.algos.experience import BatchLayout, Experience
 from rltrain.algos.losses import policy_loss
-from rltrain.algos.rollout_correction import correction, correction_metrics
+from rltrain.algos.rollout_correction import correction, correction_metrics, resolve_mode
 from rltrain.backends.base import LogProbScorer, LossFn, LossMetrics, PolicyOutput, TrainEngine
 from rltrain.config.schema import RLConfig
 from rltrain.data.batch import SequenceBatch
@@ -103,14 +103,18 @@ class ParityProbe:
             self.max_diff = max(self.max_diff, float(diffs_N.max()))
 
 
-def make_policy_loss(algo_cfg: RLConfig, parity: ParityProbe | None = None, kl_in_loss: bool = True) -> LossFn:
+def make_policy_loss(
+    algo_cfg: RLConfig, parity: ParityProbe | None = None, kl_in_loss: bool = True, max_staleness: int = 0
+) -> LossFn:
     """The policy's loss for `train_step`, reading the batch's `PolicyLossInputs`. Inputs set to
     None mean on-policy scoring from the training pass itself: `old_logps` -> the pass's own detached log-probabilities (ratio 1),
     `entropy` -> the pass's entropies, `ref_logps` (without a reference model) -> the old
     log-probabilities, so `policy/kl` reads 0. With `engine_logps` the loss applies the rollout
     correction (`algo.rollout_correction`) and, when `measure_parity` is set, measures
-    train/rollout parity. `kl_in_loss=False` (PPO's KL in the reward): `beta` is not applied here."""
+    train/rollout parity. `kl_in_loss=False` (PPO's KL in the reward): `beta` is not applied here.
+    `max_staleness` picks what `rollout_correction=auto` means (rollout_correction.resolve_mode)."""
     beta = algo_cfg.beta if kl_in_loss else 0.0
+    mode = resolve_mode(algo_cfg.rollout_correction, max_staleness)
 
     def loss_fn(output: PolicyOutput, batch: SequenceBatch) -> tuple[torch.Tensor, LossMetrics]:
         assert output.logps is not None, "the policy's loss needs log-probabilities"
@@ -122,7 +126,7 @@ def make_policy_loss(algo_cfg: RLConfig, parity: ParityProbe | None = None, kl_i
         engine_logps = e.engine_logps
         sampled = batch.sampled.to(output.logps.values.device) if batch.sampled is not None else None
         weights, keep_B = correction(
-            old, engine_logps, algo_cfg.rollout_correction, algo_cfg.rollout_is_cap, algo_cfg.rollout_mask_band, sampled
+            old, engine_logps, mode, algo_cfg.rollout_is_cap, algo_cfg.rollout_mask_band, sampled
         )
         loss, loss_metrics = policy_loss(
             output.logps,

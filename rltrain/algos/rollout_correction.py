@@ -2,21 +2,30 @@
 the trainer's (pure torch functions).
 
 The engine samples with its own kernels and often a lower precision, so the policy gradient is
-slightly off-policy; `algo.rollout_correction` (`none`, `tis`, `mask`) bounds or drops what is too
-far off. Definitions and metrics: docs/internals/algos.md; when to turn it on: docs/algorithms.md.
+slightly off-policy; with `placement.max_staleness` >= 1 it is off-policy by up to k policy versions
+(decoupled PPO: the clip is against the trainer's proximal log-probabilities, these weights correct
+the behaviour gap). `algo.rollout_correction` (`auto`, `none`, `tis`, `mask`) bounds or drops what is
+too far off. Definitions and metrics: docs/internals/algos.md; when to turn it on: docs/algorithms.md,
+docs/async.md.
 """
 
 from __future__ import annotations
 
 import math
-from typing import get_args
 
 import torch
 
-from rltrain.config.schema import RolloutCorrection
 from rltrain.data.ragged import Ragged
 
-MODES: tuple[str, ...] = get_args(RolloutCorrection)
+MODES: tuple[str, ...] = ("none", "tis", "mask")
+
+
+def resolve_mode(mode: str, max_staleness: int) -> str:
+    """`auto` is `none` for a synchronous run (the samples are the trainer's own policy, up to the
+    engine's numerics) and `tis` for an asynchronous one (up to k versions behind): docs/async.md."""
+    if mode == "auto":
+        return "tis" if max_staleness >= 1 else "none"
+    return mode
 
 
 def correction(

@@ -27,7 +27,7 @@ Schedule = Literal["cosine", "linear", "constant"]
 Arch = Literal["qwen2", "llama"]  # the tiny model only
 DPOLossType = Literal["sigmoid", "ipo", "hinge", "robust"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-RolloutCorrection = Literal["none", "tis", "mask"]  # rltrain/algos/rollout_correction.py
+RolloutCorrection = Literal["auto", "none", "tis", "mask"]  # auto: none in sync, tis with placement.max_staleness >= 1
 ScaleRewards = Literal["group", "batch", "none"]
 RolloutProcess = Literal["colocated", "separate"]  # separate: the engine in a child process (rollout/separate.py)
 SweepDirection = Literal["maximize", "minimize"]
@@ -216,7 +216,7 @@ class RLConfig(AlgoConfig):
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 6
-    rollout_correction: str = choice("none", RolloutCorrection)
+    rollout_correction: str = choice("auto", RolloutCorrection)
     rollout_is_cap: float = 2.0  # tis: token importance weights truncated at this value
     rollout_mask_band: float = 2.0  # mask: keep sequences whose train/rollout ratio is in [1/band, band]
 
@@ -287,6 +287,7 @@ class VLLMRolloutConfig(RolloutConfig):
     bucket_mb: int = 64  # process=separate: shared-memory bucket size of the weight transport
     timeout_s: float = 300.0  # process=separate: bound on every wait for the child (a reply, a bucket)
     start_timeout_s: float = 600.0  # process=separate: bound on the child building its engine
+    num_threads: int = 0  # process=separate: the engine's torch threads; 0 = the trainer's (docs/async.md)
 
 
 @dataclass
@@ -409,6 +410,7 @@ class HealthConfig:
 @dataclass
 class PlacementConfig:
     time_sharing: bool = False
+    max_staleness: int = 0  # >= 1: generate up to this many steps ahead of the trainer (docs/async.md)
 
 
 @dataclass

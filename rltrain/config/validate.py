@@ -37,7 +37,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 CHOICE_HINTS = {
     "rollout.process": " (the vLLM engine in the trainer's process, or in a child process of its own)",
-    "algo.rollout_correction": " (trust the samples, truncated importance weights per token, or drop sequences whose train/rollout ratio leaves a band)",
+    "algo.rollout_correction": " (auto: none in sync and tis with placement.max_staleness >= 1; trust the samples, truncated importance weights per token, or drop sequences whose train/rollout ratio leaves a band)",
     "algo.loss_agg": " (DAPO's token mean, GRPO's mean of per-sequence means, Dr. GRPO's sums over the generation budget)",
 }
 _ABSENT = object()
@@ -113,6 +113,7 @@ def validate(cfg) -> None:
     validate_algo(cfg.algo)
     validate_roles(cfg)
     validate_env(cfg)
+    validate_staleness(cfg)
     if cfg.safety.collective_timeout_s <= 0 or cfg.safety.max_consecutive_errors < 0:
         raise UserError(
             f"safety.collective_timeout_s={cfg.safety.collective_timeout_s} must be positive and "
@@ -303,6 +304,37 @@ def validate_env(cfg) -> None:
         raise UserError(f"env.timeout_s={env.timeout_s} must be positive (seconds), or 0 / null for no limit.")
 
 
+def validate_staleness(cfg) -> None:
+    """`placement.max_staleness` (docs/async.md): the engines and loops that can generate ahead."""
+    k = cfg.placement.max_staleness
+    if k < 0:
+        raise UserError(f"placement.max_staleness={k} must be 0 (synchronous) or a number of policy versions >= 1.")
+    if k == 0:
+        return
+    if cfg.algo.name in ALGOS_WITHOUT_REWARDS:
+        raise UserError(f"placement.max_staleness={k} overlaps generation with training; algo={cfg.algo.name} generates nothing. Use algo=grpo or algo=ppo, or placement.max_staleness=0.")
+    if cfg.placement.time_sharing:
+        raise UserError(
+            f"placement.max_staleness={k} with placement.time_sharing=true: time sharing makes the engine and the trainer "
+            "take turns on one device, so nothing can overlap. Set placement.time_sharing=false (the engine keeps its "
+            "memory beside the trainer's), or placement.max_staleness=0."
+        )
+    process = getattr(cfg.rollout, "process", None)
+    if cfg.rollout.name != "vllm" or process != "separate":
+        raise UserError(
+            f"placement.max_staleness={k} needs an engine that runs beside the trainer: rollout=vllm "
+            f"rollout.process=separate (the engine in its own process). rollout={cfg.rollout.name}"
+            + (f" rollout.process={process}" if process else "")
+            + " shares the trainer's process and threads, so it cannot overlap. Add rollout=vllm rollout.process=separate, "
+            "or set placement.max_staleness=0."
+        )
+    if cfg.env.name != "none":
+        raise UserError(
+            f"placement.max_staleness={k} with env={cfg.env.name}: this release generates ahead for single-turn RL only "
+            "(an episode's environment steps run in the trainer's loop). Use placement.max_staleness=0 with env."
+        )
+
+
 def validate_reward_model(rm, algo_name: str) -> None:
     if rm.name == "none":
         if rm.path is not None:
@@ -359,6 +391,8 @@ def validate_vllm(rollout) -> None:
         )
     if rollout.tensor_parallel_size < 1:
         raise UserError(f"rollout.tensor_parallel_size={rollout.tensor_parallel_size} must be at least 1.")
+    if rollout.num_threads < 0:
+        raise UserError(f"rollout.num_threads={rollout.num_threads} must be 0 (the trainer's count) or a number of threads.")
     if rollout.max_model_len is not None and rollout.max_model_len < 1:
         raise UserError(
             f"rollout.max_model_len={rollout.max_model_len} must be at least 1, or null for the model's own limit."

@@ -27,6 +27,7 @@ import torch
 from rltrain.config.schema import VLLMRolloutConfig
 from rltrain.rollout.base import Completion, SamplingSettings
 from rltrain.runtime.precision import resolve_precision
+from rltrain.runtime.threads import thread_split
 from rltrain.sync.transport import TransportError, WeightSender
 from rltrain.sync.transport_wire import Channel, Message, ProtocolError, make_private_dir
 
@@ -347,4 +348,5 @@ def build_engine(ctx) -> SeparateVLLMEngine:
         seed=ctx.cfg.rollout.seed,
         dtype=resolve_precision(ctx.cfg.trainer.precision, ctx.dist.device).compute_dtype_name,
         ping_timeout_s=ctx.cfg.health.ping_timeout_s,
+        num_threads=thread_split(ctx.cfg, ctx.dist.world_size)[1],
     )

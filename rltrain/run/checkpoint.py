@@ -123,6 +123,8 @@ def fingerprint(cfg: Any, model_dir: Path, world_size: int) -> dict[str, Any]:
         "reference": _role_path(cfg, "reference"),
         "reward_model": _role_path(cfg, "reward_model"),
         "lora": _lora_identity(cfg),
+        # A checkpoint generating ahead holds batches in flight; a synchronous one none (recorded as None).
+        "max_staleness": OmegaConf.select(cfg, "placement.max_staleness") or None,
     }
 
 

@@ -42,6 +42,17 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     os.replace(tmp, path)
 
 
+BATCHES_FILE = "batches.jsonl"  # an RL run's prompts per step and the policy version that sampled them
+
+
+def append_batch_record(run_dir: Path, step: int, prompts: list[int], sampled_by: int) -> None:
+    """One line of `batches.jsonl` (rank 0): which training prompts (indices into the prompt data)
+    step `step` trained on, sampled by which policy version (docs/async.md). Truncated on resume
+    with the metrics, so it lists every trained prompt exactly once per step."""
+    with (run_dir / BATCHES_FILE).open("a") as f:
+        f.write(json.dumps({"step": step, "prompts": prompts, "sampled_by": sampled_by}) + "\n")
+
+
 class MetricsLogger:
     def __init__(self, cfg, run_dir: Path, is_main: bool, resume_step: int) -> None:
         self.is_main = is_main
@@ -54,6 +65,7 @@ class MetricsLogger:
         if not is_main:
             return
         truncate_metrics(self.path, resume_step)
+        truncate_metrics(run_dir / BATCHES_FILE, resume_step)
         self.file = self.path.open("a")
         self.wandb_run = start_wandb(cfg, run_dir)
         mode = cfg.trainer.progress

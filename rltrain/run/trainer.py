@@ -30,6 +30,7 @@ from rltrain.runtime.distributed import DistInfo, barrier, init_distributed
 from rltrain.runtime.errors import UserError, report_user_error
 from rltrain.runtime.library_noise import quiet_transformers_checkpoint_bars
 from rltrain.runtime.process_state import reset_process_state
+from rltrain.runtime.threads import thread_split
 from rltrain.safety.runtime import SafetyRuntime
 
 ALGORITHMS = {
@@ -45,17 +46,9 @@ def build_algorithm(ctx: RunContext):
     return getattr(importlib.import_module(module_name), cls_name)(ctx)
 
 
-def usable_cores() -> int:
-    """Cores this process may run on: its CPU affinity (a container's cpuset, `taskset`), not the
-    machine's count, so a limited process does not start more threads than it has cores."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def configure_threads(cfg, dist_info: DistInfo) -> None:
-    threads = cfg.trainer.num_threads or max(1, usable_cores() // dist_info.world_size)
-    torch.set_num_threads(threads)
+    """The trainer's share of the rank's cores (rltrain.runtime.threads)."""
+    torch.set_num_threads(thread_split(cfg, dist_info.world_size)[0])
 
 
 def seed_everything(seed: int, rank: int) -> None:

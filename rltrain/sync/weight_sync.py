@@ -2,7 +2,9 @@
 
 The export is a collective, so it must run while the trainer's process groups live; the engine may
 be asleep then, so with time sharing the export is kept as one host copy until the engine's next
-turn. docs/time-sharing-and-sync.md has the whole story, docs/internals/sync.md the design.
+turn. With a rollout worker (placement.max_staleness >= 1) the host copy is queued behind the
+generations already submitted, so each batch is sampled by the version its schedule says.
+docs/time-sharing-and-sync.md has the whole story, docs/internals/sync.md the design.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from rltrain.rollout.ahead import RolloutWorker
 from rltrain.rollout.base import RolloutEngine
 
 Weights = Iterable[tuple[str, torch.Tensor]]
@@ -19,11 +22,13 @@ Weights = Iterable[tuple[str, torch.Tensor]]
 
 class WeightSync:
     """The policy's weights on their way to one rollout engine. `deferred`: time sharing (publish
-    keeps a host copy that `deliver` hands over at the engine's next turn)."""
+    keeps a host copy that `deliver` hands over at the engine's next turn). `worker`: the engine
+    runs beside the trainer (publish queues a host copy on the engine's worker thread)."""
 
-    def __init__(self, rollout: RolloutEngine, deferred: bool) -> None:
+    def __init__(self, rollout: RolloutEngine, deferred: bool, worker: RolloutWorker | None = None) -> None:
         self.rollout = rollout
         self.deferred = deferred
+        self.worker = worker
         self.pending: list[tuple[str, torch.Tensor]] | None = None  # published, not yet delivered
         # An engine that loses its weights in its sleep needs them again after every wake: the last
         # delivered host copy is kept until the next publish replaces it.
@@ -38,6 +43,11 @@ class WeightSync:
         otherwise streamed into the engine now."""
         started = time.perf_counter()
         self.last_bytes = 0
+        if self.worker is not None:  # one host copy per version in flight
+            copy = [(name, _host_copy(tensor)) for name, tensor in self._counted(export())]
+            self.worker.submit(self._load, copy)
+            self.last_publish_s = time.perf_counter() - started
+            return
         if not self.deferred:
             self.rollout.update_weights(self._counted(export()))
             self.last_sync_s = self.last_publish_s = time.perf_counter() - started
@@ -45,6 +55,12 @@ class WeightSync:
         self.delivered = None  # superseded: never hold two host copies
         self.pending = [(name, _host_copy(tensor)) for name, tensor in self._counted(export())]
         self.last_publish_s = time.perf_counter() - started
+
+    def _load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """On the worker thread: one queued version into the engine (`time/sync`)."""
+        started = time.perf_counter()
+        self.rollout.update_weights(weights)
+        self.last_sync_s = time.perf_counter() - started
 
     def _counted(self, weights: Weights) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:

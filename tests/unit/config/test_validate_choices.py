@@ -171,3 +171,28 @@ def test_ppo_and_grpo_run_with_either_env():
     for algo in ("grpo", "ppo"):
         validate(_cfg(f"algo={algo}", "env=python", "env.cls=m:C"))
         validate(_cfg(f"algo={algo}", "env=tools", "env.tools=[m:f]", "reward.fns=[m:r]"))
+
+
+ASYNC = ("placement.max_staleness=1", "rollout=vllm", "rollout.process=separate")
+
+
+@pytest.mark.parametrize(
+    "overrides, names",
+    [
+        (("placement.max_staleness=-1",), "placement.max_staleness=-1 must be 0 (synchronous)"),
+        (("algo=sft", "placement.max_staleness=1"), "algo=sft generates nothing"),
+        ((*ASYNC, "placement.time_sharing=true"), "take turns on one device, so nothing can overlap. Set placement.time_sharing=false"),
+        (("placement.max_staleness=2", "rollout=hf"), "needs an engine that runs beside the trainer: rollout=vllm rollout.process=separate"),
+        (("placement.max_staleness=1", "rollout=vllm", "rollout.process=colocated"), "rollout=vllm rollout.process=colocated shares the trainer's process"),
+        ((*ASYNC, "env=python", "env.cls=m:C"), "generates ahead for single-turn RL only"),
+    ],
+)
+def test_generating_ahead_where_nothing_can_overlap_is_refused(overrides, names):
+    with pytest.raises(UserError, match=re.escape(names)):
+        validate(_cfg(*overrides))
+
+
+def test_generating_ahead_runs_with_grpo_and_ppo_on_both_backends():
+    for algo in ("grpo", "ppo"):
+        for backend in ("fsdp", "megatron"):
+            validate(_cfg(f"algo={algo}", f"backend={backend}", *ASYNC))

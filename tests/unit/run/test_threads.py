@@ -27,3 +27,23 @@ def test_threads_follow_the_cpu_affinity_not_the_machine():
     finally:
         os.sched_setaffinity(0, allowed)
         torch.set_num_threads(threads)
+
+
+def _cfg(trainer=0, engine=0, k=0):
+    return OmegaConf.create({"trainer": {"num_threads": trainer}, "rollout": {"num_threads": engine},
+                             "placement": {"max_staleness": k}})
+
+
+def test_generating_ahead_splits_the_ranks_cores_between_trainer_and_engine():
+    from rltrain.runtime.threads import thread_split
+
+    assert thread_split(_cfg(), world_size=1, cores=8) == (8, 8)  # synchronous: they take turns
+    assert thread_split(_cfg(), world_size=2, cores=8) == (4, 4)
+    assert thread_split(_cfg(engine=2), world_size=1, cores=8) == (8, 2)
+    assert thread_split(_cfg(k=1), world_size=1, cores=8) == (4, 4)  # side by side: half each
+    assert thread_split(_cfg(k=1), world_size=1, cores=2) == (1, 1)
+    assert thread_split(_cfg(k=1), world_size=2, cores=2) == (1, 1)  # never below one thread
+    assert thread_split(_cfg(k=2, engine=3), world_size=1, cores=8) == (5, 3)
+    assert thread_split(_cfg(k=1, trainer=6), world_size=1, cores=8) == (6, 2)
+    assert thread_split(_cfg(k=1, trainer=3, engine=3), world_size=1, cores=2) == (3, 3)  # explicit counts stand
+    assert thread_split(OmegaConf.create({"trainer": {"num_threads": 0}}), world_size=1, cores=4) == (4, 4)  # SFT/DPO

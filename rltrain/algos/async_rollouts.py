@@ -1,0 +1,144 @@
+"""Generating ahead of the trainer (`placement.max_staleness` = k >= 1) on a fixed schedule.
+
+A policy version counts the RL updates its weights hold: the trainer starts step t (1-based) at
+version t - 1, and step t's batch is sampled by version `sample_version(t, k)` = max(0, t - 1 - k)
+exactly, because the engine's worker runs generations and weight loads in submission order
+(rltrain/rollout/ahead.py). After step t's update the trainer publishes version t and requests step
+t + 1 + k. A checkpoint keeps the in-flight batches sampled by older versions (per rank) and the
+prompts of the one its own weights regenerate, so a resumed run trains exactly the same batches.
+docs/async.md has the schedule, the loss and the measurements.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from rltrain.algos.experience import Experience, ExperienceCollector
+from rltrain.rollout.ahead import RolloutWorker
+from rltrain.rollout.base import Completion, RolloutEngine, SamplingSettings
+from rltrain.rollout.separate import completions_from_json, completions_to_json
+from rltrain.rollout.share import replica_leader, share_completions
+
+Generated = tuple[list[Completion], float]  # this rank's completions, seconds the engine spent on them
+
+
+def sample_version(step: int, max_staleness: int) -> int:
+    """The policy version that samples step `step`'s batch (steps count from 1)."""
+    return max(0, step - 1 - max_staleness)
+
+
+@dataclass
+class Ticket:
+    """A batch requested from the engine: its step, prompts (global indices) and sampling version.
+    `future` is None on a model-parallel replica's other ranks (the leader generates and shares)."""
+
+    step: int
+    global_index: list[int]
+    version: int
+    future: Future[Generated] | None
+
+
+class AsyncRollouts:
+    """The schedule of batches in flight; also a checkpoint part (`save_checkpoint`/`load_checkpoint`)."""
+
+    def __init__(
+        self, collector: ExperienceCollector, rollout: RolloutEngine, worker: RolloutWorker, max_staleness: int,
+        max_steps: int, wait_timeout_s: float, rank: int,
+    ) -> None:
+        self.collector, self.rollout, self.worker = collector, rollout, worker
+        collector.worker, collector.worker_wait_s = worker, wait_timeout_s  # evaluation queues behind the batches
+        self.k, self.max_steps, self.wait_timeout_s, self.rank = max_staleness, max_steps, wait_timeout_s, rank
+        self.pending: dict[int, Ticket] = {}
+        self.restored: dict[int, tuple[list[int], Generated | None]] = {}
+        self.started = False
+        self.version = 0  # the newest version published (and requested from)
+
+    def _leads(self) -> bool:
+        group = self.collector.policy.replica_group()
+        return group is None or dist.get_rank() == replica_leader(group)
+
+    def _generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> Generated:
+        started = time.perf_counter()
+        completions = self.rollout.generate(prompts, sampling) if prompts else []
+        return completions, time.perf_counter() - started
+
+    def request(self, step: int, global_index: list[int] | None = None, done: Generated | None = None) -> None:
+        """Queue step `step`'s batch behind everything submitted so far (nothing past the last step)."""
+        if step > self.max_steps or step in self.pending:
+            return
+        index = global_index if global_index is not None else self.collector.take_prompts()
+        future: Future[Generated] | None = None
+        if done is not None:
+            future = Future()
+            future.set_result(done)
+        elif self._leads():
+            rows = self.collector.my_rows(index)
+            future = self.worker.submit(self._generate, [r.ids for r in rows], self.collector.sampling(step))
+        self.pending[step] = Ticket(step, index, sample_version(step, self.k), future)
+
+    def _start(self, step: int) -> None:
+        """Fill the pipeline at the first step of this process: steps `step` .. `step + k`, from a
+        checkpoint's batches where it holds them, else generated now (by this version)."""
+        self.started = True
+        self.worker.pop_idle_s()  # `time/wait_train` counts from the first step
+        for s in range(step, step + self.k + 1):
+            index, done = self.restored.pop(s, (None, None))
+            self.request(s, index, done)
+        self.restored.clear()
+
+    def next_experience(self, step: int) -> tuple[Experience, float]:
+        """Step `step`'s experience and the seconds the trainer waited for its batch."""
+        if not self.started:
+            self._start(step)
+        ticket = self.pending.pop(step)
+        waited = time.perf_counter()
+        mine: list[Completion] | None = None
+        generate_s = 0.0
+        if ticket.future is not None:
+            mine, generate_s = self.worker.wait(ticket.future, f"step {step}'s batch", self.wait_timeout_s)
+        wait_s = time.perf_counter() - waited
+        group = self.collector.policy.replica_group()
+        completions = share_completions(mine, group) if group is not None else mine
+        assert completions is not None  # without a replica group every rank generates
+        staleness = (step - 1) - ticket.version
+        return self.collector.assemble(step, ticket.global_index, completions, generate_s, staleness=staleness), wait_s
+
+    def after_update(self, step: int) -> None:
+        """Version `step` is published: request the batch it samples."""
+        self.version = step
+        self.request(step + 1 + self.k)
+
+    # --- checkpoint part (rltrain/run/checkpoint.py calls these on every rank) -----------------
+
+    def save_checkpoint(self, directory: Path) -> None:
+        """The batches in flight after step t: those sampled by versions before t are waited for
+        and written; the one version t samples keeps only its prompts (the checkpoint's weights
+        regenerate it)."""
+        rows: list[dict[str, Any]] = []
+        for step in sorted(self.pending):
+            ticket = self.pending[step]
+            completions, generate_s = None, 0.0
+            if ticket.future is not None and ticket.version < self.version:
+                done, generate_s = self.worker.wait(ticket.future, f"step {step}'s batch", self.wait_timeout_s)
+                completions = completions_to_json(done)
+            rows.append({
+                "step": step, "global_index": ticket.global_index, "version": ticket.version, "completions": completions,
+                "generate_s": generate_s,
+            })
+        (directory / f"rank{self.rank}.json").write_text(json.dumps({"max_staleness": self.k, "pending": rows}))
+
+    def load_checkpoint(self, directory: Path) -> None:
+        state = json.loads((directory / f"rank{self.rank}.json").read_text())
+        for row in state["pending"]:
+            done = (completions_from_json(row["completions"]), float(row["generate_s"])) if row["completions"] is not None else None
+            self.restored[int(row["step"])] = ([int(i) for i in row["global_index"]], done)
+
+    def close(self) -> None:
+        self.worker.close()

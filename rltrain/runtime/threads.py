@@ -1,0 +1,38 @@
+"""How many torch threads the trainer and a separate rollout engine take on a rank's cores.
+
+A synchronous run gives the trainer every core of its rank and the engine the same count (they
+never run at once). Generating ahead (`placement.max_staleness` >= 1) they run at the same time, so
+unset counts split the rank's cores between them instead of oversubscribing (docs/async.md).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity (a container's cpuset, `taskset`), not the
+    machine's count, so a limited process does not start more threads than it has cores."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def thread_split(cfg: Any, world_size: int, cores: int | None = None) -> tuple[int, int]:
+    """(trainer threads, engine threads) per rank from `trainer.num_threads`, `rollout.num_threads`
+    (0 = unset) and `placement.max_staleness`."""
+    per_rank = max(1, (cores or usable_cores()) // world_size)
+    trainer_set = int(cfg.trainer.num_threads)
+    rollout = getattr(cfg, "rollout", None)
+    engine_set = int(getattr(rollout, "num_threads", 0) or 0) if rollout is not None else 0
+    placement = getattr(cfg, "placement", None)
+    overlapped = placement is not None and int(placement.max_staleness) >= 1
+    if not overlapped:
+        trainer = trainer_set or per_rank
+        return trainer, engine_set or trainer
+    if trainer_set:
+        trainer = trainer_set
+    else:
+        trainer = max(1, per_rank - engine_set) if engine_set else max(1, per_rank // 2)
+    return trainer, engine_set or max(1, per_rank - trainer)
