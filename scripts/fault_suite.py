@@ -236,7 +236,10 @@ def killed_rollout_child(backend: str, base: Path, staleness: int = 0, sig: int 
     run_dir = base / f"{backend}-grpo-{signal.Signals(sig).name}-child-k{staleness}"
     where = f"{backend} GRPO, separate engine, 2 ranks"
     before = shm_names()
-    proc = start([*GRPO, f"backend={backend}", f"placement.max_staleness={staleness}"], run_dir)
+    args = [*GRPO, f"backend={backend}", f"placement.max_staleness={staleness}"]
+    if sig == signal.SIGSTOP:  # as the defaults are (300 s against 600 s): the engine's bound under the collectives'
+        args = [a if not a.startswith("rollout.timeout_s=") else f"rollout.timeout_s={TIMEOUT_S // 2}" for a in args]
+    proc = start(args, run_dir)
     deadline = time.monotonic() + 600
     while len(train_rows(run_dir)) < 2 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -158,10 +158,11 @@ class SeparateVLLMEngine:
     def close(self, kill: bool = False) -> None:
         """Stop the child (politely, then by force), remove every socket and directory. Idempotent."""
         # A polite close waits for a health-check ping in flight (bounded); `kill` comes from a
-        # failed request that already holds the lock.
+        # failed request that already holds the lock. A request still in flight on another thread
+        # past that (generating ahead: the engine's worker) would race a polite close: kill instead.
         locked = not kill and self._lock.acquire(timeout=self.ping_timeout_s + 5)
         try:
-            self._close(kill)
+            self._close(kill or not locked)
         finally:
             if locked:
                 self._lock.release()

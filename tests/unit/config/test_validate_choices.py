@@ -120,6 +120,7 @@ def test_a_key_of_another_algorithm_is_not_checked_where_it_does_not_exist():
         ("algo.top_p=0", "algo.top_p=0"),
         ("sweep.last_n=0", "sweep.last_n=0"),
         ("logger.sample_every=-1", "logger.sample_every=-1"),
+        ("rollout.num_threads=-1", "rollout.num_threads=-1"),
     ],
 )
 def test_unusable_values_are_refused_naming_the_key(override, names):
