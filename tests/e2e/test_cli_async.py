@@ -32,12 +32,26 @@ RUNS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(RUNS))
-def async_run(request, tiny_cache, tmp_path_factory):
-    k, args = RUNS[request.param]
-    run_dir = tmp_path_factory.mktemp(request.param) / "run"
-    rltrain(*args, run_dir=run_dir, timeout=600)
-    return k, args, run_dir
+@pytest.fixture(scope="module")
+def async_runs(tiny_cache, tmp_path_factory):
+    """name -> (k, args, run directory) of the uninterrupted run, each run once whatever the order
+    of the tests that read it (a parametrized module fixture is rebuilt when they interleave)."""
+    done: dict[str, tuple[int, list[str], object]] = {}
+
+    def get(name: str):
+        if name not in done:
+            k, args = RUNS[name]
+            run_dir = tmp_path_factory.mktemp(name) / "run"
+            rltrain(*args, run_dir=run_dir, timeout=600)
+            done[name] = (k, args, run_dir)
+        return done[name]
+
+    return get
+
+
+@pytest.fixture(params=sorted(RUNS))
+def async_run(request, async_runs):
+    return async_runs(request.param)
 
 
 def batches(run_dir) -> list[dict]:
