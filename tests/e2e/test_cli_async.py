@@ -32,10 +32,11 @@ RUNS = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def async_runs(tiny_cache, tmp_path_factory):
-    """name -> (k, args, run directory) of the uninterrupted run, each run once whatever the order
-    of the tests that read it (a parametrized module fixture is rebuilt when they interleave)."""
+    """name -> (k, args, run directory) of the uninterrupted run, each run once per worker whatever
+    the order of the tests that read it: pytest-xdist interleaves this module's tests with the other
+    separate-engine tests, and a module (or parametrized) fixture is rebuilt at every switch."""
     done: dict[str, tuple[int, list[str], object]] = {}
 
     def get(name: str):
