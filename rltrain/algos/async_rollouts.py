@@ -18,13 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from rltrain.algos.experience import Experience, ExperienceCollector
 from rltrain.rollout.ahead import RolloutWorker
 from rltrain.rollout.base import Completion, RolloutEngine, SamplingSettings
 from rltrain.rollout.separate import completions_from_json, completions_to_json
-from rltrain.rollout.share import replica_leader, share_completions
+from rltrain.rollout.share import leads, share_completions
 
 Generated = tuple[list[Completion], float]  # this rank's completions, seconds the engine spent on them
 
@@ -61,8 +59,7 @@ class AsyncRollouts:
         self.version = 0  # the newest version published (and requested from)
 
     def _leads(self) -> bool:
-        group = self.collector.policy.replica_group()
-        return group is None or dist.get_rank() == replica_leader(group)
+        return leads(self.collector.policy.replica_group())
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> Generated:
         started = time.perf_counter()

@@ -3,8 +3,8 @@
 `ExperienceCollector.collect(step)` samples `algo.prompts_per_step` prompts (global), lets this
 data-parallel rank's rollout engine generate `algo.group_size` completions for its share (colocated,
 in-process; under Megatron tp/pp only the replica's first rank samples and shares the tokens and
-log-probabilities with its peers), scores them with every reward function (`reward.fns`, the
-built-in task's reward, a reward model) and returns an `Experience`: this rank's sequences in
+log-probabilities with its peers, and also scores them and plays the episodes alone), scores them
+with every reward function (`reward.fns`, the built-in task's reward, a reward model) and returns an `Experience`: this rank's sequences in
 prompt-major order plus the *global* reward vector every rank agrees on. What happens next
 (scoring by the trainer, advantages, losses) belongs to the algorithm (rltrain/algos/rl.py).
 `evaluate` runs greedy generation on the held-out prompts through the same engine.
@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from rltrain.algos.base import RunContext
 from rltrain.data.batch import SequenceBatch
@@ -25,11 +24,14 @@ from rltrain.data.ragged import Ragged
 from rltrain.data.sampler import IndexStream
 from rltrain.data.sharding import rank_slice, sum_over_replicas
 from rltrain.envs.episodes import EpisodeResults, EpisodeRunner
+from rltrain.envs.replica import share_results
 from rltrain.rewards.scoring import Failures, RewardScorer
 from rltrain.rollout.ahead import RolloutWorker
 from rltrain.rollout.base import Completion, RolloutEngine, SamplingSettings
-from rltrain.rollout.share import replica_leader, share_completions
+from rltrain.rollout.share import leads, raise_leader_error, replica_leader, share_completions
 from rltrain.run.samples import Sample, first_samples
+from rltrain.runtime.distributed import share_lists
+from rltrain.runtime.errors import UserError
 from rltrain.sync.timeshare import TimeSharing
 
 
@@ -102,6 +104,24 @@ def exact_matches(texts: list[str], rows: list[PromptRow]) -> float:
     return float(sum(t.strip() == str(r.columns["answer"]).strip() for t, r in zip(texts, rows, strict=True)))
 
 
+def share_scores(
+    scored: tuple[dict[str, list[float]], Failures] | None, names: list[str], group
+) -> tuple[dict[str, list[float]], Failures]:
+    """The replica leader's `scored` (scores per reward function `names`, failures) on every rank
+    of `group`, bitwise; the peers pass None."""
+    names = list(dict.fromkeys(names))
+    ints: list[int] | None = None
+    floats: list[float] | None = None
+    if scored is not None:
+        per_fn, failures = scored
+        ints, floats = [failures.timeouts, failures.errors], [v for name in names for v in per_fn[name]]
+    got_ints, got_floats = share_lists(ints, floats, replica_leader(group), group)
+    if scored is not None:
+        return scored
+    n = len(got_floats) // len(names) if names else 0
+    return {name: got_floats[i * n : (i + 1) * n] for i, name in enumerate(names)}, Failures(got_ints[0], got_ints[1])
+
+
 def sampled_mask(completions: list[Completion]) -> Ragged | None:
     """Which completion tokens the policy sampled, where a multi-turn rollout interleaved
     observations (None: a single-turn batch, every token sampled)."""
@@ -155,10 +175,8 @@ class ExperienceCollector:
         receive the tokens (rltrain.rollout.share); every rank of a replica calls this together.
         The engine's turn (time sharing) tears the replica's group down: the leader is found
         before it and the completions are shared after it."""
-        group = self.policy.replica_group()
-        leads = group is None or dist.get_rank() == replica_leader(group)
-        with self.timeshare.rollout_turn():
-            mine = (self._engine_generate(prompts, sampling) if prompts else []) if leads else None
+        with self.timeshare.rollout_turn():  # the leader is found before the turn tears the group down
+            mine = (self._engine_generate(prompts, sampling) if prompts else []) if leads(self.policy.replica_group()) else None
         group = self.policy.replica_group()  # re-created by the turn
         if group is not None:
             return share_completions(mine, group)
@@ -175,10 +193,46 @@ class ExperienceCollector:
     def texts(self, completions: list[Completion]) -> list[str]:
         return [self.ctx.tokenizer.decode([t for t in c.token_ids if t != self.eos], skip_special_tokens=True) for c in completions]
 
+    def play(self, rows: list[PromptRow], copies: int, sampling: SamplingSettings, phase: str) -> EpisodeResults:
+        """`copies` episodes of each of `rows` (rltrain/envs/episodes.py). Under tensor/pipeline
+        parallelism only the replica's leader plays them, in one engine turn, and shares the result
+        (rltrain/envs/replica.py): environment calls may time out on one rank and not another."""
+        assert self.episodes is not None
+        group = self.policy.replica_group()
+        if group is None:
+            return self.episodes.run(rows, copies, sampling, phase, self.generate)
+        played, error, leader = None, None, leads(group)
+        with self.timeshare.rollout_turn():
+            if leader:
+                try:
+                    played = self.episodes.run(rows, copies, sampling, phase, self._engine_generate)
+                except UserError as exc:
+                    error = str(exc)
+        group = self.policy.replica_group()  # re-created by the turn
+        raise_leader_error(error, group)
+        return share_results(played, group)
+
     def rewards(
         self, rows: list[PromptRow], completions: list[Completion], texts: list[str] | None = None
     ) -> tuple[dict[str, list[float]], Failures]:
-        """Every reward function's scores of `texts` (default: the completions' text)."""
+        """Every reward function's scores of `texts` (default: the completions' text). Under
+        tensor/pipeline parallelism the replica's leader scores and shares: a reward call that times
+        out on one rank and not on another would give the replica's ranks different advantages."""
+        group = self.policy.replica_group()
+        if group is None:
+            return self._score(rows, completions, texts)
+        scored, error = None, None
+        if leads(group):
+            try:
+                scored = self._score(rows, completions, texts)
+            except UserError as exc:
+                error = str(exc)
+        raise_leader_error(error, group)
+        return share_scores(scored, [rf.name for rf in self.reward_fns], group)
+
+    def _score(
+        self, rows: list[PromptRow], completions: list[Completion], texts: list[str] | None
+    ) -> tuple[dict[str, list[float]], Failures]:
         owners = [rows[c.prompt_index] for c in completions]
         columns = {key: [r.columns[key] for r in owners] for key in (owners[0].columns if owners else {})}
         groups = [c.prompt_index for c in completions]
@@ -202,7 +256,7 @@ class ExperienceCollector:
         rows = self.my_rows(global_index)
         if self.episodes is not None:
             started = time.perf_counter()
-            played = self.episodes.run(rows, self.algo_cfg.group_size, self.sampling(step), f"train-{step}", self.generate)
+            played = self.play(rows, self.algo_cfg.group_size, self.sampling(step), f"train-{step}")
             time_rollout = time.perf_counter() - started
             return self.assemble(step, global_index, played.completions, time_rollout, played)
         completions = self.generate([r.ids for r in rows], self.sampling(step))
@@ -310,7 +364,7 @@ class ExperienceCollector:
         env=python; reward.fns on the answer with env=tools, plus `eval/accuracy` where the data has an
         `answer` column), `eval/success` the share above 0."""
         assert self.episodes is not None
-        played = self.episodes.run(mine, 1, self.sampling(step, greedy=True), f"eval-{step}", self.generate)
+        played = self.play(mine, 1, self.sampling(step, greedy=True), f"eval-{step}")
         self.timeshare.pop_metrics()
         scores = played.returns
         correct = 0.0

@@ -27,6 +27,7 @@ from rltrain.envs.build import build_episode_runner
 from rltrain.rewards.scoring import RewardScorer, build_reward_fns
 from rltrain.rollout import build_rollout
 from rltrain.rollout.ahead import RolloutWorker
+from rltrain.rollout.share import leads
 from rltrain.run.metrics_log import append_batch_record
 from rltrain.run.samples import Sample
 from rltrain.runtime.distributed import global_max
@@ -70,8 +71,9 @@ class RLAlgorithm:
         worker = RolloutWorker() if k >= 1 else None
         self.weights = WeightSync(self.rollout, deferred=cfg.placement.time_sharing, worker=worker)
         self.timeshare = TimeSharing(engines, self.rollout, ctx.dist.device, cfg.placement.time_sharing, self.weights, frozen)
-        scorer = RewardScorer(reward_fns, cfg.reward, cfg.safety.collective_timeout_s)
-        episodes = build_episode_runner(cfg, ctx.tokenizer)
+        plays = leads(self.policy.replica_group())  # a replica's peers receive scores and episodes
+        scorer = RewardScorer(reward_fns, cfg.reward, cfg.safety.collective_timeout_s, start_workers=plays)
+        episodes = build_episode_runner(cfg, ctx.tokenizer, start_workers=plays)
         self.collector = ExperienceCollector(ctx, self.rollout, self.timeshare, self.policy, scorer, episodes)
         self.ahead: AsyncRollouts | None = None
         if worker is not None:  # each engine call is bounded by rollout.timeout_s; a wait spans k + 2 of them

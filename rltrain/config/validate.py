@@ -290,11 +290,6 @@ def validate_env(cfg) -> None:
             "env=python takes its rewards from the environment's step() (summed over the episode); reward.fns and "
             "reward_model are not called. Remove them, or score inside step()."
         )
-    if cfg.backend.name == "megatron" and cfg.backend.tp * cfg.backend.pp > 1:
-        raise UserError(
-            f"env={env.name} with backend.tp={cfg.backend.tp} backend.pp={cfg.backend.pp}: multi-turn episodes run on "
-            "data-parallel ranks only in this release. Use backend.tp=1 backend.pp=1 (or backend=fsdp)."
-        )
     for key in ("max_turns", "max_total_tokens", "workers"):
         if getattr(env, key) < 1:
             raise UserError(f"env.{key}={getattr(env, key)} must be at least 1.")

@@ -7,14 +7,15 @@ from rltrain.envs.tools import CallTools
 from rltrain.envs.user_env import HostedEnvironments
 
 
-def build_episode_runner(cfg, tokenizer) -> EpisodeRunner | None:
-    """None for `env=none` (single-turn RL)."""
+def build_episode_runner(cfg, tokenizer, start_workers: bool = True) -> EpisodeRunner | None:
+    """None for `env=none` (single-turn RL). `start_workers=False`: the user-code workers start on
+    their first call (a rank that never plays: a tensor/pipeline-parallel replica's peers)."""
     if cfg.env.name == "none":
         return None
     steps: EpisodeSteps
     if cfg.env.name == "tools":
-        steps = CallTools(cfg.env, tokenizer)
+        steps = CallTools(cfg.env, tokenizer, start_workers)
         renderer = steps.prompts
     else:
-        steps, renderer = HostedEnvironments(cfg.env, cfg.reward, tokenizer), None
+        steps, renderer = HostedEnvironments(cfg.env, cfg.reward, tokenizer, start_workers), None
     return EpisodeRunner(cfg.env, cfg.reward, tokenizer, cfg.algo.max_new_tokens, cfg.safety.collective_timeout_s, steps, renderer)

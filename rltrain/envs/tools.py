@@ -146,14 +146,15 @@ def result_text(result: CallResult, name: str, timeout_s: float | None) -> str:
 class CallTools:
     """`EpisodeSteps` for `env=tools`: each reply's tool calls run in call workers; a reply without one ends the episode."""
 
-    def __init__(self, env_cfg, tokenizer) -> None:
+    def __init__(self, env_cfg, tokenizer, start_workers: bool = True) -> None:
         self.cfg, self.tokenizer = env_cfg, tokenizer
         self.paths, self.schemas = tool_schemas(list(env_cfg.tools))
         self.prompts = ToolPrompts(tokenizer, self.schemas, env_cfg.describe_tools)
         self.native = template_renders_tools(tokenizer)
         self.timeout_s = float(env_cfg.timeout_s) if env_cfg.timeout_s else None
         self.pool = CallPool(env_cfg.workers, list(self.paths.values()), "tool")
-        self.pool.start()
+        if start_workers:  # else on the first call
+            self.pool.start()
 
     def reset(self, episodes: list[Episode], deadline: float) -> None:
         """Nothing to reset: the tools were offered in the prompt."""

@@ -20,13 +20,14 @@ ADVANCE = "rltrain.envs.hosted:advance"
 class HostedEnvironments:
     """`EpisodeSteps` for a user environment class (`env.cls`)."""
 
-    def __init__(self, env_cfg, reward_cfg, tokenizer) -> None:
+    def __init__(self, env_cfg, reward_cfg, tokenizer, start_workers: bool = True) -> None:
         if not env_cfg.cls or ":" not in env_cfg.cls:
             raise UserError(f"env=python needs env.cls=package.module:Class (got {env_cfg.cls!r}).")
         self.cfg, self.reward_cfg, self.tokenizer = env_cfg, reward_cfg, tokenizer
         self.timeout_s = float(env_cfg.timeout_s) if env_cfg.timeout_s else None
         self.pool = CallPool(env_cfg.workers, [ADVANCE, env_cfg.cls], "environment")
-        self.pool.start()
+        if start_workers:  # else on the first call
+            self.pool.start()
 
     def reset(self, episodes: list[Episode], deadline: float) -> None:
         self._advance(episodes, "reset", deadline)

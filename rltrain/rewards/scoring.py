@@ -122,13 +122,13 @@ def checked_values(result: CallResult, n: int, timeout_s: float | None) -> tuple
 class RewardScorer:
     """The run's reward functions and the worker pool that runs the user ones."""
 
-    def __init__(self, fns: list[RewardFn], reward_cfg, collective_timeout_s: float) -> None:
+    def __init__(self, fns: list[RewardFn], reward_cfg, collective_timeout_s: float, start_workers: bool = True) -> None:
         self.fns, self.cfg = fns, reward_cfg
         self.timeout_s = float(reward_cfg.timeout_s) if reward_cfg.timeout_s else None
         self.budget_s = collective_timeout_s / 2  # a rank's scoring never keeps a peer into the collective timeout
         pooled = [rf.path for rf in fns if rf.device_model is None]
         self.pool = CallPool(reward_cfg.workers, pooled, "reward function") if pooled else None
-        if self.pool is not None:
+        if self.pool is not None and start_workers:  # else they start on the first call (a replica's peers never score)
             self.pool.start()  # the workers import while the engines are built
 
     def score(

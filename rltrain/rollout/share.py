@@ -2,18 +2,19 @@
 
 The tp x pp ranks of one replica must train on identical sequences, and generation is not bitwise
 deterministic across processes, so the replica's leader samples and broadcasts (as raw tensors,
-never pickle). docs/internals/rollout.md has the reasoning and the wire layout.
+never pickle). What the leader alone runs (rewards, episodes) ends with `raise_leader_error`, so a
+UserError there stops its peers too. docs/internals/rollout.md has the reasoning and the wire layout.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from rltrain.rollout.base import Completion
-from rltrain.runtime.distributed import control_device
+from rltrain.runtime.distributed import broadcast_str, share_lists
+from rltrain.runtime.errors import UserError
 
 
 def replica_leader(group: Any) -> int:
@@ -21,54 +22,52 @@ def replica_leader(group: Any) -> int:
     return min(dist.get_process_group_ranks(group))
 
 
+def leads(group: Any) -> bool:
+    """Whether this rank leads its replica (every rank does without a replica group)."""
+    return group is None or dist.get_rank() == replica_leader(group)
+
+
+def raise_leader_error(message: str | None, group: Any) -> None:
+    """Collective over `group`: the leader passes the message of the UserError it caught ("" or None
+    for none) and every rank raises it, so the peers stop with the leader's words instead of waiting
+    for data that never comes. The peers pass None."""
+    leader = replica_leader(group)
+    shared = broadcast_str((message or "") if dist.get_rank() == leader else None, leader, group)
+    if shared:
+        raise UserError(shared)
+
+
 def share_completions(completions: list[Completion] | None, group: Any) -> list[Completion]:
     """The leader's `completions`, on every rank of `group` (collective over it). Non-leaders pass
-    None; the leader passes its list (possibly empty)."""
+    None; the leader passes its list (possibly empty). Multi-turn `sampled` masks travel too."""
     leader = replica_leader(group)
-    device = control_device()
-    is_leader = dist.get_rank() == leader
-    if is_leader:
+    ints: list[int] | None = None
+    floats: list[float] | None = None
+    if dist.get_rank() == leader:
         if completions is None:
             raise ValueError("the replica's leader must pass its completions")
-        lengths = [len(c.token_ids) for c in completions]
-        header = torch.tensor([len(completions), sum(lengths)], dtype=torch.int64, device=device)
-    else:
-        header = torch.empty(2, dtype=torch.int64, device=device)
-    dist.broadcast(header, src=leader, group=group)
-    n, total = (int(v) for v in header.tolist())
-    if n == 0:
-        return []
-    if is_leader:
-        assert completions is not None
-        rows = [[c.prompt_index, len(c.token_ids), int(c.finished)] for c in completions]
-        ints = torch.tensor(
-            [v for row in rows for v in row] + [t for c in completions for t in c.token_ids],
-            dtype=torch.int64,
-            device=device,
-        )
-        floats = torch.tensor([lp for c in completions for lp in c.logprobs], dtype=torch.float64, device=device)
-        if floats.numel() != total:
-            raise ValueError("every generated token needs exactly one sampling log-probability")
-    else:
-        ints = torch.empty(3 * n + total, dtype=torch.int64, device=device)
-        floats = torch.empty(total, dtype=torch.float64, device=device)
-    dist.broadcast(ints, src=leader, group=group)
-    dist.broadcast(floats, src=leader, group=group)
-    if is_leader:
-        assert completions is not None
+        for c in completions:
+            if len(c.logprobs) != len(c.token_ids):
+                raise ValueError("every generated token needs exactly one sampling log-probability")
+        ints = [len(completions)]
+        for c in completions:
+            ints += [c.prompt_index, len(c.token_ids), int(c.finished), int(c.sampled is not None)]
+        for c in completions:
+            ints += c.token_ids + [int(f) for f in (c.sampled or [])]
+        floats = [lp for c in completions for lp in c.logprobs]
+    got_ints, got_floats = share_lists(ints, floats, leader, group)
+    if completions is not None:
         return completions
-    meta = ints[: 3 * n].view(n, 3).tolist()
-    token_ids, logprobs = ints[3 * n :].tolist(), floats.tolist()
-    out, start = [], 0
-    for prompt_index, length, finished in meta:
-        out.append(
-            Completion(
-                prompt_index=prompt_index,
-                token_ids=token_ids[start : start + length],
-                logprobs=logprobs[start : start + length],
-                finished=bool(finished),
-            )
-        )
-        start += length
+    n = got_ints[0]
+    meta = [got_ints[1 + 4 * i : 5 + 4 * i] for i in range(n)]
+    out, pos, lp_pos = [], 1 + 4 * n, 0
+    for prompt_index, length, finished, has_sampled in meta:
+        token_ids = got_ints[pos : pos + length]
+        pos += length
+        sampled = None
+        if has_sampled:
+            sampled = [bool(f) for f in got_ints[pos : pos + length]]
+            pos += length
+        out.append(Completion(prompt_index, token_ids, got_floats[lp_pos : lp_pos + length], bool(finished), sampled))
+        lp_pos += length
     return out
-

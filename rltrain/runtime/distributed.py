@@ -99,19 +99,62 @@ def control_tensor(values, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, device=control_device())
 
 
-def broadcast_str(text: str | None, src: int = 0) -> str:
-    """Broadcast a string from `src` as raw UTF-8 bytes (no pickle)."""
-    if dist.get_world_size() == 1:
+def broadcast_str(text: str | None, src: int = 0, group: dist.ProcessGroup | None = None) -> str:
+    """Broadcast a string from global rank `src` over `group` as raw UTF-8 bytes (no pickle)."""
+    if dist.get_world_size(group) == 1:
         assert text is not None
         return text
     data = (text or "").encode()
     length = control_tensor([len(data)], torch.long)
-    dist.broadcast(length, src)
+    dist.broadcast(length, src, group=group)
     buf = torch.zeros(int(length), dtype=torch.uint8, device=control_device())
     if dist.get_rank() == src and data:
         buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    dist.broadcast(buf, src)
+    dist.broadcast(buf, src, group=group)
     return bytes(buf.tolist()).decode()
+
+
+def share_lists(
+    ints: list[int] | None, floats: list[float] | None, src: int, group: dist.ProcessGroup | None = None
+) -> tuple[list[int], list[float]]:
+    """Global rank `src`'s int64 and float64 lists on every rank of `group` (the others pass None):
+    raw tensors, never pickle, so floats arrive bitwise."""
+    device = control_device()
+    if dist.get_rank() == src:
+        if ints is None or floats is None:
+            raise ValueError("the sending rank must pass its lists")
+        header = control_tensor([len(ints), len(floats)], torch.int64)
+    else:
+        header = torch.empty(2, dtype=torch.int64, device=device)
+    dist.broadcast(header, src, group=group)
+    n_ints, n_floats = (int(v) for v in header.tolist())
+    if dist.get_rank() == src:
+        assert ints is not None and floats is not None
+        int_t, float_t = control_tensor(ints, torch.int64), control_tensor(floats, torch.float64)
+    else:
+        int_t = torch.empty(n_ints, dtype=torch.int64, device=device)
+        float_t = torch.empty(n_floats, dtype=torch.float64, device=device)
+    if n_ints:
+        dist.broadcast(int_t, src, group=group)
+    if n_floats:
+        dist.broadcast(float_t, src, group=group)
+    return int_t.tolist(), float_t.tolist()
+
+
+def texts_to_ints(texts: list[str]) -> list[int]:
+    """`texts` as [count, byte length of each, UTF-8 bytes...], for `share_lists`."""
+    encoded = [t.encode() for t in texts]
+    return [len(encoded), *(len(b) for b in encoded), *(byte for b in encoded for byte in b)]
+
+
+def texts_from_ints(ints: list[int]) -> list[str]:
+    """The inverse of `texts_to_ints`."""
+    n, data, texts = ints[0], bytes(ints[1 + ints[0] :]), []
+    start = 0
+    for length in ints[1 : 1 + n]:
+        texts.append(data[start : start + length].decode())
+        start += length
+    return texts
 
 
 def barrier() -> None:

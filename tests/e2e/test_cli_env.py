@@ -1,7 +1,7 @@
 """`env=python` and `env=tools` end to end (docs/environments.md), every run on two ranks: GRPO
-(vLLM, FSDP) and PPO (HF engine, Megatron) play multi-turn episodes of a user environment
-(examples/higher_lower.py, which the package never imports); GRPO with time sharing calls user tools
-(examples/calculator.py plus one that hangs). The model's tokens keep their engine log-probabilities
+(vLLM, FSDP) and PPO (HF engine, Megatron tp=2 with time sharing: the replica's leader plays) play
+multi-turn episodes of a user environment (examples/higher_lower.py, which the package never
+imports); GRPO with time sharing calls user tools (examples/calculator.py plus one that hangs). The model's tokens keep their engine log-probabilities
 through the turns (train/rollout parity in fp32), the episode metrics are logged, held-out episodes
 are evaluated, a hung tool costs its call and not the run, and a run killed mid-way resumes to the
 uninterrupted result. A configuration this release cannot run multi-turn is refused by name."""
@@ -57,10 +57,13 @@ def test_a_multi_turn_run_killed_after_its_first_step_resumes_to_the_uninterrupt
     assert comparable(resumed) == comparable(read_metrics(env_run))
 
 
-def test_ppo_trains_on_multi_turn_episodes_with_the_hf_engine_and_megatron_on_two_ranks(tiny_cache, tmp_path):
+def test_ppo_plays_multi_turn_episodes_on_the_replica_leader_under_megatron_tensor_parallelism(tiny_cache, tmp_path):
     """PPO's critic and GAE over the sampled tokens only (tests/unit/algos/test_ppo_math.py has the
-    values), the HF engine taking the turns, Megatron training."""
-    rltrain(*ENV_RUN, "algo=ppo", "rollout=hf", "backend=megatron", "trainer.eval_every=0", "trainer.save_every=0",
+    values), the HF engine taking the turns, Megatron training with tp=2 and time sharing: the
+    replica's leader plays the episodes and shares them (rltrain/envs/replica.py); the engine's
+    micro-batch fingerprint fails the step if the two ranks were given different sequences."""
+    rltrain(*ENV_RUN, "algo=ppo", "rollout=hf", "backend=megatron", "backend.tp=2", "model.num_kv_heads=2",
+            "placement.time_sharing=true", "trainer.eval_every=0", "trainer.save_every=0",
             run_dir=tmp_path / "run", timeout=400, env=EXAMPLES)
     rows = train_rows(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2]
@@ -73,7 +76,6 @@ def test_ppo_trains_on_multi_turn_episodes_with_the_hf_engine_and_megatron_on_tw
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        (["backend=megatron", "backend.pp=2"], "multi-turn episodes run on data-parallel ranks only"),
         (["reward.fns=[rltrain.rewards.builtin:exact_match]"], "reward.fns and reward_model are not called"),
         (["env.cls=no_colon"], "env=python needs env.cls=package.module:Class"),
         (["env.max_turns=0"], "env.max_turns=0 must be at least 1"),
