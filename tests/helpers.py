@@ -29,10 +29,23 @@ def free_port() -> int:
 
 
 # What the fork server imports before forking ranks and warm CLI runs (tests/cli.py run_warm): the
-# cost every process would otherwise pay. Only libraries, never rltrain: its modules are imported in
-# each child, after that child's environment is in place.
+# cost every process would otherwise pay. Only libraries, never rltrain, vllm or megatron-core: their
+# modules are imported in each child, after that child's environment is in place. The second list is
+# what those import from other libraries (scipy, matplotlib for plots.png, torch's compiler and
+# distributed modules, vLLM's server-side dependencies): seconds per rank, read once here. None of
+# them reads an RLTRAIN_/VLLM_/WANDB_ variable on import (a warm run may set those differently) or
+# leaves a Python thread running; OpenCV and gRPC are left out (a native thread, fork handlers).
 PRELOAD = ["torch", "torch.distributed", "torch._inductor.config", "transformers", "safetensors.torch", "datasets",
            "hydra", "omegaconf"]
+PRELOAD += [
+    "scipy.stats", "scipy.optimize", "scipy.sparse", "scipy.signal", "scipy.integrate", "scipy.interpolate", "scipy.spatial",
+    "scipy.ndimage", "networkx", "sympy", "matplotlib.pyplot", "matplotlib.backends.backend_agg", "accelerate",
+    "torch._dynamo", "torch._inductor.compile_fx", "torch.distributed.fsdp", "torch.distributed.checkpoint",
+    "torch.distributed.tensor", "torch.export", "transformers.generation", "transformers.models.qwen2.modeling_qwen2",
+    "openai", "fastapi", "aiohttp", "compressed_tensors", "xgrammar", "opentelemetry.trace", "zmq", "msgspec",
+    "prometheus_client", "cbor2", "tiktoken", "partial_json_parser", "llguidance", "openai_harmony", "einops", "psutil",
+    "cpuinfo", "uvloop", "requests", "pybase64",
+]
 
 
 def rank_context():

@@ -175,8 +175,9 @@ class ExperienceCollector:
         receive the tokens (rltrain.rollout.share); every rank of a replica calls this together.
         The engine's turn (time sharing) tears the replica's group down: the leader is found
         before it and the completions are shared after it."""
-        with self.timeshare.rollout_turn():  # the leader is found before the turn tears the group down
-            mine = (self._engine_generate(prompts, sampling) if prompts else []) if leads(self.policy.replica_group()) else None
+        leader = leads(self.policy.replica_group())  # found before the turn tears the group down
+        with self.timeshare.rollout_turn():
+            mine = (self._engine_generate(prompts, sampling) if prompts else []) if leader else None
         group = self.policy.replica_group()  # re-created by the turn
         if group is not None:
             return share_completions(mine, group)

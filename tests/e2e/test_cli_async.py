@@ -6,7 +6,8 @@ both with vLLM in its own process.
   `sampled_by`, `rollout/staleness_*`), on the prompts a synchronous run takes, none twice; the waits and the correction's
   metrics are logged, parity is measured on the same-version step and the off-policy gap on the others.
 - SIGKILL between checkpoints and a restart reproduce the uninterrupted run row for row, and the
-  same prompts step for step (the checkpoint holds the batches in flight).
+  same prompts step for step (the checkpoint holds the batches in flight): on the PPO/Megatron k = 2
+  run, whose checkpoints hold two batches in flight.
 """
 
 from __future__ import annotations
@@ -32,27 +33,12 @@ RUNS = {
 }
 
 
-@pytest.fixture(scope="session")
-def async_runs(tiny_cache, tmp_path_factory):
-    """name -> (k, args, run directory) of the uninterrupted run, each run once per worker whatever
-    the order of the tests that read it: pytest-xdist interleaves this module's tests with the other
-    separate-engine tests, and a module (or parametrized) fixture is rebuilt at every switch."""
-    done: dict[str, tuple[int, list[str], object]] = {}
-
-    def get(name: str):
-        if name not in done:
-            k, args = RUNS[name]
-            run_dir = tmp_path_factory.mktemp(name) / "run"
-            rltrain(*args, run_dir=run_dir, timeout=600)
-            done[name] = (k, args, run_dir)
-        return done[name]
-
-    return get
-
-
 @pytest.fixture(params=sorted(RUNS))
-def async_run(request, async_runs):
-    return async_runs(request.param)
+def async_run(request, shared_runs):
+    """(k, args, run directory) of the uninterrupted run: a shared run, so it happens once per
+    session whichever worker and test ask for it first."""
+    k, args = RUNS[request.param]
+    return k, args, shared_runs.get(*args, timeout=600)
 
 
 def batches(run_dir) -> list[dict]:
@@ -82,8 +68,11 @@ def test_each_batch_is_sampled_by_its_scheduled_version(async_run, shared_runs):
     assert [b["prompts"] for b in sync] == [b["prompts"] for b in ledger[:2]]
 
 
-def test_sigkill_between_checkpoints_resumes_to_the_uninterrupted_run(async_run, tmp_path):
-    _, args, full = async_run
+def test_sigkill_between_checkpoints_resumes_to_the_uninterrupted_run(shared_runs, tmp_path):
+    """On the configuration with the most in flight (k = 2: two batches of older versions in the
+    checkpoint, the replica leader's); the checkpointed batches are per rank and backend-blind."""
+    _, args = RUNS["ppo-megatron-tp2-k2"]
+    full = shared_runs.get(*args, timeout=600)
     run_dir = tmp_path / "killed"
     kill_when(args, run_dir, run_dir / "checkpoints" / "step_00000002", signal.SIGKILL, timeout=600)
     assert len(train_rows(run_dir)) < STEPS

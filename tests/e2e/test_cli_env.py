@@ -25,11 +25,10 @@ ENV_RUN = [
 ]
 
 
-@pytest.fixture(scope="module")
-def env_run(tiny_cache, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("env_run") / "run"
-    rltrain(*ENV_RUN, run_dir=run_dir, timeout=400, env=EXAMPLES)
-    return run_dir
+@pytest.fixture
+def env_run(shared_runs):
+    """The uninterrupted run, shared: once per session whichever worker asks first."""
+    return shared_runs.get(*ENV_RUN, timeout=400, env=EXAMPLES)
 
 
 def test_grpo_trains_on_multi_turn_episodes_on_two_ranks(env_run):
