@@ -53,11 +53,6 @@ def max_logprob_diff(
     return worst
 
 
-# One worker runs the module, so each case's engine (the module fixture) is built once, not once
-# per pytest-xdist worker that happens to get one of its tests.
-pytestmark = pytest.mark.xdist_group("rollout_parity")
-
-
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tiny_cache):
     """(name, model_dir, HF model, engine, construction seconds): one engine per architecture."""

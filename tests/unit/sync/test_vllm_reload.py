@@ -36,11 +36,6 @@ TOL = 1e-5
 Weights = dict[str, torch.Tensor]
 
 
-# One worker runs the module, so each case's engine (the module fixture) is built once, not once
-# per pytest-xdist worker that happens to get one of its tests.
-pytestmark = pytest.mark.xdist_group("vllm_reload")
-
-
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tiny_cache):
     """(engine, three perturbed checkpoints): one engine per architecture."""
