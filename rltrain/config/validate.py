@@ -20,6 +20,7 @@ from rltrain.config.sources import (
     validate_data_sources,
     validate_model_source,
 )
+from rltrain.config.validate_rl import ALGOS_WITHOUT_REWARDS, validate_env, validate_staleness
 from rltrain.runtime.errors import UserError
 
 # Every enum-like key of every group and the values it accepts (the schema's `Literal`s), checked
@@ -236,7 +237,6 @@ def validate_algo(algo) -> None:
 
 # Algorithms that never build a role: a path given for it would be silently unused, so it is refused.
 ALGOS_WITHOUT_CRITIC = ("sft", "dpo", "grpo")
-ALGOS_WITHOUT_REWARDS = ("sft", "dpo")
 
 
 def validate_roles(cfg) -> None:
@@ -262,72 +262,6 @@ def validate_roles(cfg) -> None:
             "Remove critic.path, or choose an algorithm with a critic."
         )
     validate_reward_model(cfg.reward_model, algo.name)
-
-
-def validate_env(cfg) -> None:
-    """`env=python` and `env=tools` (docs/environments.md): what this release runs multi-turn, and in-range numbers."""
-    env = cfg.env
-    if env.name != "python" and env.cls is not None:
-        raise UserError(f"env.cls={env.cls!r} is set but env={env.name} does not use it: add env=python to use it.")
-    if env.name != "tools" and list(env.tools):
-        raise UserError(f"env.tools={list(env.tools)} is set but env={env.name} does not use it: add env=tools to use them.")
-    if env.name == "none":
-        return
-    if env.name == "python" and (not env.cls or ":" not in env.cls):
-        raise UserError(f"env=python needs env.cls=package.module:Class, your environment class (got {env.cls!r}).")
-    if env.name == "tools":
-        if not list(env.tools):
-            raise UserError("env=tools needs env.tools=[package.module:function,...], the functions the model may call.")
-        for path in env.tools:
-            if ":" not in path:
-                raise UserError(f"env.tools entry {path!r} must be package.module:function.")
-    if cfg.algo.name in ALGOS_WITHOUT_REWARDS:
-        raise UserError(
-            f"env={env.name} trains with algo=grpo or algo=ppo; algo={cfg.algo.name} cannot: SFT and DPO train on fixed data."
-        )
-    if env.name == "python" and (list(cfg.reward.fns) or cfg.reward_model.name != "none"):
-        raise UserError(
-            "env=python takes its rewards from the environment's step() (summed over the episode); reward.fns and "
-            "reward_model are not called. Remove them, or score inside step()."
-        )
-    for key in ("max_turns", "max_total_tokens", "workers"):
-        if getattr(env, key) < 1:
-            raise UserError(f"env.{key}={getattr(env, key)} must be at least 1.")
-    if env.max_tokens_per_turn is not None and env.max_tokens_per_turn < 1:
-        raise UserError(f"env.max_tokens_per_turn={env.max_tokens_per_turn} must be at least 1 (null: algo.max_new_tokens).")
-    if env.timeout_s is not None and env.timeout_s < 0:
-        raise UserError(f"env.timeout_s={env.timeout_s} must be positive (seconds), or 0 / null for no limit.")
-
-
-def validate_staleness(cfg) -> None:
-    """`placement.max_staleness` (docs/async.md): the engines and loops that can generate ahead."""
-    k = cfg.placement.max_staleness
-    if k < 0:
-        raise UserError(f"placement.max_staleness={k} must be 0 (synchronous) or a number of policy versions >= 1.")
-    if k == 0:
-        return
-    if cfg.algo.name in ALGOS_WITHOUT_REWARDS:
-        raise UserError(f"placement.max_staleness={k} overlaps generation with training; algo={cfg.algo.name} generates nothing. Use algo=grpo or algo=ppo, or placement.max_staleness=0.")
-    if cfg.placement.time_sharing:
-        raise UserError(
-            f"placement.max_staleness={k} with placement.time_sharing=true: time sharing makes the engine and the trainer "
-            "take turns on one device, so nothing can overlap. Set placement.time_sharing=false (the engine keeps its "
-            "memory beside the trainer's), or placement.max_staleness=0."
-        )
-    process = getattr(cfg.rollout, "process", None)
-    if cfg.rollout.name != "vllm" or process != "separate":
-        raise UserError(
-            f"placement.max_staleness={k} needs an engine that runs beside the trainer: rollout=vllm "
-            f"rollout.process=separate (the engine in its own process). rollout={cfg.rollout.name}"
-            + (f" rollout.process={process}" if process else "")
-            + " shares the trainer's process and threads, so it cannot overlap. Add rollout=vllm rollout.process=separate, "
-            "or set placement.max_staleness=0."
-        )
-    if cfg.env.name != "none":
-        raise UserError(
-            f"placement.max_staleness={k} with env={cfg.env.name}: this release generates ahead for single-turn RL only "
-            "(an episode's environment steps run in the trainer's loop). Use placement.max_staleness=0 with env."
-        )
 
 
 def validate_reward_model(rm, algo_name: str) -> None:
