@@ -92,12 +92,27 @@ def _entry(rank: int, fn: Callable, nproc: int, port: int, pg_timeout_s: float, 
         collected.wait(timeout=60)
 
 
+# What rank 0's rendezvous store says when another process took the free port between `free_port`
+# and its bind: the group never formed and `fn` never ran, so the run is repeated on a new port.
+PORT_TAKEN = "EADDRINUSE"
+
+
 def run_ranks(fn: Callable, *args: Any, nproc: int = 2, timeout_s: float = 120, pg_timeout_s: float = 20) -> list:
     """Run `fn(rank, world_size, *args)` on `nproc` gloo ranks; return each rank's result.
 
     `fn` must be importable (a module-level function). Results cross by a multiprocessing queue,
     so keep them small (floats, lists, tensors). Raises if any rank raised or the group timed out.
+    A rendezvous port taken by another process (`PORT_TAKEN`) is retried once on a new port.
     """
+    try:
+        return _run_ranks_once(fn, args, nproc, timeout_s, pg_timeout_s)
+    except AssertionError as exc:
+        if PORT_TAKEN not in str(exc):
+            raise
+    return _run_ranks_once(fn, args, nproc, timeout_s, pg_timeout_s)
+
+
+def _run_ranks_once(fn: Callable, args: tuple, nproc: int, timeout_s: float, pg_timeout_s: float) -> list:
     import sys
 
     ctx = rank_context()
