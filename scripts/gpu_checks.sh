@@ -10,8 +10,7 @@
 # process start-up and Python, so four pytest processes share the one GPU and its 16 cores, each
 # with a temporary directory of its own. One log per stream goes to $OUT when set (the device
 # tool's output folder, which returns at most 8 files), else ./gpu-checks/. The exit status is the
-# first failing stream's. The streams are balanced by the last run's durations (docs/gpus.md): the
-# 2-rank stream is the longest, about 6 minutes.
+# first failing stream's. The streams are balanced by the last run's durations (docs/gpus.md).
 set -uo pipefail
 part=${1:?usage: gpu_checks.sh suite|bench|bench-fast}
 out=${OUT:-gpu-checks}

@@ -95,11 +95,15 @@ def _decoded(text: str | bytes | None) -> str:
 def run_warm(cmd: list[str], env: dict[str, str], timeout: float,
              warm_ranks: bool = True) -> subprocess.CompletedProcess | None:
     """Run `cmd` (`python -m rltrain ...`) in a child of the warm fork server; None when its
-    environment needs a fresh interpreter. Stdout and stderr go to files the child's file
-    descriptors 1 and 2 point at, so ranks the command starts write there too, as with a pipe."""
+    environment needs a fresh interpreter or the machine has CUDA (helpers.cuda_machine). Stdout and
+    stderr go to files the child's file descriptors 1 and 2 point at, so ranks the command starts
+    write there too, as with a pipe."""
     import tempfile
 
-    from helpers import rank_context
+    from helpers import cuda_machine, rank_context
+
+    if cuda_machine():
+        return None
 
     ctx = rank_context()
     with tempfile.TemporaryDirectory(prefix="rltrain-warm-") as tmp:

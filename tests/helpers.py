@@ -6,7 +6,8 @@ A hang in the code under test becomes a failure: every collective times out afte
 Ranks are fresh processes forked from a fork server that has imported torch and transformers once
 per test process (docs/testing.md, "Start-up"): each test still gets new processes and a new
 process group, without paying the imports again. The parent's environment, working directory and
-sys.path travel with each call, since the server was started before the test set them.
+sys.path travel with each call, since the server was started before the test set them. On a CUDA
+machine ranks are spawned instead: a fork after anything initialised CUDA cannot use the GPU.
 """
 
 from __future__ import annotations
@@ -48,8 +49,20 @@ PRELOAD += [
 ]
 
 
+def cuda_machine() -> bool:
+    """Whether this machine has a CUDA device: the GPU suite then starts every process fresh (spawn,
+    cold CLI runs), since a process forked from one that initialised CUDA cannot use the GPU, and
+    its start-up is not what bounds that suite."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def rank_context():
-    """The multiprocessing context ranks start from (forkserver, with PRELOAD imported once)."""
+    """The multiprocessing context ranks start from (forkserver, with PRELOAD imported once; spawn
+    on a CUDA machine)."""
+    if cuda_machine():
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx

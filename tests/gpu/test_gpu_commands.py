@@ -41,6 +41,9 @@ COMMANDS = {
     "dpo_precomputed": ["algo=dpo", "algo.precompute_ref_logps=true", "trainer.max_steps=4", "trainer.eval_every=4", *SHORT_EVAL],
     "grpo": [*GRPO, "trainer.max_steps=3", "trainer.eval_every=3"],
     "grpo_kl": [*GRPO, "algo.beta=0.05", "trainer.max_steps=2", "trainer.eval_every=2"],
+    "grpo_lora": [*GRPO, "model.lora.rank=8", "trainer.max_steps=3", "trainer.eval_every=3"],
+    "grpo_tools": [*GRPO, "env=tools", "env.tools=[rltrain.envs.calculator:multiply]", "env.describe_tools=false",
+                   "env.max_turns=3", "trainer.max_steps=2", "trainer.eval_every=2"],
     "megatron_sft": ["backend=megatron", "algo=sft", "trainer.max_steps=10", "trainer.eval_every=10", *SHORT_EVAL],
     "megatron_dpo": ["backend=megatron", "algo=dpo", "trainer.max_steps=3", "trainer.eval_every=3", *SHORT_EVAL],
     "megatron_grpo": ["backend=megatron", *GRPO, "trainer.max_steps=3", "trainer.eval_every=3"],
@@ -57,6 +60,8 @@ def test_command_trains_on_one_gpu(name, tiny_cache, tmp_path):
     if "grpo" in name:
         # Same model and precision on both sides (bf16 compute): the gap stays at bf16 round-off.
         assert rows[-1]["rollout/logprob_diff_mean"] < 0.05, rows[-1]
+    if name == "grpo_tools":
+        assert rows[-1]["env/turns_mean"] >= 1.0 and rows[-1]["env/errors"] == 0.0, rows[-1]
 
 
 def test_dpo_precomputed_reference_matches_online_on_gpu(tiny_cache, tmp_path):
