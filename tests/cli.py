@@ -100,18 +100,14 @@ def run_warm(cmd: list[str], env: dict[str, str], timeout: float,
     write there too, as with a pipe."""
     import tempfile
 
-    from helpers import cuda_machine, rank_context
+    from helpers import cuda_machine
 
     if cuda_machine():
         return None
 
-    ctx = rank_context()
     with tempfile.TemporaryDirectory(prefix="rltrain-warm-") as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        child = ctx.Process(target=_warm_entry,
-                            args=(cmd[3:], env, str(ROOT), _cold_sys_path(env), str(out), str(err),
-                                  rank_server() if warm_ranks else ""))
-        child.start()
+        child = _start_warm(cmd, env, out, err, rank_server() if warm_ranks else "")
         child.join(timeout)
         if child.is_alive():
             with contextlib.suppress(ProcessLookupError):
@@ -123,6 +119,21 @@ def run_warm(cmd: list[str], env: dict[str, str], timeout: float,
         return None
     assert child.exitcode is not None
     return subprocess.CompletedProcess(cmd, child.exitcode, stdout, stderr)
+
+
+def _start_warm(cmd: list[str], env: dict[str, str], out: Path, err: Path, rank_server_path: str):
+    """Start `cmd` (`python -m rltrain ...`) in a child of the warm fork server (`_warm_entry`)."""
+    from helpers import rank_context
+
+    child = rank_context().Process(target=_warm_entry, args=(cmd[3:], env, str(ROOT), _cold_sys_path(env), str(out),
+                                                              str(err), rank_server_path))
+    child.start()
+    return child
+
+
+def _refused(exitcode: int | None, err: Path) -> bool:
+    """Whether a warm child ended because its environment needs a fresh interpreter."""
+    return exitcode == WARM_REFUSED and _text(err).startswith(WARM_REFUSED_MARK)
 
 
 _RANK_SERVER: list[str] = []
@@ -219,20 +230,43 @@ def train_rows(run_dir: Path) -> list[dict]:
 
 
 def kill_when(args: list[str], run_dir: Path, ready: Path, sig: int, timeout: float = 240, env: dict | None = None) -> None:
-    """Start `python -m rltrain *args` in its own session, wait until `ready` exists, then send
-    `sig` to its whole process group (every rank) and wait for it to end."""
+    """Start `python -m rltrain *args` in a process group of its own, wait until `ready` exists,
+    then send `sig` to that whole group (every rank) and wait for it to end.
+
+    The launcher is a warm child (`run_warm`; cold where that runs cold) whose ranks are cold
+    processes in its group, so one signal reaches every rank at once, as a shell's would: ranks
+    forked from the rank server are outside the group and would die only after their stand-ins."""
+    import tempfile
     import time
 
+    from helpers import cuda_machine
+
     cmd = [sys.executable, "-m", "rltrain", *args, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, **(env or {})), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    full_env = dict(os.environ, **(env or {}))
     deadline = time.monotonic() + timeout
-    while not ready.exists():
-        assert proc.poll() is None, "the run ended before it could be killed"
-        assert time.monotonic() < deadline, f"{ready} did not appear within {timeout}s"
-        time.sleep(0.05)
-    os.killpg(proc.pid, sig)
-    proc.wait(timeout=60)
+    with tempfile.TemporaryDirectory(prefix="rltrain-kill-") as tmp:
+        err = Path(tmp) / "stderr"
+        child = None if cuda_machine() else _start_warm(cmd, full_env, Path(tmp) / "stdout", err, "")
+        proc = None
+        while not ready.exists():
+            if child is not None and not child.is_alive():
+                child.join()
+                assert _refused(child.exitcode, err), "the run ended before it could be killed"
+                child = None
+            if child is None and proc is None:
+                proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL, start_new_session=True)
+            assert proc is None or proc.poll() is None, "the run ended before it could be killed"
+            assert time.monotonic() < deadline, f"{ready} did not appear within {timeout}s"
+            time.sleep(0.05)
+        if child is not None:
+            os.killpg(child.pid, sig)
+            child.join(60)
+            assert child.exitcode is not None, "the killed run did not end within 60 s"
+        else:
+            assert proc is not None
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=60)
 
 
 def comparable(rows: list[dict]) -> list[dict]:

@@ -148,6 +148,7 @@ class DataConfig:
     num_train: int = 0  # built-in task: 0 = every problem not held out
     max_carry_problems: int | None = None  # built-in task: keep this many training sums that carry; null = all
     num_eval: int = 200
+    eval_seed: int | None = None  # built-in task: the held-out draw's seed; null = trainer.seed
     max_length: int = 256
     overlong: str = choice("drop", Overlong)
     max_eval_samples: int = 200

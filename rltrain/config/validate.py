@@ -188,6 +188,8 @@ def validate_data(cfg) -> None:
         raise UserError(
             f"data.num_train={data.num_train} and data.max_eval_samples={data.max_eval_samples} must be at least 0."
         )
+    if data.eval_seed is not None and data.eval_seed < 0:
+        raise UserError(f"data.eval_seed={data.eval_seed} must be at least 0 (null: the held-out problems follow trainer.seed).")
     size = {"addition": 10_000, "multiplication": 64_800}[data.task]
     if data.path is None and not 1 <= data.num_eval < size:
         raise UserError(

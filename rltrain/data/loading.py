@@ -41,6 +41,12 @@ def train_and_eval_rows(data_cfg, seed: int, needs: list[tuple[str, ...]]) -> tu
     return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held], where
 
 
+def eval_limit(data_cfg) -> int | None:
+    """How many eval rows to keep: `data.max_eval_samples` of a dataset; all `data.num_eval` problems
+    of the built-in task (its held-out size is already what the user chose)."""
+    return None if data_cfg.path is None else data_cfg.max_eval_samples
+
+
 def load_rows(key: str, path: str, data_cfg, needs: list[tuple[str, ...]]):
     """The `datasets.Dataset` that `key=path` names, with `data.columns` and `data.map_fn` applied
     and one of the column sets `needs` present; else a UserError naming the problem and the fix."""

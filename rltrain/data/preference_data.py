@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rltrain.data import tasks
-from rltrain.data.loading import train_and_eval_rows
+from rltrain.data.loading import eval_limit, train_and_eval_rows
 from rltrain.data.tokenize import OverlongStats, check_messages, encode, fit_length
 from rltrain.runtime.errors import UserError
 
@@ -101,5 +101,6 @@ def build_preference_data(tokenizer, data_cfg, seed: int) -> PreferenceData:
     train = rows_to_pairs(tokenizer, train_rows, data_cfg, where, skipped)
     if not train:
         raise UserError(f"{where}: no usable preference pairs (identical, empty or overlong rows were all skipped).")
-    evals = rows_to_pairs(tokenizer, eval_rows[: data_cfg.max_eval_samples], data_cfg, where, SkipCounts())
-    return PreferenceData(train, evals, answers[: data_cfg.max_eval_samples], skipped)
+    limit = eval_limit(data_cfg)
+    evals = rows_to_pairs(tokenizer, eval_rows[:limit], data_cfg, where, SkipCounts())
+    return PreferenceData(train, evals, answers[:limit], skipped)

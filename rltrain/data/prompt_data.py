@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from rltrain.data import tasks
-from rltrain.data.loading import train_and_eval_rows
+from rltrain.data.loading import eval_limit, train_and_eval_rows
 from rltrain.data.tokenize import check_messages, encode
 from rltrain.runtime.errors import UserError
 
@@ -69,4 +69,4 @@ def build_prompt_data(
         hint = " (env=tools lists the tools in each text prompt: raise data.max_length, or set env.describe_tools=false)" if renderer else ""
         raise UserError(f"{where}: no prompts left (all longer than data.max_length={data_cfg.max_length}){hint}.")
     evals = [r for r in (_to_row(tokenizer, row, where, data_cfg.max_length, renderer) for row in eval_rows) if r is not None]
-    return train, evals[: data_cfg.max_eval_samples], dropped
+    return train, evals[: eval_limit(data_cfg)], dropped

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rltrain.data import tasks
-from rltrain.data.loading import train_and_eval_rows
+from rltrain.data.loading import eval_limit, train_and_eval_rows
 from rltrain.data.tokenize import OverlongStats, TokenizedPair, encode, fit_length, render_messages
 from rltrain.runtime.errors import UserError
 
@@ -57,7 +57,7 @@ def build_sft_data(tokenizer, data_cfg, seed: int) -> SFTData:
     if not train:
         raise UserError(f"{where}: no training rows are left (all were dropped as longer than data.max_length).")
     evals = []
-    for row in eval_rows[: data_cfg.max_eval_samples]:
+    for row in eval_rows[: eval_limit(data_cfg)]:
         prompt, completion = row_texts(tokenizer, row, where)
         evals.append(EvalItem(encode(tokenizer, prompt), completion))
     return SFTData(train, evals, stats)

@@ -1,6 +1,7 @@
 """Built-in synthetic tasks: generated locally, deterministic from the seed, with exact answers.
 
-`addition`: `a+b=` -> the sum, a and b in 0..99; a held-out split that never appears in training;
+`addition`: `a+b=` -> the sum, a and b in 0..99; a held-out split that never appears in training
+(drawn with `data.eval_seed`, or the run's seed when that is null);
 `data.max_carry_problems` keeps that many training sums that carry (docs/algorithms.md, "RL that
 learns"). `multiplication`: `a*b*c=` -> the product, a and b in 10..99, c in 2..9, beyond the tiny
 model's reach without the `multiply` tool; its SFT demonstrations call the tool twice for
@@ -57,17 +58,26 @@ class Problem:
         return self.a % 10 + self.b % 10 >= 10 or self.a // 10 + self.b // 10 >= 10
 
 
+def held_out(problems: list[Problem], seed: int, num_eval: int, eval_seed: int | None) -> tuple[list[Problem], list[Problem]]:
+    """(eval, train): the first `num_eval` of a shuffle by `eval_seed` (a held-out set that is the same
+    for every run seed), the rest in the run seed's order; with `eval_seed` null one shuffle by
+    `seed` draws both."""
+    if not 0 < num_eval < len(problems):
+        raise ValueError(f"data.num_eval={num_eval} must be between 1 and {len(problems) - 1}")
+    problems = list(problems)
+    random.Random(seed if eval_seed is None else eval_seed).shuffle(problems)
+    eval_set, train_set = problems[:num_eval], problems[num_eval:]
+    if eval_seed is not None:
+        random.Random(seed).shuffle(train_set)
+    return eval_set, train_set
+
+
 def addition_split(
-    seed: int, num_eval: int, num_train: int = 0, max_carry: int | None = None
+    seed: int, num_eval: int, num_train: int = 0, max_carry: int | None = None, eval_seed: int | None = None
 ) -> tuple[list[Problem], list[Problem]]:
     """(train, eval) problems; disjoint; `num_train=0` keeps every problem not held out; `max_carry`
     keeps the first that many training problems that carry (and every one that does not)."""
-    problems = [Problem(a, b) for a in range(100) for b in range(100)]
-    rng = random.Random(seed)
-    rng.shuffle(problems)
-    if not 0 < num_eval < len(problems):
-        raise ValueError(f"data.num_eval={num_eval} must be between 1 and {len(problems) - 1} for the addition task")
-    eval_set, train_set = problems[:num_eval], problems[num_eval:]
+    eval_set, train_set = held_out([Problem(a, b) for a in range(100) for b in range(100)], seed, num_eval, eval_seed)
     if num_train:
         train_set = train_set[:num_train]
     if max_carry is not None:
@@ -78,20 +88,17 @@ def addition_split(
 
 
 def multiplication_split(
-    seed: int, num_eval: int, num_train: int = 0, max_carry: int | None = None
+    seed: int, num_eval: int, num_train: int = 0, max_carry: int | None = None, eval_seed: int | None = None
 ) -> tuple[list[Problem], list[Problem]]:
     """(train, eval) products a*b*c; disjoint (`max_carry` is addition's: refused by the config check)."""
     problems = [Problem(a, b, "*", c) for a in range(10, 100) for b in range(10, 100) for c in range(2, 10)]
-    random.Random(seed).shuffle(problems)
-    if not 0 < num_eval < len(problems):
-        raise ValueError(f"data.num_eval={num_eval} must be between 1 and {len(problems) - 1} for the multiplication task")
-    eval_set, train_set = problems[:num_eval], problems[num_eval:]
+    eval_set, train_set = held_out(problems, seed, num_eval, eval_seed)
     return (train_set[:num_train] if num_train else train_set), eval_set
 
 
 def builtin_split(data_cfg, seed: int) -> tuple[list[Problem], list[Problem]]:
     """The built-in task's (train, eval) problems as `data.*` selects them."""
-    return TASKS[data_cfg.task](seed, data_cfg.num_eval, data_cfg.num_train, data_cfg.max_carry_problems)
+    return TASKS[data_cfg.task](seed, data_cfg.num_eval, data_cfg.num_train, data_cfg.max_carry_problems, data_cfg.eval_seed)
 
 
 def wrong_answer(problem: Problem, rng: random.Random) -> str:

@@ -60,6 +60,8 @@ def sft_key(model_cfg: ModelConfig, data_cfg: DataConfig, base_dir: Path) -> str
         "carry_problems": model_cfg.sft_carry_problems,
         "format": 1,
     }
+    if data_cfg.eval_seed is not None:  # absent otherwise: the keys of existing caches stay valid
+        recipe["eval_seed"] = data_cfg.eval_seed
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -86,6 +88,7 @@ def sft_command(
         f"data.task={data_cfg.task}",
         f"data.num_eval={data_cfg.num_eval}",
         f"data.num_train={data_cfg.num_train}",
+        f"data.eval_seed={'null' if data_cfg.eval_seed is None else data_cfg.eval_seed}",
         f"data.max_carry_problems={'null' if model_cfg.sft_carry_problems is None else model_cfg.sft_carry_problems}",
         f"hydra.run.dir={run_dir}",
     ]

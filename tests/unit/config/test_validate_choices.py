@@ -113,6 +113,7 @@ def test_a_key_of_another_algorithm_is_not_checked_where_it_does_not_exist():
         ("model.num_kv_heads=3", "model.num_kv_heads=3"),
         ("model.attention_bias=false", "model.arch=llama"),
         ("data.num_eval=0", "data.num_eval=0"),
+        ("data.eval_seed=-1", "data.eval_seed=-1"),
         ("data.eval_fraction=1.5", "data.eval_fraction=1.5"),
         ("data.max_carry_problems=-1", "data.max_carry_problems=-1"),
         ("model.sft_carry_problems=-5", "model.sft_carry_problems=-5"),

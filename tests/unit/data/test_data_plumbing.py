@@ -35,6 +35,38 @@ def test_addition_split_holds_out_unseen_problems():
     assert tasks.addition_split(seed=0, num_eval=200)[1] == held
 
 
+def test_a_fixed_eval_seed_holds_out_the_same_problems_on_every_run_seed():
+    train0, held0 = tasks.addition_split(seed=0, num_eval=1000, eval_seed=0)
+    train1, held1 = tasks.addition_split(seed=1, num_eval=1000, eval_seed=0)
+    assert held0 == held1 and len(held0) == 1000
+    assert set(train0) == set(train1) and train0 != train1  # same problems, the run seed's order
+    assert not set(held0) & set(train0)
+    assert tasks.addition_split(seed=0, num_eval=1000, eval_seed=5)[1] != held0
+    # null: one shuffle by the run seed draws both, as before the key existed
+    assert tasks.addition_split(seed=0, num_eval=200, eval_seed=None) == tasks.addition_split(seed=0, num_eval=200)
+    assert tasks.addition_split(seed=0, num_eval=200)[1] != tasks.addition_split(seed=1, num_eval=200)[1]
+    mult0 = tasks.multiplication_split(seed=0, num_eval=300, eval_seed=2)[1]
+    assert mult0 == tasks.multiplication_split(seed=4, num_eval=300, eval_seed=2)[1]
+
+
+def test_the_built_in_task_evaluates_every_held_out_problem_and_a_dataset_at_most_max_eval_samples(tmp_path):
+    from rltrain.config.schema import DataConfig
+    from rltrain.data.preference_data import build_preference_data
+    from rltrain.data.prompt_data import build_prompt_data
+    from rltrain.data.sft_data import build_sft_data
+    from rltrain.models.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    _, evals, _ = build_prompt_data(tokenizer, DataConfig(num_eval=300, max_eval_samples=200), 0)
+    assert len(evals) == 300
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(f'{{"prompt": "{i}+1="}}\n' for i in range(1000)))
+    _, evals, _ = build_prompt_data(tokenizer, DataConfig(path=str(path), eval_fraction=0.5, max_eval_samples=200), 0)
+    assert len(evals) == 200
+    assert len(build_sft_data(tokenizer, DataConfig(num_eval=300, max_eval_samples=200, num_train=50), 0).eval) == 300
+    preference = build_preference_data(tokenizer, DataConfig(num_eval=300, max_eval_samples=200, num_train=50), 0)
+    assert len(preference.eval) == 300
+
 def test_carrying_sums_are_the_ones_with_a_carry_out_of_units_or_tens():
     assert [tasks.Problem(a, b).carries for a, b in ((12, 34), (45, 54), (15, 5), (60, 40), (99, 99))] == [
         False, False, True, True, True,
