@@ -74,7 +74,8 @@ class RltrainDPO:
     ) -> None:
         from rltrain.algos.dpo import attach_reference, dpo_micro_batches, make_dpo_loss
         from rltrain.backends.fsdp.engine import FSDPEngine
-        from rltrain.config.schema import FSDPBackendConfig, OptimConfig
+        from rltrain.config.group_options import FSDPBackendConfig
+        from rltrain.config.schema import OptimConfig
         from rltrain.data.preference_data import PreferencePair
         from rltrain.models.tokenizer import load_tokenizer
 

@@ -191,7 +191,8 @@ class Workload:
         from transformers import AutoConfig
 
         from rltrain.backends.fsdp.engine import FSDPEngine
-        from rltrain.config.schema import FSDPBackendConfig, OptimConfig
+        from rltrain.config.group_options import FSDPBackendConfig
+        from rltrain.config.schema import OptimConfig
         from rltrain.models.tokenizer import load_tokenizer
 
         self.name, self.args, self.device = name, args, device

@@ -68,7 +68,8 @@ class RltrainSFT:
     ) -> None:
         from rltrain.algos.losses import sft_loss
         from rltrain.backends.fsdp.engine import FSDPEngine
-        from rltrain.config.schema import FSDPBackendConfig, OptimConfig
+        from rltrain.config.group_options import FSDPBackendConfig
+        from rltrain.config.schema import OptimConfig
         from rltrain.data.batch import SequenceBatch
         from rltrain.models.tokenizer import load_tokenizer
 

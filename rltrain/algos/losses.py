@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from rltrain.backends.base import PolicyOutput
-from rltrain.config.schema import DPOLossType, LossAgg
+from rltrain.config.group_options import DPOLossType, LossAgg
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
 

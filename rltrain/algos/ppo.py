@@ -31,7 +31,7 @@ from rltrain.algos.losses import value_loss
 from rltrain.algos.rl import Advantages, RLAlgorithm
 from rltrain.algos.rl_update import ValueLossInputs
 from rltrain.backends.base import PolicyOutput
-from rltrain.config.schema import PPOConfig
+from rltrain.config.group_options import PPOConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.sharding import sum_over_replicas
 

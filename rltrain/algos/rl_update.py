@@ -19,7 +19,7 @@ from rltrain.algos.experience import BatchLayout, Experience
 from rltrain.algos.losses import policy_loss
 from rltrain.algos.rollout_correction import correction, correction_metrics, resolve_mode
 from rltrain.backends.base import LogProbScorer, LossFn, LossMetrics, PolicyOutput, TrainEngine
-from rltrain.config.schema import RLConfig
+from rltrain.config.group_options import RLConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged, on_device
 from rltrain.data.sharding import split_micro_batches, sum_over_replicas

@@ -11,7 +11,8 @@ import os
 import shutil
 import sys
 
-from rltrain.config import schema
+from rltrain.config import group_options, schema
+from rltrain.config.choices import choices_of
 from rltrain.config.compose_errors import added_keys
 from rltrain.config.layout import data_parallel_size, validate_megatron_layout
 from rltrain.config.sources import (
@@ -30,11 +31,11 @@ from rltrain.runtime.errors import UserError
 SECTIONS: tuple[tuple[str, type], ...] = (
     ("trainer", schema.TrainerConfig), ("optim", schema.OptimConfig), ("model", schema.ModelConfig),
     ("data", schema.DataConfig), ("logger.wandb", schema.WandbConfig), ("sweep", schema.SweepConfig),
-    ("algo", schema.DPOConfig), ("algo", schema.GRPOConfig), ("algo", schema.PPOConfig),
-    ("rollout", schema.VLLMRolloutConfig),
+    ("algo", group_options.DPOConfig), ("algo", group_options.GRPOConfig), ("algo", group_options.PPOConfig),
+    ("rollout", group_options.VLLMRolloutConfig),
 )
 CHOICES: dict[str, tuple[str, ...]] = {
-    f"{prefix}.{name}": values for prefix, cls in SECTIONS for name, values in schema.choices_of(cls).items()
+    f"{prefix}.{name}": values for prefix, cls in SECTIONS for name, values in choices_of(cls).items()
 }
 CHOICE_HINTS = {
     "rollout.process": " (the vLLM engine in the trainer's process, or in a child process of its own)",

@@ -10,7 +10,7 @@ import importlib
 import os
 from typing import TYPE_CHECKING, cast, get_args
 
-from rltrain.config.schema import RolloutProcess
+from rltrain.config.group_options import RolloutProcess
 
 if TYPE_CHECKING:
     from rltrain.algos.base import RunContext

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rltrain.config.schema import HFRolloutConfig
+from rltrain.config.group_options import HFRolloutConfig
 from rltrain.rollout.base import Completion, SamplingSettings, exclusive
 from rltrain.runtime.precision import resolve_precision
 

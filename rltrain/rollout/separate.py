@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from rltrain.config.schema import VLLMRolloutConfig
+from rltrain.config.group_options import VLLMRolloutConfig
 from rltrain.rollout.base import Completion, SamplingSettings
 from rltrain.runtime.precision import resolve_precision
 from rltrain.runtime.threads import thread_split

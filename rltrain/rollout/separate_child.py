@@ -70,7 +70,7 @@ def main(argv: list[str]) -> int:
     try:
         import torch
 
-        from rltrain.config.schema import VLLMRolloutConfig
+        from rltrain.config.group_options import VLLMRolloutConfig
         from rltrain.rollout.vllm import VLLMRolloutEngine
         from rltrain.sync.transport_receiver import WeightReceiver
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rltrain.config.schema import VLLMRolloutConfig
+from rltrain.config.group_options import VLLMRolloutConfig
 from rltrain.rollout.base import Completion, SamplingSettings, exclusive
 from rltrain.rollout.vllm_args import engine_kwargs, set_vllm_env
 from rltrain.runtime.library_noise import quiet_vllm_import

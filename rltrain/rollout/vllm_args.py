@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rltrain.config.schema import VLLMRolloutConfig
+from rltrain.config.group_options import VLLMRolloutConfig
 from rltrain.runtime.errors import UserError
 
 GIB = 1 << 30

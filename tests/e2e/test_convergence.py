@@ -121,7 +121,7 @@ SFT_START = 0.51
 GRPO_GAINS = (0.22, 0.335)
 PPO_GAINS = (0.285, 0.345)
 PPO_FROM_THE_SFT_START = ["algo=ppo", "model=tiny_sft", "optim.lr=1e-4", "algo.prompts_per_step=64", "algo.group_size=8",
-                          "trainer.max_steps=300", "trainer.eval_every=50"]
+                          "trainer.max_steps=300", "trainer.eval_every=50", "data.num_eval=1000", "data.eval_seed=0"]
 
 
 def assert_the_documented_story(evals: list[dict], gains: tuple[float, float]) -> None:

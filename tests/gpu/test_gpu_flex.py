@@ -47,7 +47,8 @@ def _train(rank: int, world: int, model_dir, device: torch.device, padding_free:
 
     from rltrain.algos.losses import sft_loss
     from rltrain.backends.fsdp.engine import FSDPEngine
-    from rltrain.config.schema import FSDPBackendConfig, OptimConfig
+    from rltrain.config.group_options import FSDPBackendConfig
+    from rltrain.config.schema import OptimConfig
 
     engine = FSDPEngine(
         model_dir, FSDPBackendConfig(padding_free=padding_free, compile=compile_layers),

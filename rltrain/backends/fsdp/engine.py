@@ -42,7 +42,8 @@ from rltrain.backends.lr_schedule import lr_at
 from rltrain.backends.optimizer_state import move_optimizer_state
 from rltrain.backends.roles import role_build
 from rltrain.backends.value_head import fill_value_head, new_value_head
-from rltrain.config.schema import FSDPBackendConfig, LoraAdapterConfig, OptimConfig, SafetyConfig
+from rltrain.config.group_options import FSDPBackendConfig
+from rltrain.config.schema import LoraAdapterConfig, OptimConfig, SafetyConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
 from rltrain.models import lora, moe

@@ -43,7 +43,8 @@ from rltrain.backends.megatron.value_model import make_value_stage, value_head_s
 from rltrain.backends.optimizer_state import move_optimizer_state
 from rltrain.backends.roles import role_build
 from rltrain.backends.value_head import head_values
-from rltrain.config.schema import MegatronBackendConfig, OptimConfig, SafetyConfig
+from rltrain.config.group_options import MegatronBackendConfig
+from rltrain.config.schema import OptimConfig, SafetyConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
 from rltrain.runtime.distributed import agree_or_raise, control_device

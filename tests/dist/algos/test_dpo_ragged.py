@@ -47,7 +47,8 @@ def _engine_step(rank, world, policy_dir, ref_dir, kind, micro_batch_size, backe
 
     from rltrain.algos.dpo import attach_reference, dpo_micro_batches, make_dpo_loss
     from rltrain.backends.fsdp.engine import FSDPEngine
-    from rltrain.config.schema import FSDPBackendConfig, OptimConfig
+    from rltrain.config.group_options import FSDPBackendConfig
+    from rltrain.config.schema import OptimConfig
 
     torch.set_num_threads(1)
     tok = load_tokenizer(policy_dir)
@@ -56,7 +57,7 @@ def _engine_step(rank, world, policy_dir, ref_dir, kind, micro_batch_size, backe
     optim = OptimConfig(max_grad_norm=0.0)
     if backend == "megatron-pp2":
         from rltrain.backends.megatron.engine import MegatronEngine
-        from rltrain.config.schema import MegatronBackendConfig
+        from rltrain.config.group_options import MegatronBackendConfig
 
         policy = MegatronEngine(policy_dir, MegatronBackendConfig(tp=1, pp=2), optim, 10, cpu)
         reference = MegatronEngine(ref_dir, MegatronBackendConfig(tp=1, pp=2), None, 10, cpu)

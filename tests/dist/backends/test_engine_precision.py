@@ -48,7 +48,8 @@ def _batches(seed: int):
 
 
 def _engine(backend: str, model_dir, precision: str, gc: bool, device: torch.device):
-    from rltrain.config.schema import FSDPBackendConfig, MegatronBackendConfig, OptimConfig
+    from rltrain.config.group_options import FSDPBackendConfig, MegatronBackendConfig
+    from rltrain.config.schema import OptimConfig
 
     optim = OptimConfig(lr=1e-2, warmup_steps=0)
     if backend.startswith("megatron"):

@@ -13,7 +13,8 @@ def _load_and_report(rank, world, model_dir):
     from transformers import AutoModelForCausalLM
 
     from rltrain.backends.fsdp.engine import FSDPEngine
-    from rltrain.config.schema import FSDPBackendConfig, OptimConfig
+    from rltrain.config.group_options import FSDPBackendConfig
+    from rltrain.config.schema import OptimConfig
 
     reads = {"n": 0}
     real = AutoModelForCausalLM.from_pretrained.__func__

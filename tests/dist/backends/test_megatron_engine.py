@@ -177,7 +177,7 @@ def _frozen_and_nonfinite(eng, model_dir: str, batches, n_tokens: int, initial_l
     """A frozen reference engine shares the policy's groups; a NaN loss on one rank skips the step
     on every rank (weights, step counter unchanged)."""
     from rltrain.backends.megatron.engine import MegatronEngine
-    from rltrain.config.schema import MegatronBackendConfig
+    from rltrain.config.group_options import MegatronBackendConfig
 
     ref = MegatronEngine(model_dir, MegatronBackendConfig(tp=1, pp=1), None)  # joins eng's groups
     ref_logps = [o.logps.values for o in ref.forward_logps(batches)]
@@ -204,7 +204,8 @@ def _worker(
 ) -> dict:
     from rltrain.backends import chunked_head
     from rltrain.backends.megatron.engine import MegatronEngine
-    from rltrain.config.schema import MegatronBackendConfig, OptimConfig
+    from rltrain.config.group_options import MegatronBackendConfig
+    from rltrain.config.schema import OptimConfig
 
     if chunk_positions is not None:  # force the chunked vocab-parallel head (logprobs.head_logps)
         chunked_head.CHUNK_ELEMENTS = chunk_positions * 128 // tp

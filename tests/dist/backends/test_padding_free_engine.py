@@ -43,7 +43,8 @@ def _train(rank: int, world: int, model_dir, padding_free: bool):
 
     from rltrain.algos.losses import sft_loss
     from rltrain.backends.fsdp.engine import FSDPEngine
-    from rltrain.config.schema import FSDPBackendConfig, OptimConfig
+    from rltrain.config.group_options import FSDPBackendConfig
+    from rltrain.config.schema import OptimConfig
 
     engine = FSDPEngine(
         model_dir, FSDPBackendConfig(padding_free=padding_free), OptimConfig(lr=1e-2, warmup_steps=0), 10, torch.device("cpu")

@@ -40,7 +40,8 @@ def empty_batch(global_tokens: int):
 
 def make_engine(model_dir: Path, fail_fast: bool = False, max_consecutive_errors: int = 3):
     from rltrain.backends.fsdp.engine import FSDPEngine
-    from rltrain.config.schema import FSDPBackendConfig, OptimConfig, SafetyConfig
+    from rltrain.config.group_options import FSDPBackendConfig
+    from rltrain.config.schema import OptimConfig, SafetyConfig
 
     optim = OptimConfig(lr=1e-2, warmup_steps=8, schedule="constant")  # warm-up: the LR moves every step
     safety = SafetyConfig(fail_fast=fail_fast, max_consecutive_errors=max_consecutive_errors)

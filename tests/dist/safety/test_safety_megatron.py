@@ -49,7 +49,8 @@ def _loss_fn(n_tokens: int, zero_micro_batch: int | None = None):
 
 def _worker(rank: int, world: int, model_dir: str, tp: int, pp: int, batches, n_tokens: int, out_dir: str) -> dict:
     from rltrain.backends.megatron.engine import MegatronEngine
-    from rltrain.config.schema import MegatronBackendConfig, OptimConfig, SafetyConfig
+    from rltrain.config.group_options import MegatronBackendConfig
+    from rltrain.config.schema import OptimConfig, SafetyConfig
     from rltrain.safety import faults
     from rltrain.safety.guard import ErrorBudget, TooManyErrors
 

@@ -48,7 +48,8 @@ def _batches():
 def _rank(rank, world, model_dir):
     from rltrain.algos.losses import sft_loss
     from rltrain.backends.fsdp import engine as fsdp
-    from rltrain.config.schema import FSDPBackendConfig, OptimConfig
+    from rltrain.config.group_options import FSDPBackendConfig
+    from rltrain.config.schema import OptimConfig
     from rltrain.models.moe import EVERY_EXPERT
 
     real_load = fsdp.load_causal_lm

@@ -22,7 +22,8 @@ def _pg_count() -> int:
 
 def _engine(model_dir):
     from rltrain.backends.fsdp.engine import FSDPEngine
-    from rltrain.config.schema import FSDPBackendConfig, OptimConfig, SafetyConfig
+    from rltrain.config.group_options import FSDPBackendConfig
+    from rltrain.config.schema import OptimConfig, SafetyConfig
 
     return FSDPEngine(
         model_dir,

@@ -1,8 +1,8 @@
 """Every enum-like key is checked at composition, with the allowed values named.
 
-The allowed values are declared once, as `Literal`s in rltrain/config/schema.py; `CHOICES` (validate)
-and the constants of the code that reads each key are derived from them. These tests keep them equal
-and find every enum-like key of the schema in CHOICES, so a new one cannot be added without its check. The CLI side (one paragraph, exit 2) is
+The allowed values are declared once, as `Literal`s in rltrain/config/schema.py and
+rltrain/config/group_options.py; `CHOICES` (validate) and the constants of the code that reads each
+key are derived from them. These tests keep them equal and find every enum-like key of the schema in CHOICES, so a new one cannot be added without its check. The CLI side (one paragraph, exit 2) is
 tests/e2e/test_bad_input_cli.py.
 """
 
@@ -15,7 +15,8 @@ import re
 import pytest
 from helpers import compose_config
 
-from rltrain.config import schema as config_module
+from rltrain.config import group_options, schema
+from rltrain.config.choices import choices_of
 from rltrain.config.validate import CHOICES, validate
 from rltrain.runtime.errors import UserError
 
@@ -70,8 +71,15 @@ def test_every_enum_like_key_of_every_group_is_checked():
     """Every `choice()` field of every schema class is in CHOICES under its group, and no `str`
     field lists its values in a comment (`# a | b | c`) instead of a Literal."""
     found = set()
-    for cls_name, cls in inspect.getmembers(config_module, dataclasses.is_dataclass):
-        choices = config_module.choices_of(cls)
+    classes = [
+        (name, cls)
+        for module in (schema, group_options)
+        for name, cls in inspect.getmembers(module, dataclasses.is_dataclass)
+        if cls.__module__ == module.__name__
+    ]
+    assert {name for name, _ in classes} >= {"TrainerConfig", "RLConfig", "VLLMRolloutConfig"}
+    for cls_name, cls in classes:
+        choices = choices_of(cls)
         if choices:
             assert cls_name in SCHEMA_PREFIX, f"{cls_name} has enum-like keys but no group prefix here"
         found |= {f"{SCHEMA_PREFIX[cls_name]}.{name}" for name in choices}

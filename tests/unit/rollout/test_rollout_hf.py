@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from rltrain.config.schema import HFRolloutConfig, ModelConfig
+from rltrain.config.group_options import HFRolloutConfig
+from rltrain.config.schema import ModelConfig
 from rltrain.models.tiny import build_tiny_model_dir
 from rltrain.rollout.base import Completion, SamplingSettings
 from rltrain.rollout.hf import HFRolloutEngine

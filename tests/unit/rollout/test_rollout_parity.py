@@ -14,7 +14,8 @@ import time
 import pytest
 import torch
 
-from rltrain.config.schema import ModelConfig, VLLMRolloutConfig
+from rltrain.config.group_options import VLLMRolloutConfig
+from rltrain.config.schema import ModelConfig
 from rltrain.models.tiny import build_tiny_model_dir
 from rltrain.rollout.base import Completion, SamplingSettings
 
@@ -194,7 +195,7 @@ PROCESS_STATE_CHECK = """
 import random, sys
 import torch
 import torch.distributed as dist
-from rltrain.config.schema import VLLMRolloutConfig
+from rltrain.config.group_options import VLLMRolloutConfig
 from rltrain.rollout.base import SamplingSettings
 from rltrain.rollout.vllm import VLLMRolloutEngine
 

@@ -90,7 +90,7 @@ def _max_logprob_diff(model: torch.nn.Module, completions: list[Completion]) -> 
 
 
 def test_separate_engine_end_to_end(model_dir):
-    from rltrain.config.schema import VLLMRolloutConfig
+    from rltrain.config.group_options import VLLMRolloutConfig
     from rltrain.rollout.separate import RolloutProcessError, SeparateVLLMEngine
 
     cfg = VLLMRolloutConfig(kv_cache_gib=1, timeout_s=20, bucket_mb=1)

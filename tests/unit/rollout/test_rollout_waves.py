@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from rltrain.config.schema import ModelConfig, VLLMRolloutConfig
+from rltrain.config.group_options import VLLMRolloutConfig
+from rltrain.config.schema import ModelConfig
 from rltrain.models.tiny import build_tiny_model_dir
 from rltrain.rollout.base import SamplingSettings
 from rltrain.rollout.vllm import prefill_waves

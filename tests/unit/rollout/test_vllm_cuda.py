@@ -19,7 +19,7 @@ import pytest
 import torch
 from helpers import compose_config
 
-from rltrain.config.schema import VLLMRolloutConfig
+from rltrain.config.group_options import VLLMRolloutConfig
 from rltrain.config.validate import validate
 from rltrain.rollout.base import SamplingSettings
 from rltrain.rollout.vllm import VLLMRolloutEngine

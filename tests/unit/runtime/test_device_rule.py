@@ -118,7 +118,7 @@ def test_dpo_loss_runs_where_the_outputs_are_with_host_reference_sums():
 
 def test_grpo_loss_runs_where_the_outputs_are_with_host_advantages_and_engine_logps():
     from rltrain.algos.rl_update import PolicyLossInputs, make_policy_loss
-    from rltrain.config.schema import GRPOConfig
+    from rltrain.config.group_options import GRPOConfig
 
     batch = _batch()
     lengths = batch.completion_lens()
@@ -138,7 +138,7 @@ def test_grpo_loss_runs_where_the_outputs_are_with_host_advantages_and_engine_lo
 @pytest.mark.parametrize("reference_on", ["cpu", "meta"])
 def test_grpo_loss_with_reference_log_probs_on_either_device(reference_on):
     from rltrain.algos.rl_update import PolicyLossInputs, make_policy_loss
-    from rltrain.config.schema import GRPOConfig
+    from rltrain.config.group_options import GRPOConfig
 
     batch = _batch()
     lengths = batch.completion_lens()

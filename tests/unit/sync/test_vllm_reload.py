@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rltrain.config.schema import ModelConfig, VLLMRolloutConfig
+from rltrain.config.group_options import VLLMRolloutConfig
+from rltrain.config.schema import ModelConfig
 from rltrain.models.tiny import build_tiny_model_dir
 from rltrain.sync import vllm_reload
 

@@ -1,0 +1,214 @@
+"""The options a Hydra group chooses between: one dataclass per option of `algo`, `backend`, `rollout`,
+`reward_model` and `env` (a base per group, a subclass per option), and the `reference` and `critic`
+models. Each option's YAML in `conf/<group>/` extends its schema (`<group>/<name>_schema`, stored by
+rltrain.config.schema.register_configs). The run's own sections and the root `Config` are in
+rltrain.config.schema; docs/configuration.md lists every key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from omegaconf import MISSING
+
+from rltrain.config.choices import choice
+
+DPOLossType = Literal["sigmoid", "ipo", "hinge", "robust"]
+LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+RolloutCorrection = Literal["auto", "none", "tis", "mask"]  # auto: none in sync, tis with placement.max_staleness >= 1
+ScaleRewards = Literal["group", "batch", "none"]
+RolloutProcess = Literal["colocated", "separate"]  # separate: the engine in a child process (rollout/separate.py)
+EnvName = Literal["none", "python", "tools"]  # rltrain/envs
+
+
+@dataclass
+class AlgoConfig:
+    name: str = MISSING
+
+
+@dataclass
+class SFTConfig(AlgoConfig):
+    name: str = "sft"
+
+
+@dataclass
+class DPOConfig(AlgoConfig):
+    name: str = "dpo"
+    beta: float = 0.1
+    loss_type: str = choice("sigmoid", DPOLossType)
+    label_smoothing: float = 0.0
+    sft_weight: float = 0.0
+    precompute_ref_logps: bool = False
+
+
+@dataclass
+class RLConfig(AlgoConfig):
+    """What every RL algorithm shares: the experience pipeline, the clipped policy loss and the
+    rollout correction (rltrain/algos/rl.py)."""
+
+    group_size: int = 8
+    prompts_per_step: int = 16
+    mini_batches: int = 1
+    num_iterations: int = 1
+    loss_agg: str = choice("token_mean", LossAgg)
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    beta: float = 0.0  # KL to the reference (0: no reference model)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 6
+    rollout_correction: str = choice("auto", RolloutCorrection)
+    rollout_is_cap: float = 2.0  # tis: token importance weights truncated at this value
+    rollout_mask_band: float = 2.0  # mask: keep sequences whose train/rollout ratio is in [1/band, band]
+
+
+@dataclass
+class GRPOConfig(RLConfig):
+    name: str = "grpo"
+    scale_rewards: str = choice("group", ScaleRewards)
+
+
+@dataclass
+class PPOConfig(RLConfig):
+    name: str = "ppo"
+    gamma: float = 1.0  # GAE discount
+    lam: float = 0.95  # GAE lambda
+    vf_clip: float = 0.2  # clipped value loss: values move at most this far from the old ones
+    critic_warmup_steps: int = 0  # the first steps train the critic only
+    whiten_advantages: bool = True
+    kl_in_reward: bool = False  # true: -beta * KL per token in the reward; false: beta * k3 in the loss
+
+
+@dataclass
+class BackendConfig:
+    name: str = MISSING
+
+
+@dataclass
+class FSDPBackendConfig(BackendConfig):
+    name: str = "fsdp"
+    reshard_after_forward: bool = True
+    # A micro-batch of unrelated sequences is one packed row with document-masked attention
+    # (rltrain/backends/fsdp/padding_free.py) instead of a padded rectangle or length buckets.
+    padding_free: bool = False
+    compile: bool = False  # torch.compile each decoder layer (rltrain/backends/fsdp/compile_layers.py)
+    # Sequences that share a prompt (GRPO groups, DPO pairs) are packed one row per prompt, so the
+    # prompt is computed once (rltrain/backends/fsdp/shared_prefix.py). Never for MoE models.
+    share_prompts: bool = True
+    # On one rank, a micro-batch is scored as a few rectangles of similar lengths instead of one
+    # padded to its longest row. Never on sharded ranks or for MoE models.
+    length_buckets: bool = True
+
+
+@dataclass
+class MegatronBackendConfig(BackendConfig):
+    name: str = "megatron"
+    tp: int = 1
+    pp: int = 1
+
+
+@dataclass
+class RolloutConfig:
+    name: str = MISSING
+    seed: int = 0
+
+
+@dataclass
+class VLLMRolloutConfig(RolloutConfig):
+    name: str = "vllm"
+    process: str = choice("colocated", RolloutProcess)
+    kv_cache_gib: float = 1.0  # CPU: the KV-cache budget (on CUDA, gpu_memory_utilization decides)
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # longest prompt + completion; null = the model's own limit
+    # vLLM on CUDA (docs/time-sharing-and-sync.md, "vLLM on CUDA"); the CPU build takes none of these:
+    gpu_memory_utilization: float = 0.5  # fraction of the GPU the engine may take (weights + KV cache)
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False  # true: no CUDA graphs (the CPU build always runs eagerly)
+    sleep_level: int = 1  # time sharing: 1 keeps the weights in host memory, 2 drops them (resynced)
+    bucket_mb: int = 64  # process=separate: shared-memory bucket size of the weight transport
+    timeout_s: float = 300.0  # process=separate: bound on every wait for the child (a reply, a bucket)
+    start_timeout_s: float = 600.0  # process=separate: bound on the child building its engine
+    num_threads: int = 0  # process=separate: the engine's torch threads; 0 = the trainer's (docs/async.md)
+
+
+@dataclass
+class HFRolloutConfig(RolloutConfig):
+    name: str = "hf"
+
+
+@dataclass
+class ReferenceConfig:
+    """The frozen reference (DPO always; GRPO when `algo.beta > 0`). `path=null`: the policy's initial
+    weights; else a Hugging Face model directory or Hub id sharing the policy's tokenizer (rltrain/backends/roles.py)."""
+
+    path: str | None = None
+    revision: str | None = None  # a Hub id's branch, tag or commit; null = main
+
+
+@dataclass
+class CriticConfig:
+    """The value model (PPO). `path=null`: the policy's initial weights with a fresh scalar value
+    head; else a Hugging Face model directory or Hub id sharing the policy's tokenizer. Its own optimizer
+    takes `lr` and every other `optim.*` setting."""
+
+    path: str | None = None
+    revision: str | None = None  # a Hub id's branch, tag or commit; null = main
+    lr: float = 1e-3  # on the embedded default, 1e-2 leaves the critic predicting the mean return (explained variance ~0)
+
+
+@dataclass
+class RewardModelConfig:
+    """A sequence classifier scoring prompt + completion, added to `reward.fns` with `weight`
+    (rltrain/rewards/model_reward.py); logged as `reward/model`."""
+
+    name: str = MISSING
+    path: str | None = None  # a Hugging Face AutoModelForSequenceClassification directory or Hub id, num_labels=1
+    revision: str | None = None  # a Hub id's branch, tag or commit; null = main
+    weight: float = 1.0
+    batch_size: int = 32  # texts per forward pass
+    max_length: int = 1024  # tokens per text; longer texts lose their beginning (the score reads the end)
+
+
+@dataclass
+class NoRewardModelConfig(RewardModelConfig):
+    name: str = "none"
+
+
+@dataclass
+class HFRewardModelConfig(RewardModelConfig):
+    name: str = "hf"
+
+
+@dataclass
+class EnvConfig:
+    """Multi-turn episodes (docs/environments.md). `none`: single-turn RL, one completion per sample
+    scored by `reward.fns`. `python`: `cls` (`pkg.module:Class`) is a user environment with
+    `reset(**row)` and `step(text)`; one instance per episode, run in worker processes that a timeout kills.
+    `tools`: `tools` (`pkg.module:function` each) are offered to the model, called in those workers, and
+    the episode's last reply is scored by `reward.fns`."""
+
+    name: str = MISSING
+    cls: str | None = None
+    tools: list[str] = field(default_factory=list)  # env=tools: the functions offered to the model
+    describe_tools: bool = True  # env=tools: list the tools in a text prompt (a chat prompt gets them from its template)
+    max_turns: int = 4  # model turns per episode
+    max_tokens_per_turn: int | None = None  # one turn's generation budget; null = algo.max_new_tokens
+    max_total_tokens: int = 256  # an episode's completion: every model turn and observation
+    timeout_s: float | None = 30.0  # bound on one reset or step; a failed episode scores reward.on_failure
+    workers: int = 1  # worker processes per rank that host the episodes
+
+
+@dataclass
+class NoEnvConfig(EnvConfig):
+    name: str = "none"
+
+
+@dataclass
+class PythonEnvConfig(EnvConfig):
+    name: str = "python"
+
+
+@dataclass
+class ToolsEnvConfig(EnvConfig):
+    name: str = "tools"
