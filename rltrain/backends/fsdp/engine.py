@@ -9,11 +9,9 @@ docs/backends.md is the user's guide.
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,10 +25,11 @@ from rltrain.backends.base import (
     scored_output,
     wrong_scores_error,
 )
+from rltrain.backends.fsdp import checkpoint, export
 from rltrain.backends.fsdp.attention_masks import use_flex_attention
 from rltrain.backends.fsdp.compile_layers import compile_decoder_layers
 from rltrain.backends.fsdp.flex_autocast import switch_to_flex_attention
-from rltrain.backends.fsdp.groups import FSDPGroups, full_parameter
+from rltrain.backends.fsdp.groups import FSDPGroups
 from rltrain.backends.fsdp.hf_scoring import (
     CompletionScorer,
     CompletionValuer,
@@ -38,16 +37,17 @@ from rltrain.backends.fsdp.hf_scoring import (
     dummy_batch,
 )
 from rltrain.backends.fsdp.layout import MicroBatchLayout
+from rltrain.backends.fsdp.sharding import load_shards, shard_model
 from rltrain.backends.lr_schedule import lr_at
 from rltrain.backends.optimizer_state import move_optimizer_state
 from rltrain.backends.roles import role_build
-from rltrain.backends.value_head import fill_value_head, new_value_head
+from rltrain.backends.value_head import new_value_head
 from rltrain.config.group_options import FSDPBackendConfig
 from rltrain.config.schema import LoraAdapterConfig, OptimConfig, SafetyConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
 from rltrain.models import lora, moe
-from rltrain.models.hf_io import load_causal_lm, load_sharded_weights
+from rltrain.models.hf_io import load_causal_lm
 from rltrain.runtime.precision import Precision, resolve_precision
 from rltrain.safety import faults
 from rltrain.safety.guard import (
@@ -89,7 +89,7 @@ class FSDPEngine:
         self.trainable = optim_cfg is not None
         self.precision = precision if isinstance(precision, Precision) else resolve_precision(precision, device)
         self.sharded = self.world_size > 1
-        # Sharded: on the meta device until `_shard` has placed it (no rank holds the full model).
+        # Sharded: on the meta device until `sharding` has placed it (no rank holds the full model).
         self.lm = load_causal_lm(self.model_dir, self.precision.param_dtype, on_meta=self.sharded)
         # LoRA: the linear layers become peft LoRA layers in place, before sharding (rltrain.models.lora)
         self.adapters = lora.add_adapters(self.lm, adapters) if adapters is not None and adapters.rank > 0 else None
@@ -141,18 +141,11 @@ class FSDPEngine:
         self.groups: FSDPGroups | None = None
         if self.sharded:
             self.groups = FSDPGroups(device.type, timeout_s=safety.collective_timeout_s)
-            self._shard(backend_cfg)
-            self.scorer.to_empty(device=device)  # this rank's shards (and buffers), uninitialised
-            if self.adapters is None:
-                load_sharded_weights(self.lm, self.model_dir, self.precision.param_dtype, self.groups.group)
-            else:
-                load_sharded_weights(
-                    self.lm, self.model_dir, self.precision.param_dtype, self.groups.group, source_name=lora.source_name
-                )
-                lora.fill_adapters(self.lm, seed, self.groups.group, sharded=True)
-            if isinstance(self.scorer, CompletionValuer):  # its rows from the seeded draw
-                assert value_head_seed is not None
-                fill_value_head(self.scorer.value_head, value_head_seed, self.precision.param_dtype, self.groups.group)
+            shard_model(self.lm, self.scorer, self.groups, self.precision, backend_cfg)
+            load_shards(
+                self.lm, self.scorer, self.groups, self.model_dir, self.precision, device,
+                self.adapters, seed, value_head_seed,
+            )
         self.steps_taken = 0  # optimizer steps actually applied (skipped ones excluded)
         self.optimizer = None
         if self.trainable:
@@ -174,23 +167,6 @@ class FSDPEngine:
     def replica_group(self) -> None:
         """Every FSDP rank is its own data-parallel replica (see `TrainEngine.replica_group`)."""
         return None
-
-    def _shard(self, cfg: FSDPBackendConfig) -> None:
-        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
-        assert self.groups is not None
-        mesh = self.groups.mesh  # our own group, not WORLD: time sharing tears it down (fsdp_groups)
-        mp = MixedPrecisionPolicy()  # compute in the weights' dtype (fp32, or bf16 in pure bf16)
-        if self.precision.mixed:
-            mp = MixedPrecisionPolicy(param_dtype=self.precision.compute_dtype, reduce_dtype=torch.float32)
-        for layer in self.lm.model.layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=mp)
-        fully_shard(self.scorer, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=mp)
-        self.groups.attach(self.scorer)
-        for module in self.scorer.modules():
-            if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
 
     # --- scoring -------------------------------------------------------------------------------
 
@@ -312,14 +288,7 @@ class FSDPEngine:
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """With LoRA, the adapters merged into the base (docs/lora.md, "Weight sync")."""
         self._refuse_critic_export("export_weights")
-        if self.adapters is not None:
-            weights = lora.merged_weights(self.lm, full_parameter, with_adapters=not faults.active().adapters_dropped())
-        else:
-            weights = ((name, full_parameter(tensor).detach()) for name, tensor in self.lm.state_dict().items())
-        for name, tensor in weights:
-            if self.tied and name == "lm_head.weight":
-                continue
-            yield name, tensor
+        yield from export.hf_weights(self.lm, self.adapters, self.tied)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.export_weights())
@@ -328,16 +297,7 @@ class FSDPEngine:
         """A Hugging Face model directory; with LoRA a PEFT adapter directory, plus the merged
         model in `merged/` when `model.lora.save_merged` (docs/lora.md, "Outputs")."""
         self._refuse_critic_export("save_pretrained")
-        if self.adapters is not None:
-            adapter_state = lora.adapter_state(self.lm, full_parameter)  # collective
-            if self.rank == 0:
-                lora.save_adapter_dir(self.adapters, directory, adapter_state, self.model_dir)
-            if not self.save_merged:
-                return
-            directory = directory / lora.MERGED_DIR
-        state = self.full_state_dict()  # collective: every rank takes part
-        if self.rank == 0:
-            self.lm.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
+        export.save_pretrained(directory, self.lm, self.adapters, self.save_merged, self.tied, self.model_dir, self.rank)
 
     def _refuse_critic_export(self, called: str) -> None:
         if self.scores == "values":
@@ -349,40 +309,10 @@ class FSDPEngine:
     # --- checkpoints ---------------------------------------------------------------------------
 
     def save_checkpoint(self, directory: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        model_sd, optim_sd = self._checkpoint_state()
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory / "engine"))
-        if self.rank == 0:
-            (directory / "engine_state.json").write_text(json.dumps({"steps_taken": self.steps_taken}))
+        checkpoint.save(directory, self.scorer, self.optimizer, self.adapters, self.steps_taken, self.rank)
 
     def load_checkpoint(self, directory: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        assert self.optimizer is not None  # only a trainable engine is checkpointed
-        model_sd, optim_sd = self._checkpoint_state()
-        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(directory / "engine"))  # fails on any key the checkpoint lacks
-        # strict=False with LoRA: the frozen base is not in the state, it stays as loaded from the model directory
-        options = StateDictOptions(strict=self.adapters is None)
-        set_state_dict(
-            self.scorer, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
-        )
-        self.steps_taken = json.loads((directory / "engine_state.json").read_text())["steps_taken"]
-
-    def _checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The model's and the optimizer's state as a checkpoint holds them. With LoRA, the adapters
-        and their optimizer state only: the frozen base (tied weights included, which torch's
-        `ignore_frozen_params` would keep under their second name) is read from the model
-        directory again on resume."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        assert self.optimizer is not None  # only a trainable engine is checkpointed
-        model_sd, optim_sd = get_state_dict(self.scorer, self.optimizer)
-        if self.adapters is not None:
-            model_sd = {name: value for name, value in model_sd.items() if ".lora_" in name}
-        return model_sd, optim_sd
+        self.steps_taken = checkpoint.load(directory, self.scorer, self.optimizer, self.adapters)
 
     # --- time sharing --------------------------------------------------------------------------
 

@@ -1,0 +1,58 @@
+"""The FSDP engine's weights out: full Hugging Face tensors (weight sync) and model directories.
+
+Each parameter is gathered from its shards on every rank (`full_parameter`, a collective), so
+every rank must exhaust `hf_weights`. With LoRA the adapters are merged into the base, or saved as
+a PEFT adapter directory (docs/lora.md). The engine refuses to export a critic before calling here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from rltrain.backends.fsdp.groups import full_parameter
+from rltrain.models import lora
+from rltrain.safety import faults
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
+
+def hf_weights(lm: PreTrainedModel, adapters: PeftModel | None, tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full tensors under Hugging Face names, a tied output head left out; with LoRA, the adapters
+    merged into the base (docs/lora.md, "Weight sync")."""
+    if adapters is not None:
+        weights = lora.merged_weights(lm, full_parameter, with_adapters=not faults.active().adapters_dropped())
+    else:
+        weights = ((name, full_parameter(tensor).detach()) for name, tensor in lm.state_dict().items())
+    for name, tensor in weights:
+        if tied and name == "lm_head.weight":
+            continue
+        yield name, tensor
+
+
+def save_pretrained(
+    directory: Path,
+    lm: PreTrainedModel,
+    adapters: PeftModel | None,
+    save_merged: bool,
+    tied: bool,
+    model_dir: Path,
+    rank: int,
+) -> None:
+    """A Hugging Face model directory; with LoRA a PEFT adapter directory, plus the merged
+    model in `merged/` when `model.lora.save_merged` (docs/lora.md, "Outputs"). Rank 0 writes."""
+    if adapters is not None:
+        adapter_state = lora.adapter_state(lm, full_parameter)  # collective
+        if rank == 0:
+            lora.save_adapter_dir(adapters, directory, adapter_state, model_dir)
+        if not save_merged:
+            return
+        directory = directory / lora.MERGED_DIR
+    state = dict(hf_weights(lm, adapters, tied))  # collective: every rank takes part
+    if rank == 0:
+        lm.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
