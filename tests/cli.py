@@ -305,7 +305,7 @@ GRPO_HF_RUN = [*GRPO_RUN, "rollout=hf"]
 # GRPO on 2 ranks with the smaller model, W&B offline: each rank's share of the generation, and
 # what a 2-rank run prints.
 GRPO_RUN_2_RANKS = [
-    "algo=grpo", "model=tiny", *SMALL_MODEL, "algo.prompts_per_step=4", "algo.group_size=2",
+    "algo=grpo", "model=tiny", *SMALL_MODEL, "algo.prompts_per_step=4", "algo.group_size=2", "data.num_eval=8",
     "trainer.max_steps=2", "trainer.log_every=1", "trainer.eval_every=2", "trainer.save_every=0",
     "trainer.progress=lines", "trainer.nproc=2", "logger.wandb.mode=offline",
 ]

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("separate_engine")]
 
 STEPS = 5
 COMMON = [
-    "model=tiny", *SMALL_MODEL, "algo.prompts_per_step=4", "algo.group_size=2", "data.num_eval=8",
+    "model=tiny", *SMALL_MODEL, "algo.prompts_per_step=4", "algo.group_size=2", "data.num_eval=8", "data.eval_seed=0",
     f"trainer.max_steps={STEPS}", "trainer.save_every=2", "trainer.eval_every=3", "trainer.progress=lines",
     "trainer.nproc=2", "logger.wandb.mode=disabled", "rollout=vllm", "rollout.process=separate",
 ]
