@@ -116,9 +116,10 @@ def test_ppo_default_raises_the_reward_and_its_critic_explains_it(tiny_cache, tm
 # The README's story of the embedded default (docs/algorithms.md, "What it does on every seed and
 # thread count"), measured over trainer.seed=0,1,2 with 1 and 2 threads on GRPO's fixed 1000
 # held-out problems: each RL gain at least 0.1 and within 0.05 of its mean (all six runs were within
-# 0.025), the SFT start within 0.05 of the range those runs spanned (it does not hold within 0.05 of
-# its mean, as documented).
-SFT_STARTS = (0.529, 0.687)
+# 0.025), then the SFT start within 0.05 of its mean, which issue 24 asks for and which does not hold
+# here (seeds 0 and 1 with two threads start at 0.687 and 0.529): the gains are checked first, so
+# that failure cannot hide theirs.
+SFT_START = 0.617
 GRPO_GAIN = 0.257
 PPO_GAIN = 0.275
 PPO_FROM_THE_SFT_START = ["algo=ppo", "model=tiny_sft", "optim.lr=1e-4", "algo.prompts_per_step=64", "algo.group_size=8",
@@ -128,8 +129,8 @@ PPO_FROM_THE_SFT_START = ["algo=ppo", "model=tiny_sft", "optim.lr=1e-4", "algo.p
 def assert_the_documented_story(evals: list[dict], gain: float) -> None:
     start, end = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 300, evals
-    assert SFT_STARTS[0] - 0.05 <= start <= SFT_STARTS[1] + 0.05, evals
     assert end - start >= 0.1 and abs(end - start - gain) <= 0.05, evals
+    assert abs(start - SFT_START) <= 0.05, evals
 
 
 @pytest.mark.slow
@@ -148,8 +149,9 @@ def test_grpo_default_raises_heldout_accuracy(tiny_cache, tmp_path, seed):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_async_grpo_default_learns_as_the_synchronous_one(tiny_cache, tmp_path, seed):
     """docs/async.md, "Measured": the default generating one step ahead (vLLM in its own process)
-    raises held-out accuracy by at least 0.1 from the same SFT start and ends no more than 0.12
-    under the synchronous run (within 0.01 on seeds 0 and 2, 0.091 under on seed 1)."""
+    raises held-out accuracy by at least 0.1 from the same SFT start and ends within 0.03 of the
+    synchronous run. The second holds on seeds 0 and 2 here, not on seed 1 (0.091 under), as
+    documented: the bound is kept and that case fails."""
     ends = {}
     for name, extra in (("sync", []), ("async", ["rollout.process=separate", "placement.max_staleness=1"])):
         run_dir = tmp_path / name
@@ -159,7 +161,8 @@ def test_async_grpo_default_learns_as_the_synchronous_one(tiny_cache, tmp_path, 
         assert evals[-1]["step"] == 300, evals
         ends[name] = (evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"])
     assert ends["sync"][0] == ends["async"][0], ends  # the same start
-    assert ends["async"][1] >= ends["sync"][1] - 0.12 and ends["async"][1] - ends["async"][0] >= 0.1, ends
+    assert ends["async"][1] - ends["async"][0] >= 0.1, ends
+    assert abs(ends["async"][1] - ends["sync"][1]) <= 0.03, ends
 
 
 @pytest.mark.slow
