@@ -114,9 +114,9 @@ def run_warm(cmd: list[str], env: dict[str, str], timeout: float,
                 os.killpg(child.pid, signal.SIGKILL)  # the child and every process it started
             child.join()
             raise CommandTimedOut(cmd, timeout, _text(out), _text(err))
+        if _refused(child.exitcode, err):
+            return None
         stdout, stderr = _text(out), _text(err)
-    if child.exitcode == WARM_REFUSED and stderr.startswith(WARM_REFUSED_MARK):
-        return None
     assert child.exitcode is not None
     return subprocess.CompletedProcess(cmd, child.exitcode, stdout, stderr)
 
