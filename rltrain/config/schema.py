@@ -151,7 +151,7 @@ class DataConfig:
     eval_seed: int | None = None  # built-in task: the held-out draw's seed; null = trainer.seed
     max_length: int = 256
     overlong: str = choice("drop", Overlong)
-    max_eval_samples: int = 200
+    max_eval_samples: int = 200  # a dataset's eval rows at most (the built-in task evaluates all data.num_eval)
 
 
 @dataclass
