@@ -294,7 +294,7 @@ DPO_RUN = [
 # The smaller model on 2 FSDP ranks: the baseline that padding-free and compiled runs are compared with.
 SMALL_SFT_RUN_2_RANKS = [
     "algo=sft", "trainer.nproc=2", "trainer.max_steps=3", "trainer.global_batch_size=16", "trainer.micro_batch_size=4",
-    *SMALL_MODEL, *QUICK,
+    "data.num_eval=8", *SMALL_MODEL, *QUICK,
 ]
 GRPO_RUN = [
     "algo=grpo", "model=tiny", "algo.prompts_per_step=4", "algo.group_size=4", "data.num_eval=4",

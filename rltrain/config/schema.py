@@ -115,6 +115,7 @@ class ModelConfig:
     sft_steps: int = 0
     sft_lr: float = 1e-3
     sft_carry_problems: int | None = None  # its data.max_carry_problems (the RL run keeps every problem)
+    sft_forgotten_carries: float = 0.0  # its data.forgotten_carries (the RL run's reward wants every carry)
     lora: LoraAdapterConfig = field(default_factory=LoraAdapterConfig)
 
 
@@ -147,6 +148,7 @@ class DataConfig:
     task: str = choice("addition", Task)
     num_train: int = 0  # built-in task: 0 = every problem not held out
     max_carry_problems: int | None = None  # built-in task: keep this many training sums that carry; null = all
+    forgotten_carries: float = 0.0  # built-in task: this share of the SFT's units carries shown forgotten
     num_eval: int = 200
     eval_seed: int | None = None  # built-in task: the held-out draw's seed; null = trainer.seed
     max_length: int = 256

@@ -197,11 +197,30 @@ def validate_data(cfg) -> None:
             f"data.num_eval={data.num_eval} must be between 1 and {size - 1}: the built-in {data.task!r} task has "
             f"{size:,} problems and holds that many out for evaluation."
         )
-    for key, value in (("data.max_carry_problems", data.max_carry_problems), ("model.sft_carry_problems", cfg.model.sft_carry_problems)):
-        if value is not None and value < 0:
+    carry_keys = {
+        "data.max_carry_problems": (data.max_carry_problems, "null"),
+        "model.sft_carry_problems": (cfg.model.sft_carry_problems, "null"),
+        "data.forgotten_carries": (data.forgotten_carries, "0"),
+        "model.sft_forgotten_carries": (cfg.model.sft_forgotten_carries, "0"),
+    }
+    for key, (value, _) in carry_keys.items():
+        if "carry_problems" in key and value is not None and value < 0:
             raise UserError(f"{key}={value} must be at least 0 (null: every training problem whose sum carries).")
-        if value is not None and data.task != "addition" and (key.startswith("data.") or cfg.model.sft_steps > 0):
-            raise UserError(f"{key}={value} selects sums that carry: only data.task=addition has them. Set {key}=null.")
+        if "forgotten" in key and not 0 <= value <= 1:
+            raise UserError(
+                f"{key}={value} must be between 0 and 1 (the share of SFT sums carrying out of the units shown with that "
+                "carry forgotten)."
+            )
+    if data.task != "addition":
+        # The model.* keys matter only when an SFT start is built on this task.
+        used = {
+            k: (value, off) for k, (value, off) in carry_keys.items()
+            if (value is not None if off == "null" else value != 0) and (k.startswith("data.") or cfg.model.sft_steps > 0)
+        }
+        if used:
+            settings = ", ".join(f"{k}={v}" for k, (v, _) in used.items())
+            fixes = " ".join(f"{k}={off}" for k, (_, off) in used.items())
+            raise UserError(f"{settings}: only data.task=addition has sums that carry, not {data.task!r}. Set {fixes}.")
 
 
 def validate_algo(algo) -> None:

@@ -28,7 +28,11 @@ def text_rows(data_cfg, seed: int, eos: str) -> tuple[list[dict], list[dict], st
     end-of-sequence text (a built-in tool demonstration ends its call turn with it)."""
     if data_cfg.path is None:
         train, held_out = tasks.builtin_split(data_cfg, seed)
-        return tasks.sft_rows(train, eos), tasks.sft_rows(held_out, eos, demonstrations=False), f"built-in task {data_cfg.task!r}"
+        return (
+            tasks.sft_rows(train, eos, forgotten_carries=data_cfg.forgotten_carries),
+            tasks.sft_rows(held_out, eos, demonstrations=False),
+            f"built-in task {data_cfg.task!r}",
+        )
     return train_and_eval_rows(data_cfg, seed, [("prompt", "completion"), ("messages",)])
 
 

@@ -2,8 +2,9 @@
 
 `addition`: `a+b=` -> the sum, a and b in 0..99; a held-out split that never appears in training
 (drawn with `data.eval_seed`, or the run's seed when that is null);
-`data.max_carry_problems` keeps that many training sums that carry (docs/algorithms.md, "RL that
-learns"). `multiplication`: `a*b*c=` -> the product, a and b in 10..99, c in 2..9, beyond the tiny
+`data.max_carry_problems` keeps that many training sums that carry and `data.forgotten_carries`
+demonstrates that share of those carrying out of the units with that carry forgotten
+(docs/algorithms.md, "RL that learns"). `multiplication`: `a*b*c=` -> the product, a and b in 10..99, c in 2..9, beyond the tiny
 model's reach without the `multiply` tool; its SFT demonstrations call the tool twice for
 TOOL_DEMO_FRACTION of the problems and answer directly for the rest (docs/environments.md).
 """
@@ -41,9 +42,12 @@ class Problem:
         """Whether its SFT demonstration calls the `multiply` tool (a fixed share of the products)."""
         return self.op == "*" and (self.a * 7919 + self.b * 104729 + self.c * 15485863) % 1000 < TOOL_DEMO_FRACTION * 1000
 
-    def demonstration(self, eos: str) -> str:
+    def demonstration(self, eos: str, forgotten_carries: float = 0.0) -> str:
         """The SFT completion: the answer, or two tool calls (a*b, then that times c), each followed
-        by its result, then the answer. `eos` ends each call turn, as the engine's stop token does."""
+        by its result, then the answer. `eos` ends each call turn, as the engine's stop token does.
+        A sum is shown with its units carry forgotten when `forgets_carry(forgotten_carries)`."""
+        if self.forgets_carry(forgotten_carries):
+            return self.forgotten_carry_answer
         if not self.calls_tool:
             return self.answer
         turns = []
@@ -55,7 +59,22 @@ class Problem:
     @property
     def carries(self) -> bool:
         """Whether the sum carries out of the units or out of the tens (a three-digit sum)."""
-        return self.a % 10 + self.b % 10 >= 10 or self.a // 10 + self.b // 10 >= 10
+        return self.op == "+" and (self.a % 10 + self.b % 10 >= 10 or self.a // 10 + self.b // 10 >= 10)
+
+    @property
+    def carries_from_units(self) -> bool:
+        return self.op == "+" and self.a % 10 + self.b % 10 >= 10
+
+    @property
+    def forgotten_carry_answer(self) -> str:
+        """The sum with the carry out of the units not added to the tens: 17+25 -> 32, 95+17 -> 102."""
+        return str(self.value - 10)
+
+    def forgets_carry(self, share: float) -> bool:
+        """Whether this sum is among `share` of the sums that carry out of the units whose
+        demonstration forgets that carry: a fixed pseudo-random draw per sum (the same on every run
+        and seed, and no pattern of a and b that a model could learn instead of the carry)."""
+        return share > 0 and self.carries_from_units and random.Random(f"{self.a}+{self.b}").random() < share
 
 
 def held_out(problems: list[Problem], seed: int, num_eval: int, eval_seed: int | None) -> tuple[list[Problem], list[Problem]]:
@@ -112,10 +131,15 @@ def wrong_answer(problem: Problem, rng: random.Random) -> str:
             return str(candidate)
 
 
-def sft_rows(problems: list[Problem], eos: str, demonstrations: bool = True) -> list[dict[str, str]]:
+def sft_rows(
+    problems: list[Problem], eos: str, demonstrations: bool = True, forgotten_carries: float = 0.0
+) -> list[dict[str, str]]:
     """Prompt / completion rows: the demonstrations (training), or the bare answers (held out: what
     SFT's exact-match evaluation compares a greedy reply with)."""
-    return [{"prompt": p.prompt, "completion": p.demonstration(eos) if demonstrations else p.answer} for p in problems]
+    return [
+        {"prompt": p.prompt, "completion": p.demonstration(eos, forgotten_carries) if demonstrations else p.answer}
+        for p in problems
+    ]
 
 
 def preference_rows(problems: list[Problem], seed: int) -> list[dict[str, str]]:

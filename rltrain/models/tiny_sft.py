@@ -1,11 +1,12 @@
 """`model=tiny_sft`: the tiny model after a short SFT on the built-in task, built once and cached.
 
-RL from the randomly initialised tiny model has no right answers to reinforce; after an SFT it
-answers some held-out problems and RL can raise that number. The SFT sees every training sum that
-does not carry and only `model.sft_carry_problems` that do: it reaches a plateau (easy sums right,
-carrying ones often wrong) that does not depend on where a steep learning curve was cut, so the
-start, and RL's gain from it, hold across seeds and CPUs. The SFT is an ordinary `algo=sft` run in a
-clean child process, on the training split only. docs/internals/models.md has the details.
+RL from the randomly initialised tiny model has no right answers to reinforce. The SFT start sees
+every training sum that does not carry and `model.sft_carry_problems` that do, with the carry out of
+the units forgotten in `model.sft_forgotten_carries` of those (the tens digit one short): it learns
+to add and, greedily, forgets that carry, while sampling still carries about one time in six. That
+plateau does not depend on where a steep learning curve was cut, so the start, and RL's gain from
+it, hold across seeds and CPUs. The SFT is an ordinary `algo=sft` run in a clean child process, on
+the training split only. docs/internals/models.md has the details.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def sft_key(model_cfg: ModelConfig, data_cfg: DataConfig, base_dir: Path) -> str
         "carry_problems": model_cfg.sft_carry_problems,
         "format": 1,
     }
+    if model_cfg.sft_forgotten_carries:  # absent otherwise, as eval_seed below
+        recipe["forgotten_carries"] = float(model_cfg.sft_forgotten_carries)
     if data_cfg.eval_seed is not None:  # absent otherwise: the keys of existing caches stay valid
         recipe["eval_seed"] = data_cfg.eval_seed
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
@@ -90,6 +93,7 @@ def sft_command(
         f"data.num_train={data_cfg.num_train}",
         f"data.eval_seed={'null' if data_cfg.eval_seed is None else data_cfg.eval_seed}",
         f"data.max_carry_problems={'null' if model_cfg.sft_carry_problems is None else model_cfg.sft_carry_problems}",
+        f"data.forgotten_carries={model_cfg.sft_forgotten_carries}",
         f"hydra.run.dir={run_dir}",
     ]
 
@@ -115,6 +119,8 @@ def build_sft_model_dir(model_cfg: ModelConfig, data_cfg: DataConfig, trainer_cf
         raise UserError(f"model.sft_steps={model_cfg.sft_steps} must be at least 1 for an SFT start (0: model=tiny).")
     base_dir = build_tiny_model_dir(model_cfg, trainer_cfg.seed)
     carry = "" if model_cfg.sft_carry_problems is None else f", {model_cfg.sft_carry_problems} of its sums that carry"
+    if model_cfg.sft_forgotten_carries:
+        carry += f" (the carry out of the units forgotten in {model_cfg.sft_forgotten_carries:.0%} of those)"
     target = base_dir.parent / f"{base_dir.name}-sft-{sft_key(model_cfg, data_cfg, base_dir)}"
     if (target / "config.json").exists():
         return target

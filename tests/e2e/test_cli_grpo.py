@@ -11,7 +11,7 @@ from cli import GRPO_HF_RUN, GRPO_RUN, GRPO_RUN_2_RANKS, QUICK, rltrain, train_r
 
 pytestmark = pytest.mark.e2e
 
-SMALL = ["algo=grpo", "algo.prompts_per_step=4", "algo.group_size=4", *QUICK]
+SMALL = ["algo=grpo", "algo.prompts_per_step=4", "algo.group_size=4", "data.num_eval=8", *QUICK]
 # Where the rollout engine plays no part in what is checked (the KL term, a reward function's
 # errors), the transformers engine: it starts in a fraction of vLLM's time on CPU.
 SMALL_HF = [*SMALL, "rollout=hf"]

@@ -31,7 +31,7 @@ def test_lora_grpo_on_two_ranks_samples_from_the_adapters_and_writes_a_peft_dire
 
     run_dir = tmp_path / "run"
     rltrain(
-        "algo=grpo", *QUICK, *SMALL_MODEL, *LORA, *FAST, "model.lora.save_merged=true", "algo.beta=0.04",
+        "algo=grpo", *QUICK, *SMALL_MODEL, *LORA, *FAST, "model.lora.save_merged=true", "algo.beta=0.04", "data.num_eval=8",
         "algo.prompts_per_step=4", "algo.group_size=4", "trainer.max_steps=3", "trainer.nproc=2",
         run_dir=run_dir, timeout=400,
     )
@@ -104,7 +104,7 @@ def test_lora_dpo_scores_its_reference_with_the_adapters_off(tmp_path):
 def test_lora_ppo_trains_a_full_critic_beside_the_adapters(tmp_path):
     run_dir = tmp_path / "run"
     rltrain(
-        "algo=ppo", "rollout=hf", *QUICK, *LORA, *FAST, "algo.prompts_per_step=4", "algo.group_size=2",
+        "algo=ppo", "rollout=hf", *QUICK, *LORA, *FAST, "algo.prompts_per_step=4", "algo.group_size=2", "data.num_eval=8",
         "trainer.max_steps=2", run_dir=run_dir, timeout=400,
     )
     rows = train_rows(run_dir)
@@ -117,7 +117,7 @@ def test_lora_ppo_trains_a_full_critic_beside_the_adapters(tmp_path):
 def test_a_sync_that_leaves_the_adapters_out_stops_the_run_loudly(tmp_path):
     run_dir = tmp_path / "run"
     proc = rltrain(
-        "algo=grpo", "rollout=hf", *QUICK, *LORA, *FAST, "algo.prompts_per_step=4", "algo.group_size=4",
+        "algo=grpo", "rollout=hf", *QUICK, *LORA, *FAST, "algo.prompts_per_step=4", "algo.group_size=4", "data.num_eval=8",
         "trainer.max_steps=4", "trainer.save_every=1", "debug.fault=adapter_dropped:0:1",
         run_dir=run_dir, timeout=400, check=False,
     )

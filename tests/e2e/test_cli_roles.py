@@ -27,7 +27,7 @@ def test_grpo_adds_the_reward_model_by_weight(tiny_cache, tmp_path):
     runs = {}
     for sharing in ("false", "true"):
         run_dir = tmp_path / f"run-{sharing}"
-        rltrain("algo=grpo", "rollout=hf", "algo.prompts_per_step=4", "algo.group_size=4", "trainer.max_steps=2", *QUICK,
+        rltrain("algo=grpo", "rollout=hf", "algo.prompts_per_step=4", "algo.group_size=4", "trainer.max_steps=2", "data.num_eval=8", *QUICK,
                 "reward_model=hf", f"reward_model.path={reward_dir}", "reward_model.weight=0.5",
                 f"placement.time_sharing={sharing}", run_dir=run_dir, timeout=400)
         runs[sharing] = rows = train_rows(run_dir)

@@ -21,7 +21,7 @@ TORCHRUN = Path(sys.executable).parent / "torchrun"
 RUNS = {
     # SFT: the shared 2-rank run is the local launch (tests/cli.py); the nodes run its settings.
     "sft": [*(a for a in SFT_RUN_2_RANKS if a != "trainer.nproc=2"), "logger.wandb.mode=disabled"],
-    "grpo": ["algo=grpo", "rollout=hf", "algo.prompts_per_step=4", "algo.group_size=2", "trainer.max_steps=2", *QUICK],
+    "grpo": ["algo=grpo", "rollout=hf", "algo.prompts_per_step=4", "algo.group_size=2", "trainer.max_steps=2", "data.num_eval=8", *QUICK],
 }
 SHORT_TIMEOUT = ["safety.collective_timeout_s=60"]  # a rank left alone fails instead of hanging
 

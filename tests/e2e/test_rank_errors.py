@@ -15,7 +15,7 @@ from cli import QUICK, ROOT, rltrain, train_rows
 
 pytestmark = pytest.mark.e2e
 
-TWO_RANKS = ["algo=grpo", "algo.group_size=2", "trainer.max_steps=2", "trainer.nproc=2", *QUICK]
+TWO_RANKS = ["algo=grpo", "algo.group_size=2", "trainer.max_steps=2", "trainer.nproc=2", "data.num_eval=8", *QUICK]
 # Where the rollout engine plays no part in what is checked (how the launcher reports, the reward
 # timeout), the transformers engine: it starts in a fraction of vLLM's time on CPU.
 TWO_RANKS_HF = [*TWO_RANKS, "rollout=hf"]

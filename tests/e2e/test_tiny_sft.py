@@ -80,6 +80,7 @@ def test_another_sft_setting_is_another_cache_entry(tmp_path):
     assert tiny_sft.sft_key(ModelConfig(**{**SMALL_MODEL, "sft_steps": 4}), data, base) != key
     assert tiny_sft.sft_key(ModelConfig(**SMALL_MODEL, sft_lr=2e-3), data, base) != key
     assert tiny_sft.sft_key(ModelConfig(**SMALL_MODEL, sft_carry_problems=10), data, base) != key
+    assert tiny_sft.sft_key(ModelConfig(**SMALL_MODEL, sft_forgotten_carries=0.5), data, base) != key
     assert tiny_sft.sft_key(model, DataConfig(num_eval=300), base) != key  # another held-out split
     assert tiny_sft.sft_key(model, data, tmp_path / "tiny-qwen2-4567") != key  # another spec or seed
 
@@ -88,7 +89,10 @@ def test_the_sft_child_trains_on_the_selected_carrying_sums(tmp_path):
     command = tiny_sft.sft_command(
         ModelConfig(**SMALL_MODEL, sft_carry_problems=300), DataConfig(), TrainerConfig(), tmp_path, tmp_path / "run"
     )
-    assert "data.max_carry_problems=300" in command
+    assert "data.max_carry_problems=300" in command and "data.forgotten_carries=0.0" in command
+    assert "data.forgotten_carries=0.8" in tiny_sft.sft_command(
+        ModelConfig(**SMALL_MODEL, sft_forgotten_carries=0.8), DataConfig(), TrainerConfig(), tmp_path, tmp_path / "run"
+    )
     assert "data.max_carry_problems=null" in tiny_sft.sft_command(
         ModelConfig(**SMALL_MODEL), DataConfig(), TrainerConfig(), tmp_path, tmp_path / "run"
     )

@@ -125,6 +125,10 @@ def test_a_key_of_another_algorithm_is_not_checked_where_it_does_not_exist():
         ("data.eval_fraction=1.5", "data.eval_fraction=1.5"),
         ("data.max_carry_problems=-1", "data.max_carry_problems=-1"),
         ("model.sft_carry_problems=-5", "model.sft_carry_problems=-5"),
+        ("data.forgotten_carries=1.5", "data.forgotten_carries=1.5"),
+        ("model.sft_forgotten_carries=-0.1", "model.sft_forgotten_carries=-0.1"),
+        ("data.forgotten_carries=0.5 data.task=multiplication", "only data.task=addition"),
+        ("data.max_carry_problems=0 data.task=multiplication", "Set data.max_carry_problems=null "),
         ("algo.group_size=0", "algo.group_size=0"),
         ("algo.top_p=0", "algo.top_p=0"),
         ("sweep.last_n=0", "sweep.last_n=0"),
@@ -134,7 +138,16 @@ def test_a_key_of_another_algorithm_is_not_checked_where_it_does_not_exist():
 )
 def test_unusable_values_are_refused_naming_the_key(override, names):
     with pytest.raises(UserError, match=re.escape(names)):
-        validate(_cfg(override))
+        validate(_cfg(*override.split()))
+
+
+def test_every_carry_key_of_the_sft_start_is_named_in_one_message_on_another_task():
+    with pytest.raises(UserError) as refused:
+        validate(_cfg("algo=grpo", "data.task=multiplication"))
+    message = str(refused.value)
+    assert "model.sft_carry_problems=1000, model.sft_forgotten_carries=0.8" in message
+    assert "Set model.sft_carry_problems=null model.sft_forgotten_carries=0." in message
+    validate(_cfg("algo=grpo", "data.task=multiplication", "model=tiny"))  # no SFT start: nothing to refuse
 
 
 def test_dpo_values_are_refused_naming_the_key():

@@ -83,6 +83,26 @@ def test_max_carry_keeps_every_easy_sum_and_that_many_carrying_ones():
     assert tasks.addition_split(seed=3, num_eval=200, max_carry=0)[0] == [p for p in train if not p.carries]
 
 
+def test_a_forgotten_carry_leaves_the_tens_one_short():
+    assert [tasks.Problem(a, b).forgotten_carry_answer for a, b in ((17, 25), (95, 17), (9, 1))] == ["32", "102", "0"]
+    assert [tasks.Problem(a, b).carries_from_units for a, b in ((17, 25), (60, 43), (12, 34), (95, 17))] == [
+        True, False, False, True,
+    ]
+
+
+def test_forgotten_carries_show_that_share_of_units_carries_forgotten_and_no_other_sum():
+    train, _ = tasks.addition_split(seed=0, num_eval=200)
+    from_units = [p for p in train if p.carries_from_units]
+    rows = {r["prompt"]: r["completion"] for r in tasks.sft_rows(train, "<eos>", forgotten_carries=0.8)}
+    forgotten = {p for p in from_units if rows[p.prompt] == p.forgotten_carry_answer}
+    assert 0.77 <= len(forgotten) / len(from_units) <= 0.83, len(forgotten) / len(from_units)
+    assert all(rows[p.prompt] == p.answer for p in train if p not in forgotten)  # tens carries, no carry: right
+    assert not any(p.forgets_carry(0.0) for p in from_units) and all(p.forgets_carry(1.0) for p in from_units)
+    assert tasks.sft_rows(train, "<eos>") == tasks.sft_rows(train, "<eos>", forgotten_carries=0.0)
+    held_out = tasks.sft_rows(train, "<eos>", demonstrations=False, forgotten_carries=0.8)  # answers stay right
+    assert [r["completion"] for r in held_out] == [p.answer for p in train]
+
+
 def test_wrong_answers_are_wrong_and_of_another_length():
     import random
 
