@@ -4,9 +4,10 @@
 (drawn with `data.eval_seed`, or the run's seed when that is null);
 `data.max_carry_problems` keeps that many training sums that carry and `data.forgotten_carries`
 demonstrates that share of those carrying out of the units with that carry forgotten
-(docs/algorithms.md, "RL that learns"). `multiplication`: `a*b*c=` -> the product, a and b in 10..99, c in 2..9, beyond the tiny
-model's reach without the `multiply` tool; its SFT demonstrations call the tool twice for
-TOOL_DEMO_FRACTION of the problems and answer directly for the rest (docs/environments.md).
+(docs/algorithms.md, "RL that learns"). `multiplication`: `a*b*c=` -> the product, a and b in
+10..99, c in 2..9, beyond the tiny model's reach without the `multiply` tool; its SFT demonstrations
+call the tool twice for TOOL_DEMO_FRACTION of the problems and answer directly for the rest
+(docs/environments.md).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class Problem:
 
     @property
     def carries_from_units(self) -> bool:
+        """Whether the units column carries into the tens (the carry `data.forgotten_carries` drops)."""
         return self.op == "+" and self.a % 10 + self.b % 10 >= 10
 
     @property
