@@ -69,9 +69,11 @@ def rltrain(*args: str, run_dir: Path | None = None, timeout: float = 300, env: 
 # sees it as a fresh interpreter would; PYTHONPATH too, since the child's sys.path is the one a fresh
 # interpreter would build from it (_cold_sys_path); and the terminal size (COLUMNS, LINES), which
 # readline writes into the C environment of an interactive test process (a server started from it
-# inherits them) and which is read when output is laid out, never on import. Any other difference
-# (HF_*, OMP_*...) runs cold.
-WARM_ENV_PREFIXES = ("RLTRAIN_", "PYTEST_", "WANDB_", "VLLM_", "PYTHONPATH", "COLUMNS", "LINES")
+# inherits them) and which is read when output is laid out, never on import; and inductor's cache
+# directory, which inductor looks up each time it reads or writes its cache (`cache_dir()`), so a
+# run given its own compiles into it as a fresh interpreter would. Any other difference (HF_*,
+# OMP_*, other TORCHINDUCTOR_* settings, which inductor reads on import...) runs cold.
+WARM_ENV_PREFIXES = ("RLTRAIN_", "PYTEST_", "WANDB_", "VLLM_", "PYTHONPATH", "COLUMNS", "LINES", "TORCHINDUCTOR_CACHE_DIR")
 # Set by a preloaded library on import (inductor writes its default cache dir back into the
 # environment): a command that does not set it gets the same value in a fresh interpreter.
 SET_BY_PRELOAD = ("TORCHINDUCTOR_CACHE_DIR",)
@@ -233,9 +235,10 @@ def kill_when(args: list[str], run_dir: Path, ready: Path, sig: int, timeout: fl
     """Start `python -m rltrain *args` in a process group of its own, wait until `ready` exists,
     then send `sig` to that whole group (every rank) and wait for it to end.
 
-    The launcher is a warm child (`run_warm`; cold where that runs cold) whose ranks are cold
-    processes in its group, so one signal reaches every rank at once, as a shell's would: ranks
-    forked from the rank server are outside the group and would die only after their stand-ins."""
+    The launcher is a warm child (`run_warm`; cold where that runs cold) and its ranks are forked
+    from the rank server: the signal reaches the launcher and the ranks' stand-ins at once, and
+    each stand-in's rank with it (forwarded; SIGKILL: the server kills a rank whose stand-in died,
+    within its select loop's turn), as a shell's signal would reach every rank."""
     import tempfile
     import time
 
@@ -246,7 +249,7 @@ def kill_when(args: list[str], run_dir: Path, ready: Path, sig: int, timeout: fl
     deadline = time.monotonic() + timeout
     with tempfile.TemporaryDirectory(prefix="rltrain-kill-") as tmp:
         err = Path(tmp) / "stderr"
-        child = None if cuda_machine() else _start_warm(cmd, full_env, Path(tmp) / "stdout", err, "")
+        child = None if cuda_machine() else _start_warm(cmd, full_env, Path(tmp) / "stdout", err, rank_server())
         proc = None
         while not ready.exists():
             if child is not None and not child.is_alive():

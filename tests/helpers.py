@@ -47,6 +47,7 @@ PRELOAD += [
     "prometheus_client", "cbor2", "tiktoken", "partial_json_parser", "llguidance", "openai_harmony", "einops", "psutil",
     "cpuinfo", "uvloop", "requests", "pybase64",
 ]
+PRELOAD += ["heap_frozen"]  # last: freezes the heap preloaded above (tests/heap_frozen.py)
 
 
 def cuda_machine() -> bool:

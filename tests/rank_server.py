@@ -25,9 +25,11 @@ from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
 # What a rank's environment may hold that the server's does not: read only by rltrain or by
-# libraries not preloaded (tests/cli.py, WARM_ENV_PREFIXES), and what the elastic agent sets for
-# each rank (torch reads none of them on import). Any other difference starts the rank cold.
-RANK_ENV_PREFIXES = ("RLTRAIN_", "PYTEST_", "WANDB_", "VLLM_", "PYTHONPATH", "COLUMNS", "LINES", "TORCHELASTIC_", "RANK", "LOCAL_RANK",
+# libraries not preloaded, or read on use only (tests/cli.py, WARM_ENV_PREFIXES), and what the
+# elastic agent sets for each rank (torch reads none of them on import). Any other difference
+# starts the rank cold.
+RANK_ENV_PREFIXES = ("RLTRAIN_", "PYTEST_", "WANDB_", "VLLM_", "PYTHONPATH", "COLUMNS", "LINES", "TORCHINDUCTOR_CACHE_DIR",
+                     "TORCHELASTIC_", "RANK", "LOCAL_RANK",
                      "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME",
                      "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 SERVER_ENV = dict(os.environ)

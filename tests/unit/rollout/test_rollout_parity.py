@@ -19,6 +19,10 @@ from rltrain.config.schema import ModelConfig
 from rltrain.models.tiny import build_tiny_model_dir
 from rltrain.rollout.base import Completion, SamplingSettings
 
+# One worker runs the module, in pytest's order: each architecture's engine is built once (the
+# module-scoped `case`), not once per worker that draws one of its tests.
+pytestmark = pytest.mark.xdist_group("test_rollout_parity")
+
 TINY = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
 CASES = {
     "qwen2-tied": dict(arch="qwen2", tie_word_embeddings=True, attention_bias=True),

@@ -26,6 +26,10 @@ from test_rollout_parity import PROMPTS, TINY, perturbed_state  # noqa: E402 - t
 
 from rltrain.rollout.base import Completion, SamplingSettings
 
+# One worker runs the module, in pytest's order: each architecture's engine is built once (the
+# module-scoped `case`), not once per worker that draws one of its tests.
+pytestmark = pytest.mark.xdist_group("test_vllm_reload")
+
 CASES = {
     "qwen2-tied": dict(arch="qwen2", tie_word_embeddings=True, attention_bias=True),
     "qwen2-untied": dict(arch="qwen2", tie_word_embeddings=False, attention_bias=True),
