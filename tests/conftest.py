@@ -42,6 +42,20 @@ def session_dir(tmp_path_factory, name: str) -> Path:
     return path
 
 
+@pytest.fixture(autouse=True, scope="module")
+def environment_as_found(tiny_cache):
+    """Each test module leaves `os.environ` as it found it: vLLM writes into the environment of the
+    process that imports it or builds an engine (LOCAL_WORLD_SIZE, LD_PRELOAD, ...), and the runs
+    and subprocesses of later modules would inherit it (a submitit task refuses to start with
+    LOCAL_WORLD_SIZE set; a warm run whose environment differs from the fork server's runs cold).
+    Taken after `tiny_cache`, whose RLTRAIN_CACHE is the session's."""
+    from rltrain.runtime.process_state import restore_environment
+
+    snapshot = dict(os.environ)
+    yield
+    restore_environment(snapshot)
+
+
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory) -> Path:
     """One tiny-model cache for the whole test session (builds are published by an atomic rename,
