@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import WARM_ENV_PREFIXES
+
 from rltrain.launch.forked_rank import RANK_SERVER_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,16 +66,6 @@ def rltrain(*args: str, run_dir: Path | None = None, timeout: float = 300, env: 
     return proc
 
 
-# Environment variables a warm run may set differently from the fork server's: each is read only
-# by rltrain or by a library the fork server has not imported (tests/helpers.py PRELOAD), so the run
-# sees it as a fresh interpreter would; PYTHONPATH too, since the child's sys.path is the one a fresh
-# interpreter would build from it (_cold_sys_path); and the terminal size (COLUMNS, LINES), which
-# readline writes into the C environment of an interactive test process (a server started from it
-# inherits them) and which is read when output is laid out, never on import; and inductor's cache
-# directory, which inductor looks up each time it reads or writes its cache (`cache_dir()`), so a
-# run given its own compiles into it as a fresh interpreter would. Any other difference (HF_*,
-# OMP_*, other TORCHINDUCTOR_* settings, which inductor reads on import...) runs cold.
-WARM_ENV_PREFIXES = ("RLTRAIN_", "PYTEST_", "WANDB_", "VLLM_", "PYTHONPATH", "COLUMNS", "LINES", "TORCHINDUCTOR_CACHE_DIR")
 # Set by a preloaded library on import (inductor writes its default cache dir back into the
 # environment): a command that does not set it gets the same value in a fresh interpreter.
 SET_BY_PRELOAD = ("TORCHINDUCTOR_CACHE_DIR",)

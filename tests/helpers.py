@@ -49,6 +49,18 @@ PRELOAD += [
 ]
 PRELOAD += ["heap_frozen"]  # last: freezes the heap preloaded above (tests/heap_frozen.py)
 
+# Environment variables a warm run (tests/cli.py) or a forked rank (tests/rank_server.py) may set
+# differently from its server's: each is read only by rltrain or by a library the servers have not
+# imported (PRELOAD above), so the run sees it as a fresh interpreter would; PYTHONPATH too, since
+# the child's sys.path is the one a fresh interpreter would build from it (tests/cli.py
+# _cold_sys_path); the terminal size (COLUMNS, LINES), which readline writes into the C environment
+# of an interactive test process (a server started from it inherits them) and which is read when
+# output is laid out, never on import; and inductor's cache directory, which inductor looks up each
+# time it reads or writes its cache (`cache_dir()`), so a run given its own compiles into it as a
+# fresh interpreter would. Any other difference (HF_*, OMP_*, other TORCHINDUCTOR_* settings, which
+# inductor reads on import...) runs cold.
+WARM_ENV_PREFIXES = ("RLTRAIN_", "PYTEST_", "WANDB_", "VLLM_", "PYTHONPATH", "COLUMNS", "LINES", "TORCHINDUCTOR_CACHE_DIR")
+
 
 def cuda_machine() -> bool:
     """Whether this machine has a CUDA device: the GPU suite then starts every process fresh (spawn,

@@ -24,14 +24,12 @@ import sys
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
-# What a rank's environment may hold that the server's does not: read only by rltrain or by
-# libraries not preloaded, or read on use only (tests/cli.py, WARM_ENV_PREFIXES), and what the
-# elastic agent sets for each rank (torch reads none of them on import). Any other difference
-# starts the rank cold.
-RANK_ENV_PREFIXES = ("RLTRAIN_", "PYTEST_", "WANDB_", "VLLM_", "PYTHONPATH", "COLUMNS", "LINES", "TORCHINDUCTOR_CACHE_DIR",
-                     "TORCHELASTIC_", "RANK", "LOCAL_RANK",
-                     "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME",
-                     "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+# What a rank's environment may hold that the server's does not, besides helpers.WARM_ENV_PREFIXES
+# (read only by rltrain, by libraries not preloaded, or on use): what the elastic agent sets for
+# each rank (torch reads none of them on import). Any other difference starts the rank cold.
+AGENT_ENV_PREFIXES = ("TORCHELASTIC_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                      "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                      "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 SERVER_ENV = dict(os.environ)
 
 
@@ -138,8 +136,11 @@ def start(client: StandIn, request: dict, listener: socket.socket, selector, cli
         send(client.conn, {"forked": FORKED[0]})
         close(client, selector, clients)
         return
+    from helpers import WARM_ENV_PREFIXES  # imported with PRELOAD in main()
+
+    allowed = WARM_ENV_PREFIXES + AGENT_ENV_PREFIXES
     differing = sorted(k for k in set(request["env"]) | set(SERVER_ENV)
-                       if request["env"].get(k) != SERVER_ENV.get(k) and not k.startswith(RANK_ENV_PREFIXES))
+                       if request["env"].get(k) != SERVER_ENV.get(k) and not k.startswith(allowed))
     if differing:  # a preloaded library may have read one of them: the rank starts cold
         send(client.conn, {"cold": differing})
         close(client, selector, clients)
