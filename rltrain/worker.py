@@ -38,12 +38,13 @@ def main(argv: list[str]) -> int:
     die_with_parent(launcher_pid)
     server = os.environ.get(RANK_SERVER_ENV)
     if server:  # the test suite's pre-imported ranks (rltrain.launch.forked_rank)
-        run_in_server(server, argv)
+        run_in_server(server, "rltrain.worker:train_rank", [str(run_dir)])
     return train_rank(run_dir)
 
 
-def train_rank(run_dir: Path) -> int:
+def train_rank(run_dir: str | Path) -> int:
     """This rank's part of the run in `run_dir`; the process's exit status."""
+    run_dir = Path(run_dir)
     rank = int(os.environ.get("RANK", "0"))
     cfg = load_run_config(run_dir)
     from rltrain.run.trainer import run

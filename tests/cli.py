@@ -312,10 +312,11 @@ class SharedRuns:
     Under pytest-xdist the workers share one directory and a file lock, so a configuration runs
     once whichever worker asks first; the others wait and read it. A failed run is remembered and
     re-raised to every reader. Readers must not write into a shared run: `copy_run` makes a private
-    copy (e.g. to corrupt a checkpoint and resume). A shared run's launcher starts cold (a fresh
-    interpreter): the runs most tests read come from exactly the command a user types. Its ranks are
-    forked from the rank server ("Warm ranks" in docs/testing.md; tests/e2e/test_warm_runs.py holds
-    them to a cold rank's numbers)."""
+    copy (e.g. to corrupt a checkpoint and resume). A shared run is warm, launcher and ranks, like
+    any `rltrain(...)` run ("Warm CLI runs" in docs/testing.md), except SFT_RUN's launcher (its one
+    rank): that run starts from exactly the command a user types, and the tests that compare their
+    warm variants with it (tests/e2e/test_cli_sft.py) hold warm runs to a cold run's numbers, as
+    tests/e2e/test_warm_runs.py holds forked ranks."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -338,7 +339,7 @@ class SharedRuns:
             if not (run_dir / "SHARED_RUN_DONE").exists():
                 shutil.rmtree(run_dir, ignore_errors=True)
                 try:
-                    proc = rltrain(*args, run_dir=run_dir, timeout=timeout, warm=False,
+                    proc = rltrain(*args, run_dir=run_dir, timeout=timeout, warm=list(args) != SFT_RUN,
                                    env={**(env or {}), RANK_SERVER_ENV: rank_server()})
                 except BaseException as exc:
                     failed.write_text(str(exc))

@@ -1,19 +1,20 @@
 """The rank server of warm CLI runs: `python tests/rank_server.py SOCKET PARENT_PID`.
 
 It imports the libraries every rank imports (helpers.PRELOAD: torch, transformers, ...) once, then
-forks a rank for each stand-in that connects (rltrain.launch.forked_rank has the protocol and the
-stand-in's side; `{"count": true}` asks how many it forked). The rank becomes what `python -m rltrain.worker` would be: the stand-in's argv,
-environment, working directory, sys.path and standard streams, its own session (as the agent's
-`start_new_session` gives it). It is SIGKILLed, with its process group, when its stand-in goes
-away, and when this server dies. Single-threaded: a select loop over the listening socket, the
-stand-ins' connections and the ranks' pidfds, so every fork happens with one thread.
-docs/testing.md, "Warm CLI runs".
+forks a process for each stand-in that connects (rltrain.launch.forked_rank has the protocol and the
+stand-in's side; `{"count": true}` asks how many it forked): a rank of `python -m rltrain.worker`
+or a separate rollout process, with the stand-in's argv, environment, working directory, sys.path
+and descriptors, in a session of its own (as the agent's `start_new_session` gives a rank). It is
+SIGKILLed, with its process group, when its stand-in goes away, and when this server dies.
+Single-threaded: a select loop over the listening socket, the stand-ins' connections and the
+forked processes' pidfds, so every fork happens with one thread. docs/testing.md, "Warm ranks".
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import importlib
 import json
 import os
@@ -21,7 +22,6 @@ import selectors
 import signal
 import socket
 import sys
-from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
 # What a rank's environment may hold that the server's does not, besides helpers.WARM_ENV_PREFIXES
@@ -61,7 +61,8 @@ def read_request(client: StandIn) -> dict | None:
 
 
 def become_rank(request: dict, fds: list[int], listener: socket.socket, conns: list[socket.socket]) -> None:
-    """In the forked child: turn into the rank and exit as `python -m rltrain.worker` would."""
+    """In the forked child: turn into the process the stand-in stands for (a rank, a separate
+    rollout process) and exit as `python -m ...` would: `entry(*args)`'s result is the status."""
     from helpers import run_as_interpreter
 
     listener.close()
@@ -69,11 +70,13 @@ def become_rank(request: dict, fds: list[int], listener: socket.socket, conns: l
         c.close()
     os.setsid()
     die_with(int(request["server"]))
-    for target, fd in enumerate(fds[:3]):
-        os.dup2(fd, target)
+    # Out of the way first: a received descriptor may hold a number another one is going to.
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1024) for fd in fds]
     for fd in fds:
-        if fd > 2:
-            os.close(fd)
+        os.close(fd)
+    for target, fd in zip(request["fds"], moved, strict=True):
+        os.dup2(fd, target)
+        os.close(fd)
     sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - the interpreter's own streams
     sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
     os.environ.clear()
@@ -81,13 +84,12 @@ def become_rank(request: dict, fds: list[int], listener: socket.socket, conns: l
     os.chdir(request["cwd"])
     sys.path[:] = request["sys_path"]
     sys.argv = list(request["argv"])
+    module, function = request["entry"].split(":")
 
-    def rank() -> None:
-        from rltrain.worker import train_rank
+    def main() -> None:
+        sys.exit(getattr(importlib.import_module(module), function)(*request["args"]))
 
-        sys.exit(train_rank(Path(request["argv"][1])))
-
-    run_as_interpreter(rank)
+    run_as_interpreter(main)
 
 
 def send(conn: socket.socket, message: dict) -> None:

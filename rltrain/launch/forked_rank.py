@@ -1,11 +1,13 @@
-"""A rank forked from a server that has already imported torch and transformers (tests only).
+"""A rank or rollout process forked from a server that has already imported torch and transformers
+(tests only).
 
-A fresh `python -m rltrain.worker` spends seconds of CPU importing torch and transformers, most of a
-short run's time; the test suite runs hundreds of short runs. With `RLTRAIN_RANK_SERVER` naming a
-rank server's socket (tests/rank_server.py) the worker is only a stand-in: the server forks the real
-rank with the stand-in's argv, environment, cwd, sys.path and fds 0-2, the stand-in forwards the
-agent's signals and exits as the rank did, and the server kills a rank whose stand-in dies. Unset
-(every user run), nothing here runs. Protocol (JSON lines) and story: docs/testing.md, "Warm ranks".
+A fresh `python -m rltrain.worker` (or `rltrain.rollout.separate_child`) spends seconds of CPU
+importing torch, transformers and vLLM's dependencies, most of a short run's time; the test suite
+runs hundreds of short runs. With `RLTRAIN_RANK_SERVER` naming a rank server's socket
+(tests/rank_server.py) the process is only a stand-in: the server forks the real one with the
+stand-in's argv, environment, cwd, sys.path and fds, the stand-in forwards signals and exits as the
+real process did, and the server kills one whose stand-in dies. Unset (every user run), nothing here
+runs. Protocol (JSON lines) and story: docs/testing.md, "Warm ranks".
 """
 
 from __future__ import annotations
@@ -50,27 +52,33 @@ class LineReader:
         return json.loads(line)
 
 
-def run_in_server(path: str, argv: list[str]) -> None:
-    """Be the stand-in of a rank that the server at `path` forks, and exit as that rank exits; or
-    return at once when the server declines (an environment its libraries were not imported
-    with): this process is then the rank."""
+def run_in_server(path: str, entry: str, args: list[str], fds: tuple[int, ...] = (0, 1, 2)) -> None:
+    """Be the stand-in of the process that the server at `path` forks to call `entry`
+    ("module:function") with `args` and exit with its result, holding this process's `fds` under the
+    same numbers; exit as that process exits. Or return at once when the server declines (an
+    environment its libraries were not imported with): this process then does the work itself."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(path)
-    except OSError:  # no server (any more): this process is the rank
+    except OSError:  # no server (any more): this process does the work
         sock.close()
         return
-    env = {k: v for k, v in os.environ.items() if k != RANK_SERVER_ENV}
-    request = {"argv": argv, "env": env, "cwd": os.getcwd(), "sys_path": sys.path, "parent": os.getpid()}
-    send_message(sock, request, [0, 1, 2])
+    # The environment keeps RANK_SERVER_ENV: what the forked process starts (a rank's separate
+    # rollout process) is forked too; the server calls `entry` directly, so it does not recurse.
+    request = {"argv": sys.argv, "entry": entry, "args": args, "fds": list(fds), "env": dict(os.environ),
+               "cwd": os.getcwd(), "sys_path": sys.path, "parent": os.getpid()}
+    send_message(sock, request, list(fds))
     reader = LineReader(sock)
     started = reader.next()
     if started is not None and "cold" in started:
         sock.close()
         return
     if started is None or "pid" not in started:
-        sys.stderr.write(f"rltrain: the rank server at {path} did not start the rank\n")
+        sys.stderr.write(f"rltrain: the rank server at {path} did not start {entry}\n")
         os._exit(1)
+    for fd in fds:
+        if fd > 2:  # the forked process holds it now: its end of a socket closes when that process ends
+            os.close(fd)
     rank_pid = int(started["pid"])
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, lambda signum, _frame: _forward(rank_pid, signum))

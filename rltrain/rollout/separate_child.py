@@ -5,7 +5,8 @@ Started by `rltrain.rollout.separate.SeparateVLLMEngine` as
 file descriptor. It answers one request at a time, in order, each reply tagged with the request's
 id; any exception becomes an error reply (the engine stays up, the parent decides). It exits when
 asked to, or as soon as the parent's end of the control socket closes (the parent died), so a
-crashed trainer never leaves an engine behind.
+crashed trainer never leaves an engine behind. Torch and vLLM are imported in `run`, not above: in
+the test suite this process may be a light stand-in for one forked warm (rltrain.launch.forked_rank).
 """
 
 from __future__ import annotations
@@ -16,16 +17,20 @@ import select
 import socket
 import sys
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rltrain.rollout.separate import ControlChannel, completions_to_json
-from rltrain.sync.transport_wire import PeerClosed
+from rltrain.launch.forked_rank import RANK_SERVER_ENV, run_in_server
+
+if TYPE_CHECKING:
+    from rltrain.rollout.separate import ControlChannel
 
 IDLE_POLL_S = 1.0  # how often an idle child re-checks that its parent is alive
 
 
 def _serve(channel: ControlChannel, engine: Any, receiver: Any) -> None:
     from rltrain.rollout.base import SamplingSettings
+    from rltrain.rollout.separate import completions_to_json
+    from rltrain.sync.transport_wire import PeerClosed
 
     parent = os.getppid()
     while True:
@@ -63,7 +68,17 @@ def _serve(channel: ControlChannel, engine: Any, receiver: Any) -> None:
 
 
 def main(argv: list[str]) -> int:
-    spec = json.loads(argv[0])
+    server = os.environ.get(RANK_SERVER_ENV)
+    if server:  # the test suite's pre-imported processes (rltrain.launch.forked_rank)
+        run_in_server(server, "rltrain.rollout.separate_child:run", argv, (0, 1, 2, json.loads(argv[0])["control_fd"]))
+    return run(argv[0])
+
+
+def run(spec_json: str) -> int:
+    """Build the engine `spec_json` describes, report ready and serve; the process's exit status."""
+    from rltrain.rollout.separate import ControlChannel
+
+    spec = json.loads(spec_json)
     sock = socket.socket(fileno=spec["control_fd"])
     channel = ControlChannel(sock, "trainer", spec["cfg"]["timeout_s"])
     engine = receiver = None

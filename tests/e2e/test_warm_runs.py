@@ -68,11 +68,12 @@ def test_a_rank_whose_environment_a_preloaded_library_reads_starts_cold(tmp_path
 
     before = ranks_forked()
     env = dict(os.environ, HF_HUB_OFFLINE="0" if os.environ.get("HF_HUB_OFFLINE") == "1" else "1")
-    request = {"argv": ["worker.py", str(tmp_path), str(os.getpid())], "env": env, "cwd": os.getcwd(),
-               "sys_path": sys.path, "parent": os.getpid()}
+    request = {"argv": ["worker.py", str(tmp_path), str(os.getpid())], "entry": "rltrain.worker:train_rank",
+               "args": [str(tmp_path)], "fds": [0, 1, 2], "env": env, "cwd": os.getcwd(), "sys_path": sys.path,
+               "parent": os.getpid()}
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect(rank_server())
         send_message(sock, request, [0, 1, 2])
         assert LineReader(sock).next() == {"cold": ["HF_HUB_OFFLINE"]}
     assert ranks_forked() == before
-    assert run_in_server(str(tmp_path / "no-server"), request["argv"]) is None
+    assert run_in_server(str(tmp_path / "no-server"), request["entry"], request["args"]) is None
