@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from cli import GRPO_RUN, QUICK, rltrain, train_rows
+from cli import GRPO_RUN, QUICK, ranks_forked, rltrain, train_rows
 
 # Separate-engine runs create rlsep-* directories and /dev/shm segments that the cleanup checks
 # count: one pytest-xdist worker runs them all, one after the other (docs/testing.md, "Start-up").
@@ -77,7 +77,10 @@ def test_time_sharing_changes_no_number(run, backend):
 
 def test_separate_process_engine_matches_and_cleans_up(run):
     before = set(glob.glob(str(Path(tempfile.gettempdir()) / "rlsep-*")))
+    forked = ranks_forked()
     separate = run("fsdp", "placement.time_sharing=true", "rollout.process=separate", "rollout.bucket_mb=1")
+    # Its one rank is the warm launcher; the rollout process is forked warm (docs/testing.md, "Warm ranks").
+    assert ranks_forked() == forked + 1
     assert len(separate) == STEPS["fsdp"]
     for row in separate:
         assert row["rollout/logprob_diff_max"] < 1e-3, row

@@ -195,51 +195,40 @@ def test_sleep_wake_ping(case):
     assert len(engine.generate(PROMPTS, SamplingSettings(n=1, max_new_tokens=4))) == len(PROMPTS)
 
 
-PROCESS_STATE_CHECK = """
-import random, sys
-import torch
-import torch.distributed as dist
-from rltrain.config.group_options import VLLMRolloutConfig
-from rltrain.rollout.base import SamplingSettings
-from rltrain.rollout.vllm import VLLMRolloutEngine
+def _process_state_check(_rank: int, _world: int, model_dir: str) -> bool:
+    """On one gloo rank (the trainer's process group, which vLLM adopts as its world)."""
+    import random
 
-torch.manual_seed(123)
-random.seed(123)
-threads = torch.get_num_threads()
-expected_torch, expected_py = torch.rand(3), random.random()
-torch.manual_seed(123)
-random.seed(123)
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
-engine = VLLMRolloutEngine(sys.argv[1], VLLMRolloutConfig(kv_cache_gib=1, max_num_seqs=4, max_model_len=64), seed=99)
-engine.generate([[1, 2, 3]], SamplingSettings(n=2, max_new_tokens=4))
-engine.close()
-assert torch.equal(torch.rand(3), expected_torch), "torch RNG moved"
-assert random.random() == expected_py, "Python RNG moved"
-assert torch.get_num_threads() == threads, "torch threads changed"
-assert "skip" not in torch.set_num_threads.__name__, "torch.set_num_threads is still vLLM's no-op"
-assert dist.is_initialized(), "the trainer's process group was destroyed"
-ones = torch.ones(2)
-dist.all_reduce(ones)
-dist.destroy_process_group()
-print("PROCESS-STATE-OK")
-"""
+    import torch.distributed as dist
+
+    from rltrain.rollout.vllm import VLLMRolloutEngine
+
+    torch.set_num_threads(3)  # neither 1 (what vLLM's CPU worker may set) nor this machine's default
+    torch.manual_seed(123)
+    random.seed(123)
+    expected_torch, expected_py = torch.rand(3), random.random()
+    torch.manual_seed(123)
+    random.seed(123)
+    engine = VLLMRolloutEngine(model_dir, VLLMRolloutConfig(kv_cache_gib=1, max_num_seqs=4, max_model_len=64), seed=99)
+    engine.generate([[1, 2, 3]], SamplingSettings(n=2, max_new_tokens=4))
+    engine.close()
+    assert torch.equal(torch.rand(3), expected_torch), "torch RNG moved"
+    assert random.random() == expected_py, "Python RNG moved"
+    assert torch.get_num_threads() == 3, "torch threads changed"
+    assert "skip" not in torch.set_num_threads.__name__, "torch.set_num_threads is still vLLM's no-op"
+    assert dist.is_initialized(), "the trainer's process group was destroyed"
+    ones = torch.ones(2)
+    dist.all_reduce(ones)
+    return True
 
 
 def test_construction_keeps_process_state(tiny_cache):
     """Building and closing an in-process engine must not reseed the trainer's RNG, pin torch to
     one thread, or destroy the trainer's process group (which vLLM adopts as its world). In a
-    fresh process: its own process group must not meet the engines of the other tests."""
-    import subprocess
-    import sys
-
-    from helpers import free_port
+    fresh process (forked from the ranks' server, which never imports vLLM): its own process group
+    must not meet the engines of the other tests."""
+    from helpers import run_ranks
 
     cfg = ModelConfig(**TINY, **CASES["qwen2-untied"], cache_dir=str(tiny_cache / "models"))
     model_dir = build_tiny_model_dir(cfg, seed=0)
-    proc = subprocess.run(
-        [sys.executable, "-c", PROCESS_STATE_CHECK, str(model_dir), str(free_port())],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0 and "PROCESS-STATE-OK" in proc.stdout, proc.stderr[-3000:]
+    assert run_ranks(_process_state_check, str(model_dir), nproc=1, timeout_s=300) == [True]
