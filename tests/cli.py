@@ -142,7 +142,11 @@ def rank_server() -> str:
 
         directory = tempfile.mkdtemp(prefix="rlrs-")  # short: a socket path has at most 107 bytes
         path = str(Path(directory) / "socket")
-        server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "rank_server.py"), path, str(os.getpid())], cwd=ROOT)
+        from helpers import session_environment
+
+        with session_environment():  # not a module's changes to os.environ (helpers.SESSION_ENV)
+            server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "rank_server.py"), path, str(os.getpid())],
+                                      cwd=ROOT)
         atexit.register(shutil.rmtree, directory, ignore_errors=True)
         atexit.register(server.kill)  # atexit runs it first
         deadline = time.monotonic() + 60

@@ -42,6 +42,15 @@ def session_dir(tmp_path_factory, name: str) -> Path:
     return path
 
 
+@pytest.fixture(autouse=True, scope="session")
+def session_environment_recorded():
+    """The environment warm processes' servers start with (helpers.SESSION_ENV), taken before any
+    test module could change it."""
+    import helpers
+
+    helpers.SESSION_ENV.update(os.environ)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def environment_as_found(tiny_cache):
     """Each test module leaves `os.environ` as it found it: vLLM writes into the environment of the

@@ -71,13 +71,40 @@ def cuda_machine() -> bool:
     return torch.cuda.is_available()
 
 
+# The environment the test process began with (tests/conftest.py records it once it has set its
+# own variables). The servers of warm processes (the fork server below, the rank server of
+# tests/cli.py) start with it whenever they are first needed: a server started inside a module that
+# had changed os.environ (vLLM writes LOCAL_WORLD_SIZE, LD_PRELOAD, ... when it builds an engine in
+# the test process) would hold that environment, and every later warm run of the process would
+# differ from it and run cold.
+SESSION_ENV: dict[str, str] = {}
+
+
+@contextlib.contextmanager
+def session_environment():
+    """os.environ as the test process began (SESSION_ENV; unchanged outside pytest) for the block."""
+    from rltrain.runtime.process_state import restore_environment
+
+    saved = dict(os.environ)
+    if SESSION_ENV:
+        restore_environment(SESSION_ENV)
+    try:
+        yield
+    finally:
+        restore_environment(saved)
+
+
 def rank_context():
-    """The multiprocessing context ranks start from (forkserver, with PRELOAD imported once; spawn
-    on a CUDA machine)."""
+    """The multiprocessing context ranks start from (forkserver, with PRELOAD imported once, started
+    with SESSION_ENV; spawn on a CUDA machine)."""
     if cuda_machine():
         return mp.get_context("spawn")
+    from multiprocessing import forkserver
+
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
+    with session_environment():
+        forkserver.ensure_running()
     return ctx
 
 

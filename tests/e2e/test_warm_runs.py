@@ -77,3 +77,16 @@ def test_a_rank_whose_environment_a_preloaded_library_reads_starts_cold(tmp_path
         assert LineReader(sock).next() == {"cold": ["HF_HUB_OFFLINE"]}
     assert ranks_forked() == before
     assert run_in_server(str(tmp_path / "no-server"), request["entry"], request["args"]) is None
+
+
+def test_the_servers_start_with_the_environment_the_session_began_with(monkeypatch):
+    """A module that changed os.environ (vLLM writes LOCAL_WORLD_SIZE and more into it when it
+    builds an engine in the test process) does not change the environment a warm process's server
+    starts with: a server started then would make every later warm run of the process run cold."""
+    from helpers import SESSION_ENV, session_environment
+
+    assert SESSION_ENV and "LOCAL_WORLD_SIZE" not in SESSION_ENV  # recorded by tests/conftest.py
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    with session_environment():
+        assert dict(os.environ) == SESSION_ENV
+    assert os.environ["LOCAL_WORLD_SIZE"] == "1"
