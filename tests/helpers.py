@@ -22,6 +22,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -47,7 +49,9 @@ PRELOAD += [
     "prometheus_client", "cbor2", "tiktoken", "partial_json_parser", "llguidance", "openai_harmony", "einops", "psutil",
     "cpuinfo", "uvloop", "requests", "pybase64",
 ]
-PRELOAD += ["heap_frozen"]  # last: freezes the heap preloaded above (tests/heap_frozen.py)
+# Then one tiny compile (tests/compiler_warmed.py), and last the heap preloaded above is frozen
+# (tests/heap_frozen.py).
+PRELOAD += ["compiler_warmed", "heap_frozen"]
 
 # Environment variables a warm run (tests/cli.py) or a forked rank (tests/rank_server.py) may set
 # differently from its server's: each is read only by rltrain or by a library the servers have not
@@ -104,6 +108,10 @@ def rank_context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     with session_environment():
+        # Python 3.11's fork server drops the sys.path it is handed and skips a preload it cannot
+        # import without a word: the test modules among PRELOAD are found through PYTHONPATH. Its
+        # children take the environment and sys.path of the process asking (`adopt`).
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")]))
         forkserver.ensure_running()
     return ctx
 

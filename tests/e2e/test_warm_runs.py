@@ -90,3 +90,22 @@ def test_the_servers_start_with_the_environment_the_session_began_with(monkeypat
     with session_environment():
         assert dict(os.environ) == SESSION_ENV
     assert os.environ["LOCAL_WORLD_SIZE"] == "1"
+
+
+def _preloads_missing_and_heap_frozen(rank: int, world_size: int) -> tuple[list[str], bool]:
+    import gc
+
+    from helpers import PRELOAD
+
+    return [m for m in PRELOAD if m not in sys.modules], gc.get_freeze_count() > 0
+
+
+def test_the_fork_server_imports_every_preload_and_freezes_its_heap():
+    """Its test modules too (the compiler warm-up, the heap freeze): Python 3.11's fork server skips
+    a preload it cannot import without a word, and it drops the sys.path it is handed. (A warm-up
+    that left a variable in the server's environment would make every warm run cold: the
+    `RLTRAIN_X` case of the test above fails then.)"""
+    from helpers import run_ranks
+
+    [(missing, frozen)] = run_ranks(_preloads_missing_and_heap_frozen, nproc=1)
+    assert missing == [] and frozen
