@@ -61,9 +61,12 @@ PRELOAD += ["compiler_warmed", "heap_frozen"]
 # of an interactive test process (a server started from it inherits them) and which is read when
 # output is laid out, never on import; and inductor's cache directory, which inductor looks up each
 # time it reads or writes its cache (`cache_dir()`), so a run given its own compiles into it as a
-# fresh interpreter would. Any other difference (HF_*, OMP_*, other TORCHINDUCTOR_* settings, which
-# inductor reads on import...) runs cold.
-WARM_ENV_PREFIXES = ("RLTRAIN_", "PYTEST_", "WANDB_", "VLLM_", "PYTHONPATH", "COLUMNS", "LINES", "TORCHINDUCTOR_CACHE_DIR")
+# fresh interpreter would; and megatron-core's choice of attention backend (NVTE_*), which it writes
+# into a rank's environment when it builds a model (a rollout process the rank starts inherits it)
+# and which only megatron-core, on use, and Transformer Engine read. Any other difference (HF_*,
+# OMP_*, other TORCHINDUCTOR_* settings, which inductor reads on import...) runs cold.
+WARM_ENV_PREFIXES = ("RLTRAIN_", "PYTEST_", "WANDB_", "VLLM_", "PYTHONPATH", "COLUMNS", "LINES", "TORCHINDUCTOR_CACHE_DIR",
+                     "NVTE_")
 
 
 def cuda_machine() -> bool:
