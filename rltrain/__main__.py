@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from rltrain.config.compose_errors import composition_done, reporting_composition_errors
 from rltrain.config.schema import register_configs
+from rltrain.launch.forked_rank import RANK_SERVER_ENV, run_in_server
 from rltrain.launch.parent_death import DIE_WITH_PARENT_ENV, die_with_parent
 from rltrain.launch.sweep import JobOutcome, objective_value, sweep_exit_status
 from rltrain.runtime.errors import (
@@ -221,11 +222,20 @@ def main() -> None:
         die_with_parent(os.getppid())
     elif DIE_WITH_PARENT_ENV in os.environ:  # a run started by a run (the SFT start): it goes when its parent goes
         die_with_parent(int(os.environ.pop(DIE_WITH_PARENT_ENV)))
+    else:
+        sys.exit(compose_and_run())
+    server = os.environ.get(RANK_SERVER_ENV)
+    if server:  # started by a launcher, in the test suite: a pre-imported process (rltrain.launch.forked_rank)
+        run_in_server(server, "rltrain.__main__:compose_and_run", [])
+    sys.exit(compose_and_run())
+
+
+def compose_and_run() -> int:
+    """Compose the config from `sys.argv` and run its job (or sweep); the process's exit status."""
     register_configs()
     with reporting_composition_errors():
         hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)(job)()
-    if sweep_exit_status():
-        sys.exit(sweep_exit_status())
+    return sweep_exit_status()
 
 
 if __name__ == "__main__":

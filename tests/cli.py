@@ -157,6 +157,15 @@ def rank_server() -> str:
     return _RANK_SERVER[0]
 
 
+def torchrun_ranks_env() -> dict[str, str]:
+    """The environment under which the `python -m rltrain` ranks a test's own `torchrun` starts are
+    stand-ins for processes forked from the rank server (rltrain/__main__.py, as a launcher's
+    `python -m rltrain.worker`); empty on a CUDA machine, where every process starts fresh."""
+    from helpers import cuda_machine
+
+    return {} if cuda_machine() else {RANK_SERVER_ENV: rank_server()}
+
+
 def ranks_forked() -> int:
     """How many ranks this test process's rank server has forked."""
     import socket

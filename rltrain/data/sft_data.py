@@ -6,7 +6,14 @@ from dataclasses import dataclass
 
 from rltrain.data import tasks
 from rltrain.data.loading import eval_limit, train_and_eval_rows
-from rltrain.data.tokenize import OverlongStats, TokenizedPair, encode, fit_length, render_messages
+from rltrain.data.tokenize import (
+    OverlongStats,
+    TokenizedPair,
+    encode,
+    encode_all,
+    fit_length,
+    render_messages,
+)
 from rltrain.runtime.errors import UserError
 
 
@@ -49,13 +56,15 @@ def build_sft_data(tokenizer, data_cfg, seed: int) -> SFTData:
     train_rows, eval_rows, where = text_rows(data_cfg, seed, tokenizer.eos_token)
     stats = OverlongStats()
     eos = tokenizer.eos_token_id
+    max_length, overlong = data_cfg.max_length, data_cfg.overlong  # read once: a config lookup per row adds up
     train: list[TokenizedPair] = []
-    for row in train_rows:
-        prompt, completion = row_texts(tokenizer, row, where)
-        prompt_ids = encode(tokenizer, prompt)
+    texts = [row_texts(tokenizer, row, where) for row in train_rows]
+    prompts_ids = encode_all(tokenizer, [prompt for prompt, _ in texts])
+    completions_ids = encode_all(tokenizer, [completion for _, completion in texts])
+    for prompt_ids, completion_ids in zip(prompts_ids, completions_ids, strict=True):
         if not prompt_ids:
             raise UserError(f"{where}: a row has an empty prompt; every row needs at least one prompt token.")
-        pair = fit_length(prompt_ids, encode(tokenizer, completion) + [eos], data_cfg.max_length, data_cfg.overlong, stats, where)
+        pair = fit_length(prompt_ids, completion_ids + [eos], max_length, overlong, stats, where)
         if pair is not None:
             train.append(pair)
     if not train:

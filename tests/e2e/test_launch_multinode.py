@@ -6,14 +6,15 @@ makes the run refuse to start."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from cli import QUICK, ROOT, SFT_RUN_2_RANKS, rltrain, train_rows
-from helpers import free_port
+from cli import QUICK, ROOT, SFT_RUN_2_RANKS, ranks_forked, rltrain, torchrun_ranks_env, train_rows
+from helpers import cuda_machine, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -36,14 +37,15 @@ def two_node_command(node_rank: int, port: int, args: list[str], run_dir: Path) 
 
 
 def run_two_nodes(args: list[str], run_dir: Path, logs: Path, node1_prefix: tuple[str, ...] = (),
-                  timeout: float = 500) -> tuple[list[int], str]:
+                  timeout: float = 500, env: dict[str, str] | None = None) -> tuple[list[int], str]:
     """Both nodes' exit codes and their output."""
     port = free_port()
     procs = []
     for node in (0, 1):
         cmd = [*(node1_prefix if node == 1 else ()), *two_node_command(node, port, args, run_dir)]
         with open(logs / f"node{node}.log", "w") as log:  # files, not pipes: neither node blocks on output
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                          env=dict(os.environ, **(env or {}))))
     try:
         codes = [p.wait(timeout=timeout) for p in procs]
     finally:
@@ -62,8 +64,12 @@ def test_two_nodes_train_like_two_local_ranks(shared_runs, tmp_path, algo):
     else:
         local_dir = tmp_path / "local"
         rltrain(*args, "trainer.nproc=2", run_dir=local_dir, timeout=500)
-    codes, output = run_two_nodes(args, tmp_path / "nodes", tmp_path)
+    # The ranks torchrun starts are forked from the rank server (tests/cli.py `torchrun_ranks_env`);
+    # the refused node below keeps fresh ones: a forked rank would not be in its mount namespace.
+    forked = ranks_forked() if not cuda_machine() else 0
+    codes, output = run_two_nodes(args, tmp_path / "nodes", tmp_path, env=torchrun_ranks_env())
     assert codes == [0, 0], output[-6000:]
+    assert cuda_machine() or ranks_forked() - forked == 2
     local, nodes = train_rows(local_dir), train_rows(tmp_path / "nodes")
     assert [r["step"] for r in nodes] == [r["step"] for r in local] == list(range(1, len(local) + 1))
     assert [r["loss"] for r in nodes] == [r["loss"] for r in local]  # the same two processes, so bitwise

@@ -141,3 +141,25 @@ def test_the_multiplication_task_holds_out_unseen_products_and_demonstrates_the_
     assert abs(share - tasks.TOOL_DEMO_FRACTION) < 0.02, share
     rows = tasks.sft_rows(held[:3], "<eos>", demonstrations=False)
     assert [r["completion"] for r in rows] == [p.answer for p in held[:3]]  # SFT's evaluation: the bare product
+
+
+def test_sft_rows_are_tokenized_in_one_call_as_each_alone():
+    """`build_sft_data` encodes every prompt and every completion in one tokenizer call each: the
+    same ids as encoding each text alone, the completion closed by EOS."""
+    from rltrain.config.schema import DataConfig
+    from rltrain.data.sft_data import build_sft_data, row_texts, text_rows
+    from rltrain.data.tokenize import encode, encode_all
+    from rltrain.models.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    texts = ["12+3=", "", "7*8*9=", "<tool_call>{}</tool_call>"]
+    assert encode_all(tokenizer, texts) == [encode(tokenizer, t) for t in texts]
+    assert encode_all(tokenizer, []) == []
+    cfg = DataConfig(num_train=40, num_eval=8)
+    rows, _, where = text_rows(cfg, 0, tokenizer.eos_token)
+    pairs = build_sft_data(tokenizer, cfg, 0).train
+    assert len(pairs) == len(rows) == 40
+    for pair, row in zip(pairs, rows, strict=True):
+        prompt, completion = row_texts(tokenizer, row, where)
+        assert pair.prompt == encode(tokenizer, prompt)
+        assert pair.completion == [*encode(tokenizer, completion), tokenizer.eos_token_id]
