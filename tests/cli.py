@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from helpers import WARM_ENV_PREFIXES
@@ -51,9 +52,20 @@ def rltrain(*args: str, run_dir: Path | None = None, timeout: float = 300, env: 
     are forked from the rank server unless `warm_ranks` is False: a test whose report depends on
     which of two ranks that fail together exits first keeps fresh rank processes, since a forked
     rank's exit reaches the launcher through its stand-in ("Warm ranks")."""
-    cmd = [sys.executable, "-m", "rltrain", *args]
     if run_dir is not None:
-        cmd.append(f"hydra.run.dir={run_dir}")
+        args = (*args, f"hydra.run.dir={run_dir}")
+    proc = python("-m", "rltrain", *args, timeout=timeout, env=env, warm=warm, warm_ranks=warm_ranks)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(proc.args)} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def python(*argv: str, timeout: float = 300, env: dict | None = None, warm: bool = True,
+           warm_ranks: bool = True) -> subprocess.CompletedProcess:
+    """`python *argv` (`-m module ...`, `-c code ...` or `script.py ...`; cwd: the project root), its
+    output captured: in a child of the warm fork server unless `warm` is False, its environment
+    needs a fresh interpreter or the machine has CUDA (`run_warm`), as `rltrain(...)` runs."""
+    cmd = [sys.executable, *argv]
     full_env = dict(os.environ, **(env or {}))
     proc = run_warm(cmd, full_env, timeout, warm_ranks) if warm else None
     if proc is None:
@@ -61,8 +73,6 @@ def rltrain(*args: str, run_dir: Path | None = None, timeout: float = 300, env: 
             proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as exc:
             raise CommandTimedOut(cmd, timeout, _decoded(exc.output), _decoded(exc.stderr)) from None
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}")
     return proc
 
 
@@ -88,7 +98,8 @@ def _decoded(text: str | bytes | None) -> str:
 
 def run_warm(cmd: list[str], env: dict[str, str], timeout: float,
              warm_ranks: bool = True) -> subprocess.CompletedProcess | None:
-    """Run `cmd` (`python -m rltrain ...`) in a child of the warm fork server; None when its
+    """Run `cmd` (`python -m rltrain ...`, or any `python` command line `python(...)` takes) in a
+    child of the warm fork server; None when its
     environment needs a fresh interpreter or the machine has CUDA (helpers.cuda_machine). Stdout and
     stderr go to files the child's file descriptors 1 and 2 point at, so ranks the command starts
     write there too, as with a pipe."""
@@ -119,8 +130,11 @@ def _start_warm(cmd: list[str], env: dict[str, str], out: Path, err: Path, rank_
     """Start `cmd` (`python -m rltrain ...`) in a child of the warm fork server (`_warm_entry`)."""
     from helpers import rank_context
 
-    child = rank_context().Process(target=_warm_entry, args=(cmd[3:], env, str(ROOT), _cold_sys_path(env), str(out),
-                                                              str(err), rank_server_path))
+    argv = cmd[1:]
+    # What a fresh interpreter puts first on sys.path: the cwd for `-m`, '' for `-c`, the script's directory.
+    first = {"-m": str(ROOT), "-c": ""}.get(argv[0], str((ROOT / argv[0]).resolve().parent))
+    child = rank_context().Process(target=_warm_entry, args=(argv, env, str(ROOT), [first, *_cold_sys_path(env)],
+                                                              str(out), str(err), rank_server_path))
     child.start()
     return child
 
@@ -189,21 +203,21 @@ _COLD_SYS_PATH: dict[str, list[str]] = {}
 
 
 def _cold_sys_path(env: dict[str, str]) -> list[str]:
-    """`sys.path` of a fresh `python -m` in ROOT with this environment (PYTHONPATH, site), asked once."""
+    """`sys.path` of a fresh interpreter in ROOT with this environment (PYTHONPATH, site), asked once,
+    without its first entry (which depends on how the interpreter was asked to run: `_start_warm`)."""
     key = env.get("PYTHONPATH", "")
     if key not in _COLD_SYS_PATH:
         probe = subprocess.run([sys.executable, "-c", "import json, sys; print(json.dumps(sys.path))"], cwd=ROOT,
                                env=env, capture_output=True, text=True, check=True)
-        _COLD_SYS_PATH[key] = [str(ROOT), *json.loads(probe.stdout)[1:]]  # `-m` puts the cwd first
+        _COLD_SYS_PATH[key] = json.loads(probe.stdout)[1:]
     return _COLD_SYS_PATH[key]
 
 
-def _warm_entry(args: list[str], env: dict[str, str], cwd: str, sys_path: list[str], out: str, err: str,
+def _warm_entry(argv: list[str], env: dict[str, str], cwd: str, sys_path: list[str], out: str, err: str,
                 rank_server_path: str) -> None:
-    """In the forked child: become `python -m rltrain *args` and exit as that interpreter would
-    (non-daemon threads joined, atexit handlers run, exit status from SystemExit). Its ranks, if it
-    starts any, are forked from the rank server (tests/rank_server.py)."""
-    import runpy
+    """In the forked child: become `python *argv` and exit as that interpreter would (non-daemon
+    threads joined, atexit handlers run, exit status from SystemExit). Ranks it starts, if any, are
+    forked from the rank server (tests/rank_server.py)."""
 
     os.setpgrp()  # a process group of its own, as a shell gives a command: a timeout kills all of it
     for fd, path in ((1, out), (2, err)):
@@ -224,8 +238,21 @@ def _warm_entry(args: list[str], env: dict[str, str], cwd: str, sys_path: list[s
     adopt(env, cwd, sys_path)
     if rank_server_path:
         os.environ[RANK_SERVER_ENV] = rank_server_path
-    sys.argv = ["-m", *args]
-    run_as_interpreter(lambda: runpy.run_module("rltrain", run_name="__main__", alter_sys=True))
+    run_as_interpreter(_main_of(argv))
+
+
+def _main_of(argv: list[str]) -> Callable[[], object]:
+    """What `python *argv` runs as `__main__`, with `sys.argv` set as it would set it."""
+    import runpy
+
+    if argv[0] == "-m":
+        sys.argv = ["-m", *argv[2:]]  # run_module puts the module's file first
+        return lambda: runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    if argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        return lambda: exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102
+    sys.argv = list(argv)
+    return lambda: runpy.run_path(argv[0], run_name="__main__")
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -7,18 +7,15 @@ import subprocess
 import sys
 
 import pytest
-from cli import ROOT
+from cli import ROOT, python
 from helpers import free_port
 
 pytestmark = pytest.mark.e2e
 
 
 def test_bench_gpu_runs_every_workload_on_cpu():
-    proc = subprocess.run(
-        [sys.executable, "scripts/bench_gpu.py", "--steps", "1", "--warmup", "0", "--batch", "4", "--micro", "2",
-         "--group", "2", "--no-trl", "--port", str(free_port())],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )
+    proc = python("scripts/bench_gpu.py", "--steps", "1", "--warmup", "0", "--batch", "4", "--micro", "2",
+                  "--group", "2", "--no-trl", "--port", str(free_port()), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split()[1]: line.split() for line in proc.stdout.splitlines() if line.startswith("rltrain ")}
     assert set(rows) == {"sft", "dpo", "grpo"}, proc.stdout
@@ -27,10 +24,7 @@ def test_bench_gpu_runs_every_workload_on_cpu():
 
 
 def test_bench_gpu_names_an_unknown_workload_before_building_anything():
-    proc = subprocess.run(
-        [sys.executable, "scripts/bench_gpu.py", "--only", "sft,ppo", "--no-trl"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )
+    proc = python("scripts/bench_gpu.py", "--only", "sft,ppo", "--no-trl", timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "unknown workload(s) ppo; choose from sft,dpo,grpo" in proc.stderr, proc.stderr
 
@@ -54,10 +48,8 @@ def test_bench_gpu_prints_trl_beside_every_workload_when_trl_is_importable():
 
 
 def test_bench_rewards_prints_the_direct_call_and_the_pool():
-    proc = subprocess.run(
-        [sys.executable, "scripts/bench_rewards.py", "--prompts", "2", "--group", "2", "--workers", "1", "--repeats", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )
+    proc = python("scripts/bench_rewards.py", "--prompts", "2", "--group", "2", "--workers", "1", "--repeats", "1",
+                  timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.rsplit(None, 1) for line in proc.stdout.splitlines()[2:]]
     assert [name for name, _ in rows] == ["direct call", "pool, 1 worker(s), a call per group"], proc.stdout

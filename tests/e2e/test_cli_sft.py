@@ -4,14 +4,23 @@ W&B, resume after a kill, user data. Each run is a real `python -m rltrain` proc
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from cli import ROOT, SFT_RUN, SFT_RUN_2_RANKS, comparable, kill_when, read_metrics, rltrain, train_rows
+from cli import (
+    ROOT,
+    SFT_RUN,
+    SFT_RUN_2_RANKS,
+    comparable,
+    kill_when,
+    python,
+    read_metrics,
+    rltrain,
+    train_rows,
+)
 from wandb_reader import find_run_file, read_offline_run
 
 pytestmark = pytest.mark.e2e
@@ -75,10 +84,8 @@ def test_final_model_loads_in_vllm(shared_runs):
         "out = llm.generate(['12+34='], SamplingParams(max_tokens=4, temperature=0))\n"
         "print('GENERATED', len(out[0].outputs[0].token_ids))\n"
     )
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", script, str(run_dir / "final")], capture_output=True, text=True, timeout=300, env=env
-    )
+    proc = python("-c", script, str(run_dir / "final"), timeout=300,
+                  env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "GENERATED" in proc.stdout
 

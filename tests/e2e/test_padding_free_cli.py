@@ -5,12 +5,8 @@ or a backend without the key is refused before anything is built, and `scripts/b
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
-from cli import ROOT, SMALL_SFT_RUN_2_RANKS, rltrain, train_rows
+from cli import ROOT, SMALL_SFT_RUN_2_RANKS, python, rltrain, train_rows
 from helpers import free_port
 from wandb_reader import find_run_file, read_offline_run
 
@@ -45,12 +41,9 @@ def test_bad_padding_free_is_refused_before_any_model_is_built(tmp_path, overrid
 
 def test_bench_gpu_padding_free_flag_on_cpu():
     """`--padding-free` with token-budget micro-batches (`--max-tokens`), as meant for the GPU."""
-    proc = subprocess.run(
-        [sys.executable, "scripts/bench_gpu.py", "--only", "sft", "--steps", "1", "--warmup", "0", "--batch", "4",
-         "--micro", "2", "--no-trl", "--padding-free", "--max-tokens", "1024", "--port", str(free_port())],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),  # this checkout's rltrain, whichever one the venv installed
-    )
+    proc = python("scripts/bench_gpu.py", "--only", "sft", "--steps", "1", "--warmup", "0", "--batch", "4",
+                  "--micro", "2", "--no-trl", "--padding-free", "--max-tokens", "1024", "--port", str(free_port()),
+                  timeout=600, env={"PYTHONPATH": str(ROOT)})  # this checkout's rltrain, whichever one the venv installed
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "fp32, padding-free)" in proc.stdout and "micro-batches of <= 1024 tokens (TRL: 2 rows)" in proc.stdout, proc.stdout
     (sft,) = [line.split() for line in proc.stdout.splitlines() if line.startswith("rltrain sft")]

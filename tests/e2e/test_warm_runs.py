@@ -1,4 +1,5 @@
-"""The tests' warm CLI runner (tests/cli.py `run_warm`) behaves as a fresh `python -m rltrain`:
+"""The tests' warm CLI runner (tests/cli.py `run_warm`) behaves as a fresh `python -m rltrain` (or
+`python -c ...`, `python script.py ...`):
 the same output and exit status, and a cold run wherever the environment would make a difference
 (docs/testing.md, "Warm CLI runs"). Every other end-to-end test relies on this."""
 
@@ -8,7 +9,7 @@ import os
 import sys
 
 import pytest
-from cli import SMALL_SFT_RUN_2_RANKS, rank_server, ranks_forked, rltrain, run_warm, train_rows
+from cli import SMALL_SFT_RUN_2_RANKS, python, rank_server, ranks_forked, rltrain, run_warm, train_rows
 
 from rltrain.launch.forked_rank import RANK_SERVER_ENV
 
@@ -30,6 +31,22 @@ def test_a_warm_run_prints_and_exits_as_a_cold_one(tiny_cache, tmp_path, args):
         warm_text = getattr(warm, stream).replace(str(tmp_path / "warm"), "RUN_DIR")
         assert warm_text == getattr(cold, stream).replace(str(tmp_path / "cold"), "RUN_DIR"), stream
     assert (tmp_path / "warm").exists() == (tmp_path / "cold").exists()
+
+
+def test_a_warm_python_command_runs_as_a_fresh_interpreter_would(tmp_path):
+    """`python -c ...` and `python script.py ...` (the benchmark scripts' tests) warm: the same
+    argv, first sys.path entry, output and exit status as a fresh interpreter."""
+    show = "import sys; print(sys.argv, repr(sys.path[0])); sys.exit(3)"
+    script = tmp_path / "show.py"
+    script.write_text(show)
+    expected = {"-c": f"{['-c', 'a', '--b']} ''\n", str(script): f"{[str(script), 'a', '--b']} {str(tmp_path)!r}\n"}
+    for first, stdout in expected.items():
+        argv = [first, show, "a", "--b"] if first == "-c" else [first, "a", "--b"]
+        warm, cold = python(*argv, timeout=120), python(*argv, timeout=120, warm=False)
+        assert (warm.returncode, warm.stdout, warm.stderr) == (cold.returncode, cold.stdout, cold.stderr) == (3, stdout, "")
+    preloaded = "import sys; print('transformers' in sys.modules)"  # imported by the fork server, not by this code
+    assert python("-c", preloaded, timeout=120).stdout == "True\n"
+    assert python("-c", preloaded, timeout=120, warm=False).stdout == "False\n"
 
 
 def test_an_environment_a_preloaded_library_reads_runs_cold(tiny_cache, tmp_path):
