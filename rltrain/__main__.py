@@ -218,14 +218,15 @@ def fail(exc: UserError) -> NoReturn:
 
 
 def main() -> None:
+    started_by_a_launcher = True
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank: SIGKILLed torchrun must not orphan it
         die_with_parent(os.getppid())
     elif DIE_WITH_PARENT_ENV in os.environ:  # a run started by a run (the SFT start): it goes when its parent goes
         die_with_parent(int(os.environ.pop(DIE_WITH_PARENT_ENV)))
     else:
-        sys.exit(compose_and_run())
+        started_by_a_launcher = False
     server = os.environ.get(RANK_SERVER_ENV)
-    if server:  # started by a launcher, in the test suite: a pre-imported process (rltrain.launch.forked_rank)
+    if server and started_by_a_launcher:  # the test suite's pre-imported processes (rltrain.launch.forked_rank)
         run_in_server(server, "rltrain.__main__:compose_and_run", [])
     sys.exit(compose_and_run())
 

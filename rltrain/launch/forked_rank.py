@@ -3,11 +3,11 @@
 
 A fresh `python -m rltrain.worker` (or `rltrain.rollout.separate_child`, or a launcher-started
 `python -m rltrain`: a torchrun rank, the SFT start's run) spends seconds of CPU on imports, most
-of a short run's time; the test suite runs hundreds of short runs. With `RLTRAIN_RANK_SERVER` naming a rank server's socket
-(tests/rank_server.py) the process is only a stand-in: the server forks the real one with the
-stand-in's argv, environment, cwd, sys.path and fds, the stand-in forwards signals and exits as the
-real process did, and the server kills one whose stand-in dies. Unset (every user run), nothing here
-runs. Protocol (JSON lines) and story: docs/testing.md, "Warm ranks".
+of a short run's time; the test suite runs hundreds of short runs. With `RLTRAIN_RANK_SERVER`
+naming a rank server's socket (tests/rank_server.py) the process is only a stand-in: the server
+forks the real one with the stand-in's argv, environment, cwd, sys.path and fds, the stand-in
+forwards signals and exits as the real process did, and the server kills one whose stand-in dies.
+Unset (every user run), nothing here runs. Protocol and story: docs/testing.md, "Warm ranks".
 """
 
 from __future__ import annotations
