@@ -5,7 +5,8 @@ the launcher dies (rltrain.launch.parent_death), and exits at once if the launch
 
 A `UserError` is recorded in the run directory (rltrain.runtime.errors) and the rank exits 2 without
 printing: the launcher prints the first rank's paragraph once. A rank that failed because a peer
-reported a user error first exits 1 without a traceback.
+reported a user error first exits 1 without a traceback; one whose collective failed records that,
+so the launcher names the peer it lost, not this rank.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from rltrain.runtime.errors import (
     UserError,
     ensure_reported,
     peer_reported,
+    report_lost_peer,
     stay_quiet_after_peer,
 )
 
@@ -48,16 +50,19 @@ def train_rank(run_dir: str | Path) -> int:
     rank = int(os.environ.get("RANK", "0"))
     cfg = load_run_config(run_dir)
     from rltrain.run.trainer import run
+    from rltrain.safety.error_kinds import is_collective_failure
 
     try:
         run(cfg, run_dir)
     except UserError as exc:
         ensure_reported(run_dir, rank, str(exc))
         return EXIT_USER_ERROR
-    except Exception:
+    except Exception as exc:
         if peer_reported(run_dir, rank):
             stay_quiet_after_peer(run_dir, rank)
             return 1
+        if is_collective_failure(exc):
+            report_lost_peer(run_dir, rank)  # the launcher then names the peer that left first
         raise
     return 0
 

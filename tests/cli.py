@@ -41,7 +41,7 @@ QUICK = [
 
 
 def rltrain(*args: str, run_dir: Path | None = None, timeout: float = 300, env: dict | None = None, check: bool = True,
-            warm: bool = True, warm_ranks: bool = True):
+            warm: bool = True):
     """`python -m rltrain *args` (cwd: the project root), its output captured.
 
     With `warm` (the default) the command runs in a process forked from the tests' warm fork server
@@ -49,25 +49,22 @@ def rltrain(*args: str, run_dir: Path | None = None, timeout: float = 300, env: 
     that fork server already made. A test that reads the whole console (import-time output
     included), or a command whose environment differs where a preloaded library reads it, runs cold:
     a fresh interpreter, as a user's shell starts it (docs/testing.md, "Warm CLI runs"). Its ranks
-    are forked from the rank server unless `warm_ranks` is False: a test whose report depends on
-    which of two ranks that fail together exits first keeps fresh rank processes, since a forked
-    rank's exit reaches the launcher through its stand-in ("Warm ranks")."""
+    are forked from the rank server ("Warm ranks")."""
     if run_dir is not None:
         args = (*args, f"hydra.run.dir={run_dir}")
-    proc = python("-m", "rltrain", *args, timeout=timeout, env=env, warm=warm, warm_ranks=warm_ranks)
+    proc = python("-m", "rltrain", *args, timeout=timeout, env=env, warm=warm)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(proc.args)} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}")
     return proc
 
 
-def python(*argv: str, timeout: float = 300, env: dict | None = None, warm: bool = True,
-           warm_ranks: bool = True) -> subprocess.CompletedProcess:
+def python(*argv: str, timeout: float = 300, env: dict | None = None, warm: bool = True) -> subprocess.CompletedProcess:
     """`python *argv` (`-m module ...`, `-c code ...` or `script.py ...`; cwd: the project root), its
     output captured: in a child of the warm fork server unless `warm` is False, its environment
     needs a fresh interpreter or the machine has CUDA (`run_warm`), as `rltrain(...)` runs."""
     cmd = [sys.executable, *argv]
     full_env = dict(os.environ, **(env or {}))
-    proc = run_warm(cmd, full_env, timeout, warm_ranks) if warm else None
+    proc = run_warm(cmd, full_env, timeout) if warm else None
     if proc is None:
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
@@ -96,8 +93,7 @@ def _decoded(text: str | bytes | None) -> str:
     return text.decode(errors="replace") if isinstance(text, bytes) else (text or "")
 
 
-def run_warm(cmd: list[str], env: dict[str, str], timeout: float,
-             warm_ranks: bool = True) -> subprocess.CompletedProcess | None:
+def run_warm(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess | None:
     """Run `cmd` (`python -m rltrain ...`, or any `python` command line `python(...)` takes) in a
     child of the warm fork server; None when its
     environment needs a fresh interpreter or the machine has CUDA (helpers.cuda_machine). Stdout and
@@ -112,7 +108,7 @@ def run_warm(cmd: list[str], env: dict[str, str], timeout: float,
 
     with tempfile.TemporaryDirectory(prefix="rltrain-warm-") as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        child = _start_warm(cmd, env, out, err, rank_server() if warm_ranks else "")
+        child = _start_warm(cmd, env, out, err, rank_server())
         child.join(timeout)
         if child.is_alive():
             with contextlib.suppress(ProcessLookupError):
@@ -236,8 +232,7 @@ def _warm_entry(argv: list[str], env: dict[str, str], cwd: str, sys_path: list[s
     from helpers import adopt, run_as_interpreter
 
     adopt(env, cwd, sys_path)
-    if rank_server_path:
-        os.environ[RANK_SERVER_ENV] = rank_server_path
+    os.environ[RANK_SERVER_ENV] = rank_server_path
     run_as_interpreter(_main_of(argv))
 
 

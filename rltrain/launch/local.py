@@ -28,11 +28,14 @@ from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
-from rltrain.runtime.errors import clear_reports, first_report, format_error
+from rltrain.runtime.errors import clear_reports, first_report, format_error, lost_peer_ranks
 
 GRACE_S = 30.0
 # After a rank's user error the cause is known: the peers get this long to leave by themselves.
 USER_ERROR_GRACE_S = 10.0
+# When the only failed ranks lost a peer (their collective failed), how long to wait for the rank
+# that left first to exit too, so that it is the one named.
+CAUSE_EXIT_WAIT_S = 5.0
 # How long the ranks have to exit after a forwarded signal before SIGKILL (after a failed rank's
 # grace period the agent's own SIGTERM-to-SIGKILL window, 30 s, applies).
 SHUTDOWN_TIMEOUT_S = 10
@@ -55,9 +58,10 @@ class RankFailure:
     user_error: bool
 
 
-def first_failure(codes: dict[int, int | None], run_dir: Path) -> RankFailure | None:
+def first_failure(codes: dict[int, int | None], run_dir: Path, wait_for_cause: bool = False) -> RankFailure | None:
     """The rank that caused the run to fail, given each rank's exit code (None: still running);
-    None while no rank has failed."""
+    None while no rank has failed, or, with `wait_for_cause`, while every failed rank only lost a
+    peer and a rank is still running (the cause may be on its way out)."""
     failed = {rank: code for rank, code in codes.items() if code is not None and code != 0}
     if not failed:
         return None
@@ -67,9 +71,12 @@ def first_failure(codes: dict[int, int | None], run_dir: Path) -> RankFailure | 
         # even when a peer's exit was seen first.
         rank, paragraph = report
         return RankFailure(rank, format_error(paragraph, rank), user_error=True)
-    # A rank killed by a signal is the cause; peers that exited with an error in the same poll
-    # interval were its victims (their collectives failed).
-    rank = min(failed, key=lambda r: (failed[r] >= 0, r))
+    victims = lost_peer_ranks(run_dir)
+    if wait_for_cause and set(failed) <= victims and None in codes.values():
+        return None
+    # A rank killed by a signal is the cause; then a rank that failed by itself (not because a
+    # collective failed: its peers that exited in the same poll interval were its victims).
+    rank = min(failed, key=lambda r: (failed[r] >= 0, r in victims, r))
     message = f"rltrain: rank {rank} exited with code {describe_exit(failed[rank])}; stopping the other ranks"
     return RankFailure(rank, message, user_error=False)
 
@@ -104,11 +111,17 @@ class GracefulAgent(LocalElasticAgent):
         self.failure: RankFailure | None = None
         self.exit_codes: dict[int, int | None] = {}
         self._failed_at = 0.0
+        self._first_exit_at: float | None = None  # when a rank was first seen to have failed
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self.exit_codes = self._poll_exit_codes(worker_group)
         if self.failure is None:
-            self.failure = first_failure(self.exit_codes, self.run_dir)
+            if self._first_exit_at is None and any(code not in (None, 0) for code in self.exit_codes.values()):
+                self._first_exit_at = time.monotonic()
+            waiting = self._first_exit_at is not None and time.monotonic() - self._first_exit_at < CAUSE_EXIT_WAIT_S
+            self.failure = first_failure(self.exit_codes, self.run_dir, wait_for_cause=waiting)
+            if self.failure is None and waiting:
+                return RunResult(state=WorkerState.HEALTHY)  # a failed rank's peer may still be leaving
             if self.failure is not None:
                 self._failed_at = time.monotonic()
                 if self.failure.user_error:

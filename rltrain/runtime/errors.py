@@ -77,6 +77,24 @@ def first_report(run_dir: Path) -> tuple[int, str] | None:
         return None
 
 
+def report_lost_peer(run_dir: Path, rank: int) -> None:
+    """Record that this rank fails because a collective failed: its exit is a consequence of a
+    peer's, so the launcher names that peer when it failed too (best effort: without the record
+    the launcher falls back to the lowest failed rank)."""
+    d = _errors_dir(run_dir)
+    with contextlib.suppress(OSError):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"rank{rank}.lost_peer").touch()
+
+
+def lost_peer_ranks(run_dir: Path) -> set[int]:
+    """The ranks that recorded `report_lost_peer` in this run directory."""
+    d = _errors_dir(run_dir)
+    if not d.is_dir():
+        return set()
+    return {int(f.name.removeprefix("rank").removesuffix(".lost_peer")) for f in d.glob("rank*.lost_peer")}
+
+
 def peer_reported(run_dir: Path, rank: int) -> bool:
     """Whether another rank reported a UserError first (this rank's failure is its consequence)."""
     first = first_report(run_dir)

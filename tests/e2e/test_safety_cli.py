@@ -70,7 +70,7 @@ def test_fail_fast_exits_non_zero_in_bounded_time_with_the_error(tiny_cache, tmp
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
     proc = rltrain("algo=sft", *QUICK, *SMALL, "trainer.max_steps=5", "debug.fault=loss_error:1:2",
-                   run_dir=run_dir, env={"RLTRAIN_FAIL_FAST": "1"}, check=False, timeout=180, warm_ranks=False)
+                   run_dir=run_dir, env={"RLTRAIN_FAIL_FAST": "1"}, check=False, timeout=180)
     assert proc.returncode != 0
     assert time.monotonic() - t0 < 120
     assert "InjectedFault: loss_error injected by debug.fault on rank 1 at step 2" in proc.stderr
@@ -85,7 +85,7 @@ def test_a_device_bug_in_the_loss_fails_a_recover_mode_run_at_once(tiny_cache, t
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
     proc = rltrain("algo=sft", *QUICK, *SMALL, "trainer.max_steps=5", "debug.fault=device_error:1:2",
-                   run_dir=run_dir, env={"RLTRAIN_FAIL_FAST": "0"}, check=False, timeout=180, warm_ranks=False)
+                   run_dir=run_dir, env={"RLTRAIN_FAIL_FAST": "0"}, check=False, timeout=180)
     assert proc.returncode != 0
     assert time.monotonic() - t0 < 120
     assert "InjectedFault: Expected all tensors to be on the same device" in proc.stderr

@@ -64,7 +64,7 @@ def test_fail_fast_loss_error_exits_non_zero_in_bounded_time(tiny_cache, tmp_pat
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
     proc = rltrain(*SMALL, "backend.pp=2", "trainer.max_steps=4", "debug.fault=loss_error:1:2", run_dir=run_dir,
-                   env={"RLTRAIN_FAIL_FAST": "1"}, check=False, timeout=180, warm_ranks=False)
+                   env={"RLTRAIN_FAIL_FAST": "1"}, check=False, timeout=180)
     assert proc.returncode != 0
     assert time.monotonic() - t0 < 120
     assert "InjectedFault: loss_error injected by debug.fault on rank 1 at step 2" in proc.stderr
