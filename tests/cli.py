@@ -258,45 +258,93 @@ def train_rows(run_dir: Path) -> list[dict]:
     return [r for r in read_metrics(run_dir) if "loss" in r]
 
 
-def kill_when(args: list[str], run_dir: Path, ready: Path, sig: int, timeout: float = 240, env: dict | None = None) -> None:
-    """Start `python -m rltrain *args` in a process group of its own, wait until `ready` exists,
-    then send `sig` to that whole group (every rank) and wait for it to end.
+class BackgroundRun:
+    """`python -m rltrain *args` running while a test watches or signals it, in a process group of
+    its own, its output going to files (`finish` reads them).
 
-    The launcher is a warm child (`run_warm`; cold where that runs cold) and its ranks are forked
-    from the rank server: the signal reaches the launcher and the ranks' stand-ins at once, and
-    each stand-in's rank with it (forwarded; SIGKILL: the server kills a rank whose stand-in died,
-    within its select loop's turn), as a shell's signal would reach every rank."""
-    import tempfile
+    It is a warm child (`_start_warm`; cold where `run_warm` would run it cold) whose ranks are
+    forked from the rank server: a signal to the group reaches the launcher and the ranks' stand-ins
+    at once, and each stand-in's rank with it (forwarded; SIGKILL: the server kills a rank whose
+    stand-in died, within its select loop's turn), as a shell's signal would reach every rank."""
+
+    def __init__(self, args: list[str], run_dir: Path, env: dict | None = None) -> None:
+        import tempfile
+
+        from helpers import cuda_machine
+
+        self.cmd = [sys.executable, "-m", "rltrain", *args, f"hydra.run.dir={run_dir}"]
+        self.env = dict(os.environ, **(env or {}))
+        self._tmp = tempfile.TemporaryDirectory(prefix="rltrain-bg-")
+        self.out, self.err = Path(self._tmp.name) / "stdout", Path(self._tmp.name) / "stderr"
+        self.proc: subprocess.Popen | None = None
+        self.child = None if cuda_machine() else _start_warm(self.cmd, self.env, self.out, self.err, rank_server())
+        if self.child is None:
+            self._start_cold()
+
+    def _start_cold(self) -> None:
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=self.env, stdout=out, stderr=err, start_new_session=True)
+
+    def poll(self) -> int | None:
+        """The exit status; None while it runs (a warm child its environment refused restarts cold)."""
+        if self.child is not None:
+            if self.child.is_alive():
+                return None
+            self.child.join()
+            if not _refused(self.child.exitcode, self.err):
+                return self.child.exitcode
+            self.child = None
+            self._start_cold()
+        assert self.proc is not None
+        return self.proc.poll()
+
+    def signal(self, sig: int) -> None:
+        """Send `sig` to the run's whole process group."""
+        pid = self.child.pid if self.child is not None else self.proc.pid if self.proc is not None else None
+        assert pid is not None and pid > 0
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, sig)
+
+    def finish(self, timeout: float) -> subprocess.CompletedProcess:
+        """Wait up to `timeout` s for the run to end and return its status and output; past it, kill
+        the whole group and raise `CommandTimedOut`."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if time.monotonic() > deadline:
+                self.close()
+                raise CommandTimedOut(self.cmd, timeout, _text(self.out), _text(self.err))
+            time.sleep(0.05)
+        return subprocess.CompletedProcess(self.cmd, code, _text(self.out), _text(self.err))
+
+    def close(self) -> None:
+        """SIGKILL the group if the run still runs; remove the output files."""
+        if self.poll() is None:
+            self.signal(signal.SIGKILL)
+            if self.child is not None:
+                self.child.join()
+            elif self.proc is not None:
+                self.proc.wait()
+        self._tmp.cleanup()
+
+
+def kill_when(args: list[str], run_dir: Path, ready: Path, sig: int, timeout: float = 240, env: dict | None = None) -> None:
+    """Start `python -m rltrain *args` (a `BackgroundRun`), wait until `ready` exists, then send
+    `sig` to its whole group (every rank) and wait for it to end."""
     import time
 
-    from helpers import cuda_machine
-
-    cmd = [sys.executable, "-m", "rltrain", *args, f"hydra.run.dir={run_dir}"]
-    full_env = dict(os.environ, **(env or {}))
+    run = BackgroundRun(args, run_dir, env)
     deadline = time.monotonic() + timeout
-    with tempfile.TemporaryDirectory(prefix="rltrain-kill-") as tmp:
-        err = Path(tmp) / "stderr"
-        child = None if cuda_machine() else _start_warm(cmd, full_env, Path(tmp) / "stdout", err, rank_server())
-        proc = None
+    try:
         while not ready.exists():
-            if child is not None and not child.is_alive():
-                child.join()
-                assert _refused(child.exitcode, err), "the run ended before it could be killed"
-                child = None
-            if child is None and proc is None:
-                proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL, start_new_session=True)
-            assert proc is None or proc.poll() is None, "the run ended before it could be killed"
+            assert run.poll() is None, "the run ended before it could be killed"
             assert time.monotonic() < deadline, f"{ready} did not appear within {timeout}s"
             time.sleep(0.05)
-        if child is not None:
-            os.killpg(child.pid, sig)
-            child.join(60)
-            assert child.exitcode is not None, "the killed run did not end within 60 s"
-        else:
-            assert proc is not None
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=60)
+        run.signal(sig)
+        run.finish(timeout=60)
+    finally:
+        run.close()
 
 
 def comparable(rows: list[dict]) -> list[dict]:

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
-from cli import QUICK, ROOT, SMALL_MODEL, rltrain, train_rows
+from cli import QUICK, ROOT, SMALL_MODEL, BackgroundRun, rltrain, train_rows
 
 pytestmark = pytest.mark.e2e
 
@@ -37,23 +35,22 @@ def _deep(port: int) -> tuple[int, dict]:
 
 def test_recover_mode_completes_and_deep_health_reports_a_dead_rollout(tiny_cache, tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rltrain", "algo=sft", *QUICK, *SMALL, "trainer.max_steps=40", "health.port=0",
-           "debug.fault='loss_error:1:3,rollout_dead:0:15'", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = BackgroundRun(["algo=sft", *QUICK, *SMALL, "trainer.max_steps=40", "health.port=0",
+                         "debug.fault='loss_error:1:3,rollout_dead:0:15'"], run_dir)
     seen: list[tuple[int, dict]] = []
     try:
         deadline = time.monotonic() + 240
-        while proc.poll() is None and time.monotonic() < deadline:
+        while run.poll() is None and time.monotonic() < deadline:
             if (run_dir / "health.json").exists():
                 try:
                     seen.append(_deep(json.loads((run_dir / "health.json").read_text())["port"]))
                 except (OSError, ValueError):
                     pass  # the run finished between the check and the request
             time.sleep(0.1)
-        out, err = proc.communicate(timeout=240)
+        proc = run.finish(timeout=240)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        run.close()
+    err = proc.stderr
     assert proc.returncode == 0, err[-3000:]
     rows = train_rows(run_dir)
     assert len(rows) == 40

@@ -3,19 +3,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from cli import ROOT, python
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.utils import logging as hf_logging
 
 from rltrain.runtime.library_noise import quiet_transformers_checkpoint_bars
-
-ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
@@ -75,8 +69,9 @@ logging.getLogger("vllm.anything").error("an error still shows")
 
 
 def _run(code: str) -> str:
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    """`python -c code`'s stderr: a fresh interpreter's imports, forked from the warm fork server
+    (tests/cli.py `python`), which has imported neither vllm nor megatron-core."""
+    proc = python("-c", code, timeout=300, env={"PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stderr
 
