@@ -152,16 +152,18 @@ def rank_server() -> str:
 
         directory = tempfile.mkdtemp(prefix="rlrs-")  # short: a socket path has at most 107 bytes
         path = str(Path(directory) / "socket")
-        from helpers import session_environment
+        import rank_server as server_module
+        from helpers import rank_context
 
-        with session_environment():  # not a module's changes to os.environ (helpers.SESSION_ENV)
-            server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "rank_server.py"), path, str(os.getpid())],
-                                      cwd=ROOT)
+        # A child of the fork server, which has imported PRELOAD with the session's environment
+        # (helpers.SESSION_ENV, not a module's changes to os.environ).
+        server = rank_context().Process(target=server_module.run, args=(path,), daemon=False)
+        server.start()
         atexit.register(shutil.rmtree, directory, ignore_errors=True)
-        atexit.register(server.kill)  # atexit runs it first
+        atexit.register(server.kill)  # atexit runs it first, before multiprocessing joins its children
         deadline = time.monotonic() + 60
-        while not os.path.exists(path):  # bound before it imports anything: a fraction of a second
-            assert server.poll() is None and time.monotonic() < deadline, "the rank server did not start"
+        while not os.path.exists(path):
+            assert server.is_alive() and time.monotonic() < deadline, "the rank server did not start"
             time.sleep(0.02)
         _RANK_SERVER.append(path)
     return _RANK_SERVER[0]

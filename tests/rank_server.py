@@ -1,13 +1,13 @@
-"""The rank server of warm CLI runs: `python tests/rank_server.py SOCKET PARENT_PID`.
+"""The rank server of warm CLI runs: a child of the tests' fork server (`run`, started by
+tests/cli.py `rank_server`), so it holds the libraries every rank imports (helpers.PRELOAD).
 
-It imports the libraries every rank imports (helpers.PRELOAD: torch, transformers, ...) once, then
-forks a process for each stand-in that connects (rltrain.launch.forked_rank has the protocol and the
-stand-in's side; `{"count": true}` asks how many it forked): a rank of `python -m rltrain.worker`
-or a separate rollout process, with the stand-in's argv, environment, working directory, sys.path
-and descriptors, in a session of its own (as the agent's `start_new_session` gives a rank). It is
-SIGKILLed, with its process group, when its stand-in goes away, and when this server dies.
-Single-threaded: a select loop over the listening socket, the stand-ins' connections and the
-forked processes' pidfds, so every fork happens with one thread. docs/testing.md, "Warm ranks".
+It forks a process for each stand-in that connects (rltrain.launch.forked_rank has the protocol and
+the stand-in's side; `{"count": true}` asks how many it forked): a rank of `python -m
+rltrain.worker` or a separate rollout process, with the stand-in's argv, environment, working
+directory, sys.path and descriptors, in a session of its own (as the agent's `start_new_session`
+gives a rank). It is SIGKILLed, with its process group, when its stand-in goes away, and when this
+server dies. Single-threaded: a select loop over the listening socket, the stand-ins' connections
+and the forked processes' pidfds, so every fork happens with one thread. docs/testing.md.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ PR_SET_PDEATHSIG = 1
 AGENT_ENV_PREFIXES = ("TORCHELASTIC_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                       "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                       "TORCH_NCCL_ASYNC_ERROR_HANDLING")
-SERVER_ENV = dict(os.environ)
+SERVER_ENV: dict[str, str] = {}  # the server's environment (`run`)
 
 
 def die_with(parent_pid: int) -> None:
@@ -138,7 +138,7 @@ def start(client: StandIn, request: dict, listener: socket.socket, selector, cli
         send(client.conn, {"forked": FORKED[0]})
         close(client, selector, clients)
         return
-    from helpers import WARM_ENV_PREFIXES  # imported with PRELOAD in main()
+    from helpers import WARM_ENV_PREFIXES
 
     allowed = WARM_ENV_PREFIXES + AGENT_ENV_PREFIXES
     differing = sorted(k for k in set(request["env"]) | set(SERVER_ENV)
@@ -183,18 +183,13 @@ def close(client: StandIn, selector, clients: dict[int, StandIn]) -> None:
     client.fds = []
 
 
-def main(argv: list[str]) -> None:
-    path, parent = argv[0], int(argv[1])
-    die_with(parent)
+def run(path: str) -> None:
+    """The server's process: a child of the tests' fork server (helpers.rank_context), which has
+    imported PRELOAD and holds the session's environment; it ends with that fork server."""
+    SERVER_ENV.clear()
+    SERVER_ENV.update(os.environ)
+    die_with(os.getppid())
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)  # before the imports: a stand-in that comes early waits in the backlog
+    listener.bind(path)
     listener.listen(64)
-    from helpers import PRELOAD
-
-    for module in PRELOAD:
-        importlib.import_module(module)
     serve(listener)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
