@@ -302,10 +302,10 @@ class BackgroundRun:
 
     def signal(self, sig: int) -> None:
         """Send `sig` to the run's whole process group."""
-        pid = self.child.pid if self.child is not None else self.proc.pid if self.proc is not None else None
-        assert pid is not None and pid > 0
+        process = self.child if self.child is not None else self.proc
+        assert process is not None and process.pid  # the group's leader: each started one of its own
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, sig)
+            os.killpg(process.pid, sig)
 
     def finish(self, timeout: float) -> subprocess.CompletedProcess:
         """Wait up to `timeout` s for the run to end and return its status and output; past it, kill
