@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from helpers import WARM_ENV_PREFIXES
@@ -123,16 +122,87 @@ def run_warm(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.
 
 
 def _start_warm(cmd: list[str], env: dict[str, str], out: Path, err: Path, rank_server_path: str):
-    """Start `cmd` (`python -m rltrain ...`) in a child of the warm fork server (`_warm_entry`)."""
+    """Start `cmd` (`python -m rltrain ...`) in a child of the warm fork server (`_warm_entry`), or of
+    the rank server's vLLM server when it builds a vLLM engine in its own process (`VllmServerChild`)."""
     from helpers import rank_context
 
     argv = cmd[1:]
     # What a fresh interpreter puts first on sys.path: the cwd for `-m`, '' for `-c`, the script's directory.
     first = {"-m": str(ROOT), "-c": ""}.get(argv[0], str((ROOT / argv[0]).resolve().parent))
-    child = rank_context().Process(target=_warm_entry, args=(argv, env, str(ROOT), [first, *_cold_sys_path(env)],
-                                                              str(out), str(err), rank_server_path))
+    sys_path = [first, *_cold_sys_path(env)]
+    if _builds_vllm_engine_in_process(argv):
+        child = VllmServerChild.start(argv, {**env, RANK_SERVER_ENV: rank_server_path}, sys_path, out, err, rank_server_path)
+        if child is not None:
+            return child
+    child = rank_context().Process(target=_warm_entry, args=(argv, env, str(ROOT), sys_path, str(out), str(err),
+                                                              rank_server_path))
     child.start()
     return child
+
+
+def _builds_vllm_engine_in_process(argv: list[str]) -> bool:
+    """Whether `python *argv` is a 1-rank RL run whose vLLM engine lives in its own process, read from
+    its overrides (the defaults: algo=grpo, rollout=vllm colocated, one rank). A wrong guess costs
+    only time: the run is as it would be either way."""
+    if argv[:2] != ["-m", "rltrain"]:
+        return False
+    overrides: dict[str, str] = {}
+    for arg in argv[2:]:
+        key, equals, value = arg.lstrip("+").partition("=")
+        if not equals or key.startswith(("-", "experiment", "hydra/")):  # --cfg, --multirun, recipes, launchers
+            return False
+        overrides[key] = value
+    return (overrides.get("algo", "grpo") in ("grpo", "ppo") and overrides.get("trainer.nproc", "1") == "1"
+            and overrides.get("rollout", "vllm") == "vllm" and overrides.get("rollout.process", "colocated") == "colocated")
+
+
+class VllmServerChild:
+    """A warm child forked by the vLLM server of the rank server (tests/rank_server.py), which has
+    imported vLLM's engine modules: what `_start_warm` returns for a run that builds an engine in its
+    own process, with the face of the multiprocessing.Process it returns otherwise (pid, is_alive,
+    join, exitcode). Its stdout and stderr are the files; the server reports its exit status."""
+
+    def __init__(self, sock, reader, pid: int) -> None:
+        self.sock, self.reader, self.pid = sock, reader, pid
+        self.exitcode: int | None = None
+
+    @classmethod
+    def start(cls, argv: list[str], env: dict[str, str], sys_path: list[str], out: Path, err: Path,
+              rank_server_path: str) -> VllmServerChild | None:
+        """Ask the rank server; None when it declines (no vLLM server, or an environment it refuses)."""
+        import socket
+
+        from rltrain.launch.forked_rank import LineReader, send_message
+
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(rank_server_path)
+        request = {"argv": argv, "entry": "rank_server:run_python", "args": argv, "fds": [1, 2], "env": env,
+                   "cwd": str(ROOT), "sys_path": sys_path, "parent": os.getpid(), "vllm": True}
+        with open(out, "w") as out_file, open(err, "w") as err_file:
+            send_message(sock, request, [out_file.fileno(), err_file.fileno()])
+        reader = LineReader(sock)
+        started = reader.next()
+        if started is None or "pid" not in started:
+            sock.close()
+            return None
+        return cls(sock, reader, int(started["pid"]))
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.exitcode is not None:
+            return
+        self.sock.settimeout(timeout)
+        try:
+            ended = self.reader.next()
+        except (TimeoutError, BlockingIOError):
+            return
+        self.exitcode = -signal.SIGKILL if ended is None else int(ended["exit"])
+        self.sock.close()
+
+    def is_alive(self) -> bool:
+        self.join(0.001)
+        return self.exitcode is None
+
+
 
 
 def _refused(exitcode: int | None, err: Path) -> bool:
@@ -178,8 +248,9 @@ def torchrun_ranks_env() -> dict[str, str]:
     return {} if cuda_machine() else {RANK_SERVER_ENV: rank_server()}
 
 
-def ranks_forked() -> int:
-    """How many ranks this test process's rank server has forked."""
+def ranks_forked(by_vllm_server: bool = False) -> int:
+    """How many ranks (and rollout processes) this test process's rank server has forked; of them,
+    with `by_vllm_server`, how many its vLLM server forked (tests/rank_server.py)."""
     import socket
 
     from rltrain.launch.forked_rank import LineReader, send_message
@@ -189,7 +260,7 @@ def ranks_forked() -> int:
         send_message(sock, {"count": True})
         answer = LineReader(sock).next()
     assert answer is not None
-    return int(answer["forked"])
+    return int(answer["vllm" if by_vllm_server else "forked"])
 
 
 def _text(path: Path) -> str:
@@ -231,25 +302,11 @@ def _warm_entry(argv: list[str], env: dict[str, str], cwd: str, sys_path: list[s
         sys.stderr.write(WARM_REFUSED_MARK + ", ".join(differing) + "\n")
         sys.stderr.flush()
         os._exit(WARM_REFUSED)
-    from helpers import adopt, run_as_interpreter
+    from helpers import adopt, main_of, run_as_interpreter
 
     adopt(env, cwd, sys_path)
     os.environ[RANK_SERVER_ENV] = rank_server_path
-    run_as_interpreter(_main_of(argv))
-
-
-def _main_of(argv: list[str]) -> Callable[[], object]:
-    """What `python *argv` runs as `__main__`, with `sys.argv` set as it would set it."""
-    import runpy
-
-    if argv[0] == "-m":
-        sys.argv = ["-m", *argv[2:]]  # run_module puts the module's file first
-        return lambda: runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    if argv[0] == "-c":
-        sys.argv = ["-c", *argv[2:]]
-        return lambda: exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102
-    sys.argv = list(argv)
-    return lambda: runpy.run_path(argv[0], run_name="__main__")
+    run_as_interpreter(main_of(argv))
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -16,6 +16,7 @@ import contextlib
 import datetime
 import os
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -33,7 +34,8 @@ def free_port() -> int:
 
 # What the fork server imports before forking ranks and warm CLI runs (tests/cli.py run_warm): the
 # cost every process would otherwise pay. Only libraries, never rltrain, vllm or megatron-core: their
-# modules are imported in each child, after that child's environment is in place. The second list is
+# modules are imported in each child, after that child's environment is in place (vllm's engine
+# modules excepted for the processes that build an engine: tests/rank_server.py `vllm_server`). The second list is
 # what those import from other libraries (scipy, matplotlib for plots.png, torch's compiler and
 # distributed modules, vLLM's server-side dependencies): seconds per rank, read once here. None of
 # them reads an RLTRAIN_/VLLM_/WANDB_ variable on import (a warm run may set those differently) or
@@ -275,6 +277,20 @@ def direct_completion_logps(model_dir, prompts: list[list[int]], completions: li
             positions = torch.arange(len(prompt) - 1, len(prompt) + len(completion) - 1)
             out.append(logps_TV[positions, ids_T[0, len(prompt) :]])
     return torch.cat(out)
+
+
+def main_of(argv: list[str]) -> Callable[[], object]:
+    """What `python *argv` runs as `__main__`, with `sys.argv` set as it would set it."""
+    import runpy
+
+    if argv[0] == "-m":
+        sys.argv = ["-m", *argv[2:]]  # run_module puts the module's file first
+        return lambda: runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    if argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        return lambda: exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102
+    sys.argv = list(argv)
+    return lambda: runpy.run_path(argv[0], run_name="__main__")
 
 
 def run_as_interpreter(main) -> None:

@@ -2,13 +2,11 @@
 tests/cli.py `rank_server`), so it holds the libraries every rank imports (helpers.PRELOAD).
 
 It forks a process for each stand-in that connects (rltrain.launch.forked_rank has the protocol and
-the stand-in's side; `{"count": true}` asks how many it forked): a rank of `python -m
-rltrain.worker` or a separate rollout process, with the stand-in's argv, environment, working
-directory, sys.path and descriptors, in a session of its own (as the agent's `start_new_session`
-gives a rank). It is SIGKILLed, with its process group, when its stand-in goes away, and when this
-server dies. Single-threaded: a select loop over the listening socket, the stand-ins' connections
-and the forked processes' pidfds, so every fork happens with one thread. docs/testing.md.
-"""
+the stand-in's side; `{"count": true}` asks how many it forked): a rank of `python -m rltrain.worker`
+or a separate rollout process, with the stand-in's argv, environment, cwd, sys.path and descriptors,
+in a session of its own; SIGKILLed, with its process group, when its stand-in goes away or this
+server dies. A process that builds a vLLM engine is forked by a child of this server that has
+imported vLLM too (`vllm_server`). docs/testing.md, "Warm ranks" and the vLLM server after it."""
 
 from __future__ import annotations
 
@@ -22,6 +20,8 @@ import selectors
 import signal
 import socket
 import sys
+import warnings
+from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
 # What a rank's environment may hold that the server's does not, besides helpers.WARM_ENV_PREFIXES
@@ -31,6 +31,23 @@ AGENT_ENV_PREFIXES = ("TORCHELASTIC_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCA
                       "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                       "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 SERVER_ENV: dict[str, str] = {}  # the server's environment (`run`)
+
+# What the vLLM server imports: what building an engine on the CPU imports (vllm's own modules,
+# and through them OpenCV, gRPC and OpenTelemetry), read once instead of once per engine.
+VLLM_MODULES = ["vllm", "vllm.entrypoints.llm", "vllm.v1.engine.llm_engine", "vllm.v1.engine.core",
+                "vllm.v1.executor.uniproc_executor", "vllm.v1.core.sched.scheduler", "vllm.v1.worker.cpu_worker",
+                "vllm.v1.worker.cpu_model_runner", "vllm.v1.attention.backends.cpu_attn", "vllm.v1.sample.sampler",
+                "vllm.model_executor.model_loader.default_loader", "vllm.model_executor.models.qwen2",
+                "vllm.model_executor.models.llama", "vllm.platforms.cpu"]
+# What vLLM reads on import that rltrain sets before importing it (rltrain.rollout.build_rollout):
+# the level its loggers are configured with. A process whose environment differs from the server's
+# in anything else vLLM may read on import (any other VLLM_ variable, inductor's cache directory) is
+# forked from the rank server instead, and imports vLLM itself.
+VLLM_IMPORT_ENV = {"VLLM_LOGGING_LEVEL": "ERROR"}
+# Read by vLLM only when it builds an engine (rltrain.rollout.vllm_args.set_vllm_env sets them).
+VLLM_READ_ON_USE = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")
+VLLM_WRITTEN: list[dict[str, str]] = []  # what importing vLLM wrote into the environment, once known
+VLLM_SERVER: list[socket.socket] = []  # the rank server's end of its hand-off socket, once started
 
 
 def die_with(parent_pid: int) -> None:
@@ -97,12 +114,17 @@ def send(conn: socket.socket, message: dict) -> None:
         conn.sendall((json.dumps(message) + "\n").encode())
 
 
-def serve(listener: socket.socket) -> None:
+def serve(listener: socket.socket, handoffs: bool = False) -> None:
+    """Serve the stand-ins connecting to `listener`, or (`handoffs`, the vLLM server) those the rank
+    server hands over through it: a stand-in's connection, its descriptors and its request."""
     selector = selectors.DefaultSelector()
-    selector.register(listener, selectors.EVENT_READ, None)
+    selector.register(listener, selectors.EVENT_READ, "handoff" if handoffs else None)
     clients: dict[int, StandIn] = {}  # by connection fd
     while True:
         for key, _ in selector.select():
+            if key.data == "handoff":
+                take_handoff(listener, selector, clients)
+                continue
             if key.data is None:
                 conn, _ = listener.accept()
                 client = StandIn(conn)
@@ -130,12 +152,13 @@ def serve(listener: socket.socket) -> None:
                 client.conn.close()
 
 
-FORKED = [0]  # ranks forked so far (a request {"count": true} asks; tests/e2e/test_warm_runs.py)
+FORKED = [0, 0]  # processes forked so far, of them by the vLLM server ({"count": true}; tests/e2e/test_warm_runs.py)
 
 
-def start(client: StandIn, request: dict, listener: socket.socket, selector, clients: dict[int, StandIn]) -> None:
+def start(client: StandIn, request: dict, listener: socket.socket, selector, clients: dict[int, StandIn],
+          checked: bool = False) -> None:
     if request.get("count"):
-        send(client.conn, {"forked": FORKED[0]})
+        send(client.conn, {"forked": FORKED[0], "vllm": FORKED[1]})
         close(client, selector, clients)
         return
     from helpers import WARM_ENV_PREFIXES
@@ -143,10 +166,21 @@ def start(client: StandIn, request: dict, listener: socket.socket, selector, cli
     allowed = WARM_ENV_PREFIXES + AGENT_ENV_PREFIXES
     differing = sorted(k for k in set(request["env"]) | set(SERVER_ENV)
                        if request["env"].get(k) != SERVER_ENV.get(k) and not k.startswith(allowed))
-    if differing:  # a preloaded library may have read one of them: the rank starts cold
+    if differing and not checked:  # a preloaded library may have read one of them: the rank starts cold
         send(client.conn, {"cold": differing})
         close(client, selector, clients)
         return
+    if request.get("vllm") and not checked and not (VLLM_SERVER and vllm_server_takes(request["env"])):
+        send(client.conn, {"declined": "no vLLM server" if not VLLM_SERVER else "its environment"})
+        close(client, selector, clients)
+        return
+    if VLLM_SERVER and (request.get("vllm") or builds_vllm_engine(request)) and vllm_server_takes(request["env"]):
+        with contextlib.suppress(OSError):  # a vLLM server that is gone: forked here instead
+            socket.send_fds(VLLM_SERVER[0], [json.dumps(request).encode()], [client.conn.fileno(), *client.fds])
+            FORKED[0] += 1
+            FORKED[1] += 1
+            close(client, selector, clients)
+            return
     request["server"] = os.getpid()
     pid = os.fork()
     if pid == 0:
@@ -183,6 +217,127 @@ def close(client: StandIn, selector, clients: dict[int, StandIn]) -> None:
     client.fds = []
 
 
+def run_python(*argv: str) -> None:
+    """A warm run's entry (tests/cli.py VllmServerChild): `python *argv` in this forked process."""
+    from helpers import main_of
+
+    main_of(list(argv))()
+
+
+def builds_vllm_engine(request: dict) -> bool:
+    """Whether the process builds a vLLM engine in-process: a separate rollout process, or a rank
+    of an RL run whose rollout is vLLM in the trainer's process (its run's config.yaml says)."""
+    if request["entry"] == "rltrain.rollout.separate_child:run":
+        return True
+    if request["entry"] != "rltrain.worker:train_rank":
+        return False
+    import yaml
+
+    try:
+        cfg = yaml.safe_load((Path(request["cwd"]) / request["args"][0] / "config.yaml").read_text())
+        rollout, algo = cfg["rollout"], cfg["algo"]["name"]
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        return False
+    return algo in ("grpo", "ppo") and rollout.get("name") == "vllm" and rollout.get("process") == "colocated"
+
+
+def vllm_server_takes(env: dict[str, str]) -> bool:
+    """Whether a process with this environment behaves as in a fresh interpreter when forked from the
+    vLLM server: what vLLM reads on import is what the server imported it with (VLLM_IMPORT_ENV,
+    else the server's), and what the import writes is as the server had it or as the import left it."""
+    written = vllm_server_ready()
+    if written is None:
+        return False
+    for key in set(env) | set(SERVER_ENV) | set(VLLM_IMPORT_ENV):
+        value = env.get(key)
+        if key in VLLM_IMPORT_ENV:
+            ok = value in (None, VLLM_IMPORT_ENV[key])
+        elif key in written:
+            ok = value in (SERVER_ENV.get(key), written[key])
+        elif key == "TORCHINDUCTOR_CACHE_DIR":  # inductor, imported first, writes its default there
+            ok = value in (None, SERVER_ENV.get(key))
+        else:
+            ok = value == SERVER_ENV.get(key) or not key.startswith(("VLLM_", "TORCHINDUCTOR_")) or key in VLLM_READ_ON_USE
+        if not ok:
+            return False
+    return True
+
+
+def vllm_server_ready() -> dict[str, str] | None:
+    """What importing vLLM wrote into the vLLM server's environment, once it has (waiting for its
+    imports the first time); None when there is no vLLM server."""
+    if VLLM_SERVER and not VLLM_WRITTEN:
+        message = VLLM_SERVER[0].recv(1 << 20)
+        if not message:  # it failed to import vLLM and said why on stderr
+            VLLM_SERVER.clear()
+            return None
+        VLLM_WRITTEN.append(json.loads(message))
+    return VLLM_WRITTEN[0] if VLLM_SERVER else None
+
+
+def vllm_server(handoff: socket.socket, parent: int) -> None:
+    """The vLLM server's process (forked by `start_vllm_server`): import VLLM_MODULES as rltrain would
+    (VLLM_IMPORT_ENV; rltrain.runtime.library_noise.quiet_vllm_import), tell the rank server what
+    the import wrote into the environment, put the environment back, freeze the heap, and serve."""
+    import gc
+    import logging
+
+    die_with(parent)
+    os.environ.update(VLLM_IMPORT_ENV)
+    logging.getLogger("vllm").setLevel(VLLM_IMPORT_ENV["VLLM_LOGGING_LEVEL"])
+    try:
+        with warnings.catch_warnings():  # quiet_vllm_import's filter; the rank adds it again
+            warnings.simplefilter("ignore", FutureWarning)
+            for module in VLLM_MODULES:
+                importlib.import_module(module)
+            from vllm.platforms import current_platform
+
+            current_platform.device_type  # noqa: B018 - resolves the platform, as building an engine does
+    except Exception as exc:  # noqa: BLE001 - the rank server then forks every process itself
+        sys.stderr.write(f"tests/rank_server.py: no vLLM server, vLLM failed to import: {exc!r}\n")
+        os._exit(1)
+    written = {k: v for k, v in os.environ.items() if SERVER_ENV.get(k) != v and k not in VLLM_IMPORT_ENV}
+    VLLM_WRITTEN.append(written)
+    os.environ.clear()
+    os.environ.update(SERVER_ENV)
+    gc.collect()
+    gc.freeze()
+    handoff.send(json.dumps(written).encode())
+    serve(handoff, handoffs=True)
+
+
+def take_handoff(handoff: socket.socket, selector, clients: dict[int, StandIn]) -> None:
+    """In the vLLM server: a stand-in the rank server handed over; fork its process, with what
+    importing vLLM wrote into the environment where the stand-in's has the server's value."""
+    data, fds, _flags, _addr = socket.recv_fds(handoff, 1 << 22, 64)
+    if not data:  # the rank server is gone
+        os._exit(0)
+    client = StandIn(socket.socket(fileno=fds[0]))
+    client.fds = fds[1:]
+    clients[client.conn.fileno()] = client
+    selector.register(client.conn, selectors.EVENT_READ, ("conn", client))
+    request = json.loads(data)
+    env = request["env"]
+    for key, value in VLLM_WRITTEN[0].items():
+        if env.get(key) == SERVER_ENV.get(key):
+            env[key] = value
+    start(client, request, handoff, selector, clients, checked=True)
+
+
+def start_vllm_server(listener: socket.socket) -> None:
+    """Fork the vLLM server (`vllm_server`); this server keeps one end of a socket to it."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        ours.close()
+        listener.close()
+        vllm_server(theirs, parent)
+        os._exit(0)
+    theirs.close()
+    VLLM_SERVER.append(ours)
+
+
 def run(path: str) -> None:
     """The server's process: a child of the tests' fork server (helpers.rank_context), which has
     imported PRELOAD and holds the session's environment; it ends with that fork server."""
@@ -192,4 +347,5 @@ def run(path: str) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
+    start_vllm_server(listener)
     serve(listener)

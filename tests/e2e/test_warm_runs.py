@@ -9,7 +9,18 @@ import os
 import sys
 
 import pytest
-from cli import SMALL_SFT_RUN_2_RANKS, python, rank_server, ranks_forked, rltrain, run_warm, train_rows
+from cli import (
+    QUICK,
+    SMALL_MODEL,
+    SMALL_SFT_RUN_2_RANKS,
+    VllmServerChild,
+    python,
+    rank_server,
+    ranks_forked,
+    rltrain,
+    run_warm,
+    train_rows,
+)
 
 from rltrain.launch.forked_rank import RANK_SERVER_ENV
 
@@ -73,6 +84,26 @@ def test_warm_ranks_are_forked_from_the_rank_server_and_train_as_cold_ones(tmp_p
     assert ranks_forked() == before + 2
     warm = train_rows(tmp_path / "warm")
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in warm] == [(r["step"], r["loss"], r["grad_norm"]) for r in cold]
+
+
+def test_a_run_that_builds_its_vllm_engine_is_forked_from_the_vllm_server_and_trains_as_a_cold_one(tiny_cache, tmp_path):
+    """A 1-rank GRPO run builds its vLLM engine in its own process: it is forked from the rank
+    server's vLLM server (tests/rank_server.py), which has imported vLLM's engine modules, and logs
+    the numbers of a cold run. An environment vLLM reads differently on import is declined there.
+    (Ranks of 2-rank runs come from it too: tests/e2e/test_launch_multinode.py compares them bitwise
+    with ranks that import vLLM themselves.)"""
+    args = ["algo=grpo", *QUICK, *SMALL_MODEL, "algo.prompts_per_step=2", "algo.group_size=2", "trainer.max_steps=2",
+            "data.num_eval=2"]
+    rltrain(*args, run_dir=tmp_path / "cold", warm=False)
+    before = ranks_forked(by_vllm_server=True)
+    rltrain(*args, run_dir=tmp_path / "warm")
+    assert ranks_forked(by_vllm_server=True) == before + 1
+    keys = ("step", "loss", "grad_norm", "reward/mean", "rollout/logprob_diff_max", "rollout/response_length_mean")
+    cold, warm = train_rows(tmp_path / "cold"), train_rows(tmp_path / "warm")
+    assert [[r[k] for k in keys] for r in warm] == [[r[k] for k in keys] for r in cold] and len(cold) == 2
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="DEBUG", **{RANK_SERVER_ENV: rank_server()})
+    argv = ["-m", "rltrain", *args, f"hydra.run.dir={tmp_path / 'declined'}"]
+    assert VllmServerChild.start(argv, env, sys.path, tmp_path / "out", tmp_path / "err", rank_server()) is None
 
 
 def test_a_rank_whose_environment_a_preloaded_library_reads_starts_cold(tmp_path):
