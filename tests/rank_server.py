@@ -244,7 +244,8 @@ def builds_vllm_engine(request: dict) -> bool:
 def vllm_server_takes(env: dict[str, str]) -> bool:
     """Whether a process with this environment behaves as in a fresh interpreter when forked from the
     vLLM server: what vLLM reads on import is what the server imported it with (VLLM_IMPORT_ENV,
-    else the server's), and what the import writes is as the server had it or as the import left it."""
+    else the server's), and what the import writes is as the server had it or as the import left it
+    (a process started by one that imported vLLM)."""
     written = vllm_server_ready()
     if written is None:
         return False
@@ -307,8 +308,9 @@ def vllm_server(handoff: socket.socket, parent: int) -> None:
 
 
 def take_handoff(handoff: socket.socket, selector, clients: dict[int, StandIn]) -> None:
-    """In the vLLM server: a stand-in the rank server handed over; fork its process, with what
-    importing vLLM wrote into the environment where the stand-in's has the server's value."""
+    """In the vLLM server: a stand-in the rank server handed over; fork its process. Its environment
+    is the stand-in's, as a fresh process's is until it imports vLLM (a 1-rank run starts the SFT
+    start's run before that): what the import writes is not added."""
     data, fds, _flags, _addr = socket.recv_fds(handoff, 1 << 22, 64)
     if not data:  # the rank server is gone
         os._exit(0)
@@ -316,12 +318,7 @@ def take_handoff(handoff: socket.socket, selector, clients: dict[int, StandIn]) 
     client.fds = fds[1:]
     clients[client.conn.fileno()] = client
     selector.register(client.conn, selectors.EVENT_READ, ("conn", client))
-    request = json.loads(data)
-    env = request["env"]
-    for key, value in VLLM_WRITTEN[0].items():
-        if env.get(key) == SERVER_ENV.get(key):
-            env[key] = value
-    start(client, request, handoff, selector, clients, checked=True)
+    start(client, json.loads(data), handoff, selector, clients, checked=True)
 
 
 def start_vllm_server(listener: socket.socket) -> None:

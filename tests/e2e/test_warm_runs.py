@@ -86,22 +86,25 @@ def test_warm_ranks_are_forked_from_the_rank_server_and_train_as_cold_ones(tmp_p
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in warm] == [(r["step"], r["loss"], r["grad_norm"]) for r in cold]
 
 
-def test_a_run_that_builds_its_vllm_engine_is_forked_from_the_vllm_server_and_trains_as_a_cold_one(tiny_cache, tmp_path):
+def test_a_run_that_builds_its_vllm_engine_is_forked_from_the_vllm_server_and_trains_as_without_it(tiny_cache, tmp_path):
     """A 1-rank GRPO run builds its vLLM engine in its own process: it is forked from the rank
     server's vLLM server (tests/rank_server.py), which has imported vLLM's engine modules, and logs
-    the numbers of a cold run. An environment vLLM reads differently on import is declined there.
-    (Ranks of 2-rank runs come from it too: tests/e2e/test_launch_multinode.py compares them bitwise
-    with ranks that import vLLM themselves.)"""
+    the numbers of the same run that imports vLLM itself. That reference differs only in a
+    VLLM_LOGGING_LEVEL, which vLLM reads on import: the vLLM server declines it, and it runs from the
+    fork server, whose runs print and train as cold ones (the tests above). Ranks of 2-rank runs come
+    from the vLLM server too: tests/e2e/test_launch_multinode.py compares them bitwise with ranks
+    that import vLLM themselves."""
     args = ["algo=grpo", *QUICK, *SMALL_MODEL, "algo.prompts_per_step=2", "algo.group_size=2", "trainer.max_steps=2",
             "data.num_eval=2"]
-    rltrain(*args, run_dir=tmp_path / "cold", warm=False)
     before = ranks_forked(by_vllm_server=True)
-    rltrain(*args, run_dir=tmp_path / "warm")
+    rltrain(*args, run_dir=tmp_path / "itself", env={"VLLM_LOGGING_LEVEL": "WARNING"})
+    assert ranks_forked(by_vllm_server=True) == before
+    rltrain(*args, run_dir=tmp_path / "forked")
     assert ranks_forked(by_vllm_server=True) == before + 1
     keys = ("step", "loss", "grad_norm", "reward/mean", "rollout/logprob_diff_max", "rollout/response_length_mean")
-    cold, warm = train_rows(tmp_path / "cold"), train_rows(tmp_path / "warm")
-    assert [[r[k] for k in keys] for r in warm] == [[r[k] for k in keys] for r in cold] and len(cold) == 2
-    env = dict(os.environ, VLLM_LOGGING_LEVEL="DEBUG", **{RANK_SERVER_ENV: rank_server()})
+    itself, forked = train_rows(tmp_path / "itself"), train_rows(tmp_path / "forked")
+    assert [[r[k] for k in keys] for r in forked] == [[r[k] for k in keys] for r in itself] and len(itself) == 2
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", **{RANK_SERVER_ENV: rank_server()})
     argv = ["-m", "rltrain", *args, f"hydra.run.dir={tmp_path / 'declined'}"]
     assert VllmServerChild.start(argv, env, sys.path, tmp_path / "out", tmp_path / "err", rank_server()) is None
 
