@@ -203,8 +203,6 @@ class VllmServerChild:
         return self.exitcode is None
 
 
-
-
 def _refused(exitcode: int | None, err: Path) -> bool:
     """Whether a warm child ended because its environment needs a fresh interpreter."""
     return exitcode == WARM_REFUSED and _text(err).startswith(WARM_REFUSED_MARK)
