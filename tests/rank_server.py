@@ -170,15 +170,12 @@ def start(client: StandIn, request: dict, listener: socket.socket, selector, cli
         send(client.conn, {"cold": differing})
         close(client, selector, clients)
         return
-    if request.get("vllm") and not checked and not (VLLM_SERVER and vllm_server_takes(request["env"])):
-        send(client.conn, {"declined": "no vLLM server" if not VLLM_SERVER else "its environment"})
-        close(client, selector, clients)
-        return
-    if VLLM_SERVER and (request.get("vllm") or builds_vllm_engine(request)) and vllm_server_takes(request["env"]):
-        with contextlib.suppress(OSError):  # a vLLM server that is gone: forked here instead
-            socket.send_fds(VLLM_SERVER[0], [json.dumps(request).encode()], [client.conn.fileno(), *client.fds])
-            FORKED[0] += 1
-            FORKED[1] += 1
+    if not checked and (request.get("vllm") or builds_vllm_engine(request)):
+        if vllm_server_takes(request["env"]) and hand_over(client, request):
+            close(client, selector, clients)
+            return
+        if request.get("vllm"):  # a warm run's own request (tests/cli.py VllmServerChild): it forks elsewhere
+            send(client.conn, {"declined": "no vLLM server for this environment"})
             close(client, selector, clients)
             return
     request["server"] = os.getpid()
@@ -261,6 +258,17 @@ def vllm_server_takes(env: dict[str, str]) -> bool:
             ok = value == SERVER_ENV.get(key) or not key.startswith(("VLLM_", "TORCHINDUCTOR_")) or key in VLLM_READ_ON_USE
         if not ok:
             return False
+    return True
+
+
+def hand_over(client: StandIn, request: dict) -> bool:
+    """Pass the stand-in's connection, descriptors and request to the vLLM server; False when it is gone."""
+    try:
+        socket.send_fds(VLLM_SERVER[0], [json.dumps(request).encode()], [client.conn.fileno(), *client.fds])
+    except OSError:
+        return False
+    FORKED[0] += 1
+    FORKED[1] += 1
     return True
 
 
