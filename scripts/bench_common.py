@@ -129,13 +129,22 @@ def trl_args(
     """The TrainingArguments every TRL side shares: our optimizer settings (constant learning rate,
     gradient clipping at 1.0), `micro` rows per forward and `accumulation` forwards per optimizer
     step, and nothing that is not training (no logging, saving, reporting, progress bars or
-    data-loading workers). `bf16` is autocast over fp32 weights, as our `bf16-mixed`."""
+    data-loading workers). `bf16` is autocast over fp32 weights, as our `bf16-mixed`. Activations
+    are kept, as ours keep them (`model.gradient_checkpointing` is off by default): TRL's configs
+    default to recomputing them in the backward, which would time a different workload."""
     return dict(
         output_dir=str(out_dir), per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
         max_steps=steps, learning_rate=lr, lr_scheduler_type="constant", max_grad_norm=1.0,
         use_cpu=device.type != "cuda", dataloader_num_workers=0, seed=0, bf16=bf16, fp16=False,
-        logging_steps=10**6, save_strategy="no", report_to=[], disable_tqdm=True,
+        gradient_checkpointing=False, logging_steps=10**6, save_strategy="no", report_to=[], disable_tqdm=True,
     )
+
+
+def require_activations_kept(model) -> None:
+    """Refuse to time a TRL step that recomputes activations (TRL's configs default to it; ours keep
+    them), so a change of TRL's defaults cannot make the comparison unequal unseen."""
+    if model.is_gradient_checkpointing:
+        raise RuntimeError("TRL's model recomputes activations (gradient checkpointing): pass gradient_checkpointing=False")
 
 
 def trl_step_timer(times: list[float], after_step: Callable[[int], None] = lambda k: None):
@@ -153,6 +162,7 @@ def trl_step_timer(times: list[float], after_step: Callable[[int], None] = lambd
         t0 = 0.0
 
         def on_step_begin(self, args, state, control, **kw):
+            require_activations_kept(kw["model"])
             sync()
             self.t0 = time.perf_counter()
 

@@ -4,7 +4,8 @@ Same ~10M-parameter model as bench_sft.py (Qwen2, hidden 384, 6 layers, head siz
 policy and the reference, same preference rows (prompt 10-80 tokens, chosen and rejected 10-170
 tokens each, drawn independently, so every pair is ragged), same batches in the same order (TRL's
 sampler is sequential), sigmoid loss with beta 0.1, an online reference forward every step on both
-sides (no precomputed reference log-probabilities), fp32 on CPU. TRL runs through its normal
+sides (no precomputed reference log-probabilities), activations kept (no gradient checkpointing,
+which TRL's configs turn on by default), fp32 on CPU. TRL runs through its normal
 `DPOTrainer(...).train()` API with an explicit `ref_model` and its default padding. Our side is
 `rltrain.algos.dpo` (`dpo_micro_batches`, `attach_reference`, `make_dpo_loss`) on
 `rltrain.backends.fsdp.engine.FSDPEngine`, one rank over gloo; the timed step includes the reference

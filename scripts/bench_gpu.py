@@ -35,7 +35,8 @@ With TRL importable (docs/benchmarks.md: installed beside the venv; `--no-trl` s
 on the same model, rows, `--batch` and `--micro` (its `per_device_train_batch_size` = `--micro`,
 gradient accumulation = `--batch / --micro`), the same optimizer settings (AdamW, lr 1e-5
 constant, clipping at 1.0), bf16 autocast over fp32 weights where ours is `bf16-mixed` (fp32 on
-CPU), and its row is printed under ours with the same columns. Its step is timed from its
+CPU), activations kept on both sides (TRL's configs default to recomputing them: turned off), and
+its row is printed under ours with the same columns. Its step is timed from its
 `on_step_begin` to its `on_step_end` callback (the step's micro-batches are already loaded and
 collated; the forwards, backwards, clipping, AdamW step and zero_grad are inside), CUDA-synchronised
 at both ends:

@@ -6,7 +6,8 @@ per-call framework overhead rather than compute sets the pace), the built-in add
 its reward (`rltrain.rewards.builtin.addition_reward`), the same prompts in the same order
 (rltrain's prompt stream is replayed for TRL), 16 prompts x 8 completions per step, temperature
 1.0, top-p 1.0, no top-k, at most `--max-new-tokens` new tokens, clipped token-level loss (clip
-0.2 / 0.28, no KL, group-scaled advantages), one optimizer step per generation, fp32 on CPU.
+0.2 / 0.28, no KL, group-scaled advantages), one optimizer step per generation, activations kept
+(no gradient checkpointing, which TRL's configs turn on by default), fp32 on CPU.
 
 rltrain runs through its CLI (`python -m rltrain algo=grpo ...`, vLLM's CPU build in-process, the
 policy on the FSDP engine, weights synced to vLLM every step) and the table reads its
@@ -41,6 +42,7 @@ from bench_common import (
     bench_model_dir,
     print_table,
     quiet_transformers,
+    require_activations_kept,
     silence_trainer,
     trl_available,
 )
@@ -112,6 +114,7 @@ def run_trl(model_dir: Path, rows: list[dict[str, str]], total_steps: int, max_n
         t0 = 0.0
 
         def on_step_begin(self, args, state, control, **kw):
+            require_activations_kept(kw["model"])
             rollout.update(s=0.0, tokens=0)
             self.t0 = time.perf_counter()
 
@@ -125,7 +128,7 @@ def run_trl(model_dir: Path, rows: list[dict[str, str]], total_steps: int, max_n
         use_vllm=False, beta=0.0, epsilon=CLIP_LOW, epsilon_high=CLIP_HIGH, loss_type="dapo", scale_rewards="group",
         num_iterations=1, shuffle_dataset=False, max_steps=total_steps, learning_rate=LR,
         lr_scheduler_type="constant", max_grad_norm=1.0, use_cpu=True, dataloader_num_workers=0, seed=0,
-        bf16=False, fp16=False, logging_steps=10_000, save_strategy="no", report_to=[], disable_tqdm=True,
+        bf16=False, fp16=False, gradient_checkpointing=False, logging_steps=10_000, save_strategy="no", report_to=[], disable_tqdm=True,
     )
     trainer = GRPOTrainer(
         model=model, reward_funcs=[addition_reward], args=config, train_dataset=datasets.Dataset.from_list(rows),

@@ -3,7 +3,8 @@
 Model: ~10M parameters shaped like the tiny default (Qwen2, hidden 384, 6 layers, head size 32),
 built locally. Data: prompt/completion rows of 30-250 tokens (character tokenizer). Both sides
 train on the same batches in the same order (TRL's sampler is set to sequential), with the same
-global batch, no packing, completion-only loss, fp32, on CPU; TRL runs through its normal
+global batch, no packing, completion-only loss, activations kept (no gradient checkpointing, which
+TRL's configs turn on by default), fp32, on CPU; TRL runs through its normal
 `SFTTrainer(...).train()` API with its default padding (to the longest sequence of the batch).
 The table reports tokens/s (prompt + completion tokens processed per second) and the median step
 time after warm-up steps.
