@@ -128,7 +128,8 @@ def run_trl(model_dir: Path, rows: list[dict[str, str]], total_steps: int, max_n
         use_vllm=False, beta=0.0, epsilon=CLIP_LOW, epsilon_high=CLIP_HIGH, loss_type="dapo", scale_rewards="group",
         num_iterations=1, shuffle_dataset=False, max_steps=total_steps, learning_rate=LR,
         lr_scheduler_type="constant", max_grad_norm=1.0, use_cpu=True, dataloader_num_workers=0, seed=0,
-        bf16=False, fp16=False, gradient_checkpointing=False, logging_steps=10_000, save_strategy="no", report_to=[], disable_tqdm=True,
+        bf16=False, fp16=False, gradient_checkpointing=False, logging_steps=10_000, save_strategy="no",
+        report_to=[], disable_tqdm=True,
     )
     trainer = GRPOTrainer(
         model=model, reward_funcs=[addition_reward], args=config, train_dataset=datasets.Dataset.from_list(rows),
