@@ -197,7 +197,9 @@ def test_sleep_wake_ping(case):
 
 def _process_state_check(_rank: int, _world: int, model_dir: str) -> bool:
     """On one gloo rank (the trainer's process group, which vLLM adopts as its world)."""
+    import gc
     import random
+    import weakref
 
     import torch.distributed as dist
 
@@ -211,7 +213,14 @@ def _process_state_check(_rank: int, _world: int, model_dir: str) -> bool:
     random.seed(123)
     engine = VLLMRolloutEngine(model_dir, VLLMRolloutConfig(kv_cache_gib=1, max_num_seqs=4, max_model_len=64), seed=99)
     engine.generate([[1, 2, 3]], SamplingSettings(n=2, max_new_tokens=4))
+    full_collections: list[int] = []
+    gc.callbacks.append(lambda phase, info: full_collections.append(1) if (phase, info["generation"]) == ("start", 2) else None)
+    llm = weakref.ref(engine.llm)
     engine.close()
+    gc.callbacks.pop()
+    assert llm() is None, "the closed engine is still alive"
+    assert len(full_collections) == 1, f"close collected the heap {len(full_collections)} times, not once"
+    assert gc.collect.__name__ == "collect", "gc.collect is still the deferred no-op"
     assert torch.equal(torch.rand(3), expected_torch), "torch RNG moved"
     assert random.random() == expected_py, "Python RNG moved"
     assert torch.get_num_threads() == 3, "torch threads changed"
@@ -224,7 +233,8 @@ def _process_state_check(_rank: int, _world: int, model_dir: str) -> bool:
 
 def test_construction_keeps_process_state(tiny_cache):
     """Building and closing an in-process engine must not reseed the trainer's RNG, pin torch to
-    one thread, or destroy the trainer's process group (which vLLM adopts as its world). In a
+    one thread, or destroy the trainer's process group (which vLLM adopts as its world); closing
+    frees the engine with one collection of the heap, not vLLM's three. In a
     fresh process (forked from the ranks' server, which never imports vLLM): its own process group
     must not meet the engines of the other tests."""
     from helpers import run_ranks
