@@ -12,7 +12,7 @@ from typing import Any
 
 from rltrain.data import tasks
 from rltrain.data.loading import eval_limit, train_and_eval_rows
-from rltrain.data.tokenize import OverlongStats, check_messages, encode, fit_length
+from rltrain.data.tokenize import OverlongStats, check_messages, encode_all, fit_length
 from rltrain.runtime.errors import UserError
 
 
@@ -65,21 +65,25 @@ def _texts(tokenizer, row: dict, where: str) -> tuple[str, str, str]:
 
 def rows_to_pairs(tokenizer, rows: list[dict], data_cfg, where: str, skipped: SkipCounts) -> list[PreferencePair]:
     eos = tokenizer.eos_token_id
-    pairs = []
+    max_length, overlong = data_cfg.max_length, data_cfg.overlong  # read once: a config lookup per row adds up
+    usable = []
     for row in rows:
         prompt, chosen, rejected = _texts(tokenizer, row, where)
         if chosen == rejected:
             skipped.identical += 1
-            continue
-        if not chosen or not rejected:
+        elif not chosen or not rejected:
             skipped.empty += 1
-            continue
-        prompt_ids = encode(tokenizer, prompt)
+        else:
+            usable.append((prompt, chosen, rejected))
+    # one tokenizer call per column, not three per row (the per-call overhead dominates short texts)
+    prompts_ids, chosen_ids, rejected_ids = (encode_all(tokenizer, [texts[i] for texts in usable]) for i in range(3))
+    pairs = []
+    for prompt_ids, c_ids, r_ids in zip(prompts_ids, chosen_ids, rejected_ids, strict=True):
         if not prompt_ids:
             raise UserError(f"{where}: a row has an empty prompt; DPO needs at least one prompt token.")
-        c_ids, r_ids = encode(tokenizer, chosen) + [eos], encode(tokenizer, rejected) + [eos]
+        c_ids, r_ids = c_ids + [eos], r_ids + [eos]
         longest = max(len(c_ids), len(r_ids))
-        fitted = fit_length(prompt_ids, [0] * longest, data_cfg.max_length, data_cfg.overlong, skipped.overlong, where)
+        fitted = fit_length(prompt_ids, [0] * longest, max_length, overlong, skipped.overlong, where)
         if fitted is None:
             continue
         keep = len(fitted.completion)

@@ -7,7 +7,7 @@ from typing import Protocol
 
 from rltrain.data import tasks
 from rltrain.data.loading import eval_limit, train_and_eval_rows
-from rltrain.data.tokenize import check_messages, encode
+from rltrain.data.tokenize import check_messages, encode_all
 from rltrain.runtime.errors import UserError
 
 
@@ -27,7 +27,8 @@ class PromptRenderer(Protocol):
     def chat(self, messages: list[dict]) -> str: ...
 
 
-def _to_row(tokenizer, row: dict, where: str, max_length: int, renderer: PromptRenderer | None) -> PromptRow | None:
+def _prompt_text(tokenizer, row: dict, where: str, renderer: PromptRenderer | None) -> tuple[str, bool]:
+    """The text the model reads for `row`, and whether it was chat messages; a UserError names a bad row."""
     prompt = row["prompt"]
     chat = isinstance(prompt, list)
     if chat:
@@ -42,10 +43,25 @@ def _to_row(tokenizer, row: dict, where: str, max_length: int, renderer: PromptR
         raise UserError(f"{where}: every row needs a non-empty 'prompt'; found {row.get('prompt')!r:.120}")
     if renderer is not None and not chat:
         prompt = renderer.text(prompt)
-    ids = encode(tokenizer, prompt)
-    if len(ids) > max_length:
-        return None
-    return PromptRow(ids, prompt, {k: v for k, v in row.items() if k != "prompt"}, chat)
+    return prompt, chat
+
+
+ENCODE_CHUNK = 4096  # prompts per tokenizer call: one call per prompt costs more than the tokenizing
+
+
+def _to_rows(
+    tokenizer, rows: list[dict], where: str, max_length: int, renderer: PromptRenderer | None
+) -> tuple[list[PromptRow], int]:
+    """The rows that fit in `max_length` tokens, in order, and how many did not."""
+    kept: list[PromptRow] = []
+    for lo in range(0, len(rows), ENCODE_CHUNK):
+        chunk = rows[lo : lo + ENCODE_CHUNK]
+        rendered = [_prompt_text(tokenizer, row, where, renderer) for row in chunk]
+        all_ids = encode_all(tokenizer, [text for text, _ in rendered])
+        for row, (text, chat), ids in zip(chunk, rendered, all_ids, strict=True):
+            if len(ids) <= max_length:
+                kept.append(PromptRow(ids, text, {k: v for k, v in row.items() if k != "prompt"}, chat))
+    return kept, len(rows) - len(kept)
 
 
 def build_prompt_data(
@@ -57,16 +73,10 @@ def build_prompt_data(
         train_rows, eval_rows, where = tasks.prompt_rows(train_p), tasks.prompt_rows(eval_p), "built-in task"
     else:
         train_rows, eval_rows, where = train_and_eval_rows(data_cfg, seed, [("prompt",)])
-    dropped = 0
-    train = []
-    for row in train_rows:
-        converted = _to_row(tokenizer, row, where, data_cfg.max_length, renderer)
-        if converted is None:
-            dropped += 1
-        else:
-            train.append(converted)
+    max_length = data_cfg.max_length
+    train, dropped = _to_rows(tokenizer, list(train_rows), where, max_length, renderer)
     if not train:
         hint = " (env=tools lists the tools in each text prompt: raise data.max_length, or set env.describe_tools=false)" if renderer else ""
-        raise UserError(f"{where}: no prompts left (all longer than data.max_length={data_cfg.max_length}){hint}.")
-    evals = [r for r in (_to_row(tokenizer, row, where, data_cfg.max_length, renderer) for row in eval_rows) if r is not None]
+        raise UserError(f"{where}: no prompts left (all longer than data.max_length={max_length}){hint}.")
+    evals, _ = _to_rows(tokenizer, list(eval_rows), where, max_length, renderer)
     return train, evals[: eval_limit(data_cfg)], dropped

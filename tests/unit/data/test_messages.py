@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from rltrain.data.preference_data import _texts
-from rltrain.data.prompt_data import _to_row
+from rltrain.data.prompt_data import _to_rows
 from rltrain.data.tokenize import check_messages, render_messages
 from rltrain.models.tokenizer import build_char_tokenizer
 from rltrain.runtime.errors import UserError
@@ -57,6 +57,7 @@ def test_dpo_conversations_are_checked(tokenizer):
 
 
 def test_grpo_conversational_prompts_are_checked(tokenizer):
-    assert _to_row(tokenizer, {"prompt": [USER], "answer": "2"}, "here", 64, None).text == "U:1+1?\nA:"
+    kept, dropped = _to_rows(tokenizer, [{"prompt": [USER], "answer": "2"}], "here", 64, None)
+    assert [row.text for row in kept] == ["U:1+1?\nA:"] and dropped == 0
     with pytest.raises(UserError, match="'prompt' column has message 0 with the unknown role 'human'"):
-        _to_row(tokenizer, {"prompt": [{"role": "human", "content": "1+1?"}]}, "here", 64, None)
+        _to_rows(tokenizer, [{"prompt": [{"role": "human", "content": "1+1?"}]}], "here", 64, None)
