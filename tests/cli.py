@@ -355,12 +355,17 @@ class BackgroundRun:
         assert self.proc is not None
         return self.proc.poll()
 
+    @property
+    def pid(self) -> int:
+        """The run's process (`python -m rltrain`), which leads its process group."""
+        process = self.child if self.child is not None else self.proc
+        assert process is not None and process.pid  # each started a group of its own
+        return process.pid
+
     def signal(self, sig: int) -> None:
         """Send `sig` to the run's whole process group."""
-        process = self.child if self.child is not None else self.proc
-        assert process is not None and process.pid  # the group's leader: each started one of its own
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, sig)
+            os.killpg(self.pid, sig)
 
     def finish(self, timeout: float) -> subprocess.CompletedProcess:
         """Wait up to `timeout` s for the run to end and return its status and output; past it, kill

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import textwrap
 import time
@@ -17,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from cli import QUICK, ROOT
+from cli import QUICK, BackgroundRun
 
 # Separate-engine runs create rlsep-* directories and /dev/shm segments that the cleanup checks
 # count: one pytest-xdist worker runs them all, one after the other (docs/testing.md, "Start-up").
@@ -67,30 +64,30 @@ def _engine_child(parent: int) -> int:
 
 
 def test_killed_separate_engine_turns_deep_health_503_naming_it(tiny_cache, tmp_path):
+    """A warm run (`cli.BackgroundRun`): its rollout process is a stand-in whose engine the rank
+    server forked; SIGKILL to the stand-in ends that engine too, and the run sees the stand-in's
+    exit as it would the engine's own (tests/rank_server.py)."""
     (tmp_path / "slowreward.py").write_text(textwrap.dedent(REWARD))
     mark, release = tmp_path / "mark", tmp_path / "release"
     run_dir = tmp_path / "run"
-    private_tmp = Path(tempfile.mkdtemp(prefix="rlh-", dir="/tmp"))  # short: Unix socket paths live here
-    env = dict(os.environ, PYTHONPATH=str(tmp_path), RLTRAIN_TEST_MARK=str(mark),
-               RLTRAIN_TEST_RELEASE=str(release), TMPDIR=str(private_tmp))
-    cmd = [
-        sys.executable, "-m", "rltrain", "algo=grpo", "rollout=vllm", "rollout.process=separate", *QUICK,
+    env = {"PYTHONPATH": str(tmp_path), "RLTRAIN_TEST_MARK": str(mark), "RLTRAIN_TEST_RELEASE": str(release)}
+    sockets_before = set(Path(tempfile.gettempdir()).glob("rlsep-*"))
+    run = BackgroundRun([
+        "algo=grpo", "rollout=vllm", "rollout.process=separate", *QUICK,
         "algo.prompts_per_step=4", "algo.group_size=4", "data.num_eval=4", "trainer.max_steps=3",
         "reward.fns=[slowreward:slow_second_step]", "health.port=0", "health.ping_timeout_s=2",
-        f"hydra.run.dir={run_dir}",
-    ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ], run_dir, env)
     try:
         deadline = time.monotonic() + 300
         while not mark.exists():
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert run.poll() is None, run.finish(timeout=5).stderr[-3000:]
             assert time.monotonic() < deadline, "step 2's reward was never reached"
             time.sleep(0.1)
         port = json.loads((run_dir / "health.json").read_text())["port"]
         code, body = _deep(port)
         assert code == 200 and body["rollout"] == "ok", body  # the live engine answers its ping
 
-        child = _engine_child(proc.pid)
+        child = _engine_child(run.pid)
         os.kill(child, signal.SIGKILL)
         t0 = time.monotonic()
         code, body = _deep(port)
@@ -101,12 +98,9 @@ def test_killed_separate_engine_turns_deep_health_503_naming_it(tiny_cache, tmp_
         assert set(body["ranks"]) == {"0"} and body["ranks"]["0"].startswith("rank 0: alive")
         release.write_text("probed")
 
-        _, err = proc.communicate(timeout=120)  # the next engine call ends the run, naming the process
-        assert proc.returncode != 0
-        assert "rollout process" in err and "exit code -9" in err, err[-3000:]
-        assert list(private_tmp.glob("rlsep-*")) == []  # the failed engine removed its sockets
+        done = run.finish(timeout=120)  # the next engine call ends the run, naming the process
+        assert done.returncode != 0
+        assert "rollout process" in done.stderr and "exit code -9" in done.stderr, done.stderr[-3000:]
+        assert set(Path(tempfile.gettempdir()).glob("rlsep-*")) <= sockets_before  # the failed engine removed its sockets
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        shutil.rmtree(private_tmp, ignore_errors=True)
+        run.close()
