@@ -107,6 +107,7 @@ class HealthServer:
         self._ping_lock = threading.Lock()
         self._ping_thread: threading.Thread | None = None
         self._ping_started = 0.0
+        self.started = time.time()  # a rank without a heartbeat is starting for stale_after_s after this
         self._server = _BoundedServer((host, port), self._handler_class(), max_connections)
         self._thread: threading.Thread | None = None
 
@@ -118,7 +119,7 @@ class HealthServer:
         """(healthy, JSON body) of the deep check."""
         ranks, dead = {}, []
         for rank in range(self.world_size):
-            ok, text = rank_status(self.run_dir, rank, self.stale_after_s)
+            ok, text = rank_status(self.run_dir, rank, self.stale_after_s, watched_since=self.started)
             ranks[str(rank)] = text
             if not ok:
                 dead.append(text)

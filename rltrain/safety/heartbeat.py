@@ -110,14 +110,23 @@ def process_gone(record: dict) -> bool:
 
 
 def rank_status(
-    run_dir: Path, rank: int, stale_after_s: float, now: float | None = None, judge_progress: bool = True
+    run_dir: Path,
+    rank: int,
+    stale_after_s: float,
+    now: float | None = None,
+    judge_progress: bool = True,
+    watched_since: float | None = None,
 ) -> tuple[bool, str]:
     """(alive, one-line description) of a rank from its heartbeat: dead when its process is gone or
     its beat is older than `stale_after_s`; stuck (with `judge_progress`) when it has made no
-    progress for `stale_after_s` (`FIRST_STEP_FACTOR` times that before its first step)."""
+    progress for `stale_after_s` (`FIRST_STEP_FACTOR` times that before its first step). A rank
+    that has not beaten yet is starting for `stale_after_s` after `watched_since` (the health
+    server's start: its peers start their heartbeats a moment apart), dead after that."""
     now = time.time() if now is None else now
     record = read_heartbeat(run_dir, rank)
     if record is None:
+        if watched_since is not None and now - watched_since <= stale_after_s:
+            return True, f"rank {rank}: starting (no heartbeat yet, {now - watched_since:.1f} s after the health server started)"
         return False, f"rank {rank}: no heartbeat"
     age = now - float(record["time"])
     where = f"step {record['step']}, last finished {record['finished_step']}"

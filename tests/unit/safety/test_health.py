@@ -72,6 +72,22 @@ def test_endpoints_follow_heartbeats_and_the_rollout_ping(tmp_path):
         beat.stop()
 
 
+def test_a_rank_that_has_not_beaten_yet_is_starting_until_the_stale_limit(tmp_path):
+    """Rank 0 serves as soon as its own beat runs; a peer a moment behind is not reported dead."""
+    _fake_rank(tmp_path, 0)
+    server = HealthServer(tmp_path, world_size=2, stale_after_s=5.0, port=0)
+    port = server.start()
+    try:
+        code, body = _get(port, "/healthz/deep")
+        assert code == 200 and body["dead"] == [], body
+        assert body["ranks"]["1"].startswith("rank 1: starting (no heartbeat yet, "), body
+    finally:
+        server.stop()
+    since = server.started
+    assert rank_status(tmp_path, 1, 5.0, now=since + 5.0, watched_since=since)[0]
+    assert rank_status(tmp_path, 1, 5.0, now=since + 5.5, watched_since=since) == (False, "rank 1: no heartbeat")
+
+
 def test_a_hung_ping_fails_the_deep_check_in_bounded_time(tmp_path):
     _fake_rank(tmp_path, 0)
     server = HealthServer(tmp_path, world_size=1, stale_after_s=5.0, port=0, ping=lambda: time.sleep(30), ping_timeout_s=0.5)
