@@ -46,21 +46,17 @@ def _prompt_text(tokenizer, row: dict, where: str, renderer: PromptRenderer | No
     return prompt, chat
 
 
-ENCODE_CHUNK = 4096  # prompts per tokenizer call: one call per prompt costs more than the tokenizing
-
-
 def _to_rows(
     tokenizer, rows: list[dict], where: str, max_length: int, renderer: PromptRenderer | None
 ) -> tuple[list[PromptRow], int]:
     """The rows that fit in `max_length` tokens, in order, and how many did not."""
-    kept: list[PromptRow] = []
-    for lo in range(0, len(rows), ENCODE_CHUNK):
-        chunk = rows[lo : lo + ENCODE_CHUNK]
-        rendered = [_prompt_text(tokenizer, row, where, renderer) for row in chunk]
-        all_ids = encode_all(tokenizer, [text for text, _ in rendered])
-        for row, (text, chat), ids in zip(chunk, rendered, all_ids, strict=True):
-            if len(ids) <= max_length:
-                kept.append(PromptRow(ids, text, {k: v for k, v in row.items() if k != "prompt"}, chat))
+    rendered = [_prompt_text(tokenizer, row, where, renderer) for row in rows]
+    all_ids = encode_all(tokenizer, [text for text, _ in rendered])
+    kept = [
+        PromptRow(ids, text, {k: v for k, v in row.items() if k != "prompt"}, chat)
+        for row, (text, chat), ids in zip(rows, rendered, all_ids, strict=True)
+        if len(ids) <= max_length
+    ]
     return kept, len(rows) - len(kept)
 
 

@@ -28,9 +28,16 @@ def encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+ENCODE_CHUNK = 4096  # texts per tokenizer call: few calls, and a bounded batch for a large dataset
+
+
 def encode_all(tokenizer, texts: list[str]) -> list[list[int]]:
-    """`encode` of each text, in one tokenizer call: per-call overhead dominates short texts."""
-    return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    """`encode` of each text, in one tokenizer call per `ENCODE_CHUNK` texts: per-call overhead
+    dominates short texts."""
+    ids: list[list[int]] = []
+    for lo in range(0, len(texts), ENCODE_CHUNK):
+        ids.extend(tokenizer(texts[lo : lo + ENCODE_CHUNK], add_special_tokens=False)["input_ids"])
+    return ids
 
 
 ROLES = ("system", "user", "assistant", "tool")

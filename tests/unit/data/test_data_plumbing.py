@@ -166,13 +166,13 @@ def test_sft_rows_are_tokenized_in_one_call_as_each_alone():
 
 
 def test_prompts_are_tokenized_in_chunks_as_one_by_one_and_the_long_ones_dropped(monkeypatch):
-    from rltrain.data import prompt_data
+    from rltrain.data import prompt_data, tokenize
     from rltrain.data.tokenize import encode
     from rltrain.models.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     rows = [{"prompt": "1" * n + "+2=", "answer": str(n)} for n in (1, 9, 2, 12, 3, 4, 10, 5)]
-    monkeypatch.setattr(prompt_data, "ENCODE_CHUNK", 3)  # chunk ends fall inside and after the long rows
+    monkeypatch.setattr(tokenize, "ENCODE_CHUNK", 3)  # chunk ends fall inside and after the long rows
     kept, dropped = prompt_data._to_rows(tokenizer, rows, "here", 12, None)
     fitting = [row for row in rows if len(encode(tokenizer, row["prompt"])) <= 12]
     assert dropped == 2 and len(fitting) == 6  # n + 3 tokens: n = 12 and n = 10 are too long
