@@ -63,6 +63,22 @@ def _engine_child(parent: int) -> int:
     raise AssertionError(f"no rollout child of process {parent}")
 
 
+def _wait_dead(pid: int, timeout: float) -> None:
+    """Until `pid` has exited (a zombie its parent has not reaped yet, or gone): from then on the
+    run's `proc.poll()` sees the exit. A warm run's stand-in dies at once, but the engine the rank
+    server forked for it lives until the server notices, and could answer a ping sent in between."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return
+        if state in ("Z", "X"):
+            return
+        assert time.monotonic() < deadline, f"process {pid} still runs {timeout:g} s after SIGKILL"
+        time.sleep(0.01)
+
+
 def test_killed_separate_engine_turns_deep_health_503_naming_it(tiny_cache, tmp_path):
     """A warm run (`cli.BackgroundRun`): its rollout process is a stand-in whose engine the rank
     server forked; SIGKILL to the stand-in ends that engine too, and the run sees the stand-in's
@@ -88,8 +104,9 @@ def test_killed_separate_engine_turns_deep_health_503_naming_it(tiny_cache, tmp_
         assert code == 200 and body["rollout"] == "ok", body  # the live engine answers its ping
 
         child = _engine_child(run.pid)
-        os.kill(child, signal.SIGKILL)
         t0 = time.monotonic()
+        os.kill(child, signal.SIGKILL)
+        _wait_dead(child, timeout=5)
         code, body = _deep(port)
         assert time.monotonic() - t0 < 5
         assert code == 503, body
