@@ -66,24 +66,24 @@ def init_distributed(timeout_s: float) -> DistInfo:
                 f"per rank. Lower trainer.nproc / --nproc_per_node, or set {BACKEND_ENV}=gloo to share GPUs over "
                 "gloo (slow; for testing)."
             )
-        if world == 1 and "MASTER_ADDR" not in os.environ:
-            os.environ["MASTER_ADDR"] = "127.0.0.1"
-            os.environ["MASTER_PORT"] = str(_free_port())
+        timeout = datetime.timedelta(seconds=timeout_s)
         kwargs: dict[str, Any] = {}
         if device.type == "cuda" and backend == "nccl":
             kwargs["device_id"] = device
-        dist.init_process_group(
-            backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s), **kwargs
-        )
+        if world == 1 and "MASTER_ADDR" not in os.environ:
+            kwargs["store"] = _single_rank_store(timeout)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
     return DistInfo(rank, world, local_rank, device)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _single_rank_store(timeout: datetime.timedelta) -> dist.TCPStore:
+    """A single local rank's store on a port the kernel picks as it binds: asking for a free port
+    first and binding it later would leave a moment in which another process could take it. The
+    env:// variables then name it, as a launcher's would (libraries that read them find the run's)."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(store.port)
+    return store
 
 
 def control_device() -> torch.device:
