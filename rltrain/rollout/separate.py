@@ -223,6 +223,8 @@ class SeparateVLLMEngine:
             raise RolloutProcessError(
                 "the rollout process is closed (it failed earlier or close() was called)"
             )
+        if self.proc is not None and self.proc.poll() is not None:  # gone between calls: say so, send nothing
+            raise self._dead(f"before {op!r}", ChildProcessError(f"pid {self.proc.pid} is gone"))
         self._next_id += 1
         try:
             self.channel.send({"op": op, "id": self._next_id, **fields})
