@@ -9,7 +9,7 @@ from typing import get_args
 
 import torch
 
-from rltrain.config.group_options import ScaleRewards
+from rltrain.config.algorithms import ScaleRewards
 from rltrain.data.ragged import Ragged
 
 # --- GRPO --------------------------------------------------------------------------------------

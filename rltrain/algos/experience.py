@@ -25,6 +25,7 @@ from rltrain.data.sampler import IndexStream
 from rltrain.data.sharding import rank_slice, sum_over_replicas
 from rltrain.envs.episodes import EpisodeResults, EpisodeRunner
 from rltrain.envs.replica import share_results
+from rltrain.rewards.overlong import overlong_penalties
 from rltrain.rewards.scoring import Failures, RewardScorer
 from rltrain.rollout.ahead import RolloutWorker
 from rltrain.rollout.base import Completion, RolloutEngine, SamplingSettings
@@ -283,6 +284,12 @@ class ExperienceCollector:
         else:
             per_fn, failures = self.rewards(rows, completions)
             scores_B = self.weighted(per_fn, len(completions))
+        a = self.algo_cfg
+        if a.overlong_buffer > 0:  # DAPO's soft overlong punishment, logged as reward/overlong
+            per_fn["overlong"] = overlong_penalties(
+                [len(c.token_ids) for c in completions], a.max_new_tokens, a.overlong_buffer, a.overlong_penalty
+            )
+            scores_B = scores_B + torch.tensor(per_fn["overlong"], dtype=torch.float64, device="cpu")
         if self.sample_every and step % self.sample_every == 0:
             self.recorded = first_samples([rows[c.prompt_index].text for c in completions], self.texts(completions), scores_B.tolist())
         dp_size = self.policy.world_size

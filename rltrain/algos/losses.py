@@ -1,5 +1,5 @@
-"""Every loss of rltrain, as pure torch functions: SFT, DPO, the clipped policy loss (GRPO, PPO) and
-PPO's clipped value loss. Each returns a loss already divided by a *global* count (tokens or
+"""Every loss of rltrain, as pure torch functions: SFT, DPO, the policy loss of GRPO and PPO (PPO's
+clip, GSPO's sequence ratio, CISPO's clipped weight) and PPO's clipped value loss. Each returns a loss already divided by a *global* count (tokens or
 sequences over every micro-batch and rank), so micro-batch size, accumulation and the rank count do
 not change it. docs/internals/algos.md says what each one computes, with its sources, and what is
 left out.
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from rltrain.backends.base import PolicyOutput
-from rltrain.config.group_options import DPOLossType, LossAgg
+from rltrain.config.algorithms import DPOLossType, ImportanceLevel, LossAgg, PolicyLossKind
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
 
@@ -61,9 +61,31 @@ def implicit_rewards(policy_P: torch.Tensor, ref_P: torch.Tensor, beta: float) -
     return beta * (policy_P - ref_P)
 
 
-# --- the clipped policy loss (GRPO, PPO) -------------------------------------------------------
+# --- the policy loss (GRPO, PPO) --------------------------------------------------------------
 
 LOSS_AGGS: tuple[str, ...] = get_args(LossAgg)
+IMPORTANCE_LEVELS: tuple[str, ...] = get_args(ImportanceLevel)
+POLICY_LOSSES: tuple[str, ...] = get_args(PolicyLossKind)
+
+
+def importance_log_ratio(
+    logps: Ragged, old_N: torch.Tensor, keep_N: torch.Tensor, level: str = "token"
+) -> torch.Tensor:
+    """Per-token log importance ratio log(pi / pi_old), differentiable through `logps`.
+
+    `sequence` (GSPO): every token carries its sequence's length-normalised log ratio (the mean over
+    the sequence's counted tokens, `keep_N`), with the token's own gradient (GSPO-token: the value
+    is the sequence's, the gradient flows through each log-probability), so a per-token advantage
+    keeps its meaning and a per-sequence one gives GSPO's gradient exactly."""
+    if level not in IMPORTANCE_LEVELS:
+        raise ValueError(f"algo.importance_level={level!r}: choose one of {', '.join(IMPORTANCE_LEVELS)}")
+    logps_N = logps.values.float()
+    log_ratio_N = logps_N - old_N
+    if level == "token":
+        return log_ratio_N
+    counted = logps.with_values(keep_N)
+    seq_mean_B = logps.with_values(log_ratio_N.detach() * keep_N).sum_per_seq() / counted.sum_per_seq().clamp(min=1.0)
+    return logps_N - logps_N.detach() + logps.broadcast(seq_mean_B).values
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
@@ -85,6 +107,8 @@ def policy_loss(
     clip_high: float = 0.28,
     beta: float = 0.0,
     loss_agg: str = "token_mean",
+    importance_level: str = "token",
+    kind: str = "clip",
     global_tokens: float,
     global_seqs: float,
     max_len: int = 0,
@@ -100,7 +124,13 @@ def policy_loss(
     constant. `sampled` (bool per token, multi-turn trajectories) keeps the tokens the policy
     sampled: the environment's observations get no gradient and count in no mean, and
     `global_tokens` then counts sampled tokens only.
+
+    `kind="clip"` is PPO's clipped surrogate; `kind="cispo"` (CISPO) is `-A * sg(min(r, 1 + clip_high))
+    * logp`: the weight is clipped and detached, so every token keeps a gradient. `importance_level`
+    picks the ratio `r` (`importance_log_ratio`).
     """
+    if kind not in POLICY_LOSSES:
+        raise ValueError(f"algo.policy_loss={kind!r}: choose one of {', '.join(POLICY_LOSSES)}")
     if loss_agg not in LOSS_AGGS:
         raise ValueError(f"algo.loss_agg={loss_agg!r}: choose one of {', '.join(LOSS_AGGS)}")
     if not (0.0 <= clip_low < 1.0 and clip_high >= 0.0):
@@ -126,10 +156,16 @@ def policy_loss(
     else:
         adv_N = logps.broadcast(adv.float().detach().to(device)).values
     keep_N = torch.ones_like(logps_N) if sampled is None else sampled.values.to(device=device, dtype=logps_N.dtype)
-    ratio_N = torch.exp(logps_N - old_N)
-    unclipped_N = -adv_N * ratio_N
-    clipped_N = -adv_N * torch.clamp(ratio_N, 1.0 - clip_low, 1.0 + clip_high)
-    pg_N = torch.maximum(unclipped_N, clipped_N) * keep_N
+    ratio_N = torch.exp(importance_log_ratio(logps, old_N, keep_N, importance_level))
+    if kind == "cispo":
+        weight_N = torch.clamp(ratio_N.detach(), max=1.0 + clip_high)
+        pg_N = -adv_N * weight_N * logps_N * keep_N
+        clipped_frac_N = (ratio_N.detach() > 1.0 + clip_high).float()
+    else:
+        unclipped_N = -adv_N * ratio_N
+        clipped_N = -adv_N * torch.clamp(ratio_N, 1.0 - clip_low, 1.0 + clip_high)
+        pg_N = torch.maximum(unclipped_N, clipped_N) * keep_N
+        clipped_frac_N = (clipped_N > unclipped_N).float()
     if is_weights is not None:
         pg_N = pg_N * is_weights.values.float().detach().to(device)
     if keep_B is not None:
@@ -147,7 +183,7 @@ def policy_loss(
     metrics["policy/pg_loss"] = aggregate(
         logps.with_values(pg_N.detach()), loss_agg, global_tokens, global_seqs, max_len, counts
     )
-    metrics["policy/clipfrac"] = ((clipped_N > unclipped_N).float() * keep_N).sum().detach() / global_tokens
+    metrics["policy/clipfrac"] = (clipped_frac_N * keep_N).sum().detach() / global_tokens
     metrics["policy/approx_kl"] = (0.5 * (logps_N.detach() - old_N) ** 2 * keep_N).sum() / global_tokens
     if entropy is not None:
         metrics["policy/entropy"] = (entropy.values.float().detach().to(device) * keep_N).sum() / global_tokens

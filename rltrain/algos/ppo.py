@@ -11,8 +11,6 @@ the critic warm-up: docs/internals/algos.md.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 
 from rltrain.algos.advantages import (
@@ -31,7 +29,7 @@ from rltrain.algos.losses import value_loss
 from rltrain.algos.rl import Advantages, RLAlgorithm
 from rltrain.algos.rl_update import ValueLossInputs
 from rltrain.backends.base import PolicyOutput
-from rltrain.config.group_options import PPOConfig
+from rltrain.config.algorithms import PPOConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.sharding import sum_over_replicas
 
@@ -82,8 +80,6 @@ def ppo_advantages(exp: Experience, algo_cfg: PPOConfig, dp_size: int) -> Advant
 
 
 class PPO(RLAlgorithm):
-    uses_critic: ClassVar[bool] = True
-
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
         self.value_loss_fn = make_value_loss(self.algo_cfg.vf_clip)

@@ -1,8 +1,8 @@
 """One RL step, collect then update, for every RL algorithm (GRPO, PPO).
 
-The data, the rollout engine, the trainer's scoring and the mini-batch loop live here once, so an
-algorithm only says what it needs (`needs_reference`, `needs_old_logps_first`, `uses_critic`) and
-implements `advantages`. Generating ahead (`placement.max_staleness`), the batch comes from the
+The data, the rollout engine, the trainer's scoring and the mini-batch loop live here once; what an
+algorithm needs (a reference, a critic) comes from its declaration (rltrain.config.algorithms), and
+it implements `advantages` (and `needs_old_logps_first` where its advantages read them). Generating ahead (`placement.max_staleness`), the batch comes from the
 schedule of rltrain/algos/async_rollouts.py instead. The step in order: docs/internals/algos.md.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -21,6 +21,7 @@ from rltrain.algos.experience import Experience, ExperienceCollector
 from rltrain.algos.rl_update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
 from rltrain.backends import build_engine, build_reference
 from rltrain.backends.base import LogProbScorer
+from rltrain.config.algorithms import spec_of
 from rltrain.data.ragged import Ragged
 from rltrain.data.sharding import sum_over_replicas
 from rltrain.envs.build import build_episode_runner
@@ -43,25 +44,24 @@ class Advantages:
 
     adv: torch.Tensor | Ragged  # [B] per sequence or Ragged per completion token
     metrics: dict[str, float] = field(default_factory=dict)
-    returns: Ragged | None = None  # the critic's targets (algorithms with `uses_critic`)
+    returns: Ragged | None = None  # the critic's targets (algorithms declared with a critic)
 
 
 class RLAlgorithm:
-    uses_critic: ClassVar[bool] = False
-
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
         cfg = ctx.cfg
         a = self.algo_cfg = cfg.algo
+        self.spec = spec_of(a.name)
         # The LR schedule spans every optimizer step the run will take.
         optimizer_steps = cfg.trainer.max_steps * a.mini_batches * a.num_iterations
         self.policy = build_engine(ctx, "policy", optimizer_steps)
         self.reference: LogProbScorer | None = None
         reference_engine = None  # the reference's own engine (none for a LoRA policy's base)
-        if self.needs_reference():
+        if self.spec.builds_reference(a):
             self.reference, reference_engine = build_reference(ctx, self.policy, cfg.trainer.max_steps)
         self.rollout = build_rollout(ctx)
-        self.critic = build_engine(ctx, "critic", optimizer_steps) if self.uses_critic else None
+        self.critic = build_engine(ctx, "critic", optimizer_steps) if self.spec.critic else None
         engines = [e for e in (self.policy, reference_engine, self.critic) if e is not None]
         # env=python: the environment's step rewards are the reward; reward.fns are not called.
         reward_fns = build_reward_fns(cfg, ctx.dist.device) if cfg.env.name != "python" else []
@@ -95,9 +95,6 @@ class RLAlgorithm:
 
     # --- what a subclass decides ---------------------------------------------------------------
 
-    def needs_reference(self) -> bool:
-        return self.algo_cfg.beta != 0
-
     def kl_in_loss(self) -> bool:
         return True
 
@@ -110,7 +107,7 @@ class RLAlgorithm:
         raise NotImplementedError
 
     def update_critic(self, exp: Experience, advantages: Advantages, step: int) -> dict[str, float]:
-        """The critic's optimizer steps (algorithms with `uses_critic`)."""
+        """The critic's optimizer steps (algorithms declared with a critic)."""
         return {}
 
     def updates_policy(self, step: int) -> bool:

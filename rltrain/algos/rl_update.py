@@ -19,7 +19,7 @@ from rltrain.algos.experience import BatchLayout, Experience
 from rltrain.algos.losses import policy_loss
 from rltrain.algos.rollout_correction import correction, correction_metrics, resolve_mode
 from rltrain.backends.base import LogProbScorer, LossFn, LossMetrics, PolicyOutput, TrainEngine
-from rltrain.config.group_options import RLConfig
+from rltrain.config.algorithms import RLConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged, on_device
 from rltrain.data.sharding import split_micro_batches, sum_over_replicas
@@ -140,6 +140,8 @@ def make_policy_loss(
             clip_high=algo_cfg.clip_high,
             beta=beta,
             loss_agg=algo_cfg.loss_agg,
+            importance_level=algo_cfg.importance_level,
+            kind=algo_cfg.policy_loss,
             global_tokens=e.global_tokens,
             global_seqs=e.global_seqs,
             max_len=algo_cfg.max_new_tokens,

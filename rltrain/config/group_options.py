@@ -1,6 +1,7 @@
-"""The options a Hydra group chooses between: one dataclass per option of `algo`, `backend`, `rollout`,
+"""The options a Hydra group chooses between: one dataclass per option of `backend`, `rollout`,
 `reward_model` and `env` (a base per group, a subclass per option), and the `reference` and `critic`
-models. Each option's YAML in `conf/<group>/` extends its schema (`<group>/<name>_schema`, stored by
+models; the `algo` options are declared with what each algorithm needs in rltrain.config.algorithms.
+Each option's YAML in `conf/<group>/` extends its schema (`<group>/<name>_schema`, stored by
 rltrain.config.schema.register_configs). The run's own sections and the root `Config` are in
 rltrain.config.schema; docs/configuration.md lists every key.
 """
@@ -14,70 +15,8 @@ from omegaconf import MISSING
 
 from rltrain.config.choices import choice
 
-DPOLossType = Literal["sigmoid", "ipo", "hinge", "robust"]
-LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-RolloutCorrection = Literal["auto", "none", "tis", "mask"]  # auto: none in sync, tis with placement.max_staleness >= 1
-ScaleRewards = Literal["group", "batch", "none"]
 RolloutProcess = Literal["colocated", "separate"]  # separate: the engine in a child process (rollout/separate.py)
 EnvName = Literal["none", "python", "tools"]  # rltrain/envs
-
-
-@dataclass
-class AlgoConfig:
-    name: str = MISSING
-
-
-@dataclass
-class SFTConfig(AlgoConfig):
-    name: str = "sft"
-
-
-@dataclass
-class DPOConfig(AlgoConfig):
-    name: str = "dpo"
-    beta: float = 0.1
-    loss_type: str = choice("sigmoid", DPOLossType)
-    label_smoothing: float = 0.0
-    sft_weight: float = 0.0
-    precompute_ref_logps: bool = False
-
-
-@dataclass
-class RLConfig(AlgoConfig):
-    """What every RL algorithm shares: the experience pipeline, the clipped policy loss and the
-    rollout correction (rltrain/algos/rl.py)."""
-
-    group_size: int = 8
-    prompts_per_step: int = 16
-    mini_batches: int = 1
-    num_iterations: int = 1
-    loss_agg: str = choice("token_mean", LossAgg)
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    beta: float = 0.0  # KL to the reference (0: no reference model)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 6
-    rollout_correction: str = choice("auto", RolloutCorrection)
-    rollout_is_cap: float = 2.0  # tis: token importance weights truncated at this value
-    rollout_mask_band: float = 2.0  # mask: keep sequences whose train/rollout ratio is in [1/band, band]
-
-
-@dataclass
-class GRPOConfig(RLConfig):
-    name: str = "grpo"
-    scale_rewards: str = choice("group", ScaleRewards)
-
-
-@dataclass
-class PPOConfig(RLConfig):
-    name: str = "ppo"
-    gamma: float = 1.0  # GAE discount
-    lam: float = 0.95  # GAE lambda
-    vf_clip: float = 0.2  # clipped value loss: values move at most this far from the old ones
-    critic_warmup_steps: int = 0  # the first steps train the critic only
-    whiten_advantages: bool = True
-    kl_in_reward: bool = False  # true: -beta * KL per token in the reward; false: beta * k3 in the loss
 
 
 @dataclass

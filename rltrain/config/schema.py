@@ -17,21 +17,18 @@ from typing import Any, Literal
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from rltrain.config.algorithms import ALGORITHMS
 from rltrain.config.choices import choice
 from rltrain.config.group_options import (
     CriticConfig,
-    DPOConfig,
     FSDPBackendConfig,
-    GRPOConfig,
     HFRewardModelConfig,
     HFRolloutConfig,
     MegatronBackendConfig,
     NoEnvConfig,
     NoRewardModelConfig,
-    PPOConfig,
     PythonEnvConfig,
     ReferenceConfig,
-    SFTConfig,
     ToolsEnvConfig,
     VLLMRolloutConfig,
 )
@@ -252,7 +249,7 @@ class Config:
 
 
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
-    "algo": {"sft": SFTConfig, "dpo": DPOConfig, "grpo": GRPOConfig, "ppo": PPOConfig},
+    "algo": {name: spec.config for name, spec in ALGORITHMS.items()},
     "backend": {"fsdp": FSDPBackendConfig, "megatron": MegatronBackendConfig},
     "rollout": {"vllm": VLLMRolloutConfig, "hf": HFRolloutConfig},
     "model": {"tiny": ModelConfig, "tiny_sft": ModelConfig},

@@ -12,6 +12,7 @@ import shutil
 import sys
 
 from rltrain.config import group_options, schema
+from rltrain.config.algorithms import SPECS, names_where, spec_of
 from rltrain.config.choices import choices_of
 from rltrain.config.compose_errors import added_keys
 from rltrain.config.layout import data_parallel_size, validate_megatron_layout
@@ -21,7 +22,7 @@ from rltrain.config.sources import (
     validate_data_sources,
     validate_model_source,
 )
-from rltrain.config.validate_rl import ALGOS_WITHOUT_REWARDS, validate_env, validate_staleness
+from rltrain.config.validate_rl import validate_env, validate_staleness
 from rltrain.runtime.errors import UserError
 
 # Every enum-like key of every group and the values it accepts (the schema's `Literal`s), checked
@@ -31,8 +32,7 @@ from rltrain.runtime.errors import UserError
 SECTIONS: tuple[tuple[str, type], ...] = (
     ("trainer", schema.TrainerConfig), ("optim", schema.OptimConfig), ("model", schema.ModelConfig),
     ("data", schema.DataConfig), ("logger.wandb", schema.WandbConfig), ("sweep", schema.SweepConfig),
-    ("algo", group_options.DPOConfig), ("algo", group_options.GRPOConfig), ("algo", group_options.PPOConfig),
-    ("rollout", group_options.VLLMRolloutConfig),
+    *(("algo", spec.config) for spec in SPECS), ("rollout", group_options.VLLMRolloutConfig),
 )
 CHOICES: dict[str, tuple[str, ...]] = {
     f"{prefix}.{name}": values for prefix, cls in SECTIONS for name, values in choices_of(cls).items()
@@ -86,7 +86,8 @@ def validate(cfg) -> None:
         )
     validate_megatron_layout(cfg)
     validate_compile(cfg)
-    if cfg.algo.name in ("sft", "dpo") and cfg.trainer.global_batch_size < data_parallel_size(cfg):  # RL sizes steps by algo.prompts_per_step
+    # An algorithm that generates sizes its steps by algo.prompts_per_step instead.
+    if not spec_of(cfg.algo.name).generates and cfg.trainer.global_batch_size < data_parallel_size(cfg):
         raise UserError(
             f"trainer.global_batch_size={cfg.trainer.global_batch_size} is smaller than the {data_parallel_size(cfg)} "
             "data-parallel ranks: every rank needs at least one example per step. Raise the batch or lower "
@@ -224,41 +225,8 @@ def validate_data(cfg) -> None:
 
 
 def validate_algo(algo) -> None:
-    """Values of algorithm-specific keys (each algorithm's schema has its own)."""
-    if algo.name == "dpo":
-        if algo.beta <= 0:
-            raise UserError(f"algo.beta={algo.beta} must be positive (the DPO temperature).")
-        if not 0 <= algo.label_smoothing < 0.5:
-            raise UserError(f"algo.label_smoothing={algo.label_smoothing} must be in [0, 0.5).")
-    if algo.name in ("grpo", "ppo"):
-        for key in ("group_size", "prompts_per_step", "mini_batches", "num_iterations", "max_new_tokens"):
-            if getattr(algo, key) < 1:
-                raise UserError(f"algo.{key}={getattr(algo, key)} must be at least 1.")
-        if algo.temperature <= 0 or not 0 < algo.top_p <= 1:
-            raise UserError(
-                f"algo.temperature={algo.temperature} must be positive and algo.top_p={algo.top_p} in (0, 1]."
-            )
-        if algo.clip_low < 0 or algo.clip_high < 0 or algo.beta < 0:
-            raise UserError(
-                f"algo.clip_low={algo.clip_low}, algo.clip_high={algo.clip_high} and algo.beta={algo.beta} "
-                "must be at least 0."
-            )
-        if algo.rollout_is_cap <= 0 or algo.rollout_mask_band < 1:
-            raise UserError(
-                f"algo.rollout_is_cap={algo.rollout_is_cap} must be positive and algo.rollout_mask_band="
-                f"{algo.rollout_mask_band} at least 1 (sequences are kept when their ratio is in [1/band, band])."
-            )
-    if algo.name == "ppo":
-        if not (0 <= algo.gamma <= 1 and 0 <= algo.lam <= 1):
-            raise UserError(f"algo.gamma={algo.gamma} and algo.lam={algo.lam} must be in [0, 1] (GAE).")
-        if algo.vf_clip <= 0 or algo.critic_warmup_steps < 0:
-            raise UserError(
-                f"algo.vf_clip={algo.vf_clip} must be positive and algo.critic_warmup_steps={algo.critic_warmup_steps} at least 0."
-            )
-
-
-# Algorithms that never build a role: a path given for it would be silently unused, so it is refused.
-ALGOS_WITHOUT_CRITIC = ("sft", "dpo", "grpo")
+    """Values of algorithm-specific keys: each algorithm's own check (rltrain.config.algorithms)."""
+    spec_of(algo.name).check(algo)
 
 
 def validate_roles(cfg) -> None:
@@ -271,16 +239,18 @@ def validate_roles(cfg) -> None:
     if not cfg.critic.lr > 0:
         raise UserError(f"critic.lr={cfg.critic.lr} must be positive (the critic's own learning rate).")
     algo = cfg.algo
-    rl = algo.name in ("grpo", "ppo")
-    if cfg.reference.path is not None and (algo.name == "sft" or (rl and algo.beta == 0)):
-        why = "algo=sft has no reference" if algo.name == "sft" else f"algo={algo.name} builds a reference only when algo.beta > 0"
+    spec = spec_of(algo.name)
+    if cfg.reference.path is not None and not spec.builds_reference(algo):
+        when_beta = spec.reference == "when_beta"
+        why = f"algo={algo.name} builds a reference only when algo.beta > 0" if when_beta else f"algo={algo.name} has no reference"
         raise UserError(
             f"reference.path={cfg.reference.path!r} is set but would be unused: {why}. Remove reference.path"
-            + (", or set algo.beta (e.g. algo.beta=0.04) to add the KL penalty." if rl else ".")
+            + (", or set algo.beta (e.g. algo.beta=0.04) to add the KL penalty." if when_beta else ".")
         )
-    if cfg.critic.path is not None and algo.name in ALGOS_WITHOUT_CRITIC:
+    if cfg.critic.path is not None and not spec.critic:
+        with_critic = " and ".join(n.upper() for n in names_where(lambda s: s.critic))
         raise UserError(
-            f"critic.path={cfg.critic.path!r} is set but algo={algo.name} has no critic (only PPO trains one). "
+            f"critic.path={cfg.critic.path!r} is set but algo={algo.name} has no critic (only {with_critic} trains one). "
             "Remove critic.path, or choose an algorithm with a critic."
         )
     validate_reward_model(cfg.reward_model, algo.name)
@@ -300,9 +270,10 @@ def validate_reward_model(rm, algo_name: str) -> None:
             "with one output (num_labels=1) and its tokenizer, e.g. reward_model.path=/models/my-reward-model. "
             "Or drop reward_model=hf to score with reward.fns alone."
         )
-    if algo_name in ALGOS_WITHOUT_REWARDS:
+    if not spec_of(algo_name).rewards:
+        scored = " and ".join(n.upper() for n in names_where(lambda s: s.rewards))
         raise UserError(
-            f"reward_model=hf is set but algo={algo_name} uses no rewards (GRPO and PPO do). Remove reward_model=hf."
+            f"reward_model=hf is set but algo={algo_name} uses no rewards ({scored} do). Remove reward_model=hf."
         )
     check_revision("reward_model", rm)
     hf_config = read_hf_config("reward_model.path", rm.path, "use reward_model=none", rm.revision)

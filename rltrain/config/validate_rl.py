@@ -5,9 +5,13 @@ is built; docs/environments.md and docs/async.md say what each refusal protects.
 
 from __future__ import annotations
 
+from rltrain.config.algorithms import names_where, spec_of
 from rltrain.runtime.errors import UserError
 
-ALGOS_WITHOUT_REWARDS = ("sft", "dpo")  # they train on fixed data: no rollouts, rewards or episodes
+
+def _algo_list(names: list[str]) -> str:
+    """["grpo", "ppo"] -> "algo=grpo or algo=ppo"."""
+    return " or ".join(f"algo={name}" for name in names)
 
 
 def validate_env(cfg) -> None:
@@ -27,9 +31,16 @@ def validate_env(cfg) -> None:
         for path in env.tools:
             if ":" not in path:
                 raise UserError(f"env.tools entry {path!r} must be package.module:function.")
-    if cfg.algo.name in ALGOS_WITHOUT_REWARDS:
+    if not spec_of(cfg.algo.name).rewards:
         raise UserError(
-            f"env={env.name} trains with algo=grpo or algo=ppo; algo={cfg.algo.name} cannot: SFT and DPO train on fixed data."
+            f"env={env.name} trains with {_algo_list(names_where(lambda s: s.rewards))}; algo={cfg.algo.name} cannot: "
+            "it scores no episodes."
+        )
+    if cfg.algo.overlong_buffer > 0:
+        raise UserError(
+            f"algo.overlong_buffer={cfg.algo.overlong_buffer} with env={env.name}: the overlong penalty measures one "
+            "completion against algo.max_new_tokens, and an episode's completion spans many turns and observations. "
+            "Set algo.overlong_buffer=0, or bound episodes with env.max_total_tokens."
         )
     if env.name == "python" and (list(cfg.reward.fns) or cfg.reward_model.name != "none"):
         raise UserError(
@@ -52,8 +63,11 @@ def validate_staleness(cfg) -> None:
         raise UserError(f"placement.max_staleness={k} must be 0 (synchronous) or a number of policy versions >= 1.")
     if k == 0:
         return
-    if cfg.algo.name in ALGOS_WITHOUT_REWARDS:
-        raise UserError(f"placement.max_staleness={k} overlaps generation with training; algo={cfg.algo.name} generates nothing. Use algo=grpo or algo=ppo, or placement.max_staleness=0.")
+    if not spec_of(cfg.algo.name).generates:
+        raise UserError(
+            f"placement.max_staleness={k} overlaps generation with training; algo={cfg.algo.name} generates nothing. "
+            f"Use {_algo_list(names_where(lambda s: s.generates))}, or placement.max_staleness=0."
+        )
     if cfg.placement.time_sharing:
         raise UserError(
             f"placement.max_staleness={k} with placement.time_sharing=true: time sharing makes the engine and the trainer "

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from rltrain.algos.base import RunContext
 from rltrain.backends.roles import resolve_role_dirs
+from rltrain.config.algorithms import spec_of
 from rltrain.models.lora import MERGED_DIR
 from rltrain.models.model_dir import resolve_model_dir
 from rltrain.run.checkpoint import CheckpointManager, fingerprint, fsync_path
@@ -33,16 +34,10 @@ from rltrain.runtime.process_state import reset_process_state
 from rltrain.runtime.threads import thread_split
 from rltrain.safety.runtime import SafetyRuntime
 
-ALGORITHMS = {
-    "sft": "rltrain.algos.sft:SFT",
-    "dpo": "rltrain.algos.dpo:DPO",
-    "grpo": "rltrain.algos.grpo:GRPO",
-    "ppo": "rltrain.algos.ppo:PPO",
-}
-
 
 def build_algorithm(ctx: RunContext):
-    module_name, cls_name = ALGORITHMS[ctx.cfg.algo.name].split(":")
+    """The algorithm its declaration names (rltrain.config.algorithms), imported only now."""
+    module_name, cls_name = spec_of(ctx.cfg.algo.name).impl.split(":")
     return getattr(importlib.import_module(module_name), cls_name)(ctx)
 
 

@@ -32,7 +32,8 @@ def _grpo_update(rank, world, model_dir, backend, fused):
     from rltrain.algos.experience import BatchLayout, Experience
     from rltrain.rewards.scoring import Failures
     from rltrain.algos.rl_update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
-    from rltrain.config.group_options import FSDPBackendConfig, GRPOConfig, MegatronBackendConfig
+    from rltrain.config.algorithms import GRPOConfig
+    from rltrain.config.group_options import FSDPBackendConfig, MegatronBackendConfig
     from rltrain.config.schema import OptimConfig
     from rltrain.data.batch import SequenceBatch
     from rltrain.data.ragged import Ragged

@@ -92,7 +92,7 @@ def test_multi_turn_gae_runs_over_the_sampled_tokens_and_leaves_observations_out
     from types import SimpleNamespace
 
     from rltrain.algos.ppo import ppo_advantages
-    from rltrain.config.group_options import PPOConfig
+    from rltrain.config.algorithms import PPOConfig
 
     sampled = Ragged.from_lengths(torch.tensor([True, True, False, False, True, True, True]), [5, 2])
     values = _ragged([0.5, 0.6, 9.0, 9.0, 0.7, 1.0, 1.5], [5, 2])

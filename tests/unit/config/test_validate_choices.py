@@ -1,7 +1,7 @@
 """Every enum-like key is checked at composition, with the allowed values named.
 
-The allowed values are declared once, as `Literal`s in rltrain/config/schema.py and
-rltrain/config/group_options.py; `CHOICES` (validate) and the constants of the code that reads each
+The allowed values are declared once, as `Literal`s in rltrain/config/schema.py,
+rltrain/config/group_options.py and rltrain/config/algorithms.py; `CHOICES` (validate) and the constants of the code that reads each
 key are derived from them. These tests keep them equal and find every enum-like key of the schema in CHOICES, so a new one cannot be added without its check. The CLI side (one paragraph, exit 2) is
 tests/e2e/test_bad_input_cli.py.
 """
@@ -15,7 +15,8 @@ import re
 import pytest
 from helpers import compose_config
 
-from rltrain.config import group_options, schema
+from rltrain.config import algorithms, group_options, schema
+from rltrain.config.algorithms import ALGORITHMS
 from rltrain.config.choices import choices_of
 from rltrain.config.validate import CHOICES, validate
 from rltrain.runtime.errors import UserError
@@ -73,7 +74,7 @@ def test_every_enum_like_key_of_every_group_is_checked():
     found = set()
     classes = [
         (name, cls)
-        for module in (schema, group_options)
+        for module in (schema, group_options, algorithms)
         for name, cls in inspect.getmembers(module, dataclasses.is_dataclass)
         if cls.__module__ == module.__name__
     ]
@@ -91,7 +92,7 @@ def test_every_enum_like_key_of_every_group_is_checked():
 
 
 def test_the_defaults_of_every_algorithm_and_backend_pass():
-    for algo in ("sft", "dpo", "grpo"):
+    for algo in ALGORITHMS:
         for backend in ("fsdp", "megatron"):
             validate(_cfg(f"algo={algo}", f"backend={backend}"))
     validate(_cfg("rollout=hf"))

@@ -79,7 +79,10 @@ def test_the_static_check_flags_the_bugs_that_crashed_on_cuda():
 # --- dynamic: losses on outputs that live on another device --------------------------------------------------
 
 OTHER = torch.device("meta")
-RL_KEYS = ("clip_low", "clip_high", "beta", "loss_agg", "max_new_tokens", "rollout_is_cap", "rollout_mask_band")
+RL_KEYS = (
+    "clip_low", "clip_high", "beta", "loss_agg", "importance_level", "policy_loss", "max_new_tokens", "rollout_is_cap",
+    "rollout_mask_band",
+)
 
 
 def _output(batch: SequenceBatch, with_entropy: bool = False) -> PolicyOutput:
@@ -118,7 +121,7 @@ def test_dpo_loss_runs_where_the_outputs_are_with_host_reference_sums():
 
 def test_grpo_loss_runs_where_the_outputs_are_with_host_advantages_and_engine_logps():
     from rltrain.algos.rl_update import PolicyLossInputs, make_policy_loss
-    from rltrain.config.group_options import GRPOConfig
+    from rltrain.config.algorithms import GRPOConfig
 
     batch = _batch()
     lengths = batch.completion_lens()
@@ -138,7 +141,7 @@ def test_grpo_loss_runs_where_the_outputs_are_with_host_advantages_and_engine_lo
 @pytest.mark.parametrize("reference_on", ["cpu", "meta"])
 def test_grpo_loss_with_reference_log_probs_on_either_device(reference_on):
     from rltrain.algos.rl_update import PolicyLossInputs, make_policy_loss
-    from rltrain.config.group_options import GRPOConfig
+    from rltrain.config.algorithms import GRPOConfig
 
     batch = _batch()
     lengths = batch.completion_lens()
