@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,15 +70,27 @@ class AsyncRollouts:
         """Queue step `step`'s batch behind everything submitted so far (nothing past the last step)."""
         if step > self.max_steps or step in self.pending:
             return
-        index = global_index if global_index is not None else self.collector.take_prompts()
+        index = global_index if global_index is not None else self._take_prompts()
         future: Future[Generated] | None = None
         if done is not None:
             future = Future()
             future.set_result(done)
         elif self._leads():
-            rows = self.collector.my_rows(index)
+            rows = [r for block in self._rounds(index) for r in self.collector.my_rows(block)]
             future = self.worker.submit(self._generate, [r.ids for r in rows], self.collector.sampling(step))
         self.pending[step] = Ticket(step, index, sample_version(step, self.k), future)
+
+    def _take_prompts(self) -> list[int]:
+        """A batch's prompts. With dynamic sampling every round the step may need is taken and
+        generated at once, so all of them are sampled by the batch's one version; the step uses as
+        many rounds as it needs (`ExperienceCollector.collect_signal`)."""
+        rounds = self.collector.algo_cfg.max_sampling_rounds if self.collector.algo_cfg.dynamic_sampling else 1
+        return [i for _ in range(rounds) for i in self.collector.take_prompts()]
+
+    def _rounds(self, index: list[int]) -> list[list[int]]:
+        """`index` (one or more rounds of `algo.prompts_per_step` prompts) split into its rounds."""
+        per_round = self.collector.algo_cfg.prompts_per_step
+        return [index[i : i + per_round] for i in range(0, len(index), per_round)]
 
     def _start(self, step: int) -> None:
         """Fill the pipeline at the first step of this process: steps `step` .. `step + k`, from a
@@ -105,7 +117,21 @@ class AsyncRollouts:
         completions = share_completions(mine, group) if group is not None else mine
         assert completions is not None  # without a replica group every rank generates
         staleness = (step - 1) - ticket.version
-        return self.collector.assemble(step, ticket.global_index, completions, generate_s, staleness=staleness), wait_s
+        if not self.collector.algo_cfg.dynamic_sampling:
+            return self.collector.assemble(step, ticket.global_index, completions, generate_s, staleness=staleness), wait_s
+        by_round: list[tuple[list[int], list[Completion]]] = []
+        first_row = 0  # the rounds were generated in one call: each round's prompt indices start at 0
+        for block in self._rounds(ticket.global_index):
+            count = len(self.collector.my_rows(block))
+            mine = [replace(c, prompt_index=c.prompt_index - first_row) for c in completions if first_row <= c.prompt_index < first_row + count]
+            by_round.append((block, mine))
+            first_row += count
+        first_index, first = by_round[0]
+        exp = self.collector.collect_signal(
+            step, first_index, self.collector.my_rows(first_index), first, generate_s, staleness, more=lambda r: by_round[r]
+        )
+        exp.global_index = ticket.global_index  # every round was taken from the stream, used or not
+        return exp, wait_s
 
     def after_update(self, step: int) -> None:
         """Version `step` is published: request the batch it samples."""

@@ -13,11 +13,13 @@ prompt-major order plus the *global* reward vector every rank agrees on. What ha
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from rltrain.algos.base import RunContext
+from rltrain.algos.dynamic_sampling import SamplingRounds, SignalGroups
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.prompt_data import PromptRow, build_prompt_data
 from rltrain.data.ragged import Ragged
@@ -26,12 +28,12 @@ from rltrain.data.sharding import rank_slice, sum_over_replicas
 from rltrain.envs.episodes import EpisodeResults, EpisodeRunner
 from rltrain.envs.replica import share_results
 from rltrain.rewards.overlong import overlong_penalties
-from rltrain.rewards.scoring import Failures, RewardScorer
+from rltrain.rewards.scoring import Failures, RewardScorer, Scored
 from rltrain.rollout.ahead import RolloutWorker
 from rltrain.rollout.base import Completion, RolloutEngine, SamplingSettings
 from rltrain.rollout.share import leads, raise_leader_error, replica_leader, share_completions
 from rltrain.run.samples import Sample, first_samples
-from rltrain.runtime.distributed import share_lists
+from rltrain.runtime.distributed import global_max, share_lists
 from rltrain.runtime.errors import UserError
 from rltrain.sync.timeshare import TimeSharing
 
@@ -94,6 +96,7 @@ class Experience:
     tool_calls: float = 0.0  # the tool calls over this rank's episodes (env=tools)
     staleness: int = 0  # policy versions between the sampler and the trainer (placement.max_staleness)
     global_index: list[int] = field(default_factory=list)  # the step's prompts (global, every rank's)
+    sampling: SamplingRounds | None = None  # algo.dynamic_sampling: the rounds that made this batch
     old_logps: Ragged | None = None
     entropy: Ragged | None = None
     ref_logps: Ragged | None = None
@@ -159,14 +162,15 @@ class ExperienceCollector:
         self.worker: RolloutWorker | None = None  # placement.max_staleness >= 1 (rltrain/algos/async_rollouts.py)
         self.worker_wait_s = 0.0
 
-    def sampling(self, step: int, greedy: bool = False) -> SamplingSettings:
+    def sampling(self, step: int, sampling_round: int = 0, greedy: bool = False) -> SamplingSettings:
+        """The engine's settings for `step` (and, with dynamic sampling, its round: a new seed each)."""
         a = self.algo_cfg
         return SamplingSettings(
             n=1 if greedy else a.group_size,
             temperature=0.0 if greedy else a.temperature,
             top_p=1.0 if greedy else a.top_p,
             max_new_tokens=a.max_new_tokens,
-            seed=self.ctx.cfg.rollout.seed + 1_000_003 * step + self.policy.rank,
+            seed=self.ctx.cfg.rollout.seed + 1_000_003 * step + 7_919 * sampling_round + self.policy.rank,
             stop_token_ids=[self.eos],
         )
 
@@ -262,19 +266,50 @@ class ExperienceCollector:
             time_rollout = time.perf_counter() - started
             return self.assemble(step, global_index, played.completions, time_rollout, played)
         completions = self.generate([r.ids for r in rows], self.sampling(step))
+        if self.algo_cfg.dynamic_sampling:
+            return self.collect_signal(step, global_index, rows, completions, self.timeshare.last_generate_s)
         return self.assemble(step, global_index, completions, self.timeshare.last_generate_s)
 
-    def assemble(
-        self, step: int, global_index: list[int], completions: list[Completion], time_rollout: float,
-        played: EpisodeResults | None = None, staleness: int = 0,
+    def collect_signal(
+        self, step: int, global_index: list[int], rows: list[PromptRow], completions: list[Completion],
+        time_rollout: float, staleness: int = 0, more: Callable[[int], tuple[list[int], list[Completion]]] | None = None,
     ) -> Experience:
-        """The step's `Experience` from this rank's completions of the step's prompts (`global_index`):
-        rewards, the batch, global counts (a collective: every rank). `played`: the episodes the
-        completions come from (env)."""
-        rows = self.my_rows(global_index)
-        env_failures, episode_counts = Failures(), (0.0, 0.0)
+        """DAPO's dynamic sampling from a first round (`rows`, `completions`): groups whose rewards
+        are all equal teach nothing and are dropped, and rounds of `algo.prompts_per_step` new prompts
+        follow until this rank holds its share of groups with signal or `algo.max_sampling_rounds`
+        rounds ran (every rank takes as many rounds as the rank that needs the most). A short batch
+        is filled with the first groups dropped (zero advantage), so its shape never changes.
+        `more(round)` gives round `round`'s prompts and completions (default: the next prompts from the
+        stream, sampled now); `global_index` becomes every round's prompts. docs/algorithms.md ("Dynamic sampling")."""
+        a, k = self.algo_cfg, self.algo_cfg.group_size
+        picker = SignalGroups(len(rows), k)
+        rounds = 1
+        consumed = list(global_index)
+        while True:
+            scored = self.score(rows, completions)
+            picker.offer(rows, completions, scored)
+            if global_max(float(picker.missing)) <= 0 or rounds >= a.max_sampling_rounds:
+                break
+            if more is not None:
+                round_index, completions = more(rounds)
+            else:
+                round_index = self.take_prompts()
+                completions = self.generate([r.ids for r in self.my_rows(round_index)], self.sampling(step, rounds))
+                time_rollout += self.timeshare.last_generate_s
+            consumed += round_index
+            rows = self.my_rows(round_index)
+            rounds += 1
+        kept_rows, kept_completions, kept_scored = picker.batch()
+        exp = self.assemble(
+            step, consumed, kept_completions, time_rollout, staleness=staleness, rows=kept_rows, scored=kept_scored
+        )
+        exp.sampling = SamplingRounds(rounds, picker.dropped, picker.filled)
+        return exp
+
+    def score(self, rows: list[PromptRow], completions: list[Completion], played: EpisodeResults | None = None) -> Scored:
+        """The rewards of `completions` of `rows`: per reward function, the failures and the weighted
+        total (with DAPO's overlong term, `reward/overlong`, where `algo.overlong_buffer` is set)."""
         if played is not None:
-            env_failures, episode_counts = played.failures, (played.turns, played.tool_calls)
             if self.reward_fns:  # env=tools: the episode's answer (its last reply) is scored
                 per_fn, failures = self.rewards(rows, completions, played.final_texts)
                 scores_B = self.weighted(per_fn, len(completions))
@@ -285,11 +320,27 @@ class ExperienceCollector:
             per_fn, failures = self.rewards(rows, completions)
             scores_B = self.weighted(per_fn, len(completions))
         a = self.algo_cfg
-        if a.overlong_buffer > 0:  # DAPO's soft overlong punishment, logged as reward/overlong
+        if a.overlong_buffer > 0:
             per_fn["overlong"] = overlong_penalties(
                 [len(c.token_ids) for c in completions], a.max_new_tokens, a.overlong_buffer, a.overlong_penalty
             )
             scores_B = scores_B + torch.tensor(per_fn["overlong"], dtype=torch.float64, device="cpu")
+        return Scored(per_fn, failures, scores_B)
+
+    def assemble(
+        self, step: int, global_index: list[int], completions: list[Completion], time_rollout: float,
+        played: EpisodeResults | None = None, staleness: int = 0, rows: list[PromptRow] | None = None,
+        scored: Scored | None = None,
+    ) -> Experience:
+        """The step's `Experience` from this rank's completions of the step's prompts (`global_index`):
+        rewards, the batch, global counts (a collective: every rank). `played`: the episodes the
+        completions come from (env). `rows` and `scored`: this rank's prompts and their rewards where
+        the caller picked them (dynamic sampling); else `global_index`'s and scored here."""
+        rows = self.my_rows(global_index) if rows is None else rows
+        env_failures, episode_counts = Failures(), (0.0, 0.0)
+        if played is not None:
+            env_failures, episode_counts = played.failures, (played.turns, played.tool_calls)
+        per_fn, failures, scores_B = scored if scored is not None else self.score(rows, completions, played)
         if self.sample_every and step % self.sample_every == 0:
             self.recorded = first_samples([rows[c.prompt_index].text for c in completions], self.texts(completions), scores_B.tolist())
         dp_size = self.policy.world_size
@@ -336,6 +387,13 @@ class ExperienceCollector:
             out["env/tool_calls_mean"], out["env/success"] = float(means[-8]), float(means[-9])
         for i, name in enumerate(exp.rewards_by_fn):
             out[f"reward/{name}"] = float(means[i])
+        if exp.sampling is not None:  # algo.dynamic_sampling
+            dropped, filled = sum_over_replicas(
+                torch.tensor([exp.sampling.dropped, exp.sampling.filled], dtype=torch.float64, device="cpu"),
+                self.policy.world_size,
+            ).tolist()
+            out["rollout/sampling_rounds"] = float(exp.sampling.rounds)
+            out["rollout/groups_dropped"], out["rollout/groups_without_signal"] = dropped, filled
         return out
 
     def samples(self) -> list[Sample]:

@@ -71,6 +71,10 @@ class RLConfig(AlgoConfig):
     # loses up to overlong_penalty, linearly over the buffer (0 = off).
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
+    # DAPO's dynamic sampling: groups whose rewards are all equal are dropped and new prompts sampled,
+    # at most max_sampling_rounds rounds of prompts_per_step prompts per step (docs/algorithms.md).
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 3
     rollout_correction: str = choice("auto", RolloutCorrection)
     rollout_is_cap: float = 2.0  # tis: token importance weights truncated at this value
     rollout_mask_band: float = 2.0  # mask: keep sequences whose train/rollout ratio is in [1/band, band]
@@ -110,7 +114,9 @@ def check_dpo(algo: Any) -> None:
 
 
 def check_rl(algo: Any) -> None:
-    _at_least(algo, ("group_size", "prompts_per_step", "mini_batches", "num_iterations", "max_new_tokens"))
+    _at_least(
+        algo, ("group_size", "prompts_per_step", "mini_batches", "num_iterations", "max_new_tokens", "max_sampling_rounds")
+    )
     if algo.temperature <= 0 or not 0 < algo.top_p <= 1:
         raise UserError(f"algo.temperature={algo.temperature} must be positive and algo.top_p={algo.top_p} in (0, 1].")
     if algo.clip_low < 0 or algo.clip_high < 0 or algo.beta < 0:
@@ -121,6 +127,11 @@ def check_rl(algo: Any) -> None:
         raise UserError(
             f"algo.rollout_is_cap={algo.rollout_is_cap} must be positive and algo.rollout_mask_band="
             f"{algo.rollout_mask_band} at least 1 (sequences are kept when their ratio is in [1/band, band])."
+        )
+    if algo.dynamic_sampling and algo.group_size < 2:
+        raise UserError(
+            f"algo.dynamic_sampling=true with algo.group_size={algo.group_size}: a group of one completion never has "
+            "rewards that differ, so every group would be dropped. Use algo.group_size >= 2."
         )
     if not 0 <= algo.overlong_buffer < algo.max_new_tokens or algo.overlong_penalty < 0:
         raise UserError(

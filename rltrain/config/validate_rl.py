@@ -36,6 +36,11 @@ def validate_env(cfg) -> None:
             f"env={env.name} trains with {_algo_list(names_where(lambda s: s.rewards))}; algo={cfg.algo.name} cannot: "
             "it scores no episodes."
         )
+    if cfg.algo.dynamic_sampling:
+        raise UserError(
+            f"algo.dynamic_sampling=true with env={env.name}: dynamic sampling draws more prompts for single-turn "
+            "completions; episodes are not resampled. Set algo.dynamic_sampling=false."
+        )
     if cfg.algo.overlong_buffer > 0:
         raise UserError(
             f"algo.overlong_buffer={cfg.algo.overlong_buffer} with env={env.name}: the overlong penalty measures one "

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from math import isfinite
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from rltrain.runtime.call_pool import Call, CallPool, CallResult
 from rltrain.runtime.errors import UserError
@@ -49,6 +49,14 @@ class Failures:
 
     timeouts: int = 0
     errors: int = 0
+
+
+class Scored(NamedTuple):
+    """A batch's rewards: per function (unweighted), the failures, the weighted total per sample."""
+
+    per_fn: dict[str, list[float]]
+    failures: Failures
+    scores_B: torch.Tensor  # float64, host
 
 
 def build_reward_fns(cfg, device: torch.device) -> list[RewardFn]:
