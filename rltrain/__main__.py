@@ -18,8 +18,9 @@ from typing import NoReturn
 import hydra
 from omegaconf import OmegaConf
 
+from rltrain.config.command_help import register_help
 from rltrain.config.compose_errors import composition_done, reporting_composition_errors
-from rltrain.config.schema import register_configs
+from rltrain.config.schema import CONF_DIR, register_configs
 from rltrain.launch.forked_rank import RANK_SERVER_ENV, run_in_server
 from rltrain.launch.parent_death import DIE_WITH_PARENT_ENV, die_with_parent
 from rltrain.launch.sweep import JobOutcome, objective_value, sweep_exit_status
@@ -33,7 +34,6 @@ from rltrain.runtime.errors import (
     stay_quiet_after_peer,
 )
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 class JobFailed(Exception):
     """A job ended with a non-zero exit status; what the user was told is already printed."""
@@ -234,6 +234,7 @@ def main() -> None:
 def compose_and_run() -> int:
     """Compose the config from `sys.argv` and run its job (or sweep); the process's exit status."""
     register_configs()
+    register_help()
     with reporting_composition_errors():
         hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)(job)()
     return sweep_exit_status()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,17 @@ class Advantages:
 
 class RLAlgorithm:
     def __init__(self, ctx: RunContext) -> None:
+        # What `close` shuts down, registered as each part is built: a failure part-way (a user error
+        # in the data, found after the engine is up) shuts the built parts down here, while the
+        # process group lives, not in exit-time finalizers after it is gone (docs/failure-behaviour.md).
+        self._built = ExitStack()
+        try:
+            self._build(ctx)
+        except BaseException:
+            self._built.close()
+            raise
+
+    def _build(self, ctx: RunContext) -> None:
         self.ctx = ctx
         cfg = ctx.cfg
         a = self.algo_cfg = cfg.algo
@@ -61,6 +73,7 @@ class RLAlgorithm:
         if self.spec.builds_reference(a):
             self.reference, reference_engine = build_reference(ctx, self.policy, cfg.trainer.max_steps)
         self.rollout = build_rollout(ctx)
+        self._built.callback(self.rollout.close)
         self.critic = build_engine(ctx, "critic", optimizer_steps) if self.spec.critic else None
         engines = [e for e in (self.policy, reference_engine, self.critic) if e is not None]
         # env=python: the environment's step rewards are the reward; reward.fns are not called.
@@ -73,7 +86,12 @@ class RLAlgorithm:
         self.timeshare = TimeSharing(engines, self.rollout, ctx.dist.device, cfg.placement.time_sharing, self.weights, frozen)
         plays = leads(self.policy.replica_group())  # a replica's peers receive scores and episodes
         scorer = RewardScorer(reward_fns, cfg.reward, cfg.safety.collective_timeout_s, start_workers=plays)
+        self._built.callback(scorer.close)
         episodes = build_episode_runner(cfg, ctx.tokenizer, start_workers=plays)
+        if episodes is not None:
+            self._built.callback(episodes.close)
+        if worker is not None:  # closed first: a call it runs may use the episodes' workers
+            self._built.callback(worker.close)
         self.collector = ExperienceCollector(ctx, self.rollout, self.timeshare, self.policy, scorer, episodes)
         self.ahead: AsyncRollouts | None = None
         if worker is not None:  # each engine call is bounded by rollout.timeout_s; a wait spans k + 2 of them
@@ -192,14 +210,10 @@ class RLAlgorithm:
         return self.rollout.ping
 
     def close(self) -> None:
-        """Shut the rollout engine down before the trainer's process group goes away, and the
-        reward functions' workers with it (the engine's worker thread first)."""
-        if self.ahead is not None:
-            self.ahead.close()
-        self.rollout.close()
-        self.collector.scorer.close()
-        if self.collector.episodes is not None:
-            self.collector.episodes.close()
+        """Shut down, before the trainer's process group goes away, what was built outside the
+        trainer, the last built first: the engine's worker thread (generating ahead), the episodes'
+        and reward functions' workers, the rollout engine."""
+        self._built.close()
 
     def checkpoint_engines(self) -> dict[str, Any]:
         """What a checkpoint holds besides the trainer state; generating ahead, the batches in flight."""

@@ -12,6 +12,7 @@ and the code that reads a key takes its values from the same `Literal`. docs/con
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from hydra.core.config_store import ConfigStore
@@ -42,6 +43,8 @@ WandbMode = Literal["auto", "online", "offline", "disabled"]  # auto: online wit
 Schedule = Literal["cosine", "linear", "constant"]
 Arch = Literal["qwen2", "llama"]  # the tiny model only
 SweepDirection = Literal["maximize", "minimize"]
+
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")  # the YAML tree every group's option lives in
 
 
 @dataclass

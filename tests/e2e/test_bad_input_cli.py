@@ -1,7 +1,8 @@
 """Bad input of every class gets one paragraph naming the fault and exit status 2, never a traceback.
 
 Each case is a real `python -m rltrain ...` that must stop before training: a config value at
-validation (no model is built), a data fault while the data loads (before the engine is built).
+validation (no model is built), a data fault while the data loads (before the engine is built), and
+a data fault found after the trainer's and the rollout engines are up, whose shutdown must add nothing.
 Other classes have their own tests: a missing data file or column, an empty dataset and an
 overlong row (test_cli_data.py), a broken reward function (test_cli_grpo.py), megatron layouts
 (test_megatron_cli.py). Every enum-like key is checked in tests/unit/config/test_validate_choices.py.
@@ -10,10 +11,11 @@ overlong row (test_cli_data.py), a broken reward function (test_cli_grpo.py), me
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
-from cli import QUICK, rltrain
+from cli import QUICK, SMALL_MODEL, rltrain
 
 pytestmark = pytest.mark.e2e
 
@@ -98,3 +100,33 @@ def test_bad_input_gets_one_paragraph_and_exit_2(tiny_cache, tmp_path, name, row
     for part in names:
         assert part in lines[0], lines[0]
     assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip()
+
+
+SEPARATE_ENGINE = pytest.mark.xdist_group("separate_engine")  # its cleanup is counted (test_cli_async.py)
+
+
+@pytest.mark.parametrize("rollout, backend", [
+    (["rollout=vllm"], "fsdp"),
+    (["rollout=vllm"], "megatron"),
+    pytest.param(["rollout=vllm", "rollout.process=separate"], "fsdp", marks=SEPARATE_ENGINE),
+    pytest.param(["rollout=vllm", "rollout.process=separate"], "megatron", marks=SEPARATE_ENGINE),
+    (["rollout=hf"], "fsdp"),
+    (["rollout=hf"], "megatron"),
+], ids=["vllm-fsdp", "vllm-megatron", "separate-fsdp", "separate-megatron", "hf-fsdp", "hf-megatron"])
+def test_a_user_error_after_the_engines_are_up_is_one_paragraph(tiny_cache, tmp_path, rollout, backend):
+    """Every rollout engine kind (vLLM in process, vLLM in its own process, HF) on both backends, one
+    rank: the prompts, read after the engines are built, are all longer than data.max_length. The
+    algorithm closes what it built before the process group goes (rltrain/algos/rl.py), so no
+    engine's exit-time shutdown prints a traceback (vLLM's destroyed a group already gone) and a
+    separate engine leaves no socket directory behind."""
+    sockets_before = set(Path(tempfile.gettempdir()).glob("rlsep-*"))
+    proc = rltrain("algo=grpo", *rollout, f"backend={backend}", "data.max_length=2", "algo.prompts_per_step=2",
+                   "algo.group_size=2", *SMALL_MODEL, *QUICK, "trainer.max_steps=1", run_dir=tmp_path / "run",
+                   timeout=240, check=False)
+    err = proc.stderr
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{err[-4000:]}"
+    assert "Traceback" not in err, err[-4000:]
+    lines = [line for line in err.splitlines() if line.startswith("rltrain: error: ")]
+    assert lines == ["rltrain: error: built-in task: no prompts left (all longer than data.max_length=2)."], err[-4000:]
+    if "rollout.process=separate" in rollout:  # counted only where no other test's engine runs beside it
+        assert set(Path(tempfile.gettempdir()).glob("rlsep-*")) <= sockets_before
