@@ -1,5 +1,5 @@
-"""Advantages, as pure torch functions: GRPO's group-relative advantage (one scalar per completion)
-and PPO's per-token rewards, GAE, whitening and explained variance (from sums that can be
+"""Advantages, as pure torch functions: GRPO's group-relative advantage (one scalar per completion),
+on-policy distillation's per-token reverse KL, and PPO's per-token rewards, GAE, whitening and explained variance (from sums that can be
 all-reduced, so the rank count does not change them). docs/internals/algos.md has the definitions.
 """
 
@@ -37,6 +37,18 @@ def group_advantages(
             rewards_B.float().std() if rewards_B.numel() > 1 else rewards_B.new_zeros((), dtype=torch.float32)
         )
     return (centred_GK / (std + eps)).reshape(-1)
+
+
+# --- on-policy distillation -------------------------------------------------------------------
+
+
+def reverse_kl_advantages(student: Ragged, teacher: Ragged) -> Ragged:
+    """Per-token advantage `log p_teacher(y_t) - log p_student(y_t)` of the student's own samples:
+    the negated single-sample estimate of the reverse KL at token t, as a reward with no discount, so
+    the policy loss moves each sampled token towards the teacher's probability of it."""
+    if student.num_tokens != teacher.num_tokens or len(student) != len(teacher):
+        raise ValueError(f"teacher log-probabilities for {len(teacher)} sequences / {teacher.num_tokens} tokens, student's for {len(student)} / {student.num_tokens}")
+    return student.with_values(teacher.values.float().cpu() - student.values.float().cpu())
 
 
 # --- PPO ---------------------------------------------------------------------------------------

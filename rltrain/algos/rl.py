@@ -72,6 +72,8 @@ class RLAlgorithm:
         reference_engine = None  # the reference's own engine (none for a LoRA policy's base)
         if self.spec.builds_reference(a):
             self.reference, reference_engine = build_reference(ctx, self.policy, cfg.trainer.max_steps)
+        elif self.spec.teacher:  # scored where a reference would be: its log-probabilities arrive as `ref_logps`
+            self.reference = reference_engine = build_engine(ctx, "teacher", cfg.trainer.max_steps)
         self.rollout = build_rollout(ctx)
         self._built.callback(self.rollout.close)
         self.critic = build_engine(ctx, "critic", optimizer_steps) if self.spec.critic else None

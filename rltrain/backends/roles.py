@@ -1,7 +1,7 @@
-"""The roles of a run (policy, reference, critic) and where each one's engine comes from.
+"""The roles of a run (policy, reference, critic, teacher) and where each one's engine comes from.
 
-One module decides each role's weights, head and optimizer, and checks that a reference or critic
-shares the policy's tokenizer, since it scores the policy's token ids. docs/internals/backends.md.
+One module decides each role's weights, head and optimizer, and checks that a reference, critic or
+teacher shares the policy's tokenizer, since it scores the policy's token ids. docs/internals/backends.md.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 
 from rltrain.runtime.errors import UserError
 
-Role = Literal["policy", "reference", "critic"]
-ROLES: tuple[Role, ...] = ("policy", "reference", "critic")
+Role = Literal["policy", "reference", "critic", "teacher"]
+ROLES: tuple[Role, ...] = ("policy", "reference", "critic", "teacher")
 
 # Text whose split into tokens must agree: letters, digits, punctuation, spaces and a newline, so
 # that tokenizers with one vocabulary but different normalisation or merges are told apart.
@@ -27,7 +27,7 @@ def resolve_role_dirs(cfg: Any, policy_dir: Path, policy_tokenizer: Any, rank: i
     rank and to share the policy's tokenizer."""
     from rltrain.models.hub import local_model_dir
 
-    groups = {"reference": cfg.reference, "critic": cfg.critic}
+    groups = {"reference": cfg.reference, "critic": cfg.critic, "teacher": cfg.teacher}
     dirs: dict[str, Path] = {}
     for role, group in groups.items():
         key, value = f"{role}.path", group.path
@@ -92,7 +92,7 @@ def role_build(ctx: Any, role: str) -> RoleBuild:
     model_dir = Path(ctx.model_dir_for(role))
     if role == "policy":
         return RoleBuild(model_dir, cfg.optim, None, cfg.model.lora if cfg.model.lora.rank > 0 else None)
-    if role == "reference":
+    if role in ("reference", "teacher"):  # frozen, scoring log-probabilities
         return RoleBuild(model_dir, None, None)
     if role == "critic":
         return RoleBuild(model_dir, OmegaConf.merge(cfg.optim, {"lr": float(cfg.critic.lr)}), int(cfg.trainer.seed))

@@ -97,6 +97,14 @@ class PPOConfig(RLConfig):
     kl_in_reward: bool = False  # true: -beta * KL per token in the reward; false: beta * k3 in the loss
 
 
+@dataclass
+class DistillConfig(RLConfig):
+    """On-policy distillation: RL's sampling and policy loss with the per-token reverse KL to the
+    teacher as the (negated) advantage; no rewards, no reference (`beta` stays 0)."""
+
+    name: str = "distill"
+
+
 # --- value checks a schema cannot express (run by rltrain.config.validate) ---------------------
 
 
@@ -151,6 +159,20 @@ def check_ppo(algo: Any) -> None:
         )
 
 
+def check_distill(algo: Any) -> None:
+    check_rl(algo)
+    if algo.beta != 0:
+        raise UserError(
+            f"algo.beta={algo.beta}: algo=distill builds no reference; its objective is already a KL, to the teacher. "
+            "Leave algo.beta=0."
+        )
+    if algo.dynamic_sampling:
+        raise UserError(
+            "algo.dynamic_sampling=true with algo=distill: distillation has no rewards to find groups without signal in. "
+            "Set algo.dynamic_sampling=false."
+        )
+
+
 def _no_checks(algo: Any) -> None:
     """An algorithm whose keys the schema's types already bound."""
 
@@ -194,6 +216,10 @@ SPECS: tuple[AlgorithmSpec, ...] = (
     AlgorithmSpec(
         "grpo", GRPOConfig, "rltrain.algos.grpo:GRPO", "group-relative policy optimisation (also GSPO, CISPO, Dr. GRPO, DAPO)",
         data="prompts", generates=True, rewards=True, reference="when_beta", check=check_rl,
+    ),
+    AlgorithmSpec(
+        "distill", DistillConfig, "rltrain.algos.distill:Distill", "on-policy distillation: reverse KL to a teacher on the policy's samples",
+        data="prompts", generates=True, teacher=True, check=check_distill,
     ),
     AlgorithmSpec(
         "ppo", PPOConfig, "rltrain.algos.ppo:PPO", "PPO with a critic (GAE, clipped value loss)",

@@ -86,6 +86,15 @@ class ReferenceConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """The teacher of on-policy distillation (`algo=distill`): a Hugging Face causal LM directory or Hub
+    id sharing the policy's tokenizer, frozen, scoring the tokens the policy samples (rltrain/algos/distill.py)."""
+
+    path: str | None = None
+    revision: str | None = None  # a Hub id's branch, tag or commit; null = main
+
+
+@dataclass
 class CriticConfig:
     """The value model (PPO). `path=null`: the policy's initial weights with a fresh scalar value
     head; else a Hugging Face model directory or Hub id sharing the policy's tokenizer. Its own optimizer

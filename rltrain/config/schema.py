@@ -30,6 +30,7 @@ from rltrain.config.group_options import (
     NoRewardModelConfig,
     PythonEnvConfig,
     ReferenceConfig,
+    TeacherConfig,
     ToolsEnvConfig,
     VLLMRolloutConfig,
 )
@@ -237,6 +238,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     reward_model: Any = MISSING
     env: Any = MISSING
     data: DataConfig = field(default_factory=DataConfig)
@@ -258,6 +260,7 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "model": {"tiny": ModelConfig, "tiny_sft": ModelConfig},
     "reference": {"default": ReferenceConfig},
     "critic": {"default": CriticConfig},
+    "teacher": {"default": TeacherConfig},
     "reward_model": {"none": NoRewardModelConfig, "hf": HFRewardModelConfig},
     "env": {"none": NoEnvConfig, "python": PythonEnvConfig, "tools": ToolsEnvConfig},
     "data": {"default": DataConfig},

@@ -253,6 +253,18 @@ def validate_roles(cfg) -> None:
             f"critic.path={cfg.critic.path!r} is set but algo={algo.name} has no critic (only {with_critic} trains one). "
             "Remove critic.path, or choose an algorithm with a critic."
         )
+    validate_model_source("teacher", cfg.teacher, "algo=distill needs a teacher model")
+    if cfg.teacher.path is not None and not spec.teacher:
+        with_teacher = " or ".join(f"algo={n}" for n in names_where(lambda s: s.teacher))
+        raise UserError(
+            f"teacher.path={cfg.teacher.path!r} is set but algo={algo.name} has no teacher ({with_teacher} distils from "
+            "one). Remove teacher.path, or choose that algorithm."
+        )
+    if spec.teacher and cfg.teacher.path is None:
+        raise UserError(
+            f"algo={algo.name} needs teacher.path: the Hugging Face model (a directory or a Hub id) whose tokens the "
+            "policy learns to match, sharing the policy's tokenizer; e.g. teacher.path=outputs/.../final from a GRPO run."
+        )
     validate_reward_model(cfg.reward_model, algo.name)
 
 
