@@ -21,7 +21,6 @@ from omegaconf import OmegaConf
 from rltrain.config.compose_errors import composition_done, reporting_composition_errors
 from rltrain.config.schema import register_configs
 from rltrain.launch.forked_rank import RANK_SERVER_ENV, run_in_server
-from rltrain.launch.parent_death import DIE_WITH_PARENT_ENV, die_with_parent
 from rltrain.launch.sweep import JobOutcome, objective_value, sweep_exit_status
 from rltrain.runtime.errors import (
     EXIT_USER_ERROR,
@@ -32,6 +31,7 @@ from rltrain.runtime.errors import (
     peer_reported,
     stay_quiet_after_peer,
 )
+from rltrain.runtime.parent_death import DIE_WITH_PARENT_ENV, die_with_parent
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 

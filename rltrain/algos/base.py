@@ -1,4 +1,5 @@
-"""What the trainer needs from an algorithm, and what an algorithm gets from the run.
+"""What the trainer needs from an algorithm (what an algorithm gets from the run, `RunContext`, is in
+rltrain.config.run_context).
 
 An algorithm owns its data stream, builds the engines it needs through the lazy registries (never
 by importing a backend), and turns one call of `train_step` into exactly one optimizer step of the
@@ -8,27 +9,9 @@ policy. Its resumable state (data position, counters) is JSON.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 from rltrain.run.samples import Sample
-from rltrain.runtime.distributed import DistInfo
-
-
-@dataclass
-class RunContext:
-    cfg: Any  # the composed Config (an OmegaConf node typed by rltrain.config.schema.Config)
-    run_dir: Path
-    dist: DistInfo
-    model_dir: Path  # the policy's initial weights
-    tokenizer: Any
-    # Where each other role's model comes from ("reference", "critic"); a role not listed starts
-    # from the policy's initial weights (`model_dir`).
-    role_dirs: dict[str, Path] = field(default_factory=dict)
-
-    def model_dir_for(self, role: str) -> Path:
-        return self.role_dirs.get(role, self.model_dir)
 
 
 class Algorithm(Protocol):

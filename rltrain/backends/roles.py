@@ -25,7 +25,7 @@ PROBE_TEXT = "Q: 12+34=? A: 46.\n  The quick brown fox, jumps over (the) lazy do
 def resolve_role_dirs(cfg: Any, policy_dir: Path, policy_tokenizer: Any, rank: int) -> dict[str, Path]:
     """The directory of every role given a path of its own, each checked to be readable on this
     rank and to share the policy's tokenizer."""
-    from rltrain.models.hub import local_model_dir
+    from rltrain.config.hub import local_model_dir
 
     groups = {"reference": cfg.reference, "critic": cfg.critic}
     dirs: dict[str, Path] = {}

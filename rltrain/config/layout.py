@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from rltrain.models.hub import local_model_dir
+from rltrain.config.hub import local_model_dir
 from rltrain.runtime.errors import UserError
 
 

@@ -172,7 +172,7 @@ def validate_lora(cfg) -> None:
     targets = list(lora.target_modules)
     if not targets:
         raise UserError("model.lora.target_modules is empty: name the modules to adapt (e.g. [q_proj,v_proj]), or [all-linear].")
-    from rltrain.models.lora import UNSUPPORTED_TARGETS
+    from rltrain.config.schema import LORA_UNSUPPORTED_TARGETS as UNSUPPORTED_TARGETS
 
     if bad := [t for t in targets if t in UNSUPPORTED_TARGETS]:
         raise UserError(

@@ -5,6 +5,8 @@ is built; docs/environments.md and docs/async.md say what each refusal protects.
 
 from __future__ import annotations
 
+from rltrain.config.group_choice import as_option
+from rltrain.config.group_options import VLLMRolloutConfig
 from rltrain.runtime.errors import UserError
 
 ALGOS_WITHOUT_REWARDS = ("sft", "dpo")  # they train on fixed data: no rollouts, rewards or episodes
@@ -60,8 +62,9 @@ def validate_staleness(cfg) -> None:
             "take turns on one device, so nothing can overlap. Set placement.time_sharing=false (the engine keeps its "
             "memory beside the trainer's), or placement.max_staleness=0."
         )
-    process = getattr(cfg.rollout, "process", None)
-    if cfg.rollout.name != "vllm" or process != "separate":
+    vllm = as_option("rollout", cfg.rollout, VLLMRolloutConfig)
+    process = vllm.process if vllm is not None else None
+    if vllm is None or process != "separate":
         raise UserError(
             f"placement.max_staleness={k} needs an engine that runs beside the trainer: rollout=vllm "
             f"rollout.process=separate (the engine in its own process). rollout={cfg.rollout.name}"

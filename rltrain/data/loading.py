@@ -14,8 +14,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+from rltrain.config.hub import names_hub_id
 from rltrain.config.schema import DataColumns
-from rltrain.models.hub import names_hub_id
 from rltrain.runtime.errors import UserError
 from rltrain.runtime.library_noise import quiet_datasets_offline_notes
 from rltrain.runtime.user_code import load_callable

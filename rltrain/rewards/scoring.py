@@ -76,7 +76,7 @@ def build_reward_fns(cfg, device: torch.device) -> list[RewardFn]:
 
 def load_reward_model(cfg, device: torch.device) -> SequenceClassifierReward:
     """The reward model of `reward_model.path` in the run's compute dtype (rewards/model_reward.py)."""
-    from rltrain.models.hub import local_model_dir
+    from rltrain.config.hub import local_model_dir
     from rltrain.rewards.model_reward import SequenceClassifierReward
     from rltrain.runtime.precision import resolve_precision
 

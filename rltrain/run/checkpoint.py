@@ -22,7 +22,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
-from rltrain.models.hub import model_identity
+from rltrain.config.hub import model_identity
 from rltrain.runtime.distributed import DistInfo, barrier, broadcast_str
 from rltrain.runtime.errors import UserError
 

@@ -19,8 +19,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rltrain.algos.base import RunContext
 from rltrain.backends.roles import resolve_role_dirs
+from rltrain.config.group_choice import as_option
+from rltrain.config.group_options import VLLMRolloutConfig
+from rltrain.config.run_context import RunContext
+from rltrain.config.schema import Config
 from rltrain.models.lora import MERGED_DIR
 from rltrain.models.model_dir import resolve_model_dir
 from rltrain.run.checkpoint import CheckpointManager, fingerprint, fsync_path
@@ -46,9 +49,13 @@ def build_algorithm(ctx: RunContext):
     return getattr(importlib.import_module(module_name), cls_name)(ctx)
 
 
-def configure_threads(cfg, dist_info: DistInfo) -> None:
-    """The trainer's share of the rank's cores (rltrain.runtime.threads)."""
-    torch.set_num_threads(thread_split(cfg, dist_info.world_size)[0])
+def configure_threads(cfg: Config, dist_info: DistInfo) -> None:
+    """The trainer's share of the rank's cores (rltrain.runtime.threads); only a vLLM engine in a
+    process of its own has threads of its own."""
+    vllm = as_option("rollout", cfg.rollout, VLLMRolloutConfig)
+    engine_threads = vllm.num_threads if vllm is not None and vllm.process == "separate" else 0
+    overlapped = cfg.placement.max_staleness >= 1
+    torch.set_num_threads(thread_split(cfg.trainer.num_threads, engine_threads, overlapped, dist_info.world_size)[0])
 
 
 def seed_everything(seed: int, rank: int) -> None:
