@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rltrain.config.schema import DataConfig
 from rltrain.runtime.errors import UserError
 
 # Files of which a tokenizer directory has at least one (fast tokenizer, sentencepiece, BPE, WordPiece).
@@ -71,7 +72,7 @@ def check_revision(prefix: str, group) -> None:
         )
 
 
-def validate_data_sources(data) -> None:
+def validate_data_sources(data: DataConfig) -> None:
     """`data.path` and `data.eval_path` exist, or name Hub datasets, which are fetched here (with
     datasets' progress bars) so a wrong id, configuration or split fails before any model is built
     and the ranks read the prepared copy from the cache."""

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from rltrain.config.group_choice import as_option
 from rltrain.config.group_options import VLLMRolloutConfig
+from rltrain.config.schema import Config
 from rltrain.runtime.errors import UserError
 
 ALGOS_WITHOUT_REWARDS = ("sft", "dpo")  # they train on fixed data: no rollouts, rewards or episodes
 
 
-def validate_env(cfg) -> None:
+def validate_env(cfg: Config) -> None:
     """`env=python` and `env=tools` (docs/environments.md): what this release runs multi-turn, and in-range numbers."""
     env = cfg.env
     if env.name != "python" and env.cls is not None:
@@ -47,7 +48,7 @@ def validate_env(cfg) -> None:
         raise UserError(f"env.timeout_s={env.timeout_s} must be positive (seconds), or 0 / null for no limit.")
 
 
-def validate_staleness(cfg) -> None:
+def validate_staleness(cfg: Config) -> None:
     """`placement.max_staleness` (docs/async.md): the engines and loops that can generate ahead."""
     k = cfg.placement.max_staleness
     if k < 0:

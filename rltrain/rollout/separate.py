@@ -69,7 +69,7 @@ class ControlChannel(Channel):
         return message
 
 
-def _config_dict(cfg: Any) -> dict[str, Any]:
+def _config_dict(cfg: VLLMRolloutConfig) -> dict[str, Any]:
     """The rollout config (a dataclass, or the run's OmegaConf node) as plain JSON values."""
     if is_dataclass(cfg) and not isinstance(cfg, type):
         return asdict(cfg)
