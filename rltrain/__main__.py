@@ -20,9 +20,8 @@ from omegaconf import OmegaConf
 
 from rltrain.config.command_help import register_help
 from rltrain.config.compose_errors import composition_done, reporting_composition_errors
-from rltrain.config.schema import CONF_DIR, register_configs
+from rltrain.config.schema import CONF_DIR, Config, register_configs
 from rltrain.launch.forked_rank import RANK_SERVER_ENV, run_in_server
-from rltrain.launch.parent_death import DIE_WITH_PARENT_ENV, die_with_parent
 from rltrain.launch.sweep import JobOutcome, objective_value, sweep_exit_status
 from rltrain.runtime.errors import (
     EXIT_USER_ERROR,
@@ -33,6 +32,7 @@ from rltrain.runtime.errors import (
     peer_reported,
     stay_quiet_after_peer,
 )
+from rltrain.runtime.parent_death import DIE_WITH_PARENT_ENV, die_with_parent
 
 
 class JobFailed(Exception):
@@ -49,7 +49,7 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def job(cfg):
+def job(cfg: Config):
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -81,7 +81,7 @@ def join_submitit_ranks() -> None:
         submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
 
 
-def sweep_job(cfg, run_dir: Path) -> JobOutcome:
+def sweep_job(cfg: Config, run_dir: Path) -> JobOutcome:
     """One job of a sweep: never exits; returns its outcome (a row of the sweep summary, and the
     objective a sweeper reads)."""
     from rltrain.runtime.process_state import environment_snapshot, reset_process_state, restore_environment
@@ -114,7 +114,7 @@ def sweep_job(cfg, run_dir: Path) -> JobOutcome:
     return outcome
 
 
-def _finished(cfg, run_dir: Path) -> JobOutcome:
+def _finished(cfg: Config, run_dir: Path) -> JobOutcome:
     """A job that ran to the end, with its objective (None, and a warning, when it logged none)."""
     value = objective_value(run_dir, cfg.sweep.objective, cfg.sweep.last_n)
     if value is None:
@@ -133,7 +133,7 @@ def _first_line(text: str) -> str:
     return line.removeprefix("rltrain: error: ")
 
 
-def run_job(cfg, run_dir: Path) -> None:
+def run_job(cfg: Config, run_dir: Path) -> None:
     """Validate and run one job; raises JobFailed (after printing) when it fails."""
     from rltrain.config.validate import validate
 
@@ -167,14 +167,14 @@ def run_job(cfg, run_dir: Path) -> None:
         raise JobFailed(result.code, result.message, interrupted=result.interrupted)
 
 
-def write_config(cfg, run_dir: Path) -> None:
+def write_config(cfg: Config, run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / "config.yaml.tmp"
     tmp.write_text(OmegaConf.to_yaml(cfg, resolve=True))
     tmp.replace(run_dir / "config.yaml")
 
 
-def run_torchrun_rank(cfg, own_dir: Path) -> None:
+def run_torchrun_rank(cfg: Config, own_dir: Path) -> None:
     """Under torchrun each process composed its own run dir; all use rank 0's, which every rank,
     on every node, must see (rltrain.launch.shared_run_dir).
 

@@ -1,7 +1,7 @@
 """Entry point of one rank started by `rltrain.launch.local`: read the run's config.yaml and train.
 
 `python -m rltrain.worker RUN_DIR LAUNCHER_PID`: the rank first asks the kernel to SIGKILL it when
-the launcher dies (rltrain.launch.parent_death), and exits at once if the launcher is already gone.
+the launcher dies (rltrain.runtime.parent_death), and exits at once if the launcher is already gone.
 
 A `UserError` is recorded in the run directory (rltrain.runtime.errors) and the rank exits 2 without
 printing: the launcher prints the first rank's paragraph once. A rank that failed because a peer
@@ -18,7 +18,6 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from rltrain.launch.forked_rank import RANK_SERVER_ENV, run_in_server
-from rltrain.launch.parent_death import die_with_parent
 from rltrain.runtime.errors import (
     EXIT_USER_ERROR,
     UserError,
@@ -27,6 +26,7 @@ from rltrain.runtime.errors import (
     report_lost_peer,
     stay_quiet_after_peer,
 )
+from rltrain.runtime.parent_death import die_with_parent
 
 
 def load_run_config(run_dir: Path):

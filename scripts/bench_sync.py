@@ -43,8 +43,8 @@ from pathlib import Path
 
 import torch
 
-from rltrain.sync.transport import WeightSender
-from rltrain.sync.transport_receiver import WeightReceiver
+from rltrain.transport.receiver import WeightReceiver
+from rltrain.transport.sender import WeightSender
 
 Weights = list[tuple[str, torch.Tensor]]
 

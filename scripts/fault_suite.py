@@ -261,7 +261,7 @@ def killed_rollout_child(backend: str, base: Path, staleness: int = 0, sig: int 
 
 
 def _stalling_receiver(control_path: str, arrived) -> None:
-    from rltrain.sync.transport_receiver import WeightReceiver
+    from rltrain.transport.receiver import WeightReceiver
 
     for _ in WeightReceiver(control_path, timeout_s=60).receive():
         arrived.set()
@@ -271,8 +271,8 @@ def _stalling_receiver(control_path: str, arrived) -> None:
 def transport_case(kind: str) -> Row:
     import torch
 
-    from rltrain.sync.transport import WeightSender
-    from rltrain.sync.transport_receiver import WeightReceiver
+    from rltrain.transport.receiver import WeightReceiver
+    from rltrain.transport.sender import WeightSender
 
     timeout_s = 20.0
     weights = [(f"w{i}", torch.randn(200)) for i in range(20)]  # 800 B each: one per 1 KiB bucket

@@ -1,63 +1,14 @@
-"""What the trainer needs from an algorithm, and what an algorithm gets from the run.
-
-An algorithm owns its data stream, builds the engines it needs through the lazy registries (never
-by importing a backend), and turns one call of `train_step` into exactly one optimizer step of the
-policy. Its resumable state (data position, counters) is JSON.
+"""What the built-in algorithms share to meet the loop's `Algorithm` protocol (rltrain.run.algorithm):
+one trainable policy engine and one resumable stream of examples. What an algorithm gets from the
+run, `RunContext`, is in rltrain.config.run_context.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from rltrain.run.samples import Sample
-from rltrain.runtime.distributed import DistInfo
-
-
-@dataclass
-class RunContext:
-    cfg: Any  # the composed Config (an OmegaConf node typed by rltrain.config.schema.Config)
-    run_dir: Path
-    dist: DistInfo
-    model_dir: Path  # the policy's initial weights
-    tokenizer: Any
-    # Where each other role's model comes from ("reference", "critic"); a role not listed starts
-    # from the policy's initial weights (`model_dir`).
-    role_dirs: dict[str, Path] = field(default_factory=dict)
-
-    def model_dir_for(self, role: str) -> Path:
-        return self.role_dirs.get(role, self.model_dir)
-
-
-class Algorithm(Protocol):
-    def train_step(self, step: int) -> dict[str, float]:
-        """One optimizer step. Returns metrics identical on every rank (already reduced)."""
-
-    def evaluate(self, step: int) -> dict[str, float]:
-        """Held-out metrics (`eval/...`), identical on every rank."""
-
-    def samples(self) -> list[Sample]:
-        """The samples (prompt, completion, reward) this rank recorded since the last call, cleared
-        by the call; the trainer logs rank 0's after each step and each evaluation."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-    def checkpoint_engines(self) -> dict[str, Any]:
-        """Engines whose state goes into checkpoints, by name (e.g. {"policy": engine})."""
-
-    def export_engine(self) -> Any:
-        """The engine whose weights become the run's `final/` model."""
-
-    def health_ping(self) -> Callable[[], bool] | None:
-        """The rollout engine's liveness check for `/healthz/deep` (None: no rollout engine)."""
-
-    def close(self) -> None:
-        """Release what the algorithm holds outside the trainer (a rollout engine) before the
-        process group goes away."""
 
 
 class PolicyStreamAlgorithm:

@@ -16,10 +16,11 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from rltrain.algos.base import PolicyStreamAlgorithm, RunContext
+from rltrain.algos.base import PolicyStreamAlgorithm
 from rltrain.algos.losses import dpo_pair_losses, implicit_rewards
 from rltrain.backends import build_engine, build_reference
 from rltrain.backends.base import LogProbScorer, PolicyOutput
+from rltrain.config.run_context import RunContext
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.preference_data import PreferencePair, build_preference_data
 from rltrain.data.sampler import IndexStream

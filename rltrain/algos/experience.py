@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rltrain.algos.base import RunContext
 from rltrain.algos.dynamic_sampling import SamplingRounds, SignalGroups
+from rltrain.config.run_context import RunContext
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.prompt_data import PromptRow, build_prompt_data
 from rltrain.data.ragged import Ragged

@@ -17,12 +17,12 @@ from typing import Any
 import torch
 
 from rltrain.algos.async_rollouts import AsyncRollouts
-from rltrain.algos.base import RunContext
 from rltrain.algos.experience import Experience, ExperienceCollector
 from rltrain.algos.rl_update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
 from rltrain.backends import build_engine, build_reference
 from rltrain.backends.base import LogProbScorer
 from rltrain.config.algorithms import spec_of
+from rltrain.config.run_context import RunContext
 from rltrain.data.ragged import Ragged
 from rltrain.data.sharding import sum_over_replicas
 from rltrain.envs.build import build_episode_runner

@@ -11,9 +11,10 @@ number of ranks do not change it. No packing across examples, no label smoothing
 
 from __future__ import annotations
 
-from rltrain.algos.base import PolicyStreamAlgorithm, RunContext
+from rltrain.algos.base import PolicyStreamAlgorithm
 from rltrain.algos.losses import sft_loss
 from rltrain.backends import build_engine
+from rltrain.config.run_context import RunContext
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.sampler import IndexStream
 from rltrain.data.sft_data import build_sft_data

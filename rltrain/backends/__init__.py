@@ -13,7 +13,7 @@ from rltrain.backends.base import LogProbScorer, TrainEngine
 from rltrain.backends.roles import ROLES, Role
 
 if TYPE_CHECKING:
-    from rltrain.algos.base import RunContext
+    from rltrain.config.run_context import RunContext
 
 BACKENDS = {
     "fsdp": "rltrain.backends.fsdp.engine:build_engine",

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from omegaconf import OmegaConf
 
+from rltrain.config.group_options import CriticConfig, ReferenceConfig, TeacherConfig
+from rltrain.config.schema import Config
 from rltrain.runtime.errors import UserError
 
 Role = Literal["policy", "reference", "critic", "teacher"]
@@ -22,12 +24,14 @@ ROLES: tuple[Role, ...] = ("policy", "reference", "critic", "teacher")
 PROBE_TEXT = "Q: 12+34=? A: 46.\n  The quick brown fox, jumps over (the) lazy dog!"
 
 
-def resolve_role_dirs(cfg: Any, policy_dir: Path, policy_tokenizer: Any, rank: int) -> dict[str, Path]:
+def resolve_role_dirs(cfg: Config, policy_dir: Path, policy_tokenizer: Any, rank: int) -> dict[str, Path]:
     """The directory of every role given a path of its own, each checked to be readable on this
     rank and to share the policy's tokenizer."""
-    from rltrain.models.hub import local_model_dir
+    from rltrain.config.hub import local_model_dir
 
-    groups = {"reference": cfg.reference, "critic": cfg.critic, "teacher": cfg.teacher}
+    groups: dict[str, ReferenceConfig | CriticConfig | TeacherConfig] = {
+        "reference": cfg.reference, "critic": cfg.critic, "teacher": cfg.teacher,
+    }
     dirs: dict[str, Path] = {}
     for role, group in groups.items():
         key, value = f"{role}.path", group.path

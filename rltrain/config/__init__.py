@@ -1,5 +1,6 @@
-"""The run's configuration: the schema registered with Hydra (`schema`, the run's sections and root;
-`group_options`, the options a group chooses between; `choices`, their enum-like fields), the checks
-made before anything is built (`validate`, `layout`), composition errors as one line
-(`compose_errors`) and the `--help` page (`command_help`). docs/configuration.md lists every key.
+"""The run's configuration: the schema registered with Hydra (`schema`, `group_options`, `choices`),
+every algorithm declared once with what it needs (`algorithms`), what a rank is given to run
+(`run_context`), where a model key's files are (`hub`), the checks made before anything is built
+(`validate`, `validate_rl`, `sources`, `layout`), composition errors as one line (`compose_errors`)
+and the `--help` page (`command_help`). docs/configuration.md lists every key.
 """

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from omegaconf import MISSING
 
@@ -108,20 +108,20 @@ class DistillConfig(RLConfig):
 # --- value checks a schema cannot express (run by rltrain.config.validate) ---------------------
 
 
-def _at_least(algo: Any, keys: tuple[str, ...], low: int = 1) -> None:
+def _at_least(algo: RLConfig, keys: tuple[str, ...], low: int = 1) -> None:
     for key in keys:
         if getattr(algo, key) < low:
             raise UserError(f"algo.{key}={getattr(algo, key)} must be at least {low}.")
 
 
-def check_dpo(algo: Any) -> None:
+def check_dpo(algo: DPOConfig) -> None:
     if algo.beta <= 0:
         raise UserError(f"algo.beta={algo.beta} must be positive (the DPO temperature).")
     if not 0 <= algo.label_smoothing < 0.5:
         raise UserError(f"algo.label_smoothing={algo.label_smoothing} must be in [0, 0.5).")
 
 
-def check_rl(algo: Any) -> None:
+def check_rl(algo: RLConfig) -> None:
     _at_least(
         algo, ("group_size", "prompts_per_step", "mini_batches", "num_iterations", "max_new_tokens", "max_sampling_rounds")
     )
@@ -149,7 +149,7 @@ def check_rl(algo: Any) -> None:
         )
 
 
-def check_ppo(algo: Any) -> None:
+def check_ppo(algo: PPOConfig) -> None:
     check_rl(algo)
     if not (0 <= algo.gamma <= 1 and 0 <= algo.lam <= 1):
         raise UserError(f"algo.gamma={algo.gamma} and algo.lam={algo.lam} must be in [0, 1] (GAE).")
@@ -159,7 +159,7 @@ def check_ppo(algo: Any) -> None:
         )
 
 
-def check_distill(algo: Any) -> None:
+def check_distill(algo: DistillConfig) -> None:
     check_rl(algo)
     if algo.beta != 0:
         raise UserError(
@@ -173,7 +173,7 @@ def check_distill(algo: Any) -> None:
         )
 
 
-def _no_checks(algo: Any) -> None:
+def _no_checks(algo: AlgoConfig) -> None:
     """An algorithm whose keys the schema's types already bound."""
 
 
@@ -199,9 +199,9 @@ class AlgorithmSpec:
     teacher: bool = False
     check: Callable[[Any], None] = _no_checks
 
-    def builds_reference(self, algo: Any) -> bool:
+    def builds_reference(self, algo: AlgoConfig) -> bool:
         """Whether a run of this algorithm with settings `algo` builds a reference model."""
-        return self.reference == "always" or (self.reference == "when_beta" and algo.beta != 0)
+        return self.reference == "always" or (self.reference == "when_beta" and cast(RLConfig, algo).beta != 0)
 
 
 SPECS: tuple[AlgorithmSpec, ...] = (

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from rltrain.config.schema import CONF_DIR
 
@@ -53,7 +53,7 @@ def group_options() -> dict[str, list[str]]:
     }
 
 
-def command_help(cfg) -> str:
+def command_help(cfg: DictConfig) -> str:
     """The help page for the composed config `cfg` (the root, with `hydra.runtime.choices`)."""
     chosen = OmegaConf.select(cfg, "hydra.runtime.choices", default={}) or {}
     lines = [

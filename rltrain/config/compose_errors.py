@@ -17,6 +17,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from rltrain.config.schema import Config
 from rltrain.runtime.errors import EXIT_USER_ERROR, format_error
 
 _SET_BY_US = "_RLTRAIN_SET_HYDRA_FULL_ERROR"
@@ -99,7 +100,7 @@ def composition_done() -> None:
         os.environ.pop("HYDRA_FULL_ERROR", None)
 
 
-def added_keys(cfg) -> list[str]:
+def added_keys(cfg: Config) -> list[str]:
     """Keys that a `+key=value` override added where the schema has no such key (Hydra accepts
     them; nothing in rltrain would read them, so a misspelt `+` key would be silently ignored)."""
     from omegaconf import DictConfig, OmegaConf

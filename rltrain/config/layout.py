@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import os
 
-from rltrain.models.hub import local_model_dir
+from rltrain.config.hub import local_model_dir
+from rltrain.config.schema import Config
 from rltrain.runtime.errors import UserError
 
 
-def world_size(cfg) -> int:
+def world_size(cfg: Config) -> int:
     """The number of ranks the run will have: torchrun's WORLD_SIZE when under torchrun (it, not
     `trainer.nproc`, decides there), else `trainer.nproc`."""
     if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
@@ -18,14 +19,14 @@ def world_size(cfg) -> int:
     return cfg.trainer.nproc
 
 
-def data_parallel_size(cfg) -> int:
+def data_parallel_size(cfg: Config) -> int:
     """Ranks that hold distinct data: all of them, except that megatron's tp x pp ranks share one."""
     if cfg.backend.name == "megatron":
         return max(1, world_size(cfg) // (cfg.backend.tp * cfg.backend.pp))
     return world_size(cfg)
 
 
-def _model_dims(cfg) -> dict[str, int] | None:
+def _model_dims(cfg: Config) -> dict[str, int] | None:
     """Layer/head/MLP sizes under the config keys that set them (the tiny model's, or those of
     `model.path`'s config.json); None when they cannot be read here (the engine checks then)."""
     if cfg.model.path is None:
@@ -50,7 +51,7 @@ def _model_dims(cfg) -> dict[str, int] | None:
         return None
 
 
-def validate_megatron_layout(cfg) -> None:
+def validate_megatron_layout(cfg: Config) -> None:
     """`backend=megatron` splits ranks into tp x pp x dp and the model into pp stages of tp shards.
 
     Caught here, before any rank starts, so the user sees one message naming the key instead of a

@@ -34,10 +34,10 @@ from rltrain.config.group_options import (
     ToolsEnvConfig,
     VLLMRolloutConfig,
 )
+from rltrain.runtime.precision import PrecisionName as Precision
 
 Resume = Literal["auto", "never"]
 Progress = Literal["auto", "bar", "lines"]
-Precision = Literal["auto", "fp32", "bf16-mixed", "bf16"]  # auto: bf16-mixed on CUDA, fp32 on CPU
 Overlong = Literal["drop", "truncate", "error"]
 Task = Literal["addition", "multiplication"]  # the built-in tasks (rltrain/data/tasks.py)
 WandbMode = Literal["auto", "online", "offline", "disabled"]  # auto: online with an API key, else offline
@@ -80,6 +80,10 @@ class OptimConfig:
     max_grad_norm: float = 1.0
 
 
+# Modules an adapter may not target (model.lora.target_modules): their weights are tied or indexed, not multiplied.
+LORA_UNSUPPORTED_TARGETS = ("lm_head", "embed_tokens")
+
+
 @dataclass
 class LoraAdapterConfig:
     """Low-rank adapters on the policy (peft), FSDP backend only. docs/lora.md."""
@@ -96,7 +100,7 @@ class LoraAdapterConfig:
 @dataclass
 class ModelConfig:
     """`path=null` builds the embedded tiny model; otherwise a Hugging Face model directory or Hub id
-    (rltrain/models/hub.py)."""
+    (rltrain/config/hub.py)."""
 
     path: str | None = None
     revision: str | None = None  # a Hub id's branch, tag or commit; null = main

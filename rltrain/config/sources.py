@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rltrain.config.schema import DataConfig
 from rltrain.runtime.errors import UserError
 
 # Files of which a tokenizer directory has at least one (fast tokenizer, sentencepiece, BPE, WordPiece).
@@ -16,10 +17,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.j
 
 
 def read_hf_config(key: str, value: str, unset_hint: str, revision: str | None = None) -> dict:
-    """config.json of the Hugging Face model directory (or Hub id, fetched here: rltrain/models/hub.py)
+    """config.json of the Hugging Face model directory (or Hub id, fetched here: rltrain/config/hub.py)
     `value` given as `key`, checked to be one: config.json with a `model_type`, and a tokenizer beside
     it. `unset_hint` says what the key's null means (the fix that needs no directory)."""
-    from rltrain.models.hub import local_model_dir
+    from rltrain.config.hub import local_model_dir
 
     directory = local_model_dir(key, value, revision)
     if not (directory / "config.json").exists() and (directory / "adapter_config.json").exists():
@@ -60,7 +61,7 @@ def validate_model_source(prefix: str, group, unset_hint: str) -> None:
 
 def check_revision(prefix: str, group) -> None:
     """`{prefix}.revision` only where `{prefix}.path` names a Hub id."""
-    from rltrain.models.hub import names_hub_id
+    from rltrain.config.hub import names_hub_id
 
     if group.revision is None:
         return
@@ -71,7 +72,7 @@ def check_revision(prefix: str, group) -> None:
         )
 
 
-def validate_data_sources(data) -> None:
+def validate_data_sources(data: DataConfig) -> None:
     """`data.path` and `data.eval_path` exist, or name Hub datasets, which are fetched here (with
     datasets' progress bars) so a wrong id, configuration or split fails before any model is built
     and the ranks read the prepared copy from the cache."""

@@ -10,12 +10,15 @@ import math
 import os
 import shutil
 import sys
+from typing import Any
 
 from rltrain.config import group_options, schema
-from rltrain.config.algorithms import SPECS, names_where, spec_of
+from rltrain.config.algorithms import SPECS, AlgoConfig, names_where, spec_of
 from rltrain.config.choices import choices_of
 from rltrain.config.compose_errors import added_keys
+from rltrain.config.group_options import VLLMRolloutConfig
 from rltrain.config.layout import data_parallel_size, validate_megatron_layout
+from rltrain.config.schema import Config, ModelConfig
 from rltrain.config.sources import (
     check_revision,
     read_hf_config,
@@ -45,9 +48,9 @@ CHOICE_HINTS = {
 _ABSENT = object()
 
 
-def _get(cfg, dotted: str, default=None):
+def _get(cfg: Config, dotted: str, default=None):
     """`cfg.a.b`; `default` (when given) where a part is missing or a group is unset (rollout=null)."""
-    node = cfg
+    node: Any = cfg
     for part in dotted.split("."):
         if default is not None and (node is None or part not in node):
             return default
@@ -55,14 +58,14 @@ def _get(cfg, dotted: str, default=None):
     return node
 
 
-def validate_choices(cfg) -> None:
+def validate_choices(cfg: Config) -> None:
     for key, allowed in CHOICES.items():
         value = _get(cfg, key, _ABSENT)
         if value is not _ABSENT and value not in allowed:
             raise UserError(f"{key}={value!r} is not one of {', '.join(allowed)}{CHOICE_HINTS.get(key, '')}.")
 
 
-def validate(cfg) -> None:
+def validate(cfg: Config) -> None:
     if added := added_keys(cfg):
         raise UserError(
             f"unknown config key(s) {', '.join(added)}: rltrain reads no such key, so the value would be ignored. "
@@ -135,7 +138,7 @@ def validate(cfg) -> None:
     validate_data_sources(cfg.data)
 
 
-def validate_model(model) -> None:
+def validate_model(model: ModelConfig) -> None:
     check_revision("model", model)
     if model.path is None:
         if model.num_heads < 1 or model.hidden_size % model.num_heads:
@@ -154,7 +157,7 @@ def validate_model(model) -> None:
     validate_model_source("model", model, "leave it unset for the built-in tiny model")
 
 
-def validate_lora(cfg) -> None:
+def validate_lora(cfg: Config) -> None:
     """model.lora: values peft accepts, on the backend that supports it (docs/lora.md)."""
     lora = cfg.model.lora
     if lora.rank < 0:
@@ -173,7 +176,7 @@ def validate_lora(cfg) -> None:
     targets = list(lora.target_modules)
     if not targets:
         raise UserError("model.lora.target_modules is empty: name the modules to adapt (e.g. [q_proj,v_proj]), or [all-linear].")
-    from rltrain.models.lora import UNSUPPORTED_TARGETS
+    from rltrain.config.schema import LORA_UNSUPPORTED_TARGETS as UNSUPPORTED_TARGETS
 
     if bad := [t for t in targets if t in UNSUPPORTED_TARGETS]:
         raise UserError(
@@ -182,7 +185,7 @@ def validate_lora(cfg) -> None:
         )
 
 
-def validate_data(cfg) -> None:
+def validate_data(cfg: Config) -> None:
     data = cfg.data
     if not 0 <= data.eval_fraction < 1:
         raise UserError(f"data.eval_fraction={data.eval_fraction} must be in [0, 1): the share of data.path held out.")
@@ -198,7 +201,7 @@ def validate_data(cfg) -> None:
             f"data.num_eval={data.num_eval} must be between 1 and {size - 1}: the built-in {data.task!r} task has "
             f"{size:,} problems and holds that many out for evaluation."
         )
-    carry_keys = {
+    carry_keys: dict[str, tuple[Any, str]] = {
         "data.max_carry_problems": (data.max_carry_problems, "null"),
         "model.sft_carry_problems": (cfg.model.sft_carry_problems, "null"),
         "data.forgotten_carries": (data.forgotten_carries, "0"),
@@ -224,12 +227,12 @@ def validate_data(cfg) -> None:
             raise UserError(f"{settings}: only data.task=addition has sums that carry, not {data.task!r}. Set {fixes}.")
 
 
-def validate_algo(algo) -> None:
+def validate_algo(algo: AlgoConfig) -> None:
     """Values of algorithm-specific keys: each algorithm's own check (rltrain.config.algorithms)."""
     spec_of(algo.name).check(algo)
 
 
-def validate_roles(cfg) -> None:
+def validate_roles(cfg: Config) -> None:
     """`reference`, `critic` and `reward_model` (docs/rewards-and-roles.md, "Roles"): each path a usable Hugging Face
     directory, each number in range, and no role configured that the algorithm would not build.
     That a role's tokenizer is the policy's is checked once the policy's directory exists
@@ -309,7 +312,7 @@ def validate_reward_model(rm, algo_name: str) -> None:
             raise UserError(f"reward_model.{key}={getattr(rm, key)} must be at least 1.")
 
 
-def validate_vllm(rollout) -> None:
+def validate_vllm(rollout: VLLMRolloutConfig) -> None:
     """The vLLM engine's CUDA settings (docs/time-sharing-and-sync.md, "vLLM on CUDA"); checked on every machine, so a
     config that would fail on the cluster fails on a laptop first."""
     util = rollout.gpu_memory_utilization
@@ -333,7 +336,7 @@ def validate_vllm(rollout) -> None:
         )
 
 
-def validate_compile(cfg) -> None:
+def validate_compile(cfg: Config) -> None:
     """`backend.compile=true` (FSDP) needs a C++ compiler: inductor builds its CPU kernels with one
     (and on CUDA, triton its kernel launchers). The compiler inductor looks for is `$CXX`, else g++
     (clang++ on macOS); without it the run would fail at the first forward, after the model is built."""

@@ -6,6 +6,9 @@ is built; docs/environments.md and docs/async.md say what each refusal protects.
 from __future__ import annotations
 
 from rltrain.config.algorithms import names_where, spec_of
+from rltrain.config.group_choice import as_option
+from rltrain.config.group_options import VLLMRolloutConfig
+from rltrain.config.schema import Config
 from rltrain.runtime.errors import UserError
 
 
@@ -14,7 +17,7 @@ def _algo_list(names: list[str]) -> str:
     return " or ".join(f"algo={name}" for name in names)
 
 
-def validate_env(cfg) -> None:
+def validate_env(cfg: Config) -> None:
     """`env=python` and `env=tools` (docs/environments.md): what this release runs multi-turn, and in-range numbers."""
     env = cfg.env
     if env.name != "python" and env.cls is not None:
@@ -61,7 +64,7 @@ def validate_env(cfg) -> None:
         raise UserError(f"env.timeout_s={env.timeout_s} must be positive (seconds), or 0 / null for no limit.")
 
 
-def validate_staleness(cfg) -> None:
+def validate_staleness(cfg: Config) -> None:
     """`placement.max_staleness` (docs/async.md): the engines and loops that can generate ahead."""
     k = cfg.placement.max_staleness
     if k < 0:
@@ -79,8 +82,9 @@ def validate_staleness(cfg) -> None:
             "take turns on one device, so nothing can overlap. Set placement.time_sharing=false (the engine keeps its "
             "memory beside the trainer's), or placement.max_staleness=0."
         )
-    process = getattr(cfg.rollout, "process", None)
-    if cfg.rollout.name != "vllm" or process != "separate":
+    vllm = as_option("rollout", cfg.rollout, VLLMRolloutConfig)
+    process = vllm.process if vllm is not None else None
+    if vllm is None or process != "separate":
         raise UserError(
             f"placement.max_staleness={k} needs an engine that runs beside the trainer: rollout=vllm "
             f"rollout.process=separate (the engine in its own process). rollout={cfg.rollout.name}"

@@ -14,8 +14,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-from rltrain.config.schema import DataColumns
-from rltrain.models.hub import names_hub_id
+from rltrain.config.hub import names_hub_id
+from rltrain.config.schema import DataColumns, DataConfig
 from rltrain.runtime.errors import UserError
 from rltrain.runtime.library_noise import quiet_datasets_offline_notes
 from rltrain.runtime.user_code import load_callable
@@ -28,9 +28,10 @@ def is_dataset_id(path: str) -> bool:
     return Path(path).suffix not in DATA_SUFFIXES and names_hub_id(path)
 
 
-def train_and_eval_rows(data_cfg, seed: int, needs: list[tuple[str, ...]]) -> tuple[list[dict], list[dict], str]:
+def train_and_eval_rows(data_cfg: DataConfig, seed: int, needs: list[tuple[str, ...]]) -> tuple[list[dict], list[dict], str]:
     """(train rows, eval rows, where) of `data.path`: the eval rows are `data.eval_path`'s, else a
     seeded `data.eval_fraction` of the rows (at most `data.max_eval_samples`)."""
+    assert data_cfg.path is not None, "a dataset is read only where data.path names one"
     where = f"data.path={data_cfg.path!r}"
     rows = load_rows("data.path", data_cfg.path, data_cfg, needs).to_list()
     if data_cfg.eval_path is not None:
@@ -41,13 +42,13 @@ def train_and_eval_rows(data_cfg, seed: int, needs: list[tuple[str, ...]]) -> tu
     return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held], where
 
 
-def eval_limit(data_cfg) -> int | None:
+def eval_limit(data_cfg: DataConfig) -> int | None:
     """How many eval rows to keep: `data.max_eval_samples` of a dataset; all `data.num_eval` problems
     of the built-in task (its held-out size is already what the user chose)."""
     return None if data_cfg.path is None else data_cfg.max_eval_samples
 
 
-def load_rows(key: str, path: str, data_cfg, needs: list[tuple[str, ...]]):
+def load_rows(key: str, path: str, data_cfg: DataConfig, needs: list[tuple[str, ...]]):
     """The `datasets.Dataset` that `key=path` names, with `data.columns` and `data.map_fn` applied
     and one of the column sets `needs` present; else a UserError naming the problem and the fix."""
     import datasets
@@ -92,7 +93,7 @@ def load_local_dataset(key: str, path: str, split: str):
     raise UserError(f"{key}={path!r}: unknown format {p.suffix!r}. Use .jsonl, .parquet or a saved dataset directory.")
 
 
-def load_hub_dataset(key: str, repo_id: str, data_cfg, progress: bool = False):
+def load_hub_dataset(key: str, repo_id: str, data_cfg: DataConfig, progress: bool = False):
     """Split `data.split` of configuration `data.name` of the Hub dataset `repo_id`: downloaded and
     prepared by `datasets` (its progress bars with `progress`), or its prepared copy when offline."""
     import datasets
@@ -107,7 +108,7 @@ def load_hub_dataset(key: str, repo_id: str, data_cfg, progress: bool = False):
         datasets.disable_progress_bars()
 
 
-def hub_dataset_failure(key: str, repo_id: str, data_cfg, exc: Exception) -> str:
+def hub_dataset_failure(key: str, repo_id: str, data_cfg: DataConfig, exc: Exception) -> str:
     """What went wrong, in datasets' words, and the fix for that case."""
     from datasets import config
 
@@ -132,7 +133,7 @@ def hub_dataset_failure(key: str, repo_id: str, data_cfg, exc: Exception) -> str
     return f"{key}={repo_id!r} ({chosen}) could not be loaded as a Hugging Face Hub dataset: {type(exc).__name__}: {detail}. Fix: {fix}."
 
 
-def reshape(ds, key: str, path: str, data_cfg):
+def reshape(ds, key: str, path: str, data_cfg: DataConfig):
     """`data.columns` (each conventional column a copy of the named one, which stays) and then
     `data.map_fn` (one row in, the columns to set out), in one `datasets.map` pass."""
     named = {f.name: getattr(data_cfg.columns, f.name) for f in dataclasses.fields(DataColumns)}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rltrain.config.schema import DataConfig
 from rltrain.data import tasks
 from rltrain.data.loading import eval_limit, train_and_eval_rows
 from rltrain.data.tokenize import OverlongStats, check_messages, encode_all, fit_length
@@ -63,7 +64,7 @@ def _texts(tokenizer, row: dict, where: str) -> tuple[str, str, str]:
     return prompt, chosen, rejected
 
 
-def rows_to_pairs(tokenizer, rows: list[dict], data_cfg, where: str, skipped: SkipCounts) -> list[PreferencePair]:
+def rows_to_pairs(tokenizer, rows: list[dict], data_cfg: DataConfig, where: str, skipped: SkipCounts) -> list[PreferencePair]:
     eos = tokenizer.eos_token_id
     max_length, overlong = data_cfg.max_length, data_cfg.overlong  # read once: a config lookup per row adds up
     usable = []
@@ -91,7 +92,7 @@ def rows_to_pairs(tokenizer, rows: list[dict], data_cfg, where: str, skipped: Sk
     return pairs
 
 
-def build_preference_data(tokenizer, data_cfg, seed: int) -> PreferenceData:
+def build_preference_data(tokenizer, data_cfg: DataConfig, seed: int) -> PreferenceData:
     skipped = SkipCounts()
     if data_cfg.path is None:
         train_p, eval_p = tasks.builtin_split(data_cfg, seed)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from rltrain.config.schema import DataConfig
 from rltrain.data import tasks
 from rltrain.data.loading import eval_limit, train_and_eval_rows
 from rltrain.data.tokenize import check_messages, encode_all
@@ -61,7 +62,7 @@ def _to_rows(
 
 
 def build_prompt_data(
-    tokenizer, data_cfg, seed: int, renderer: PromptRenderer | None = None
+    tokenizer, data_cfg: DataConfig, seed: int, renderer: PromptRenderer | None = None
 ) -> tuple[list[PromptRow], list[PromptRow], int]:
     """(train prompts, eval prompts, prompts dropped as longer than data.max_length)."""
     if data_cfg.path is None:

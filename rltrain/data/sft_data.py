@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rltrain.config.schema import DataConfig
 from rltrain.data import tasks
 from rltrain.data.loading import eval_limit, train_and_eval_rows
 from rltrain.data.tokenize import (
@@ -30,7 +31,7 @@ class SFTData:
     overlong: OverlongStats
 
 
-def text_rows(data_cfg, seed: int, eos: str) -> tuple[list[dict], list[dict], str]:
+def text_rows(data_cfg: DataConfig, seed: int, eos: str) -> tuple[list[dict], list[dict], str]:
     """(train rows, eval rows, where) for prompt/completion-style data; `eos` is the tokenizer's
     end-of-sequence text (a built-in tool demonstration ends its call turn with it)."""
     if data_cfg.path is None:
@@ -52,7 +53,7 @@ def row_texts(tokenizer, row: dict, where: str) -> tuple[str, str]:
     return prompt, completion
 
 
-def build_sft_data(tokenizer, data_cfg, seed: int) -> SFTData:
+def build_sft_data(tokenizer, data_cfg: DataConfig, seed: int) -> SFTData:
     train_rows, eval_rows, where = text_rows(data_cfg, seed, tokenizer.eos_token)
     stats = OverlongStats()
     eos = tokenizer.eos_token_id

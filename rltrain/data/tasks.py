@@ -16,6 +16,8 @@ import json
 import random
 from dataclasses import dataclass
 
+from rltrain.config.schema import DataConfig
+
 TOOL_DEMO_FRACTION = 0.3  # multiplication: SFT demonstrations that call the tool
 
 
@@ -117,7 +119,7 @@ def multiplication_split(
     return (train_set[:num_train] if num_train else train_set), eval_set
 
 
-def builtin_split(data_cfg, seed: int) -> tuple[list[Problem], list[Problem]]:
+def builtin_split(data_cfg: DataConfig, seed: int) -> tuple[list[Problem], list[Problem]]:
     """The built-in task's (train, eval) problems as `data.*` selects them."""
     return TASKS[data_cfg.task](seed, data_cfg.num_eval, data_cfg.num_train, data_cfg.max_carry_problems, data_cfg.eval_seed)
 

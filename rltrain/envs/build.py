@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from rltrain.config.schema import Config
 from rltrain.envs.episodes import EpisodeRunner, EpisodeSteps
 from rltrain.envs.tools import CallTools
 from rltrain.envs.user_env import HostedEnvironments
 
 
-def build_episode_runner(cfg, tokenizer, start_workers: bool = True) -> EpisodeRunner | None:
+def build_episode_runner(cfg: Config, tokenizer, start_workers: bool = True) -> EpisodeRunner | None:
     """None for `env=none` (single-turn RL). `start_workers=False`: the user-code workers start on
     their first call (a rank that never plays: a tensor/pipeline-parallel replica's peers)."""
     if cfg.env.name == "none":

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from rltrain.config.group_options import EnvConfig
+from rltrain.config.schema import RewardConfig
 from rltrain.data.prompt_data import PromptRenderer, PromptRow
 from rltrain.rewards.scoring import Failures
 from rltrain.rollout.base import Completion, SamplingSettings
@@ -81,7 +83,7 @@ class EpisodeRunner:
     engine call (every rank of a replica calls it together), `steps` the environment's side."""
 
     def __init__(
-        self, env_cfg, reward_cfg, tokenizer, max_new_tokens: int, collective_timeout_s: float, steps: EpisodeSteps,
+        self, env_cfg: EnvConfig, reward_cfg: RewardConfig, tokenizer, max_new_tokens: int, collective_timeout_s: float, steps: EpisodeSteps,
         renderer: PromptRenderer | None = None,
     ) -> None:
         self.cfg, self.reward_cfg, self.tokenizer, self.steps = env_cfg, reward_cfg, tokenizer, steps

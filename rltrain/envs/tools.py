@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from rltrain.config.group_options import EnvConfig
 from rltrain.envs.episodes import Episode
 from rltrain.envs.observations import observation_ids
 from rltrain.runtime.call_pool import Call, CallPool, CallResult
@@ -146,7 +147,7 @@ def result_text(result: CallResult, name: str, timeout_s: float | None) -> str:
 class CallTools:
     """`EpisodeSteps` for `env=tools`: each reply's tool calls run in call workers; a reply without one ends the episode."""
 
-    def __init__(self, env_cfg, tokenizer, start_workers: bool = True) -> None:
+    def __init__(self, env_cfg: EnvConfig, tokenizer, start_workers: bool = True) -> None:
         self.cfg, self.tokenizer = env_cfg, tokenizer
         self.paths, self.schemas = tool_schemas(list(env_cfg.tools))
         self.prompts = ToolPrompts(tokenizer, self.schemas, env_cfg.describe_tools)

@@ -9,6 +9,8 @@ class (docs/environments.md, "Timeouts and rebuilt episodes").
 
 from __future__ import annotations
 
+from rltrain.config.group_options import EnvConfig
+from rltrain.config.schema import RewardConfig
 from rltrain.envs.episodes import Episode
 from rltrain.envs.observations import observation_ids
 from rltrain.runtime.call_pool import Call, CallPool, CallResult
@@ -20,7 +22,7 @@ ADVANCE = "rltrain.envs.hosted:advance"
 class HostedEnvironments:
     """`EpisodeSteps` for a user environment class (`env.cls`)."""
 
-    def __init__(self, env_cfg, reward_cfg, tokenizer, start_workers: bool = True) -> None:
+    def __init__(self, env_cfg: EnvConfig, reward_cfg: RewardConfig, tokenizer, start_workers: bool = True) -> None:
         if not env_cfg.cls or ":" not in env_cfg.cls:
             raise UserError(f"env=python needs env.cls=package.module:Class (got {env_cfg.cls!r}).")
         self.cfg, self.reward_cfg, self.tokenizer = env_cfg, reward_cfg, tokenizer

@@ -25,8 +25,6 @@ if TYPE_CHECKING:
 ALL_LINEAR = "all-linear"  # peft's name for every linear layer but the LM head
 ADAPTER = "default"
 MERGED_DIR = "merged"  # final/merged/: the merged model (model.lora.save_merged)  # the one adapter's name inside peft
-# Modules an adapter may not target: their weights are tied or indexed, not multiplied.
-UNSUPPORTED_TARGETS = ("lm_head", "embed_tokens")
 
 Gather = Callable[[torch.Tensor], torch.Tensor]
 

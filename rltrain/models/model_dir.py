@@ -1,5 +1,5 @@
 """Which Hugging Face directory a run loads: `model.path` (a directory, or a Hub id's cached
-snapshot: rltrain/models/hub.py), the SFT'd tiny model, or the tiny model.
+snapshot: rltrain/config/hub.py), the SFT'd tiny model, or the tiny model.
 
 One place decides, so every rank (rank 0 builds, the others read the cache afterwards:
 rltrain/run/trainer.py prepare_model_dir) resolves the same directory.
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rltrain.config.hub import local_model_dir
 from rltrain.config.schema import DataConfig, ModelConfig, TrainerConfig
-from rltrain.models.hub import local_model_dir
 from rltrain.models.tiny import build_tiny_model_dir
 from rltrain.models.tiny_sft import build_sft_model_dir
 

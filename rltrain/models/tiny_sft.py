@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 from rltrain.config.schema import DataConfig, ModelConfig, TrainerConfig
-from rltrain.launch.parent_death import DIE_WITH_PARENT_ENV
 from rltrain.models.tiny import build_tiny_model_dir, publish_directory
 from rltrain.runtime.errors import UserError
+from rltrain.runtime.parent_death import DIE_WITH_PARENT_ENV
 
 # Variables a rank inherits from its launcher (torch.distributed, torchrun/elastic): the child must
 # build a world of its own, not join (or wait for) the parent's.

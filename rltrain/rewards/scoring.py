@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from math import isfinite
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from rltrain.config.schema import Config, RewardConfig
 from rltrain.runtime.call_pool import Call, CallPool, CallResult
 from rltrain.runtime.errors import UserError
 from rltrain.runtime.user_code import load_callable
@@ -59,7 +60,7 @@ class Scored(NamedTuple):
     scores_B: torch.Tensor  # float64, host
 
 
-def build_reward_fns(cfg, device: torch.device) -> list[RewardFn]:
+def build_reward_fns(cfg: Config, device: torch.device) -> list[RewardFn]:
     """The run's reward functions: `reward.fns` (the built-in task's reward when empty and the data
     is built in), plus the reward model named `model` when `reward_model=hf`, loaded on `device`."""
     reward_cfg, rm = cfg.reward, cfg.reward_model
@@ -82,9 +83,9 @@ def build_reward_fns(cfg, device: torch.device) -> list[RewardFn]:
     return fns
 
 
-def load_reward_model(cfg, device: torch.device) -> SequenceClassifierReward:
+def load_reward_model(cfg: Config, device: torch.device) -> SequenceClassifierReward:
     """The reward model of `reward_model.path` in the run's compute dtype (rewards/model_reward.py)."""
-    from rltrain.models.hub import local_model_dir
+    from rltrain.config.hub import local_model_dir
     from rltrain.rewards.model_reward import SequenceClassifierReward
     from rltrain.runtime.precision import resolve_precision
 
@@ -130,7 +131,7 @@ def checked_values(result: CallResult, n: int, timeout_s: float | None) -> tuple
 class RewardScorer:
     """The run's reward functions and the worker pool that runs the user ones."""
 
-    def __init__(self, fns: list[RewardFn], reward_cfg, collective_timeout_s: float, start_workers: bool = True) -> None:
+    def __init__(self, fns: list[RewardFn], reward_cfg: RewardConfig, collective_timeout_s: float, start_workers: bool = True) -> None:
         self.fns, self.cfg = fns, reward_cfg
         self.timeout_s = float(reward_cfg.timeout_s) if reward_cfg.timeout_s else None
         self.budget_s = collective_timeout_s / 2  # a rank's scoring never keeps a peer into the collective timeout

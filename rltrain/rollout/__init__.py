@@ -10,10 +10,11 @@ import importlib
 import os
 from typing import TYPE_CHECKING, cast, get_args
 
-from rltrain.config.group_options import RolloutProcess
+from rltrain.config.group_choice import as_option
+from rltrain.config.group_options import RolloutProcess, VLLMRolloutConfig
 
 if TYPE_CHECKING:
-    from rltrain.algos.base import RunContext
+    from rltrain.config.run_context import RunContext
     from rltrain.rollout.base import RolloutEngine
 
 ROLLOUTS = {
@@ -28,7 +29,8 @@ def build_rollout(ctx: RunContext) -> RolloutEngine:
     name = ctx.cfg.rollout.name
     if name not in ROLLOUTS:
         raise ValueError(f"rollout={name!r} is unknown; choose one of {sorted(ROLLOUTS)}")
-    process = getattr(ctx.cfg.rollout, "process", "colocated")  # only vLLM's schema has it
+    vllm = as_option("rollout", ctx.cfg.rollout, VLLMRolloutConfig)  # only vLLM's schema has `process`
+    process = vllm.process if vllm is not None else "colocated"
     if process not in PROCESSES:
         raise ValueError(f"rollout.process={process!r} is unknown; choose one of {PROCESSES}")
     if process == "separate":

@@ -20,16 +20,17 @@ import time
 from collections.abc import Iterable
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from rltrain.config.group_options import VLLMRolloutConfig
+from rltrain.config.run_context import RunContext
 from rltrain.rollout.base import Completion, SamplingSettings
 from rltrain.runtime.precision import resolve_precision
 from rltrain.runtime.threads import thread_split
-from rltrain.sync.transport import TransportError, WeightSender
-from rltrain.sync.transport_wire import Channel, Message, ProtocolError, make_private_dir
+from rltrain.transport.sender import TransportError, WeightSender
+from rltrain.transport.wire import Channel, Message, ProtocolError, make_private_dir
 
 OPS = frozenset({"ready", "reply", "generate", "update", "sleep", "wake", "ping", "close"})
 # torch.distributed / elastic variables the child must not inherit (vLLM would read them).
@@ -68,7 +69,7 @@ class ControlChannel(Channel):
         return message
 
 
-def _config_dict(cfg: Any) -> dict[str, Any]:
+def _config_dict(cfg: VLLMRolloutConfig) -> dict[str, Any]:
     """The rollout config (a dataclass, or the run's OmegaConf node) as plain JSON values."""
     if is_dataclass(cfg) and not isinstance(cfg, type):
         return asdict(cfg)
@@ -343,13 +344,16 @@ class SeparateVLLMEngine:
             raise RolloutProcessError(f"the rollout process (pid {proc.pid}) exited with code {code}")
 
 
-def build_engine(ctx) -> SeparateVLLMEngine:
+def build_engine(ctx: RunContext) -> SeparateVLLMEngine:
     """The run's out-of-process vLLM engine (registry key `vllm` with `rollout.process=separate`)."""
+    rollout = cast(VLLMRolloutConfig, ctx.cfg.rollout)  # the registry chose this module for rollout=vllm
     return SeparateVLLMEngine(
         ctx.model_dir,
-        ctx.cfg.rollout,
-        seed=ctx.cfg.rollout.seed,
+        rollout,
+        seed=rollout.seed,
         dtype=resolve_precision(ctx.cfg.trainer.precision, ctx.dist.device).compute_dtype_name,
         ping_timeout_s=ctx.cfg.health.ping_timeout_s,
-        num_threads=thread_split(ctx.cfg, ctx.dist.world_size)[1],
+        num_threads=thread_split(
+            ctx.cfg.trainer.num_threads, rollout.num_threads, ctx.cfg.placement.max_staleness >= 1, ctx.dist.world_size
+        )[1],
     )

@@ -30,7 +30,7 @@ IDLE_POLL_S = 1.0  # how often an idle child re-checks that its parent is alive
 def _serve(channel: ControlChannel, engine: Any, receiver: Any) -> None:
     from rltrain.rollout.base import SamplingSettings
     from rltrain.rollout.separate import completions_to_json
-    from rltrain.sync.transport_wire import PeerClosed
+    from rltrain.transport.wire import PeerClosed
 
     parent = os.getppid()
     while True:
@@ -87,7 +87,7 @@ def run(spec_json: str) -> int:
 
         from rltrain.config.group_options import VLLMRolloutConfig
         from rltrain.rollout.vllm import VLLMRolloutEngine
-        from rltrain.sync.transport_receiver import WeightReceiver
+        from rltrain.transport.receiver import WeightReceiver
 
         torch.set_num_threads(int(spec["num_threads"]))
         engine = VLLMRolloutEngine(

@@ -22,9 +22,9 @@ import torch
 from rltrain.config.group_options import VLLMRolloutConfig
 from rltrain.rollout.base import Completion, SamplingSettings, exclusive
 from rltrain.rollout.vllm_args import engine_kwargs, set_vllm_env
+from rltrain.rollout.vllm_reload import SyncPlan, build_plan
 from rltrain.runtime.library_noise import quiet_vllm_import
 from rltrain.runtime.precision import resolve_precision
-from rltrain.sync.vllm_reload import SyncPlan, build_plan
 
 if TYPE_CHECKING:
     from vllm import LLM

@@ -22,7 +22,8 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
-from rltrain.models.hub import model_identity
+from rltrain.config.hub import model_identity
+from rltrain.config.schema import Config
 from rltrain.runtime.distributed import DistInfo, barrier, broadcast_str
 from rltrain.runtime.errors import UserError
 
@@ -101,7 +102,7 @@ def _config_identity(model_dir: Path) -> tuple[str, str]:
     return arch, hashlib.sha256(json.dumps(hf, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def fingerprint(cfg: Any, model_dir: Path, world_size: int) -> dict[str, Any]:
+def fingerprint(cfg: Config, model_dir: Path, world_size: int) -> dict[str, Any]:
     """What must be the same for a checkpoint to resume this run: the model (its path, or the
     built-in tiny model, and its architecture and config.json), the world layout (ranks, backend,
     megatron's tp/pp), the algorithm, and the frozen roles a checkpoint does not hold (the
@@ -128,7 +129,7 @@ def fingerprint(cfg: Any, model_dir: Path, world_size: int) -> dict[str, Any]:
     }
 
 
-def _lora_identity(cfg: Any) -> str | None:
+def _lora_identity(cfg: Config) -> str | None:
     """The adapters' shape (None for full fine-tuning, which a checkpoint written before LoRA
     existed also reads as): another rank or set of targets cannot load the saved adapters."""
     lora = cfg.model.lora
@@ -137,7 +138,7 @@ def _lora_identity(cfg: Any) -> str | None:
     return f"rank {lora.rank}, alpha {lora.alpha}, target_modules {','.join(sorted(lora.target_modules))}"
 
 
-def _role_path(cfg: Any, role: str) -> str | None:
+def _role_path(cfg: Config, role: str) -> str | None:
     path = OmegaConf.select(cfg, f"{role}.path")
     return None if path is None else model_identity(path, OmegaConf.select(cfg, f"{role}.revision"))
 

@@ -20,6 +20,7 @@ from typing import Any, cast
 
 from omegaconf import OmegaConf
 
+from rltrain.config.schema import Config
 from rltrain.run.samples import Sample, samples_table
 
 
@@ -54,7 +55,7 @@ def append_batch_record(run_dir: Path, step: int, prompts: list[int], sampled_by
 
 
 class MetricsLogger:
-    def __init__(self, cfg, run_dir: Path, is_main: bool, resume_step: int) -> None:
+    def __init__(self, cfg: Config, run_dir: Path, is_main: bool, resume_step: int) -> None:
         self.is_main = is_main
         self.path = run_dir / "metrics.jsonl"
         self.max_steps = cfg.trainer.max_steps
@@ -130,9 +131,9 @@ def _format(row: dict[str, Any], max_steps: int) -> str:
     return " | ".join(dict.fromkeys(parts))
 
 
-def start_wandb(cfg, run_dir: Path):
+def start_wandb(cfg: Config, run_dir: Path):
     """W&B on by default: online with an API key, offline (files under the run dir) without one."""
-    mode = cfg.logger.wandb.mode
+    mode: Any = cfg.logger.wandb.mode  # wandb.init types its own values, not `auto`
     if mode == "disabled":
         return None
     if mode == "auto":

@@ -19,11 +19,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rltrain.algos.base import RunContext
 from rltrain.backends.roles import resolve_role_dirs
 from rltrain.config.algorithms import spec_of
+from rltrain.config.group_choice import as_option
+from rltrain.config.group_options import VLLMRolloutConfig
+from rltrain.config.run_context import RunContext
+from rltrain.config.schema import Config
 from rltrain.models.lora import MERGED_DIR
 from rltrain.models.model_dir import resolve_model_dir
+from rltrain.run.algorithm import Algorithm
 from rltrain.run.checkpoint import CheckpointManager, fingerprint, fsync_path
 from rltrain.run.metrics_log import MetricsLogger
 from rltrain.run.plot import write_run_plot
@@ -41,9 +45,13 @@ def build_algorithm(ctx: RunContext):
     return getattr(importlib.import_module(module_name), cls_name)(ctx)
 
 
-def configure_threads(cfg, dist_info: DistInfo) -> None:
-    """The trainer's share of the rank's cores (rltrain.runtime.threads)."""
-    torch.set_num_threads(thread_split(cfg, dist_info.world_size)[0])
+def configure_threads(cfg: Config, dist_info: DistInfo) -> None:
+    """The trainer's share of the rank's cores (rltrain.runtime.threads); only a vLLM engine in a
+    process of its own has threads of its own."""
+    vllm = as_option("rollout", cfg.rollout, VLLMRolloutConfig)
+    engine_threads = vllm.num_threads if vllm is not None and vllm.process == "separate" else 0
+    overlapped = cfg.placement.max_staleness >= 1
+    torch.set_num_threads(thread_split(cfg.trainer.num_threads, engine_threads, overlapped, dist_info.world_size)[0])
 
 
 def seed_everything(seed: int, rank: int) -> None:
@@ -51,7 +59,7 @@ def seed_everything(seed: int, rank: int) -> None:
     torch.manual_seed(seed + rank)
 
 
-def prepare_model_dir(cfg, dist_info: DistInfo) -> Path:
+def prepare_model_dir(cfg: Config, dist_info: DistInfo) -> Path:
     """Rank 0 builds the tiny model (and its SFT start, model=tiny_sft) if needed before the
     others read it from the cache. The local launcher builds the SFT start before it starts the
     ranks; under torchrun the barrier waits for rank 0's build, which must then finish within
@@ -65,7 +73,7 @@ def prepare_model_dir(cfg, dist_info: DistInfo) -> Path:
     return model_dir
 
 
-def run(cfg, run_dir: Path) -> None:
+def run(cfg: Config, run_dir: Path) -> None:
     from rltrain.models.tokenizer import load_tokenizer
 
     if os.environ.get("RANK", "0") != "0" or cfg.model.path is None:  # a user's model: rank 0 shows its load
@@ -99,7 +107,7 @@ def run(cfg, run_dir: Path) -> None:
         reset_process_state()
 
 
-def train_loop(ctx: RunContext, algo) -> None:
+def train_loop(ctx: RunContext, algo: Algorithm) -> None:
     cfg, dist_info, run_dir = ctx.cfg, ctx.dist, ctx.run_dir
     ckpt = CheckpointManager(
         run_dir, dist_info, cfg.trainer.keep_checkpoints, fingerprint(cfg, ctx.model_dir, dist_info.world_size)
@@ -155,7 +163,7 @@ def train_loop(ctx: RunContext, algo) -> None:
               flush=True)
 
 
-def export_final(ctx: RunContext, algo) -> None:
+def export_final(ctx: RunContext, algo: Algorithm) -> None:
     """`final/`: config, safetensors and tokenizer, loadable by transformers and vLLM; with LoRA a
     PEFT adapter directory (docs/lora.md)."""
     final = ctx.run_dir / "final"

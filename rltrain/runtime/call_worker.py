@@ -37,7 +37,7 @@ def serve(inbox: Connection, outbox: Connection) -> None:
 
 
 def main(argv: list[str]) -> None:
-    from rltrain.launch.parent_death import die_with_parent
+    from rltrain.runtime.parent_death import die_with_parent
 
     fd_in, fd_out, parent_pid = (int(a) for a in argv)
     die_with_parent(parent_pid)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import get_args
+from typing import Literal, get_args
 
 import torch
 
-from rltrain.config.schema import Precision as PrecisionName
-
+# The values of `trainer.precision` (rltrain.config.schema takes them from here, beside its field).
+PrecisionName = Literal["auto", "fp32", "bf16-mixed", "bf16"]  # auto: bf16-mixed on CUDA, fp32 on CPU
 PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
 
 

@@ -8,7 +8,6 @@ unset counts split the rank's cores between them instead of oversubscribing (doc
 from __future__ import annotations
 
 import os
-from typing import Any
 
 
 def usable_cores() -> int:
@@ -19,20 +18,17 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-def thread_split(cfg: Any, world_size: int, cores: int | None = None) -> tuple[int, int]:
-    """(trainer threads, engine threads) per rank from `trainer.num_threads`, `rollout.num_threads`
-    (0 = unset) and `placement.max_staleness`."""
+def thread_split(
+    trainer_threads: int, engine_threads: int, overlapped: bool, world_size: int, cores: int | None = None
+) -> tuple[int, int]:
+    """(trainer threads, engine threads) per rank from `trainer.num_threads` and a separate engine's
+    `rollout.num_threads` (0 = unset); `overlapped`: they run at once (`placement.max_staleness` >= 1)."""
     per_rank = max(1, (cores or usable_cores()) // world_size)
-    trainer_set = int(cfg.trainer.num_threads)
-    rollout = getattr(cfg, "rollout", None)
-    engine_set = int(getattr(rollout, "num_threads", 0) or 0) if rollout is not None else 0
-    placement = getattr(cfg, "placement", None)
-    overlapped = placement is not None and int(placement.max_staleness) >= 1
     if not overlapped:
-        trainer = trainer_set or per_rank
-        return trainer, engine_set or trainer
-    if trainer_set:
-        trainer = trainer_set
+        trainer = trainer_threads or per_rank
+        return trainer, engine_threads or trainer
+    if trainer_threads:
+        trainer = trainer_threads
     else:
-        trainer = max(1, per_rank - engine_set) if engine_set else max(1, per_rank // 2)
-    return trainer, engine_set or max(1, per_rank - trainer)
+        trainer = max(1, per_rank - engine_threads) if engine_threads else max(1, per_rank // 2)
+    return trainer, engine_threads or max(1, per_rank - trainer)

@@ -12,8 +12,8 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
+from rltrain.config.schema import Config
 from rltrain.runtime.errors import peer_reported
 from rltrain.safety import faults
 from rltrain.safety.error_kinds import is_collective_failure
@@ -28,7 +28,7 @@ LOST_PEER_EVIDENCE_S = 4.0
 
 class SafetyRuntime:
     def __init__(
-        self, cfg: Any, run_dir: Path, rank: int, world_size: int, ping: Callable[[], object] | None = None
+        self, cfg: Config, run_dir: Path, rank: int, world_size: int, ping: Callable[[], object] | None = None
     ) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)

@@ -99,7 +99,7 @@ def alive(pids: set[int]) -> set[int]:
 
 def test_torchrun_ranks_die_with_a_killed_torchrun(tiny_cache, tmp_path):
     """Plain torchrun leaves its workers running when it is SIGKILLed; a rltrain rank asks the
-    kernel to end it with its parent (rltrain.launch.parent_death)."""
+    kernel to end it with its parent (rltrain.runtime.parent_death)."""
     run_dir = tmp_path / "run"
     torchrun = Path(sys.executable).parent / "torchrun"
     args = [a for a in SMALL if not a.startswith("trainer.nproc")]

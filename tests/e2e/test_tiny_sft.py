@@ -20,8 +20,8 @@ import pytest
 from cli import ROOT, read_metrics, rltrain
 
 from rltrain.config.schema import DataConfig, ModelConfig, TrainerConfig
-from rltrain.launch.parent_death import DIE_WITH_PARENT_ENV
 from rltrain.models import tiny_sft
+from rltrain.runtime.parent_death import DIE_WITH_PARENT_ENV
 
 pytestmark = pytest.mark.e2e
 

@@ -170,3 +170,74 @@ def test_vllm_and_megatron_are_imported_only_where_used():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=PACKAGE.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "[]", f"imported at module level: {proc.stdout.strip()}"
+
+
+# The packages from the bottom up (docs/architecture.md, "Layers"): a module imports only from its own
+# package and from packages below it; the entry modules at the root (__main__, worker, plot) sit on top.
+LAYERS = [
+    "runtime",  # processes, collectives, errors: imports no other package
+    "config",  # the schema every layer reads, RunContext, Hub ids, the launcher's checks
+    "launch",  # starts ranks by command line, never by import
+    "models",
+    "data",
+    "safety",
+    "transport",  # weights across a process boundary
+    "backends",
+    "rollout",
+    "sync",  # when weights move between the two above
+    "rewards",
+    "envs",
+    "run",  # the loop and its services (samples, evaluation, metrics, checkpoints); algorithms by name
+    "algos",
+]
+# Imports that point up, each with why moving the code would be worse.
+UPWARD_IMPORTS = {
+    ("rltrain.config.sources", "rltrain.data.loading"): (
+        "the launcher fetches a Hub dataset with the loader the ranks read it with, so the two cannot differ"
+    ),
+    ("rltrain.config.validate", "rltrain.safety.faults"): (
+        "debug.fault is parsed by the parser the ranks inject with; the fault kinds stay beside the code that raises them"
+    ),
+}
+
+
+def package_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYERS) else None
+
+
+def upward_imports(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs whose imported package sits above the importer's in LAYERS."""
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    found = []
+    for mod, targets in sorted(edges.items()):
+        low = package_of(mod)
+        if low is None:
+            continue  # an entry module at the root
+        for target in sorted(targets):
+            high = package_of(target)
+            if high is not None and high != low and rank[high] > rank[low]:
+                found.append((mod, target))
+    return found
+
+
+def test_the_layer_check_finds_an_upward_import():
+    assert upward_imports({"rltrain.runtime.errors": {"rltrain.config.schema"}}) == [
+        ("rltrain.runtime.errors", "rltrain.config.schema")
+    ]
+    assert upward_imports({"rltrain.algos.rl": {"rltrain.runtime.errors"}, "rltrain.__main__": {"rltrain.algos"}}) == []
+
+
+def test_every_package_has_a_layer():
+    packages = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert packages == set(LAYERS), f"place each package in LAYERS: {sorted(packages ^ set(LAYERS))}"
+
+
+def test_imports_point_down_the_layers():
+    found = upward_imports(import_graph(modules()))
+    unexplained = [pair for pair in found if pair not in UPWARD_IMPORTS]
+    assert not unexplained, "imports from a lower package to a higher one (LAYERS):\n" + "\n".join(
+        f"  {a} -> {b}" for a, b in unexplained
+    )
+    stale = sorted(set(UPWARD_IMPORTS) - set(found))
+    assert not stale, f"UPWARD_IMPORTS lists imports that no longer exist: {stale}"

@@ -29,7 +29,7 @@ def _completion(prompt: int, k: int) -> list[int]:
 def _ppo_step(rank, world, model_dir, mb_size, overrides):
     from pathlib import Path
 
-    from rltrain.algos.base import RunContext
+    from rltrain.config.run_context import RunContext
     from rltrain.algos.experience import BatchLayout, Experience
     from rltrain.rewards.scoring import Failures
     from rltrain.algos.ppo import make_value_loss, ppo_advantages

@@ -27,7 +27,7 @@ COMPLETIONS = [[10, 11, 12], [13], [14, 15]]
 def _learner_kl(rank, world, policy_dir, reference_dir):
     from pathlib import Path
 
-    from rltrain.algos.base import RunContext
+    from rltrain.config.run_context import RunContext
     from rltrain.algos.experience import BatchLayout, Experience
     from rltrain.rewards.scoring import Failures
     from rltrain.algos.rl_update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss

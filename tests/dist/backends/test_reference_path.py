@@ -26,7 +26,7 @@ def _model_dirs(root):
 def _engine_logps(rank, world, cfg, policy_dir):
     from rltrain.models.tokenizer import load_tokenizer
 
-    from rltrain.algos.base import RunContext
+    from rltrain.config.run_context import RunContext
     from rltrain.backends import build_engine
     from rltrain.data.batch import SequenceBatch
     from rltrain.runtime.distributed import DistInfo

@@ -40,6 +40,7 @@ class Collector:
     def __init__(self, prompts_per_step: int = 3) -> None:
         self.stream = IndexStream(50, seed=0)
         self.prompts_per_step = prompts_per_step
+        self.algo_cfg = SimpleNamespace(prompts_per_step=prompts_per_step, dynamic_sampling=False, max_sampling_rounds=1)
         self.policy = SimpleNamespace(replica_group=lambda: None)
 
     def take_prompts(self):

@@ -34,8 +34,8 @@ SCHEMA_PREFIX = {
     "SafetyConfig": "safety",
     "HealthConfig": "health",
     "SweepConfig": "sweep",
-    "PPOConfig": "algo",
     "RLConfig": "algo",
+    **{spec.config.__name__: "algo" for spec in ALGORITHMS.values()},
 }
 # The group option a key exists under; others use the default composition (algo=grpo, rollout=vllm).
 OPTION_OF = {"algo.loss_type": "algo=dpo"}
@@ -45,6 +45,13 @@ OPTION_OF = {"algo.loss_type": "algo=dpo"}
 def _not_under_torchrun(monkeypatch) -> None:
     for name in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
+
+
+def tiny_model_dir():
+    from rltrain.config.schema import ModelConfig
+    from rltrain.models.tiny import build_tiny_model_dir
+
+    return build_tiny_model_dir(ModelConfig(), seed=0)
 
 
 def _cfg(*overrides: str):
@@ -92,9 +99,10 @@ def test_every_enum_like_key_of_every_group_is_checked():
 
 
 def test_the_defaults_of_every_algorithm_and_backend_pass():
-    for algo in ALGORITHMS:
+    teacher = f"teacher.path={tiny_model_dir()}"
+    for algo, spec in ALGORITHMS.items():
         for backend in ("fsdp", "megatron"):
-            validate(_cfg(f"algo={algo}", f"backend={backend}"))
+            validate(_cfg(f"algo={algo}", f"backend={backend}", *([teacher] if spec.teacher else [])))
     validate(_cfg("rollout=hf"))
 
 

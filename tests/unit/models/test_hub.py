@@ -1,4 +1,4 @@
-"""Hub ids for models (rltrain.models.hub): resolved offline from a cache laid out as huggingface_hub
+"""Hub ids for models (rltrain.config.hub): resolved offline from a cache laid out as huggingface_hub
 writes it, a revision picked, a local directory preferred, and a missing id refused with both fixes."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from hub_cache import lay_model
 
+from rltrain.config.hub import is_hub_id, local_model_dir, model_identity
 from rltrain.config.sources import read_hf_config
-from rltrain.models.hub import is_hub_id, local_model_dir, model_identity
 from rltrain.runtime.errors import UserError
 
 

@@ -20,7 +20,7 @@ import torch
 
 from rltrain.rollout.base import Completion, SamplingSettings
 from rltrain.rollout.separate import ControlChannel, completions_from_json, completions_to_json
-from rltrain.sync.transport_wire import ProtocolError
+from rltrain.transport.wire import ProtocolError
 
 # Counts rlsep-* directories and /dev/shm segments, which any separate-engine run creates: no such run
 # may overlap it on another pytest-xdist worker (docs/testing.md, "Start-up").

@@ -1,5 +1,5 @@
 """The weight transport's constants and the stats of one sync, in one place: both ends of the
-transport (`transport.WeightSender`, `transport_receiver.WeightReceiver`) and its layers (wire
+transport (`sender.WeightSender`, `receiver.WeightReceiver`) and its layers (wire
 framing, bucket layout, shared memory) read them from here, so no module of the transport imports
 another to learn a number. docs/time-sharing-and-sync.md describes the protocol.
 """

@@ -17,8 +17,8 @@ import stat
 import torch
 
 from rltrain.runtime.errors import UserError
-from rltrain.sync.transport_protocol import SEGMENT_PREFIX, SHM_DIR_ENV
-from rltrain.sync.transport_wire import ProtocolError
+from rltrain.transport.protocol import SEGMENT_PREFIX, SHM_DIR_ENV
+from rltrain.transport.wire import ProtocolError
 
 
 class SharedMemoryFull(UserError):

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from rltrain.sync.transport_protocol import ALIGN_BYTES
-from rltrain.sync.transport_wire import ProtocolError
+from rltrain.transport.protocol import ALIGN_BYTES
+from rltrain.transport.wire import ProtocolError
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

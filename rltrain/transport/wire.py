@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rltrain.sync.transport_protocol import MAGIC, MAX_MESSAGE_BYTES, MESSAGE_TYPES
+from rltrain.transport.protocol import MAGIC, MAX_MESSAGE_BYTES, MESSAGE_TYPES
 
 Message = dict[str, Any]
 

@@ -16,11 +16,11 @@ import torch
 from helpers import mounted_tmpfs
 
 from rltrain.runtime.errors import UserError
-from rltrain.sync import transport_shm
-from rltrain.sync.transport import WeightSender
-from rltrain.sync.transport_protocol import SHM_DIR_ENV
-from rltrain.sync.transport_receiver import WeightReceiver
-from rltrain.sync.transport_shm import SharedMemoryFull, SharedSegment
+from rltrain.transport import shm as transport_shm
+from rltrain.transport.protocol import SHM_DIR_ENV
+from rltrain.transport.receiver import WeightReceiver
+from rltrain.transport.sender import WeightSender
+from rltrain.transport.shm import SharedMemoryFull, SharedSegment
 
 MIB = 1 << 20
 

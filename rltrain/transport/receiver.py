@@ -1,4 +1,4 @@
-"""The receiving side of the weight transport (see transport.py for the protocol): the rollout
+"""The receiving side of the weight transport (see sender.py for the protocol): the rollout
 process asks for each sync's offer, maps the sender's shared-memory segments once and streams
 tensors out bucket by bucket, checking every message's (sync id, bucket id) tag."""
 
@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from rltrain.sync.transport_layout import BucketUnpacker
-from rltrain.sync.transport_protocol import ALIGN_BYTES, NO_BUCKET, NO_SYNC, PROTOCOL_VERSION, SyncStats
-from rltrain.sync.transport_shm import SharedSegment
-from rltrain.sync.transport_wire import (
+from rltrain.transport.layout import BucketUnpacker
+from rltrain.transport.protocol import ALIGN_BYTES, NO_BUCKET, NO_SYNC, PROTOCOL_VERSION, SyncStats
+from rltrain.transport.shm import SharedSegment
+from rltrain.transport.wire import (
     Channel,
     Message,
     PeerAborted,

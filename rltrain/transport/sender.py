@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from rltrain.sync.transport_layout import BucketPacker, PackedBucket
-from rltrain.sync.transport_protocol import ALIGN_BYTES, NO_BUCKET, NO_SYNC, PROTOCOL_VERSION, SyncStats
-from rltrain.sync.transport_shm import SharedMemoryFull, SharedSegment, shm_full_error
-from rltrain.sync.transport_wire import (
+from rltrain.transport.layout import BucketPacker, PackedBucket
+from rltrain.transport.protocol import ALIGN_BYTES, NO_BUCKET, NO_SYNC, PROTOCOL_VERSION, SyncStats
+from rltrain.transport.shm import SharedMemoryFull, SharedSegment, shm_full_error
+from rltrain.transport.wire import (
     Channel,
     Message,
     PeerAborted,

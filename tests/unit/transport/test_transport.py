@@ -1,4 +1,4 @@
-"""The out-of-process weight transport (rltrain.sync.transport): correctness, faults, cleanup.
+"""The out-of-process weight transport (rltrain.transport.sender): correctness, faults, cleanup.
 
 Sender and receiver run in two threads (one spawned process for the killed-receiver case); every
 test joins them under a short deadline, so a hang fails the test instead of stalling the suite.
@@ -26,17 +26,17 @@ from typing import Any
 import pytest
 import torch
 
-from rltrain.sync.transport import (
+from rltrain.transport.layout import BucketPacker, Entry
+from rltrain.transport.protocol import ALIGN_BYTES, MAGIC, SEGMENT_PREFIX
+from rltrain.transport.receiver import WeightReceiver
+from rltrain.transport.sender import (
     PeerAborted,
     PeerClosed,
     ProtocolError,
     TransportTimeout,
     WeightSender,
 )
-from rltrain.sync.transport_layout import BucketPacker, Entry
-from rltrain.sync.transport_protocol import ALIGN_BYTES, MAGIC, SEGMENT_PREFIX
-from rltrain.sync.transport_receiver import WeightReceiver
-from rltrain.sync.transport_wire import listen_unix, make_private_dir
+from rltrain.transport.wire import listen_unix, make_private_dir
 
 Weights = list[tuple[str, torch.Tensor]]
 HANG_DEADLINE_S = 30.0

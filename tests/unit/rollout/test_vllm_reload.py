@@ -19,7 +19,7 @@ import torch
 from rltrain.config.group_options import VLLMRolloutConfig
 from rltrain.config.schema import ModelConfig
 from rltrain.models.tiny import build_tiny_model_dir
-from rltrain.sync import vllm_reload
+from rltrain.rollout import vllm_reload
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
 from test_rollout_parity import PROMPTS, TINY, perturbed_state  # noqa: E402 - the parity suite's model and prompts
