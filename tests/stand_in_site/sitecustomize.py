@@ -8,10 +8,17 @@ sys.path.
 """
 
 import os
+import sys
 
-if os.environ.get("RLTRAIN_RANK_SERVER"):
+
+def _may_be_launched_by_rltrain() -> bool:
+    """Only a `python -m rltrain...` can be a stand-in: any other process skips loading the stand-in
+    (tens of milliseconds). At start-up `-m`'s sys.argv is ["-m", *args]."""
+    return sys.argv[:1] == ["-m"] and sys.orig_argv[-len(sys.argv)].startswith("rltrain")
+
+
+if os.environ.get("RLTRAIN_RANK_SERVER") and _may_be_launched_by_rltrain():
     import importlib.util
-    import sys
 
     _spec = importlib.util.spec_from_file_location(
         "stand_in", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "stand_in.py"))
