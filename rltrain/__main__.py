@@ -21,7 +21,6 @@ from omegaconf import OmegaConf
 from rltrain.config.command_help import register_help
 from rltrain.config.compose_errors import composition_done, reporting_composition_errors
 from rltrain.config.schema import CONF_DIR, Config, register_configs
-from rltrain.launch.forked_rank import RANK_SERVER_ENV, run_in_server
 from rltrain.launch.sweep import JobOutcome, objective_value, sweep_exit_status
 from rltrain.runtime.errors import (
     EXIT_USER_ERROR,
@@ -218,16 +217,10 @@ def fail(exc: UserError) -> NoReturn:
 
 
 def main() -> None:
-    started_by_a_launcher = True
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank: SIGKILLed torchrun must not orphan it
         die_with_parent(os.getppid())
     elif DIE_WITH_PARENT_ENV in os.environ:  # a run started by a run (the SFT start): it goes when its parent goes
         die_with_parent(int(os.environ.pop(DIE_WITH_PARENT_ENV)))
-    else:
-        started_by_a_launcher = False
-    server = os.environ.get(RANK_SERVER_ENV)
-    if server and started_by_a_launcher:  # the test suite's pre-imported processes (rltrain.launch.forked_rank)
-        run_in_server(server, "rltrain.__main__:compose_and_run", [])
     sys.exit(compose_and_run())
 
 

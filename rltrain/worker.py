@@ -17,7 +17,6 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from rltrain.launch.forked_rank import RANK_SERVER_ENV, run_in_server
 from rltrain.runtime.errors import (
     EXIT_USER_ERROR,
     UserError,
@@ -38,9 +37,6 @@ def load_run_config(run_dir: Path):
 def main(argv: list[str]) -> int:
     run_dir, launcher_pid = Path(argv[1]), int(argv[2])
     die_with_parent(launcher_pid)
-    server = os.environ.get(RANK_SERVER_ENV)
-    if server:  # the test suite's pre-imported ranks (rltrain.launch.forked_rank)
-        run_in_server(server, "rltrain.worker:train_rank", [str(run_dir)])
     return train_rank(run_dir)
 
 

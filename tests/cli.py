@@ -13,9 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import stand_in
 from helpers import WARM_ENV_PREFIXES
-
-from rltrain.launch.forked_rank import RANK_SERVER_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -131,7 +130,8 @@ def _start_warm(cmd: list[str], env: dict[str, str], out: Path, err: Path, rank_
     first = {"-m": str(ROOT), "-c": ""}.get(argv[0], str((ROOT / argv[0]).resolve().parent))
     sys_path = [first, *_cold_sys_path(env)]
     if _builds_vllm_engine_in_process(argv):
-        child = VllmServerChild.start(argv, {**env, RANK_SERVER_ENV: rank_server_path}, sys_path, out, err, rank_server_path)
+        child = VllmServerChild.start(argv, {**env, **stand_in.environment(rank_server_path, env)}, sys_path, out, err,
+                                      rank_server_path)
         if child is not None:
             return child
     child = rank_context().Process(target=_warm_entry, args=(argv, env, str(ROOT), sys_path, str(out), str(err),
@@ -172,15 +172,12 @@ class VllmServerChild:
         """Ask the rank server; None when it declines (no vLLM server, or an environment it refuses)."""
         import socket
 
-        from rltrain.launch.forked_rank import LineReader, send_message
-
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(rank_server_path)
-        request = {"argv": argv, "entry": "rank_server:run_python", "args": argv, "fds": [1, 2], "env": env,
-                   "cwd": str(ROOT), "sys_path": sys_path, "parent": os.getpid(), "vllm": True}
+        request = {"argv": argv, "fds": [1, 2], "env": env, "cwd": str(ROOT), "sys_path": sys_path, "vllm": True}
         with open(out, "w") as out_file, open(err, "w") as err_file:
-            send_message(sock, request, [out_file.fileno(), err_file.fileno()])
-        reader = LineReader(sock)
+            stand_in.send_message(sock, request, [out_file.fileno(), err_file.fileno()])
+        reader = stand_in.LineReader(sock)
         started = reader.next()
         if started is None or "pid" not in started:
             sock.close()
@@ -239,11 +236,11 @@ def rank_server() -> str:
 
 def torchrun_ranks_env() -> dict[str, str]:
     """The environment under which the `python -m rltrain` ranks a test's own `torchrun` starts are
-    stand-ins for processes forked from the rank server (rltrain/__main__.py, as a launcher's
+    stand-ins for processes forked from the rank server (tests/stand_in.py, as a launcher's
     `python -m rltrain.worker`); empty on a CUDA machine, where every process starts fresh."""
     from helpers import cuda_machine
 
-    return {} if cuda_machine() else {RANK_SERVER_ENV: rank_server()}
+    return {} if cuda_machine() else stand_in.environment(rank_server(), dict(os.environ))
 
 
 def ranks_forked(by_vllm_server: bool = False) -> int:
@@ -251,12 +248,10 @@ def ranks_forked(by_vllm_server: bool = False) -> int:
     with `by_vllm_server`, how many its vLLM server forked (tests/rank_server.py)."""
     import socket
 
-    from rltrain.launch.forked_rank import LineReader, send_message
-
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect(rank_server())
-        send_message(sock, {"count": True})
-        answer = LineReader(sock).next()
+        stand_in.send_message(sock, {"count": True})
+        answer = stand_in.LineReader(sock).next()
     assert answer is not None
     return int(answer["vllm" if by_vllm_server else "forked"])
 
@@ -303,7 +298,7 @@ def _warm_entry(argv: list[str], env: dict[str, str], cwd: str, sys_path: list[s
     from helpers import adopt, main_of, run_as_interpreter
 
     adopt(env, cwd, sys_path)
-    os.environ[RANK_SERVER_ENV] = rank_server_path
+    os.environ.update(stand_in.environment(rank_server_path, env))
     run_as_interpreter(main_of(argv))
 
 
@@ -485,7 +480,7 @@ class SharedRuns:
                 shutil.rmtree(run_dir, ignore_errors=True)
                 try:
                     proc = rltrain(*args, run_dir=run_dir, timeout=timeout, warm=list(args) != SFT_RUN,
-                                   env={**(env or {}), RANK_SERVER_ENV: rank_server()})
+                                   env={**(env or {}), **stand_in.environment(rank_server(), {**os.environ, **(env or {})})})
                 except BaseException as exc:
                     failed.write_text(str(exc))
                     raise

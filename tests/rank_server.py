@@ -1,17 +1,17 @@
 """The rank server of warm CLI runs: a child of the tests' fork server (`run`, started by
 tests/cli.py `rank_server`), so it holds the libraries every rank imports (helpers.PRELOAD).
 
-It forks a process for each stand-in that connects (rltrain.launch.forked_rank has the protocol and
-the stand-in's side; `{"count": true}` asks how many it forked): a rank of `python -m rltrain.worker`
-or a separate rollout process, with the stand-in's argv, environment, cwd, sys.path and descriptors,
-in a session of its own; SIGKILLed, with its process group, when its stand-in goes away or this
-server dies. A process that builds a vLLM engine is forked by a child of this server that has
-imported vLLM too (`vllm_server`). docs/testing.md, "Warm ranks" and the vLLM server after it."""
+It forks a process for each stand-in that connects (tests/stand_in.py has the protocol and the
+stand-in's side; `{"count": true}` asks how many it forked): a rank of `python -m rltrain.worker`,
+a separate rollout process or a launcher-started `python -m rltrain`, running the stand-in's command
+with its environment, cwd, sys.path and descriptors, in a session of its own; SIGKILLed, with its
+process group, when its stand-in goes away or this server dies. A process that builds a vLLM engine
+is forked by a child of this server that has imported vLLM too (`vllm_server`). docs/testing.md,
+"Warm ranks" and the vLLM server after it."""
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import importlib
 import json
@@ -23,7 +23,8 @@ import sys
 import warnings
 from pathlib import Path
 
-PR_SET_PDEATHSIG = 1
+from stand_in import die_with
+
 # What a rank's environment may hold that the server's does not, besides helpers.WARM_ENV_PREFIXES
 # (read only by rltrain, by libraries not preloaded, or on use): what the elastic agent sets for
 # each rank (torch reads none of them on import). Any other difference starts the rank cold.
@@ -50,12 +51,6 @@ VLLM_WRITTEN: list[dict[str, str]] = []  # what importing vLLM wrote into the en
 VLLM_SERVER: list[socket.socket] = []  # the rank server's end of its hand-off socket, once started
 
 
-def die_with(parent_pid: int) -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
 class StandIn:
     """One connection: the request being read, then the rank it started."""
 
@@ -78,9 +73,10 @@ def read_request(client: StandIn) -> dict | None:
 
 
 def become_rank(request: dict, fds: list[int], listener: socket.socket, conns: list[socket.socket]) -> None:
-    """In the forked child: turn into the process the stand-in stands for (a rank, a separate
-    rollout process) and exit as `python -m ...` would: `entry(*args)`'s result is the status."""
-    from helpers import run_as_interpreter
+    """In the forked child: turn into the process the stand-in stands for and exit as `python *argv`
+    would. Where the command names the process it dies with (`parent_named_in`), that is now this
+    process's parent, the server."""
+    from helpers import main_of, run_as_interpreter
 
     listener.close()
     for c in conns:
@@ -96,17 +92,15 @@ def become_rank(request: dict, fds: list[int], listener: socket.socket, conns: l
         os.close(fd)
     sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - the interpreter's own streams
     sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
+    argv, env = list(request["argv"]), dict(request["env"])
+    if request.get("parent_named_in"):
+        where, key = request["parent_named_in"]
+        (argv if where == "argv" else env)[key] = str(request["server"])
     os.environ.clear()
-    os.environ.update(request["env"])
+    os.environ.update(env)
     os.chdir(request["cwd"])
     sys.path[:] = request["sys_path"]
-    sys.argv = list(request["argv"])
-    module, function = request["entry"].split(":")
-
-    def main() -> None:
-        sys.exit(getattr(importlib.import_module(module), function)(*request["args"]))
-
-    run_as_interpreter(main)
+    run_as_interpreter(main_of(argv))
 
 
 def send(conn: socket.socket, message: dict) -> None:
@@ -214,24 +208,18 @@ def close(client: StandIn, selector, clients: dict[int, StandIn]) -> None:
     client.fds = []
 
 
-def run_python(*argv: str) -> None:
-    """A warm run's entry (tests/cli.py VllmServerChild): `python *argv` in this forked process."""
-    from helpers import main_of
-
-    main_of(list(argv))()
-
-
 def builds_vllm_engine(request: dict) -> bool:
     """Whether the process builds a vLLM engine in-process: a separate rollout process, or a rank
     of an RL run whose rollout is vLLM in the trainer's process (its run's config.yaml says)."""
-    if request["entry"] == "rltrain.rollout.separate_child:run":
+    module, args = request["argv"][1], request["argv"][2:]
+    if module == "rltrain.rollout.separate_child":
         return True
-    if request["entry"] != "rltrain.worker:train_rank":
+    if module != "rltrain.worker":
         return False
     import yaml
 
     try:
-        cfg = yaml.safe_load((Path(request["cwd"]) / request["args"][0] / "config.yaml").read_text())
+        cfg = yaml.safe_load((Path(request["cwd"]) / args[0] / "config.yaml").read_text())
         rollout, algo = cfg["rollout"], cfg["algo"]["name"]
     except (OSError, KeyError, TypeError, yaml.YAMLError):
         return False

@@ -1,4 +1,4 @@
-"""Processes: local ranks on torch's elastic agent (`local`), a rank server that forks warm ranks
-(`forked_rank`), torchrun ranks agreeing on one run directory (`shared_run_dir`), and Hydra sweeps
-(`sweep`). Ranks start by command line, never by import, so this package sits low. docs/launching.md.
+"""Processes: local ranks on torch's elastic agent (`local`), torchrun ranks agreeing on one run
+directory (`shared_run_dir`), and Hydra sweeps (`sweep`). Ranks start by command line, never by
+import, so this package sits low. docs/launching.md.
 """

@@ -5,8 +5,7 @@ Started by `rltrain.rollout.separate.SeparateVLLMEngine` as
 file descriptor. It answers one request at a time, in order, each reply tagged with the request's
 id; any exception becomes an error reply (the engine stays up, the parent decides). It exits when
 asked to, or as soon as the parent's end of the control socket closes (the parent died), so a
-crashed trainer never leaves an engine behind. Torch and vLLM are imported in `run`, not above: in
-the test suite this process may be a light stand-in for one forked warm (rltrain.launch.forked_rank).
+crashed trainer never leaves an engine behind.
 """
 
 from __future__ import annotations
@@ -18,8 +17,6 @@ import socket
 import sys
 import traceback
 from typing import TYPE_CHECKING, Any
-
-from rltrain.launch.forked_rank import RANK_SERVER_ENV, run_in_server
 
 if TYPE_CHECKING:
     from rltrain.rollout.separate import ControlChannel
@@ -68,9 +65,6 @@ def _serve(channel: ControlChannel, engine: Any, receiver: Any) -> None:
 
 
 def main(argv: list[str]) -> int:
-    server = os.environ.get(RANK_SERVER_ENV)
-    if server:  # the test suite's pre-imported processes (rltrain.launch.forked_rank)
-        run_in_server(server, "rltrain.rollout.separate_child:run", argv, (0, 1, 2, json.loads(argv[0])["control_fd"]))
     return run(argv[0])
 
 

@@ -69,7 +69,6 @@ class PhaseClock:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.metrics: dict[str, float] = {}
-        self.order: list[str] = []  # names in the order they ran since the last pop (for tests)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -84,11 +83,10 @@ class PhaseClock:
         self.metrics[key] = self.metrics.get(key, 0.0) + seconds
         for suffix, mib in memory_sample(self.device).items():
             self.metrics[f"mem/{name}{suffix}"] = mib
-        self.order.append(name)
         log.debug("phase %s: %.3fs", name, seconds)
 
     def pop(self) -> dict[str, float]:
-        out, self.metrics, self.order = self.metrics, {}, []
+        out, self.metrics = self.metrics, {}
         return out
 
 

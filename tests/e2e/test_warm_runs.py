@@ -5,10 +5,12 @@ the same output and exit status, and a cold run wherever the environment would m
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
 import pytest
+import stand_in
 from cli import (
     QUICK,
     SMALL_MODEL,
@@ -22,7 +24,7 @@ from cli import (
     train_rows,
 )
 
-from rltrain.launch.forked_rank import RANK_SERVER_ENV
+from rltrain.runtime.parent_death import DIE_WITH_PARENT_ENV
 
 pytestmark = pytest.mark.e2e
 
@@ -76,7 +78,7 @@ def test_warm_ranks_are_forked_from_the_rank_server_and_train_as_cold_ones(tmp_p
     """The ranks of a warm 2-rank run come from the rank server (tests/rank_server.py) and log the
     numbers of a cold run of the same command (no rank server: its ranks fresh interpreters). The
     shared runs' ranks are forked, so this reference is a run of its own."""
-    assert RANK_SERVER_ENV not in os.environ
+    assert stand_in.RANK_SERVER_ENV not in os.environ
     rltrain(*SMALL_SFT_RUN_2_RANKS, run_dir=tmp_path / "cold", warm=False)
     cold = train_rows(tmp_path / "cold")
     before = ranks_forked()
@@ -104,30 +106,28 @@ def test_a_run_that_builds_its_vllm_engine_is_forked_from_the_vllm_server_and_tr
     keys = ("step", "loss", "grad_norm", "reward/mean", "rollout/logprob_diff_max", "rollout/response_length_mean")
     itself, forked = train_rows(tmp_path / "itself"), train_rows(tmp_path / "forked")
     assert [[r[k] for k in keys] for r in forked] == [[r[k] for k in keys] for r in itself] and len(itself) == 2
-    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", **{RANK_SERVER_ENV: rank_server()})
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
+    env.update(stand_in.environment(rank_server(), env))
     argv = ["-m", "rltrain", *args, f"hydra.run.dir={tmp_path / 'declined'}"]
     assert VllmServerChild.start(argv, env, sys.path, tmp_path / "out", tmp_path / "err", rank_server()) is None
 
 
 def test_a_rank_whose_environment_a_preloaded_library_reads_starts_cold(tmp_path):
     """The rank server forks nothing for an environment its libraries were not imported with: it
-    answers `cold` and the stand-in trains itself (rltrain/launch/forked_rank.py); with no server
-    at all the stand-in goes on at once."""
+    answers `cold` and the stand-in trains itself (tests/stand_in.py); with no server at all the
+    stand-in goes on at once."""
     import socket
-
-    from rltrain.launch.forked_rank import LineReader, run_in_server, send_message
 
     before = ranks_forked()
     env = dict(os.environ, HF_HUB_OFFLINE="0" if os.environ.get("HF_HUB_OFFLINE") == "1" else "1")
-    request = {"argv": ["worker.py", str(tmp_path), str(os.getpid())], "entry": "rltrain.worker:train_rank",
-               "args": [str(tmp_path)], "fds": [0, 1, 2], "env": env, "cwd": os.getcwd(), "sys_path": sys.path,
-               "parent": os.getpid()}
+    request = {"argv": ["-m", "rltrain.worker", str(tmp_path), str(os.getpid())], "fds": [0, 1, 2], "env": env,
+               "cwd": os.getcwd(), "sys_path": sys.path, "parent_named_in": ["argv", 3]}
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect(rank_server())
-        send_message(sock, request, [0, 1, 2])
-        assert LineReader(sock).next() == {"cold": ["HF_HUB_OFFLINE"]}
+        stand_in.send_message(sock, request, [0, 1, 2])
+        assert stand_in.LineReader(sock).next() == {"cold": ["HF_HUB_OFFLINE"]}
     assert ranks_forked() == before
-    assert run_in_server(str(tmp_path / "no-server"), request["entry"], request["args"]) is None
+    assert stand_in.run_in_server(str(tmp_path / "no-server"), request["argv"], sys.path) is None
 
 
 def test_the_servers_start_with_the_environment_the_session_began_with(monkeypatch):
@@ -160,3 +160,73 @@ def test_the_fork_server_imports_every_preload_and_freezes_its_heap():
 
     [(missing, frozen)] = run_ranks(_preloads_missing_and_heap_frozen, nproc=1)
     assert missing == [] and frozen
+
+
+def _served_once(path, answers: list[dict]) -> tuple[list[dict], list[int]]:
+    """A one-connection stand-in server at `path`: the requests read and the descriptors received,
+    after sending `answers` in turn (run in a thread)."""
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(path))
+        listener.listen(1)
+        listener.settimeout(60)
+        conn, _ = listener.accept()
+        with conn:
+            data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 20, 8)
+            while not data.endswith(b"\n"):
+                data += conn.recv(1 << 20)
+            for answer in answers:
+                stand_in.send_message(conn, answer)
+    for fd in fds:
+        os.close(fd)
+    return [json.loads(data)], fds
+
+
+def test_a_launched_rank_hands_its_command_to_the_rank_server_at_start_up(tmp_path):
+    """At interpreter start-up (tests/stand_in_site/sitecustomize.py), a `python -m rltrain.worker`
+    under a warm run hands the server its command as a fresh interpreter would run it (the working
+    directory first on sys.path), says where the command names its launcher, and exits with the
+    forked process's status."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cli import ROOT
+
+    server = tmp_path / "socket"
+    env = dict(os.environ, **stand_in.environment(str(server), dict(os.environ)))
+    with ThreadPoolExecutor(1) as pool:
+        served = pool.submit(_served_once, server, [{"pid": os.getpid()}, {"exit": 3}])
+        while not server.exists():
+            assert not served.done(), served.result()
+        worker = subprocess.run([sys.executable, "-m", "rltrain.worker", str(tmp_path), str(os.getpid())], cwd=ROOT,
+                                env=env, capture_output=True, text=True, timeout=60)
+        [request], fds = served.result()
+    assert (worker.returncode, worker.stderr) == (3, "")
+    fresh = subprocess.run([sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"], cwd=ROOT,
+                           env=env, capture_output=True, text=True, check=True)
+    assert request["argv"] == ["-m", "rltrain.worker", str(tmp_path), str(os.getpid())]
+    assert request["sys_path"] == [str(ROOT), *json.loads(fresh.stdout)]
+    assert (request["cwd"], request["fds"], len(fds), request["parent_named_in"]) == (str(ROOT), [0, 1, 2], 3, ["argv", 3])
+    assert request["env"][stand_in.RANK_SERVER_ENV] == str(server)
+
+
+def test_only_a_process_an_rltrain_launcher_starts_is_a_stand_in():
+    """The local launcher's ranks, torchrun's ranks, the SFT start's run and a separate rollout
+    process; never a user's `python -m rltrain` (a cold launcher stays cold) or another program."""
+    python = "/usr/bin/python3"
+    spec = json.dumps({"control_fd": 7})
+    launched = {
+        (python, "-u", "-m", "rltrain.worker", "RUN", "12"): ({}, 12, (0, 1, 2), ["argv", 3]),
+        (python, "-u", "-m", "rltrain", "a=1"): ({"TORCHELASTIC_RUN_ID": "x"}, os.getppid(), (0, 1, 2), None),
+        (python, "-m", "rltrain", "a=1"): ({DIE_WITH_PARENT_ENV: "34"}, 34, (0, 1, 2), ["env", DIE_WITH_PARENT_ENV]),
+        (python, "-m", "rltrain.rollout.separate_child", spec): ({}, None, (0, 1, 2, 7), None),
+    }
+    assert stand_in.DIE_WITH_PARENT_ENV == DIE_WITH_PARENT_ENV
+    for orig_argv, (environ, dies_with, fds, named_in) in launched.items():
+        argv = ["-m", *orig_argv[orig_argv.index("-m") + 2:]]
+        assert stand_in.launched_by_rltrain(argv, list(orig_argv), environ) == stand_in.Launched(
+            ["-m", orig_argv[orig_argv.index("-m") + 1], *argv[1:]], dies_with, fds, named_in)
+    for orig_argv, argv in [((python, "-m", "rltrain", "a=1"), ["-m", "a=1"]), ((python, "-m", "rltrain.plot"), ["-m"]),
+                            ((python, "-c", "pass"), ["-c"]), ((python, "x.py"), ["x.py"])]:
+        assert stand_in.launched_by_rltrain(argv, list(orig_argv), {}) is None
