@@ -501,7 +501,7 @@ def test_the_groups_check_reports_a_missing_option_and_section(tmp_path, monkeyp
     monkeypatch.setitem(globals(), "DOCS_DIR", tmp_path / "no_docs")
     with pytest.raises(AssertionError) as failure:
         test_the_groups_listed_are_the_conf_folders_with_their_options()
-    assert "`algo` lists ['dpo', 'grpo', 'sft'], conf/algo/ has ['dpo', 'grpo', 'ppo', 'sft']" in str(
+    assert "`algo` lists ['dpo', 'grpo', 'sft'], conf/algo/ has ['dpo', 'grpo', 'orpo', 'ppo', 'sft', 'simpo']" in str(
         failure.value
     )
     assert "plain sections named ['optim', 'trainer']" in str(failure.value)

@@ -24,7 +24,7 @@ def _error_of(*overrides: str) -> BaseException:
         (["trainr.max_steps=5"], "there is no 'trainr' at the top level. Did you mean trainer?"),
         (["algo=sft", "algo.beta=0.1"], "there is no 'beta' in 'algo'. Its keys: name."),
         (["trainer.max_steps=abc"], "bad value for 'trainer.max_steps': Value 'abc' of type 'str' could not be converted to Integer."),
-        (["algo=gpro"], "algo=gpro: there is no such option in the 'algo' group. Did you mean grpo? Choose from: dpo, grpo, ppo, sft."),
+        (["algo=gpro"], "algo=gpro: there is no such option in the 'algo' group. Did you mean grpo? Choose from: dpo, grpo, orpo, ppo, sft, simpo."),
         (["model=huge"], "Choose from: tiny, tiny_sft."),
         (["trainer.max_steps=[1"], "cannot parse the override 'trainer.max_steps=[1'"),
     ],
