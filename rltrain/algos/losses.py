@@ -1,4 +1,4 @@
-"""Every loss of rltrain, as pure torch functions: SFT, DPO, the policy loss of GRPO and PPO (PPO's
+"""Every loss of rltrain, as pure torch functions: SFT, the preference family (DPO, SimPO, ORPO), the policy loss of GRPO and PPO (PPO's
 clip, GSPO's sequence ratio, CISPO's clipped weight) and PPO's clipped value loss. Each returns a loss already divided by a *global* count (tokens or
 sequences over every micro-batch and rank), so micro-batch size, accumulation and the rank count do
 not change it. docs/internals/algos.md says what each one computes, with its sources, and what is
@@ -7,6 +7,7 @@ left out.
 
 from __future__ import annotations
 
+import math
 from typing import get_args
 
 import torch
@@ -27,9 +28,10 @@ def sft_loss(output: PolicyOutput, batch: SequenceBatch) -> tuple[torch.Tensor, 
     return loss, {}
 
 
-# --- DPO: on per-sequence log-probability sums of chosen and rejected completions ----------------
+# --- the preference family: on per-sequence log-probability sums of chosen and rejected ------
+# completions (`_P`: one value per pair). docs/internals/algos.md, "Preference losses".
 
-LOSS_TYPES: tuple[str, ...] = get_args(DPOLossType)
+DPO_LOSSES: tuple[str, ...] = get_args(DPOLossType)
 
 
 def dpo_pair_losses(
@@ -38,27 +40,63 @@ def dpo_pair_losses(
     ref_chosen_P: torch.Tensor,
     ref_rejected_P: torch.Tensor,
     beta: float,
-    loss_type: str = "sigmoid",
+    loss: str = "sigmoid",
     label_smoothing: float = 0.0,
+    chosen_lens_P: torch.Tensor | None = None,
+    rejected_lens_P: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[P] loss of each pair."""
+    """[P] loss of each pair. `ipo` compares per-token log-ratios (each sum over its completion's
+    length, `chosen_lens_P` / `rejected_lens_P`): without it the squared target would grow with the
+    completions' length (TRL's form, which the IPO authors confirmed)."""
     h_P = (policy_chosen_P - ref_chosen_P) - (policy_rejected_P - ref_rejected_P)
     eps = label_smoothing
-    if loss_type == "sigmoid":
+    if loss == "sigmoid":
         return -(1 - eps) * F.logsigmoid(beta * h_P) - eps * F.logsigmoid(-beta * h_P)
-    if loss_type == "robust":
+    if loss == "robust":
         if not 0 <= eps < 0.5:
             raise ValueError(f"algo.label_smoothing={eps} must be in [0, 0.5) for the robust loss")
         return (-(1 - eps) * F.logsigmoid(beta * h_P) + eps * F.logsigmoid(-beta * h_P)) / (1 - 2 * eps)
-    if loss_type == "hinge":
+    if loss == "hinge":
         return torch.relu(1 - beta * h_P)
-    if loss_type == "ipo":
-        return (h_P - 1 / (2 * beta)) ** 2
-    raise ValueError(f"algo.loss_type={loss_type!r}: choose one of {', '.join(LOSS_TYPES)}")
+    if loss == "ipo":
+        if chosen_lens_P is None or rejected_lens_P is None:
+            raise ValueError("the ipo loss needs the completion lengths (chosen_lens_P, rejected_lens_P)")
+        per_token_h_P = (policy_chosen_P - ref_chosen_P) / chosen_lens_P.clamp(min=1) - (
+            policy_rejected_P - ref_rejected_P
+        ) / rejected_lens_P.clamp(min=1)
+        return (per_token_h_P - 1 / (2 * beta)) ** 2
+    raise ValueError(f"algo.loss={loss!r}: choose one of {', '.join(DPO_LOSSES)}")
 
 
 def implicit_rewards(policy_P: torch.Tensor, ref_P: torch.Tensor, beta: float) -> torch.Tensor:
     return beta * (policy_P - ref_P)
+
+
+def simpo_pair_losses(
+    policy_chosen_mean_P: torch.Tensor, policy_rejected_mean_P: torch.Tensor, beta: float, gamma: float
+) -> torch.Tensor:
+    """[P] SimPO's loss (Meng et al. 2024, eq. 6): `-log s(beta (mean_c - mean_r) - gamma)` on the
+    *per-token mean* log-probabilities, so no reference is needed and length is not rewarded;
+    `gamma` is the target reward margin."""
+    return -F.logsigmoid(beta * (policy_chosen_mean_P - policy_rejected_mean_P) - gamma)
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, accurate at both ends (Maechler 2012: expm1 near 0, log1p far)."""
+    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def orpo_log_odds_ratio(policy_chosen_mean_P: torch.Tensor, policy_rejected_mean_P: torch.Tensor) -> torch.Tensor:
+    """[P] ORPO's log odds ratio (Hong et al. 2024, eq. 4-6) of the per-token mean log-probabilities
+    `m`: `log(odds_c / odds_r)` with `odds = p / (1 - p)`, `p = exp(m)`, in log space."""
+    c_P, r_P = policy_chosen_mean_P.float(), policy_rejected_mean_P.float()
+    return (c_P - r_P) - (log1mexp(c_P) - log1mexp(r_P))
+
+
+def orpo_pair_losses(policy_chosen_mean_P: torch.Tensor, policy_rejected_mean_P: torch.Tensor) -> torch.Tensor:
+    """[P] ORPO's odds-ratio term `-log s(log odds ratio)` (eq. 7), weighted by `algo.lambda_` and
+    added to the chosen completions' NLL by the caller."""
+    return -F.logsigmoid(orpo_log_odds_ratio(policy_chosen_mean_P, policy_rejected_mean_P))
 
 
 # --- the policy loss (GRPO, PPO) --------------------------------------------------------------

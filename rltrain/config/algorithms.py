@@ -43,10 +43,23 @@ class SFTConfig(AlgoConfig):
 class DPOConfig(AlgoConfig):
     name: str = "dpo"
     beta: float = 0.1
-    loss_type: str = choice("sigmoid", DPOLossType)
+    loss: str = choice("sigmoid", DPOLossType)
     label_smoothing: float = 0.0
     sft_weight: float = 0.0
     precompute_ref_logps: bool = False
+
+
+@dataclass
+class SimPOConfig(AlgoConfig):
+    name: str = "simpo"
+    beta: float = 2.0  # temperature on the per-token mean log-probabilities
+    gamma: float = 1.0  # target reward margin between chosen and rejected
+
+
+@dataclass
+class ORPOConfig(AlgoConfig):
+    name: str = "orpo"
+    lambda_: float = 0.1  # weight of the odds-ratio term next to the chosen completions' NLL
 
 
 @dataclass
@@ -119,6 +132,19 @@ def check_dpo(algo: DPOConfig) -> None:
         raise UserError(f"algo.beta={algo.beta} must be positive (the DPO temperature).")
     if not 0 <= algo.label_smoothing < 0.5:
         raise UserError(f"algo.label_smoothing={algo.label_smoothing} must be in [0, 0.5).")
+
+
+def check_simpo(algo: SimPOConfig) -> None:
+    if algo.beta <= 0 or algo.gamma < 0:
+        raise UserError(
+            f"algo.beta={algo.beta} must be positive and algo.gamma={algo.gamma} at least 0 (SimPO's temperature "
+            "and target margin)."
+        )
+
+
+def check_orpo(algo: ORPOConfig) -> None:
+    if algo.lambda_ < 0:
+        raise UserError(f"algo.lambda_={algo.lambda_} must be at least 0 (the odds-ratio term's weight; 0 is plain SFT).")
 
 
 def check_rl(algo: RLConfig) -> None:
@@ -212,6 +238,14 @@ SPECS: tuple[AlgorithmSpec, ...] = (
     AlgorithmSpec(
         "dpo", DPOConfig, "rltrain.algos.dpo:DPO", "direct preference optimisation against a frozen reference",
         data="preferences", reference="always", check=check_dpo,
+    ),
+    AlgorithmSpec(
+        "simpo", SimPOConfig, "rltrain.algos.simpo:SimPO", "SimPO: length-normalised preference margin, no reference",
+        data="preferences", reference="never", check=check_simpo,
+    ),
+    AlgorithmSpec(
+        "orpo", ORPOConfig, "rltrain.algos.orpo:ORPO", "ORPO: SFT plus an odds-ratio preference term, no reference",
+        data="preferences", reference="never", check=check_orpo,
     ),
     AlgorithmSpec(
         "grpo", GRPOConfig, "rltrain.algos.grpo:GRPO", "group-relative policy optimisation (also GSPO, CISPO, Dr. GRPO, DAPO)",

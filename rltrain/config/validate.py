@@ -31,7 +31,7 @@ from rltrain.runtime.errors import UserError
 # Every enum-like key of every group and the values it accepts (the schema's `Literal`s), checked
 # before anything is built so a typo (`algo.loss_agg=tokenmean`) is one message naming the allowed
 # values, not a failure mid-run. A key that exists for some options of its group only
-# (`algo.loss_type` for algo=dpo, `rollout.process` for rollout=vllm) is checked where it exists.
+# (`algo.loss` for algo=dpo, `rollout.process` for rollout=vllm) is checked where it exists.
 SECTIONS: tuple[tuple[str, type], ...] = (
     ("trainer", schema.TrainerConfig), ("optim", schema.OptimConfig), ("model", schema.ModelConfig),
     ("data", schema.DataConfig), ("logger.wandb", schema.WandbConfig), ("sweep", schema.SweepConfig),

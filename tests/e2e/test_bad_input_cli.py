@@ -57,7 +57,9 @@ CASES = [
     ("loss_agg", None, ["algo=grpo", "algo.loss_agg=tokenmean"],
      ["algo.loss_agg='tokenmean'", "token_mean, seq_mean_token_mean, seq_mean_token_sum_norm"]),
     ("scale_rewards", None, ["algo=grpo", "algo.scale_rewards=std"], ["algo.scale_rewards='std'", "group, batch, none"]),
-    ("loss_type", None, ["algo=dpo", "algo.loss_type=sigmod"], ["algo.loss_type='sigmod'", "sigmoid, ipo, hinge, robust"]),
+    ("dpo_loss", None, ["algo=dpo", "algo.loss=sigmod"], ["algo.loss='sigmod'", "sigmoid, ipo, hinge, robust"]),
+    # the key's name before `algo.loss`: Hydra's refusal names the new one
+    ("renamed_dpo_loss", None, ["algo=dpo", "algo.loss_type=ipo"], ["unknown config key 'algo.loss_type'", "Did you mean algo.loss?"]),
     ("overlong", None, ["data.overlong=cut"], ["data.overlong='cut'", "drop, truncate, error"]),
     ("precision", None, ["trainer.precision=fp16"], ["trainer.precision='fp16'", "auto, fp32, bf16-mixed, bf16"]),
     ("rollout_process", None, ["algo=grpo", "rollout.process=forked"], ["rollout.process='forked'", "colocated, separate"]),

@@ -39,11 +39,17 @@ def test_hinge_matches_hand_value():
 
 
 def test_ipo_matches_hand_value():
-    beta = 0.5  # (1.5 - 1/(2*0.5))^2 = 0.25
-    assert dpo_pair_losses(*_h(), beta, "ipo").item() == pytest.approx(0.25)
+    one = torch.tensor([1.0])
+    beta = 0.5  # one-token completions: (1.5 - 1/(2*0.5))^2 = 0.25
+    assert dpo_pair_losses(*_h(), beta, "ipo", 0.0, one, one).item() == pytest.approx(0.25)
+    # per-token log-ratios: chosen (-1 - -2) / 2 = 0.5, rejected (-3 - -2.5) / 4 = -0.125 -> (0.625 - 1)^2
+    got = dpo_pair_losses(*_h(), beta, "ipo", 0.0, torch.tensor([2.0]), torch.tensor([4.0])).item()
+    assert got == pytest.approx(0.140625)
+    with pytest.raises(ValueError, match="lengths"):
+        dpo_pair_losses(*_h(), beta, "ipo")
 
 
 def test_implicit_rewards_and_unknown_type():
     assert implicit_rewards(torch.tensor([-1.0]), torch.tensor([-2.0]), 0.1).item() == pytest.approx(0.1)
-    with pytest.raises(ValueError, match="loss_type"):
+    with pytest.raises(ValueError, match=r"algo\.loss='nope'"):
         dpo_pair_losses(*_h(), 0.1, "nope")

@@ -38,7 +38,7 @@ SCHEMA_PREFIX = {
     **{spec.config.__name__: "algo" for spec in ALGORITHMS.values()},
 }
 # The group option a key exists under; others use the default composition (algo=grpo, rollout=vllm).
-OPTION_OF = {"algo.loss_type": "algo=dpo"}
+OPTION_OF = {"algo.loss": "algo=dpo"}
 
 
 @pytest.fixture(autouse=True)
@@ -60,14 +60,14 @@ def _cfg(*overrides: str):
 
 def test_choices_mirror_the_code_that_reads_them():
     from rltrain.algos.advantages import SCALES
-    from rltrain.algos.losses import LOSS_AGGS, LOSS_TYPES
+    from rltrain.algos.losses import DPO_LOSSES, LOSS_AGGS
     from rltrain.data.tasks import TASKS
     from rltrain.launch.sweep import DIRECTIONS
     from rltrain.rollout import PROCESSES
     from rltrain.runtime.precision import PRECISIONS
 
     assert CHOICES["trainer.precision"] == PRECISIONS
-    assert CHOICES["algo.loss_type"] == LOSS_TYPES
+    assert CHOICES["algo.loss"] == DPO_LOSSES
     assert CHOICES["algo.loss_agg"] == LOSS_AGGS
     assert CHOICES["algo.scale_rewards"] == SCALES
     assert CHOICES["rollout.process"] == PROCESSES
@@ -119,7 +119,7 @@ def test_a_bad_value_names_the_key_and_every_allowed_value(key):
 
 def test_a_key_of_another_algorithm_is_not_checked_where_it_does_not_exist():
     cfg = _cfg("algo=sft")
-    assert "loss_agg" not in cfg.algo and "loss_type" not in cfg.algo
+    assert "loss_agg" not in cfg.algo and "loss" not in cfg.algo
     validate(cfg)
 
 

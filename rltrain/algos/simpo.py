@@ -1,0 +1,47 @@
+"""SimPO: preference optimisation with no reference model.
+
+Each completion is scored by its per-token mean log-probability under the policy (the sum over its
+own length, from the ragged pipeline), and the pair loss asks the chosen one to beat the rejected
+one by a margin `algo.gamma` at temperature `algo.beta` (`simpo_pair_losses`). With no reference,
+one model is held in memory instead of DPO's two. Pairs, micro-batches and held-out accuracy are
+rltrain/algos/preference.py's; docs/algorithms.md compares the family.
+
+    python -m rltrain algo=simpo algo.beta=2.0 algo.gamma=1.0
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rltrain.algos.losses import simpo_pair_losses
+from rltrain.algos.preference import (
+    PairwisePreference,
+    chosen_rejected_means,
+    chosen_rejected_sums,
+    completion_lengths,
+    pair_metrics,
+)
+from rltrain.backends.base import PolicyOutput
+from rltrain.data.batch import SequenceBatch
+
+
+def make_simpo_loss(beta: float, gamma: float):
+    def simpo_loss(output: PolicyOutput, batch: SequenceBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        n_pairs = batch.extras["global_pairs"]
+        mean_c, mean_r = chosen_rejected_means(output.logps)
+        loss = simpo_pair_losses(mean_c, mean_r, beta, gamma).sum() / n_pairs
+        sum_c, sum_r = chosen_rejected_sums(output.logps)  # `dpo/logps_*` are sums for every objective
+        return loss, pair_metrics(beta * mean_c, beta * mean_r, sum_c, sum_r, n_pairs)
+
+    return simpo_loss
+
+
+class SimPO(PairwisePreference):
+    def __init__(self, ctx) -> None:
+        self.loss_fn = make_simpo_loss(ctx.cfg.algo.beta, ctx.cfg.algo.gamma)
+        super().__init__(ctx)
+        self.eval_lengths = completion_lengths(self.data.eval)
+
+    def eval_wins(self, policy_chosen_P: torch.Tensor, policy_rejected_P: torch.Tensor) -> torch.Tensor:
+        len_c, len_r = self.eval_lengths
+        return policy_chosen_P / len_c > policy_rejected_P / len_r
