@@ -256,7 +256,7 @@ def validate_roles(cfg: Config) -> None:
             f"critic.path={cfg.critic.path!r} is set but algo={algo.name} has no critic (only {with_critic} trains one). "
             "Remove critic.path, or choose an algorithm with a critic."
         )
-    validate_model_source("teacher", cfg.teacher, "algo=distill needs a teacher model")
+    validate_model_source("teacher", cfg.teacher, "leave it null unless algo=distill")
     if cfg.teacher.path is not None and not spec.teacher:
         with_teacher = " or ".join(f"algo={n}" for n in names_where(lambda s: s.teacher))
         raise UserError(

@@ -101,3 +101,30 @@ def test_overlong_penalty_by_hand():
     assert overlong_penalties([5, 6, 7, 9, 10, 12], 10, 4, 1.0) == pytest.approx([0, 0, -0.25, -0.75, -1.0, -1.0])
     assert overlong_penalties([10], 10, 4, 0.5) == [-0.5]
     assert overlong_penalties([10, 3], 10, 0, 1.0) == [0.0, 0.0]  # buffer 0: off
+
+
+def test_distillation_advantage_is_the_teachers_log_probability_less_the_students():
+    """Per token: log p_teacher - log p_student; its negated mean is the reverse KL estimate."""
+    from rltrain.algos.advantages import reverse_kl_advantages
+
+    student, teacher = _ragged([[-1.0, -2.0], [-0.5]]), _ragged([[-1.5, -1.0], [-0.5]])
+    adv = reverse_kl_advantages(student, teacher)
+    assert adv.values.tolist() == pytest.approx([-0.5, 1.0, 0.0])
+    assert adv.lengths().tolist() == [2, 1]
+    with pytest.raises(ValueError, match="teacher log-probabilities for 1 sequences"):
+        reverse_kl_advantages(student, _ragged([[-1.0]]))
+
+
+def test_distillations_gradient_is_the_reverse_kls_on_policy():
+    """On-policy (ratio 1) with token_mean, the policy loss on these advantages is the score-function
+    estimate of the reverse KL's gradient: d/d logp_t = -A_t / N = (log p_student_t - log p_teacher_t) / N."""
+    from rltrain.algos.advantages import reverse_kl_advantages
+
+    student_rows, teacher_rows = [[-1.0, -2.0], [-0.5]], [[-1.5, -1.0], [-0.3]]
+    logps = _ragged(student_rows, requires_grad=True)
+    adv = reverse_kl_advantages(logps.with_values(logps.values.detach()), _ragged(teacher_rows))
+    loss, _ = policy_loss(logps, adv, global_tokens=3.0, global_seqs=2.0)
+    loss.backward()
+    flat_s = [v for r in student_rows for v in r]
+    flat_t = [v for r in teacher_rows for v in r]
+    assert logps.values.grad.tolist() == pytest.approx([(s - t) / 3 for s, t in zip(flat_s, flat_t, strict=True)])

@@ -228,3 +228,22 @@ def test_generating_ahead_runs_with_grpo_and_ppo_on_both_backends():
     for algo in ("grpo", "ppo"):
         for backend in ("fsdp", "megatron"):
             validate(_cfg(f"algo={algo}", f"backend={backend}", *ASYNC))
+
+
+@pytest.mark.parametrize(
+    "overrides, names",
+    [
+        (("algo=distill",), "algo=distill needs teacher.path"),
+        (("algo=grpo", "teacher.path=TINY"), "is set but algo=grpo has no teacher (algo=distill distils from one)"),
+        (("algo=distill", "algo.beta=0.1", "teacher.path=TINY"), "algo.beta=0.1: algo=distill builds no reference"),
+        (("algo.dynamic_sampling=true", "algo.group_size=1"), "a group of one completion never has rewards that differ"),
+        (("algo.dynamic_sampling=true", "env=python", "env.cls=m:C"), "algo.dynamic_sampling=true with env=python"),
+        (("algo.overlong_buffer=4", "env=python", "env.cls=m:C"), "algo.overlong_buffer=4 with env=python"),
+        (("algo.overlong_buffer=6",), "algo.overlong_buffer=6 must be in [0, algo.max_new_tokens=6)"),
+        (("algo=ppo", "algo.max_sampling_rounds=0"), "algo.max_sampling_rounds=0 must be at least 1"),
+    ],
+)
+def test_the_named_objectives_refuse_what_they_cannot_run(overrides, names):
+    overrides = tuple(o.replace("TINY", str(tiny_model_dir())) for o in overrides)
+    with pytest.raises(UserError, match=re.escape(names)):
+        validate(_cfg(*overrides))
