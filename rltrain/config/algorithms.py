@@ -192,10 +192,11 @@ def check_distill(algo: DistillConfig) -> None:
             f"algo.beta={algo.beta}: algo=distill builds no reference; its objective is already a KL, to the teacher. "
             "Leave algo.beta=0."
         )
-    if algo.dynamic_sampling:
+    if algo.dynamic_sampling or algo.overlong_buffer:
         raise UserError(
-            "algo.dynamic_sampling=true with algo=distill: distillation has no rewards to find groups without signal in. "
-            "Set algo.dynamic_sampling=false."
+            f"algo.dynamic_sampling={algo.dynamic_sampling} / algo.overlong_buffer={algo.overlong_buffer} with algo=distill: "
+            "both act on rewards, and distillation trains on the teacher's log-probabilities alone. Set "
+            "algo.dynamic_sampling=false and algo.overlong_buffer=0."
         )
 
 
