@@ -291,8 +291,8 @@ class FSDPEngine:
         """With LoRA, the adapters merged into the base (docs/lora.md, "Weight sync")."""
         if self.scores == "values":
             raise TypeError(
-                "FSDPEngine.export_weights: a value model's weights are not synced (no rollout engine runs it); "
-                "save_pretrained writes it as a sequence classifier"
+                "FSDPEngine.export_weights: a critic or a reward model is not synced to a rollout engine (none runs "
+                "it); save_pretrained writes a reward model as a sequence classifier"
             )
         yield from export.hf_weights(self.lm, self.adapters, self.tied)
 

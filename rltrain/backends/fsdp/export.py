@@ -78,8 +78,8 @@ def save_sequence_classifier(directory: Path, lm: PreTrainedModel, value_head: t
     place there, so a critic is refused. Collective (every rank gathers); rank 0 writes."""
     if value_head.bias is not None:
         raise TypeError(
-            "save_sequence_classifier: this value head has a bias (a PPO critic's), which a Hugging Face "
-            "sequence classifier's score layer lacks; a critic's weights live in the run's checkpoints"
+            "save_pretrained: a critic is not exported: its value head has a bias, which a Hugging Face sequence "
+            "classifier's score layer lacks; its weights and optimizer live in the run's checkpoints"
         )
     state = {name: full_parameter(tensor).detach() for name, tensor in lm.state_dict().items() if name != "lm_head.weight"}
     state["score.weight"] = full_parameter(value_head.state_dict()["weight"]).detach()
