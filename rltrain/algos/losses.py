@@ -1,4 +1,5 @@
-"""Every loss of rltrain, as pure torch functions: SFT, the preference family (DPO, SimPO, ORPO), the policy loss of GRPO and PPO (PPO's
+"""Every loss of rltrain, as pure torch functions: SFT, the preference family (DPO, SimPO, ORPO, the
+reward model's Bradley-Terry loss), the policy loss of GRPO and PPO (PPO's
 clip, GSPO's sequence ratio, CISPO's clipped weight) and PPO's clipped value loss. Each returns a loss already divided by a *global* count (tokens or
 sequences over every micro-batch and rank), so micro-batch size, accumulation and the rank count do
 not change it. docs/internals/algos.md says what each one computes, with its sources, and what is
@@ -97,6 +98,25 @@ def orpo_pair_losses(policy_chosen_mean_P: torch.Tensor, policy_rejected_mean_P:
     """[P] ORPO's odds-ratio term `-log s(log odds ratio)` (eq. 7), weighted by `algo.lambda_` and
     added to the chosen completions' NLL by the caller."""
     return -F.logsigmoid(orpo_log_odds_ratio(policy_chosen_mean_P, policy_rejected_mean_P))
+
+
+def reward_pair_losses(
+    rewards_chosen_P: torch.Tensor,
+    rewards_rejected_P: torch.Tensor,
+    margins_P: torch.Tensor | None = None,
+    center_coefficient: float = 0.0,
+) -> torch.Tensor:
+    """[P] the Bradley-Terry loss of a reward model's scores, `-log s(r_c - r_r - margin)`, plus
+    `center_coefficient * (r_c + r_r)^2`, which pins the scores' free offset near zero (the pair
+    term sees only differences). The optional per-pair `margins_P` asks for a wider gap where the
+    data says the preference is strong (Llama 2's margin, as TRL's RewardTrainer applies it)."""
+    diff_P = rewards_chosen_P.float() - rewards_rejected_P.float()
+    if margins_P is not None:
+        diff_P = diff_P - margins_P.to(diff_P.device, diff_P.dtype)
+    losses_P = -F.logsigmoid(diff_P)
+    if center_coefficient:
+        losses_P = losses_P + center_coefficient * (rewards_chosen_P.float() + rewards_rejected_P.float()) ** 2
+    return losses_P
 
 
 # --- the policy loss (GRPO, PPO) --------------------------------------------------------------

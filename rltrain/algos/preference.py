@@ -1,4 +1,4 @@
-"""What the pairwise preference objectives share (DPO, SimPO, ORPO): the pairs of
+"""What the pairwise preference objectives share (DPO, SimPO, ORPO, the reward model): the pairs of
 rltrain/data/preference_data.py cut into micro-batches of whole pairs, each pair's chosen and
 rejected completions as separate ragged sequences (never padded to each other, so padding never
 enters a sum), held-out preference accuracy, and the step itself. An objective supplies its loss
@@ -84,17 +84,25 @@ def preference_micro_batches(
     return [pairs_to_batch([pairs[i] for i in idx], **extras) for idx in micro_idx], micro_idx
 
 
-def score_pairs(engine, pairs: list[PreferencePair], chunk: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed completion log-probs of every pair, computed in data-parallel slices and shared by
-    one sum all-reduce (model-parallel ranks of a replica hold identical copies)."""
+def summed_logps(engine, batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """([P], [P]) a `pairs_to_batch` batch's summed completion log-probabilities under `engine`."""
+    (scored,) = engine.forward_logps([batch])
+    if len(batch) == 0:
+        return scored.logps.values[:0], scored.logps.values[:0]
+    return chosen_rejected_sums(scored.logps)
+
+
+def score_pairs(engine, pairs: list[PreferencePair], chunk: int = 128, score=summed_logps) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every pair's chosen and rejected scores (`score(engine, batch)`: summed completion log-probs
+    by default), computed in data-parallel slices and shared by one sum all-reduce (model-parallel
+    ranks of a replica hold identical copies)."""
     index = list(range(len(pairs)))
     mine = rank_slice(index, engine.rank, engine.world_size)
     count = micro_batch_count(len(pairs), engine.world_size, chunk)
     out = torch.zeros(2, len(pairs), dtype=torch.float64, device="cpu")
     for idx in split_micro_batches(mine, count, chunk):
-        (scored,) = engine.forward_logps([pairs_to_batch([pairs[i] for i in idx])])
+        c, r = score(engine, pairs_to_batch([pairs[i] for i in idx]))
         if idx:
-            c, r = chosen_rejected_sums(scored.logps)
             out[0, idx], out[1, idx] = c.double().cpu(), r.double().cpu()
     out = sum_over_replicas(out, engine.world_size)
     return out[0].float(), out[1].float()
@@ -113,6 +121,8 @@ class PairwisePreference(PolicyStreamAlgorithm):
     reference log-probabilities)."""
 
     loss_fn: Any
+    eval_key = "eval/dpo_accuracy"  # held-out preference accuracy, one key for the DPO family
+    samples_greedy = True  # greedy completions at evaluation on data with answers (a policy)
 
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
@@ -126,7 +136,7 @@ class PairwisePreference(PolicyStreamAlgorithm):
         # against (the built-in task does); without answers nothing is generated or recorded.
         self.recorded = []
         self.evaluator = None
-        if self.data.eval_answers:
+        if self.data.eval_answers and self.samples_greedy:
             dtype = resolve_precision(cfg.trainer.precision, ctx.dist.device).compute_dtype
             self.evaluator = GreedyEvaluator(ctx.model_dir, ctx.tokenizer, dtype, 8, device=ctx.dist.device)
 
@@ -137,9 +147,13 @@ class PairwisePreference(PolicyStreamAlgorithm):
         """Per-pair inputs of the loss beyond the policy's log-probabilities (none by default)."""
 
     def eval_wins(self, policy_chosen_P: torch.Tensor, policy_rejected_P: torch.Tensor) -> torch.Tensor:
-        """[P] bool: the objective's implicit reward prefers the chosen completion (summed policy
-        log-probabilities in, of `self.data.eval`)."""
+        """[P] bool: the objective's implicit reward prefers the chosen completion (`eval_scores`
+        of `self.data.eval` in)."""
         raise NotImplementedError
+
+    def eval_scores(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([P], [P]) the held-out pairs' scores: summed policy log-probabilities by default."""
+        return score_pairs(self.policy, self.data.eval)
 
     def train_step(self, step: int) -> dict[str, float]:
         t = self.ctx.cfg.trainer
@@ -160,8 +174,8 @@ class PairwisePreference(PolicyStreamAlgorithm):
     def evaluate(self, step: int) -> dict[str, float]:
         out: dict[str, float] = {}
         if self.data.eval:
-            wins = self.eval_wins(*score_pairs(self.policy, self.data.eval))
-            out["eval/dpo_accuracy"] = float(wins.float().mean())
+            wins = self.eval_wins(*self.eval_scores())
+            out[self.eval_key] = float(wins.float().mean())
         if self.evaluator is not None:
             prompts = [p.prompt for p in self.data.eval]
             result = self.evaluator.accuracy(self.policy, prompts, self.data.eval_answers)

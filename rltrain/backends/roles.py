@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from omegaconf import OmegaConf
 
+from rltrain.config.algorithms import spec_of
 from rltrain.config.group_options import CriticConfig, ReferenceConfig, TeacherConfig
 from rltrain.config.schema import Config
 from rltrain.runtime.errors import UserError
@@ -89,11 +90,16 @@ class RoleBuild:
     optim: Any | None  # an OptimConfig-shaped node; None builds a frozen engine
     value_head_seed: int | None  # a critic's head seed; None scores log-probabilities (LM head)
     adapters: Any | None = None  # the policy's LoRA settings (model.lora); None trains every weight
+    # False: a reward model's head, bias-free like the score layer of a Hugging Face sequence
+    # classifier, so that it is exported exactly (a critic's head keeps its bias).
+    value_head_bias: bool = True
 
 
 def role_build(ctx: Any, role: str) -> RoleBuild:
     cfg = ctx.cfg
     model_dir = Path(ctx.model_dir_for(role))
+    if role == "policy" and spec_of(cfg.algo.name).head == "scalar":  # a reward model: no LoRA (validated)
+        return RoleBuild(model_dir, cfg.optim, int(cfg.trainer.seed), value_head_bias=False)
     if role == "policy":
         return RoleBuild(model_dir, cfg.optim, None, cfg.model.lora if cfg.model.lora.rank > 0 else None)
     if role in ("reference", "teacher"):  # frozen, scoring log-probabilities

@@ -20,14 +20,17 @@ def initial_value_head(hidden_size: int, seed: int) -> dict[str, torch.Tensor]:
     return {"weight": weight_1H, "bias": torch.zeros(1, dtype=torch.float32)}
 
 
-def new_value_head(hidden_size: int, seed: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> nn.Linear:
+def new_value_head(
+    hidden_size: int, seed: int, dtype: torch.dtype, device: torch.device | str = "cpu", bias: bool = True
+) -> nn.Linear:
     """`Linear(hidden, 1)` holding `initial_value_head(hidden_size, seed)` (on the meta device:
-    the shapes only, for a sharded engine to fill after allocating its shards)."""
-    head = nn.Linear(hidden_size, 1, dtype=dtype, device=device)
+    the shapes only, for a sharded engine to fill after allocating its shards). `bias=False`: a
+    reward model's head, shaped like a Hugging Face sequence classifier's score layer."""
+    head = nn.Linear(hidden_size, 1, dtype=dtype, device=device, bias=bias)
     if torch.device(device).type != "meta":
         with torch.no_grad():
-            for name, value in initial_value_head(hidden_size, seed).items():
-                getattr(head, name).copy_(value)
+            for name, param in head.named_parameters():
+                param.copy_(initial_value_head(hidden_size, seed)[name])
     return head
 
 
@@ -44,4 +47,5 @@ def head_values(head: nn.Linear, hidden_NH: torch.Tensor) -> torch.Tensor:
     with torch.autocast(hidden_NH.device.type, enabled=False):
         # A matrix-vector product, not F.linear(...).squeeze(-1): a fresh tensor rather than a view
         # (FSDP rightly warns about a wrapped module returning views).
-        return hidden_NH.float() @ head.weight[0].float() + head.bias.float()
+        values_N = hidden_NH.float() @ head.weight[0].float()
+        return values_N if head.bias is None else values_N + head.bias.float()

@@ -24,6 +24,7 @@ ImportanceLevel = Literal["token", "sequence"]  # sequence: GSPO's length-normal
 PolicyLossKind = Literal["clip", "cispo"]  # cispo: the clipped, stop-gradient weight times the log-probability
 DataKind = Literal["completions", "preferences", "prompts"]  # rltrain/data: sft_data, preference_data, prompt_data
 ReferenceNeed = Literal["never", "always", "when_beta"]  # when_beta: only with algo.beta > 0
+OutputHead = Literal["lm", "scalar"]  # scalar: the trained model ends in a one-output head (a reward model)
 
 
 # --- config classes (each `conf/algo/<name>.yaml` extends `algo/<name>_schema`) -----------------
@@ -60,6 +61,16 @@ class SimPOConfig(AlgoConfig):
 class ORPOConfig(AlgoConfig):
     name: str = "orpo"
     lambda_: float = 0.1  # weight of the odds-ratio term next to the chosen completions' NLL
+
+
+@dataclass
+class RewardModelConfig(AlgoConfig):
+    """Bradley-Terry reward-model training on preference pairs (rltrain/algos/rm.py)."""
+
+    name: str = "rm"
+    # TRL's center_rewards_coefficient: this times the mean of (r_chosen + r_rejected)^2 keeps the
+    # scores near zero (the pair loss sees only their difference); 0 turns it off.
+    center_rewards_coefficient: float = 0.0
 
 
 @dataclass
@@ -147,6 +158,13 @@ def check_orpo(algo: ORPOConfig) -> None:
         raise UserError(f"algo.lambda_={algo.lambda_} must be at least 0 (the odds-ratio term's weight; 0 is plain SFT).")
 
 
+def check_rm(algo: RewardModelConfig) -> None:
+    if algo.center_rewards_coefficient < 0:
+        raise UserError(
+            f"algo.center_rewards_coefficient={algo.center_rewards_coefficient} must be at least 0 (0: no centering)."
+        )
+
+
 def check_rl(algo: RLConfig) -> None:
     _at_least(
         algo, ("group_size", "prompts_per_step", "mini_batches", "num_iterations", "max_new_tokens", "max_sampling_rounds")
@@ -212,7 +230,9 @@ class AlgorithmSpec:
     """What an algorithm is and needs. `generates`: it samples from the policy with a rollout engine
     each step (so `rollout`, `placement.max_staleness`, `env` apply); `rewards`: its samples are
     scored (`reward.fns`, `reward_model`, environments); `reference`: when a frozen reference is
-    built; `critic`: PPO's value model; `teacher`: a model scoring the policy's samples."""
+    built; `critic`: PPO's value model; `teacher`: a model scoring the policy's samples; `head`: the
+    trained model's output, the LM head or a scalar head (a reward model, saved as a Hugging Face
+    sequence classifier)."""
 
     name: str
     config: type[AlgoConfig]
@@ -224,6 +244,7 @@ class AlgorithmSpec:
     reference: ReferenceNeed = "never"
     critic: bool = False
     teacher: bool = False
+    head: OutputHead = "lm"
     check: Callable[[Any], None] = _no_checks
 
     def builds_reference(self, algo: AlgoConfig) -> bool:
@@ -247,6 +268,10 @@ SPECS: tuple[AlgorithmSpec, ...] = (
     AlgorithmSpec(
         "orpo", ORPOConfig, "rltrain.algos.orpo:ORPO", "ORPO: SFT plus an odds-ratio preference term, no reference",
         data="preferences", reference="never", check=check_orpo,
+    ),
+    AlgorithmSpec(
+        "rm", RewardModelConfig, "rltrain.algos.rm:RewardModel", "Bradley-Terry reward model on preference pairs (a sequence classifier)",
+        data="preferences", reference="never", head="scalar", check=check_rm,
     ),
     AlgorithmSpec(
         "grpo", GRPOConfig, "rltrain.algos.grpo:GRPO", "group-relative policy optimisation (also GSPO, CISPO, Dr. GRPO, DAPO)",

@@ -1,4 +1,5 @@
-"""Preference data (`prompt`/`chosen`/`rejected`, or the conversational form) for DPO.
+"""Preference data (`prompt`/`chosen`/`rejected`, or the conversational form, and an optional
+numeric `margin` that algo=rm reads) for DPO and the other pairwise objectives.
 
 Chosen and rejected are tokenized separately, each ending with EOS. Rows that cannot teach a
 preference are skipped and counted, never silently kept: chosen equal to rejected, or an empty
@@ -7,6 +8,7 @@ completion. A missing column is an error.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +24,7 @@ class PreferencePair:
     prompt: list[int]
     chosen: list[int]
     rejected: list[int]
+    margin: float = 0.0  # the optional `margin` column: how much chosen must beat rejected by (algo=rm)
 
 
 @dataclass
@@ -64,10 +67,23 @@ def _texts(tokenizer, row: dict, where: str) -> tuple[str, str, str]:
     return prompt, chosen, rejected
 
 
+def _margin(row: dict, where: str) -> float:
+    value: Any = row.get("margin")
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise UserError(
+            f"{where}: column 'margin' must hold finite numbers (how far the chosen completion's reward should exceed "
+            f"the rejected one's); found {value!r:.120}. Fix the column or drop it."
+        )
+    return float(value)
+
+
 def rows_to_pairs(tokenizer, rows: list[dict], data_cfg: DataConfig, where: str, skipped: SkipCounts) -> list[PreferencePair]:
     eos = tokenizer.eos_token_id
     max_length, overlong = data_cfg.max_length, data_cfg.overlong  # read once: a config lookup per row adds up
-    usable = []
+    usable: list[tuple[str, str, str]] = []
+    margins: list[float] = []
     for row in rows:
         prompt, chosen, rejected = _texts(tokenizer, row, where)
         if chosen == rejected:
@@ -76,10 +92,11 @@ def rows_to_pairs(tokenizer, rows: list[dict], data_cfg: DataConfig, where: str,
             skipped.empty += 1
         else:
             usable.append((prompt, chosen, rejected))
+            margins.append(_margin(row, where))
     # one tokenizer call per column, not three per row (the per-call overhead dominates short texts)
     prompts_ids, chosen_ids, rejected_ids = (encode_all(tokenizer, [texts[i] for texts in usable]) for i in range(3))
     pairs = []
-    for prompt_ids, c_ids, r_ids in zip(prompts_ids, chosen_ids, rejected_ids, strict=True):
+    for prompt_ids, c_ids, r_ids, margin in zip(prompts_ids, chosen_ids, rejected_ids, margins, strict=True):
         if not prompt_ids:
             raise UserError(f"{where}: a row has an empty prompt; DPO needs at least one prompt token.")
         c_ids, r_ids = c_ids + [eos], r_ids + [eos]
@@ -88,7 +105,7 @@ def rows_to_pairs(tokenizer, rows: list[dict], data_cfg: DataConfig, where: str,
         if fitted is None:
             continue
         keep = len(fitted.completion)
-        pairs.append(PreferencePair(prompt_ids, c_ids[:keep], r_ids[:keep]))
+        pairs.append(PreferencePair(prompt_ids, c_ids[:keep], r_ids[:keep], margin))
     return pairs
 
 

@@ -79,6 +79,7 @@ class FSDPEngine:
         value_head_seed: int | None = None,
         adapters: LoraAdapterConfig | None = None,
         seed: int = 0,
+        value_head_bias: bool = True,
     ) -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -125,7 +126,8 @@ class FSDPEngine:
             self.scorer = CompletionScorer(self.lm, self.moe_info, autocast, flex)
         else:
             head = new_value_head(
-                self.lm.config.hidden_size, value_head_seed, self.precision.param_dtype, "meta" if self.sharded else device
+                self.lm.config.hidden_size, value_head_seed, self.precision.param_dtype,
+                "meta" if self.sharded else device, bias=value_head_bias,
             )
             self.scorer = CompletionValuer(self.lm, head, self.moe_info, autocast, flex)
         if gradient_checkpointing:
@@ -287,7 +289,11 @@ class FSDPEngine:
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """With LoRA, the adapters merged into the base (docs/lora.md, "Weight sync")."""
-        self._refuse_critic_export("export_weights")
+        if self.scores == "values":
+            raise TypeError(
+                "FSDPEngine.export_weights: a critic or a reward model is not synced to a rollout engine (none runs "
+                "it); save_pretrained writes a reward model as a sequence classifier"
+            )
         yield from export.hf_weights(self.lm, self.adapters, self.tied)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -295,16 +301,13 @@ class FSDPEngine:
 
     def save_pretrained(self, directory: Path) -> None:
         """A Hugging Face model directory; with LoRA a PEFT adapter directory, plus the merged
-        model in `merged/` when `model.lora.save_merged` (docs/lora.md, "Outputs")."""
-        self._refuse_critic_export("save_pretrained")
+        model in `merged/` when `model.lora.save_merged` (docs/lora.md, "Outputs"). A value model
+        (a reward model, a critic) is written as a sequence classifier with one output
+        (`export.save_sequence_classifier`)."""
+        if isinstance(self.scorer, CompletionValuer):
+            export.save_sequence_classifier(directory, self.lm, self.scorer.value_head, self.rank)
+            return
         export.save_pretrained(directory, self.lm, self.adapters, self.save_merged, self.tied, self.model_dir, self.rank)
-
-    def _refuse_critic_export(self, called: str) -> None:
-        if self.scores == "values":
-            raise TypeError(
-                f"FSDPEngine.{called}: a critic is not exported (its value head has no place in a Hugging Face "
-                "causal LM, and no rollout engine needs it); its weights and optimizer live in the run's checkpoints"
-            )
 
     # --- checkpoints ---------------------------------------------------------------------------
 
@@ -373,4 +376,5 @@ def build_engine(ctx, role: str, max_steps: int) -> FSDPEngine:
         value_head_seed=build.value_head_seed,
         adapters=build.adapters,
         seed=int(cfg.trainer.seed),
+        value_head_bias=build.value_head_bias,
     )

@@ -1,0 +1,85 @@
+"""A reward model (algo=rm) on the FSDP engine, exported as a Hugging Face sequence classifier.
+
+After one Bradley-Terry step on 1 and on 2 ranks (sharded), `save_pretrained` writes `final/`'s
+directory; loaded by `AutoModelForSequenceClassification` (as `reward_model=hf` loads it), it must
+give every completion the reward the engine gave it (1e-5): the classifier reads the last token
+before the trailing EOS, the engine the value predicting the EOS, which is the same hidden state.
+1 and 2 ranks agree with each other. The head is bias-free, like the classifier's score layer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import run_ranks
+
+pytestmark = pytest.mark.dist
+
+SEED = 5
+
+
+def _model_dir():
+    from rltrain.config.schema import ModelConfig
+    from rltrain.models.tiny import build_tiny_model_dir
+
+    return build_tiny_model_dir(ModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128), seed=21)
+
+
+def _pairs(tokenizer):
+    from rltrain.data.preference_data import PreferencePair
+
+    def enc(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    eos = tokenizer.eos_token_id
+    return [
+        PreferencePair(enc(f"{a}+{a * 3}="), enc(str(4 * a)) + [eos], enc(str(4 * a + 7) * (1 + a % 3)) + [eos], 0.5 * (a % 2))
+        for a in range(5)
+    ]
+
+
+def _train_and_export(rank, world, model_dir, out_dir):
+    from rltrain.algos.preference import preference_micro_batches, score_pairs
+    from rltrain.algos.rm import make_reward_model_loss, scored_rewards
+    from rltrain.backends.fsdp.engine import FSDPEngine
+    from rltrain.config.group_options import FSDPBackendConfig
+    from rltrain.config.schema import OptimConfig
+    from rltrain.models.tokenizer import load_tokenizer
+
+    torch.set_num_threads(1)
+    pairs = _pairs(load_tokenizer(model_dir))
+    engine = FSDPEngine(
+        model_dir, FSDPBackendConfig(), OptimConfig(lr=1e-2, warmup_steps=0), 10, torch.device("cpu"),
+        value_head_seed=SEED, value_head_bias=False,
+    )
+    assert engine.scorer.value_head.bias is None
+    micro, micro_idx = preference_micro_batches(pairs, engine.rank, engine.world_size, 2)
+    for mb, idx in zip(micro, micro_idx):
+        mb.extras["margins"] = torch.tensor([pairs[i].margin for i in idx])
+    metrics = engine.train_step(micro, make_reward_model_loss(0.1))
+    chosen, rejected = score_pairs(engine, pairs, score=scored_rewards)
+    engine.save_pretrained(out_dir)
+    return {"loss": metrics["loss"], "chosen": chosen, "rejected": rejected}
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_exported_classifier_scores_as_the_engine(tmp_path, nproc):
+    from transformers import AutoModelForSequenceClassification
+
+    from rltrain.models.tokenizer import load_tokenizer
+
+    model_dir = _model_dir()
+    out_dir = tmp_path / "final"
+    results = run_ranks(_train_and_export, model_dir, out_dir, nproc=nproc, timeout_s=240)
+    assert all(torch.equal(r["chosen"], results[0]["chosen"]) for r in results)
+    classifier = AutoModelForSequenceClassification.from_pretrained(str(out_dir), num_labels=1, dtype=torch.float32).eval()
+    assert classifier.config.architectures[0].endswith("ForSequenceClassification") and classifier.config.num_labels == 1
+    assert classifier.score.bias is None
+    tok = load_tokenizer(model_dir)
+    pairs = _pairs(tok)
+    for which, key in (("chosen", "chosen"), ("rejected", "rejected")):
+        for i, pair in enumerate(pairs):
+            ids = pair.prompt + getattr(pair, which)[:-1]  # the text, without the EOS the data appends
+            with torch.no_grad():
+                score = classifier(input_ids=torch.tensor([ids])).logits[0, 0]
+            assert float(score) == pytest.approx(float(results[0][key][i]), abs=1e-5)
