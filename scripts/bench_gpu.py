@@ -266,8 +266,8 @@ class Workload:
         if self.name == "dpo":
             return make_dpo_loss(DPO_BETA, "sigmoid", 0.0, 0.0)
         cfg = SimpleNamespace(clip_low=CLIP_LOW, clip_high=CLIP_HIGH, beta=0.0, loss_agg="token_mean",
-                              max_new_tokens=MAX_COMPLETION, rollout_correction="none", rollout_is_cap=2.0,
-                              rollout_mask_band=2.0)
+                              importance_level="token", policy_loss="clip", max_new_tokens=MAX_COMPLETION,
+                              rollout_correction="none", rollout_is_cap=2.0, rollout_mask_band=2.0)
         return make_policy_loss(cfg)
 
     def step(self, k: int) -> tuple[float, float, int]:

@@ -76,5 +76,5 @@ class SignalGroups:
         completions = [replace(c, prompt_index=i) for i, g in enumerate(groups) for c in g.completions]
         names = list(groups[0].per_fn) if groups else []
         per_fn = {n: [v for g in groups for v in g.per_fn[n]] for n in names}
-        scores_B = torch.cat([g.scores_B for g in groups]) if groups else torch.zeros(0, dtype=torch.float64)
+        scores_B = torch.cat([g.scores_B for g in groups]) if groups else torch.zeros(0, dtype=torch.float64, device="cpu")
         return rows, completions, Scored(per_fn, self.failures, scores_B)

@@ -70,7 +70,7 @@ class RewardModel(PairwisePreference):
         for mb, idx in zip(micro, micro_idx):
             margins = [self.data.train[index[i]].margin for i in idx]
             if any(margins):
-                mb.extras["margins"] = torch.tensor(margins, dtype=torch.float32)
+                mb.extras["margins"] = torch.tensor(margins, dtype=torch.float32, device="cpu")
 
     def eval_scores(self) -> tuple[torch.Tensor, torch.Tensor]:
         return score_pairs(self.policy, self.data.eval, score=scored_rewards)

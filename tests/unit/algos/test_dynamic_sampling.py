@@ -1,6 +1,6 @@
 """DAPO's dynamic sampling, the bookkeeping: which groups carry signal and which one rank trains on
 (rltrain/algos/dynamic_sampling.py). The rounds in real runs, resumed and generating ahead:
-tests/e2e/test_dynamic_sampling.py."""
+tests/e2e/test_cli_dynamic_sampling.py."""
 
 from __future__ import annotations
 
