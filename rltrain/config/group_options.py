@@ -145,6 +145,7 @@ class EnvConfig:
     max_total_tokens: int = 256  # an episode's completion: every model turn and observation
     timeout_s: float | None = 30.0  # bound on one reset or step; a failed episode scores reward.on_failure
     workers: int = 1  # worker processes per rank that host the episodes
+    max_concurrency: int = 256  # environment calls (episodes' resets and steps, tool calls) in flight at once per rank
 
 
 @dataclass

@@ -55,7 +55,7 @@ def validate_env(cfg: Config) -> None:
             "env=python takes its rewards from the environment's step() (summed over the episode); reward.fns and "
             "reward_model are not called. Remove them, or score inside step()."
         )
-    for key in ("max_turns", "max_total_tokens", "workers"):
+    for key in ("max_turns", "max_total_tokens", "workers", "max_concurrency"):
         if getattr(env, key) < 1:
             raise UserError(f"env.{key}={getattr(env, key)} must be at least 1.")
     if env.max_tokens_per_turn is not None and env.max_tokens_per_turn < 1:

@@ -6,12 +6,14 @@ episode (a fresh one after a timeout killed its predecessor, or another worker o
 it: a new instance, `reset(**row)`, then the earlier actions replayed. A worker that holds it applies
 only the newest action. This is what lets a hung step be killed without losing the other episodes,
 and it asks one thing of an environment: the same actions from the same row reach the same state
-(docs/environments.md, "Timeouts and rebuilt episodes").
+(docs/environments.md, "Timeouts and rebuilt episodes"). Calls of different episodes run at once,
+in threads of the worker (`env.max_concurrency`); one episode's calls never overlap.
 """
 
 from __future__ import annotations
 
 import importlib
+import threading
 from typing import Any
 
 # episode key -> (environment, number of actions it has applied). Keys are "phase:index"; a call from
@@ -19,6 +21,7 @@ from typing import Any
 # max_turns never says it is done).
 _LIVE: dict[str, tuple[Any, int]] = {}
 _PHASE: list[str] = [""]
+_PHASE_LOCK = threading.Lock()
 
 
 def _environment_class(path: str) -> Any:
@@ -38,9 +41,10 @@ def advance(cls: str, episode: str, row: dict[str, Any], actions: list[str]) -> 
     """Bring `episode` to `actions` and return what its last call gave: with no action, reset's
     observation; else the last action's step result."""
     phase = episode.rsplit(":", 1)[0]
-    if phase != _PHASE[0]:
-        _LIVE.clear()
-        _PHASE[0] = phase
+    with _PHASE_LOCK:
+        if phase != _PHASE[0]:
+            _LIVE.clear()
+            _PHASE[0] = phase
     held = _LIVE.get(episode)
     if not actions or held is None or held[1] != len(actions) - 1:
         env = _environment_class(cls)()

@@ -153,7 +153,7 @@ class CallTools:
         self.prompts = ToolPrompts(tokenizer, self.schemas, env_cfg.describe_tools)
         self.native = template_renders_tools(tokenizer)
         self.timeout_s = float(env_cfg.timeout_s) if env_cfg.timeout_s else None
-        self.pool = CallPool(env_cfg.workers, list(self.paths.values()), "tool")
+        self.pool = CallPool(env_cfg.workers, list(self.paths.values()), "tool", env_cfg.max_concurrency)
         if start_workers:  # else on the first call
             self.pool.start()
 

@@ -27,7 +27,7 @@ class HostedEnvironments:
             raise UserError(f"env=python needs env.cls=package.module:Class (got {env_cfg.cls!r}).")
         self.cfg, self.reward_cfg, self.tokenizer = env_cfg, reward_cfg, tokenizer
         self.timeout_s = float(env_cfg.timeout_s) if env_cfg.timeout_s else None
-        self.pool = CallPool(env_cfg.workers, [ADVANCE, env_cfg.cls], "environment")
+        self.pool = CallPool(env_cfg.workers, [ADVANCE, env_cfg.cls], "environment", env_cfg.max_concurrency)
         if start_workers:  # else on the first call
             self.pool.start()
 

@@ -1,14 +1,13 @@
-"""User functions called in worker processes that a deadline can stop.
+"""User functions called in worker processes that a deadline can stop, many calls at once.
 
-A reward function (or any user callable) may hang, run for minutes in sympy, or crash the
-interpreter. A thread cannot be killed, so each call runs in a worker process of its own pool: past
-its deadline the worker is SIGKILLed (with whatever it started: it leads its own process group) and
-a fresh one takes its place, and the call comes back as a failure for the caller to count. Workers
-are plain `python -m rltrain.runtime.call_worker` processes (no re-import of the trainer's main
-module), import the named functions before they report ready (so import time never counts against
-a call), and die with the trainer (PR_SET_PDEATHSIG). Calls and results cross the pipes as JSON
-(no pickle across process boundaries, docs/design.md). docs/rewards-and-roles.md tells the story.
-"""
+User code may hang, run for minutes or crash the interpreter, and a thread cannot be killed: past
+its deadline a call's worker is SIGKILLed with its process group and replaced, and the call fails.
+Up to `concurrency` calls run at once: one per worker in its main thread (reward functions), or
+several in threads (environment calls). Hung calls that started together die together (N cost one
+timeout); the other calls in flight on a killed worker run again, once (then fail as "died").
+Workers are `python -m rltrain.runtime.call_worker` processes that import the functions before they
+report ready and die with the trainer; calls and results cross as JSON. docs/environments.md
+("Concurrency") and docs/rewards-and-roles.md tell the story."""
 
 from __future__ import annotations
 
@@ -28,6 +27,8 @@ from rltrain.runtime.errors import UserError
 
 STARTUP_S = 120.0  # a worker's interpreter start and imports (a loaded machine is slow)
 STOP_S = 5.0
+KILL_TOGETHER_S = 1.0  # calls whose time runs out within this of the first on a worker die with it (never more than half the timeout)
+RERUNS = 1  # times a call runs again after its worker was killed for another call or died under it
 
 
 @dataclass
@@ -59,9 +60,10 @@ def _plain(value: Any) -> Any:
 
 
 class Worker:
-    """One worker process and the pipes to it (the parent's ends)."""
+    """One worker process and the pipes to it (the parent's ends); `tasks` maps the index of each
+    call it runs to when it was sent."""
 
-    def __init__(self, paths: list[str]) -> None:
+    def __init__(self, paths: list[str], slots: int) -> None:
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
         self.proc = subprocess.Popen(
@@ -74,11 +76,21 @@ class Worker:
         os.close(from_child_w)
         self.outbox = Connection(to_child_w, readable=False)
         self.inbox = Connection(from_child_r, writable=False)
-        send(self.outbox, [list(sys.path), paths])
+        send(self.outbox, [list(sys.path), paths, slots > 1])
+        self.slots = slots
         self.started = time.monotonic()
         self.ready = False
-        self.task: int | None = None  # index of the call it runs
-        self.task_started = 0.0
+        self.tasks: dict[int, float] = {}
+
+    def free(self) -> bool:
+        return self.ready and len(self.tasks) < self.slots
+
+    def kill_time(self, timeout_s: float) -> float:
+        """When this worker is killed for its calls that ran out of time: at the first one's expiry,
+        or later to take the ones that expire just after it along (one kill, not one per call)."""
+        expiries = sorted(started + timeout_s for started in self.tasks.values())
+        together = min(KILL_TOGETHER_S, timeout_s / 2)
+        return max(e for e in expiries if e <= expiries[0] + together)
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -96,16 +108,19 @@ class Worker:
 
 
 class CallPool:
-    """`size` workers that have imported `paths`; `run` spreads calls over them, each bounded."""
+    """`size` workers that have imported `paths`; `run` spreads calls over them, up to
+    `concurrency` at once (default: one per worker), each bounded."""
 
-    def __init__(self, size: int, paths: list[str], label: str) -> None:
+    def __init__(self, size: int, paths: list[str], label: str, concurrency: int | None = None) -> None:
         self.size, self.paths, self.label = size, paths, label
+        self.concurrency = max(1, concurrency if concurrency is not None else size)
+        self.slots = -(-self.concurrency // size)  # calls one worker runs at once
         self.workers: list[Worker] = []
 
     def start(self) -> None:
         """Start the missing workers (they import while the caller does other work)."""
         while len(self.workers) < self.size:
-            self.workers.append(Worker(self.paths))
+            self.workers.append(Worker(self.paths, self.slots))
 
     def run(self, calls: list[Call], timeout_s: float | None, deadline: float | None = None) -> list[CallResult]:
         """Every call's result, in order. A call past `timeout_s` (None: no limit) costs its worker;
@@ -113,26 +128,23 @@ class CallPool:
         self.start()
         results: list[CallResult | None] = [None] * len(calls)
         pending = deque(range(len(calls)))
-        while pending or any(w.task is not None for w in self.workers):
-            for w in self.workers:
-                if w.ready and w.task is None and pending:
-                    w.task, w.task_started = pending.popleft(), time.monotonic()
-                    try:
-                        send(w.outbox, [calls[w.task].path, calls[w.task].kwargs])
-                    except TypeError as exc:
-                        raise UserError(f"the arguments of {calls[w.task].path} cannot be sent to its worker: {exc}") from None
+        reruns = [0] * len(calls)
+        while pending or any(w.tasks for w in self.workers):
+            self._dispatch(calls, pending)
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 self._expire_all(results, pending, "the step's time for them ran out")
                 break
             ready = wait([w.inbox for w in self.workers], timeout=self._next_wakeup(now, timeout_s, deadline))
             for w in [w for w in self.workers if w.inbox in ready]:
-                self._receive(w, results)
+                self._receive(w, results, pending, reruns)
             now = time.monotonic()
             for w in list(self.workers):
-                if w.task is not None and timeout_s and now - w.task_started > timeout_s:
-                    results[w.task] = CallResult(failure="timeout", message=f"no result within {timeout_s:g} s")
-                    self._replace(w)
+                if w.tasks and timeout_s and now >= w.kill_time(timeout_s):
+                    for i, started in w.tasks.items():
+                        if now - started >= timeout_s:
+                            results[i] = CallResult(failure="timeout", message=f"no result within {timeout_s:g} s")
+                    self._lose(w, results, pending, reruns, "its worker was killed for another call that ran out of time")
                 elif not w.ready and now - w.started > STARTUP_S:
                     self._replace(w)
                     raise UserError(f"a {self.label} worker did not start within {STARTUP_S:g} s (importing {self.paths}).")
@@ -143,42 +155,74 @@ class CallPool:
             w.kill()
         self.workers = []
 
+    def _dispatch(self, calls: list[Call], pending: deque) -> None:
+        """Hand waiting calls to workers with a free slot, up to `concurrency` in flight."""
+        in_flight = sum(len(w.tasks) for w in self.workers)
+        for w in self.workers:
+            while pending and w.free() and in_flight < self.concurrency:
+                i = pending.popleft()
+                w.tasks[i] = time.monotonic()
+                in_flight += 1
+                try:
+                    send(w.outbox, [i, calls[i].path, calls[i].kwargs])
+                except TypeError as exc:
+                    raise UserError(f"the arguments of {calls[i].path} cannot be sent to its worker: {exc}") from None
+
     def _next_wakeup(self, now: float, timeout_s: float | None, deadline: float | None) -> float:
         times = [w.started + STARTUP_S for w in self.workers if not w.ready]
         if timeout_s:
-            times += [w.task_started + timeout_s for w in self.workers if w.task is not None]
+            times += [w.kill_time(timeout_s) for w in self.workers if w.tasks]
         if deadline is not None:
             times.append(deadline)
         return max(0.0, min(times) - now + 0.001) if times else 1.0
 
-    def _receive(self, w: Worker, results: list[CallResult | None]) -> None:
+    def _receive(self, w: Worker, results: list[CallResult | None], pending: deque, reruns: list[int]) -> None:
         try:
-            kind, payload = receive(w.inbox)
+            kind, index, payload = receive(w.inbox)
         except (EOFError, OSError):
             died = f"ended its worker process ({w.exit_description()})"
-            if w.task is not None:
-                results[w.task] = CallResult(failure="died", message=died)
+            if len(w.tasks) == 1:  # the call that ended it
+                results[next(iter(w.tasks))] = CallResult(failure="died", message=died)
                 self._replace(w)
-                return
-            self._replace(w)
-            raise UserError(f"a {self.label} worker ended before it was ready: {self.paths} {died}.") from None
+            elif w.tasks:  # which of them ended it is unknown: each runs again, once
+                self._lose(w, results, pending, reruns, f"a worker running it with others {died}")
+            else:
+                self._replace(w)
+                raise UserError(f"a {self.label} worker ended before it was ready: {self.paths} {died}.") from None
+            return
         if kind == "ready":
             w.ready = True
         elif kind == "load_error":
             self._replace(w)
             raise UserError(payload)
-        elif w.task is not None:
-            results[w.task] = CallResult(value=payload) if kind == "ok" else CallResult(failure="error", message=payload)
-            w.task = None
+        elif index in w.tasks:
+            results[index] = CallResult(value=payload) if kind == "ok" else CallResult(failure="error", message=payload)
+            del w.tasks[index]
+
+    def _lose(self, w: Worker, results: list[CallResult | None], pending: deque, reruns: list[int], why: str) -> None:
+        """Kill `w`; its calls without a result run again on a fresh worker (first in line), or fail
+        as "died" once they have used their reruns."""
+        again = []
+        for i in w.tasks:
+            if results[i] is not None:
+                continue
+            if reruns[i] < RERUNS:
+                reruns[i] += 1
+                again.append(i)
+            else:
+                results[i] = CallResult(failure="died", message=f"{why}, {RERUNS + 1} times")
+        pending.extendleft(reversed(again))
+        self._replace(w)
 
     def _replace(self, w: Worker) -> None:
         w.kill()
-        self.workers[self.workers.index(w)] = Worker(self.paths)
+        self.workers[self.workers.index(w)] = Worker(self.paths, self.slots)
 
     def _expire_all(self, results: list[CallResult | None], pending: deque, why: str) -> None:
         for w in list(self.workers):
-            if w.task is not None:
-                results[w.task] = CallResult(failure="timeout", message=why)
+            if w.tasks:
+                for i in w.tasks:
+                    results[i] = CallResult(failure="timeout", message=why)
                 self._replace(w)
         while pending:
             results[pending.popleft()] = CallResult(failure="timeout", message=why)

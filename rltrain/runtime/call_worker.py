@@ -1,14 +1,18 @@
 """A worker of rltrain.runtime.call_pool: `python -m rltrain.runtime.call_worker IN OUT PARENT_PID`.
 
-Reads [sys.path, paths] first and imports those functions, reports ready, then answers one call at
-a time: ["ok", value] or ["error", "Type: message"] (JSON messages). It never decides about time: the pool kills
-it when a call runs too long.
+Reads [sys.path, paths, threaded] first and imports those functions, reports ready, then answers
+calls [index, path, kwargs] with [kind, index, payload]: ["ok", i, value] or ["error", i, "Type:
+message"] (JSON messages). Unthreaded, it runs one call at a time in its main thread; threaded, each
+call in a thread of its own, as many at once as the pool sends (it counts the slots). It never
+decides about time: the pool kills it when a call runs too long.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 from multiprocessing.connection import Connection
+from typing import Any
 
 
 def serve(inbox: Connection, outbox: Connection) -> None:
@@ -16,24 +20,36 @@ def serve(inbox: Connection, outbox: Connection) -> None:
     from rltrain.runtime.errors import UserError
     from rltrain.runtime.user_code import load_callable
 
-    parent_path, paths = receive(inbox)
+    parent_path, paths, threaded = receive(inbox)
     sys.path[:0] = [p for p in parent_path if p not in sys.path]
     try:
         fns = {path: load_callable("user function", path) for path in paths}
     except UserError as exc:
-        send(outbox, ["load_error", str(exc)])
+        send(outbox, ["load_error", None, str(exc)])
         return
-    send(outbox, ["ready", None])
+    lock = threading.Lock()  # one message at a time on the pipe
+
+    def answer(index: int, path: str, kwargs: dict[str, Any]) -> None:
+        try:
+            message = ["ok", index, fns[path](**kwargs)]
+        except Exception as exc:  # noqa: BLE001 - reported to the pool, which counts it
+            message = ["error", index, f"{type(exc).__name__}: {exc}"]
+        with lock:
+            try:
+                send(outbox, message)
+            except (TypeError, ValueError) as exc:  # a value JSON cannot carry is the function's error
+                send(outbox, ["error", index, f"TypeError: {exc}"])
+
+    send(outbox, ["ready", None, None])
     while True:
         try:
-            path, kwargs = receive(inbox)
+            index, path, kwargs = receive(inbox)
         except EOFError:
             return
-        try:
-            value = fns[path](**kwargs)
-            send(outbox, ["ok", value])
-        except Exception as exc:  # noqa: BLE001 - reported to the pool, which counts it
-            send(outbox, ["error", f"{type(exc).__name__}: {exc}"])
+        if threaded:
+            threading.Thread(target=answer, args=(index, path, kwargs), daemon=True).start()
+        else:
+            answer(index, path, kwargs)
 
 
 def main(argv: list[str]) -> None:

@@ -67,6 +67,7 @@ class EnvCfg:
     max_total_tokens: int = 64
     timeout_s: float | None = 2.0
     workers: int = 1
+    max_concurrency: int = 256
 
 
 @dataclass

@@ -66,6 +66,7 @@ class ToolsCfg:
     max_total_tokens: int = 400
     timeout_s: float | None = 1.0
     workers: int = 1
+    max_concurrency: int = 256
     cls: str | None = None
 
 

@@ -1,0 +1,104 @@
+"""Benchmark concurrent environment calls (`env.max_concurrency`, docs/environments.md): one GRPO
+step of multi-turn episodes with an environment whose every step waits on the network (0.2 s)
+against one that does not, and with some episodes whose step hangs against none.
+
+    .venv/bin/python scripts/bench_env.py                          # ~5 min on 2 cores: 512 episodes of 3 turns
+    .venv/bin/python scripts/bench_env.py --prompts 4 --group 2   # a quick look
+
+Each row is `python -m rltrain algo=grpo env=python env.cls=bench_env:<Env>` (the default tiny
+model, this module as the environment) for one step of `--prompts` x `--group` episodes of exactly
+3 turns; `time/rollout` is read from the run's metrics. The rows to compare: `waits` against
+`instant` (the extra should stay under 1.5 x 3 x 0.2 s when every episode is in flight at once), and
+`hangs` (every `--hang-every`-th prompt's episodes hang in their first step, `env.timeout_s=2`)
+against `instant` (the extra should be about one `env.timeout_s`, however many hang).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+TURNS = 3
+WAIT_S = 0.2
+
+
+class Instant:
+    """Three steps, then done; the reward is the reply's length (any deterministic number)."""
+
+    def reset(self, **row: Any) -> str:
+        self.steps, self.row = 0, row
+        return " go:"
+
+    def step(self, text: str) -> tuple[str | None, float, bool]:
+        self.steps += 1
+        return (None if self.steps >= TURNS else " again:"), float(len(text)), self.steps >= TURNS
+
+
+class Waits(Instant):
+    """Every step waits WAIT_S, as on a network call."""
+
+    def step(self, text: str) -> tuple[str | None, float, bool]:
+        time.sleep(WAIT_S)
+        return super().step(text)
+
+
+class Hangs(Instant):
+    """The first step of some episodes never returns (the row's answer picks them)."""
+
+    def step(self, text: str) -> tuple[str | None, float, bool]:
+        if self.steps == 0 and int(str(self.row["answer"]).strip()) % HANG_EVERY == 0:
+            time.sleep(10_000)
+        return super().step(text)
+
+
+HANG_EVERY = 10
+
+
+def run(run_dir: Path, env: str, prompts: int, group: int, concurrency: int, extra: list[str]) -> dict:
+    cmd = [
+        sys.executable, "-m", "rltrain", "algo=grpo", "env=python", f"env.cls=bench_env:{env}", f"env.max_turns={TURNS}",
+        "env.max_tokens_per_turn=4", f"env.max_concurrency={concurrency}", f"algo.prompts_per_step={prompts}",
+        f"algo.group_size={group}", "trainer.max_steps=1", "trainer.eval_every=0", "data.num_eval=4", "trainer.save_every=0",
+        "logger.wandb.mode=disabled", "trainer.progress=lines", f"hydra.run.dir={run_dir}", *extra,
+    ]
+    paths = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "scripts"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **paths})
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return next(r for r in rows if "loss" in r)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--concurrency", default="512,256", help="env.max_concurrency values for the waiting env, comma-separated")
+    args = parser.parse_args()
+    episodes = args.prompts * args.group
+    table: list[tuple[str, float, float, float]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-env-") as tmp:
+        base = run(Path(tmp) / "instant", "Instant", args.prompts, args.group, episodes, [])
+        table.append((f"instant, max_concurrency={episodes}", base["time/rollout"], 0.0, base["env/timeouts"]))
+        for c in (int(c) for c in args.concurrency.split(",")):
+            r = run(Path(tmp) / f"waits{c}", "Waits", args.prompts, args.group, c, [])
+            table.append((f"waits {WAIT_S:g} s a step, max_concurrency={c}", r["time/rollout"], r["time/rollout"] - base["time/rollout"], r["env/timeouts"]))
+        r = run(Path(tmp) / "hangs", "Hangs", args.prompts, args.group, episodes, ["env.timeout_s=2", "reward.max_failure_frac=1.0"])
+        table.append((f"hangs (every {HANG_EVERY}th answer), timeout_s=2", r["time/rollout"], r["time/rollout"] - base["time/rollout"], r["env/timeouts"]))
+    print(f"one GRPO step, {episodes} episodes ({args.prompts} prompts x {args.group}) of {TURNS} turns, 1 rank")
+    print(f"{'environment':<48} {'time/rollout s':>15} {'extra s':>9} {'env/timeouts':>13}")
+    for name, rollout, extra, timeouts in table:
+        print(f"{name:<48} {rollout:>15.2f} {extra:>9.2f} {timeouts:>13g}")
+    print(f"target: waits at full concurrency <= {1.5 * TURNS * WAIT_S:.2f} s extra; hangs ~ one env.timeout_s extra")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""Calls at once in a CallPool (rltrain.runtime.call_pool, `env.max_concurrency`): concurrency
+proved by construction (calls that can only return once all of them have started, a barrier of
+files across the worker processes), hung calls killed together (N cost one timeout), and the other
+calls in flight on a killed worker run again instead of being lost. Real worker processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import textwrap
+import threading
+import time
+
+import pytest
+
+from rltrain.runtime.call_pool import Call, CallPool
+
+FIXTURES = textwrap.dedent('''
+    import os, time
+    from pathlib import Path
+
+    def barrier(folder, name, parties):
+        """Returns only once `parties` calls have reached it (each leaves a file); else hangs."""
+        Path(folder, name).write_text(str(os.getpid()))
+        while len(list(Path(folder).iterdir())) < parties:
+            time.sleep(0.01)
+        return [name, os.getpid()]
+
+    def waits(folder, name, release):
+        """Leaves a file in `folder`, then returns once `release` exists."""
+        Path(folder, name).write_text("")
+        while not os.path.exists(release):
+            time.sleep(0.01)
+        return name
+
+    def hangs():
+        time.sleep(1000)
+
+    def sleeps(seconds, value):
+        time.sleep(seconds)
+        return value
+
+    def slow_the_first_time(marker, seconds, value):
+        """Sleeps `seconds` on its first run (it leaves `marker`), returns at once on a later one."""
+        if not os.path.exists(marker):
+            Path(marker).write_text("")
+            time.sleep(seconds)
+        return value
+''')
+
+
+@pytest.fixture
+def module(tmp_path, monkeypatch) -> str:
+    (tmp_path / "pool_fixtures.py").write_text(FIXTURES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "pool_fixtures"
+
+
+def pool_of(module: str, workers: int, concurrency: int, *names: str) -> CallPool:
+    return CallPool(workers, [f"{module}:{n}" for n in names], "test", concurrency)
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_calls_run_at_once_up_to_the_concurrency(module, tmp_path, workers):
+    """12 calls that each wait for all 12 to start: they return only if the pool runs them at
+    once (in threads of one worker, or spread over three); a pool of one call at a time cannot."""
+    folder = tmp_path / "barrier"
+    folder.mkdir()
+    calls = [Call(f"{module}:barrier", {"folder": str(folder), "name": f"c{i}", "parties": 12}) for i in range(12)]
+    pool = pool_of(module, workers, 12, "barrier")
+    try:
+        results = pool.run(calls, timeout_s=60.0)
+    finally:
+        pool.close()
+    assert [r.failure for r in results] == [None] * 12
+    assert [r.value[0] for r in results] == [f"c{i}" for i in range(12)]  # results in call order
+    assert len({r.value[1] for r in results}) == workers
+
+    (folder_serial := tmp_path / "serial").mkdir()
+    serial = pool_of(module, 1, 1, "barrier")
+    try:
+        calls = [Call(f"{module}:barrier", {"folder": str(folder_serial), "name": f"c{i}", "parties": 2}) for i in range(2)]
+        results = serial.run(calls, timeout_s=2.0)
+    finally:
+        serial.close()
+    assert results[0].failure == "timeout"  # one at a time, the first waits alone until its time runs out
+
+
+def test_n_hung_calls_cost_one_timeout_and_the_others_return(module):
+    pool = pool_of(module, 1, 16, "hangs", "sleeps")
+    calls = [Call(f"{module}:hangs", {}) for _ in range(10)] + [Call(f"{module}:sleeps", {"seconds": 0.1, "value": i}) for i in range(4)]
+    try:
+        pool.start()
+        started = time.monotonic()
+        results = pool.run(calls, timeout_s=2.0)
+        elapsed = time.monotonic() - started
+    finally:
+        pool.close()
+    assert [r.failure for r in results[:10]] == ["timeout"] * 10
+    assert [(r.failure, r.value) for r in results[10:]] == [(None, i) for i in range(4)]
+    assert elapsed < 8.0, elapsed  # one after another they would take 20 s
+
+
+def test_a_call_in_flight_on_a_worker_killed_for_another_runs_again(module, tmp_path):
+    """One worker, two slots: `hangs` and a 3 s call start together; the third call starts when
+    the 3 s one returns and is still running when the hung call's timeout kills the worker. It
+    runs again on the fresh worker (its marker makes the rerun quick) and returns its value."""
+    marker = tmp_path / "marker"
+    pool = pool_of(module, 1, 2, "hangs", "sleeps", "slow_the_first_time")
+    calls = [
+        Call(f"{module}:hangs", {}),
+        Call(f"{module}:sleeps", {"seconds": 3.0, "value": "a"}),
+        Call(f"{module}:slow_the_first_time", {"marker": str(marker), "seconds": 30.0, "value": "b"}),
+    ]
+    try:
+        results = pool.run(calls, timeout_s=6.0)
+    finally:
+        pool.close()
+    assert [(r.failure, r.value) for r in results] == [("timeout", None), (None, "a"), (None, "b")]
+    assert marker.exists()  # it ran twice: the first run was cut off with its worker
+
+
+def test_a_worker_killed_with_calls_in_flight_loses_none_of_them(module, tmp_path):
+    """SIGKILL the worker while 8 calls wait in it: each runs again on a fresh worker and returns
+    once released; a worker lost under the same calls twice fails them as "died", one result per
+    call, never a silent loss."""
+    folder, release = tmp_path / "started", tmp_path / "release"
+    folder.mkdir()
+    pool = pool_of(module, 1, 8, "waits")
+    calls = [Call(f"{module}:waits", {"folder": str(folder), "name": f"c{i}", "release": str(release)}) for i in range(8)]
+
+    def all_started() -> None:
+        while len(list(folder.iterdir())) < 8:
+            time.sleep(0.01)
+        for f in folder.iterdir():
+            f.unlink()
+
+    def kill_then_release(kills: int) -> None:
+        for _ in range(kills):
+            all_started()
+            pid = pool.workers[0].proc.pid
+            os.kill(pid, signal.SIGKILL)
+            while pool.workers[0].proc.pid == pid:
+                time.sleep(0.01)
+        if kills == 1:  # the calls ran again: let them return
+            all_started()
+            release.write_text("")
+
+    try:
+        pool.start()
+        for kills in (1, 2):
+            release.unlink(missing_ok=True)
+            helper = threading.Thread(target=kill_then_release, args=(kills,), daemon=True)
+            helper.start()
+            results = pool.run(calls, timeout_s=60.0)
+            helper.join(timeout=60.0)
+            if kills == 1:
+                assert [(r.failure, r.value) for r in results] == [(None, f"c{i}") for i in range(8)]
+            else:
+                assert [r.failure for r in results] == ["died"] * 8
+                assert all("2 times" in r.message for r in results)
+    finally:
+        pool.close()
