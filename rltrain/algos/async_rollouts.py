@@ -6,7 +6,8 @@ exactly, because the engine's worker runs generations and weight loads in submis
 (rltrain/rollout/ahead.py). After step t's update the trainer publishes version t and requests step
 t + 1 + k. A checkpoint keeps the in-flight batches sampled by older versions (per rank) and the
 prompts of the one its own weights regenerate, so a resumed run trains exactly the same batches.
-docs/async.md has the schedule, the loss and the measurements.
+A multi-turn batch (env) is played whole by the worker before the next weight load: one version
+samples it all. docs/async.md has the schedule, the loss, the episodes and the measurements.
 """
 
 from __future__ import annotations
@@ -19,12 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from rltrain.algos.experience import Experience, ExperienceCollector
+from rltrain.envs.episodes import EpisodeResults, results_from_json, results_to_json
+from rltrain.envs.replica import share_results
 from rltrain.rollout.ahead import RolloutWorker
 from rltrain.rollout.base import Completion, RolloutEngine, SamplingSettings
 from rltrain.rollout.separate import completions_from_json, completions_to_json
-from rltrain.rollout.share import leads, share_completions
+from rltrain.rollout.share import leads, raise_leader_error, share_completions
+from rltrain.runtime.errors import UserError
 
-Generated = tuple[list[Completion], float]  # this rank's completions, seconds the engine spent on them
+# This rank's completions (or, multi-turn, its played episodes) and the seconds the worker spent on them.
+Generated = tuple[list[Completion] | EpisodeResults, float]
 
 
 def sample_version(step: int, max_staleness: int) -> int:
@@ -75,10 +80,22 @@ class AsyncRollouts:
         if done is not None:
             future = Future()
             future.set_result(done)
+        elif self._leads() and self.collector.episodes is not None:
+            future = self.worker.submit(self._play, self.collector.my_rows(index), step)
         elif self._leads():
             rows = [r for block in self._rounds(index) for r in self.collector.my_rows(block)]
             future = self.worker.submit(self._generate, [r.ids for r in rows], self.collector.sampling(step))
         self.pending[step] = Ticket(step, index, sample_version(step, self.k), future)
+
+    def _play(self, rows: list, step: int) -> Generated:
+        """Step `step`'s episodes, every turn, on the worker's thread (the engine called directly):
+        exactly what the synchronous step plays (rltrain/envs/episodes.py), by one version."""
+        assert self.collector.episodes is not None
+        started = time.perf_counter()
+        played = self.collector.episodes.run(
+            rows, self.collector.algo_cfg.group_size, self.collector.sampling(step), f"train-{step}", self.rollout.generate
+        )
+        return played, time.perf_counter() - started
 
     def _take_prompts(self) -> list[int]:
         """A batch's prompts. With dynamic sampling every round the step may need is taken and
@@ -108,15 +125,28 @@ class AsyncRollouts:
             self._start(step)
         ticket = self.pending.pop(step)
         waited = time.perf_counter()
-        mine: list[Completion] | None = None
-        generate_s = 0.0
+        mine: list[Completion] | EpisodeResults | None = None
+        generate_s, error = 0.0, None
         if ticket.future is not None:
-            mine, generate_s = self.worker.wait(ticket.future, f"step {step}'s batch", self.wait_timeout_s)
+            try:
+                mine, generate_s = self.worker.wait(ticket.future, f"step {step}'s batch", self.wait_timeout_s)
+            except UserError as exc:  # too many failed episodes: every rank of the replica stops with it
+                error = str(exc)
         wait_s = time.perf_counter() - waited
         group = self.collector.policy.replica_group()
+        staleness = (step - 1) - ticket.version
+        if self.collector.episodes is not None:
+            if group is not None:
+                raise_leader_error(error, group)
+            elif error is not None:
+                raise UserError(error)
+            played = share_results(mine if isinstance(mine, EpisodeResults) else None, group) if group is not None else mine
+            assert isinstance(played, EpisodeResults)
+            exp = self.collector.assemble(step, ticket.global_index, played.completions, generate_s, played, staleness=staleness)
+            return exp, wait_s
+        assert not isinstance(mine, EpisodeResults)
         completions = share_completions(mine, group) if group is not None else mine
         assert completions is not None  # without a replica group every rank generates
-        staleness = (step - 1) - ticket.version
         if not self.collector.algo_cfg.dynamic_sampling:
             return self.collector.assemble(step, ticket.global_index, completions, generate_s, staleness=staleness), wait_s
         by_round: list[tuple[list[int], list[Completion]]] = []
@@ -150,7 +180,7 @@ class AsyncRollouts:
             completions, generate_s = None, 0.0
             if ticket.future is not None and ticket.version < self.version:
                 done, generate_s = self.worker.wait(ticket.future, f"step {step}'s batch", self.wait_timeout_s)
-                completions = completions_to_json(done)
+                completions = results_to_json(done) if isinstance(done, EpisodeResults) else completions_to_json(done)
             rows.append({
                 "step": step, "global_index": ticket.global_index, "version": ticket.version, "completions": completions,
                 "generate_s": generate_s,
@@ -160,7 +190,11 @@ class AsyncRollouts:
     def load_checkpoint(self, directory: Path) -> None:
         state = json.loads((directory / f"rank{self.rank}.json").read_text())
         for row in state["pending"]:
-            done = (completions_from_json(row["completions"]), float(row["generate_s"])) if row["completions"] is not None else None
+            done: Generated | None = None
+            if isinstance(row["completions"], dict):  # played episodes
+                done = (results_from_json(row["completions"]), float(row["generate_s"]))
+            elif row["completions"] is not None:
+                done = (completions_from_json(row["completions"]), float(row["generate_s"]))
             self.restored[int(row["step"])] = ([int(i) for i in row["global_index"]], done)
 
     def close(self) -> None:

@@ -205,18 +205,33 @@ class ExperienceCollector:
         (rltrain/envs/replica.py): environment calls may time out on one rank and not another."""
         assert self.episodes is not None
         group = self.policy.replica_group()
-        if group is None:
+        if group is None and self.worker is None:
             return self.episodes.run(rows, copies, sampling, phase, self.generate)
-        played, error, leader = None, None, leads(group)
+        played, error, leader = None, None, group is None or leads(group)
         with self.timeshare.rollout_turn():
             if leader:
                 try:
-                    played = self.episodes.run(rows, copies, sampling, phase, self._engine_generate)
+                    played = self._play_episodes(rows, copies, sampling, phase)
                 except UserError as exc:
+                    if group is None:
+                        raise
                     error = str(exc)
+        if group is None:
+            assert played is not None
+            return played
         group = self.policy.replica_group()  # re-created by the turn
         raise_leader_error(error, group)
         return share_results(played, group)
+
+    def _play_episodes(self, rows: list[PromptRow], copies: int, sampling: SamplingSettings, phase: str) -> EpisodeResults:
+        """This rank's episodes, played where its engine calls run: in an asynchronous run the whole
+        episode loop queues on the engine's worker thread (behind the batches submitted, which play
+        their episodes there too), so one thread drives the environment workers."""
+        assert self.episodes is not None
+        if self.worker is None:
+            return self.episodes.run(rows, copies, sampling, phase, self._engine_generate)
+        job = self.worker.submit(self.episodes.run, rows, copies, sampling, phase, self.rollout.generate)
+        return self.worker.wait(job, f"the {phase} episodes", self.worker_wait_s)
 
     def rewards(
         self, rows: list[PromptRow], completions: list[Completion], texts: list[str] | None = None

@@ -92,8 +92,3 @@ def validate_staleness(cfg: Config) -> None:
             + " shares the trainer's process and threads, so it cannot overlap. Add rollout=vllm rollout.process=separate, "
             "or set placement.max_staleness=0."
         )
-    if cfg.env.name != "none":
-        raise UserError(
-            f"placement.max_staleness={k} with env={cfg.env.name}: this release generates ahead for single-turn RL only "
-            "(an episode's environment steps run in the trainer's loop). Use placement.max_staleness=0 with env."
-        )

@@ -20,6 +20,7 @@ from rltrain.config.schema import RewardConfig
 from rltrain.data.prompt_data import PromptRenderer, PromptRow
 from rltrain.rewards.scoring import Failures
 from rltrain.rollout.base import Completion, SamplingSettings
+from rltrain.rollout.separate import completions_from_json, completions_to_json
 
 TURN_SEED_STRIDE = 100_003  # each turn samples with its own seed
 
@@ -76,6 +77,21 @@ class EpisodeResults:
     failures: Failures  # user calls that failed: a reset or step (the episode ends), or a tool call
     turns: float  # the model's turns, summed over episodes
     tool_calls: float  # tool calls, summed over episodes
+
+
+def results_to_json(played: EpisodeResults) -> dict[str, Any]:
+    """A played batch as plain data (an asynchronous run's checkpoint holds the batches in flight)."""
+    return {
+        "completions": completions_to_json(played.completions), "returns": played.returns, "final_texts": played.final_texts,
+        "failures": [played.failures.timeouts, played.failures.errors], "turns": played.turns, "tool_calls": played.tool_calls,
+    }
+
+
+def results_from_json(row: dict[str, Any]) -> EpisodeResults:
+    return EpisodeResults(
+        completions_from_json(row["completions"]), [float(r) for r in row["returns"]], [str(t) for t in row["final_texts"]],
+        Failures(int(row["failures"][0]), int(row["failures"][1])), float(row["turns"]), float(row["tool_calls"]),
+    )
 
 
 class EpisodeRunner:

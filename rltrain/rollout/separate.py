@@ -89,6 +89,7 @@ def completions_from_json(rows: list[dict[str, Any]]) -> list[Completion]:
             [int(t) for t in r["token_ids"]],
             [float(x) for x in r["logprobs"]],
             bool(r["finished"]),
+            [bool(x) for x in r["sampled"]] if r.get("sampled") is not None else None,
         )
         for r in rows
     ]

@@ -225,7 +225,6 @@ ASYNC = ("placement.max_staleness=1", "rollout=vllm", "rollout.process=separate"
         ((*ASYNC, "placement.time_sharing=true"), "take turns on one device, so nothing can overlap. Set placement.time_sharing=false"),
         (("placement.max_staleness=2", "rollout=hf"), "needs an engine that runs beside the trainer: rollout=vllm rollout.process=separate"),
         (("placement.max_staleness=1", "rollout=vllm", "rollout.process=colocated"), "rollout=vllm rollout.process=colocated shares the trainer's process"),
-        ((*ASYNC, "env=python", "env.cls=m:C"), "generates ahead for single-turn RL only"),
     ],
 )
 def test_generating_ahead_where_nothing_can_overlap_is_refused(overrides, names):
@@ -237,6 +236,7 @@ def test_generating_ahead_runs_with_grpo_and_ppo_on_both_backends():
     for algo in ("grpo", "ppo"):
         for backend in ("fsdp", "megatron"):
             validate(_cfg(f"algo={algo}", f"backend={backend}", *ASYNC))
+    validate(_cfg(*ASYNC, "env=python", "env.cls=m:C"))  # multi-turn: a batch's episodes are played whole, ahead
 
 
 @pytest.mark.parametrize(

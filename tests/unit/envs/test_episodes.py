@@ -210,3 +210,16 @@ def test_every_turn_shares_one_deadline_so_slow_steps_never_outlast_half_the_col
         runner.close()
     assert played.failures.timeouts == 2 and played.returns == [-1.0, -1.0]
     assert elapsed < 4.0, elapsed  # one 2 s budget for both turns, not 2 s per turn
+
+
+def test_a_played_batch_survives_a_checkpoint_as_json_exactly(envs_module):
+    """An asynchronous run's checkpoint holds played batches (rltrain/algos/async_rollouts.py): the
+    sampled masks, log-probabilities, returns, replies and counts come back as they were."""
+    import json
+
+    from rltrain.envs.episodes import results_from_json, results_to_json
+
+    played = run(envs_module, "HangsOnX", tags=("p0", "p1", "p2"), timeout_s=1.0)
+    back = results_from_json(json.loads(json.dumps(results_to_json(played))))
+    assert back == played
+    assert back.completions[0].sampled is not None and not all(back.completions[0].sampled)
