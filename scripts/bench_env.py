@@ -2,15 +2,17 @@
 step of multi-turn episodes with an environment whose every step waits on the network (0.2 s)
 against one that does not, and with some episodes whose step hangs against none.
 
-    .venv/bin/python scripts/bench_env.py                          # ~5 min on 2 cores: 512 episodes of 3 turns
+    .venv/bin/python scripts/bench_env.py                          # 512 episodes of 3 turns, a few minutes
     .venv/bin/python scripts/bench_env.py --prompts 4 --group 2   # a quick look
+    .venv/bin/python scripts/bench_env.py --pool-only              # N hung calls vs one, in seconds
 
-Each row is `python -m rltrain algo=grpo env=python env.cls=bench_env:<Env>` (the default tiny
+Each row is `python -m rltrain algo=grpo model=tiny env=python env.cls=bench_env:<Env>` (the tiny
 model, this module as the environment) for one step of `--prompts` x `--group` episodes of exactly
 3 turns; `time/rollout` is read from the run's metrics. The rows to compare: `waits` against
 `instant` (the extra should stay under 1.5 x 3 x 0.2 s when every episode is in flight at once), and
-`hangs` (every `--hang-every`-th prompt's episodes hang in their first step, `env.timeout_s=2`)
-against `instant` (the extra should be about one `env.timeout_s`, however many hang).
+`hangs` (the episodes of every prompt whose answer is a multiple of 10 hang in their first step, `env.timeout_s=2`)
+against `instant` (the extra should be about one `env.timeout_s`, however many hang). A first table
+times `CallPool.run` alone: 512 calls at once with 0, 1 or 25 of them hanging.
 """
 
 from __future__ import annotations
@@ -62,9 +64,35 @@ class Hangs(Instant):
 HANG_EVERY = 10
 
 
+def pool_call(hang: bool) -> int:
+    """The pool-level rows' call: returns at once, or never."""
+    if hang:
+        time.sleep(10_000)
+    return 1
+
+
+def pool_table(calls: int, hung: list[int], timeout_s: float) -> list[tuple[str, float, int]]:
+    """(row, seconds, timeouts): `calls` calls at once in one CallPool (one worker, as env.workers=1),
+    `n` of them hanging, for each n of `hung`."""
+    from rltrain.runtime.call_pool import Call, CallPool
+
+    pool = CallPool(1, ["bench_env:pool_call"], "bench", calls)
+    rows = []
+    try:
+        pool.start()
+        pool.run([Call("bench_env:pool_call", {"hang": False})], timeout_s)  # the worker's start-up
+        for n in hung:
+            started = time.perf_counter()
+            results = pool.run([Call("bench_env:pool_call", {"hang": i < n}) for i in range(calls)], timeout_s)
+            rows.append((f"{n} of {calls} calls hang", time.perf_counter() - started, sum(r.failure == "timeout" for r in results)))
+    finally:
+        pool.close()
+    return rows
+
+
 def run(run_dir: Path, env: str, prompts: int, group: int, concurrency: int, extra: list[str]) -> dict:
     cmd = [
-        sys.executable, "-m", "rltrain", "algo=grpo", "env=python", f"env.cls=bench_env:{env}", f"env.max_turns={TURNS}",
+        sys.executable, "-m", "rltrain", "algo=grpo", "model=tiny", "env=python", f"env.cls=bench_env:{env}", f"env.max_turns={TURNS}",
         "env.max_tokens_per_turn=4", f"env.max_concurrency={concurrency}", f"algo.prompts_per_step={prompts}",
         f"algo.group_size={group}", "trainer.max_steps=1", "trainer.eval_every=0", "data.num_eval=4", "trainer.save_every=0",
         "logger.wandb.mode=disabled", "trainer.progress=lines", f"hydra.run.dir={run_dir}", *extra,
@@ -82,7 +110,18 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--concurrency", default="512,256", help="env.max_concurrency values for the waiting env, comma-separated")
+    parser.add_argument("--hung", default="0,1,25", help="the pool table: how many of --calls calls hang, comma-separated")
+    parser.add_argument("--calls", type=int, default=512, help="the pool table: calls at once")
+    parser.add_argument("--timeout", type=float, default=2.0, help="the pool table: env.timeout_s")
+    parser.add_argument("--pool-only", action="store_true", help="only the pool table (seconds, no training run)")
     args = parser.parse_args()
+    print(f"CallPool.run of {args.calls} calls at once, timeout_s={args.timeout:g}")
+    print(f"{'calls':<48} {'seconds':>15} {'timeouts':>9}")
+    for name, seconds, timeouts in pool_table(args.calls, [int(n) for n in args.hung.split(",")], args.timeout):
+        print(f"{name:<48} {seconds:>15.2f} {timeouts:>9d}")
+    if args.pool_only:
+        return
+    print()
     episodes = args.prompts * args.group
     table: list[tuple[str, float, float, float]] = []
     with tempfile.TemporaryDirectory(prefix="bench-env-") as tmp:
