@@ -12,7 +12,9 @@ model, this module as the environment) for one step of `--prompts` x `--group` e
 `instant` (the extra should stay under 1.5 x 3 x 0.2 s when every episode is in flight at once), and
 `hangs` (the episodes of every prompt whose answer is a multiple of 10 hang in their first step, `env.timeout_s=2`)
 against `instant` (the extra should be about one `env.timeout_s`, however many hang). A first table
-times `CallPool.run` alone: 512 calls at once with 0, 1 or 25 of them hanging.
+times `CallPool.run` alone: 512 calls at once with 0, 1 or 25 of them hanging; a second the episode
+loop alone with an engine stand-in that replies at once (the environment's side only: on a busy
+machine the training rows' generation time varies by more than the waits being measured).
 """
 
 from __future__ import annotations
@@ -90,6 +92,43 @@ def pool_table(calls: int, hung: list[int], timeout_s: float) -> list[tuple[str,
     return rows
 
 
+def loop_table(episodes: int, concurrency: list[int], timeout_s: float) -> list[tuple[str, float, int]]:
+    """(row, seconds, timeouts): the episode loop alone (rltrain/envs/episodes.py, the real
+    environment workers) with an engine stand-in that replies at once, so the environment's side is
+    all that is timed: `episodes` episodes of 3 turns per environment and concurrency."""
+    from types import SimpleNamespace
+
+    from rltrain.data.prompt_data import PromptRow
+    from rltrain.envs.episodes import EpisodeRunner
+    from rltrain.envs.user_env import HostedEnvironments
+    from rltrain.models.tokenizer import build_char_tokenizer
+    from rltrain.rollout.base import Completion, SamplingSettings
+
+    tokenizer = build_char_tokenizer()
+    eos = tokenizer.eos_token_id
+
+    def generate(prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+        return [Completion(i, [5, 6, eos], [-0.1, -0.1, -0.1], True) for i in range(len(prompts))]
+
+    rows = [PromptRow([7, 8], f"{i}+0=", {"answer": str(i)}) for i in range(episodes)]
+    table = []
+    for name, c in [("Instant", max(concurrency)), *(("Waits", c) for c in concurrency), ("Hangs", max(concurrency))]:
+        env_cfg = SimpleNamespace(
+            cls=f"bench_env:{name}", max_turns=TURNS, max_tokens_per_turn=4, max_total_tokens=256, timeout_s=timeout_s,
+            workers=1, max_concurrency=c,
+        )
+        reward_cfg = SimpleNamespace(on_failure=0.0, max_failure_frac=1.0)
+        runner = EpisodeRunner(env_cfg, reward_cfg, tokenizer, 4, 600.0, HostedEnvironments(env_cfg, reward_cfg, tokenizer))
+        try:
+            runner.run(rows[:1], 1, SamplingSettings(stop_token_ids=[eos]), "warm", generate)  # the worker's start-up
+            started = time.perf_counter()
+            played = runner.run(rows, 1, SamplingSettings(stop_token_ids=[eos]), "bench", generate)
+            table.append((f"{name}, max_concurrency={c}", time.perf_counter() - started, played.failures.timeouts))
+        finally:
+            runner.close()
+    return table
+
+
 def run(run_dir: Path, env: str, prompts: int, group: int, concurrency: int, extra: list[str]) -> dict:
     cmd = [
         sys.executable, "-m", "rltrain", "algo=grpo", "model=tiny", "env=python", f"env.cls=bench_env:{env}", f"env.max_turns={TURNS}",
@@ -114,6 +153,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=512, help="the pool table: calls at once")
     parser.add_argument("--timeout", type=float, default=2.0, help="the pool table: env.timeout_s")
     parser.add_argument("--pool-only", action="store_true", help="only the pool table (seconds, no training run)")
+    parser.add_argument("--loop-only", action="store_true", help="the pool and episode-loop tables (no training run)")
     args = parser.parse_args()
     print(f"CallPool.run of {args.calls} calls at once, timeout_s={args.timeout:g}")
     print(f"{'calls':<48} {'seconds':>15} {'timeouts':>9}")
@@ -121,8 +161,15 @@ def main() -> None:
         print(f"{name:<48} {seconds:>15.2f} {timeouts:>9d}")
     if args.pool_only:
         return
-    print()
     episodes = args.prompts * args.group
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    print(f"\nthe episode loop alone, {episodes} episodes of {TURNS} turns, an engine stand-in, env.timeout_s={args.timeout:g}")
+    print(f"{'environment':<48} {'seconds':>15} {'timeouts':>9}")
+    for name, seconds, timeouts in loop_table(episodes, concurrency, args.timeout):
+        print(f"{name:<48} {seconds:>15.2f} {timeouts:>9d}")
+    if args.loop_only:
+        return
+    print()
     table: list[tuple[str, float, float, float]] = []
     with tempfile.TemporaryDirectory(prefix="bench-env-") as tmp:
         base = run(Path(tmp) / "instant", "Instant", args.prompts, args.group, episodes, [])
