@@ -18,14 +18,19 @@ def _algo_list(names: list[str]) -> str:
 
 
 def validate_env(cfg: Config) -> None:
-    """`env=python` and `env=tools` (docs/environments.md): what this release runs multi-turn, and in-range numbers."""
+    """`env=python`, `env=tools` and `env=agent` (docs/environments.md, docs/agents.md): what this release runs multi-turn, and in-range numbers."""
     env = cfg.env
     if env.name != "python" and env.cls is not None:
         raise UserError(f"env.cls={env.cls!r} is set but env={env.name} does not use it: add env=python to use it.")
     if env.name != "tools" and list(env.tools):
         raise UserError(f"env.tools={list(env.tools)} is set but env={env.name} does not use it: add env=tools to use them.")
+    if env.name != "agent" and (env.agent is not None or env.chat_template is not None):
+        key = "env.agent" if env.agent is not None else "env.chat_template"
+        raise UserError(f"{key} is set but env={env.name} does not use it: add env=agent to use it.")
     if env.name == "none":
         return
+    if env.name == "agent" and (not env.agent or ":" not in env.agent):
+        raise UserError(f"env=agent needs env.agent=package.module:function, your agent (got {env.agent!r}).")
     if env.name == "python" and (not env.cls or ":" not in env.cls):
         raise UserError(f"env=python needs env.cls=package.module:Class, your environment class (got {env.cls!r}).")
     if env.name == "tools":
@@ -54,6 +59,11 @@ def validate_env(cfg: Config) -> None:
         raise UserError(
             "env=python takes its rewards from the environment's step() (summed over the episode); reward.fns and "
             "reward_model are not called. Remove them, or score inside step()."
+        )
+    if env.name == "agent" and (list(cfg.reward.fns) or cfg.reward_model.name != "none"):
+        raise UserError(
+            "env=agent takes its rewards from what the agent returns; reward.fns and reward_model are not called. "
+            "Remove them, or score inside the agent."
         )
     for key in ("max_turns", "max_total_tokens", "workers"):
         if getattr(env, key) < 1:
