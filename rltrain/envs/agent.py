@@ -195,6 +195,7 @@ class AgentRunner:
         named_rows: list[dict[str, float]] = []
         failures = Failures()
         failed = no_calls = 0
+        first_error = ""
         for i, record, result in zip(owners, records, results, strict=True):
             chain = record.trained()
             value = result.value if result.failure is None and isinstance(result.value, dict) else None
@@ -205,6 +206,7 @@ class AgentRunner:
                 else:
                     failures.errors += 1
                     no_calls += value is not None  # it returned, but never asked the model anything
+                    first_error = first_error or (result.message if value is None else "")
                 returns.append(float(self.reward_cfg.on_failure))
                 named_rows.append({})
             else:
@@ -221,7 +223,7 @@ class AgentRunner:
                 f"the agent {self.cfg.agent!r} failed on {failed} of this rank's {len(owners)} episodes ({failures.timeouts} timed out "
                 f"after env.timeout_s={self.timeout_s}, {no_calls} never called the endpoint, the rest raised or returned no reward), "
                 f"more than reward.max_failure_frac={self.reward_cfg.max_failure_frac:g}. Fix it, or raise env.timeout_s or "
-                "reward.max_failure_frac."
+                f"reward.max_failure_frac.{f' The first error: {first_error[:500]}' if first_error else ''}"
             )
         names = sorted({name for named in named_rows for name in named})
         return AgentResults(

@@ -130,7 +130,7 @@ class AgentEndpoint:
         class Handler(_Handler):
             owner = endpoint
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = _Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, name="agent-endpoint", daemon=True)
@@ -210,6 +210,11 @@ class AgentEndpoint:
         self.close_phase()
         self.server.shutdown()
         self.server.server_close()
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Quiet: a connection its agent's worker dropped (killed on a timeout) is that episode's failure."""
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -4,7 +4,7 @@ one episode, so a hung or crashing agent costs its worker and that episode only.
 `run_episode` points the OpenAI environment variables at the episode's endpoint (for agents and
 frameworks that build their own client), tells the endpoint the episode started (its
 `env.timeout_s` runs from then), and calls the user's `run(client, row)` with a ready client:
-`AsyncOpenAI` for an `async def` agent (run to completion here), `OpenAI` otherwise. What it
+`AsyncOpenAI` for an `async def` agent (run on the worker's event loop), `OpenAI` otherwise. What it
 returns is the episode's reward: a number, or a dict of named numbers (summed). docs/agents.md.
 """
 
@@ -39,6 +39,18 @@ def reward_of(value: Any) -> dict[str, Any]:
     return {"reward": float(value), "named": {}}
 
 
+_LOOP: list[asyncio.AbstractEventLoop] = []
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """One event loop for the worker's life: frameworks cache async clients bound to the loop they
+    were made in (the Agents SDK's default client), and the next episode must find it open."""
+    if not _LOOP:
+        _LOOP.append(asyncio.new_event_loop())
+        asyncio.set_event_loop(_LOOP[0])
+    return _LOOP[0]
+
+
 def run_episode(agent: str, base_url: str, api_key: str, row: dict[str, Any], timeout_s: float | None) -> dict[str, Any]:
     """Play one episode of `agent` (`package.module:function`) on `row` against the endpoint at `base_url`."""
     os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"] = base_url, api_key
@@ -53,6 +65,6 @@ def run_episode(agent: str, base_url: str, api_key: str, row: dict[str, Any], ti
             async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=request_timeout) as client:
                 return await fn(client, row)
 
-        return reward_of(asyncio.run(play()))
+        return reward_of(_event_loop().run_until_complete(play()))
     with openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=request_timeout) as client:
         return reward_of(fn(client, row))
