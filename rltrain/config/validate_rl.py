@@ -5,6 +5,8 @@ is built; docs/environments.md and docs/async.md say what each refusal protects.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rltrain.config.algorithms import names_where, spec_of
 from rltrain.config.group_choice import as_option
 from rltrain.config.group_options import VLLMRolloutConfig
@@ -31,6 +33,9 @@ def validate_env(cfg: Config) -> None:
         return
     if env.name == "agent" and (not env.agent or ":" not in env.agent):
         raise UserError(f"env=agent needs env.agent=package.module:function, your agent (got {env.agent!r}).")
+    template = env.chat_template
+    if template is not None and "{" not in template and not Path(template).expanduser().is_file():
+        raise UserError(f"env.chat_template={template!r} is neither a Jinja template nor a file: give the template or its path.")
     if env.name == "python" and (not env.cls or ":" not in env.cls):
         raise UserError(f"env=python needs env.cls=package.module:Class, your environment class (got {env.cls!r}).")
     if env.name == "tools":

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -43,6 +44,16 @@ POLL_S = 0.05
 class AgentResults(EpisodeResults):
     named: dict[str, list[float]] = field(default_factory=dict)  # the agents' named rewards (reward/<name>), per episode
     counts: dict[str, float] = field(default_factory=dict)  # env/history_rewrites, env/no_calls: summed over episodes
+
+
+def chat_template_text(value: str | None) -> str | None:
+    """`env.chat_template`: a Jinja template, or the path of a file holding one (`.jinja`)."""
+    if value is None or "{" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise UserError(f"env.chat_template={value!r} is neither a Jinja template nor a file: give the template or its path.")
+    return path.read_text()
 
 
 def named_on_every_rank(results: AgentResults) -> dict[str, list[float]]:
@@ -81,6 +92,7 @@ class AgentRunner:
         self.pool = CallPool(env_cfg.workers, [RUN_EPISODE, env_cfg.agent], "agent")
         if start_workers:
             self.pool.start()
+        self.chat_template = chat_template_text(env_cfg.chat_template)
         self.endpoint: AgentEndpoint | None = None
         self.batches = 0  # engine calls so far: each samples with its own seed
 
@@ -138,7 +150,7 @@ class AgentRunner:
                 refusal = self.endpoint.refusal(p.episode)
                 if refusal is not None:
                     raise refusal
-                at = records[p.episode].continuation(render(self.tokenizer, p.request.messages, p.request.tools, self.cfg.chat_template))
+                at = records[p.episode].continuation(render(self.tokenizer, p.request.messages, p.request.tools, self.chat_template))
                 if len(at.prompt_ids) > self.max_context:
                     raise ApiError(
                         400, f"the conversation is {len(at.prompt_ids)} tokens; this run serves at most {self.max_context} "
