@@ -96,6 +96,9 @@ class Experience:
     turns: float = 0.0  # the model's turns over this rank's episodes
     tool_calls: float = 0.0  # the tool calls over this rank's episodes (env=tools)
     env_counts: dict[str, float] = field(default_factory=dict)  # env=agent: `env/<name>` counts over this rank's episodes
+    # env=agent: the episode (an index into `scores_B`) of each sequence, where an episode may train
+    # several (docs/agents.md); None: sequence i is episode i.
+    episode_of: list[int] | None = None
     staleness: int = 0  # policy versions between the sampler and the trainer (placement.max_staleness)
     global_index: list[int] = field(default_factory=list)  # the step's prompts (global, every rank's)
     sampling: SamplingRounds | None = None  # algo.dynamic_sampling: the rounds that made this batch
@@ -103,6 +106,12 @@ class Experience:
     entropy: Ragged | None = None
     ref_logps: Ragged | None = None
     values: Ragged | None = None
+
+    def sequence_scores_B(self) -> torch.Tensor:
+        """Each sequence's reward: its episode's."""
+        if self.episode_of is None:
+            return self.scores_B
+        return self.scores_B[torch.tensor(self.episode_of, dtype=torch.long, device="cpu")]
 
 
 def exact_matches(texts: list[str], rows: list[PromptRow]) -> float:
@@ -281,6 +290,11 @@ class ExperienceCollector:
             started = time.perf_counter()
             played = self.play(rows, self.algo_cfg.group_size, self.sampling(step), f"train-{step}")
             time_rollout = time.perf_counter() - started
+            if isinstance(played, AgentResults):  # every sequence an episode made trains
+                sequences, episode_of = played.sequences()
+                exp = self.assemble(step, global_index, sequences, time_rollout, played)
+                exp.episode_of = episode_of
+                return exp
             return self.assemble(step, global_index, played.completions, time_rollout, played)
         completions = self.generate([r.ids for r in rows], self.sampling(step))
         if self.algo_cfg.dynamic_sampling:
@@ -361,12 +375,12 @@ class ExperienceCollector:
             env_failures, episode_counts = played.failures, (played.turns, played.tool_calls)
         env_counts = played.counts if isinstance(played, AgentResults) else {}
         per_fn, failures, scores_B = scored if scored is not None else self.score(rows, completions, played)
-        if self.sample_every and step % self.sample_every == 0:
+        if self.sample_every and step % self.sample_every == 0:  # (an agent's episodes: the first sequence of each)
             self.recorded = first_samples([rows[c.prompt_index].text for c in completions], self.texts(completions), scores_B.tolist())
         dp_size = self.policy.world_size
         global_scores = torch.zeros(self.layout.global_size, dtype=torch.float64, device="cpu")
         offset = self.layout.offset
-        global_scores[offset : offset + len(completions)] = scores_B
+        global_scores[offset : offset + len(scores_B)] = scores_B
         global_scores = sum_over_replicas(global_scores, dp_size)
         batch = SequenceBatch.from_lists(
             [c.prompt_ids if c.prompt_ids is not None else rows[c.prompt_index].ids for c in completions], [c.token_ids for c in completions]

@@ -5,9 +5,9 @@ Each episode is one call of the pool (rltrain/envs/agent_worker.py:run_episode) 
 the endpoint (rltrain/envs/agent_endpoint.py). While the pool runs them (a thread of its own), the
 thread that owns the engine takes the queued requests in batches, renders their messages with the
 chat template, samples them in one engine call per distinct sampling setting and answers each; every
-token served is recorded (rltrain/envs/agent_record.py). An episode trains on the sequence of its last
-reply and scores what its agent returned; one that timed out, raised, returned no number or never
-called the endpoint scores `reward.on_failure`. docs/agents.md tells the story.
+token served is recorded (rltrain/envs/agent_record.py). An episode trains on every sequence it made,
+with what its agent returned; one that timed out, raised, returned no number or never called the
+endpoint scores `reward.on_failure`. docs/agents.md tells the story.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from rltrain.config.group_options import EnvConfig
 from rltrain.config.schema import RewardConfig
 from rltrain.data.prompt_data import PromptRow
 from rltrain.envs.agent_endpoint import AgentEndpoint, ApiError, Pending
-from rltrain.envs.agent_record import Continuation, EpisodeRecord
+from rltrain.envs.agent_record import Chain, Continuation, EpisodeRecord
 from rltrain.envs.agent_reply import choice, completion_body, cut_reply, render
 from rltrain.envs.episodes import TURN_SEED_STRIDE, EpisodeResults
 from rltrain.rewards.scoring import Failures
@@ -42,8 +42,18 @@ POLL_S = 0.05
 
 @dataclass
 class AgentResults(EpisodeResults):
+    """`completions` holds each episode's sequence of its last reply; `extra` the sequences its
+    history rewrites and `n` > 1 forks left behind, `extra_episode` whose each one is (an index into
+    the episodes): they train with their episode's reward and advantage (docs/agents.md)."""
+
     named: dict[str, list[float]] = field(default_factory=dict)  # the agents' named rewards (reward/<name>), per episode
     counts: dict[str, float] = field(default_factory=dict)  # env/history_rewrites, env/no_calls: summed over episodes
+    extra: list[Completion] = field(default_factory=list)
+    extra_episode: list[int] = field(default_factory=list)
+
+    def sequences(self) -> tuple[list[Completion], list[int]]:
+        """Every sequence to train, and the episode of each."""
+        return self.completions + self.extra, list(range(len(self.completions))) + self.extra_episode
 
 
 def chat_template_text(value: str | None) -> str | None:
@@ -202,14 +212,20 @@ class AgentRunner:
         self, rows: list[PromptRow], owners: list[int], records: list[EpisodeRecord], results: list[CallResult], sampling: SamplingSettings,
     ) -> AgentResults:
         completions: list[Completion] = []
+        extra: list[Completion] = []
+        extra_episode: list[int] = []
         returns: list[float] = []
         finals: list[str] = []
         named_rows: list[dict[str, float]] = []
         failures = Failures()
         failed = no_calls = 0
         first_error = ""
-        for i, record, result in zip(owners, records, results, strict=True):
+        for episode, (i, record, result) in enumerate(zip(owners, records, results, strict=True)):
             chain = record.trained()
+            for k, left in enumerate(record.chains):
+                if k != record.last_chain:
+                    extra.append(_completion(i, left))
+                    extra_episode.append(episode)
             value = result.value if result.failure is None and isinstance(result.value, dict) else None
             if value is None or chain is None:
                 failed += 1
@@ -228,7 +244,7 @@ class AgentRunner:
                 completions.append(Completion(i, list(sampling.stop_token_ids[:1]), [0.0], True, [False]))
                 finals.append("")
             else:
-                completions.append(Completion(i, list(chain.tokens), list(chain.logprobs), chain.finished, list(chain.sampled), list(chain.prompt_ids)))
+                completions.append(_completion(i, chain))
                 finals.append(self.tokenizer.decode([t for t, s in zip(chain.tokens, chain.sampled, strict=True) if s], skip_special_tokens=True))
         if failed > self.reward_cfg.max_failure_frac * len(owners):
             raise UserError(
@@ -242,4 +258,9 @@ class AgentRunner:
             completions, returns, finals, failures, float(sum(r.calls for r in records)), float(sum(r.tool_calls for r in records)),
             named={name: [named.get(name, 0.0) for named in named_rows] for name in names},
             counts={"history_rewrites": float(sum(r.rewrites for r in records)), "no_calls": float(no_calls)},
+            extra=extra, extra_episode=extra_episode,
         )
+
+
+def _completion(prompt_index: int, chain: Chain) -> Completion:
+    return Completion(prompt_index, list(chain.tokens), list(chain.logprobs), chain.finished, list(chain.sampled), list(chain.prompt_ids))

@@ -50,6 +50,31 @@ def test_a_plain_openai_client_agent_trains_on_two_ranks_on_every_token_it_was_s
     assert evals and all(0.0 <= r["eval/success"] <= 1.0 for r in evals)
 
 
+REWRITER = """
+def run(client, row):
+    \"\"\"Asks, then asks again with its history summarised: two sequences per episode; a third of the
+    rows ask for two replies at once (a fork).\"\"\"
+    n = 2 if row["answer"].endswith("3") else 1
+    first = client.chat.completions.create(model="x", messages=[{"role": "user", "content": row["prompt"]}], n=n)
+    summary = "earlier: " + (first.choices[0].message.content or "")[:3]
+    again = client.chat.completions.create(model="x", messages=[{"role": "user", "content": summary + " " + row["prompt"]}])
+    return float((again.choices[0].message.content or "").strip() == row["answer"])
+"""
+
+
+def test_an_agent_that_rewrites_its_history_trains_every_sequence_on_two_ranks(tmp_path):
+    """Each episode trains two or three sequences with its advantage; the ranks hold different
+    numbers of sequences and agree on their micro-batches (a mismatch would hang the collective)."""
+    (tmp_path / "rewriter.py").write_text(REWRITER)
+    rltrain(*AGENT_RUN, "env.agent=rewriter:run", "trainer.nproc=2", "trainer.micro_batch_size=4", "trainer.eval_every=0",
+            run_dir=tmp_path / "run", timeout=500, env={"PYTHONPATH": str(tmp_path)})
+    rows = train_rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["env/turns_mean"] == 2.0 and r["env/history_rewrites"] == 8.0, r  # every episode's second call
+        assert r["rollout/logprob_diff_max"] < 1e-3, r  # over every sequence's sampled tokens
+
+
 def test_an_openai_agents_sdk_agent_trains_unchanged(tmp_path):
     rltrain(*AGENT_RUN, "env.agent=agents_sdk_agent:run", "trainer.max_steps=1", "trainer.eval_every=0",
             run_dir=tmp_path / "run", timeout=400, env=EXAMPLES)

@@ -249,10 +249,15 @@ def test_an_async_agent_gets_an_async_client(agents):
     assert played.returns == [2.0, 2.0] and [c.sampled for c in played.completions] == [[True] * 3] * 2
 
 
-def test_a_rewritten_history_trains_the_last_sequence_and_is_counted(agents):
+def test_a_rewritten_history_starts_a_new_sequence_and_both_train_with_the_episode(agents):
     played = play(f"{agents}:rewrite")
     assert played.counts["history_rewrites"] == 2.0 and played.returns == [1.0, 1.0]
-    assert played.completions[0].prompt_ids == ids("U:summary\nA:")
+    # The episode's last reply's sequence first (one per episode), then the ones it left behind.
+    assert [c.prompt_ids for c in played.completions] == [ids("U:summary\nA:")] * 2
+    assert [c.prompt_ids for c in played.extra] == [ids("U:p0|\nA:"), ids("U:p1|\nA:")] and played.extra_episode == [0, 1]
+    sequences, episode_of = played.sequences()
+    assert len(sequences) == 4 and episode_of == [0, 1, 0, 1]
+    assert all(c.sampled == [True] * 3 for c in sequences)
 
 
 def test_tool_calls_come_back_in_openai_form(agents):
@@ -284,3 +289,14 @@ def test_a_hung_crashing_silent_or_nonsense_agent_fails_its_episode_only(agents)
 def test_too_many_failed_episodes_stop_the_run_naming_the_agent(agents):
     with pytest.raises(UserError, match=r"the agent 'agent_fixtures:by_tag' failed on 2 of this rank's 2 episodes"):
         play(f"{agents}:by_tag", tags=("raise", "silent"))
+
+
+def test_an_episode_that_forks_trains_each_fork(agents, tmp_path):
+    (tmp_path / "forks.py").write_text(textwrap.dedent('''
+        def run(client, row):
+            client.chat.completions.create(model="x", messages=[{"role": "user", "content": row["prompt"]}], n=3)
+            return 1.0
+    '''))
+    played = play("forks:run", tags=("p0",))
+    assert len(played.completions) == 1 and len(played.extra) == 2 and played.extra_episode == [0, 0]
+    assert played.counts["history_rewrites"] == 0.0  # forks are not rewrites
