@@ -107,11 +107,12 @@ class Experience:
     ref_logps: Ragged | None = None
     values: Ragged | None = None
 
-    def sequence_scores_B(self) -> torch.Tensor:
-        """Each sequence's reward: its episode's."""
-        if self.episode_of is None:
-            return self.scores_B
-        return self.scores_B[torch.tensor(self.episode_of, dtype=torch.long, device="cpu")]
+
+def sequence_scores(scores_B: torch.Tensor, episode_of: list[int] | None) -> torch.Tensor:
+    """Each sequence's reward, its episode's (`Experience.episode_of`)."""
+    if episode_of is None:
+        return scores_B
+    return scores_B[torch.tensor(episode_of, dtype=torch.long, device="cpu")]
 
 
 def exact_matches(texts: list[str], rows: list[PromptRow]) -> float:
