@@ -62,11 +62,13 @@ def run(client, row):
 """
 
 
-def test_an_agent_that_rewrites_its_history_trains_every_sequence_on_two_ranks(tmp_path):
-    """Each episode trains two or three sequences with its advantage; the ranks hold different
-    numbers of sequences and agree on their micro-batches (a mismatch would hang the collective)."""
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_an_agent_that_rewrites_its_history_trains_every_sequence_on_two_ranks(tmp_path, algo):
+    """Each episode trains two or three sequences with its advantage (PPO: its reward, its critic's
+    values); the ranks hold different numbers of sequences and agree on their micro-batches (a
+    mismatch would hang the collective)."""
     (tmp_path / "rewriter.py").write_text(REWRITER)
-    rltrain(*AGENT_RUN, "env.agent=rewriter:run", "trainer.nproc=2", "trainer.micro_batch_size=4", "trainer.eval_every=0",
+    rltrain(*AGENT_RUN, f"algo={algo}", "env.agent=rewriter:run", "trainer.nproc=2", "trainer.micro_batch_size=4", "trainer.eval_every=0",
             run_dir=tmp_path / "run", timeout=500, env={"PYTHONPATH": str(tmp_path)})
     rows = train_rows(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2]
