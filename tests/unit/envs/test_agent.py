@@ -183,6 +183,20 @@ def test_n_replies_of_one_call_fork_the_sequence():
     assert nxt.chain == 1
 
 
+def test_a_call_that_goes_on_from_an_earlier_reply_forks_there():
+    """Calls in flight together, or an agent that retries from an earlier point: not a rewrite."""
+    record = EpisodeRecord(TOKENIZER)
+    record.record(record.continuation("U:hi\nA:"), [(ids("a") + [EOS], [-0.1] * 2, True)])
+    record.record(record.continuation("U:hi\nA:a<eos>\nU:x\nA:"), [(ids("b") + [EOS], [-0.2] * 2, True)])
+    fork = record.continuation("U:hi\nA:a<eos>\nU:y\nA:")
+    assert fork.chain == 0 and fork.prompt_ids == ids("U:hi\nA:a") + [EOS] + ids("\nU:y\nA:")
+    record.record(fork, [(ids("c") + [EOS], [-0.3] * 2, True)])
+    assert record.rewrites == 0 and len(record.chains) == 2 and record.trained() is record.chains[1]
+    assert record.chains[0].tokens == ids("a") + [EOS] + ids("\nU:x\nA:") + ids("b") + [EOS]  # kept whole
+    assert record.chains[1].tokens == ids("a") + [EOS] + ids("\nU:y\nA:") + ids("c") + [EOS]
+    assert record.chains[1].sampled == [True, True] + [False] * 7 + [True, True]
+
+
 def test_a_reply_is_cut_after_the_token_that_completes_a_stop_string():
     reply = cut_reply(TOKENIZER, ids("abXYcd") + [EOS], [-0.1] * 7, True, [EOS], ["XY"])
     assert reply.ids == ids("abXY") and reply.logprobs == [-0.1] * 4 and reply.text == "ab" and reply.finished
