@@ -124,6 +124,7 @@ class AgentEndpoint:
         self.arrived = threading.Condition(self.lock)
         self.queue: list[Pending] = []
         self.slots: dict[str, EpisodeSlot] = {}
+        self.by_index: list[EpisodeSlot] = []
         self.phase_deadline: float | None = None
         endpoint = self
 
@@ -141,6 +142,7 @@ class AgentEndpoint:
         keys = [secrets.token_hex(12) for _ in range(count)]
         with self.lock:
             self.slots = {key: EpisodeSlot(i) for i, key in enumerate(keys)}
+            self.by_index = list(self.slots.values())
             self.phase_deadline = deadline
         return keys
 
@@ -171,8 +173,7 @@ class AgentEndpoint:
     def refusal(self, episode: int) -> ApiError | None:
         """Why a request of `episode` cannot be served now (None: it can)."""
         with self.lock:
-            slot = next((s for s in self.slots.values() if s.index == episode), None)
-            return self._refusal(slot)
+            return self._refusal(self.by_index[episode] if episode < len(self.by_index) else None)
 
     def _refusal(self, slot: EpisodeSlot | None) -> ApiError | None:
         now = time.monotonic()
