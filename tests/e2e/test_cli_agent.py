@@ -1,8 +1,9 @@
 """`env=agent` end to end (docs/agents.md): the examples/ agents, which the package never imports,
 trained unchanged behind the run's endpoint on the tiny model. The plain `openai` client agent on two
 ranks with the HF engine (its calls merge into one sequence per episode: train/rollout parity in fp32
-over them, named rewards logged), the OpenAI Agents SDK agent, the
-plain agent on vLLM in-process; what env=agent cannot run is refused by name."""
+over them, named rewards logged), an agent that rewrites its history (GRPO and PPO train every
+sequence), the OpenAI Agents SDK agent, the plain agent on vLLM in-process and in its own process;
+what env=agent cannot run is refused by name."""
 
 from __future__ import annotations
 
@@ -85,8 +86,9 @@ def test_an_openai_agents_sdk_agent_trains_unchanged(tmp_path):
     assert r["rollout/logprob_diff_max"] < 1e-3, r
 
 
-def test_the_endpoint_serves_from_vllm_in_process(template_file, tmp_path):
-    rltrain(*AGENT_RUN, "rollout=vllm", "trainer.max_steps=1", "trainer.eval_every=0", f"env.chat_template={template_file}",
+@pytest.mark.parametrize("process", ["colocated", "separate"])
+def test_the_endpoint_serves_from_vllm_in_process_or_in_its_own(template_file, tmp_path, process):
+    rltrain(*AGENT_RUN, "rollout=vllm", f"rollout.process={process}", "trainer.max_steps=1", "trainer.eval_every=0", f"env.chat_template={template_file}",
             run_dir=tmp_path / "run", timeout=500, env=EXAMPLES)
     (r,) = train_rows(tmp_path / "run")
     assert r["env/turns_mean"] > 1.0 and r["env/errors"] == 0.0, r
