@@ -237,6 +237,22 @@ def test_requests_of_an_unknown_or_ended_episode_are_refused_without_waiting():
         endpoint.close()
 
 
+def test_requests_of_an_episode_past_its_timeout_are_refused():
+    endpoint = AgentEndpoint(timeout_s=0.2)
+    try:
+        (key,) = endpoint.open_phase(1, time.monotonic() + 60)
+        start = urllib.request.Request(endpoint.base_url(key).rsplit("/v1", 1)[0] + "/start", data=b"{}", method="POST")
+        urllib.request.urlopen(start, timeout=10).read()
+        time.sleep(0.3)
+        body = json.dumps({"model": "x", "messages": [{"role": "user", "content": "hi"}]}).encode()
+        request = urllib.request.Request(endpoint.base_url(key) + "/chat/completions", data=body, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as exc:
+            urllib.request.urlopen(request, timeout=10)
+        assert exc.value.code == 410 and "ran past env.timeout_s=0.2 s" in json.loads(exc.value.read())["error"]["message"]
+    finally:
+        endpoint.close()
+
+
 # --- episodes end to end (workers, endpoint, openai client) ------------------------------------
 
 
