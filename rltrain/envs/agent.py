@@ -118,7 +118,7 @@ class AgentRunner:
         calls = [
             Call(RUN_EPISODE, {
                 "agent": self.cfg.agent, "base_url": endpoint.base_url(key), "api_key": key,
-                "row": {"prompt": rows[i].text, **rows[i].columns}, "timeout_s": self.timeout_s,
+                "row": {"prompt": rows[i].messages or rows[i].text, **rows[i].columns}, "timeout_s": self.timeout_s,
             })
             for i, key in zip(owners, keys, strict=True)
         ]

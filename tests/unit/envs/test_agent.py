@@ -78,6 +78,11 @@ AGENTS = textwrap.dedent('''
             return 1.0 if "stream" in str(exc) else 0.0
         return 0.0
 
+    def conversational(client, row):
+        """A chat dataset's row: its prompt is the messages, sent as they are."""
+        client.chat.completions.create(model="x", messages=row["prompt"])
+        return 1.0 if isinstance(row["prompt"], list) else 0.0
+
     def by_tag(client, row):
         """What each row's tag asks for: hang, raise, stay silent, return nonsense, or answer."""
         tag = row["tag"]
@@ -272,6 +277,17 @@ def test_an_agent_that_talks_twice_trains_one_sequence_of_exactly_the_served_ids
     second_prompts = [p for prompts, s in calls for p in prompts if s.max_new_tokens == 8]
     assert prompt + c0.token_ids[:14] in second_prompts
     assert {s.temperature for _, s in calls} == {1.0, 0.5}  # the agent's own temperature, the run's where it set none
+
+
+def test_a_conversational_row_reaches_the_agent_as_its_messages(agents):
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+    row = PromptRow(ids("ignored"), "ignored", {"tag": "c"}, True, messages)
+    runner = AgentRunner(AgentEnvConfig(agent=f"{agents}:conversational", chat_template=TEMPLATE), RewardConfig(), TOKENIZER, 64, 64, 600)
+    try:
+        played = runner.run([row], 1, SamplingSettings(stop_token_ids=[EOS]), "train-0", scripted_generate([]))
+    finally:
+        runner.close()
+    assert played.returns == [1.0] and played.completions[0].prompt_ids == ids("S:s\nU:q\nA:")
 
 
 def test_an_async_agent_gets_an_async_client(agents):
