@@ -25,6 +25,7 @@ from rltrain.data.prompt_data import PromptRow, build_prompt_data
 from rltrain.data.ragged import Ragged
 from rltrain.data.sampler import IndexStream
 from rltrain.data.sharding import rank_slice, sum_over_replicas
+from rltrain.envs.agent import AgentResults, AgentRunner, named_on_every_rank
 from rltrain.envs.episodes import EpisodeResults, EpisodeRunner
 from rltrain.envs.replica import share_results
 from rltrain.rewards.overlong import overlong_penalties
@@ -94,6 +95,10 @@ class Experience:
     env_failures: Failures = field(default_factory=Failures)  # failed environment steps or tool calls (env=python, env=tools)
     turns: float = 0.0  # the model's turns over this rank's episodes
     tool_calls: float = 0.0  # the tool calls over this rank's episodes (env=tools)
+    env_counts: dict[str, float] = field(default_factory=dict)  # env=agent: `env/<name>` counts over this rank's episodes
+    # env=agent: the episode (an index into `scores_B`) of each sequence, where an episode may train
+    # several (docs/agents.md); None: sequence i is episode i.
+    episode_of: list[int] | None = None
     staleness: int = 0  # policy versions between the sampler and the trainer (placement.max_staleness)
     global_index: list[int] = field(default_factory=list)  # the step's prompts (global, every rank's)
     sampling: SamplingRounds | None = None  # algo.dynamic_sampling: the rounds that made this batch
@@ -101,6 +106,13 @@ class Experience:
     entropy: Ragged | None = None
     ref_logps: Ragged | None = None
     values: Ragged | None = None
+
+
+def sequence_scores(scores_B: torch.Tensor, episode_of: list[int] | None) -> torch.Tensor:
+    """Each sequence's reward, its episode's (`Experience.episode_of`)."""
+    if episode_of is None:
+        return scores_B
+    return scores_B[torch.tensor(episode_of, dtype=torch.long, device="cpu")]
 
 
 def exact_matches(texts: list[str], rows: list[PromptRow]) -> float:
@@ -143,7 +155,7 @@ class ExperienceCollector:
 
     def __init__(
         self, ctx: RunContext, rollout: RolloutEngine, timeshare: TimeSharing, policy, scorer: RewardScorer,
-        episodes: EpisodeRunner | None = None,
+        episodes: EpisodeRunner | AgentRunner | None = None,
     ) -> None:
         cfg = ctx.cfg
         self.ctx, self.algo_cfg = ctx, cfg.algo
@@ -205,6 +217,8 @@ class ExperienceCollector:
         (rltrain/envs/replica.py): environment calls may time out on one rank and not another."""
         assert self.episodes is not None
         group = self.policy.replica_group()
+        if isinstance(self.episodes, AgentRunner):
+            return self.play_agents(rows, copies, sampling, phase, group)
         if group is None and self.worker is None:
             return self.episodes.run(rows, copies, sampling, phase, self.generate)
         played, error, leader = None, None, group is None or leads(group)
@@ -232,6 +246,19 @@ class ExperienceCollector:
             return self.episodes.run(rows, copies, sampling, phase, self._engine_generate)
         job = self.worker.submit(self.episodes.run, rows, copies, sampling, phase, self.rollout.generate)
         return self.worker.wait(job, f"the {phase} episodes", self.worker_wait_s)
+
+    def play_agents(self, rows: list[PromptRow], copies: int, sampling: SamplingSettings, phase: str, group) -> EpisodeResults:
+        """env=agent: the agents' requests come when they come, so the engine serves them for the
+        whole phase in one turn; a replica of several ranks (Megatron tp/pp) cannot take its turns
+        together that way and is refused (docs/agents.md)."""
+        assert isinstance(self.episodes, AgentRunner)
+        if group is not None:
+            raise UserError(
+                "env=agent serves each rank's agents from its own rollout engine; a replica that spans several ranks "
+                "(backend.tp or backend.pp > 1) cannot. Use backend.tp=1 backend.pp=1 (FSDP or Megatron data parallel)."
+            )
+        with self.timeshare.rollout_turn():
+            return self.episodes.run(rows, copies, sampling, phase, self._engine_generate)
 
     def rewards(
         self, rows: list[PromptRow], completions: list[Completion], texts: list[str] | None = None
@@ -279,6 +306,11 @@ class ExperienceCollector:
             started = time.perf_counter()
             played = self.play(rows, self.algo_cfg.group_size, self.sampling(step), f"train-{step}")
             time_rollout = time.perf_counter() - started
+            if isinstance(played, AgentResults):  # every sequence an episode made trains
+                sequences, episode_of = played.sequences()
+                exp = self.assemble(step, global_index, sequences, time_rollout, played)
+                exp.episode_of = episode_of
+                return exp
             return self.assemble(step, global_index, played.completions, time_rollout, played)
         completions = self.generate([r.ids for r in rows], self.sampling(step))
         if self.algo_cfg.dynamic_sampling:
@@ -330,6 +362,8 @@ class ExperienceCollector:
                 scores_B = self.weighted(per_fn, len(completions))
             else:
                 per_fn, failures = {"env": played.returns}, Failures()
+                if isinstance(played, AgentResults):
+                    per_fn.update(named_on_every_rank(played))
                 scores_B = torch.tensor(played.returns, dtype=torch.float64, device="cpu")
         else:
             per_fn, failures = self.rewards(rows, completions)
@@ -355,15 +389,18 @@ class ExperienceCollector:
         env_failures, episode_counts = Failures(), (0.0, 0.0)
         if played is not None:
             env_failures, episode_counts = played.failures, (played.turns, played.tool_calls)
+        env_counts = played.counts if isinstance(played, AgentResults) else {}
         per_fn, failures, scores_B = scored if scored is not None else self.score(rows, completions, played)
-        if self.sample_every and step % self.sample_every == 0:
+        if self.sample_every and step % self.sample_every == 0:  # (an agent's episodes: the first sequence of each)
             self.recorded = first_samples([rows[c.prompt_index].text for c in completions], self.texts(completions), scores_B.tolist())
         dp_size = self.policy.world_size
         global_scores = torch.zeros(self.layout.global_size, dtype=torch.float64, device="cpu")
         offset = self.layout.offset
-        global_scores[offset : offset + len(completions)] = scores_B
+        global_scores[offset : offset + len(scores_B)] = scores_B
         global_scores = sum_over_replicas(global_scores, dp_size)
-        batch = SequenceBatch.from_lists([rows[c.prompt_index].ids for c in completions], [c.token_ids for c in completions])
+        batch = SequenceBatch.from_lists(
+            [c.prompt_ids if c.prompt_ids is not None else rows[c.prompt_index].ids for c in completions], [c.token_ids for c in completions]
+        )
         batch.sampled = sampled_mask(completions)
         local_counts = torch.tensor(
             [batch.num_completion_tokens, len(completions), sum(not c.finished for c in completions), batch.num_sampled_tokens],
@@ -377,7 +414,7 @@ class ExperienceCollector:
             reward_failures=failures,
             scores_B=scores_B, global_scores=global_scores, counts=sum_over_replicas(local_counts, dp_size),
             time_rollout=time_rollout, env_failures=env_failures, turns=episode_counts[0], tool_calls=episode_counts[1],
-            staleness=staleness, global_index=global_index,
+            env_counts=env_counts, staleness=staleness, global_index=global_index,
         )
 
     def reward_metrics(self, exp: Experience) -> dict[str, float]:
@@ -402,6 +439,10 @@ class ExperienceCollector:
             out["env/tool_calls_mean"], out["env/success"] = float(means[-8]), float(means[-9])
         for i, name in enumerate(exp.rewards_by_fn):
             out[f"reward/{name}"] = float(means[i])
+        if isinstance(self.episodes, AgentRunner):  # env/history_rewrites, env/no_calls (every rank has the same names)
+            names = sorted(exp.env_counts)
+            counted = sum_over_replicas(torch.tensor([exp.env_counts[n] for n in names], dtype=torch.float64, device="cpu"), self.policy.world_size)
+            out.update({f"env/{n}": float(v) for n, v in zip(names, counted.tolist(), strict=True)})
         if exp.sampling is not None:  # algo.dynamic_sampling
             dropped, filled = sum_over_replicas(
                 torch.tensor([exp.sampling.dropped, exp.sampling.filled], dtype=torch.float64, device="cpu"),

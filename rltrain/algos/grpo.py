@@ -10,6 +10,8 @@ generation and one policy update. The step, and what is left out: docs/internals
 
 from __future__ import annotations
 
+import torch
+
 from rltrain.algos.advantages import group_advantages
 from rltrain.algos.experience import Experience
 from rltrain.algos.rl import Advantages, RLAlgorithm
@@ -21,4 +23,7 @@ class GRPO(RLAlgorithm):
         # From the global batch of rewards: the rank count does not change them.
         adv_all = group_advantages(exp.global_scores.float(), a.group_size, a.scale_rewards)
         offset = self.collector.layout.offset
-        return Advantages(adv_all[offset : offset + len(exp.completions)])
+        adv = adv_all[offset : offset + len(exp.scores_B)]
+        if exp.episode_of is not None:  # env=agent: each sequence gets its episode's advantage
+            adv = adv[torch.tensor(exp.episode_of, dtype=torch.long, device="cpu")]
+        return Advantages(adv)

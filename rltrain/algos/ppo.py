@@ -24,7 +24,7 @@ from rltrain.algos.advantages import (
     token_rewards,
     whiten,
 )
-from rltrain.algos.experience import Experience
+from rltrain.algos.experience import Experience, sequence_scores
 from rltrain.algos.losses import value_loss
 from rltrain.algos.rl import Advantages, RLAlgorithm
 from rltrain.algos.rl_update import ValueLossInputs
@@ -62,7 +62,7 @@ def ppo_advantages(exp: Experience, algo_cfg: PPOConfig, dp_size: int) -> Advant
         kl_N = on_sampled(kl, sampled).values
     values = exp.values if exp.values is not None else template.with_values(torch.zeros(template.num_tokens, device="cpu"))
     values = on_sampled(values, sampled)
-    rewards = token_rewards(exp.scores_B, on_sampled(template, sampled), kl_N, a.beta)
+    rewards = token_rewards(sequence_scores(exp.scores_B, exp.episode_of), on_sampled(template, sampled), kl_N, a.beta)
     adv, returns = gae(rewards, values, a.gamma, a.lam)
     adv_mean, adv_var = moments(sum_over_replicas(moments_sums(adv.values), dp_size))
     value_mean, _ = moments(sum_over_replicas(moments_sums(values.values), dp_size))

@@ -78,8 +78,8 @@ class RLAlgorithm:
         self._built.callback(self.rollout.close)
         self.critic = build_engine(ctx, "critic", optimizer_steps) if self.spec.critic else None
         engines = [e for e in (self.policy, reference_engine, self.critic) if e is not None]
-        # env=python: the environment's step rewards are the reward; reward.fns are not called.
-        reward_fns = build_reward_fns(cfg, ctx.dist.device) if cfg.env.name != "python" else []
+        # env=python and env=agent: the environment (agent) gives the reward; reward.fns are not called.
+        reward_fns = build_reward_fns(cfg, ctx.dist.device) if cfg.env.name not in ("python", "agent") else []
         frozen = [rf.device_model for rf in reward_fns if rf.device_model is not None]
         k = cfg.placement.max_staleness
         # k >= 1: the engine runs beside the trainer, driven by its own thread (docs/async.md).

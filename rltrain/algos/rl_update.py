@@ -168,27 +168,40 @@ class MiniBatchUpdate:
         self.mini_batches, self.num_iterations = mini_batches, num_iterations
         self.micro_batch_size, self.token_budget = micro_batch_size, token_budget
 
-    def micro_batches(self, batch: SequenceBatch) -> list[SequenceBatch]:
+    def micro_batches(self, batch: SequenceBatch, episode_of: list[int] | None = None) -> list[SequenceBatch]:
         """The whole batch in the micro-batches every rank agrees on (for scoring passes)."""
         count = self.layout.micro_batches_per_rank(0, self.layout.global_size, self.micro_batch_size)
+        if episode_of is not None:
+            count = self._agreed(count, len(batch))
         return [batch.select(p) for p in self._split(list(range(len(batch))), count, batch)]
+
+    def _agreed(self, count: int, held: int) -> int:
+        """env=agent: an episode may train several sequences, so a rank may hold more than its share
+        of the layout; every rank takes as many micro-batches as the one that holds the most (a
+        collective: every rank of an agent run calls this together)."""
+        return max(count, int(global_max(float(-(-held // self.micro_batch_size)))))
 
     def _split(self, positions: list[int], count: int, batch: SequenceBatch) -> list[list[int]]:
         return split_micro_batches(positions, count, self.micro_batch_size, batch.tokens.lengths().tolist(), self.token_budget)
 
     def run(
         self, engine: TrainEngine, batch: SequenceBatch, inputs: LossInputsT, loss_fn: LossFn, with_entropy: bool = False,
-        on_step: Callable[[], None] | None = None,
+        on_step: Callable[[], None] | None = None, episode_of: list[int] | None = None,
     ) -> dict[str, float]:
+        """`episode_of`: env=agent's episode of each sequence (a sequence sits at its episode's
+        global position; None: sequence i is episode i)."""
         offset = self.layout.offset
+        where = [offset + (episode_of[i] if episode_of is not None else i) for i in range(len(batch))]
         per_mini = -(-self.layout.global_size // self.mini_batches)
         sums: dict[str, float] = {}
         updates = 0
         for _ in range(self.num_iterations):
             for mini in range(self.mini_batches):
                 lo, hi = mini * per_mini, (mini + 1) * per_mini
-                mine = [i for i in range(len(batch)) if lo <= offset + i < hi]
+                mine = [i for i in range(len(batch)) if lo <= where[i] < hi]
                 count = self.layout.micro_batches_per_rank(lo, hi, self.micro_batch_size)
+                if episode_of is not None:
+                    count = self._agreed(count, len(mine))
                 metrics = self._train_on(engine, batch, mine, inputs, loss_fn, count, with_entropy)
                 updates += 1
                 for k, v in metrics.items():
@@ -229,7 +242,7 @@ class Learner:
         self.parity.max_diff = 0.0
         batch = exp.batch
         need_micro = not self.fused or self.reference is not None or self.critic is not None
-        micro = self.update.micro_batches(batch) if need_micro else []
+        micro = self.update.micro_batches(batch, exp.episode_of) if need_micro else []
         if not self.fused:
             scored = self.policy.forward_logps(micro, with_entropy=True)
             exp.old_logps = Ragged.cat([s.policy_logps() for s in scored]) if len(batch) else None
@@ -249,7 +262,7 @@ class Learner:
             adv=adv, engine_logps=exp.engine_logps, old_logps=exp.old_logps, entropy=exp.entropy,
             ref_logps=exp.ref_logps, measure_parity=self.fused,
         )
-        out = self.update.run(self.policy, exp.batch, inputs, self.loss_fn, with_entropy=self.fused)
+        out = self.update.run(self.policy, exp.batch, inputs, self.loss_fn, with_entropy=self.fused, episode_of=exp.episode_of)
         out["rollout/logprob_diff_max"] = global_max(self.parity.max_diff)
         if not self.fused:
             old = exp.old_logps
@@ -262,5 +275,5 @@ class Learner:
         """The critic's optimizer steps on `exp` towards `returns`, metrics under `critic/`."""
         assert self.critic is not None and exp.values is not None
         inputs = ValueLossInputs(old_values=exp.values, returns=returns)
-        stats = self.update.run(self.critic, exp.batch, inputs, loss_fn)
+        stats = self.update.run(self.critic, exp.batch, inputs, loss_fn, episode_of=exp.episode_of)
         return {k if k.startswith("critic/") else f"critic/{k}": v for k, v in stats.items() if k != "loss"}

@@ -134,7 +134,9 @@ class EnvConfig:
     scored by `reward.fns`. `python`: `cls` (`pkg.module:Class`) is a user environment with
     `reset(**row)` and `step(text)`; one instance per episode, run in worker processes that a timeout kills.
     `tools`: `tools` (`pkg.module:function` each) are offered to the model, called in those workers, and
-    the episode's last reply is scored by `reward.fns`."""
+    the episode's last reply is scored by `reward.fns`. `agent`: `agent` (`pkg.module:function`) is
+    the user's agent, `run(client, row) -> reward`, calling the run's OpenAI-compatible endpoint
+    (docs/agents.md)."""
 
     name: str = MISSING
     cls: str | None = None
@@ -146,6 +148,8 @@ class EnvConfig:
     timeout_s: float | None = 30.0  # bound on one reset or step; a failed episode scores reward.on_failure
     workers: int = 1  # worker processes per rank that host the episodes
     max_concurrency: int = 256  # environment calls (episodes' resets and steps, tool calls) in flight at once per rank
+    agent: str | None = None  # env=agent: the user's agent, `run(client, row)` returning the episode's reward
+    chat_template: str | None = None  # env=agent: the Jinja template the endpoint renders messages with; null = the tokenizer's
 
 
 @dataclass
@@ -161,3 +165,8 @@ class PythonEnvConfig(EnvConfig):
 @dataclass
 class ToolsEnvConfig(EnvConfig):
     name: str = "tools"
+
+
+@dataclass
+class AgentEnvConfig(EnvConfig):
+    name: str = "agent"

@@ -21,6 +21,7 @@ from omegaconf import MISSING
 from rltrain.config.algorithms import ALGORITHMS
 from rltrain.config.choices import choice
 from rltrain.config.group_options import (
+    AgentEnvConfig,
     CriticConfig,
     FSDPBackendConfig,
     HFRewardModelConfig,
@@ -266,7 +267,7 @@ GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "critic": {"default": CriticConfig},
     "teacher": {"default": TeacherConfig},
     "reward_model": {"none": NoRewardModelConfig, "hf": HFRewardModelConfig},
-    "env": {"none": NoEnvConfig, "python": PythonEnvConfig, "tools": ToolsEnvConfig},
+    "env": {"none": NoEnvConfig, "python": PythonEnvConfig, "tools": ToolsEnvConfig, "agent": AgentEnvConfig},
     "data": {"default": DataConfig},
     "logger": {"default": LoggerConfig},
 }

@@ -5,6 +5,8 @@ is built; docs/environments.md and docs/async.md say what each refusal protects.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rltrain.config.algorithms import names_where, spec_of
 from rltrain.config.group_choice import as_option
 from rltrain.config.group_options import VLLMRolloutConfig
@@ -18,14 +20,22 @@ def _algo_list(names: list[str]) -> str:
 
 
 def validate_env(cfg: Config) -> None:
-    """`env=python` and `env=tools` (docs/environments.md): what this release runs multi-turn, and in-range numbers."""
+    """`env=python`, `env=tools` and `env=agent` (docs/environments.md, docs/agents.md): what this release runs multi-turn, and in-range numbers."""
     env = cfg.env
     if env.name != "python" and env.cls is not None:
         raise UserError(f"env.cls={env.cls!r} is set but env={env.name} does not use it: add env=python to use it.")
     if env.name != "tools" and list(env.tools):
         raise UserError(f"env.tools={list(env.tools)} is set but env={env.name} does not use it: add env=tools to use them.")
+    if env.name != "agent" and (env.agent is not None or env.chat_template is not None):
+        key = "env.agent" if env.agent is not None else "env.chat_template"
+        raise UserError(f"{key} is set but env={env.name} does not use it: add env=agent to use it.")
     if env.name == "none":
         return
+    if env.name == "agent" and (not env.agent or ":" not in env.agent):
+        raise UserError(f"env=agent needs env.agent=package.module:function, your agent (got {env.agent!r}).")
+    template = env.chat_template
+    if template is not None and "{" not in template and not Path(template).expanduser().is_file():
+        raise UserError(f"env.chat_template={template!r} is neither a Jinja template nor a file: give the template or its path.")
     if env.name == "python" and (not env.cls or ":" not in env.cls):
         raise UserError(f"env=python needs env.cls=package.module:Class, your environment class (got {env.cls!r}).")
     if env.name == "tools":
@@ -54,6 +64,11 @@ def validate_env(cfg: Config) -> None:
         raise UserError(
             "env=python takes its rewards from the environment's step() (summed over the episode); reward.fns and "
             "reward_model are not called. Remove them, or score inside step()."
+        )
+    if env.name == "agent" and (list(cfg.reward.fns) or cfg.reward_model.name != "none"):
+        raise UserError(
+            "env=agent takes its rewards from what the agent returns; reward.fns and reward_model are not called. "
+            "Remove them, or score inside the agent."
         )
     for key in ("max_turns", "max_total_tokens", "workers", "max_concurrency"):
         if getattr(env, key) < 1:
@@ -91,4 +106,9 @@ def validate_staleness(cfg: Config) -> None:
             + (f" rollout.process={process}" if process else "")
             + " shares the trainer's process and threads, so it cannot overlap. Add rollout=vllm rollout.process=separate, "
             "or set placement.max_staleness=0."
+        )
+    if cfg.env.name == "agent":
+        raise UserError(
+            f"placement.max_staleness={k} with env=agent: this release serves an agent phase from the trainer's loop, "
+            "so agents are not generated ahead yet (env=python and env=tools are). Use placement.max_staleness=0 with env=agent."
         )

@@ -18,6 +18,7 @@ class PromptRow:
     text: str
     columns: dict = field(default_factory=dict)
     chat: bool = False  # the prompt was chat messages, rendered by the chat template
+    messages: list[dict] | None = None  # those messages as the dataset gave them (env=agent's row; None: text)
 
 
 class PromptRenderer(Protocol):
@@ -54,7 +55,7 @@ def _to_rows(
     rendered = [_prompt_text(tokenizer, row, where, renderer) for row in rows]
     all_ids = encode_all(tokenizer, [text for text, _ in rendered])
     kept = [
-        PromptRow(ids, text, {k: v for k, v in row.items() if k != "prompt"}, chat)
+        PromptRow(ids, text, {k: v for k, v in row.items() if k != "prompt"}, chat, row["prompt"] if chat else None)
         for row, (text, chat), ids in zip(rows, rendered, all_ids, strict=True)
         if len(ids) <= max_length
     ]

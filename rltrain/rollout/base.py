@@ -29,6 +29,9 @@ class Completion:
     # A multi-turn trajectory (rltrain/envs): True where the model sampled the token, False on the
     # environment's observations (their logprob is 0). None: every token was sampled.
     sampled: list[bool] | None = None
+    # The prompt these tokens continue where it is not the row's (an agent's call rendered its own
+    # messages, rltrain/envs/agent.py). None: the row's prompt.
+    prompt_ids: list[int] | None = None
 
 
 class RolloutEngine(Protocol):

@@ -235,3 +235,20 @@ def test_grpo_calculator_learns_to_call_its_tool(tiny_cache, tmp_path, seed):
     assert end >= 0.95 and end - start >= 0.1, evals
     last = [r for r in rows if "env/turns_mean" in r][-1]
     assert last["env/turns_mean"] >= 2.0 and last["env/tool_calls_mean"] >= 1.0, last
+
+
+@pytest.mark.slow
+def test_agent_calculator_learns_as_grpo_calculator_does(tiny_cache, tmp_path):
+    """The same task, start and settings as above, the episodes played by an OpenAI-client agent
+    behind the run's endpoint (env=agent): it reaches what grpo_calculator reaches (docs/agents.md)."""
+    run_dir = tmp_path / "run"
+    rltrain("+experiment=agent_calculator", "trainer.seed=0", "logger.wandb.mode=disabled", "trainer.save_every=0",
+            "trainer.progress=lines", run_dir=run_dir, timeout=3600)
+    rows = read_metrics(run_dir)
+    evals = [r for r in rows if "eval/success" in r]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 40, evals
+    start, end = evals[0]["eval/success"], evals[-1]["eval/success"]
+    assert CALCULATOR_START[0] - 0.05 <= start <= CALCULATOR_START[1] + 0.05, evals
+    assert end >= 0.95 and end - start >= 0.1, evals
+    last = [r for r in rows if "env/turns_mean" in r][-1]
+    assert last["env/turns_mean"] >= 2.0 and last["env/tool_calls_mean"] >= 1.0, last

@@ -33,6 +33,8 @@ STAND_IN_RUNS = {
     # The built-in tool task: a short SFT start of the small tiny model stands in for the recipe's.
     "grpo_calculator": [*CPU, "trainer.max_steps=2", "algo.prompts_per_step=2", "algo.group_size=2", "data.num_eval=4",
                         "model.sft_steps=10", *SMALL_MODEL, "trainer.log_every=1"],
+    "agent_calculator": [*CPU, "trainer.max_steps=2", "algo.prompts_per_step=2", "algo.group_size=2", "data.num_eval=4",
+                         "model.sft_steps=10", *SMALL_MODEL, "trainer.log_every=1"],
 }
 # Recipes of a first real run: a Hub model and a Hub dataset (the others run on the built-in tiny model and task).
 HUB_RECIPES = ["dpo_ultrafeedback", "grpo_gsm8k", "sft_chat"]
@@ -81,7 +83,7 @@ def test_every_recipe_composes_names_its_hardware_and_sources_and_is_documented(
             assert "/" in cfg.model.path and "/" in cfg.data.path  # Hub ids, not local paths
         else:
             assert cfg.model.path is None and cfg.data.path is None  # the built-in tiny model and task
-        assert cfg.algo.name in name.split("_")
+        assert cfg.algo.name in name.split("_") or cfg.env.name in name.split("_")  # named by its algorithm, or its env
 
 
 @pytest.mark.parametrize("name", sorted(STAND_IN_RUNS))
@@ -98,3 +100,5 @@ def test_each_recipe_runs_offline_on_its_stand_ins(stand_ins, tmp_path, name):
         assert all(0.0 <= r["reward/accuracy"] <= 1.0 for r in rows)
     if name == "grpo_calculator":  # episodes with the built-in tool, scored by exact match on the product
         assert all("env/tool_calls_mean" in r and 0.0 <= r["reward/exact_match"] <= 1.0 for r in rows)
+    if name == "agent_calculator":  # episodes played by the OpenAI-client agent, scored by what it returns
+        assert all(r["env/turns_mean"] >= 1.0 and r["env/errors"] == 0.0 and 0.0 <= r["reward/env"] <= 1.0 for r in rows)

@@ -99,7 +99,7 @@ def test_multi_turn_gae_runs_over_the_sampled_tokens_and_leaves_observations_out
     engine = _ragged([0.0] * 7, [5, 2])
     cfg = PPOConfig(gamma=0.9, lam=0.8, whiten_advantages=False, kl_in_reward=False)
     exp = SimpleNamespace(batch=SimpleNamespace(sampled=sampled), engine_logps=engine, values=values,
-                          scores_B=torch.tensor([1.0, 2.0], dtype=torch.float64), old_logps=None, ref_logps=None)
+                          scores_B=torch.tensor([1.0, 2.0], dtype=torch.float64), old_logps=None, ref_logps=None, episode_of=None)
     out = ppo_advantages(exp, cfg, dp_size=1)
     # The first episode's sampled tokens are test_gae_by_hand's sequence: A = [0.21712, 0.246, 0.3].
     # The second, r = [0, 2], V = [1.0, 1.5]: A_1 = 0.5, A_0 = 0.9 * 1.5 - 1.0 + 0.72 * 0.5 = 0.71.

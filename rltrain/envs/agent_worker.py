@@ -1,0 +1,70 @@
+"""The worker side of an agent episode (env=agent): one call of rltrain/runtime/call_pool.py plays
+one episode, so a hung or crashing agent costs its worker and that episode only.
+
+`run_episode` points the OpenAI environment variables at the episode's endpoint (for agents and
+frameworks that build their own client), tells the endpoint the episode started (its
+`env.timeout_s` runs from then), and calls the user's `run(client, row)` with a ready client:
+`AsyncOpenAI` for an `async def` agent (run on the worker's event loop), `OpenAI` otherwise. What it
+returns is the episode's reward: a number, or a dict of named numbers (summed). docs/agents.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import os
+import urllib.request
+from typing import Any
+
+import openai
+
+from rltrain.runtime.user_code import load_callable
+
+
+def reward_of(value: Any) -> dict[str, Any]:
+    """The episode's reward as a plain message: {"reward": total, "named": {name: value}}; anything
+    but a finite number or a dict of them is the agent's error."""
+    if isinstance(value, dict):
+        named = {}
+        for name, v in value.items():
+            if not isinstance(name, str) or isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+                raise TypeError(f"the agent's reward dict must map names to finite numbers; got {name!r}: {v!r:.100}")
+            named[name] = float(v)
+        if not named:
+            raise TypeError("the agent returned an empty reward dict")
+        return {"reward": sum(named.values()), "named": named}
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise TypeError(f"the agent must return its reward, a finite number or a dict of named numbers; got {value!r:.200}")
+    return {"reward": float(value), "named": {}}
+
+
+_LOOP: list[asyncio.AbstractEventLoop] = []
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """One event loop for the worker's life: frameworks cache async clients bound to the loop they
+    were made in (the Agents SDK's default client), and the next episode must find it open."""
+    if not _LOOP:
+        _LOOP.append(asyncio.new_event_loop())
+        asyncio.set_event_loop(_LOOP[0])
+    return _LOOP[0]
+
+
+def run_episode(agent: str, base_url: str, api_key: str, row: dict[str, Any], timeout_s: float | None) -> dict[str, Any]:
+    """Play one episode of `agent` (`package.module:function`) on `row` against the endpoint at `base_url`."""
+    os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"] = base_url, api_key
+    start = urllib.request.Request(base_url.rsplit("/v1", 1)[0] + "/start", data=b"{}", method="POST")
+    with urllib.request.urlopen(start, timeout=30) as answer:  # noqa: S310 - the rank's own endpoint on 127.0.0.1
+        answer.read()
+    fn = load_callable("env.agent", agent)
+    request_timeout = timeout_s if timeout_s else None
+    if inspect.iscoroutinefunction(fn):
+
+        async def play() -> Any:
+            async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=request_timeout) as client:
+                return await fn(client, row)
+
+        return reward_of(_event_loop().run_until_complete(play()))
+    with openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=request_timeout) as client:
+        return reward_of(fn(client, row))
