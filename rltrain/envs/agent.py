@@ -99,7 +99,7 @@ class AgentRunner:
         self.max_context = max_prompt_tokens + env_cfg.max_total_tokens  # a call's prompt ids at most
         self.timeout_s = float(env_cfg.timeout_s) if env_cfg.timeout_s else None
         self.budget_s = collective_timeout_s / 2  # a step's episodes, all together (as EpisodeRunner)
-        self.pool = CallPool(env_cfg.workers, [RUN_EPISODE, env_cfg.agent], "agent")
+        self.pool = CallPool(env_cfg.workers, [RUN_EPISODE, env_cfg.agent], "agent", env_cfg.max_concurrency)
         if start_workers:
             self.pool.start()
         self.chat_template = chat_template_text(env_cfg.chat_template)
@@ -157,9 +157,11 @@ class AgentRunner:
         groups: dict[tuple[float, float, int, int], list[tuple[Pending, Continuation]]] = {}
         for p in batch:
             try:
-                refusal = self.endpoint.refusal(p.episode)
+                refusal = self.endpoint.refusal(p.episode, p.attempt)
                 if refusal is not None:
                     raise refusal
+                if records[p.episode].attempt != p.attempt:  # played again: what the lost attempt was served goes
+                    records[p.episode] = EpisodeRecord(self.tokenizer, p.attempt)
                 at = records[p.episode].continuation(render(self.tokenizer, p.request.messages, p.request.tools, self.chat_template))
                 if len(at.prompt_ids) > self.max_context:
                     raise ApiError(

@@ -98,6 +98,7 @@ class EpisodeSlot:
     index: int
     deadline: float | None = None  # set when its worker starts it (env.timeout_s from then)
     closed: bool = False
+    attempt: int = 0  # starts so far: a worker lost for another episode's sake plays it again from the start
 
 
 @dataclass
@@ -106,6 +107,7 @@ class Pending:
 
     episode: int
     request: ChatRequest
+    attempt: int = 0  # the episode's attempt that sent it (an earlier attempt's requests are refused)
     status: int = 0
     response: dict[str, Any] = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
@@ -170,14 +172,18 @@ class AgentEndpoint:
             taken, self.queue = self.queue, []
         return taken
 
-    def refusal(self, episode: int) -> ApiError | None:
-        """Why a request of `episode` cannot be served now (None: it can)."""
+    def refusal(self, episode: int, attempt: int | None = None) -> ApiError | None:
+        """Why a request of `episode` (sent by its `attempt`) cannot be served now (None: it can)."""
         with self.lock:
-            return self._refusal(self.by_index[episode] if episode < len(self.by_index) else None)
+            return self._refusal(self.by_index[episode] if episode < len(self.by_index) else None, attempt)
 
-    def _refusal(self, slot: EpisodeSlot | None) -> ApiError | None:
+    def attempt(self, episode: int) -> int:
+        with self.lock:
+            return self.by_index[episode].attempt
+
+    def _refusal(self, slot: EpisodeSlot | None, attempt: int | None = None) -> ApiError | None:
         now = time.monotonic()
-        if slot is None or slot.closed:
+        if slot is None or slot.closed or (attempt is not None and attempt != slot.attempt):
             return ApiError(410, "the episode has ended")
         if slot.deadline is not None and now >= slot.deadline:
             return ApiError(410, f"the episode ran past env.timeout_s={self.timeout_s:g} s")
@@ -190,8 +196,13 @@ class AgentEndpoint:
             slot = self.slots.get(key)
             if slot is None or slot.closed:
                 raise ApiError(410, "the episode has ended")
+            slot.attempt += 1
             if self.timeout_s:
                 slot.deadline = time.monotonic() + self.timeout_s
+            stale = [p for p in self.queue if p.episode == slot.index]
+            self.queue = [p for p in self.queue if p.episode != slot.index]
+        for p in stale:
+            p.answer(410, ApiError(410, "the episode has ended").body())
 
     def submit(self, key: str, body: Any) -> Pending:
         """Check and queue one request of the episode `key`."""
@@ -202,7 +213,7 @@ class AgentEndpoint:
             if refusal is not None:
                 raise refusal
             assert slot is not None
-            pending = Pending(slot.index, request)
+            pending = Pending(slot.index, request, slot.attempt)
             self.queue.append(pending)
             self.arrived.notify_all()
         return pending

@@ -70,8 +70,9 @@ class Continuation:
 class EpisodeRecord:
     """The calls of one agent episode, as chains of tokens."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, attempt: int = 1) -> None:
         self.tokenizer = tokenizer
+        self.attempt = attempt  # the episode's attempt it records (rltrain/envs/agent_endpoint.py)
         self.chains: list[Chain] = []
         self.calls = 0  # chat completion requests served
         self.tool_calls = 0  # tool calls in the replies served

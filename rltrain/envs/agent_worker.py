@@ -6,14 +6,22 @@ frameworks that build their own client), tells the endpoint the episode started 
 `env.timeout_s` runs from then), and calls the user's `run(client, row)` with a ready client:
 `AsyncOpenAI` for an `async def` agent (run on the worker's event loop), `OpenAI` otherwise. What it
 returns is the episode's reward: a number, or a dict of named numbers (summed). docs/agents.md.
+
+A worker plays several episodes at once (`env.max_concurrency`), each call in a thread of its own,
+so the two variables cannot simply be written into the process's environment: `os.environ` answers
+them from a context variable that each episode sets (its thread, and the asyncio tasks it starts,
+see their own values). Async agents of a worker share one event loop in a thread of its own:
+frameworks keep async HTTP clients bound to the loop they were made in.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import math
 import os
+import threading
 import urllib.request
 from typing import Any
 
@@ -39,21 +47,45 @@ def reward_of(value: Any) -> dict[str, Any]:
     return {"reward": float(value), "named": {}}
 
 
+OPENAI_KEYS = ("OPENAI_BASE_URL", "OPENAI_API_KEY")
+_EPISODE_ENV: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar("rltrain_episode_env", default=None)
+
+
+class _EpisodeEnviron(type(os.environ)):  # type: ignore[misc]
+    """`os.environ` whose OpenAI variables are the current episode's (a context variable) where one is set."""
+
+    def __getitem__(self, key: str) -> str:
+        episode = _EPISODE_ENV.get()
+        if episode is not None and key in episode:
+            return episode[key]
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        episode = _EPISODE_ENV.get()
+        return (episode is not None and key in episode) or super().__contains__(key)
+
+
 _LOOP: list[asyncio.AbstractEventLoop] = []
+_LOOP_LOCK = threading.Lock()
 
 
 def _event_loop() -> asyncio.AbstractEventLoop:
-    """One event loop for the worker's life: frameworks cache async clients bound to the loop they
-    were made in (the Agents SDK's default client), and the next episode must find it open."""
-    if not _LOOP:
-        _LOOP.append(asyncio.new_event_loop())
-        asyncio.set_event_loop(_LOOP[0])
-    return _LOOP[0]
+    """The worker's one event loop, running in a thread of its own for the worker's life."""
+    with _LOOP_LOCK:
+        if not _LOOP:
+            os.environ.__class__ = _EpisodeEnviron
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="agents-event-loop", daemon=True).start()
+            _LOOP.append(loop)
+        return _LOOP[0]
 
 
 def run_episode(agent: str, base_url: str, api_key: str, row: dict[str, Any], timeout_s: float | None) -> dict[str, Any]:
     """Play one episode of `agent` (`package.module:function`) on `row` against the endpoint at `base_url`."""
-    os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"] = base_url, api_key
+    with _LOOP_LOCK:
+        os.environ.__class__ = _EpisodeEnviron
+        os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"] = base_url, api_key  # what a subprocess inherits
+    _EPISODE_ENV.set(dict(zip(OPENAI_KEYS, (base_url, api_key), strict=True)))
     start = urllib.request.Request(base_url.rsplit("/v1", 1)[0] + "/start", data=b"{}", method="POST")
     with urllib.request.urlopen(start, timeout=30) as answer:  # noqa: S310 - the rank's own endpoint on 127.0.0.1
         answer.read()
@@ -65,6 +97,6 @@ def run_episode(agent: str, base_url: str, api_key: str, row: dict[str, Any], ti
             async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=request_timeout) as client:
                 return await fn(client, row)
 
-        return reward_of(_event_loop().run_until_complete(play()))
+        return reward_of(asyncio.run_coroutine_threadsafe(play(), _event_loop()).result())
     with openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=request_timeout) as client:
         return reward_of(fn(client, row))

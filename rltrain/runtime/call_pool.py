@@ -4,7 +4,8 @@ User code may hang, run for minutes or crash the interpreter, and a thread canno
 its deadline a call's worker is SIGKILLed with its process group and replaced, and the call fails.
 Up to `concurrency` calls run at once: one per worker in its main thread (reward functions), or
 several in threads (environment calls). Hung calls that started together die together (N cost one
-timeout); the other calls in flight on a killed worker run again, once (then fail as "died").
+timeout); the other calls in flight on a killed worker run again, once and each alone on a worker
+(so a call that crashes its worker takes no other with it twice), then fail as "died".
 Workers are `python -m rltrain.runtime.call_worker` processes that import the functions before they
 report ready and die with the trainer; calls and results cross as JSON. docs/environments.md
 ("Concurrency") and docs/rewards-and-roles.md tell the story."""
@@ -81,9 +82,10 @@ class Worker:
         self.started = time.monotonic()
         self.ready = False
         self.tasks: dict[int, float] = {}
+        self.alone = False  # it runs a call that lost a worker before: nothing else beside it
 
     def free(self) -> bool:
-        return self.ready and len(self.tasks) < self.slots
+        return self.ready and len(self.tasks) < self.slots and not self.alone
 
     def kill_time(self, timeout_s: float) -> float:
         """When this worker is killed for its calls that ran out of time: at the first one's expiry,
@@ -130,7 +132,7 @@ class CallPool:
         pending = deque(range(len(calls)))
         reruns = [0] * len(calls)
         while pending or any(w.tasks for w in self.workers):
-            self._dispatch(calls, pending)
+            self._dispatch(calls, pending, reruns)
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 self._expire_all(results, pending, "the step's time for them ran out")
@@ -155,13 +157,18 @@ class CallPool:
             w.kill()
         self.workers = []
 
-    def _dispatch(self, calls: list[Call], pending: deque) -> None:
-        """Hand waiting calls to workers with a free slot, up to `concurrency` in flight."""
+    def _dispatch(self, calls: list[Call], pending: deque, reruns: list[int]) -> None:
+        """Hand waiting calls to workers with a free slot, up to `concurrency` in flight. A call that
+        runs again (its worker was lost under it) runs alone on an idle worker: if it was the one that
+        crashed the worker, it takes no other call with it this time."""
         in_flight = sum(len(w.tasks) for w in self.workers)
         for w in self.workers:
             while pending and w.free() and in_flight < self.concurrency:
+                if reruns[pending[0]] and w.tasks:
+                    break
                 i = pending.popleft()
                 w.tasks[i] = time.monotonic()
+                w.alone = reruns[i] > 0
                 in_flight += 1
                 try:
                     send(w.outbox, [i, calls[i].path, calls[i].kwargs])
@@ -198,6 +205,7 @@ class CallPool:
         elif index in w.tasks:
             results[index] = CallResult(value=payload) if kind == "ok" else CallResult(failure="error", message=payload)
             del w.tasks[index]
+            w.alone = False
 
     def _lose(self, w: Worker, results: list[CallResult | None], pending: deque, reruns: list[int], why: str) -> None:
         """Kill `w`; its calls without a result run again on a fresh worker (first in line), or fail

@@ -36,7 +36,7 @@ TEMPLATE = (
 )
 
 AGENTS = textwrap.dedent('''
-    import json, os, time
+    import asyncio, json, os, pathlib, time
     import openai
 
     def talk(client, row):
@@ -82,6 +82,30 @@ AGENTS = textwrap.dedent('''
         """A chat dataset's row: its prompt is the messages, sent as they are."""
         client.chat.completions.create(model="x", messages=row["prompt"])
         return 1.0 if isinstance(row["prompt"], list) else 0.0
+
+    def barrier(client, row):
+        """Waits until every episode of the test has started (they must run at once), then talks
+        through a client built from the environment: each reaches its own episode."""
+        folder = pathlib.Path(row["folder"])
+        (folder / row["tag"]).write_text("")
+        deadline = time.monotonic() + 30
+        while len(list(folder.iterdir())) < row["parties"]:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the episodes did not run at once")
+            time.sleep(0.01)
+        openai.OpenAI().chat.completions.create(model="x", messages=[{"role": "user", "content": row["tag"]}])
+        return 1.0
+
+    async def barrier_async(client, row):
+        folder = pathlib.Path(row["folder"])
+        (folder / row["tag"]).write_text("")
+        deadline = time.monotonic() + 30
+        while len(list(folder.iterdir())) < row["parties"]:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the episodes did not run at once")
+            await asyncio.sleep(0.01)
+        await openai.AsyncOpenAI().chat.completions.create(model="x", messages=[{"role": "user", "content": row["tag"]}])
+        return 1.0
 
     def by_tag(client, row):
         """What each row's tag asks for: hang, raise, stay silent, return nonsense, or answer."""
@@ -317,6 +341,24 @@ def test_an_agent_with_its_own_client_finds_the_endpoint_in_its_environment(agen
 
 def test_an_unsupported_parameter_is_refused_and_the_episode_goes_on(agents):
     assert play(f"{agents}:streams").returns == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("agent", ["barrier", "barrier_async"])
+def test_episodes_run_at_once_in_one_worker_each_with_its_own_environment(agents, tmp_path, agent):
+    """Six episodes on one worker pass a barrier only if they run at once; each then builds its
+    client from OPENAI_BASE_URL / OPENAI_API_KEY and is served as itself."""
+    folder = tmp_path / "barrier"
+    folder.mkdir()
+    tags = [f"e{i}" for i in range(6)]
+    episodes = [PromptRow(ids(f"{t}|"), f"{t}|", {"tag": t, "folder": str(folder), "parties": len(tags)}) for t in tags]
+    env = AgentEnvConfig(agent=f"{agents}:{agent}", workers=1, max_concurrency=6, chat_template=TEMPLATE)
+    runner = AgentRunner(env, RewardConfig(), TOKENIZER, 64, 64, 600)
+    try:
+        played = runner.run(episodes, 1, SamplingSettings(stop_token_ids=[EOS], seed=5), "train-0", scripted_generate([]))
+    finally:
+        runner.close()
+    assert played.returns == [1.0] * 6 and played.failures.errors == 0
+    assert [c.prompt_ids for c in played.completions] == [ids(f"U:{t}\nA:") for t in tags]
 
 
 def test_a_hung_crashing_silent_or_nonsense_agent_fails_its_episode_only(agents):

@@ -121,30 +121,34 @@ def test_a_call_in_flight_on_a_worker_killed_for_another_runs_again(module, tmp_
 
 
 def test_a_worker_killed_with_calls_in_flight_loses_none_of_them(module, tmp_path):
-    """SIGKILL the worker while 8 calls wait in it: each runs again on a fresh worker and returns
-    once released; a worker lost under the same calls twice fails them as "died", one result per
-    call, never a silent loss."""
+    """SIGKILL the worker while 8 calls wait in it: each runs again, alone on a fresh worker (a call
+    that crashed its worker takes no other with it the second time), and returns; a call whose
+    worker is lost under it twice fails as "died", one result per call, never a silent loss."""
     folder, release = tmp_path / "started", tmp_path / "release"
     folder.mkdir()
     pool = pool_of(module, 1, 8, "waits")
     calls = [Call(f"{module}:waits", {"folder": str(folder), "name": f"c{i}", "release": str(release)}) for i in range(8)]
 
-    def all_started() -> None:
-        while len(list(folder.iterdir())) < 8:
+    def started(count: int) -> None:
+        while len(list(folder.iterdir())) < count:
             time.sleep(0.01)
         for f in folder.iterdir():
             f.unlink()
 
+    def kill() -> None:
+        pid = pool.workers[0].proc.pid
+        os.kill(pid, signal.SIGKILL)
+        while pool.workers[0].proc.pid == pid:
+            time.sleep(0.01)
+
     def kill_then_release(kills: int) -> None:
-        for _ in range(kills):
-            all_started()
-            pid = pool.workers[0].proc.pid
-            os.kill(pid, signal.SIGKILL)
-            while pool.workers[0].proc.pid == pid:
-                time.sleep(0.01)
-        if kills == 1:  # the calls ran again: let them return
-            all_started()
-            release.write_text("")
+        started(8)
+        kill()
+        if kills == 2:  # the first call to run again (alone) loses its worker a second time
+            started(1)
+            assert len(pool.workers[0].tasks) == 1
+            kill()
+        release.write_text("")
 
     try:
         pool.start()
@@ -157,7 +161,7 @@ def test_a_worker_killed_with_calls_in_flight_loses_none_of_them(module, tmp_pat
             if kills == 1:
                 assert [(r.failure, r.value) for r in results] == [(None, f"c{i}") for i in range(8)]
             else:
-                assert [r.failure for r in results] == ["died"] * 8
-                assert all("2 times" in r.message for r in results)
+                assert [r.failure for r in results] == ["died"] + [None] * 7
+                assert "ended its worker process" in results[0].message and [r.value for r in results[1:]] == [f"c{i}" for i in range(1, 8)]
     finally:
         pool.close()
