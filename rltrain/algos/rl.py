@@ -185,6 +185,7 @@ class RLAlgorithm:
             "time/sync": self.weights.last_sync_s,
             "time/publish": self.weights.last_publish_s,
             "sync/bytes": float(self.weights.last_bytes),
+            **self.rollout.metrics(),
             **self.timeshare.pop_metrics(),
             "tokens": float(sum_over_replicas(torch.tensor([float(exp.batch.tokens.num_tokens)], device="cpu"), dp_size)),
             "data/overlong_dropped": float(self.collector.dropped),

@@ -56,6 +56,10 @@ class RolloutEngine(Protocol):
         progress is the proof of life and ping answers True without entering (a call that wedges
         stalls the step, which the step-progress check reports)."""
 
+    def metrics(self) -> dict[str, float]:
+        """The engine's own metrics for the step's row (the server fleet's versions and failures);
+        empty for an engine beside the trainer."""
+
     def close(self) -> None:
         """Release the engine (its memory, its child process) before the process group goes away."""
 
