@@ -7,7 +7,7 @@ dies with the trainer: PR_SET_PDEATHSIG). docs/rollout-servers.md.
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import functools
 import os
 import signal
 import socket
@@ -18,18 +18,17 @@ from pathlib import Path
 
 from rltrain.config.group_options import ServerRolloutConfig
 from rltrain.rollout.server_http import is_up
+from rltrain.runtime.parent_death import die_with_parent
 
 EXTENSION = "rltrain.rollout.server_worker.WeightPushExtension"
-PR_SET_PDEATHSIG = 1
 # torch.distributed / elastic variables a server must not inherit from a trainer rank.
 _DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def server_command(cfg: ServerRolloutConfig, model_dir: str | Path, dtype: str, host: str, port: int, cuda: bool) -> list[str]:
-    """`python -m vllm.entrypoints.openai.api_server ...` for one server of this run."""
+    """`vllm serve MODEL ...` (vLLM's own API server) for one server of this run."""
     command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", os.fspath(model_dir), "--dtype", dtype, "--seed", str(cfg.seed),
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", os.fspath(model_dir), "--dtype", dtype, "--seed", str(cfg.seed),
         "--host", host, "--port", str(port),
         "--logprobs-mode", "raw_logprobs",  # the trainer's log-softmax, for the parity check
         "--enable-prefix-caching", "--enable-scale-out",  # /inference/v1/generate: token ids in and out
@@ -66,10 +65,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:  # in the child, between fork and exec
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+def _die_with_parent(parent_pid: int) -> None:  # in the child, between fork and exec
     os.setsid()  # its own process group: stopping it stops vLLM's engine process too
+    die_with_parent(parent_pid)
 
 
 class SpawnedServer:
@@ -83,7 +81,7 @@ class SpawnedServer:
             self.proc = subprocess.Popen(
                 server_command(cfg, model_dir, dtype, "127.0.0.1", self.port, cuda),
                 env=server_env(cfg, cuda), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,
+                preexec_fn=functools.partial(_die_with_parent, os.getpid()),
             )
 
     def wait_ready(self, timeout_s: float) -> None:

@@ -64,6 +64,10 @@ class WeightPushExtension:
 
     rltrain_group: Any = None
     rltrain_version: int = 0
+    # Provided by vLLM's worker class this is mixed into.
+    model_runner: Any
+    device_config: Any
+    device: Any
 
     def rltrain_join(self, spec_json: str) -> dict[str, Any]:
         """Join the trainer's pair group; answers this server's model fingerprint and version."""
