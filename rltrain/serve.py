@@ -20,7 +20,7 @@ import time
 from rltrain.runtime.errors import EXIT_USER_ERROR, UserError, format_error
 
 
-def _compose(overrides: list[str]):
+def compose_run_config(overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
     from rltrain.config.schema import CONF_DIR, register_configs
@@ -54,7 +54,7 @@ def _serve(host: str, port: int, overrides: list[str]) -> int:
     from rltrain.runtime.precision import resolve_precision
 
     try:
-        cfg = _compose(overrides)
+        cfg = compose_run_config(overrides)
     except Exception as exc:  # noqa: BLE001 - Hydra's composition errors are the user's to fix
         raise UserError(f"the overrides do not compose: {exc}") from exc
     rollout = as_option("rollout", cfg.rollout, ServerRolloutConfig)

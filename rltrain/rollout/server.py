@@ -45,6 +45,7 @@ class Server:
     pusher: WeightPusher | None = None  # trainer rank 0 only
     up: bool = True
     outstanding: int = 0
+    served: int = 0  # requests it answered
     down_since: float = 0.0
     reasons: list[str] = field(default_factory=list)
 
@@ -227,6 +228,7 @@ class ServerFleetEngine:
             finally:
                 with self._lock:
                     server.outstanding -= 1
+            server.served += 1
             return self._completions(index, answer, server)
 
     def _completions(self, index: int, answer: dict[str, Any], server: Server) -> list[Completion]:

@@ -26,9 +26,11 @@ _DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK
 
 
 def server_command(cfg: ServerRolloutConfig, model_dir: str | Path, dtype: str, host: str, port: int, cuda: bool) -> list[str]:
-    """`vllm serve MODEL ...` (vLLM's own API server) for one server of this run."""
+    """vLLM's own API server (what `vllm serve` runs) for one server of this run; by module, so it
+    runs in this interpreter's environment whatever the PATH holds."""
     command = [
-        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", os.fspath(model_dir), "--dtype", dtype, "--seed", str(cfg.seed),
+        sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
+        "--model", os.fspath(model_dir), "--dtype", dtype, "--seed", str(cfg.seed),
         "--host", host, "--port", str(port),
         "--logprobs-mode", "raw_logprobs",  # the trainer's log-softmax, for the parity check
         "--enable-prefix-caching", "--enable-scale-out",  # /inference/v1/generate: token ids in and out
@@ -73,8 +75,10 @@ def _die_with_parent(parent_pid: int) -> None:  # in the child, between fork and
 class SpawnedServer:
     """One API server this trainer started; `stop()` ends it and its engine process."""
 
-    def __init__(self, cfg: ServerRolloutConfig, model_dir: str | Path, dtype: str, cuda: bool, log_path: Path) -> None:
-        self.port = free_port()
+    def __init__(
+        self, cfg: ServerRolloutConfig, model_dir: str | Path, dtype: str, cuda: bool, log_path: Path, port: int | None = None
+    ) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         with open(log_path, "ab") as log:
