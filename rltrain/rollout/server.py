@@ -77,6 +77,7 @@ class ServerFleetEngine:
                 self.servers += [Server(s.url, spawned=s) for s in spawned]
                 for s in spawned:
                     s.wait_ready(cfg.servers.start_timeout_s)
+                    print(f"rltrain: rollout server {s.url} (pid {s.proc.pid}, log {s.log_path})", flush=True)
             urls = [s.url for s in self.servers]
             if urls_from_rank0 is not None:  # every rank uses the servers rank 0 spawned
                 urls = urls_from_rank0(urls)

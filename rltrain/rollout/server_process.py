@@ -54,6 +54,7 @@ def server_env(cfg: ServerRolloutConfig, cuda: bool) -> dict[str, str]:
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # an in-process engine's setting: the server runs vLLM's default
     if not cuda:
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the byte budget on the command line applies
         if cfg.num_threads > 0:

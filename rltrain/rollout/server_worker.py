@@ -117,6 +117,7 @@ class WeightPushExtension:
         plan = build_plan(model, [name for name, _ in weights])
         if plan is None or not plan.load(model, weights):
             self.model_runner.reload_weights(weights_iterator=iter(weights))
-            if getattr(model.config, "tie_word_embeddings", False):
+            hf_config = self.model_runner.model_config.hf_config
+            if getattr(hf_config, "tie_word_embeddings", False):
                 head: Any = model.lm_head
                 head.quant_method.process_weights_after_loading(head)
