@@ -186,6 +186,7 @@ class RLAlgorithm:
             "time/publish": self.weights.last_publish_s,
             "sync/bytes": float(self.weights.last_bytes),
             **self.rollout.metrics(),
+            **version_metrics(exp, self.ctx.cfg.rollout.name == "server"),
             **self.timeshare.pop_metrics(),
             "tokens": float(sum_over_replicas(torch.tensor([float(exp.batch.tokens.num_tokens)], device="cpu"), dp_size)),
             "data/overlong_dropped": float(self.collector.dropped),
@@ -229,3 +230,15 @@ class RLAlgorithm:
 
     def export_engine(self) -> Any:
         return self.policy
+
+
+def version_metrics(exp: Experience, carried: bool) -> dict[str, float]:
+    """`rollout/version_min` and `_max` over every rank's completions, where the engine reports the
+    version that sampled each (rollout=server; a collective: every rank, the same `carried`)."""
+    if not carried:
+        return {}
+    versions = [float(c.version) for c in exp.completions if c.version is not None]
+    return {
+        "rollout/version_min": -global_max(-min(versions, default=float("inf"))),
+        "rollout/version_max": global_max(max(versions, default=float("-inf"))),
+    }

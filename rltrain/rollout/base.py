@@ -29,6 +29,9 @@ class Completion:
     # A multi-turn trajectory (rltrain/envs): True where the model sampled the token, False on the
     # environment's observations (their logprob is 0). None: every token was sampled.
     sampled: list[bool] | None = None
+    # The policy version that sampled it, as the server reported it (rollout=server); None for an
+    # engine beside the trainer, whose weights are the ones the schedule delivered.
+    version: int | None = None
 
 
 class RolloutEngine(Protocol):

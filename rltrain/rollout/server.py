@@ -64,7 +64,6 @@ class ServerFleetEngine:
         self.model_dir = Path(model_dir)
         self.version = 0
         self.failures = 0
-        self.last_versions: list[int] = []
         self.current: list[tuple[torch.Tensor, list[list[Any]]]] | None = None  # rank 0: the pushed version
         self._lock = threading.Lock()
         self.servers: list[Server] = []
@@ -189,7 +188,6 @@ class ServerFleetEngine:
         if self.rank != 0:  # rank 0's push may still be under way: wait for the version
             self._await_version()
         deadline = time.monotonic() + self.cfg.timeout_s
-        self.last_versions = []
         with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), MAX_IN_FLIGHT))) as pool:
             results = list(pool.map(lambda i: self._request(i, prompts[i], sampling, deadline), range(len(prompts))))
         return [c for group in results for c in group]
@@ -242,10 +240,9 @@ class ServerFleetEngine:
                     f"schedule names version {self.version}: another trainer pushes weights into it, or it restarted "
                     "without them. Give each run its own servers (rollout.servers.urls)."
                 )
-            self.last_versions.append(self.version)
             token_ids = [int(t) for t in choice["token_ids"]]
             logprobs = [float(entry["logprob"]) for entry in choice["logprobs"]["content"]]
-            out.append(Completion(index, token_ids, logprobs, finished=choice["finish_reason"] == "stop"))
+            out.append(Completion(index, token_ids, logprobs, finished=choice["finish_reason"] == "stop", version=int(versions.pop())))
         return out
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -266,10 +263,8 @@ class ServerFleetEngine:
                 self._mark_down(server, str(exc))
 
     def metrics(self) -> dict[str, float]:
-        versions = self.last_versions or [self.version]
+        """The fleet now (the versions are the batch's: each completion carries its own)."""
         return {
-            "rollout/version_min": float(min(versions)),
-            "rollout/version_max": float(max(versions)),
             "rollout/servers_up": float(sum(s.up for s in self.servers)),
             "rollout/server_failures": float(self.failures),
         }

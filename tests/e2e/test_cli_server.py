@@ -27,7 +27,7 @@ def assert_versions(rows, k=0):
         version = max(0, r["step"] - 1 - k)
         assert r["rollout/version_min"] == r["rollout/version_max"] == version, r
         assert r["rollout/server_failures"] == 0 and r["sync/bytes"] > 0, r
-        assert r["time/sync"] > 0 or (k > 0 and r["step"] == 1), r  # k >= 1: step 1's push is still queued
+        assert r["time/sync"] > 0 or k > 0, r  # k >= 1: the push runs on the engine's queue, measured when it ran
 
 
 def test_grpo_with_a_spawned_server(tmp_path):
