@@ -64,6 +64,7 @@ class ServerFleetEngine:
         self.model_dir = Path(model_dir)
         self.version = 0
         self.failures = 0
+        self.observed: list[int] = []  # versions of the completions since the last `metrics()`
         self.current: list[tuple[torch.Tensor, list[list[Any]]]] | None = None  # rank 0: the pushed version
         self._lock = threading.Lock()
         self.servers: list[Server] = []
@@ -240,6 +241,8 @@ class ServerFleetEngine:
                     f"schedule names version {self.version}: another trainer pushes weights into it, or it restarted "
                     "without them. Give each run its own servers (rollout.servers.urls)."
                 )
+            with self._lock:
+                self.observed.append(self.version)
             token_ids = [int(t) for t in choice["token_ids"]]
             logprobs = [float(entry["logprob"]) for entry in choice["logprobs"]["content"]]
             out.append(Completion(index, token_ids, logprobs, finished=choice["finish_reason"] == "stop", version=int(versions.pop())))
@@ -263,8 +266,15 @@ class ServerFleetEngine:
                 self._mark_down(server, str(exc))
 
     def metrics(self) -> dict[str, float]:
-        """The fleet now (the versions are the batch's: each completion carries its own)."""
+        """The fleet now, and the versions of the completions sampled since the last call (a
+        multi-turn episode's completion is assembled from several; a single-turn batch generated
+        ahead is measured from its own completions instead: rltrain/algos/rl.py)."""
+        with self._lock:
+            observed, self.observed = self.observed, []
         return {
+            # Nothing sampled here (a model-parallel replica's follower): neutral for the reduction.
+            "rollout/version_min": float(min(observed, default=float("inf"))),
+            "rollout/version_max": float(max(observed, default=float("-inf"))),
             "rollout/servers_up": float(sum(s.up for s in self.servers)),
             "rollout/server_failures": float(self.failures),
         }

@@ -80,3 +80,22 @@ def test_serve_refuses_what_the_run_would_refuse(overrides, message):
     proc = python("-m", "rltrain.serve", "--port", "1", "algo=grpo", *QUICK, *overrides, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.startswith("rltrain: error: ") and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param(["algo=ppo", "backend=megatron"], id="ppo-megatron"),
+        pytest.param(["algo=grpo", "model.lora.rank=8", "env=python", "env.cls=rltrain.envs.retry:AdditionWithRetries",
+                      "env.max_turns=2"], id="grpo-lora-env"),
+    ],
+)
+def test_other_shapes_over_servers(rollout_servers, tmp_path, overrides):
+    """PPO on Megatron; LoRA (the merged weights pushed) with multi-turn episodes: parity every step."""
+    urls = ",".join(s.url for s in rollout_servers["servers"])
+    run_dir = tmp_path / "run"
+    rltrain(*RUN, *overrides, "trainer.max_steps=2", f"rollout.servers.urls=[{urls}]", run_dir=run_dir, timeout=600)
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert_versions(rows)
+    assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in rows), rows
