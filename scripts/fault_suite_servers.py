@@ -155,7 +155,8 @@ def other_model(base: Path, port: int) -> Row:
     proc = start([*args, "trainer.max_steps=2", f"rollout.servers.urls=[http://127.0.0.1:{port}]"], run_dir)
     code, err = finish(proc, 600)
     ok = code == 2 and "config.json differs" in err
-    outcome = f"refused at start (exit {code}: {first_error(err)})"
+    said = next((line for line in err.splitlines() if line.startswith("rltrain: error:")), first_error(err))
+    outcome = f"refused at start (exit {code}: {said[:140]})"
     return Row("rollout server of another model", "GRPO, 1 rank, 1 URL-given server", outcome if ok else f"FAILED: {outcome}",
                time.monotonic() - t0, "0", 0, ok)
 

@@ -1,13 +1,12 @@
 """Starting vLLM's own OpenAI-compatible API server for `rollout=server`: its command line (what
 the trainer needs in it: token-in/token-out generation, the dev-mode RPC the weight push rides on,
 our worker extension, the trainer's raw log-probabilities), and a spawned server's lifetime (it
-dies with the trainer: PR_SET_PDEATHSIG). docs/rollout-servers.md.
+dies with the trainer: rltrain/rollout/server_guard.py). docs/rollout-servers.md.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import signal
 import socket
@@ -18,7 +17,6 @@ from pathlib import Path
 
 from rltrain.config.group_options import ServerRolloutConfig
 from rltrain.rollout.server_http import is_up
-from rltrain.runtime.parent_death import die_with_parent
 
 EXTENSION = "rltrain.rollout.server_worker.WeightPushExtension"
 # torch.distributed / elastic variables a server must not inherit from a trainer rank.
@@ -68,11 +66,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent(parent_pid: int) -> None:  # in the child, between fork and exec
-    os.setsid()  # its own process group: stopping it stops vLLM's engine process too
-    die_with_parent(parent_pid)
-
-
 class SpawnedServer:
     """One API server this trainer started; `stop()` ends it and its engine process."""
 
@@ -83,10 +76,13 @@ class SpawnedServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         with open(log_path, "ab") as log:
+            # Through the guard (rltrain/rollout/server_guard.py), in a session of its own: the
+            # server and vLLM's engine processes go when the trainer goes, however it goes.
+            guard = [sys.executable, "-m", "rltrain.rollout.server_guard", str(os.getpid())]
             self.proc = subprocess.Popen(
-                server_command(cfg, model_dir, dtype, "127.0.0.1", self.port, cuda),
+                guard + server_command(cfg, model_dir, dtype, "127.0.0.1", self.port, cuda),
                 env=server_env(cfg, cuda), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                preexec_fn=functools.partial(_die_with_parent, os.getpid()),
+                start_new_session=True,
             )
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -107,7 +103,8 @@ class SpawnedServer:
         )
 
     def stop(self) -> None:
-        """SIGTERM to its process group (the API server and vLLM's engine process), then SIGKILL."""
+        """SIGTERM to its session's group (the guard stops the server and kills what is left of the
+        session), then SIGKILL."""
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
