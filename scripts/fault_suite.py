@@ -4,7 +4,9 @@ On 2 CPU ranks and both backends, each `debug.fault` kind (docs/failure-behaviou
 `python -m rltrain algo=sft` run of 8 steps with the fault at step 3; then a rollout child killed
 in a real 2-rank GRPO run (`rollout.process=separate`, both backends), and killed or frozen while the engine
 generates ahead (`placement.max_staleness=1`); then the weight transport on its own: a
-receiver process killed in the middle of a sync, and a sync whose bucket message is lost.
+receiver process killed in the middle of a sync, and a sync whose bucket message is lost; then
+`rollout=server` (scripts/fault_suite_servers.py): a server killed, restarted, all gone, of another
+model, and a SIGKILLed trainer's spawned server.
 
 One row per fault:
 
@@ -335,7 +337,7 @@ def table(rows: list[Row]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", nargs="*", help="case names: KIND@BACKEND, rollout_child@BACKEND, async_sigkill@BACKEND, async_sigstop@BACKEND, receiver, lost")
+    parser.add_argument("--only", nargs="*", help="case names: KIND@BACKEND, rollout_child@BACKEND, async_sigkill@BACKEND, async_sigstop@BACKEND, receiver, lost, server_killed, server_restarted, server_other_model, servers_gone, trainer_killed")
     parser.add_argument("--out", type=Path, help="also write the table here")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -348,6 +350,9 @@ def main() -> int:
               for b in ("fsdp", "megatron") for sig in (signal.SIGKILL, signal.SIGSTOP)]
     cases += [
               ("receiver", lambda base: transport_case("killed")), ("lost", lambda base: transport_case("lost"))]
+    from fault_suite_servers import server_cases  # rollout=server (docs/rollout-servers.md)
+
+    cases += server_cases()
     rows = []
     with tempfile.TemporaryDirectory(prefix="rltrain-fault-suite-") as tmp:
         for name, fn in cases:

@@ -5,6 +5,7 @@
 #   bash .gpu/on-device.sh bash scripts/gpu_checks.sh suite        # make test-gpu, in 4 concurrent streams
 #   bash .gpu/on-device.sh bash scripts/gpu_checks.sh bench        # bench_gpu.py beside TRL (needs its wheel)
 #   bash .gpu/on-device.sh bash scripts/gpu_checks.sh bench-fast   # padding-free, token budget, compile
+#   bash .gpu/on-device.sh bash scripts/gpu_checks.sh fleet        # rollout=server: tests and bench_fleet.py on CUDA vLLM
 #
 # Every test uses a tiny model (or the 0.494B one for a few steps) and most of a test's time is
 # process start-up and Python, so four pytest processes share the one GPU and its 16 cores, each
@@ -12,7 +13,7 @@
 # tool's output folder, which returns at most 8 files), else ./gpu-checks/. The exit status is the
 # first failing stream's. The streams are balanced by the last run's durations (docs/gpus.md).
 set -uo pipefail
-part=${1:?usage: gpu_checks.sh suite|bench|bench-fast}
+part=${1:?usage: gpu_checks.sh suite|bench|bench-fast|fleet}
 out=${OUT:-gpu-checks}
 mkdir -p "$out"
 py=${PYTHON:-python3}
@@ -46,8 +47,14 @@ case $part in
     { $py scripts/bench_gpu.py --padding-free --max-tokens 16384 --no-trl &&
       $py scripts/bench_gpu.py --padding-free --max-tokens 16384 --compile --no-trl; } 2>&1 | tee "$out/bench-fast.log"
     ;;
+  fleet)
+    # rollout=server on CUDA vLLM servers (docs/rollout-servers.md): the engine tests, then the step
+    # against rollout.process=separate, synchronous and k = 1.
+    { $py -m pytest -q -rfE -p no:randomly -n 0 tests/unit/rollout/test_rollout_server.py tests/e2e/test_cli_server.py &&
+      $py scripts/bench_fleet.py --steps 10 --warmup 2 --extra rollout.gpu_memory_utilization=0.3; } 2>&1 | tee "$out/fleet.log"
+    ;;
   *)
-    echo "gpu_checks.sh: unknown part '$part'; choose suite, bench or bench-fast" >&2
+    echo "gpu_checks.sh: unknown part '$part'; choose suite, bench, bench-fast or fleet" >&2
     exit 2
     ;;
 esac

@@ -97,3 +97,28 @@ def pytest_sessionfinish(session, exitstatus):
     """The test run's Hugging Face caches go with it (removed by the process that made them)."""
     if os.environ.get("RLTRAIN_TEST_HF_HOME_OWNER") == str(os.getpid()):
         shutil.rmtree(HF_HOME, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def rollout_servers(tiny_cache, tmp_path_factory):
+    """Two vLLM API servers (`rollout=server`) on the tiny model the runs of tests/cli.py's
+    SMALL_MODEL use, started once per session (each takes tens of seconds on a CPU): a dict with
+    the model directory, the rollout config and the `SpawnedServer`s (a test that restarts one
+    puts the new one in its place, so the session stops what runs)."""
+    from cli import SMALL_MODEL
+
+    from rltrain.models.model_dir import resolve_model_dir
+    from rltrain.rollout.server_process import SpawnedServer
+    from rltrain.serve import compose_run_config
+
+    cfg = compose_run_config(["model=tiny", *SMALL_MODEL, "rollout=server", "rollout.servers.spawn=1", "rollout.timeout_s=60"])
+    model_dir = resolve_model_dir(cfg.model, cfg.data, cfg.trainer)
+    logs = session_dir(tmp_path_factory, "rollout_servers")
+    servers = [SpawnedServer(cfg.rollout, model_dir, "float32", False, logs / f"server-{i}.log") for i in range(2)]
+    try:
+        for server in servers:
+            server.wait_ready(cfg.rollout.servers.start_timeout_s)
+        yield {"model_dir": model_dir, "cfg": cfg.rollout, "servers": servers, "logs": logs}
+    finally:
+        for server in servers:
+            server.stop()

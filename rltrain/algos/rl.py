@@ -185,6 +185,7 @@ class RLAlgorithm:
             "time/sync": self.weights.last_sync_s,
             "time/publish": self.weights.last_publish_s,
             "sync/bytes": float(self.weights.last_bytes),
+            **version_metrics(exp, self.rollout.metrics()),
             **self.timeshare.pop_metrics(),
             "tokens": float(sum_over_replicas(torch.tensor([float(exp.batch.tokens.num_tokens)], device="cpu"), dp_size)),
             "data/overlong_dropped": float(self.collector.dropped),
@@ -228,3 +229,15 @@ class RLAlgorithm:
 
     def export_engine(self) -> Any:
         return self.policy
+
+
+def version_metrics(exp: Experience, engine: dict[str, float]) -> dict[str, float]:
+    """The engine's metrics, with `rollout/version_min` and `_max` (where the engine reports them:
+    rollout=server) over every rank (a collective: every rank has the same engine). From the
+    batch's completions where they carry their version (the batch generated ahead is not the
+    engine's latest), else from what the engine observed since the last step (episodes)."""
+    if "rollout/version_min" not in engine:
+        return engine
+    versions = [float(c.version) for c in exp.completions if c.version is not None]
+    low, high = (min(versions), max(versions)) if versions else (engine["rollout/version_min"], engine["rollout/version_max"])
+    return {**engine, "rollout/version_min": -global_max(-low), "rollout/version_max": global_max(high)}

@@ -72,6 +72,31 @@ class VLLMRolloutConfig(RolloutConfig):
 
 
 @dataclass
+class ServersConfig:
+    """Where `rollout=server` finds its vLLM API servers (docs/rollout-servers.md)."""
+
+    urls: list[str] = field(default_factory=list)  # base URLs of servers already running (`python -m rltrain.serve`)
+    spawn: int = 0  # servers rltrain starts on this machine, each its own process, stopped with the run
+    trainer_address: str = "127.0.0.1"  # the address the servers reach the trainer at (the weight push)
+    start_timeout_s: float = 600.0  # bound on a spawned server's start, and on a URL's first answer
+
+
+@dataclass
+class ServerRolloutConfig(RolloutConfig):
+    """vLLM's own OpenAI-compatible API servers, reached over HTTP; weights pushed after every update."""
+
+    name: str = "server"
+    servers: ServersConfig = field(default_factory=ServersConfig)
+    timeout_s: float = 300.0  # bound on one request, one weight push, and on waiting for a server to come back
+    bucket_mb: int = 64  # size of one weight-push bucket
+    kv_cache_gib: float = 1.0  # spawned/served, CPU: the KV-cache budget
+    max_num_seqs: int = 256  # spawned/served: vLLM's --max-num-seqs
+    max_model_len: int | None = None  # spawned/served: longest prompt + completion; null = the model's own limit
+    gpu_memory_utilization: float = 0.5  # spawned/served, CUDA: fraction of the GPU the server takes
+    num_threads: int = 0  # spawned, CPU: each server's torch threads; 0 = vLLM's default
+
+
+@dataclass
 class HFRolloutConfig(RolloutConfig):
     name: str = "hf"
 

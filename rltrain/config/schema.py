@@ -31,6 +31,7 @@ from rltrain.config.group_options import (
     NoRewardModelConfig,
     PythonEnvConfig,
     ReferenceConfig,
+    ServerRolloutConfig,
     TeacherConfig,
     ToolsEnvConfig,
     VLLMRolloutConfig,
@@ -261,7 +262,7 @@ class Config:
 GROUP_SCHEMAS: dict[str, dict[str, type]] = {
     "algo": {name: spec.config for name, spec in ALGORITHMS.items()},
     "backend": {"fsdp": FSDPBackendConfig, "megatron": MegatronBackendConfig},
-    "rollout": {"vllm": VLLMRolloutConfig, "hf": HFRolloutConfig},
+    "rollout": {"vllm": VLLMRolloutConfig, "hf": HFRolloutConfig, "server": ServerRolloutConfig},
     "model": {"tiny": ModelConfig, "tiny_sft": ModelConfig},
     "reference": {"default": ReferenceConfig},
     "critic": {"default": CriticConfig},

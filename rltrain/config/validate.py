@@ -25,7 +25,7 @@ from rltrain.config.sources import (
     validate_data_sources,
     validate_model_source,
 )
-from rltrain.config.validate_rl import validate_env, validate_staleness
+from rltrain.config.validate_rl import validate_env, validate_servers, validate_staleness
 from rltrain.runtime.errors import UserError
 
 # Every enum-like key of every group and the values it accepts (the schema's `Literal`s), checked
@@ -121,6 +121,7 @@ def validate(cfg: Config) -> None:
     validate_roles(cfg)
     validate_env(cfg)
     validate_staleness(cfg)
+    validate_servers(cfg)
     if cfg.safety.collective_timeout_s <= 0 or cfg.safety.max_consecutive_errors < 0:
         raise UserError(
             f"safety.collective_timeout_s={cfg.safety.collective_timeout_s} must be positive and "

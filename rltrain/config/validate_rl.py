@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rltrain.config.algorithms import names_where, spec_of
 from rltrain.config.group_choice import as_option
-from rltrain.config.group_options import VLLMRolloutConfig
+from rltrain.config.group_options import ServerRolloutConfig, VLLMRolloutConfig
 from rltrain.config.schema import Config
 from rltrain.runtime.errors import UserError
 
@@ -79,6 +79,32 @@ def validate_env(cfg: Config) -> None:
         raise UserError(f"env.timeout_s={env.timeout_s} must be positive (seconds), or 0 / null for no limit.")
 
 
+def validate_servers(cfg: Config) -> None:
+    """`rollout=server` (docs/rollout-servers.md): its fleet and what it cannot do."""
+    rollout = as_option("rollout", cfg.rollout, ServerRolloutConfig)
+    if rollout is None:
+        return
+    if cfg.placement.time_sharing:
+        raise UserError(
+            "rollout=server with placement.time_sharing=true: the servers are processes of their own (on this machine or "
+            "others) that keep their memory, so there is nothing to take turns on. Set placement.time_sharing=false, or use "
+            "rollout=vllm to share one device between the engine and the trainer."
+        )
+    servers = rollout.servers
+    if servers.spawn < 0 or (servers.spawn == 0 and not servers.urls):
+        raise UserError(
+            f"rollout=server needs servers: rollout.servers.spawn={servers.spawn} and rollout.servers.urls={list(servers.urls)}. "
+            "Set rollout.servers.spawn=N (servers started on this machine) and/or rollout.servers.urls=[http://host:port] "
+            "(servers started with `python -m rltrain.serve <the run's overrides>`)."
+        )
+    bad = [u for u in servers.urls if not str(u).startswith(("http://", "https://"))]
+    if bad:
+        raise UserError(f"rollout.servers.urls has {bad}: each entry is a base URL such as http://10.0.0.2:8000.")
+    for key in ("timeout_s", "bucket_mb", "max_num_seqs", "kv_cache_gib"):
+        if getattr(rollout, key) <= 0:
+            raise UserError(f"rollout.{key}={getattr(rollout, key)} must be positive.")
+
+
 def validate_staleness(cfg: Config) -> None:
     """`placement.max_staleness` (docs/async.md): the engines and loops that can generate ahead."""
     k = cfg.placement.max_staleness
@@ -99,7 +125,9 @@ def validate_staleness(cfg: Config) -> None:
         )
     vllm = as_option("rollout", cfg.rollout, VLLMRolloutConfig)
     process = vllm.process if vllm is not None else None
-    if vllm is None or process != "separate":
+    if cfg.rollout.name == "server":
+        pass  # the servers run beside the trainer by construction
+    elif vllm is None or process != "separate":
         raise UserError(
             f"placement.max_staleness={k} needs an engine that runs beside the trainer: rollout=vllm "
             f"rollout.process=separate (the engine in its own process). rollout={cfg.rollout.name}"

@@ -32,6 +32,9 @@ class Completion:
     # The prompt these tokens continue where it is not the row's (an agent's call rendered its own
     # messages, rltrain/envs/agent.py). None: the row's prompt.
     prompt_ids: list[int] | None = None
+    # The policy version that sampled it, as the server reported it (rollout=server); None for an
+    # engine beside the trainer, whose weights are the ones the schedule delivered.
+    version: int | None = None
 
 
 class RolloutEngine(Protocol):
@@ -58,6 +61,10 @@ class RolloutEngine(Protocol):
         nor harm it: while the training loop is inside the engine (`exclusive` methods), the call in
         progress is the proof of life and ping answers True without entering (a call that wedges
         stalls the step, which the step-progress check reports)."""
+
+    def metrics(self) -> dict[str, float]:
+        """The engine's own metrics for the step's row (the server fleet's versions and failures);
+        empty for an engine beside the trainer."""
 
     def close(self) -> None:
         """Release the engine (its memory, its child process) before the process group goes away."""

@@ -167,6 +167,9 @@ class HFRolloutEngine:
             self._live().to(self.device)
         self.asleep = False
 
+    def metrics(self) -> dict[str, float]:
+        return {}
+
     def ping(self) -> bool:
         """A one-token forward through the model, whose logits must be finite (see
         `RolloutEngine.ping`: True without entering while the training loop is using the engine;

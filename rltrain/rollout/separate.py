@@ -290,6 +290,9 @@ class SeparateVLLMEngine:
     def wake(self) -> None:
         self._call("wake")
 
+    def metrics(self) -> dict[str, float]:
+        return {}
+
     def ping(self) -> bool:
         """A real round trip to the child (its engine answers a no-op on its worker), bounded by
         `ping_timeout_s`, that never harms a healthy engine: an unanswered ping is reported (an

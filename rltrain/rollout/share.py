@@ -39,7 +39,8 @@ def raise_leader_error(message: str | None, group: Any) -> None:
 
 def share_completions(completions: list[Completion] | None, group: Any) -> list[Completion]:
     """The leader's `completions`, on every rank of `group` (collective over it). Non-leaders pass
-    None; the leader passes its list (possibly empty). Multi-turn `sampled` masks travel too."""
+    None; the leader passes its list (possibly empty). Multi-turn `sampled` masks and the servers'
+    policy versions (rollout=server) travel too."""
     leader = replica_leader(group)
     ints: list[int] | None = None
     floats: list[float] | None = None
@@ -51,7 +52,7 @@ def share_completions(completions: list[Completion] | None, group: Any) -> list[
                 raise ValueError("every generated token needs exactly one sampling log-probability")
         ints = [len(completions)]
         for c in completions:
-            ints += [c.prompt_index, len(c.token_ids), int(c.finished), int(c.sampled is not None)]
+            ints += [c.prompt_index, len(c.token_ids), int(c.finished), int(c.sampled is not None), -1 if c.version is None else c.version]
         for c in completions:
             ints += c.token_ids + [int(f) for f in (c.sampled or [])]
         floats = [lp for c in completions for lp in c.logprobs]
@@ -59,15 +60,17 @@ def share_completions(completions: list[Completion] | None, group: Any) -> list[
     if completions is not None:
         return completions
     n = got_ints[0]
-    meta = [got_ints[1 + 4 * i : 5 + 4 * i] for i in range(n)]
-    out, pos, lp_pos = [], 1 + 4 * n, 0
-    for prompt_index, length, finished, has_sampled in meta:
+    meta = [got_ints[1 + 5 * i : 6 + 5 * i] for i in range(n)]
+    out, pos, lp_pos = [], 1 + 5 * n, 0
+    for prompt_index, length, finished, has_sampled, version in meta:
         token_ids = got_ints[pos : pos + length]
         pos += length
         sampled = None
         if has_sampled:
             sampled = [bool(f) for f in got_ints[pos : pos + length]]
             pos += length
-        out.append(Completion(prompt_index, token_ids, got_floats[lp_pos : lp_pos + length], bool(finished), sampled))
+        out.append(Completion(
+            prompt_index, token_ids, got_floats[lp_pos : lp_pos + length], bool(finished), sampled, None if version < 0 else version
+        ))
         lp_pos += length
     return out

@@ -299,6 +299,9 @@ class VLLMRolloutEngine:
             raise RuntimeError("the vLLM engine is closed")
         return self.llm
 
+    def metrics(self) -> dict[str, float]:
+        return {}
+
     def ping(self) -> bool:
         """True when the engine core answers a no-op call on its worker (see `RolloutEngine.ping`:
         True without entering while the training loop is inside the engine). A failure raises,

@@ -23,5 +23,5 @@ def test_every_fault_recovers_or_exits_in_bounded_time(tiny_cache):
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| `")]
-    assert len(rows) == 16
+    assert len(rows) == 21
     assert all(line.rstrip().endswith("| 0 |") for line in rows), "a run left files in /dev/shm"

@@ -24,7 +24,8 @@ def _completions():
     return [
         Completion(prompt_index=0, token_ids=[5, 9, 2], logprobs=[-0.1, -1.0 / 3.0, -2.5e-9], finished=True),
         Completion(prompt_index=0, token_ids=[], logprobs=[], finished=False),
-        Completion(prompt_index=3, token_ids=[7], logprobs=[-12.75], finished=False),
+        # version: the policy version a rollout server reported (rollout=server)
+        Completion(prompt_index=3, token_ids=[7], logprobs=[-12.75], finished=False, version=7),
         Completion(prompt_index=4, token_ids=[3, 8, 8, 1], logprobs=[-0.5, 0.0, 0.0, -1e-300], finished=True,
                    sampled=[True, False, False, True]),
     ]
@@ -41,7 +42,7 @@ def _episodes():
 
 
 def _as_rows(completions):
-    return [(c.prompt_index, c.token_ids, c.logprobs, c.finished, c.sampled) for c in completions]
+    return [(c.prompt_index, c.token_ids, c.logprobs, c.finished, c.sampled, c.version) for c in completions]
 
 
 def _episode_rows(played):

@@ -1,0 +1,125 @@
+"""Starting vLLM's own OpenAI-compatible API server for `rollout=server`: its command line (what
+the trainer needs in it: token-in/token-out generation, the dev-mode RPC the weight push rides on,
+our worker extension, the trainer's raw log-probabilities), and a spawned server's lifetime (it
+dies with the trainer: rltrain/rollout/server_guard.py). docs/rollout-servers.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rltrain.config.group_options import ServerRolloutConfig
+from rltrain.rollout.server_http import is_up
+
+EXTENSION = "rltrain.rollout.server_worker.WeightPushExtension"
+# torch.distributed / elastic variables a server must not inherit from a trainer rank.
+_DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def server_command(cfg: ServerRolloutConfig, model_dir: str | Path, dtype: str, host: str, port: int, cuda: bool) -> list[str]:
+    """vLLM's own API server (what `vllm serve` runs) for one server of this run; by module, so it
+    runs in this interpreter's environment whatever the PATH holds."""
+    command = [
+        sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
+        "--model", os.fspath(model_dir), "--dtype", dtype, "--seed", str(cfg.seed),
+        "--host", host, "--port", str(port),
+        "--logprobs-mode", "raw_logprobs",  # the trainer's log-softmax, for the parity check
+        "--enable-prefix-caching", "--enable-scale-out",  # /inference/v1/generate: token ids in and out
+        "--worker-extension-cls", EXTENSION,
+        "--max-num-seqs", str(cfg.max_num_seqs),
+        "--disable-uvicorn-access-log", "--disable-log-stats",
+    ]
+    if cfg.max_model_len is not None:
+        command += ["--max-model-len", str(cfg.max_model_len)]
+    if cuda:
+        command += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+    else:
+        command += ["--enforce-eager", "--kv-cache-memory-bytes", str(int(cfg.kv_cache_gib * (1 << 30)))]
+    return command
+
+
+def server_env(cfg: ServerRolloutConfig, cuda: bool) -> dict[str, str]:
+    """The server's environment: dev mode (`/collective_rpc`), rltrain importable, no trainer rank."""
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV and not k.startswith("TORCHELASTIC_")}
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # an in-process engine's setting: the server runs vLLM's default
+    if not cuda:
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the byte budget on the command line applies
+        if cfg.num_threads > 0:
+            env["OMP_NUM_THREADS"] = str(cfg.num_threads)
+    return env
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class SpawnedServer:
+    """One API server this trainer started; `stop()` ends it and its engine process."""
+
+    def __init__(
+        self, cfg: ServerRolloutConfig, model_dir: str | Path, dtype: str, cuda: bool, log_path: Path, port: int | None = None
+    ) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        with open(log_path, "ab") as log:
+            # Through the guard (rltrain/rollout/server_guard.py), in a session of its own: the
+            # server and vLLM's engine processes go when the trainer goes, however it goes.
+            guard = [sys.executable, "-m", "rltrain.rollout.server_guard", str(os.getpid())]
+            self.proc = subprocess.Popen(
+                guard + server_command(cfg, model_dir, dtype, "127.0.0.1", self.port, cuda),
+                env=server_env(cfg, cuda), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"the spawned vLLM server {self.url} exited with code {self.proc.returncode} while starting; "
+                    f"its log: {self.log_path}\n{_tail(self.log_path)}"
+                )
+            if is_up(self.url):
+                return
+            time.sleep(1.0)
+        self.stop()
+        raise RuntimeError(
+            f"the spawned vLLM server {self.url} did not answer /health within rollout.servers.start_timeout_s="
+            f"{timeout_s:g}s (stopped); its log: {self.log_path}\n{_tail(self.log_path)}"
+        )
+
+    def stop(self) -> None:
+        """SIGTERM to its session's group (the guard stops the server and kills what is left of the
+        session), then SIGKILL."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,101 @@
+"""`rollout=server` in real runs (docs/rollout-servers.md): GRPO with one spawned vLLM API server
+(versions, parity, the server gone with the run); the same run over one and over two servers
+gives the same rows; two trainer ranks over two servers generating one step ahead."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+
+import pytest
+from cli import QUICK, SMALL_MODEL, python, rltrain, train_rows
+
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("rollout_servers")]
+
+RUN = ["algo=grpo", *QUICK, *SMALL_MODEL, "algo.prompts_per_step=4", "algo.group_size=2", "rollout=server"]
+# What differs between fleets by design: timings, memory, throughput, and the fleet's own size.
+FLEET_KEYS = ("time/", "mem/", "perf/", "rollout/servers_up")
+
+
+def compared(row: dict) -> set[str]:
+    return {k for k in row if not k.startswith(FLEET_KEYS) and not k.endswith("tokens_per_s")}
+
+
+def assert_versions(rows, k=0):
+    for r in rows:
+        version = max(0, r["step"] - 1 - k)
+        assert r["rollout/version_min"] == r["rollout/version_max"] == version, r
+        assert r["rollout/server_failures"] == 0 and r["sync/bytes"] > 0, r
+        assert r["time/sync"] > 0 or k > 0, r  # k >= 1: the push runs on the engine's queue, measured when it ran
+
+
+def test_grpo_with_a_spawned_server(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = rltrain(*RUN, "trainer.max_steps=3", "rollout.servers.spawn=1", run_dir=run_dir, timeout=600)
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert_versions(rows)
+    assert all(r["rollout/servers_up"] == 1 and r["rollout/logprob_diff_max"] < 1e-4 for r in rows), rows
+    pid = int(re.search(r"rltrain: rollout server http://127\.0\.0\.1:\d+ \(pid (\d+)", proc.stdout).group(1))
+    assert not os.path.exists(f"/proc/{pid}"), "the spawned server outlived the run"
+
+
+def test_one_and_two_servers_give_the_same_rows(rollout_servers, tmp_path):
+    urls = [s.url for s in rollout_servers["servers"]]
+    runs = {}
+    for n in (1, 2):
+        run_dir = tmp_path / f"servers-{n}"
+        rltrain(*RUN, "trainer.max_steps=3", f"rollout.servers.urls=[{','.join(urls[:n])}]", run_dir=run_dir, timeout=600)
+        runs[n] = train_rows(run_dir)
+        assert [r["rollout/servers_up"] for r in runs[n]] == [n] * 3
+        assert_versions(runs[n])
+    for one, two in zip(runs[1], runs[2], strict=True):
+        keys = compared(one)
+        assert keys == compared(two)
+        for key in keys:
+            if key.startswith("rollout/logprob_diff"):  # the servers' batches differ: fp32 round-off
+                assert math.isclose(one[key], two[key], abs_tol=1e-6), (key, one[key], two[key])
+            else:
+                assert one[key] == two[key], (key, one[key], two[key])
+
+
+def test_two_trainer_ranks_over_two_servers_one_step_ahead(rollout_servers, tmp_path):
+    urls = ",".join(s.url for s in rollout_servers["servers"])
+    run_dir = tmp_path / "m2-k1"
+    rltrain(*RUN, "trainer.max_steps=3", "trainer.nproc=2", "placement.max_staleness=1",
+            f"rollout.servers.urls=[{urls}]", run_dir=run_dir, timeout=600)
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert_versions(rows, k=1)
+    assert all(r["rollout/servers_up"] == 2 for r in rows)
+    assert rows[0]["rollout/logprob_diff_max"] < 1e-4  # step 1 is on-policy: parity checked
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [(["rollout=server", "placement.time_sharing=true"], "placement.time_sharing=false"), (["rollout=vllm"], "Add rollout=server")],
+)
+def test_serve_refuses_what_the_run_would_refuse(overrides, message):
+    proc = python("-m", "rltrain.serve", "--port", "1", "algo=grpo", *QUICK, *overrides, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.startswith("rltrain: error: ") and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param(["algo=ppo", "backend=megatron"], id="ppo-megatron"),
+        pytest.param(["algo=grpo", "model.lora.rank=8", "env=python", "env.cls=rltrain.envs.retry:AdditionWithRetries",
+                      "env.max_turns=2"], id="grpo-lora-env"),
+    ],
+)
+def test_other_shapes_over_servers(rollout_servers, tmp_path, overrides):
+    """PPO on Megatron; LoRA (the merged weights pushed) with multi-turn episodes: parity every step."""
+    urls = ",".join(s.url for s in rollout_servers["servers"])
+    run_dir = tmp_path / "run"
+    rltrain(*RUN, *overrides, "trainer.max_steps=2", f"rollout.servers.urls=[{urls}]", run_dir=run_dir, timeout=600)
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert_versions(rows)
+    assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in rows), rows

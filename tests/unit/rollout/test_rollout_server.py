@@ -1,0 +1,154 @@
+"""`rollout=server` against two real vLLM API servers on the CPU (the session's `rollout_servers`):
+completions independent of the fleet, weights pushed to every server with their version on every
+completion, a server SIGKILLed mid-generation and restarted, another model refused, every server
+gone. docs/rollout-servers.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from rltrain.config.group_options import ServerRolloutConfig, ServersConfig
+from rltrain.rollout.base import SamplingSettings
+from rltrain.rollout.server import FleetDown, ServerFleetEngine
+from rltrain.rollout.server_process import SpawnedServer, free_port
+from rltrain.runtime.errors import UserError
+
+pytestmark = [pytest.mark.xdist_group("rollout_servers")]
+
+PROMPTS = [[1, 5 + i, 7, 9 + (i % 3)] for i in range(8)]
+SAMPLING = SamplingSettings(n=2, temperature=1.0, max_new_tokens=12, seed=3)
+
+
+def fleet(rollout_servers, indices, tmp_path, model_dir=None, timeout_s=60.0) -> ServerFleetEngine:
+    urls = [rollout_servers["servers"][i].url for i in indices]
+    cfg = ServerRolloutConfig(servers=ServersConfig(urls=urls, start_timeout_s=60), timeout_s=timeout_s)
+    return ServerFleetEngine(
+        cfg, model_dir or rollout_servers["model_dir"], dtype="float32", rank=0, cuda=False, log_dir=tmp_path
+    )
+
+
+def rows(completions):
+    """What a completion is: its prompt, its tokens, where it stopped. (The log-probabilities
+    depend on the server's batch at fp32 round-off, compared by `logprobs_close`.)"""
+    return [(c.prompt_index, c.token_ids, c.finished) for c in completions]
+
+
+def logprobs_close(a, b) -> bool:
+    return all(
+        len(x.logprobs) == len(y.logprobs) and all(abs(p - q) < 1e-5 for p, q in zip(x.logprobs, y.logprobs))
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def checkpoint(model_dir):
+    return sorted(load_file(str(model_dir / "model.safetensors")).items())
+
+
+def test_completions_do_not_depend_on_which_server_served_them(rollout_servers, tmp_path):
+    one = fleet(rollout_servers, [0], tmp_path)
+    alone = one.generate(PROMPTS, SAMPLING)
+    two = fleet(rollout_servers, [0, 1], tmp_path)
+    spread = two.generate(PROMPTS, SAMPLING)
+    assert rows(spread) == rows(alone) and logprobs_close(spread, alone)
+    assert [c.prompt_index for c in spread] == [i for i in range(len(PROMPTS)) for _ in range(2)]
+    assert all(s.served > 0 for s in two.servers), [s.served for s in two.servers]  # both took requests
+    assert one.metrics()["rollout/servers_up"] == 1.0 and two.metrics()["rollout/servers_up"] == 2.0
+    assert {c.version for c in spread} == {0}
+
+
+def test_pushed_weights_reach_every_server_with_their_version(rollout_servers, tmp_path):
+    engine = fleet(rollout_servers, [0, 1], tmp_path)
+    before = engine.generate(PROMPTS, SAMPLING)
+    weights = checkpoint(rollout_servers["model_dir"])
+    scaled = [(n, t * 0.5 if "embed" in n else t) for n, t in weights]
+    engine.update_weights(iter(scaled))
+    changed = engine.generate(PROMPTS, SAMPLING)
+    assert {c.version for c in changed} == {1}
+    assert rows(changed) != rows(before)
+    # Each server alone at version 1 samples what the fleet sampled: both hold the pushed weights.
+    for server in engine.servers:
+        others = [s for s in engine.servers if s is not server]
+        for other in others:
+            other.up = False
+        assert rows(engine.generate(PROMPTS, SAMPLING)) == rows(changed)
+        for other in others:
+            other.up = True
+    engine.update_weights(iter(weights))
+    restored = engine.generate(PROMPTS, SAMPLING)
+    assert rows(restored) == rows(before) and {c.version for c in restored} == {2}
+
+
+def test_a_server_killed_mid_generation_is_survived_and_gets_the_weights_back(rollout_servers, tmp_path):
+    engine = fleet(rollout_servers, [0, 1], tmp_path)
+    weights = [(n, t * 0.5 if "embed" in n else t) for n, t in checkpoint(rollout_servers["model_dir"])]
+    engine.update_weights(iter(weights))
+    sampling = SamplingSettings(n=2, temperature=1.0, max_new_tokens=96, seed=5)
+    prompts = [[1, 4 + i, 6] for i in range(16)]
+    victim = rollout_servers["servers"][1]
+
+    def kill_when_busy() -> None:
+        deadline = time.monotonic() + 60
+        while engine.servers[1].outstanding == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        os.killpg(victim.proc.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_when_busy)
+    killer.start()
+    survived = engine.generate(prompts, sampling)
+    killer.join()
+    assert engine.metrics()["rollout/server_failures"] == 1.0
+    assert engine.metrics()["rollout/servers_up"] == 1.0
+    reference = fleet(rollout_servers, [0], tmp_path)  # server 0 alone, the same version
+    reference.update_weights(iter(weights))
+    expected = reference.generate(prompts, sampling)
+    assert rows(survived) == rows(expected) and logprobs_close(survived, expected)
+    # Back at the same URL (a fresh process with the checkpoint's weights): it is given version 1
+    # before it serves again, so the fleet's samples stay those of version 1.
+    victim.stop()
+    revived = SpawnedServer(rollout_servers["cfg"], rollout_servers["model_dir"], "float32", False,
+                            rollout_servers["logs"] / "server-1-again.log", port=victim.port)
+    rollout_servers["servers"][1] = revived
+    revived.wait_ready(600)
+    again = engine.generate(prompts, sampling)
+    assert engine.metrics()["rollout/servers_up"] == 2.0 and engine.servers[1].served > 0
+    assert rows(again) == rows(survived) and logprobs_close(again, survived)
+
+
+def test_a_server_of_another_model_is_refused_naming_the_difference(rollout_servers, tmp_path):
+    other = tmp_path / "other-model"
+    shutil.copytree(rollout_servers["model_dir"], other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    config["model_max_length"] = 77
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=r"tokenizer_config\.json differs") as info:
+        fleet(rollout_servers, [0], tmp_path, model_dir=other)
+    assert rollout_servers["servers"][0].url in str(info.value)
+
+
+def test_every_server_gone_stops_within_the_timeout_naming_them(rollout_servers, tmp_path):
+    engine = fleet(rollout_servers, [0], tmp_path, timeout_s=3.0)
+    gone = f"http://127.0.0.1:{free_port()}"
+    engine.servers[0].url = gone  # the server vanished: nothing listens there any more
+    started = time.monotonic()
+    with pytest.raises(FleetDown, match="every rollout server stayed unreachable") as info:
+        engine.generate(PROMPTS, SAMPLING)
+    assert time.monotonic() - started < 3.0 + 5.0
+    assert gone in str(info.value) and engine.metrics()["rollout/server_failures"] == 1.0
+
+
+def test_updates_on_other_ranks_count_versions_without_pushing(rollout_servers, tmp_path):
+    """Trainer ranks other than 0 consume the export (a collective) and wait for rank 0's version."""
+    engine = fleet(rollout_servers, [0], tmp_path, timeout_s=2.0)
+    engine.rank = 1
+    engine.update_weights(iter(checkpoint(rollout_servers["model_dir"])))
+    assert engine.version == 1 and engine.current is None
+    with pytest.raises(FleetDown, match="still not at version 1"):  # no rank 0 here: the server stays at version 0
+        engine.generate(PROMPTS[:1], SAMPLING)
