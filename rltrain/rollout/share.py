@@ -70,7 +70,7 @@ def share_completions(completions: list[Completion] | None, group: Any) -> list[
             sampled = [bool(f) for f in got_ints[pos : pos + length]]
             pos += length
         out.append(Completion(
-            prompt_index, token_ids, got_floats[lp_pos : lp_pos + length], bool(finished), sampled, None if version < 0 else version
+            prompt_index, token_ids, got_floats[lp_pos : lp_pos + length], bool(finished), sampled, version=None if version < 0 else version
         ))
         lp_pos += length
     return out

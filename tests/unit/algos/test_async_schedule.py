@@ -42,6 +42,7 @@ class Collector:
         self.prompts_per_step = prompts_per_step
         self.algo_cfg = SimpleNamespace(prompts_per_step=prompts_per_step, dynamic_sampling=False, max_sampling_rounds=1)
         self.policy = SimpleNamespace(replica_group=lambda: None)
+        self.episodes = None  # single-turn: no episode runner
 
     def take_prompts(self):
         return self.stream.take(self.prompts_per_step)
