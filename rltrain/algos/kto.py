@@ -1,14 +1,11 @@
 """KTO (Ethayarajh et al. 2024): preference optimisation from unpaired examples, each one
 completion labelled desirable or not, against a frozen reference.
 
-A step's examples are scored as ragged sequences (rltrain/data/unpaired_data.py); each loses
-`1 - s(beta (r - z0))` if desirable and `1 - s(beta (z0 - r))` if not, `r` its log-ratio to the
-reference, weighted by `algo.desirable_weight` / `algo.undesirable_weight` (`kto_losses`). The
-reference point z0 is KTO's KL estimate: before the update, every example's prompt is paired with
-the previous example's completion in the step's batch (a mismatched pair, as TRL builds them), and
-z0 is the mean log-ratio of those pairs over the whole step (every rank), clamped at 0 and without
-gradient. Held-out accuracy is the DPO family's, on held-out pairs with the implicit reward
-`beta * r`. docs/algorithms.md, "KTO".
+Each example loses `1 - s(beta (r - z0))` if desirable, `1 - s(beta (z0 - r))` if not (`r`: its
+log-ratio to the reference; weights `algo.desirable_weight` / `algo.undesirable_weight`). The
+reference point z0 is KTO's KL estimate: each prompt of the step's batch paired with the previous
+example's completion, the mean log-ratio of those pairs over every rank, clamped at 0, no gradient.
+docs/algorithms.md, "KTO".
 
     python -m rltrain algo=kto algo.beta=0.1 algo.desirable_weight=1.0 algo.undesirable_weight=1.0
 """
