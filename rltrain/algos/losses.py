@@ -1,5 +1,5 @@
 """Every loss of rltrain, as pure torch functions: SFT, the preference family (DPO, SimPO, ORPO, the
-reward model's Bradley-Terry loss), the policy loss of GRPO and PPO (PPO's
+reward model's Bradley-Terry loss, KTO on unpaired examples), the policy loss of GRPO and PPO (PPO's
 clip, GSPO's sequence ratio, CISPO's clipped weight) and PPO's clipped value loss. Each returns a loss already divided by a *global* count (tokens or
 sequences over every micro-batch and rank), so micro-batch size, accumulation and the rank count do
 not change it. docs/internals/algos.md says what each one computes, with its sources, and what is
@@ -117,6 +117,35 @@ def reward_pair_losses(
     if center_coefficient:
         losses_P = losses_P + center_coefficient * (rewards_chosen_P.float() + rewards_rejected_P.float()) ** 2
     return losses_P
+
+
+def kto_reference_kl(policy_mismatched_B: torch.Tensor, ref_mismatched_B: torch.Tensor) -> torch.Tensor:
+    """KTO's reference point z0 (Ethayarajh et al. 2024, eq. 7 and section 4.1): the batch's mean of
+    `log pi(y'|x) - log ref(y'|x)` over mismatched pairs (each prompt with another example's
+    completion), clamped at 0 and detached: a biased but cheap estimate of KL(pi || ref), no
+    gradient flows through it."""
+    return (policy_mismatched_B.float() - ref_mismatched_B.float()).mean().clamp(min=0).detach()
+
+
+def kto_losses(
+    policy_B: torch.Tensor,
+    ref_B: torch.Tensor,
+    desirable_B: torch.Tensor,
+    kl: torch.Tensor | float,
+    beta: float,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> torch.Tensor:
+    """[B] KTO's loss of each unpaired example (eq. 7 with the constant lambda_y dropped, as TRL
+    does): with `r = log pi - log ref` of its completion, a desirable one (`desirable_B` True) loses
+    `desirable_weight * (1 - s(beta (r - z0)))`, an undesirable one
+    `undesirable_weight * (1 - s(beta (z0 - r)))`; `kl` is z0 (`kto_reference_kl`)."""
+    logratio_B = policy_B.float() - ref_B.float()
+    desirable_B = desirable_B.to(device=logratio_B.device, dtype=torch.bool)
+    kl_t = torch.as_tensor(kl, dtype=logratio_B.dtype, device=logratio_B.device).detach()
+    desirable_loss_B = desirable_weight * (1 - torch.sigmoid(beta * (logratio_B - kl_t)))
+    undesirable_loss_B = undesirable_weight * (1 - torch.sigmoid(beta * (kl_t - logratio_B)))
+    return torch.where(desirable_B, desirable_loss_B, undesirable_loss_B)
 
 
 # --- the policy loss (GRPO, PPO) --------------------------------------------------------------

@@ -22,7 +22,8 @@ RolloutCorrection = Literal["auto", "none", "tis", "mask"]  # auto: none in sync
 ScaleRewards = Literal["group", "batch", "none"]
 ImportanceLevel = Literal["token", "sequence"]  # sequence: GSPO's length-normalised sequence ratio
 PolicyLossKind = Literal["clip", "cispo"]  # cispo: the clipped, stop-gradient weight times the log-probability
-DataKind = Literal["completions", "preferences", "prompts"]  # rltrain/data: sft_data, preference_data, prompt_data
+# rltrain/data: sft_data, preference_data (pairs), unpaired_data (labelled completions), prompt_data
+DataKind = Literal["completions", "preferences", "unpaired", "prompts"]
 ReferenceNeed = Literal["never", "always", "when_beta"]  # when_beta: only with algo.beta > 0
 OutputHead = Literal["lm", "scalar"]  # scalar: the trained model ends in a one-output head (a reward model)
 
@@ -71,6 +72,16 @@ class RewardModelConfig(AlgoConfig):
     # TRL's center_rewards_coefficient: this times the mean of (r_chosen + r_rejected)^2 keeps the
     # scores near zero (the pair loss sees only their difference); 0 turns it off.
     center_rewards_coefficient: float = 0.0
+
+
+@dataclass
+class KTOConfig(AlgoConfig):
+    """KTO on unpaired examples (prompt, completion, boolean label): rltrain/algos/kto.py."""
+
+    name: str = "kto"
+    beta: float = 0.1
+    desirable_weight: float = 1.0  # weight of a desirable (label true) example's loss
+    undesirable_weight: float = 1.0  # weight of an undesirable (label false) example's loss
 
 
 @dataclass
@@ -162,6 +173,16 @@ def check_rm(algo: RewardModelConfig) -> None:
     if algo.center_rewards_coefficient < 0:
         raise UserError(
             f"algo.center_rewards_coefficient={algo.center_rewards_coefficient} must be at least 0 (0: no centering)."
+        )
+
+
+def check_kto(algo: KTOConfig) -> None:
+    if algo.beta <= 0:
+        raise UserError(f"algo.beta={algo.beta} must be positive (KTO's temperature on the log-ratio to the reference).")
+    if algo.desirable_weight < 0 or algo.undesirable_weight < 0 or algo.desirable_weight + algo.undesirable_weight == 0:
+        raise UserError(
+            f"algo.desirable_weight={algo.desirable_weight} and algo.undesirable_weight={algo.undesirable_weight} must "
+            "be at least 0 and not both 0 (they weight the losses of examples labelled true and false)."
         )
 
 
@@ -268,6 +289,10 @@ SPECS: tuple[AlgorithmSpec, ...] = (
     AlgorithmSpec(
         "orpo", ORPOConfig, "rltrain.algos.orpo:ORPO", "ORPO: SFT plus an odds-ratio preference term, no reference",
         data="preferences", reference="never", check=check_orpo,
+    ),
+    AlgorithmSpec(
+        "kto", KTOConfig, "rltrain.algos.kto:KTO", "KTO: unpaired desirable/undesirable completions against a frozen reference",
+        data="unpaired", reference="always", check=check_kto,
     ),
     AlgorithmSpec(
         "rm", RewardModelConfig, "rltrain.algos.rm:RewardModel", "Bradley-Terry reward model on preference pairs (a sequence classifier)",

@@ -178,14 +178,44 @@ def reshape(ds, key: str, path: str, data_cfg: DataConfig):
         ) from exc
 
 
+# TRL's preference formats, named (with the algorithms that read them) when a dataset lacks their
+# columns: docs/models-and-data.md.
+PAIRED = ("prompt", "chosen", "rejected")
+PAIRED_IMPLICIT = ("chosen", "rejected")
+UNPAIRED = ("prompt", "completion", "label")
+FORMATS: dict[tuple[str, ...], str] = {
+    PAIRED: "TRL's paired preference format",
+    PAIRED_IMPLICIT: "paired with an implicit prompt: conversations whose messages before the last are the prompt",
+    UNPAIRED: "TRL's unpaired preference format: a boolean label per completion, true for a desirable one",
+}
+
+
 def require_columns(ds, key: str, path: str, options: list[tuple[str, ...]]) -> tuple[str, ...]:
-    """The first column set in `options` that `ds` has; otherwise a UserError listing them."""
+    """The first column set in `options` that `ds` has; otherwise a UserError listing them, each
+    preference format by name with the columns it misses."""
     columns = set(ds.column_names)
     for option in options:
         if set(option) <= columns:
             return option
-    wanted = " or ".join("/".join(o) for o in options)
+    wanted = " or ".join(describe_option(option, columns, len(options) > 1) for option in options)
     raise UserError(
-        f"{key}={path!r} has columns {sorted(columns)} but this algorithm needs {wanted}. Map them with "
-        f"data.columns (e.g. data.columns.{options[0][0]}=YOUR_COLUMN) or data.map_fn, or pick the matching algo=."
+        f"{key}={path!r} has columns {sorted(columns)} but this algorithm needs {wanted}.{other_format_hint(columns, options)} "
+        f"Map them with data.columns (e.g. data.columns.{options[0][0]}=YOUR_COLUMN) or data.map_fn, or pick the "
+        "matching algo=."
     )
+
+
+def describe_option(option: tuple[str, ...], columns: set[str], name_missing: bool) -> str:
+    notes = [FORMATS[option]] if option in FORMATS else []
+    if name_missing or notes:
+        notes.append("missing " + ", ".join(c for c in option if c not in columns))
+    return "/".join(option) + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def other_format_hint(columns: set[str], options: list[tuple[str, ...]]) -> str:
+    """Where a dataset is in the other preference format: which algorithm reads it."""
+    if set(UNPAIRED) <= columns and UNPAIRED not in options:
+        return " The dataset is in the unpaired format (prompt/completion/label), which algo=kto trains on."
+    if set(PAIRED_IMPLICIT) <= columns and PAIRED_IMPLICIT not in options and UNPAIRED in options:
+        return " The dataset is in the paired format (chosen/rejected), which algo=dpo, simpo, orpo, rm and kto read."
+    return ""

@@ -14,7 +14,7 @@ from typing import Any
 
 from rltrain.config.schema import DataConfig
 from rltrain.data import tasks
-from rltrain.data.loading import eval_limit, train_and_eval_rows
+from rltrain.data.loading import PAIRED, PAIRED_IMPLICIT, eval_limit, train_and_eval_rows
 from rltrain.data.tokenize import OverlongStats, check_messages, encode_all, fit_length
 from rltrain.runtime.errors import UserError
 
@@ -42,7 +42,7 @@ class PreferenceData:
     skipped: SkipCounts
 
 
-def _texts(tokenizer, row: dict, where: str) -> tuple[str, str, str]:
+def pair_texts(tokenizer, row: dict, where: str) -> tuple[str, str, str]:
     prompt: Any = row.get("prompt")  # a dataset row's values: checked below
     chosen: Any = row.get("chosen")
     rejected: Any = row.get("rejected")
@@ -85,7 +85,7 @@ def rows_to_pairs(tokenizer, rows: list[dict], data_cfg: DataConfig, where: str,
     usable: list[tuple[str, str, str]] = []
     margins: list[float] = []
     for row in rows:
-        prompt, chosen, rejected = _texts(tokenizer, row, where)
+        prompt, chosen, rejected = pair_texts(tokenizer, row, where)
         if chosen == rejected:
             skipped.identical += 1
         elif not chosen or not rejected:
@@ -117,8 +117,7 @@ def build_preference_data(tokenizer, data_cfg: DataConfig, seed: int) -> Prefere
         train_rows, eval_rows = tasks.preference_rows(train_p, seed), tasks.preference_rows(eval_p, seed + 7)
         answers = [p.answer for p in eval_p]
     else:
-        needs = [("prompt", "chosen", "rejected"), ("chosen", "rejected")]
-        train_rows, eval_rows, where = train_and_eval_rows(data_cfg, seed, needs)
+        train_rows, eval_rows, where = train_and_eval_rows(data_cfg, seed, [PAIRED, PAIRED_IMPLICIT])
         answers = []
     train = rows_to_pairs(tokenizer, train_rows, data_cfg, where, skipped)
     if not train:

@@ -1,13 +1,15 @@
-"""SimPO and ORPO from the command line, on FSDP and on Megatron: a few steps each, no reference
+"""SimPO and ORPO from the command line, on FSDP, on Megatron and with LoRA: a few steps each, no reference
 built, the shared `dpo/*` and `eval/dpo_accuracy` keys logged (the losses themselves:
 tests/unit/algos/test_preference_reference.py; learning: tests/e2e/test_convergence.py)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 from cli import QUICK, read_metrics, rltrain, train_rows
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.e2e
 
@@ -39,3 +41,21 @@ def test_reference_free_objectives_on_megatron_data_parallel(tiny_cache, tmp_pat
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
     assert rows[0]["pairs"] == 8.0 and rows[2]["loss"] != rows[0]["loss"]
+
+
+@pytest.mark.parametrize("algo", ["simpo", "orpo"])
+def test_reference_free_objectives_train_lora_adapters(tiny_cache, tmp_path, algo):
+    """With no reference, LoRA needs no base scoring: the adapters alone train (from zero, so the
+    step-1 scores are the base model's), and final/ is a PEFT adapter directory."""
+    run_dir = tmp_path / "run"
+    rltrain(f"algo={algo}", "model.lora.rank=8", "model.lora.alpha=16", "optim.lr=1e-2", "optim.warmup_steps=0",
+            *SHORT, *QUICK, run_dir=run_dir)
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)
+    config = json.loads((run_dir / "final" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 8
+    assert not (run_dir / "final" / "config.json").exists()
+    adapters = load_file(str(run_dir / "final" / "adapter_model.safetensors"))
+    lora_b = [t for name, t in adapters.items() if "lora_B" in name]
+    assert lora_b and any(t.abs().max() > 0 for t in lora_b)  # B starts at zero: the adapters trained

@@ -77,6 +77,18 @@ def test_preference_objective_reaches_heldout_preference_accuracy(tiny_cache, tm
     assert final[key] >= 0.9
 
 
+@pytest.mark.slow
+def test_kto_learns_from_unpaired_labels(tiny_cache, tmp_path):
+    """`python -m rltrain algo=kto` (the built-in pairs unpaired, 200 steps): held-out preference
+    accuracy rises well above chance but stays short of the issue's 0.85 target (measured once,
+    seed 0: 0.705 at step 200; docs/algorithms.md, "KTO")."""
+    run_dir = tmp_path / "run"
+    rltrain("algo=kto", *SAME_TRAINING, run_dir=run_dir, timeout=900)
+    final = [r for r in read_metrics(run_dir) if "eval/dpo_accuracy" in r][-1]
+    assert final["step"] == 200
+    assert final["eval/dpo_accuracy"] >= 0.65
+
+
 # GRPO from the plain tiny model, with the settings it was tuned for before GRPO's default moved to
 # the SFT start: the cheap check that RL climbs the reward at all.
 FROM_RANDOM = ["model=tiny", "optim.lr=2e-3", "algo.prompts_per_step=16", "trainer.max_steps=150"]

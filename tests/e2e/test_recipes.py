@@ -8,6 +8,8 @@ The GRPO recipe's run is also the end-to-end test of Hub ids (model and dataset)
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from cli import ROOT, SMALL_MODEL, read_metrics, rltrain
 from helpers import compose_config
@@ -25,6 +27,14 @@ STAND_IN_RUNS = {
                    "algo.max_new_tokens=8", "trainer.micro_batch_size=4", "trainer.log_every=1"],
     "dpo_ultrafeedback": [*CPU, "trainer.max_steps=2", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
                           "trainer.log_every=1"],
+    "simpo_ultrafeedback": [*CPU, "trainer.max_steps=2", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
+                            "trainer.log_every=1"],
+    "kto_unpaired": [*CPU, "trainer.max_steps=2", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
+                     "trainer.log_every=1"],
+    # Step 2 of two commands: a reward model trained by step 1 (algo=rm, the small tiny model, in the
+    # test) scores PPO from a short SFT start of the small tiny model.
+    "rm_then_ppo": [*CPU, "trainer.max_steps=2", "algo.prompts_per_step=2", "algo.group_size=2", "data.num_eval=4",
+                    "model.sft_steps=10", *SMALL_MODEL, "trainer.log_every=1"],
     "sft_chat": [*CPU, "trainer.max_steps=2", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
                  "trainer.log_every=1"],
     # The built-in task: a short SFT start of the small tiny model stands in for the recipe's.
@@ -37,7 +47,7 @@ STAND_IN_RUNS = {
                          "model.sft_steps=10", *SMALL_MODEL, "trainer.log_every=1"],
 }
 # Recipes of a first real run: a Hub model and a Hub dataset (the others run on the built-in tiny model and task).
-HUB_RECIPES = ["dpo_ultrafeedback", "grpo_gsm8k", "sft_chat"]
+HUB_RECIPES = ["dpo_ultrafeedback", "grpo_gsm8k", "kto_unpaired", "simpo_ultrafeedback", "sft_chat"]
 
 
 def chat(*turns: str) -> list[dict]:
@@ -52,6 +62,10 @@ STAND_IN_ROWS = {
         {"chosen": chat(f"{a}+1?", str(a + 1)), "rejected": chat(f"{a}+1?", str(a + 2)), "score_chosen": 8.0,
          "score_rejected": 2.0} for a in range(40)
     ],
+    "trl-lib/kto-mix-14k": [
+        {"prompt": chat(f"{a}+1?"), "completion": [{"role": "assistant", "content": str(a + 1 + 2 * (a % 2))}],
+         "label": a % 2 == 0} for a in range(40)
+    ],
     "trl-lib/Capybara": [{"messages": chat(f"{a}+1?", str(a + 1), "and +2?", str(a + 2)), "source": "x"} for a in range(40)],
 }
 
@@ -62,11 +76,14 @@ def stand_ins(tiny_cache):
     from rltrain.config.schema import ModelConfig
     from rltrain.models.tiny import build_tiny_model_dir
 
-    laid = {}
+    laid, datasets = {}, set()
     model_dir = build_tiny_model_dir(ModelConfig(), seed=0)
     for name in HUB_RECIPES:
         cfg = compose_config(f"+experiment={name}")
         laid[cfg.model.path] = lay_model(cfg.model.path, model_dir)
+        if cfg.data.path in datasets:  # one dataset serves two recipes
+            continue
+        datasets.add(cfg.data.path)
         lay_dataset(cfg.data.path, cfg.data.name or "default", {cfg.data.split: STAND_IN_ROWS[cfg.data.path]})
     return laid
 
@@ -89,7 +106,12 @@ def test_every_recipe_composes_names_its_hardware_and_sources_and_is_documented(
 @pytest.mark.parametrize("name", sorted(STAND_IN_RUNS))
 def test_each_recipe_runs_offline_on_its_stand_ins(stand_ins, tmp_path, name):
     run_dir = tmp_path / "run"
-    proc = rltrain(f"+experiment={name}", *STAND_IN_RUNS[name], run_dir=run_dir)
+    first = []
+    if name == "rm_then_ppo":  # the first of the recipe's two commands
+        rltrain("algo=rm", "model=tiny", *SMALL_MODEL, *CPU, "trainer.max_steps=2", "trainer.global_batch_size=4",
+                "data.num_eval=4", run_dir=tmp_path / "rm")
+        first = [f"reward_model.path={tmp_path / 'rm' / 'final'}"]
+    proc = rltrain(f"+experiment={name}", *STAND_IN_RUNS[name], *first, run_dir=run_dir)
     steps = int(next(a for a in STAND_IN_RUNS[name] if a.startswith("trainer.max_steps=")).split("=")[1])
     rows = [r for r in read_metrics(run_dir) if "loss" in r]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
@@ -98,6 +120,8 @@ def test_each_recipe_runs_offline_on_its_stand_ins(stand_ins, tmp_path, name):
         assert "path: Qwen/Qwen2.5-0.5B-Instruct" in (run_dir / "config.yaml").read_text()  # the id, as given
     if name == "grpo_gsm8k":  # columns, the map and the math reward: a missing column would have stopped it
         assert all(0.0 <= r["reward/accuracy"] <= 1.0 for r in rows)
+    if name == "rm_then_ppo":  # trained on the reward model's score; the task's reward logged beside it, weight 0
+        assert all(math.isfinite(r["reward/model"]) and 0.0 <= r["reward/addition_reward"] <= 1.0 for r in rows)
     if name == "grpo_calculator":  # episodes with the built-in tool, scored by exact match on the product
         assert all("env/tool_calls_mean" in r and 0.0 <= r["reward/exact_match"] <= 1.0 for r in rows)
     if name == "agent_calculator":  # episodes played by the OpenAI-client agent, scored by what it returns

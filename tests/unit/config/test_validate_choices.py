@@ -115,6 +115,16 @@ def test_a_reward_model_is_refused_on_megatron_and_with_lora():
         validate(_cfg("algo=rm", "algo.center_rewards_coefficient=-1"))
 
 
+def test_kto_weights_and_temperature_are_checked():
+    with pytest.raises(UserError, match="algo.beta=0.0 must be positive"):
+        validate(_cfg("algo=kto", "algo.beta=0"))
+    with pytest.raises(UserError, match="algo.desirable_weight=-1.0 and algo.undesirable_weight=1.0 must be at least 0"):
+        validate(_cfg("algo=kto", "algo.desirable_weight=-1"))
+    with pytest.raises(UserError, match="not both 0"):
+        validate(_cfg("algo=kto", "algo.desirable_weight=0", "algo.undesirable_weight=0"))
+    validate(_cfg("algo=kto", "algo.desirable_weight=0"))  # undesirable examples alone still train
+
+
 @pytest.mark.parametrize("key", sorted(CHOICES))
 def test_a_bad_value_names_the_key_and_every_allowed_value(key):
     option = [OPTION_OF[key]] if key in OPTION_OF else []

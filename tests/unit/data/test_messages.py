@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from rltrain.data.preference_data import _texts
+from rltrain.data.preference_data import pair_texts
 from rltrain.data.prompt_data import _to_rows
 from rltrain.data.tokenize import check_messages, render_messages
 from rltrain.models.tokenizer import build_char_tokenizer
@@ -49,11 +49,11 @@ def test_sft_conversation_renders_and_needs_an_assistant_completion(tokenizer):
 
 def test_dpo_conversations_are_checked(tokenizer):
     row = {"chosen": [USER, ASSISTANT], "rejected": [USER, {"role": "assistant", "content": "3"}]}
-    assert _texts(tokenizer, row, "here") == ("U:1+1?\nA:", "2", "3")
+    assert pair_texts(tokenizer, row, "here") == ("U:1+1?\nA:", "2", "3")
     with pytest.raises(UserError, match="'rejected' column has message 1 whose content is int"):
-        _texts(tokenizer, {**row, "rejected": [USER, {"role": "assistant", "content": 3}]}, "here")
+        pair_texts(tokenizer, {**row, "rejected": [USER, {"role": "assistant", "content": 3}]}, "here")
     with pytest.raises(UserError, match="no prompt turns"):
-        _texts(tokenizer, {"chosen": [ASSISTANT], "rejected": [{"role": "assistant", "content": "3"}]}, "here")
+        pair_texts(tokenizer, {"chosen": [ASSISTANT], "rejected": [{"role": "assistant", "content": "3"}]}, "here")
 
 
 def test_grpo_conversational_prompts_are_checked(tokenizer):

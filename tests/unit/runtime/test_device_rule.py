@@ -119,6 +119,17 @@ def test_dpo_loss_runs_where_the_outputs_are_with_host_reference_sums():
     assert loss.device == OTHER and metrics["dpo/margin"].device == OTHER
 
 
+def test_kto_loss_runs_where_the_outputs_are_with_host_labels_and_reference_sums():
+    from rltrain.algos.kto import kto_micro_batches, make_kto_loss
+    from rltrain.data.unpaired_data import LabelledCompletion
+
+    examples = [LabelledCompletion([1, 2], [3, 4], True), LabelledCompletion([6], [7], False)]
+    (mb,) = kto_micro_batches(examples, 0, 1, 8, 0, 0.2)
+    mb.extras["ref_logps"] = torch.tensor([-1.0, -2.0], device="cpu")  # the host-side labels ride along too
+    loss, metrics = make_kto_loss(0.1, 1.0, 1.0)(_output(mb), mb)
+    assert loss.device == OTHER and metrics["kto/rewards_chosen"].device == OTHER
+
+
 def test_grpo_loss_runs_where_the_outputs_are_with_host_advantages_and_engine_logps():
     from rltrain.algos.rl_update import PolicyLossInputs, make_policy_loss
     from rltrain.config.algorithms import GRPOConfig
