@@ -8,6 +8,7 @@ Hydra's own flags (`--cfg job`, `--hydra-help`, `-m`) are Hydra's. docs/configur
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -69,8 +70,9 @@ def command_help(cfg: DictConfig) -> str:
     for group, options in groups.items():
         marked = [f"[{o}]" if chosen.get(group) == o else o for o in options]
         lines.append(f"  {group:<14}{'  '.join(marked)}")
-    if recipes:
-        lines.append(f"  +{RECIPES_GROUP}={{{','.join(recipes)}}}  a recipe")
+    if recipes:  # +experiment=NAME, as many names to a line as fit
+        wrapped = textwrap.wrap("  ".join(recipes), 82, break_on_hyphens=False)
+        lines += [f"  {f'+{RECIPES_GROUP}' if i == 0 else '':<14}{line}" for i, line in enumerate(wrapped)]
     lines += ["", "Keys set most (current value):"]
     for key, meaning in COMMON_KEYS:
         value = OmegaConf.select(cfg, key, default=_ABSENT)

@@ -5,13 +5,9 @@ one episode, so a hung or crashing agent costs its worker and that episode only.
 frameworks that build their own client), tells the endpoint the episode started (its
 `env.timeout_s` runs from then), and calls the user's `run(client, row)` with a ready client:
 `AsyncOpenAI` for an `async def` agent (run on the worker's event loop), `OpenAI` otherwise. What it
-returns is the episode's reward: a number, or a dict of named numbers (summed). docs/agents.md.
-
-A worker plays several episodes at once (`env.max_concurrency`), each call in a thread of its own,
-so the two variables cannot simply be written into the process's environment: `os.environ` answers
-them from a context variable that each episode sets (its thread, and the asyncio tasks it starts,
-see their own values). Async agents of a worker share one event loop in a thread of its own:
-frameworks keep async HTTP clients bound to the loop they were made in.
+returns is the episode's reward: a number, or a dict of named numbers (summed). A worker plays
+several episodes at once, so `os.environ` answers the two variables from a per-episode context
+variable (docs/agents.md, "Isolation").
 """
 
 from __future__ import annotations

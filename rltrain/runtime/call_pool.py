@@ -4,8 +4,7 @@ User code may hang, run for minutes or crash the interpreter, and a thread canno
 its deadline a call's worker is SIGKILLed with its process group and replaced, and the call fails.
 Up to `concurrency` calls run at once: one per worker in its main thread (reward functions), or
 several in threads (environment calls). Hung calls that started together die together (N cost one
-timeout); the other calls in flight on a killed worker run again, once and each alone on a worker
-(so a call that crashes its worker takes no other with it twice), then fail as "died".
+timeout); the other calls in flight on a killed worker run again, once, each alone on a worker.
 Workers are `python -m rltrain.runtime.call_worker` processes that import the functions before they
 report ready and die with the trainer; calls and results cross as JSON. docs/environments.md
 ("Concurrency") and docs/rewards-and-roles.md tell the story."""
