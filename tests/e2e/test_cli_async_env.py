@@ -67,6 +67,7 @@ def test_every_episode_of_a_batch_is_sampled_by_its_scheduled_version(async_env_
         assert first_sync[key] == first_async[key], key
 
 
+@pytest.mark.slow  # minutes on 2 cores; the single-turn kill-and-resume test holds the mechanism in `make test`
 def test_sigkill_after_a_checkpoint_resumes_multi_turn_async_to_the_uninterrupted_run(async_env_run, tmp_path):
     run_dir = tmp_path / "killed"
     kill_when(ASYNC_RUN, run_dir, run_dir / "checkpoints" / "step_00000001", signal.SIGKILL, timeout=600, env=EXAMPLES)

@@ -82,6 +82,7 @@ def test_serve_refuses_what_the_run_would_refuse(overrides, message):
     assert proc.stderr.startswith("rltrain: error: ") and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # PPO/Megatron and LoRA with episodes over servers: the engine's calls are the same as GRPO's
 @pytest.mark.parametrize(
     "overrides",
     [
