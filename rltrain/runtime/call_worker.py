@@ -21,7 +21,9 @@ def serve(inbox: Connection, outbox: Connection) -> None:
     from rltrain.runtime.user_code import load_callable
 
     parent_path, paths, threaded = receive(inbox)
-    sys.path[:0] = [p for p in parent_path if p not in sys.path]
+    # The trainer's import path in its own order: an entry it appended last (setuptools adds its
+    # `_vendor` folder) must not come before site-packages here.
+    sys.path[:] = parent_path + [p for p in sys.path if p not in parent_path]
     try:
         fns = {path: load_callable("user function", path) for path in paths}
     except UserError as exc:
