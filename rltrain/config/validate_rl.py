@@ -125,9 +125,8 @@ def validate_staleness(cfg: Config) -> None:
         )
     vllm = as_option("rollout", cfg.rollout, VLLMRolloutConfig)
     process = vllm.process if vllm is not None else None
-    if cfg.rollout.name == "server":
-        pass  # the servers run beside the trainer by construction
-    elif vllm is None or process != "separate":
+    beside_trainer = cfg.rollout.name == "server" or process == "separate"  # servers run beside it by construction
+    if not beside_trainer:
         raise UserError(
             f"placement.max_staleness={k} needs an engine that runs beside the trainer: rollout=vllm "
             f"rollout.process=separate (the engine in its own process). rollout={cfg.rollout.name}"

@@ -10,6 +10,7 @@ its session. docs/rollout-servers.md.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -48,17 +49,13 @@ def main(argv: list[str]) -> int:
     def stop(signum: int, frame: FrameType | None) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         server.terminate()
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             server.wait(timeout=GRACE_S)
-        except subprocess.TimeoutExpired:
-            pass
         me, sid = os.getpid(), os.getsid(0)
         for pid in session_members(sid):
             if pid != me:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
         time.sleep(0.1)
         os._exit(0)
 
