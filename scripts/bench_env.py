@@ -158,7 +158,7 @@ def main() -> None:
     print(f"CallPool.run of {args.calls} calls at once, timeout_s={args.timeout:g}")
     print(f"{'calls':<48} {'seconds':>15} {'timeouts':>9}")
     for name, seconds, timeouts in pool_table(args.calls, [int(n) for n in args.hung.split(",")], args.timeout):
-        print(f"{name:<48} {seconds:>15.2f} {timeouts:>9d}")
+        print(f"{name:<48} {seconds:>15.3f} {timeouts:>9d}")
     if args.pool_only:
         return
     episodes = args.prompts * args.group

@@ -82,9 +82,10 @@ class Worker:
         self.ready = False
         self.tasks: dict[int, float] = {}
         self.alone = False  # it runs a call that lost a worker before: nothing else beside it
+        self.gone = False  # its pipe broke on a send: it died, and its end-of-file is on the way
 
     def free(self) -> bool:
-        return self.ready and len(self.tasks) < self.slots and not self.alone
+        return self.ready and len(self.tasks) < self.slots and not self.alone and not self.gone
 
     def kill_time(self, timeout_s: float) -> float:
         """When this worker is killed for its calls that ran out of time: at the first one's expiry,
@@ -173,6 +174,11 @@ class CallPool:
                     send(w.outbox, [i, calls[i].path, calls[i].kwargs])
                 except TypeError as exc:
                     raise UserError(f"the arguments of {calls[i].path} cannot be sent to its worker: {exc}") from None
+                except OSError:  # the worker died since the last wait: the call never reached it
+                    del w.tasks[i]
+                    pending.appendleft(i)
+                    w.gone, w.alone = True, False
+                    in_flight -= 1
 
     def _next_wakeup(self, now: float, timeout_s: float | None, deadline: float | None) -> float:
         times = [w.started + STARTUP_S for w in self.workers if not w.ready]
@@ -192,6 +198,8 @@ class CallPool:
                 self._replace(w)
             elif w.tasks:  # which of them ended it is unknown: each runs again, once
                 self._lose(w, results, pending, reruns, f"a worker running it with others {died}")
+            elif w.ready:  # it died idle (killed from outside, or between a call and the next)
+                self._replace(w)
             else:
                 self._replace(w)
                 raise UserError(f"a {self.label} worker ended before it was ready: {self.paths} {died}.") from None

@@ -165,3 +165,19 @@ def test_a_worker_killed_with_calls_in_flight_loses_none_of_them(module, tmp_pat
                 assert "ended its worker process" in results[0].message and [r.value for r in results[1:]] == [f"c{i}" for i in range(1, 8)]
     finally:
         pool.close()
+
+
+def test_calls_sent_to_a_worker_that_died_idle_run_on_its_replacement(module):
+    """A worker killed between two runs (its end-of-file not read yet): the next run's sends meet a
+    broken pipe; the calls never reached it, so they run on the replacement, not counted as reruns."""
+    pool = pool_of(module, 1, 4, "sleeps")
+    try:
+        assert pool.run([Call(f"{module}:sleeps", {"seconds": 0, "value": 0})], timeout_s=60.0)[0].value == 0
+        dead = pool.workers[0].proc
+        os.killpg(dead.pid, signal.SIGKILL)
+        dead.wait()
+        results = pool.run([Call(f"{module}:sleeps", {"seconds": 0, "value": v}) for v in range(4)], timeout_s=60.0)
+        assert [(r.failure, r.value) for r in results] == [(None, v) for v in range(4)]
+        assert pool.workers[0].proc.pid != dead.pid
+    finally:
+        pool.close()
