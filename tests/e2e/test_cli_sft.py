@@ -4,6 +4,7 @@ W&B, resume after a kill, user data. Each run is a real `python -m rltrain` proc
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -29,6 +30,8 @@ pytestmark = pytest.mark.e2e
 def test_cfg_job_prints_the_composed_config(tiny_cache):
     out = rltrain("--cfg", "job", "algo=sft").stdout
     assert "trainer:" in out and "max_steps:" in out and "algo:" in out and "name: sft" in out
+    hydra_cfg = rltrain("--cfg", "hydra", "--resolve", "algo=sft").stdout  # the run dir is named after the algorithm
+    assert re.search(r"dir: outputs/[\d-]+/[\d-]+_sft\n", hydra_cfg), hydra_cfg
 
 
 @pytest.mark.parametrize(
