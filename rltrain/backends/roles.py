@@ -98,10 +98,11 @@ class RoleBuild:
 def role_build(ctx: Any, role: str) -> RoleBuild:
     cfg = ctx.cfg
     model_dir = Path(ctx.model_dir_for(role))
-    if role == "policy" and spec_of(cfg.algo.name).head == "scalar":  # a reward model: no LoRA (validated)
-        return RoleBuild(model_dir, cfg.optim, int(cfg.trainer.seed), value_head_bias=False)
+    adapters = cfg.model.lora if cfg.model.lora.rank > 0 else None
+    if role == "policy" and spec_of(cfg.algo.name).head == "scalar":  # a reward model; with LoRA its head trains in full
+        return RoleBuild(model_dir, cfg.optim, int(cfg.trainer.seed), adapters, value_head_bias=False)
     if role == "policy":
-        return RoleBuild(model_dir, cfg.optim, None, cfg.model.lora if cfg.model.lora.rank > 0 else None)
+        return RoleBuild(model_dir, cfg.optim, None, adapters)
     if role in ("reference", "teacher"):  # frozen, scoring log-probabilities
         return RoleBuild(model_dir, None, None)
     if role == "critic":

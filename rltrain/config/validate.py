@@ -117,7 +117,6 @@ def validate(cfg: Config) -> None:
     validate_lora(cfg)
     validate_data(cfg)
     validate_algo(cfg.algo)
-    validate_scalar_head(cfg)
     validate_roles(cfg)
     validate_env(cfg)
     validate_staleness(cfg)
@@ -232,23 +231,6 @@ def validate_data(cfg: Config) -> None:
 def validate_algo(algo: AlgoConfig) -> None:
     """Values of algorithm-specific keys: each algorithm's own check (rltrain.config.algorithms)."""
     spec_of(algo.name).check(algo)
-
-
-def validate_scalar_head(cfg: Config) -> None:
-    """A reward model (`head="scalar"`) is trained and exported as a sequence classifier by the FSDP
-    backend, with every weight trained (docs/algorithms.md, "Reward model")."""
-    if spec_of(cfg.algo.name).head != "scalar":
-        return
-    if cfg.backend.name != "fsdp":
-        raise UserError(
-            f"algo={cfg.algo.name} with backend={cfg.backend.name}: a reward model is trained and saved as a Hugging Face "
-            "sequence classifier on the FSDP backend only. Set backend=fsdp."
-        )
-    if cfg.model.lora.rank > 0:
-        raise UserError(
-            f"algo={cfg.algo.name} with model.lora.rank={cfg.model.lora.rank}: a reward model trains every weight (its "
-            "final/ is a full sequence classifier, not an adapter). Set model.lora.rank=0."
-        )
 
 
 def validate_roles(cfg: Config) -> None:

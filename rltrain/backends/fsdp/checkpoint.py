@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+VALUE_HEAD = "value_head."  # CompletionValuer's head: trained in full, with LoRA too
+
 if TYPE_CHECKING:
     from peft import PeftModel
 
@@ -55,13 +57,13 @@ def checkpoint_state(
     scorer: nn.Module, optimizer: torch.optim.Optimizer | None, adapters: PeftModel | None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The model's and the optimizer's state as a checkpoint holds them. With LoRA, the adapters
-    and their optimizer state only: the frozen base (tied weights included, which torch's
+    (and a reward model's value head) and their optimizer state only: the frozen base (tied weights included, which torch's
     `ignore_frozen_params` would keep under their second name) is read from the model
     directory again on resume."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     assert optimizer is not None  # only a trainable engine is checkpointed
     model_sd, optim_sd = get_state_dict(scorer, optimizer)
-    if adapters is not None:
-        model_sd = {name: value for name, value in model_sd.items() if ".lora_" in name}
+    if adapters is not None:  # the adapters, and a reward model's head (trained in full beside them)
+        model_sd = {name: value for name, value in model_sd.items() if ".lora_" in name or name.startswith(VALUE_HEAD)}
     return model_sd, optim_sd

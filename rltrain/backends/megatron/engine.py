@@ -42,6 +42,7 @@ from rltrain.backends.megatron.schedule import Pipeline, run_pipeline
 from rltrain.backends.megatron.value_model import make_value_stage, value_head_shards
 from rltrain.backends.optimizer_state import move_optimizer_state
 from rltrain.backends.roles import role_build
+from rltrain.backends.sequence_classifier import CRITIC_NOT_EXPORTED
 from rltrain.backends.value_head import head_values
 from rltrain.config.group_options import MegatronBackendConfig
 from rltrain.config.schema import OptimConfig, SafetyConfig
@@ -73,12 +74,14 @@ class MegatronEngine:
         safety: SafetyConfig | None = None,
         gradient_checkpointing: bool = False,
         value_head_seed: int | None = None,
+        value_head_bias: bool = True,
     ) -> None:
         """`groups=None` joins the process's shared megatron parallel state (created by the first
         engine), so a policy and its frozen reference share one set of communicators.
         `precision`: see `rltrain.runtime.precision` (parameters in its parameter dtype, each stage's
         forward autocast to its compute dtype when they differ); `gradient_checkpointing`: see
-        `model.checkpoint_layers`."""
+        `model.checkpoint_layers`. `value_head_bias=False`: a reward model's head, exported as a
+        sequence classifier's score layer (`save_pretrained`)."""
         apply_cpu_shims()
         self.model_dir = Path(model_dir)
         tp, pp = backend_cfg.tp, backend_cfg.pp
@@ -94,13 +97,14 @@ class MegatronEngine:
             precision = resolve_precision(precision, device if device is not None else default)
         self.precision = precision
         self.scores: Scores = "logps" if value_head_seed is None else "values"
-        critic = value_head_seed is not None
+        critic = value_head_seed is not None  # a value model: a critic, or a reward model
+        self.reward_model = critic and not value_head_bias
         # A critic's stage is built untied: its last stage holds a value head, no embedding copy.
         build_spec = dataclasses.replace(self.spec, tie_embeddings=False) if critic else self.spec
         self.model = build_stage(build_spec, tp, pp, layout.pp_rank, precision.param_dtype)
         last_stage = layout.pp_rank == pp - 1
         if critic and last_stage:
-            make_value_stage(self.model, self.spec.hidden_size, precision.param_dtype)
+            make_value_stage(self.model, self.spec.hidden_size, precision.param_dtype, value_head_bias)
         if device is not None:
             self.model.to(device)
         if gradient_checkpointing:
@@ -110,7 +114,7 @@ class MegatronEngine:
         )
         if critic and last_stage:
             assert value_head_seed is not None
-            shards |= value_head_shards(self.spec.hidden_size, value_head_seed)
+            shards |= value_head_shards(self.spec.hidden_size, value_head_seed, value_head_bias)
         load_stage_weights(self.model, shards)
         self.params = list(self.model.parameters())
         # The tied embedding's copy on the last stage of a pipeline (a policy's, never a critic's).
@@ -307,14 +311,20 @@ class MegatronEngine:
         return export.export_weights(self.model, self.spec, self.layout, to_rank0=to_rank0)
 
     def save_pretrained(self, directory: Path) -> None:
+        """A Hugging Face causal LM directory; a reward model's a one-output sequence classifier
+        (`export.save_sequence_classifier`); a critic is refused."""
+        if self.reward_model:
+            export.save_sequence_classifier(self.model, self.spec, self.layout, self.model_dir, Path(directory))
+            return
         self._refuse_critic_export("save_pretrained")
         export.save_pretrained(self.model, self.spec, self.layout, self.model_dir, Path(directory))
 
     def _refuse_critic_export(self, called: str) -> None:
         if self.scores == "values":
             raise TypeError(
-                f"MegatronEngine.{called}: a critic is not exported (its value head has no place in a Hugging Face "
-                "causal LM, and no rollout engine needs it); its weights and optimizer live in the run's checkpoints"
+                f"MegatronEngine.{called}: a value model's weights are not synced or saved as a causal LM (its value "
+                f"head has no place in one, and no rollout engine needs it); {CRITIC_NOT_EXPORTED}. A reward model's "
+                "save_pretrained writes a sequence classifier"
             )
 
     def save_checkpoint(self, directory: Path) -> None:
@@ -369,4 +379,5 @@ def build_engine(ctx, role: str, max_steps: int) -> MegatronEngine:
         safety=cfg.safety,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
         value_head_seed=build.value_head_seed,
+        value_head_bias=build.value_head_bias,
     )

@@ -2,21 +2,29 @@
 
 Every rank knows every shard shape from the config, so tensors are exchanged with no metadata on
 the wire, to every rank (weight sync) or to rank 0 (saving). The generator issues collectives:
-every rank must exhaust it. docs/internals/backends.md describes both modes.
+every rank must exhaust it. docs/internals/backends.md describes both modes. A reward model is
+written as a sequence classifier (docs/algorithms.md, "Reward model").
 """
 
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from rltrain.backends.megatron.convert import megatron_shape, megatron_to_hf, split_dim, stage_param_names
+from rltrain.backends.megatron.convert import (
+    VALUE_HEAD_WEIGHT,
+    megatron_shape,
+    megatron_to_hf,
+    split_dim,
+    stage_param_names,
+)
 from rltrain.backends.megatron.groups import Layout
 from rltrain.backends.megatron.spec import ModelSpec
+from rltrain.backends.sequence_classifier import write_sequence_classifier
 from rltrain.runtime import distributed as p2p
 from rltrain.runtime.distributed import control_device
 
@@ -44,8 +52,10 @@ def _remote_items(
 
 
 def export_weights(
-    model: torch.nn.Module, spec: ModelSpec, layout: Layout, to_rank0: bool = False
+    model: torch.nn.Module, spec: ModelSpec, layout: Layout, to_rank0: bool = False, output: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full HF tensors (see the module docstring); `output=False`: a value model's stages, which
+    hold no output layer."""
     params = dict(model.named_parameters())
     first = next(iter(params.values()))
     dtype, device = first.dtype, first.device
@@ -56,7 +66,7 @@ def export_weights(
     for stage in range(layout.pp):
         offset = spec.stage_layers(stage, layout.pp).start
         owner = stage == layout.pp_rank
-        for name in stage_param_names(spec, stage, layout.pp):
+        for name in stage_param_names(spec, stage, layout.pp, output):
             if owner:
                 items = _owner_items(params, spec, name, layout, offset)
             elif not to_rank0:
@@ -85,14 +95,54 @@ def save_pretrained(
     from safetensors.torch import save_file
 
     state = {name: tensor.cpu() for name, tensor in export_weights(model, spec, layout, to_rank0=True)}
+
+    def write() -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        for path in Path(source_dir).iterdir():
+            if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES):
+                shutil.copy2(path, directory / path.name)
+        save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+    _write_on_rank0(write, directory)
+
+
+def save_sequence_classifier(
+    model: torch.nn.Module, spec: ModelSpec, layout: Layout, source_dir: Path, directory: Path
+) -> None:
+    """A reward model's stages as a HF sequence classifier (rltrain.backends.sequence_classifier):
+    the trunk's full tensors and the last stage's bias-free head as `score.weight`, written by
+    rank 0 (the tokenizer is the trainer's to add). Collective; every rank returns after the write."""
+    from transformers import AutoConfig
+
+    trunk = {name: tensor.cpu() for name, tensor in export_weights(model, spec, layout, to_rank0=True, output=False)}
+    score_1H = _value_head_on_first_stage(model, spec, layout)
+    _write_on_rank0(lambda: write_sequence_classifier(directory, AutoConfig.from_pretrained(source_dir), trunk, score_1H),
+                    directory)
+
+
+def _value_head_on_first_stage(model: torch.nn.Module, spec: ModelSpec, layout: Layout) -> torch.Tensor:
+    """The value head's weight [1, H] (replicated over TP ranks), broadcast from the last pipeline
+    stage to every stage. Collective over each pipeline group."""
+    params = dict(model.named_parameters())
+    if layout.pp == 1:
+        return params[VALUE_HEAD_WEIGHT].detach().cpu()
+    last = layout.pp_rank == layout.pp - 1
+    first = next(iter(params.values()))
+    head_1H = (
+        params[VALUE_HEAD_WEIGHT].detach().clone()
+        if last
+        else torch.empty(1, spec.hidden_size, dtype=first.dtype, device=first.device)
+    )
+    dist.broadcast(head_1H, src=dist.get_process_group_ranks(layout.pp_group)[-1], group=layout.pp_group)
+    return head_1H.cpu()
+
+
+def _write_on_rank0(write: Callable[[], None], directory: Path) -> None:
+    """Run `write` on global rank 0; every rank learns whether it worked (raises if not)."""
     error: BaseException | None = None
     if dist.get_rank() == 0:
         try:
-            directory.mkdir(parents=True, exist_ok=True)
-            for path in Path(source_dir).iterdir():
-                if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES):
-                    shutil.copy2(path, directory / path.name)
-            save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+            write()
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it, re-raised below
             error = exc
     flag = torch.tensor([0 if error is not None else 1], dtype=torch.int32, device=control_device())

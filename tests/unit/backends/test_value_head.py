@@ -60,10 +60,10 @@ def test_wrong_scores_errors_name_what_to_call() -> None:
     assert "MegatronEngine.forward_values" in msg and "build_engine(ctx, 'critic')" in msg
 
 
-def _ctx(tmp_path: Path, algo: str = "ppo") -> SimpleNamespace:
+def _ctx(tmp_path: Path, algo: str = "ppo", lora_rank: int = 4) -> SimpleNamespace:
     cfg = OmegaConf.create(
         {"optim": {"lr": 0.5, "eps": 1e-6}, "critic": {"path": None, "lr": 1e-5}, "trainer": {"seed": 7},
-         "model": {"lora": {"rank": 4}}, "algo": {"name": algo}}
+         "model": {"lora": {"rank": lora_rank}}, "algo": {"name": algo}}
     )
     dirs = {"critic": tmp_path / "critic"}
     return SimpleNamespace(cfg=cfg, model_dir_for=lambda role: dirs.get(role, tmp_path / "policy"))
@@ -87,9 +87,11 @@ def test_roles_are_built_from_their_own_settings(tmp_path: Path) -> None:
 
 def test_a_reward_model_is_the_policy_with_a_bias_free_scalar_head(tmp_path: Path) -> None:
     """algo=rm: the policy role gets `optim` (not `critic.lr`), a head seeded by `trainer.seed`
-    and no bias, like a Hugging Face sequence classifier's score layer; no adapters."""
+    and no bias, like a Hugging Face sequence classifier's score layer; `model.lora`'s adapters
+    when its rank is positive (the head then trains beside them)."""
     policy = role_build(_ctx(tmp_path, algo="rm"), "policy")
-    assert policy.value_head_seed == 7 and not policy.value_head_bias and policy.adapters is None
+    assert policy.value_head_seed == 7 and not policy.value_head_bias and policy.adapters.rank == 4
+    assert role_build(_ctx(tmp_path, algo="rm", lora_rank=0), "policy").adapters is None
     assert policy.optim.lr == 0.5 and policy.model_dir == tmp_path / "policy"
     head = new_value_head(16, 7, torch.float32, bias=False)
     assert head.bias is None and torch.equal(head.weight, initial_value_head(16, 7)["weight"])

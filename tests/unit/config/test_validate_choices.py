@@ -101,16 +101,16 @@ def test_every_enum_like_key_of_every_group_is_checked():
 def test_the_defaults_of_every_algorithm_and_backend_pass():
     teacher = f"teacher.path={tiny_model_dir()}"
     for algo, spec in ALGORITHMS.items():
-        for backend in ("fsdp", "megatron") if spec.head == "lm" else ("fsdp",):
+        for backend in ("fsdp", "megatron"):
             validate(_cfg(f"algo={algo}", f"backend={backend}", *([teacher] if spec.teacher else [])))
     validate(_cfg("rollout=hf"))
 
 
-def test_a_reward_model_is_refused_on_megatron_and_with_lora():
-    with pytest.raises(UserError, match="algo=rm with backend=megatron.*Set backend=fsdp"):
-        validate(_cfg("algo=rm", "backend=megatron"))
-    with pytest.raises(UserError, match="algo=rm with model.lora.rank=8.*Set model.lora.rank=0"):
-        validate(_cfg("algo=rm", "model.lora.rank=8"))
+def test_a_reward_model_runs_on_megatron_and_with_lora_but_not_both():
+    validate(_cfg("algo=rm", "backend=megatron", "backend.tp=2", "trainer.nproc=2"))
+    validate(_cfg("algo=rm", "model.lora.rank=8"))
+    with pytest.raises(UserError, match="model.lora.rank=8 with backend=megatron.*FSDP backend only"):
+        validate(_cfg("algo=rm", "backend=megatron", "model.lora.rank=8"))
     with pytest.raises(UserError, match="algo.center_rewards_coefficient=-1.0 must be at least 0"):
         validate(_cfg("algo=rm", "algo.center_rewards_coefficient=-1"))
 
