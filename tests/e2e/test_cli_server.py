@@ -1,6 +1,6 @@
-"""`rollout=server` in real runs (docs/rollout-servers.md): GRPO with one spawned vLLM API server
-(versions, parity, the server gone with the run); the same run over one and over two servers
-gives the same rows; two trainer ranks over two servers generating one step ahead."""
+"""`rollout=server` in real runs (docs/rollout-servers.md): GRPO over one spawned vLLM API server
+(versions, parity, the server gone with the run) gives the rows it gives over two URL-given ones;
+two trainer ranks over two servers generating one step ahead."""
 
 from __future__ import annotations
 
@@ -30,26 +30,21 @@ def assert_versions(rows, k=0):
         assert r["time/sync"] > 0 or k > 0, r  # k >= 1: the push runs on the engine's queue, measured when it ran
 
 
-def test_grpo_with_a_spawned_server(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = rltrain(*RUN, "trainer.max_steps=3", "rollout.servers.spawn=1", run_dir=run_dir, timeout=600)
-    rows = train_rows(run_dir)
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert_versions(rows)
-    assert all(r["rollout/servers_up"] == 1 and r["rollout/logprob_diff_max"] < 1e-4 for r in rows), rows
-    pid = int(re.search(r"rltrain: rollout server http://127\.0\.0\.1:\d+ \(pid (\d+)", proc.stdout).group(1))
-    assert not os.path.exists(f"/proc/{pid}"), "the spawned server outlived the run"
-
-
-def test_one_and_two_servers_give_the_same_rows(rollout_servers, tmp_path):
-    urls = [s.url for s in rollout_servers["servers"]]
+def test_a_spawned_server_and_two_given_ones_give_the_same_rows(rollout_servers, tmp_path):
+    """One server the run spawns (versions, parity, the server gone with the run) and the session's
+    two URL-given servers: the same rows, as per-request seeds make samples server-independent."""
     runs = {}
-    for n in (1, 2):
+    for n, where in ((1, "rollout.servers.spawn=1"), (2, f"rollout.servers.urls=[{','.join(s.url for s in rollout_servers['servers'])}]")):
         run_dir = tmp_path / f"servers-{n}"
-        rltrain(*RUN, "trainer.max_steps=3", f"rollout.servers.urls=[{','.join(urls[:n])}]", run_dir=run_dir, timeout=600)
+        proc = rltrain(*RUN, "trainer.max_steps=3", where, run_dir=run_dir, timeout=600)
         runs[n] = train_rows(run_dir)
+        assert [r["step"] for r in runs[n]] == [1, 2, 3]
         assert [r["rollout/servers_up"] for r in runs[n]] == [n] * 3
         assert_versions(runs[n])
+        assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in runs[n]), runs[n]
+        if n == 1:
+            pid = int(re.search(r"rltrain: rollout server http://127\.0\.0\.1:\d+ \(pid (\d+)", proc.stdout).group(1))
+            assert not os.path.exists(f"/proc/{pid}"), "the spawned server outlived the run"
     for one, two in zip(runs[1], runs[2], strict=True):
         keys = compared(one)
         assert keys == compared(two)
