@@ -86,7 +86,7 @@ def test_sigkill_after_a_checkpoint_resumes_multi_turn_async_to_the_uninterrupte
 # calls, so the run is reproducible (docs/agents.md, "Reproducibility") and a resume comparable.
 AGENT_RUN = [
     "algo=grpo", "model=tiny", *SMALL_MODEL, "env=agent", "env.agent=openai_agent:run", "env.workers=1", "env.max_concurrency=1",
-    "algo.prompts_per_step=4", "algo.group_size=2", f"trainer.max_steps={STEPS}", "trainer.eval_every=0", "trainer.save_every=1",
+    "algo.prompts_per_step=4", "algo.group_size=2", "data.num_eval=4", f"trainer.max_steps={STEPS}", "trainer.eval_every=0", "trainer.save_every=1",
     "trainer.progress=lines", "logger.wandb.mode=disabled", "rollout=vllm", "rollout.process=separate", f"placement.max_staleness={K}",
 ]
 
