@@ -6,8 +6,8 @@ exactly, because the engine's worker runs generations and weight loads in submis
 (rltrain/rollout/ahead.py). After step t's update the trainer publishes version t and requests step
 t + 1 + k. A checkpoint keeps the in-flight batches sampled by older versions (per rank) and the
 prompts of the one its own weights regenerate, so a resumed run trains exactly the same batches.
-A multi-turn batch (env) is played whole by the worker before the next weight load: one version
-samples it all. docs/async.md has the schedule, the loss, the episodes and the measurements.
+A multi-turn batch (env=python|tools|agent) is played whole by the worker before the next weight
+load: one version samples it all. docs/async.md has the schedule, the loss, the episodes and the measurements.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from rltrain.algos.experience import Experience, ExperienceCollector
-from rltrain.envs.episodes import EpisodeResults, results_from_json, results_to_json
+from rltrain.algos.experience import Experience, ExperienceCollector, refuse_agent_replica
+from rltrain.envs.agent import AgentRunner, played_from_json, played_to_json
+from rltrain.envs.episodes import EpisodeResults
 from rltrain.envs.replica import share_results
 from rltrain.rollout.ahead import RolloutWorker
 from rltrain.rollout.base import Completion, RolloutEngine, SamplingSettings
@@ -89,7 +90,8 @@ class AsyncRollouts:
 
     def _play(self, rows: list, step: int) -> Generated:
         """Step `step`'s episodes, every turn, on the worker's thread (the engine called directly):
-        exactly what the synchronous step plays (rltrain/envs/episodes.py), by one version."""
+        exactly what the synchronous step plays (rltrain/envs/episodes.py; env=agent: the endpoint
+        served from this thread, rltrain/envs/agent.py), by one version."""
         assert self.collector.episodes is not None
         started = time.perf_counter()
         played = self.collector.episodes.run(
@@ -113,6 +115,8 @@ class AsyncRollouts:
         """Fill the pipeline at the first step of this process: steps `step` .. `step + k`, from a
         checkpoint's batches where it holds them, else generated now (by this version)."""
         self.started = True
+        if isinstance(self.collector.episodes, AgentRunner):
+            refuse_agent_replica(self.collector.policy.replica_group())
         self.worker.pop_idle_s()  # `time/wait_train` counts from the first step
         for s in range(step, step + self.k + 1):
             index, done = self.restored.pop(s, (None, None))
@@ -142,8 +146,7 @@ class AsyncRollouts:
                 raise UserError(error)
             played = share_results(mine if isinstance(mine, EpisodeResults) else None, group) if group is not None else mine
             assert isinstance(played, EpisodeResults)
-            exp = self.collector.assemble(step, ticket.global_index, played.completions, generate_s, played, staleness=staleness)
-            return exp, wait_s
+            return self.collector.assemble_played(step, ticket.global_index, played, generate_s, staleness), wait_s
         assert not isinstance(mine, EpisodeResults)
         completions = share_completions(mine, group) if group is not None else mine
         assert completions is not None  # without a replica group every rank generates
@@ -180,7 +183,7 @@ class AsyncRollouts:
             completions, generate_s = None, 0.0
             if ticket.future is not None and ticket.version < self.version:
                 done, generate_s = self.worker.wait(ticket.future, f"step {step}'s batch", self.wait_timeout_s)
-                completions = results_to_json(done) if isinstance(done, EpisodeResults) else completions_to_json(done)
+                completions = played_to_json(done) if isinstance(done, EpisodeResults) else completions_to_json(done)
             rows.append({
                 "step": step, "global_index": ticket.global_index, "version": ticket.version, "completions": completions,
                 "generate_s": generate_s,
@@ -192,7 +195,7 @@ class AsyncRollouts:
         for row in state["pending"]:
             done: Generated | None = None
             if isinstance(row["completions"], dict):  # played episodes
-                done = (results_from_json(row["completions"]), float(row["generate_s"]))
+                done = (played_from_json(row["completions"]), float(row["generate_s"]))
             elif row["completions"] is not None:
                 done = (completions_from_json(row["completions"]), float(row["generate_s"]))
             self.restored[int(row["step"])] = ([int(i) for i in row["global_index"]], done)

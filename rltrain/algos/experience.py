@@ -150,6 +150,16 @@ def sampled_mask(completions: list[Completion]) -> Ragged | None:
     )
 
 
+def refuse_agent_replica(group: object | None) -> None:
+    """env=agent serves each rank's agents from its own engine: a replica of several ranks cannot
+    take its turns together that way (docs/agents.md)."""
+    if group is not None:
+        raise UserError(
+            "env=agent serves each rank's agents from its own rollout engine; a replica that spans several ranks "
+            "(backend.tp or backend.pp > 1) cannot. Use backend.tp=1 backend.pp=1 (FSDP or Megatron data parallel)."
+        )
+
+
 class ExperienceCollector:
     """Owns the prompt data, the reward functions and the rollout side of a step."""
 
@@ -252,13 +262,9 @@ class ExperienceCollector:
         whole phase in one turn; a replica of several ranks (Megatron tp/pp) cannot take its turns
         together that way and is refused (docs/agents.md)."""
         assert isinstance(self.episodes, AgentRunner)
-        if group is not None:
-            raise UserError(
-                "env=agent serves each rank's agents from its own rollout engine; a replica that spans several ranks "
-                "(backend.tp or backend.pp > 1) cannot. Use backend.tp=1 backend.pp=1 (FSDP or Megatron data parallel)."
-            )
+        refuse_agent_replica(group)
         with self.timeshare.rollout_turn():
-            return self.episodes.run(rows, copies, sampling, phase, self._engine_generate)
+            return self._play_episodes(rows, copies, sampling, phase)
 
     def rewards(
         self, rows: list[PromptRow], completions: list[Completion], texts: list[str] | None = None
@@ -306,16 +312,21 @@ class ExperienceCollector:
             started = time.perf_counter()
             played = self.play(rows, self.algo_cfg.group_size, self.sampling(step), f"train-{step}")
             time_rollout = time.perf_counter() - started
-            if isinstance(played, AgentResults):  # every sequence an episode made trains
-                sequences, episode_of = played.sequences()
-                exp = self.assemble(step, global_index, sequences, time_rollout, played)
-                exp.episode_of = episode_of
-                return exp
-            return self.assemble(step, global_index, played.completions, time_rollout, played)
+            return self.assemble_played(step, global_index, played, time_rollout)
         completions = self.generate([r.ids for r in rows], self.sampling(step))
         if self.algo_cfg.dynamic_sampling:
             return self.collect_signal(step, global_index, rows, completions, self.timeshare.last_generate_s)
         return self.assemble(step, global_index, completions, self.timeshare.last_generate_s)
+
+    def assemble_played(self, step: int, global_index: list[int], played: EpisodeResults, time_rollout: float, staleness: int = 0) -> Experience:
+        """The step's `Experience` from its played episodes: an agent's, every sequence it made
+        (`Experience.episode_of` names the episode of each)."""
+        if isinstance(played, AgentResults):
+            sequences, episode_of = played.sequences()
+            exp = self.assemble(step, global_index, sequences, time_rollout, played, staleness=staleness)
+            exp.episode_of = episode_of
+            return exp
+        return self.assemble(step, global_index, played.completions, time_rollout, played, staleness=staleness)
 
     def collect_signal(
         self, step: int, global_index: list[int], rows: list[PromptRow], completions: list[Completion],

@@ -134,8 +134,3 @@ def validate_staleness(cfg: Config) -> None:
             + " shares the trainer's process and threads, so it cannot overlap. Add rollout=vllm rollout.process=separate, "
             "or set placement.max_staleness=0."
         )
-    if cfg.env.name == "agent":
-        raise UserError(
-            f"placement.max_staleness={k} with env=agent: this release serves an agent phase from the trainer's loop, "
-            "so agents are not generated ahead yet (env=python and env=tools are). Use placement.max_staleness=0 with env=agent."
-        )

@@ -28,9 +28,10 @@ from rltrain.data.prompt_data import PromptRow
 from rltrain.envs.agent_endpoint import AgentEndpoint, ApiError, Pending
 from rltrain.envs.agent_record import Chain, Continuation, EpisodeRecord
 from rltrain.envs.agent_reply import choice, completion_body, cut_reply, render
-from rltrain.envs.episodes import TURN_SEED_STRIDE, EpisodeResults
+from rltrain.envs.episodes import TURN_SEED_STRIDE, EpisodeResults, results_from_json, results_to_json
 from rltrain.rewards.scoring import Failures
 from rltrain.rollout.base import Completion, SamplingSettings
+from rltrain.rollout.separate import completions_from_json, completions_to_json
 from rltrain.runtime.call_pool import Call, CallPool, CallResult
 from rltrain.runtime.distributed import broadcast_str
 from rltrain.runtime.errors import UserError
@@ -54,6 +55,31 @@ class AgentResults(EpisodeResults):
     def sequences(self) -> tuple[list[Completion], list[int]]:
         """Every sequence to train, and the episode of each."""
         return self.completions + self.extra, list(range(len(self.completions))) + self.extra_episode
+
+
+def played_to_json(played: EpisodeResults) -> dict[str, Any]:
+    """A played batch as plain data (an asynchronous run's checkpoint, docs/async.md): an agent
+    batch keeps every sequence its episodes made, the episode of each and its named rewards."""
+    row = results_to_json(played)
+    if isinstance(played, AgentResults):
+        row["agent"] = {
+            "named": played.named, "counts": played.counts, "extra": completions_to_json(played.extra),
+            "extra_episode": played.extra_episode,
+        }
+    return row
+
+
+def played_from_json(row: dict[str, Any]) -> EpisodeResults:
+    played = results_from_json(row)
+    if "agent" not in row:
+        return played
+    agent = row["agent"]
+    return AgentResults(
+        played.completions, played.returns, played.final_texts, played.failures, played.turns, played.tool_calls,
+        named={str(k): [float(x) for x in v] for k, v in agent["named"].items()},
+        counts={str(k): float(v) for k, v in agent["counts"].items()},
+        extra=completions_from_json(agent["extra"]), extra_episode=[int(i) for i in agent["extra_episode"]],
+    )
 
 
 def chat_template_text(value: str | None) -> str | None:
@@ -104,13 +130,14 @@ class AgentRunner:
             self.pool.start()
         self.chat_template = chat_template_text(env_cfg.chat_template)
         self.endpoint: AgentEndpoint | None = None
-        self.batches = 0  # engine calls so far: each samples with its own seed
+        self.batches = 0  # engine calls so far in this phase: each samples with its own seed
 
     def run(self, rows: list[PromptRow], copies: int, sampling: SamplingSettings, phase: str, generate: Generate) -> AgentResults:
         """`copies` episodes per row, prompt-major; `phase` names the step (as EpisodeRunner's)."""
         if self.endpoint is None:
             self.endpoint = AgentEndpoint(self.timeout_s)
         endpoint = self.endpoint
+        self.batches = 0  # a phase's seeds depend on its own calls only: a resumed run samples as the uninterrupted one
         owners = [i for i in range(len(rows)) for _ in range(copies)]
         deadline = time.monotonic() + self.budget_s
         keys = endpoint.open_phase(len(owners), deadline)
@@ -201,7 +228,7 @@ class AgentRunner:
 
     def _answer(self, p: Pending, at: Continuation, completions: list[Completion], record: EpisodeRecord, stop_ids: list[int]) -> None:
         replies = [cut_reply(self.tokenizer, c.token_ids, c.logprobs, c.finished, stop_ids, p.request.stop) for c in completions]
-        record.record(at, [(r.ids, r.logprobs, r.finished) for r in replies])
+        record.record(at, [(r.ids, r.logprobs, r.finished) for r in replies], completions[0].version if completions else None)
         call_id = f"chatcmpl-{p.episode}-{record.calls}"
         tools = p.request.tools if p.request.use_tools else None
         choices = [choice(self.tokenizer, r, k, tools, f"call_{p.episode}_{record.calls}_{k}") for k, r in enumerate(replies)]
@@ -265,4 +292,6 @@ class AgentRunner:
 
 
 def _completion(prompt_index: int, chain: Chain) -> Completion:
-    return Completion(prompt_index, list(chain.tokens), list(chain.logprobs), chain.finished, list(chain.sampled), list(chain.prompt_ids))
+    return Completion(
+        prompt_index, list(chain.tokens), list(chain.logprobs), chain.finished, list(chain.sampled), list(chain.prompt_ids), chain.version
+    )

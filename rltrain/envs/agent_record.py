@@ -28,6 +28,7 @@ class Chain:
     text: str = ""  # the decoded text of prompt_ids + tokens (what a continuing call's rendering starts with)
     # After each reply: (len(tokens), text then). A call may go on from any of them (a fork).
     marks: list[tuple[int, str]] = field(default_factory=list)
+    version: int | None = None  # the policy version of its last reply, where the engine reports it (rollout=server)
 
     @property
     def ids(self) -> list[int]:
@@ -37,11 +38,14 @@ class Chain:
         """This chain as it was after its reply `mark` (a copy)."""
         n, text = self.marks[mark]
         return Chain(
-            self.prompt_ids, self.tokens[:n], self.logprobs[:n], self.sampled[:n], True, text, self.marks[: mark + 1]
+            self.prompt_ids, self.tokens[:n], self.logprobs[:n], self.sampled[:n], True, text, self.marks[: mark + 1], self.version
         )
 
-    def extended(self, prompt_ids: list[int], completion: list[int], logprobs: list[float], finished: bool, text: str) -> Chain:
-        """This chain continued by a call whose prompt starts with its ids (a copy)."""
+    def extended(
+        self, prompt_ids: list[int], completion: list[int], logprobs: list[float], finished: bool, text: str, version: int | None = None,
+    ) -> Chain:
+        """This chain continued by a call whose prompt starts with its ids (a copy), whose reply
+        `version` sampled."""
         own = self.ids
         assert prompt_ids[: len(own)] == own, "a continuing call's prompt starts with the chain's ids"
         new = prompt_ids[len(own) :]
@@ -54,6 +58,7 @@ class Chain:
             finished,
             text,
             [*self.marks, (len(tokens), text)],
+            version,
         )
 
 
@@ -96,8 +101,9 @@ class EpisodeRecord:
         base = chain if m == len(chain.marks) - 1 else chain.upto(m)  # not its end: a fork from there
         return Continuation(base.ids + self._encode(rendered[len(base.text) :]), i, base)
 
-    def record(self, at: Continuation, replies: list[tuple[list[int], list[float], bool]]) -> None:
-        """A served call's replies (ids, sampling log-probabilities, finished), its `n` choices: the
+    def record(self, at: Continuation, replies: list[tuple[list[int], list[float], bool]], version: int | None = None) -> None:
+        """A served call's replies (ids, sampling log-probabilities, finished; sampled by policy
+        `version` where the engine reports it), its `n` choices: the
         first continues the chain `at` names, the others fork copies of it (a new chain each), as
         does a call whose chain another call continued meanwhile."""
         self.calls += 1
@@ -106,7 +112,7 @@ class EpisodeRecord:
         base = at.base if at.base is not None else Chain(list(at.prompt_ids), text=self._decode(at.prompt_ids))
         in_place = at.chain is not None and self.chains[at.chain] is at.base
         for k, (ids, logprobs, finished) in enumerate(replies):
-            grown = base.extended(at.prompt_ids, ids, logprobs, finished, self._decode(at.prompt_ids + ids))
+            grown = base.extended(at.prompt_ids, ids, logprobs, finished, self._decode(at.prompt_ids + ids), version)
             if k == 0 and in_place:
                 assert at.chain is not None
                 self.chains[at.chain] = grown

@@ -90,6 +90,8 @@ def completions_from_json(rows: list[dict[str, Any]]) -> list[Completion]:
             [float(x) for x in r["logprobs"]],
             bool(r["finished"]),
             [bool(x) for x in r["sampled"]] if r.get("sampled") is not None else None,
+            [int(t) for t in r["prompt_ids"]] if r.get("prompt_ids") is not None else None,
+            int(r["version"]) if r.get("version") is not None else None,
         )
         for r in rows
     ]

@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +58,13 @@ class ServerFleetEngine:
 
     def __init__(
         self, cfg: ServerRolloutConfig, model_dir: str | Path, *, dtype: str, rank: int, cuda: bool,
-        log_dir: Path, urls_from_rank0: Any = None,
+        log_dir: Path, urls_from_rank0: Any = None, loads_group: Any = None,
     ) -> None:
         self.cfg = cfg
+        # Generating ahead on several trainer ranks: a process group of the engine's worker threads,
+        # so that no rank's push of a version lands while another rank still samples the batch of an
+        # earlier one on the same servers (`update_weights`).
+        self.loads_group = loads_group
         self.rank = rank
         self.model_dir = Path(model_dir)
         self.version = 0
@@ -255,8 +260,10 @@ class ServerFleetEngine:
         if self.rank != 0:
             for _ in weights:  # the export is a collective: every rank consumes it
                 pass
+            self._every_rank_loads()
             return
         self.current = list(buckets_of(weights, self.cfg.bucket_mb << 20))
+        self._every_rank_loads()
         for server in self.servers:
             if not server.up or server.pusher is None:
                 continue
@@ -264,6 +271,15 @@ class ServerFleetEngine:
                 server.pusher.push(self.current, self.version)
             except ServerDown as exc:
                 self._mark_down(server, str(exc))
+
+    def _every_rank_loads(self) -> None:
+        """Generating ahead, each rank's load of a version runs on its engine's worker thread after
+        the batches queued before it: a barrier of those threads holds rank 0's push until every
+        rank sampled its batches of the earlier version (a multi-turn batch may take a whole step)."""
+        if self.loads_group is not None:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.loads_group)
 
     def metrics(self) -> dict[str, float]:
         """The fleet now, and the versions of the completions sampled since the last call (a
@@ -327,8 +343,13 @@ def build_engine(ctx: Any) -> ServerFleetEngine:
     from rltrain.runtime.precision import resolve_precision
 
     cfg: ServerRolloutConfig = ctx.cfg.rollout
-    share = _share_urls if dist.is_initialized() and dist.get_world_size() > 1 else None
+    several = dist.is_initialized() and dist.get_world_size() > 1
+    share = _share_urls if several else None
+    loads_group = None
+    if several and ctx.cfg.placement.max_staleness >= 1:  # every rank builds the engine: new_group is collective
+        loads_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=ctx.cfg.safety.collective_timeout_s))
     return ServerFleetEngine(
         cfg, ctx.model_dir, dtype=resolve_precision(ctx.cfg.trainer.precision, ctx.dist.device).compute_dtype_name,
         rank=ctx.dist.rank, cuda=ctx.dist.device.type == "cuda", log_dir=Path(ctx.run_dir), urls_from_rank0=share,
+        loads_group=loads_group,
     )

@@ -8,6 +8,9 @@ GRPO on two FSDP ranks plays examples/higher_lower.py with vLLM in its own proce
 - SIGKILL after the first checkpoint (a played batch of the older version in flight, and the
   prompts of the one the checkpoint's weights replay) and a restart reproduce the uninterrupted run
   row for row and batch for batch.
+- The same with env=agent (examples/openai_agent.py, one episode at a time so that a run is
+  reproducible): the played agent batch in the checkpoint (every sequence, the episode of each)
+  trains after a SIGKILL exactly as in the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -77,3 +80,29 @@ def test_sigkill_after_a_checkpoint_resumes_multi_turn_async_to_the_uninterrupte
     assert [r["step"] for r in resumed if "loss" in r] == list(range(1, STEPS + 1))
     assert comparable(resumed) == comparable(read_metrics(async_env_run))
     assert batches(run_dir) == batches(async_env_run)
+
+
+# One episode in flight at a time: each call is its own engine call, seeded by the phase's own
+# calls, so the run is reproducible (docs/agents.md, "Reproducibility") and a resume comparable.
+AGENT_RUN = [
+    "algo=grpo", "model=tiny", *SMALL_MODEL, "env=agent", "env.agent=openai_agent:run", "env.workers=1", "env.max_concurrency=1",
+    "algo.prompts_per_step=4", "algo.group_size=2", "data.num_eval=4", f"trainer.max_steps={STEPS}", "trainer.eval_every=0", "trainer.save_every=1",
+    "trainer.progress=lines", "logger.wandb.mode=disabled", "rollout=vllm", "rollout.process=separate", f"placement.max_staleness={K}",
+]
+
+
+@pytest.mark.slow  # three runs with a vLLM process each; the schedule of env=agent ahead is checked in test_cli_server.py
+def test_sigkill_after_a_checkpoint_resumes_async_agents_to_the_uninterrupted_run(tmp_path):
+    whole = tmp_path / "whole"
+    rltrain(*AGENT_RUN, run_dir=whole, timeout=600, env=EXAMPLES)
+    rows = train_rows(whole)
+    assert [(r["step"], r["rollout/staleness_max"]) for r in rows] == [(t, min(t - 1, K)) for t in range(1, STEPS + 1)]
+    assert all(r["env/errors"] == r["env/timeouts"] == 0.0 and r["env/turns_mean"] >= 1.0 for r in rows), rows
+    run_dir = tmp_path / "killed"
+    kill_when(AGENT_RUN, run_dir, run_dir / "checkpoints" / "step_00000001", signal.SIGKILL, timeout=600, env=EXAMPLES)
+    assert len(train_rows(run_dir)) < STEPS
+    rltrain(*AGENT_RUN, run_dir=run_dir, timeout=600, env=EXAMPLES)
+    resumed = read_metrics(run_dir)
+    assert [r["step"] for r in resumed if "loss" in r] == list(range(1, STEPS + 1))
+    assert comparable(resumed) == comparable(read_metrics(whole))
+    assert batches(run_dir) == batches(whole)

@@ -1,6 +1,7 @@
 """`rollout=server` in real runs (docs/rollout-servers.md): GRPO over one spawned vLLM API server
 (versions, parity, the server gone with the run) gives the rows it gives over two URL-given ones;
-two trainer ranks over two servers generating one step ahead."""
+two trainer ranks over two servers generating one step ahead, single-turn and with env=agent (the
+agents' endpoint served from the servers)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 import re
 
 import pytest
-from cli import QUICK, SMALL_MODEL, python, rltrain, train_rows
+from cli import QUICK, ROOT, SMALL_MODEL, python, rltrain, train_rows
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("rollout_servers")]
 
@@ -55,16 +56,29 @@ def test_a_spawned_server_and_two_given_ones_give_the_same_rows(rollout_servers,
                 assert one[key] == two[key], (key, one[key], two[key])
 
 
-def test_two_trainer_ranks_over_two_servers_one_step_ahead(rollout_servers, tmp_path):
+# env=agent (docs/agents.md): examples/openai_agent.py, its endpoint served from the servers.
+AGENT = ["env=agent", "env.agent=openai_agent:run", "env.workers=2", "data.num_eval=4"]
+
+
+@pytest.mark.parametrize("overrides", [pytest.param([], id="grpo"), pytest.param(AGENT, id="agent")])
+def test_two_trainer_ranks_over_two_servers_one_step_ahead(rollout_servers, tmp_path, overrides):
+    """With env=agent every call of every episode of step t's batch is sampled by version
+    max(0, t - 2) (the completions' versions, as the servers report them), the batch played whole
+    on the engine's worker thread before the next push (docs/async.md)."""
     urls = ",".join(s.url for s in rollout_servers["servers"])
     run_dir = tmp_path / "m2-k1"
-    rltrain(*RUN, "trainer.max_steps=3", "trainer.nproc=2", "placement.max_staleness=1",
-            f"rollout.servers.urls=[{urls}]", run_dir=run_dir, timeout=600)
+    rltrain(*RUN, *overrides, "trainer.max_steps=3", "trainer.nproc=2", "placement.max_staleness=1",
+            f"rollout.servers.urls=[{urls}]", run_dir=run_dir, timeout=600, env={"PYTHONPATH": str(ROOT / "examples")})
     rows = train_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert_versions(rows, k=1)
     assert all(r["rollout/servers_up"] == 2 for r in rows)
     assert rows[0]["rollout/logprob_diff_max"] < 1e-4  # step 1 is on-policy: parity checked
+    for r in rows if overrides else []:
+        assert r["rollout/staleness_mean"] == r["rollout/staleness_max"] == min(r["step"] - 1, 1), r
+        assert 1.0 <= r["env/turns_mean"] <= 4.0, r
+        assert r["env/timeouts"] == r["env/errors"] == r["env/no_calls"] == 0.0, r
+        assert r["reward/mean"] == pytest.approx(r["reward/env"]) == pytest.approx(r["reward/correct"] + r["reward/brief"]), r
 
 
 @pytest.mark.parametrize(

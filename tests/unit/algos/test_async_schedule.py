@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -162,3 +163,68 @@ def test_the_engine_idle_time_is_what_it_waited_for_work():
         assert 0.2 <= idle <= elapsed - 0.2 + 1e-3, (idle, elapsed)
     finally:
         worker.close()
+
+
+class AgentEpisodes:
+    """An agent runner stand-in: per row, an episode of two calls that rewrote its history (two
+    sequences), each call an engine call of its own, as the endpoint makes them."""
+
+    def run(self, rows, copies, sampling, phase, generate):
+        from rltrain.envs.agent import AgentResults
+        from rltrain.rewards.scoring import Failures
+
+        last, first = [], []
+        for i, row in enumerate(rows):
+            first += [replace(c, prompt_index=i, prompt_ids=list(row.ids)) for c in generate([row.ids], sampling)]
+            last += [replace(c, prompt_index=i, prompt_ids=[*row.ids, 0]) for c in generate([[*row.ids, 0]], sampling)]
+        return AgentResults(
+            last, [1.0] * len(rows), [""] * len(rows), Failures(), 2.0 * len(rows), 0.0,
+            named={"correct": [1.0] * len(rows)}, counts={"history_rewrites": float(len(rows))}, extra=first,
+            extra_episode=list(range(len(rows))),
+        )
+
+
+class AgentCollector(Collector):
+    def __init__(self) -> None:
+        super().__init__()
+        self.episodes = AgentEpisodes()
+        self.algo_cfg.group_size = 1
+
+    def assemble_played(self, step, global_index, played, generate_s, staleness=0):
+        sequences, episode_of = played.sequences()
+        return SimpleNamespace(
+            step=step, prompts=global_index, versions={c.logprobs[0] for c in sequences}, staleness=staleness,
+            sequences=[(c.prompt_index, c.prompt_ids, c.token_ids) for c in sequences], episode_of=episode_of, named=played.named,
+        )
+
+
+def test_agent_batches_are_played_by_their_version_and_resume_whole_from_a_checkpoint(tmp_path):
+    """env=agent ahead (docs/async.md): every call of a batch's episodes by its one version; a
+    checkpoint keeps each played batch's every sequence and the episode of each."""
+    k = 1
+    engine = VersionEngine(generate_s=0.01)
+    full = AsyncRollouts(AgentCollector(), engine, RolloutWorker(), k, max_steps=5, wait_timeout_s=30, rank=0)
+    try:
+        uninterrupted = _train(full, engine, range(1, 6))
+    finally:
+        full.close()
+    for exp in uninterrupted:
+        assert exp.versions == {float(sample_version(exp.step, k))} and exp.episode_of == [0, 1, 2, 0, 1, 2], exp
+    engine = VersionEngine(generate_s=0.01)
+    first = AsyncRollouts(AgentCollector(), engine, RolloutWorker(), k, max_steps=5, wait_timeout_s=30, rank=0)
+    try:
+        before = _train(first, engine, range(1, 3))
+        first.save_checkpoint(tmp_path)
+        stream_state = first.collector.stream.state_dict()
+    finally:
+        first.close()
+    engine = VersionEngine(version=2, generate_s=0.01)
+    collector = AgentCollector()
+    collector.stream.load_state_dict(stream_state)
+    resumed = AsyncRollouts(collector, engine, RolloutWorker(), k, max_steps=5, wait_timeout_s=30, rank=0)
+    resumed.load_checkpoint(tmp_path)
+    try:
+        after = _train(resumed, engine, range(3, 6))
+    finally:
+        resumed.close()
+    assert [vars(e) for e in before + after] == [vars(e) for e in uninterrupted]

@@ -247,6 +247,7 @@ def test_generating_ahead_runs_with_grpo_and_ppo_on_both_backends():
         for backend in ("fsdp", "megatron"):
             validate(_cfg(f"algo={algo}", f"backend={backend}", *ASYNC))
     validate(_cfg(*ASYNC, "env=python", "env.cls=m:C"))  # multi-turn: a batch's episodes are played whole, ahead
+    validate(_cfg(*ASYNC, "env=agent", "env.agent=m:run"))  # agents too: the endpoint is served from the engine's worker
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import textwrap
 import time
 import urllib.error
 import urllib.request
+from dataclasses import replace
 
 import pytest
 
@@ -21,6 +22,7 @@ from rltrain.envs.agent import AgentRunner
 from rltrain.envs.agent_endpoint import AgentEndpoint, ApiError, parse_chat_request
 from rltrain.envs.agent_record import EpisodeRecord
 from rltrain.envs.agent_reply import cut_reply
+from rltrain.envs.episodes import TURN_SEED_STRIDE
 from rltrain.models.tokenizer import build_char_tokenizer
 from rltrain.rollout.base import Completion, SamplingSettings
 from rltrain.runtime.errors import UserError
@@ -388,3 +390,39 @@ def test_an_episode_that_forks_trains_each_fork(agents, tmp_path):
     played = play("forks:run", tags=("p0",))
     assert len(played.completions) == 1 and len(played.extra) == 2 and played.extra_episode == [0, 0]
     assert played.counts["history_rewrites"] == 0.0  # forks are not rewrites
+
+
+def test_an_agent_batch_survives_a_checkpoint_as_json_exactly(agents):
+    """An asynchronous run's checkpoint holds played batches (rltrain/algos/async_rollouts.py): every
+    sequence of an agent's episodes (prompt ids, masks, log-probabilities, the episode of each), its
+    named rewards and counts come back as they were."""
+    from rltrain.envs.agent import AgentResults, played_from_json, played_to_json
+
+    for agent in ("rewrite", "talk"):
+        played = play(f"{agents}:{agent}")
+        back = played_from_json(json.loads(json.dumps(played_to_json(played))))
+        assert isinstance(back, AgentResults) and back == played
+        assert back.sequences() == played.sequences()
+        assert all(c.prompt_ids is not None for c in back.sequences()[0])
+
+
+def test_a_phase_samples_with_seeds_of_its_own_calls_only_and_replies_keep_their_version(agents):
+    """A resumed run plays a phase as the uninterrupted one did (the seeds do not count the calls of
+    earlier phases), and each sequence carries the policy version the engine reported for it."""
+    env = AgentEnvConfig(agent=f"{agents}:talk", workers=1, max_concurrency=1, chat_template=TEMPLATE)
+    runner = AgentRunner(env, RewardConfig(), TOKENIZER, 64, 64, 600)
+    scripted = scripted_generate([])
+    seeds: list[list[int]] = []
+
+    def generate(prompts, sampling):
+        seeds[-1].append(sampling.seed)
+        return [replace(c, version=7) for c in scripted(prompts, sampling)]
+
+    try:
+        for _ in range(2):
+            seeds.append([])
+            played = runner.run(rows("p0", "p1"), 1, SamplingSettings(stop_token_ids=[EOS], seed=5), "train-0", generate)
+            assert [c.version for c in played.completions] == [7, 7]
+    finally:
+        runner.close()
+    assert seeds[0] == seeds[1] == [5 + TURN_SEED_STRIDE * i for i in range(4)]

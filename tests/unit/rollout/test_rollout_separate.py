@@ -31,7 +31,10 @@ PROMPTS = [[1, 2, 3, 4], [5, 6]]
 
 
 def test_completions_cross_as_json_exactly():
-    completions = [Completion(0, [3, 4], [-0.1234567890123, -2.5e-8], True), Completion(1, [], [], False)]
+    completions = [
+        Completion(0, [3, 4], [-0.1234567890123, -2.5e-8], True), Completion(1, [], [], False),
+        Completion(2, [5, 9], [-0.5, 0.0], False, [True, False], [7, 8], 3),  # an agent's sequence, sampled by version 3
+    ]
     wire = json.loads(json.dumps(completions_to_json(completions)))
     assert completions_from_json(wire) == completions
 
