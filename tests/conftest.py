@@ -108,7 +108,7 @@ def rollout_servers(tiny_cache, tmp_path_factory):
     from cli import SMALL_MODEL
 
     from rltrain.models.model_dir import resolve_model_dir
-    from rltrain.rollout.server_process import SpawnedServer
+    from rltrain.rollout.server_process import SpawnedServer, stop_servers
     from rltrain.serve import compose_run_config
 
     cfg = compose_run_config(["model=tiny", *SMALL_MODEL, "rollout=server", "rollout.servers.spawn=1", "rollout.timeout_s=60"])
@@ -120,5 +120,4 @@ def rollout_servers(tiny_cache, tmp_path_factory):
             server.wait_ready(cfg.rollout.servers.start_timeout_s)
         yield {"model_dir": model_dir, "cfg": cfg.rollout, "servers": servers, "logs": logs}
     finally:
-        for server in servers:
-            server.stop()
+        stop_servers(servers)

@@ -26,7 +26,7 @@ import torch
 from rltrain.config.group_options import ServerRolloutConfig
 from rltrain.rollout.base import Completion, SamplingSettings
 from rltrain.rollout.server_http import ServerDown, call, is_up
-from rltrain.rollout.server_process import SpawnedServer
+from rltrain.rollout.server_process import SpawnedServer, stop_servers
 from rltrain.rollout.server_push import WeightPusher, buckets_of
 from rltrain.rollout.server_worker import model_fingerprint
 from rltrain.rollout.vllm import _request_seed
@@ -309,10 +309,9 @@ class ServerFleetEngine:
 
     def close(self) -> None:
         """Stop the servers this trainer spawned; URL-given servers are never stopped."""
+        stop_servers([server.spawned for server in self.servers if server.spawned is not None])
         for server in self.servers:
-            if server.spawned is not None:
-                server.spawned.stop()
-                server.spawned = None
+            server.spawned = None
 
 
 def _checkpoint(model_dir: Path) -> list[tuple[str, torch.Tensor]]:

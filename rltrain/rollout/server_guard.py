@@ -20,7 +20,7 @@ import time
 from types import FrameType
 
 PR_SET_PDEATHSIG = 1
-GRACE_S = 10.0  # the server's own shutdown, before the session is killed
+GRACE_S = 3.0  # the server's own shutdown (nothing of it to keep), before the session is killed
 
 
 def session_members(sid: int) -> list[int]:

@@ -41,7 +41,10 @@ def server_command(cfg: ServerRolloutConfig, model_dir: str | Path, dtype: str, 
     if cuda:
         command += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
     else:
-        command += ["--enforce-eager", "--kv-cache-memory-bytes", str(int(cfg.kv_cache_gib * (1 << 30)))]
+        # The worker inside the engine process (with VLLM_ENABLE_V1_MULTIPROCESSING=0, server_env):
+        # one interpreter fewer to start, and no worker busy-polling its queue beside the trainer.
+        command += ["--enforce-eager", "--kv-cache-memory-bytes", str(int(cfg.kv_cache_gib * (1 << 30))),
+                    "--distributed-executor-backend", "uni"]
     return command
 
 
@@ -54,6 +57,7 @@ def server_env(cfg: ServerRolloutConfig, cuda: bool) -> dict[str, str]:
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # an in-process engine's setting: the server runs vLLM's default
     if not cuda:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # else vLLM's CPU build overrides the uni executor (server_command)
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the byte budget on the command line applies
         if cfg.num_threads > 0:
             env["OMP_NUM_THREADS"] = str(cfg.num_threads)
@@ -103,17 +107,29 @@ class SpawnedServer:
         )
 
     def stop(self) -> None:
-        """SIGTERM to its session's group (the guard stops the server and kills what is left of the
-        session), then SIGKILL."""
+        stop_servers([self])
+
+    def _terminate(self) -> None:
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=20)
+
+    def _reap(self) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=20)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
+
+
+def stop_servers(servers: list[SpawnedServer]) -> None:
+    """SIGTERM to each server's session group at once (each guard stops its server and kills what is
+    left of the session after a short grace), then wait for each, SIGKILL for any still there."""
+    for server in servers:
+        server._terminate()
+    for server in servers:
+        server._reap()
 
 
 def _tail(path: Path, lines: int = 15) -> str:
