@@ -63,6 +63,16 @@ def wait_rows(run_dir: Path, proc: subprocess.Popen, n: int, test: Callable[[dic
     return False
 
 
+def started(run_dir: Path, overrides: list[str], steps: int) -> tuple[subprocess.Popen, str | None]:
+    """A run of `RUN` plus `overrides`, and its row's outcome if it never logs step `steps` (then
+    it has exited): every row needs its run under way before it breaks something."""
+    proc = start([*RUN, *overrides], run_dir)
+    if wait_rows(run_dir, proc, steps):
+        return proc, None
+    code, err = finish(proc, 60)
+    return proc, f"FAILED: no step {steps} (exit {code}: {first_error(err)})"
+
+
 def spawned_pids(log: str) -> list[int]:
     return [int(p) for p in SPAWNED_PID.findall(Path(log).read_text(errors="replace"))]
 
@@ -90,11 +100,10 @@ def session_members(sid: int) -> list[int]:
 
 def spawned_server_killed(base: Path) -> Row:
     run_dir, before = base / "server-killed", shm_names()
-    proc = start([*RUN, "trainer.max_steps=8", "rollout.servers.spawn=2"], run_dir)
+    proc, failed = started(run_dir, ["trainer.max_steps=8", "rollout.servers.spawn=2"], 2)
     where = "GRPO, 1 rank, 2 spawned servers"
-    if not wait_rows(run_dir, proc, 2):
-        code, err = finish(proc, 60)
-        return Row("rollout server SIGKILL", where, f"FAILED: no step 2 (exit {code}: {first_error(err)})", 0, "-", 0, False)
+    if failed:
+        return Row("rollout server SIGKILL", where, failed, 0, "-", 0, False)
     victim = spawned_pids(proc.log_path)[1]  # type: ignore[attr-defined]
     os.killpg(victim, signal.SIGKILL)
     killed = time.monotonic()
@@ -110,11 +119,10 @@ def spawned_server_killed(base: Path) -> Row:
 def server_restarted(base: Path, ports: list[int], servers: list[subprocess.Popen]) -> Row:
     run_dir, before = base / "server-restarted", shm_names()
     urls = ",".join(f"http://127.0.0.1:{p}" for p in ports)
-    proc = start([*RUN, "trainer.max_steps=100000", f"rollout.servers.urls=[{urls}]"], run_dir)
+    proc, failed = started(run_dir, ["trainer.max_steps=100000", f"rollout.servers.urls=[{urls}]"], 2)
     where = "GRPO, 1 rank, 2 URL-given servers"
-    if not wait_rows(run_dir, proc, 2):
-        code, err = finish(proc, 60)
-        return Row("rollout server restarted", where, f"FAILED: no step 2 (exit {code}: {first_error(err)})", 0, "-", 0, False)
+    if failed:
+        return Row("rollout server restarted", where, failed, 0, "-", 0, False)
     kill_session(servers[1])
     killed = time.monotonic()
     down = wait_rows(run_dir, proc, 3, lambda r: r.get("rollout/server_failures") == 1 and r.get("rollout/servers_up") == 1)
@@ -132,11 +140,10 @@ def server_restarted(base: Path, ports: list[int], servers: list[subprocess.Pope
 def all_servers_gone(base: Path, port: int, server: subprocess.Popen) -> Row:
     run_dir, before = base / "servers-gone", shm_names()
     limit = 20
-    proc = start([*RUN, "trainer.max_steps=100000", f"rollout.servers.urls=[http://127.0.0.1:{port}]", f"rollout.timeout_s={limit}"], run_dir)
+    proc, failed = started(run_dir, ["trainer.max_steps=100000", f"rollout.servers.urls=[http://127.0.0.1:{port}]", f"rollout.timeout_s={limit}"], 2)
     where = "GRPO, 1 rank, 1 URL-given server"
-    if not wait_rows(run_dir, proc, 2):
-        code, err = finish(proc, 60)
-        return Row("every rollout server gone", where, f"FAILED: no step 2 (exit {code}: {first_error(err)})", 0, "-", 0, False)
+    if failed:
+        return Row("every rollout server gone", where, failed, 0, "-", 0, False)
     kill_session(server)
     killed = time.monotonic()
     code, err = finish(proc, limit + 120)
@@ -163,11 +170,10 @@ def other_model(base: Path, port: int) -> Row:
 
 def trainer_sigkilled(base: Path) -> Row:
     run_dir = base / "trainer-killed"
-    proc = start([*RUN, "trainer.max_steps=100000", "rollout.servers.spawn=1"], run_dir)
+    proc, failed = started(run_dir, ["trainer.max_steps=100000", "rollout.servers.spawn=1"], 1)
     where = "GRPO, 1 rank, 1 spawned server"
-    if not wait_rows(run_dir, proc, 1):
-        code, err = finish(proc, 60)
-        return Row("trainer SIGKILL", where, f"FAILED: no step 1 (exit {code}: {first_error(err)})", 0, "-", 0, False)
+    if failed:
+        return Row("trainer SIGKILL", where, failed, 0, "-", 0, False)
     server = spawned_pids(proc.log_path)[0]  # type: ignore[attr-defined]
     os.kill(proc.pid, signal.SIGKILL)  # the trainer alone, not its session: the server is in its own
     killed = time.monotonic()

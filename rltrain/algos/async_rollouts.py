@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from rltrain.algos.experience import Experience, ExperienceCollector, refuse_agent_replica
+from rltrain.algos.experience import Experience, ExperienceCollector
+from rltrain.algos.rollout_turns import refuse_agent_replica
 from rltrain.envs.agent import AgentRunner, played_from_json, played_to_json
 from rltrain.envs.episodes import EpisodeResults
 from rltrain.envs.replica import share_results
@@ -57,7 +58,7 @@ class AsyncRollouts:
         max_steps: int, wait_timeout_s: float, rank: int,
     ) -> None:
         self.collector, self.rollout, self.worker = collector, rollout, worker
-        collector.worker, collector.worker_wait_s = worker, wait_timeout_s  # evaluation queues behind the batches
+        collector.turns.worker, collector.turns.worker_wait_s = worker, wait_timeout_s  # evaluation queues behind the batches
         self.k, self.max_steps, self.wait_timeout_s, self.rank = max_staleness, max_steps, wait_timeout_s, rank
         self.pending: dict[int, Ticket] = {}
         self.restored: dict[int, tuple[list[int], Generated | None]] = {}

@@ -1,10 +1,12 @@
-"""DAPO's dynamic sampling, the bookkeeping half: which groups carry signal (rewards not all equal)
-and which of them one rank trains on. The collector (rltrain/algos/experience.py, `collect_signal`)
-runs the rounds; docs/algorithms.md ("Dynamic sampling") has the rule and why a short batch is filled.
+"""DAPO's dynamic sampling: which groups carry signal (rewards not all equal), which of them one
+rank trains on, and the rounds that sample more until it has enough (`run_rounds`; the collector,
+rltrain/algos/experience.py `collect_signal`, supplies the sampling and assembles the batch).
+docs/algorithms.md ("Dynamic sampling") has the rule and why a short batch is filled.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -12,6 +14,7 @@ import torch
 from rltrain.data.prompt_data import PromptRow
 from rltrain.rewards.scoring import Failures, Scored
 from rltrain.rollout.base import Completion
+from rltrain.runtime.distributed import global_max
 
 
 def groups_with_signal(scores_B: torch.Tensor, group_size: int) -> list[bool]:
@@ -78,3 +81,23 @@ class SignalGroups:
         per_fn = {n: [v for g in groups for v in g.per_fn[n]] for n in names}
         scores_B = torch.cat([g.scores_B for g in groups]) if groups else torch.zeros(0, dtype=torch.float64, device="cpu")
         return rows, completions, Scored(per_fn, self.failures, scores_B)
+
+
+def run_rounds(
+    picker: SignalGroups, rows: list[PromptRow], completions: list[Completion], max_rounds: int,
+    score: Callable[[list[PromptRow], list[Completion]], Scored], rows_of: Callable[[list[int]], list[PromptRow]],
+    more: Callable[[int], tuple[list[int], list[Completion]]],
+) -> tuple[list[int], int]:
+    """Offers `picker` the first round (`rows`, `completions`), then round r's prompts and
+    completions (`more(r)`, rows `rows_of(prompts)`), until this rank holds its share of groups
+    with signal or `max_rounds` rounds ran. A collective: every rank takes as many rounds as the
+    rank that needs the most. Returns the later rounds' prompts (global indices) and the rounds run."""
+    rounds, later = 1, list[int]()
+    while True:
+        picker.offer(rows, completions, score(rows, completions))
+        if global_max(float(picker.missing)) <= 0 or rounds >= max_rounds:
+            return later, rounds
+        round_index, completions = more(rounds)
+        later += round_index
+        rows = rows_of(round_index)
+        rounds += 1

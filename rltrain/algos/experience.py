@@ -1,13 +1,12 @@
 """Collecting an RL step's experience: prompts -> completions -> rewards (shared by GRPO and PPO).
 
-`ExperienceCollector.collect(step)` samples `algo.prompts_per_step` prompts (global), lets this
-data-parallel rank's rollout engine generate `algo.group_size` completions for its share (colocated,
-in-process; under Megatron tp/pp only the replica's first rank samples and shares the tokens and
-log-probabilities with its peers, and also scores them and plays the episodes alone), scores them
-with every reward function (`reward.fns`, the built-in task's reward, a reward model) and returns an `Experience`: this rank's sequences in
+`ExperienceCollector.collect(step)` samples `algo.prompts_per_step` prompts (global), has this
+rank's engine generate `algo.group_size` completions each or play the episodes
+(rltrain/algos/rollout_turns.py), scores them with every reward function (under Megatron tp/pp the
+replica's first rank scores and shares) and returns an `Experience`: this rank's sequences in
 prompt-major order plus the *global* reward vector every rank agrees on. What happens next
-(scoring by the trainer, advantages, losses) belongs to the algorithm (rltrain/algos/rl.py).
-`evaluate` runs greedy generation on the held-out prompts through the same engine.
+(scoring by the trainer, advantages, losses) belongs to the algorithm (rltrain/algos/rl.py);
+dynamic sampling's rounds: rltrain/algos/dynamic_sampling.py; evaluation: rltrain/algos/rl_evaluation.py.
 """
 
 from __future__ import annotations
@@ -18,7 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rltrain.algos.dynamic_sampling import SamplingRounds, SignalGroups
+from rltrain.algos.dynamic_sampling import SamplingRounds, SignalGroups, run_rounds
+from rltrain.algos.rollout_turns import RolloutTurns, played_sequences
 from rltrain.config.run_context import RunContext
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.prompt_data import PromptRow, build_prompt_data
@@ -27,14 +27,12 @@ from rltrain.data.sampler import IndexStream
 from rltrain.data.sharding import rank_slice, sum_over_replicas
 from rltrain.envs.agent import AgentResults, AgentRunner, named_on_every_rank
 from rltrain.envs.episodes import EpisodeResults, EpisodeRunner
-from rltrain.envs.replica import share_results
 from rltrain.rewards.overlong import overlong_penalties
 from rltrain.rewards.scoring import Failures, RewardScorer, Scored
-from rltrain.rollout.ahead import RolloutWorker
 from rltrain.rollout.base import Completion, RolloutEngine, SamplingSettings
-from rltrain.rollout.share import leads, raise_leader_error, replica_leader, share_completions
+from rltrain.rollout.share import leads, raise_leader_error, replica_leader
 from rltrain.run.samples import Sample, first_samples
-from rltrain.runtime.distributed import global_max, share_lists
+from rltrain.runtime.distributed import share_lists
 from rltrain.runtime.errors import UserError
 from rltrain.sync.timeshare import TimeSharing
 
@@ -115,11 +113,6 @@ def sequence_scores(scores_B: torch.Tensor, episode_of: list[int] | None) -> tor
     return scores_B[torch.tensor(episode_of, dtype=torch.long, device="cpu")]
 
 
-def exact_matches(texts: list[str], rows: list[PromptRow]) -> float:
-    """How many texts equal their row's `answer` (stripped): evaluation's `eval/accuracy` count."""
-    return float(sum(t.strip() == str(r.columns["answer"]).strip() for t, r in zip(texts, rows, strict=True)))
-
-
 def share_scores(
     scored: tuple[dict[str, list[float]], Failures] | None, names: list[str], group
 ) -> tuple[dict[str, list[float]], Failures]:
@@ -150,16 +143,6 @@ def sampled_mask(completions: list[Completion]) -> Ragged | None:
     )
 
 
-def refuse_agent_replica(group: object | None) -> None:
-    """env=agent serves each rank's agents from its own engine: a replica of several ranks cannot
-    take its turns together that way (docs/agents.md)."""
-    if group is not None:
-        raise UserError(
-            "env=agent serves each rank's agents from its own rollout engine; a replica that spans several ranks "
-            "(backend.tp or backend.pp > 1) cannot. Use backend.tp=1 backend.pp=1 (FSDP or Megatron data parallel)."
-        )
-
-
 class ExperienceCollector:
     """Owns the prompt data, the reward functions and the rollout side of a step."""
 
@@ -175,14 +158,13 @@ class ExperienceCollector:
         self.scorer = scorer
         self.reward_fns = scorer.fns
         self.stream = IndexStream(len(self.train_prompts), cfg.trainer.seed)
-        self.rollout, self.timeshare, self.policy = rollout, timeshare, policy
+        self.timeshare, self.policy = timeshare, policy
         self.episodes = episodes  # multi-turn episodes: rewarded by the environment (env=python) or reward.fns (env=tools)
+        self.turns = RolloutTurns(rollout, timeshare, policy, episodes)
         self.eos = ctx.tokenizer.eos_token_id
         self.layout = BatchLayout(cfg.algo.prompts_per_step, cfg.algo.group_size, policy.rank, policy.world_size)
         self.sample_every = cfg.logger.sample_every
         self.recorded: list[Sample] = []  # W&B sample tables: every logger.sample_every steps and at evaluation
-        self.worker: RolloutWorker | None = None  # placement.max_staleness >= 1 (rltrain/algos/async_rollouts.py)
-        self.worker_wait_s = 0.0
 
     def sampling(self, step: int, sampling_round: int = 0, greedy: bool = False) -> SamplingSettings:
         """The engine's settings for `step` (and, with dynamic sampling, its round: a new seed each)."""
@@ -196,75 +178,8 @@ class ExperienceCollector:
             stop_token_ids=[self.eos],
         )
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
-        """Completions for this replica's prompts. Under tensor/pipeline parallelism the replica's
-        ranks must train on identical sequences, so only its first rank samples and the others
-        receive the tokens (rltrain.rollout.share); every rank of a replica calls this together.
-        The engine's turn (time sharing) tears the replica's group down: the leader is found
-        before it and the completions are shared after it."""
-        leader = leads(self.policy.replica_group())  # found before the turn tears the group down
-        with self.timeshare.rollout_turn():
-            mine = (self._engine_generate(prompts, sampling) if prompts else []) if leader else None
-        group = self.policy.replica_group()  # re-created by the turn
-        if group is not None:
-            return share_completions(mine, group)
-        assert mine is not None  # without a replica group every rank leads
-        return mine
-
-    def _engine_generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
-        """In an asynchronous run the engine is driven by its worker thread: a generation queues
-        behind the batches and weights already submitted, so it samples the newest published policy."""
-        if self.worker is None:
-            return self.rollout.generate(prompts, sampling)
-        return self.worker.wait(self.worker.submit(self.rollout.generate, prompts, sampling), "a generation", self.worker_wait_s)
-
     def texts(self, completions: list[Completion]) -> list[str]:
         return [self.ctx.tokenizer.decode([t for t in c.token_ids if t != self.eos], skip_special_tokens=True) for c in completions]
-
-    def play(self, rows: list[PromptRow], copies: int, sampling: SamplingSettings, phase: str) -> EpisodeResults:
-        """`copies` episodes of each of `rows` (rltrain/envs/episodes.py). Under tensor/pipeline
-        parallelism only the replica's leader plays them, in one engine turn, and shares the result
-        (rltrain/envs/replica.py): environment calls may time out on one rank and not another."""
-        assert self.episodes is not None
-        group = self.policy.replica_group()
-        if isinstance(self.episodes, AgentRunner):
-            return self.play_agents(rows, copies, sampling, phase, group)
-        if group is None and self.worker is None:
-            return self.episodes.run(rows, copies, sampling, phase, self.generate)
-        played, error, leader = None, None, group is None or leads(group)
-        with self.timeshare.rollout_turn():
-            if leader:
-                try:
-                    played = self._play_episodes(rows, copies, sampling, phase)
-                except UserError as exc:
-                    if group is None:
-                        raise
-                    error = str(exc)
-        if group is None:
-            assert played is not None
-            return played
-        group = self.policy.replica_group()  # re-created by the turn
-        raise_leader_error(error, group)
-        return share_results(played, group)
-
-    def _play_episodes(self, rows: list[PromptRow], copies: int, sampling: SamplingSettings, phase: str) -> EpisodeResults:
-        """This rank's episodes, played where its engine calls run: in an asynchronous run the whole
-        episode loop queues on the engine's worker thread (behind the batches submitted, which play
-        their episodes there too), so one thread drives the environment workers."""
-        assert self.episodes is not None
-        if self.worker is None:
-            return self.episodes.run(rows, copies, sampling, phase, self._engine_generate)
-        job = self.worker.submit(self.episodes.run, rows, copies, sampling, phase, self.rollout.generate)
-        return self.worker.wait(job, f"the {phase} episodes", self.worker_wait_s)
-
-    def play_agents(self, rows: list[PromptRow], copies: int, sampling: SamplingSettings, phase: str, group) -> EpisodeResults:
-        """env=agent: the agents' requests come when they come, so the engine serves them for the
-        whole phase in one turn; a replica of several ranks (Megatron tp/pp) cannot take its turns
-        together that way and is refused (docs/agents.md)."""
-        assert isinstance(self.episodes, AgentRunner)
-        refuse_agent_replica(group)
-        with self.timeshare.rollout_turn():
-            return self._play_episodes(rows, copies, sampling, phase)
 
     def rewards(
         self, rows: list[PromptRow], completions: list[Completion], texts: list[str] | None = None
@@ -310,10 +225,10 @@ class ExperienceCollector:
         rows = self.my_rows(global_index)
         if self.episodes is not None:
             started = time.perf_counter()
-            played = self.play(rows, self.algo_cfg.group_size, self.sampling(step), f"train-{step}")
+            played = self.turns.play(rows, self.algo_cfg.group_size, self.sampling(step), f"train-{step}")
             time_rollout = time.perf_counter() - started
             return self.assemble_played(step, global_index, played, time_rollout)
-        completions = self.generate([r.ids for r in rows], self.sampling(step))
+        completions = self.turns.generate([r.ids for r in rows], self.sampling(step))
         if self.algo_cfg.dynamic_sampling:
             return self.collect_signal(step, global_index, rows, completions, self.timeshare.last_generate_s)
         return self.assemble(step, global_index, completions, self.timeshare.last_generate_s)
@@ -321,45 +236,34 @@ class ExperienceCollector:
     def assemble_played(self, step: int, global_index: list[int], played: EpisodeResults, time_rollout: float, staleness: int = 0) -> Experience:
         """The step's `Experience` from its played episodes: an agent's, every sequence it made
         (`Experience.episode_of` names the episode of each)."""
-        if isinstance(played, AgentResults):
-            sequences, episode_of = played.sequences()
-            exp = self.assemble(step, global_index, sequences, time_rollout, played, staleness=staleness)
-            exp.episode_of = episode_of
-            return exp
-        return self.assemble(step, global_index, played.completions, time_rollout, played, staleness=staleness)
+        sequences, episode_of = played_sequences(played)
+        exp = self.assemble(step, global_index, sequences, time_rollout, played, staleness=staleness)
+        exp.episode_of = episode_of
+        return exp
 
     def collect_signal(
         self, step: int, global_index: list[int], rows: list[PromptRow], completions: list[Completion],
         time_rollout: float, staleness: int = 0, more: Callable[[int], tuple[list[int], list[Completion]]] | None = None,
     ) -> Experience:
-        """DAPO's dynamic sampling from a first round (`rows`, `completions`): groups whose rewards
-        are all equal teach nothing and are dropped, and rounds of `algo.prompts_per_step` new prompts
-        follow until this rank holds its share of groups with signal or `algo.max_sampling_rounds`
-        rounds ran (every rank takes as many rounds as the rank that needs the most). A short batch
-        is filled with the first groups dropped (zero advantage), so its shape never changes.
-        `more(round)` gives round `round`'s prompts and completions (default: the next prompts from the
-        stream, sampled now); `global_index` becomes every round's prompts. docs/algorithms.md ("Dynamic sampling")."""
-        a, k = self.algo_cfg, self.algo_cfg.group_size
-        picker = SignalGroups(len(rows), k)
-        rounds = 1
-        consumed = list(global_index)
-        while True:
-            scored = self.score(rows, completions)
-            picker.offer(rows, completions, scored)
-            if global_max(float(picker.missing)) <= 0 or rounds >= a.max_sampling_rounds:
-                break
-            if more is not None:
-                round_index, completions = more(rounds)
-            else:
-                round_index = self.take_prompts()
-                completions = self.generate([r.ids for r in self.my_rows(round_index)], self.sampling(step, rounds))
-                time_rollout += self.timeshare.last_generate_s
-            consumed += round_index
-            rows = self.my_rows(round_index)
-            rounds += 1
+        """DAPO's dynamic sampling from a first round (`rows`, `completions`); `run_rounds`
+        (rltrain/algos/dynamic_sampling.py) runs the rounds. A short batch is filled with the first
+        groups dropped (zero advantage), so its shape never changes. `more(round)` gives round
+        `round`'s prompts and completions (default: the next prompts from the stream, sampled now);
+        `global_index` becomes every round's prompts. docs/algorithms.md ("Dynamic sampling")."""
+        a = self.algo_cfg
+
+        def sample_now(sampling_round: int) -> tuple[list[int], list[Completion]]:
+            nonlocal time_rollout
+            round_index = self.take_prompts()
+            sampled = self.turns.generate([r.ids for r in self.my_rows(round_index)], self.sampling(step, sampling_round))
+            time_rollout += self.timeshare.last_generate_s
+            return round_index, sampled
+
+        picker = SignalGroups(len(rows), a.group_size)
+        later, rounds = run_rounds(picker, rows, completions, a.max_sampling_rounds, self.score, self.my_rows, more or sample_now)
         kept_rows, kept_completions, kept_scored = picker.batch()
         exp = self.assemble(
-            step, consumed, kept_completions, time_rollout, staleness=staleness, rows=kept_rows, scored=kept_scored
+            step, global_index + later, kept_completions, time_rollout, staleness=staleness, rows=kept_rows, scored=kept_scored
         )
         exp.sampling = SamplingRounds(rounds, picker.dropped, picker.filled)
         return exp
@@ -467,50 +371,3 @@ class ExperienceCollector:
         """What was recorded since the last call (see `Algorithm.samples`), cleared by the call."""
         taken, self.recorded = self.recorded, []
         return taken
-
-    def evaluate(self, step: int) -> dict[str, float]:
-        """Greedy completions of the held-out prompts: `eval/reward` and, where the data has an
-        `answer` column, exact-match `eval/accuracy`."""
-        if not self.eval_prompts:
-            return {}
-        mine = rank_slice(self.eval_prompts, self.policy.rank, self.policy.world_size)
-        if self.episodes is not None:
-            return self.evaluate_episodes(mine, step)
-        completions = self.generate([r.ids for r in mine], self.sampling(step, greedy=True))
-        self.timeshare.pop_metrics()  # a step's row reports the step's phases only
-        per_fn, _ = self.rewards(mine, completions)  # evaluation's failed samples score reward.on_failure, uncounted
-        texts = self.texts(completions)
-        correct = 0.0
-        if mine and "answer" in mine[0].columns:
-            correct = exact_matches(texts, mine)
-        totals = [sum(rf.weight * per_fn[rf.name][i] for rf in self.reward_fns) for i in range(len(completions))]
-        self.recorded = first_samples([mine[c.prompt_index].text for c in completions], texts, totals)
-        sums = sum_over_replicas(torch.tensor([correct, float(sum(totals))], dtype=torch.float64, device="cpu"), self.policy.world_size)
-        n = len(self.eval_prompts)
-        out = {"eval/reward": float(sums[1] / n)}
-        if "answer" in self.eval_prompts[0].columns:
-            out["eval/accuracy"] = float(sums[0] / n)
-        return out
-
-    def evaluate_episodes(self, mine: list[PromptRow], step: int) -> dict[str, float]:
-        """One greedy episode per held-out prompt: `eval/reward` is their mean reward (the return with
-        env=python; reward.fns on the answer with env=tools, plus `eval/accuracy` where the data has an
-        `answer` column), `eval/success` the share above 0."""
-        assert self.episodes is not None
-        played = self.play(mine, 1, self.sampling(step, greedy=True), f"eval-{step}")
-        self.timeshare.pop_metrics()
-        scores = played.returns
-        correct = 0.0
-        if self.reward_fns:  # env=tools; failed samples score reward.on_failure, uncounted (as single-turn evaluation)
-            per_fn, _ = self.rewards(mine, played.completions, played.final_texts)
-            scores = self.weighted(per_fn, len(played.completions)).tolist()
-            if mine and "answer" in mine[0].columns:
-                correct = exact_matches(played.final_texts, mine)
-        self.recorded = first_samples([r.text for r in mine], self.texts(played.completions), scores)
-        sums = torch.tensor([float(sum(scores)), float(sum(v > 0 for v in scores)), correct], dtype=torch.float64, device="cpu")
-        total = sum_over_replicas(sums, self.policy.world_size)
-        n = len(self.eval_prompts)
-        out = {"eval/reward": float(total[0] / n), "eval/success": float(total[1] / n)}
-        if self.reward_fns and "answer" in self.eval_prompts[0].columns:
-            out["eval/accuracy"] = float(total[2] / n)
-        return out

@@ -16,7 +16,7 @@ import torch
 
 from rltrain.algos.base import PolicyStreamAlgorithm
 from rltrain.algos.losses import implicit_rewards, kto_losses, kto_reference_kl
-from rltrain.algos.preference import score_pairs
+from rltrain.algos.preference import AnswerCheck, score_pairs
 from rltrain.backends import build_engine, build_reference
 from rltrain.backends.base import LogProbScorer, PolicyOutput
 from rltrain.config.run_context import RunContext
@@ -24,9 +24,7 @@ from rltrain.data.batch import SequenceBatch
 from rltrain.data.sampler import IndexStream
 from rltrain.data.sharding import micro_batch_count, rank_slice, split_micro_batches, sum_over_replicas
 from rltrain.data.unpaired_data import LabelledCompletion, build_unpaired_data
-from rltrain.run.evaluation import GreedyEvaluator
 from rltrain.runtime.errors import UserError
-from rltrain.runtime.precision import resolve_precision
 
 
 def examples_to_batch(examples: list[LabelledCompletion], **extras) -> SequenceBatch:
@@ -116,10 +114,7 @@ class KTO(PolicyStreamAlgorithm):
         self.reference, _ = build_reference(ctx, self.policy, cfg.trainer.max_steps)
         self.ref_eval = score_pairs(self.reference, self.data.eval)  # frozen: the held-out pairs scored once
         self.recorded = []
-        self.evaluator = None
-        if self.data.eval_answers:  # greedy completions at evaluation, checked against the answers
-            dtype = resolve_precision(cfg.trainer.precision, ctx.dist.device).compute_dtype
-            self.evaluator = GreedyEvaluator(ctx.model_dir, ctx.tokenizer, dtype, 8, device=ctx.dist.device)
+        self.answer_check = AnswerCheck.of(ctx, [e.prompt for e in self.data.eval], self.data.eval_answers)
 
     def reference_point(self, examples: list[LabelledCompletion]) -> torch.Tensor:
         """z0 of this step: `kto_reference_kl` of the batch's mismatched pairs, policy and reference."""
@@ -149,8 +144,6 @@ class KTO(PolicyStreamAlgorithm):
             (pol_c, pol_r), (ref_c, ref_r), beta = score_pairs(self.policy, self.data.eval), self.ref_eval, self.algo_cfg.beta
             wins = implicit_rewards(pol_c, ref_c, beta) > implicit_rewards(pol_r, ref_r, beta)
             out[self.eval_key] = float(wins.float().mean())
-        if self.evaluator is not None:
-            prompts = [p.prompt for p in self.data.eval]
-            result = self.evaluator.accuracy(self.policy, prompts, self.data.eval_answers)
-            out["eval/accuracy"], self.recorded = result.accuracy, result.samples
+        if self.answer_check is not None:
+            out["eval/accuracy"], self.recorded = self.answer_check.accuracy(self.policy)
         return out

@@ -19,6 +19,7 @@ from rltrain.data.preference_data import PreferencePair, build_preference_data
 from rltrain.data.sampler import IndexStream
 from rltrain.data.sharding import micro_batch_count, rank_slice, split_micro_batches, sum_over_replicas
 from rltrain.run.evaluation import GreedyEvaluator
+from rltrain.run.samples import Sample
 from rltrain.runtime.precision import resolve_precision
 
 
@@ -115,6 +116,25 @@ def completion_lengths(pairs: list[PreferencePair]) -> tuple[torch.Tensor, torch
     )
 
 
+class AnswerCheck:
+    """Greedy completions of the held-out prompts checked against their answers (the built-in
+    task's): `eval/accuracy` and the samples for the W&B tables, shared by the preference
+    objectives and KTO. `of` gives None where the data has no answers: nothing is generated."""
+
+    def __init__(self, ctx: RunContext, prompts: list[list[int]], answers: list[str]) -> None:
+        dtype = resolve_precision(ctx.cfg.trainer.precision, ctx.dist.device).compute_dtype
+        self.evaluator = GreedyEvaluator(ctx.model_dir, ctx.tokenizer, dtype, 8, device=ctx.dist.device)
+        self.prompts, self.answers = prompts, answers
+
+    @classmethod
+    def of(cls, ctx: RunContext, prompts: list[list[int]], answers: list[str]) -> AnswerCheck | None:
+        return cls(ctx, prompts, answers) if answers else None
+
+    def accuracy(self, policy) -> tuple[float, list[Sample]]:
+        result = self.evaluator.accuracy(policy, self.prompts, self.answers)
+        return result.accuracy, result.samples
+
+
 class PairwisePreference(PolicyStreamAlgorithm):
     """One optimizer step per global batch of preference pairs. Subclasses set `loss_fn` and say
     how a held-out pair is won (`eval_wins`), and may attach per-pair inputs (`attach_inputs`: DPO's
@@ -132,13 +152,9 @@ class PairwisePreference(PolicyStreamAlgorithm):
         self.stream = IndexStream(len(self.data.train), cfg.trainer.seed)
         self.policy = build_engine(ctx, "policy", cfg.trainer.max_steps)
         self.build_roles()
-        # Samples: greedy completions at evaluation when the data has answers to check them
-        # against (the built-in task does); without answers nothing is generated or recorded.
         self.recorded = []
-        self.evaluator = None
-        if self.data.eval_answers and self.samples_greedy:
-            dtype = resolve_precision(cfg.trainer.precision, ctx.dist.device).compute_dtype
-            self.evaluator = GreedyEvaluator(ctx.model_dir, ctx.tokenizer, dtype, 8, device=ctx.dist.device)
+        prompts = [p.prompt for p in self.data.eval]
+        self.answer_check = AnswerCheck.of(ctx, prompts, self.data.eval_answers) if self.samples_greedy else None
 
     def build_roles(self) -> None:
         """Engines besides the policy (DPO's reference), built after it (none by default)."""
@@ -176,8 +192,6 @@ class PairwisePreference(PolicyStreamAlgorithm):
         if self.data.eval:
             wins = self.eval_wins(*self.eval_scores())
             out[self.eval_key] = float(wins.float().mean())
-        if self.evaluator is not None:
-            prompts = [p.prompt for p in self.data.eval]
-            result = self.evaluator.accuracy(self.policy, prompts, self.data.eval_answers)
-            out["eval/accuracy"], self.recorded = result.accuracy, result.samples
+        if self.answer_check is not None:
+            out["eval/accuracy"], self.recorded = self.answer_check.accuracy(self.policy)
         return out

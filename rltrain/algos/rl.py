@@ -18,6 +18,7 @@ import torch
 
 from rltrain.algos.async_rollouts import AsyncRollouts
 from rltrain.algos.experience import Experience, ExperienceCollector
+from rltrain.algos.rl_evaluation import evaluate
 from rltrain.algos.rl_update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
 from rltrain.backends import build_engine, build_reference
 from rltrain.backends.base import LogProbScorer
@@ -195,7 +196,7 @@ class RLAlgorithm:
     # --- evaluation, state, lifecycle ----------------------------------------------------------
 
     def evaluate(self, step: int) -> dict[str, float]:
-        return self.collector.evaluate(step)
+        return evaluate(self.collector, step)
 
     def samples(self) -> list[Sample]:
         return self.collector.samples()

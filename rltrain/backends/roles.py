@@ -8,14 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from omegaconf import OmegaConf
 
 from rltrain.config.algorithms import spec_of
 from rltrain.config.group_options import CriticConfig, ReferenceConfig, TeacherConfig
-from rltrain.config.schema import Config
+from rltrain.config.schema import Config, SafetyConfig
 from rltrain.runtime.errors import UserError
+from rltrain.runtime.precision import Precision
 
 Role = Literal["policy", "reference", "critic", "teacher"]
 ROLES: tuple[Role, ...] = ("policy", "reference", "critic", "teacher")
@@ -93,6 +94,24 @@ class RoleBuild:
     # False: a reward model's head, bias-free like the score layer of a Hugging Face sequence
     # classifier, so that it is exported exactly (a critic's head keeps its bias).
     value_head_bias: bool = True
+
+
+class EngineOptions(TypedDict):
+    precision: Precision | str
+    safety: SafetyConfig
+    gradient_checkpointing: bool
+    value_head_seed: int | None
+    value_head_bias: bool
+
+
+def engine_options(ctx: Any, build: RoleBuild) -> EngineOptions:
+    """The keyword arguments every backend's engine takes alike from the run and the role's build,
+    so a role's engine is configured the same on FSDP and on Megatron."""
+    cfg = ctx.cfg
+    return EngineOptions(
+        precision=cfg.trainer.precision, safety=cfg.safety, gradient_checkpointing=cfg.model.gradient_checkpointing,
+        value_head_seed=build.value_head_seed, value_head_bias=build.value_head_bias,
+    )
 
 
 def role_build(ctx: Any, role: str) -> RoleBuild:

@@ -40,7 +40,7 @@ from rltrain.backends.fsdp.layout import MicroBatchLayout
 from rltrain.backends.fsdp.sharding import load_shards, shard_model
 from rltrain.backends.lr_schedule import lr_at
 from rltrain.backends.optimizer_state import move_optimizer_state
-from rltrain.backends.roles import role_build
+from rltrain.backends.roles import engine_options, role_build
 from rltrain.backends.value_head import new_value_head
 from rltrain.config.group_options import FSDPBackendConfig
 from rltrain.config.schema import LoraAdapterConfig, OptimConfig, SafetyConfig
@@ -365,16 +365,6 @@ def build_engine(ctx, role: str, max_steps: int) -> FSDPEngine:
     cfg = ctx.cfg
     build = role_build(ctx, role)
     return FSDPEngine(
-        build.model_dir,
-        cfg.backend,
-        build.optim,
-        max_steps,
-        ctx.dist.device,
-        precision=cfg.trainer.precision,
-        safety=cfg.safety,
-        gradient_checkpointing=cfg.model.gradient_checkpointing,
-        value_head_seed=build.value_head_seed,
-        adapters=build.adapters,
-        seed=int(cfg.trainer.seed),
-        value_head_bias=build.value_head_bias,
+        build.model_dir, cfg.backend, build.optim, max_steps, ctx.dist.device, adapters=build.adapters,
+        seed=int(cfg.trainer.seed), **engine_options(ctx, build),
     )

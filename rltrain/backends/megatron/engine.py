@@ -41,7 +41,7 @@ from rltrain.backends.megatron.optim import build_adamw
 from rltrain.backends.megatron.schedule import Pipeline, run_pipeline
 from rltrain.backends.megatron.value_model import make_value_stage, value_head_shards
 from rltrain.backends.optimizer_state import move_optimizer_state
-from rltrain.backends.roles import role_build
+from rltrain.backends.roles import engine_options, role_build
 from rltrain.backends.sequence_classifier import CRITIC_NOT_EXPORTED
 from rltrain.backends.value_head import head_values
 from rltrain.config.group_options import MegatronBackendConfig
@@ -369,15 +369,6 @@ def build_engine(ctx, role: str, max_steps: int) -> MegatronEngine:
     cfg = ctx.cfg
     build = role_build(ctx, role)
     return MegatronEngine(
-        build.model_dir,
-        cfg.backend,
-        build.optim,
-        max_steps,
-        ctx.dist.device,
-        precision=cfg.trainer.precision,
-        collective_timeout_s=cfg.safety.collective_timeout_s,
-        safety=cfg.safety,
-        gradient_checkpointing=cfg.model.gradient_checkpointing,
-        value_head_seed=build.value_head_seed,
-        value_head_bias=build.value_head_bias,
+        build.model_dir, cfg.backend, build.optim, max_steps, ctx.dist.device,
+        collective_timeout_s=cfg.safety.collective_timeout_s, **engine_options(ctx, build),
     )

@@ -44,6 +44,7 @@ class Collector:
         self.algo_cfg = SimpleNamespace(prompts_per_step=prompts_per_step, dynamic_sampling=False, max_sampling_rounds=1)
         self.policy = SimpleNamespace(replica_group=lambda: None)
         self.episodes = None  # single-turn: no episode runner
+        self.turns = SimpleNamespace(worker=None, worker_wait_s=0.0)  # the engine calls AsyncRollouts queues
 
     def take_prompts(self):
         return self.stream.take(self.prompts_per_step)
