@@ -78,15 +78,16 @@ def test_preference_objective_reaches_heldout_preference_accuracy(tiny_cache, tm
 
 
 @pytest.mark.slow
-def test_kto_learns_from_unpaired_labels(tiny_cache, tmp_path):
-    """`python -m rltrain algo=kto` (the built-in pairs unpaired, 200 steps): held-out preference
-    accuracy rises well above chance but stays short of the issue's 0.85 target (measured once,
-    seed 0: 0.705 at step 200; docs/algorithms.md, "KTO")."""
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kto_learns_from_unpaired_labels(tiny_cache, tmp_path, seed):
+    """`python -m rltrain algo=kto trainer.seed=S` (the built-in pairs unpaired, from the SFT start,
+    200 steps): held-out preference accuracy reaches the issue's 0.85 (measured: 0.99 or more on
+    seeds 0 and 1; docs/algorithms.md, "KTO on unpaired labels")."""
     run_dir = tmp_path / "run"
-    rltrain("algo=kto", *SAME_TRAINING, run_dir=run_dir, timeout=900)
+    rltrain("algo=kto", f"trainer.seed={seed}", *SAME_TRAINING, run_dir=run_dir, timeout=2400)
     final = [r for r in read_metrics(run_dir) if "eval/dpo_accuracy" in r][-1]
     assert final["step"] == 200
-    assert final["eval/dpo_accuracy"] >= 0.65
+    assert final["eval/dpo_accuracy"] >= 0.85
 
 
 # GRPO from the plain tiny model, with the settings it was tuned for before GRPO's default moved to
