@@ -156,6 +156,7 @@ class DataConfig:
     num_train: int = 0  # built-in task: 0 = every problem not held out
     max_carry_problems: int | None = None  # built-in task: keep this many training sums that carry; null = all
     forgotten_carries: float = 0.0  # built-in task: this share of the SFT's units carries shown forgotten
+    same_length_rejected: float = 0.0  # built-in task's preference pairs: this share of rejected answers of the right length
     num_eval: int = 200
     eval_seed: int | None = None  # built-in task: the held-out draw's seed; null = trainer.seed
     max_length: int = 256

@@ -196,6 +196,11 @@ def validate_data(cfg: Config) -> None:
         )
     if data.eval_seed is not None and data.eval_seed < 0:
         raise UserError(f"data.eval_seed={data.eval_seed} must be at least 0 (null: the held-out problems follow trainer.seed).")
+    if not 0 <= data.same_length_rejected <= 1:
+        raise UserError(
+            f"data.same_length_rejected={data.same_length_rejected} must be between 0 and 1 (the share of the built-in "
+            "task's rejected answers that have the right answer's length, one digit changed)."
+        )
     size = {"addition": 10_000, "multiplication": 64_800}[data.task]
     if data.path is None and not 1 <= data.num_eval < size:
         raise UserError(

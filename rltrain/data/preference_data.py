@@ -114,7 +114,8 @@ def build_preference_data(tokenizer, data_cfg: DataConfig, seed: int) -> Prefere
     if data_cfg.path is None:
         train_p, eval_p = tasks.builtin_split(data_cfg, seed)
         where = f"built-in task {data_cfg.task!r}"
-        train_rows, eval_rows = tasks.preference_rows(train_p, seed), tasks.preference_rows(eval_p, seed + 7)
+        share = data_cfg.same_length_rejected
+        train_rows, eval_rows = tasks.preference_rows(train_p, seed, share), tasks.preference_rows(eval_p, seed + 7, share)
         answers = [p.answer for p in eval_p]
     else:
         train_rows, eval_rows, where = train_and_eval_rows(data_cfg, seed, [PAIRED, PAIRED_IMPLICIT])

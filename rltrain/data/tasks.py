@@ -124,15 +124,26 @@ def builtin_split(data_cfg: DataConfig, seed: int) -> tuple[list[Problem], list[
     return TASKS[data_cfg.task](seed, data_cfg.num_eval, data_cfg.num_train, data_cfg.max_carry_problems, data_cfg.eval_seed)
 
 
-def wrong_answer(problem: Problem, rng: random.Random) -> str:
-    """A wrong sum whose length differs from the right one (so chosen and rejected are ragged)."""
+def wrong_answer(problem: Problem, rng: random.Random, same_length: float = 0.0) -> str:
+    """A wrong sum whose length differs from the right one (so chosen and rejected are ragged); with
+    probability `same_length` (`data.same_length_rejected`) instead one of the right length, one digit
+    changed: a pair that only the sum itself tells apart, not the answer's length."""
     right = problem.value
+    if same_length > 0 and rng.random() < same_length:
+        return one_digit_changed(str(right), rng)
     while True:
         digits = rng.choice([d for d in (1, 2, 3, 4) if d != len(str(right))])
         low = 0 if digits == 1 else 10 ** (digits - 1)
         candidate = rng.randrange(low, 10**digits)
         if candidate != right:
             return str(candidate)
+
+
+def one_digit_changed(answer: str, rng: random.Random) -> str:
+    """`answer` with one digit, drawn uniformly, replaced by another (a leading digit by a non-zero one)."""
+    at = rng.randrange(len(answer))
+    allowed = [d for d in "0123456789" if d != answer[at] and not (at == 0 and len(answer) > 1 and d == "0")]
+    return answer[:at] + rng.choice(allowed) + answer[at + 1 :]
 
 
 def sft_rows(
@@ -146,9 +157,9 @@ def sft_rows(
     ]
 
 
-def preference_rows(problems: list[Problem], seed: int) -> list[dict[str, str]]:
+def preference_rows(problems: list[Problem], seed: int, same_length: float = 0.0) -> list[dict[str, str]]:
     rng = random.Random(seed + 1)
-    return [{"prompt": p.prompt, "chosen": p.answer, "rejected": wrong_answer(p, rng)} for p in problems]
+    return [{"prompt": p.prompt, "chosen": p.answer, "rejected": wrong_answer(p, rng, same_length)} for p in problems]
 
 
 def prompt_rows(problems: list[Problem]) -> list[dict[str, str]]:

@@ -107,8 +107,9 @@ def build_unpaired_data(tokenizer, data_cfg: DataConfig, seed: int) -> UnpairedD
     if data_cfg.path is None:
         train_p, eval_p = tasks.builtin_split(data_cfg, seed)
         where = f"built-in task {data_cfg.task!r}"
-        train_texts = unpair(tokenizer, tasks.preference_rows(train_p, seed), where)
-        evals = rows_to_pairs(tokenizer, tasks.preference_rows(eval_p, seed + 7), data_cfg, where, SkipCounts())
+        share = data_cfg.same_length_rejected
+        train_texts = unpair(tokenizer, tasks.preference_rows(train_p, seed, share), where)
+        evals = rows_to_pairs(tokenizer, tasks.preference_rows(eval_p, seed + 7, share), data_cfg, where, SkipCounts())
         answers = [p.answer for p in eval_p]
     else:
         train_rows, eval_rows, where = train_and_eval_rows(data_cfg, seed, [UNPAIRED, PAIRED, PAIRED_IMPLICIT])

@@ -78,15 +78,16 @@ def test_preference_objective_reaches_heldout_preference_accuracy(tiny_cache, tm
 
 
 @pytest.mark.slow
-def test_kto_learns_from_unpaired_labels(tiny_cache, tmp_path):
-    """`python -m rltrain algo=kto` (the built-in pairs unpaired, 200 steps): held-out preference
-    accuracy rises well above chance but stays short of the issue's 0.85 target (measured once,
-    seed 0: 0.705 at step 200; docs/algorithms.md, "KTO")."""
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kto_learns_from_unpaired_labels(tiny_cache, tmp_path, seed):
+    """`python -m rltrain algo=kto trainer.seed=S` (the built-in pairs unpaired, from the SFT start,
+    200 steps): held-out preference accuracy reaches the issue's 0.85 (measured: 0.99 or more on
+    seeds 0 and 1; docs/algorithms.md, "KTO on unpaired labels")."""
     run_dir = tmp_path / "run"
-    rltrain("algo=kto", *SAME_TRAINING, run_dir=run_dir, timeout=900)
+    rltrain("algo=kto", f"trainer.seed={seed}", *SAME_TRAINING, run_dir=run_dir, timeout=2400)
     final = [r for r in read_metrics(run_dir) if "eval/dpo_accuracy" in r][-1]
     assert final["step"] == 200
-    assert final["eval/dpo_accuracy"] >= 0.65
+    assert final["eval/dpo_accuracy"] >= 0.85
 
 
 # GRPO from the plain tiny model, with the settings it was tuned for before GRPO's default moved to
@@ -199,6 +200,28 @@ def test_ppo_from_the_sft_start_raises_heldout_accuracy(tiny_cache, tmp_path, se
     rltrain(*PPO_FROM_THE_SFT_START, f"trainer.seed={seed}", "logger.wandb.mode=disabled", "trainer.save_every=0",
             "trainer.progress=lines", run_dir=run_dir, timeout=2400)
     assert_the_documented_story([r for r in read_metrics(run_dir) if "eval/accuracy" in r], PPO_GAIN)
+
+
+# conf/experiment/rm_then_ppo.yaml's first command (its run dir given here by run_dir).
+RM_FOR_PPO = ["algo=rm", "model=tiny_sft", "data.num_eval=1000", "data.eval_seed=0", "data.same_length_rejected=0.8",
+              "optim.lr=3e-4", "trainer.max_steps=600"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
+def test_ppo_scored_by_a_trained_reward_model_raises_heldout_accuracy(tiny_cache, tmp_path, seed):
+    """`+experiment=rm_then_ppo`'s two commands: a reward model trained on the task's pairs, then PPO
+    from the SFT start scored by it alone (the task's reward weighted 0) raises held-out exact-match
+    accuracy by at least 0.1 (measured +0.122 and +0.113 on seeds 0 and 1; docs/algorithms.md, "Reward model then PPO")."""
+    rm_dir, run_dir = tmp_path / "rm", tmp_path / "run"
+    rltrain(*RM_FOR_PPO, f"trainer.seed={seed}", *SAME_TRAINING, run_dir=rm_dir, timeout=2400)
+    rltrain("+experiment=rm_then_ppo", f"reward_model.path={rm_dir / 'final'}", f"trainer.seed={seed}",
+            "logger.wandb.mode=disabled", "trainer.save_every=0", "trainer.progress=lines", run_dir=run_dir, timeout=2400)
+    rows = read_metrics(run_dir)
+    assert all(r["reward/model"] == r["reward/mean"] for r in rows if "reward/mean" in r)  # the checkable reward: weight 0
+    evals = [r for r in rows if "eval/accuracy" in r]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 100, evals
+    assert evals[-1]["eval/accuracy"] - evals[0]["eval/accuracy"] >= 0.1, evals
 
 
 # LoRA (docs/lora.md, "Does it learn?"): the documented commands, adapters of rank 32 on every

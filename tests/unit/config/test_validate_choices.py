@@ -155,6 +155,7 @@ def test_a_key_of_another_algorithm_is_not_checked_where_it_does_not_exist():
         ("model.sft_carry_problems=-5", "model.sft_carry_problems=-5"),
         ("data.forgotten_carries=1.5", "data.forgotten_carries=1.5"),
         ("model.sft_forgotten_carries=-0.1", "model.sft_forgotten_carries=-0.1"),
+        ("data.same_length_rejected=1.5", "data.same_length_rejected=1.5"),
         ("data.forgotten_carries=0.5 data.task=multiplication", "only data.task=addition"),
         ("data.max_carry_problems=0 data.task=multiplication", "Set data.max_carry_problems=null "),
         ("algo.group_size=0", "algo.group_size=0"),

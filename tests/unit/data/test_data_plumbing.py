@@ -112,6 +112,23 @@ def test_wrong_answers_are_wrong_and_of_another_length():
         assert w != p.answer and len(w) != len(p.answer)
 
 
+def test_same_length_rejected_answers_differ_from_the_right_one_in_one_digit():
+    import random
+
+    problems = tasks.addition_split(0, 100)[1]
+    assert tasks.preference_rows(problems, 3) == tasks.preference_rows(problems, 3, 0.0)  # the default draws as before
+    rows = tasks.preference_rows(problems, 3, 1.0)
+    for p, row in zip(problems, rows, strict=True):
+        w = row["rejected"]
+        assert w != p.answer and len(w) == len(p.answer) and int(w) >= 0 and str(int(w)) == w  # no leading zero
+        assert sum(a != b for a, b in zip(w, p.answer)) == 1
+    half = tasks.preference_rows(problems, 3, 0.5)
+    same = sum(len(r["rejected"]) == len(p.answer) for p, r in zip(problems, half))
+    assert 30 <= same <= 70
+    rng = random.Random(0)
+    assert {tasks.one_digit_changed("7", rng) for _ in range(200)} == set("012345689")
+
+
 def test_lr_schedule_warmup_then_cosine_floor():
     cfg = OptimConfig(lr=1.0, warmup_steps=4, schedule="cosine", min_lr_ratio=0.1)
     assert lr_at(0, cfg, 104) == 0.25
