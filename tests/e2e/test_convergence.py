@@ -62,15 +62,16 @@ def test_dpo_default_reaches_heldout_preference_accuracy(tiny_cache, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize(
     "overrides", [["algo=simpo"], ["algo=orpo"], ["algo=dpo", "algo.loss=ipo"], ["algo=rm"]], ids=["simpo", "orpo", "ipo", "rm"]
 )
-def test_preference_objective_reaches_heldout_preference_accuracy(tiny_cache, tmp_path, overrides):
+def test_preference_objective_reaches_heldout_preference_accuracy(tiny_cache, tmp_path, overrides, seed):
     """Each objective's default command (its conf/algo defaults; IPO with DPO's): held-out
     preference accuracy >= 0.9 after 200 steps (docs/algorithms.md records the measured numbers);
     the reward model's is how often its reward ranks the held-out chosen completion first."""
     run_dir = tmp_path / "run"
-    rltrain(*overrides, *SAME_TRAINING, run_dir=run_dir, timeout=900)
+    rltrain(*overrides, f"trainer.seed={seed}", *SAME_TRAINING, run_dir=run_dir, timeout=900)
     key = "eval/rm_accuracy" if overrides == ["algo=rm"] else "eval/dpo_accuracy"
     final = [r for r in read_metrics(run_dir) if key in r][-1]
     assert final["step"] == 200
