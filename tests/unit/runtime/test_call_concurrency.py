@@ -154,6 +154,8 @@ def test_a_worker_killed_with_calls_in_flight_loses_none_of_them(module, tmp_pat
         pool.start()
         for kills in (1, 2):
             release.unlink(missing_ok=True)
+            for f in folder.iterdir():  # the files of the last round's reruns, all returned
+                f.unlink()
             helper = threading.Thread(target=kill_then_release, args=(kills,), daemon=True)
             helper.start()
             results = pool.run(calls, timeout_s=60.0)
