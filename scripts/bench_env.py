@@ -3,6 +3,7 @@ step of multi-turn episodes with an environment whose every step waits on the ne
 against one that does not, and with some episodes whose step hangs against none.
 
     .venv/bin/python scripts/bench_env.py                          # 512 episodes of 3 turns, a few minutes
+    .venv/bin/python scripts/bench_env.py --repeat 3               # medians of 3 runs per training row
     .venv/bin/python scripts/bench_env.py --prompts 4 --group 2   # a quick look
     .venv/bin/python scripts/bench_env.py --pool-only              # N hung calls vs one, in seconds
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -154,6 +156,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=2.0, help="the pool table: env.timeout_s")
     parser.add_argument("--pool-only", action="store_true", help="only the pool table (seconds, no training run)")
     parser.add_argument("--loop-only", action="store_true", help="the pool and episode-loop tables (no training run)")
+    parser.add_argument("--repeat", type=int, default=1, help="the training table: runs per row, their median reported")
     args = parser.parse_args()
     print(f"CallPool.run of {args.calls} calls at once, timeout_s={args.timeout:g}")
     print(f"{'calls':<48} {'seconds':>15} {'timeouts':>9}")
@@ -171,15 +174,20 @@ def main() -> None:
         return
     print()
     table: list[tuple[str, float, float, float]] = []
+    rows: list[tuple[str, str, int, list[str]]] = [(f"instant, max_concurrency={episodes}", "Instant", episodes, [])]
+    rows += [(f"waits {WAIT_S:g} s a step, max_concurrency={c}", "Waits", c, []) for c in (int(c) for c in args.concurrency.split(","))]
+    rows.append((f"hangs (every {HANG_EVERY}th answer), timeout_s=2", "Hangs", episodes, ["env.timeout_s=2", "reward.max_failure_frac=1.0"]))
+    measured: dict[str, list[dict]] = {name: [] for name, *_ in rows}
     with tempfile.TemporaryDirectory(prefix="bench-env-") as tmp:
-        base = run(Path(tmp) / "instant", "Instant", args.prompts, args.group, episodes, [])
-        table.append((f"instant, max_concurrency={episodes}", base["time/rollout"], 0.0, base["env/timeouts"]))
-        for c in (int(c) for c in args.concurrency.split(",")):
-            r = run(Path(tmp) / f"waits{c}", "Waits", args.prompts, args.group, c, [])
-            table.append((f"waits {WAIT_S:g} s a step, max_concurrency={c}", r["time/rollout"], r["time/rollout"] - base["time/rollout"], r["env/timeouts"]))
-        r = run(Path(tmp) / "hangs", "Hangs", args.prompts, args.group, episodes, ["env.timeout_s=2", "reward.max_failure_frac=1.0"])
-        table.append((f"hangs (every {HANG_EVERY}th answer), timeout_s=2", r["time/rollout"], r["time/rollout"] - base["time/rollout"], r["env/timeouts"]))
-    print(f"one GRPO step, {episodes} episodes ({args.prompts} prompts x {args.group}) of {TURNS} turns, 1 rank")
+        for attempt in range(args.repeat):  # rows interleaved, so a slow spell of the machine hits all of them
+            for i, (name, env, concurrency, extra) in enumerate(rows):
+                measured[name].append(run(Path(tmp) / f"{i}-{attempt}", env, args.prompts, args.group, concurrency, extra))
+    base = statistics.median(r["time/rollout"] for r in measured[rows[0][0]])
+    for name, *_ in rows:
+        rollout = statistics.median(r["time/rollout"] for r in measured[name])
+        table.append((name, rollout, rollout - base, statistics.median(r["env/timeouts"] for r in measured[name])))
+    print(f"one GRPO step, {episodes} episodes ({args.prompts} prompts x {args.group}) of {TURNS} turns, 1 rank"
+          + (f", medians of {args.repeat} runs" if args.repeat > 1 else ""))
     print(f"{'environment':<48} {'time/rollout s':>15} {'extra s':>9} {'env/timeouts':>13}")
     for name, rollout, extra, timeouts in table:
         print(f"{name:<48} {rollout:>15.2f} {extra:>9.2f} {timeouts:>13g}")
