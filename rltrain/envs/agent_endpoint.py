@@ -225,6 +225,10 @@ class AgentEndpoint:
 
 
 class _Server(ThreadingHTTPServer):
+    # Hundreds of agents connect at once (env.max_concurrency), while the accepting thread shares
+    # the GIL with every handler: socketserver's backlog of 5 drops their connections.
+    request_queue_size = 4096
+
     def handle_error(self, request: Any, client_address: Any) -> None:
         """Quiet: a connection its agent's worker dropped (killed on a timeout) is that episode's failure."""
 

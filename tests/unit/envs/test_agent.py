@@ -7,6 +7,8 @@ only; what the endpoint cannot serve is a 400 the agent sees at once."""
 from __future__ import annotations
 
 import json
+import select
+import socket
 import textwrap
 import time
 import urllib.error
@@ -251,6 +253,29 @@ def test_what_the_endpoint_cannot_serve_is_a_400_naming_it(body, message):
     with pytest.raises(ApiError) as exc:
         parse_chat_request(body)
     assert exc.value.status == 400 and message in exc.value.message
+
+
+def test_hundreds_of_agents_connecting_at_once_are_all_queued_for_the_endpoint():
+    """The endpoint's listening socket queues every connection of a burst while its accepting
+    thread lags (stopped here): none is dropped, so no agent fails with a connection error."""
+    endpoint = AgentEndpoint(timeout_s=30.0)
+    clients = []
+    try:
+        endpoint.server.shutdown()  # the accept loop stops; the socket keeps listening
+        for _ in range(300):
+            client = socket.socket()
+            client.setblocking(False)
+            client.connect_ex(("127.0.0.1", endpoint.port))
+            clients.append(client)
+        deadline, waiting = time.monotonic() + 2.0, set(clients)
+        while waiting and time.monotonic() < deadline:
+            _, writable, _ = select.select([], list(waiting), [], 0.1)
+            waiting -= {c for c in writable if c.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0}
+        assert not waiting, f"{len(waiting)} of 300 connections were not queued"
+    finally:
+        for client in clients:
+            client.close()
+        endpoint.close()
 
 
 def test_requests_of_an_unknown_or_ended_episode_are_refused_without_waiting():
