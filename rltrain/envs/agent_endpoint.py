@@ -10,6 +10,7 @@ one that has ended, is refused with 410. docs/agents.md, "The endpoint".
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import threading
@@ -286,11 +287,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()
-        try:
+        with contextlib.suppress(OSError):  # the agent's worker was killed while it waited
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
-        except OSError:  # the agent's worker was killed while it waited
-            pass

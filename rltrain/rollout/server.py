@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -258,8 +259,7 @@ class ServerFleetEngine:
         server down; it gets this version when it comes back); other ranks count the version."""
         self.version += 1
         if self.rank != 0:
-            for _ in weights:  # the export is a collective: every rank consumes it
-                pass
+            deque(weights, maxlen=0)  # the export is a collective: every rank consumes it
             self._every_rank_loads()
             return
         self.current = list(buckets_of(weights, self.cfg.bucket_mb << 20))
