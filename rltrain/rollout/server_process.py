@@ -55,9 +55,11 @@ def server_env(cfg: ServerRolloutConfig, cuda: bool) -> dict[str, str]:
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # an in-process engine's setting: the server runs vLLM's default
+    # The in-process engine's setting does not pass on. On a CPU "0" keeps the uni executor that
+    # server_command asks for (vLLM's CPU build overrides it otherwise); on CUDA vLLM's default.
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     if not cuda:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # else vLLM's CPU build overrides the uni executor (server_command)
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the byte budget on the command line applies
         if cfg.num_threads > 0:
             env["OMP_NUM_THREADS"] = str(cfg.num_threads)
