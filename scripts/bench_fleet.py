@@ -3,10 +3,13 @@ API server against today's `rollout=vllm rollout.process=separate` (goal <= 1.1x
 and generating one step ahead (k = 1, the overlap scripts/bench_async.py measures).
 
     .venv/bin/python scripts/bench_fleet.py                 # ~10 min on 2 cores
+    .venv/bin/python scripts/bench_fleet.py --steps 10 --warmup 2 --repeat 3   # medians of 3 interleaved runs
     .venv/bin/python scripts/bench_fleet.py --steps 10 --warmup 2 --extra trainer.nproc=1
 
 Each run is `python -m rltrain` on the embedded default for `--steps` steps without evaluation or
-checkpoints; the first `--warmup` steps are left out and the medians of the rest reported. The
+checkpoints; the first `--warmup` steps are left out and the medians of the rest reported (with `--repeat N`, the
+runs of every row interleaved and the median of their medians: a slow spell of a shared machine
+then hits every row). The
 server's start is not in any step (it is in the run's wall time, reported apart).
 """
 
@@ -52,16 +55,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=1, help="runs per row, interleaved; the median of their medians")
     parser.add_argument("--extra", nargs="*", default=[], help="overrides added to every run")
     args = parser.parse_args()
-    results: dict[tuple[str, int], tuple[dict[str, float], float]] = {}
+    runs: dict[tuple[str, int], list[tuple[dict[str, float], float]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
-        for k in (0, 1):
-            for name, engine in ENGINES.items():
-                rows, wall = run(Path(tmp) / f"{name.replace(' ', '')}-k{k}", args.steps, engine, k, args.extra)
-                results[(name, k)] = (medians(rows, args.warmup), wall)
-                print(f"{name}, k={k}: {results[(name, k)][0]['time/step']:.3f} s/step", file=sys.stderr, flush=True)
-    print(f"\nthe default GRPO step, {args.steps} steps (median after {args.warmup}){' ' + ' '.join(args.extra) if args.extra else ''}")
+        for attempt in range(args.repeat):
+            for k in (0, 1):
+                for name, engine in ENGINES.items():
+                    rows, wall = run(Path(tmp) / f"{name.replace(' ', '')}-k{k}-{attempt}", args.steps, engine, k, args.extra)
+                    runs.setdefault((name, k), []).append((medians(rows, args.warmup), wall))
+                    print(f"{name}, k={k}: {runs[(name, k)][-1][0]['time/step']:.3f} s/step", file=sys.stderr, flush=True)
+    results = {
+        row: ({key: statistics.median(m[key] for m, _ in done) for key in done[0][0]}, statistics.median(w for _, w in done))
+        for row, done in runs.items()
+    }
+    repeats = f", medians of {args.repeat} runs" if args.repeat > 1 else ""
+    print(f"\nthe default GRPO step, {args.steps} steps (median after {args.warmup}{repeats}){' ' + ' '.join(args.extra) if args.extra else ''}")
     print(f"{'engine':<12}{'mode':<7}{'step s':>9}{'rollout s':>11}{'train s':>9}{'sync s':>9}{'wall s':>9}{'vs separate':>13}")
     for (name, k), (m, wall) in results.items():
         base = results[("separate", k)][0]["time/step"]

@@ -93,7 +93,7 @@ class ServerRolloutConfig(RolloutConfig):
     max_num_seqs: int = 256  # spawned/served: vLLM's --max-num-seqs
     max_model_len: int | None = None  # spawned/served: longest prompt + completion; null = the model's own limit
     gpu_memory_utilization: float = 0.5  # spawned/served, CUDA: fraction of the GPU the server takes
-    num_threads: int = 0  # spawned, CPU: each server's torch threads; 0 = vLLM's default
+    num_threads: int = 0  # CPU: each server's torch threads; 0 = all usable cores but one (the API server's)
 
 
 @dataclass

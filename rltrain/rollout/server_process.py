@@ -17,6 +17,7 @@ from pathlib import Path
 
 from rltrain.config.group_options import ServerRolloutConfig
 from rltrain.rollout.server_http import is_up
+from rltrain.runtime.threads import usable_cores
 
 EXTENSION = "rltrain.rollout.server_worker.WeightPushExtension"
 # torch.distributed / elastic variables a server must not inherit from a trainer rank.
@@ -45,6 +46,10 @@ def server_command(cfg: ServerRolloutConfig, model_dir: str | Path, dtype: str, 
         # one interpreter fewer to start, and no worker busy-polling its queue beside the trainer.
         command += ["--enforce-eager", "--kv-cache-memory-bytes", str(int(cfg.kv_cache_gib * (1 << 30))),
                     "--distributed-executor-backend", "uni"]
+        # A prompt prefilled in chunks has its seeded generator rewound, which a CPU generator cannot
+        # do: the engine dies. Whole prefills only (rltrain/rollout/vllm.py's prefill_waves is the
+        # in-process engine's way to the same end); a step then takes up to max_model_len tokens.
+        command += ["--no-enable-chunked-prefill"]
     return command
 
 
@@ -61,8 +66,10 @@ def server_env(cfg: ServerRolloutConfig, cuda: bool) -> dict[str, str]:
     if not cuda:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the byte budget on the command line applies
-        if cfg.num_threads > 0:
-            env["OMP_NUM_THREADS"] = str(cfg.num_threads)
+        # The engine's OpenMP threads leave one core to the API server's own process (vLLM's
+        # multiprocess executor reserves one for its scheduler the same way): an engine on every
+        # core stalls whenever the API server parses a request, and a step waits for its slowest thread.
+        env["OMP_NUM_THREADS"] = str(cfg.num_threads or max(1, usable_cores() - 1))
     return env
 
 

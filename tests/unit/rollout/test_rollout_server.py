@@ -64,6 +64,17 @@ def test_completions_do_not_depend_on_which_server_served_them(rollout_servers, 
     assert {c.version for c in spread} == {0}
 
 
+def test_a_burst_beyond_one_engine_step_is_sampled_without_chunked_prefills(rollout_servers, tmp_path):
+    """More prompt tokens at once than one engine step takes (64 prompts x 8 samples x 41 tokens):
+    a CPU server that prefilled a seeded request in chunks would rewind its generator, which the
+    CPU build cannot, and its engine would die (HTTP 500 on every request after)."""
+    engine = fleet(rollout_servers, [0], tmp_path)
+    prompts = [[1, *range(5 + i % 7, 45 + i % 7)] for i in range(64)]
+    out = engine.generate(prompts, SamplingSettings(n=8, temperature=1.0, max_new_tokens=2, seed=5))
+    assert len(out) == 64 * 8 and {c.prompt_index for c in out} == set(range(64))
+    assert engine.metrics()["rollout/server_failures"] == 0.0, [s.reasons for s in engine.servers]
+
+
 def test_pushed_weights_reach_every_server_with_their_version(rollout_servers, tmp_path):
     engine = fleet(rollout_servers, [0, 1], tmp_path)
     before = engine.generate(PROMPTS, SAMPLING)
