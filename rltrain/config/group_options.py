@@ -17,6 +17,9 @@ from rltrain.config.choices import choice
 
 RolloutProcess = Literal["colocated", "separate"]  # separate: the engine in a child process (rollout/separate.py)
 EnvName = Literal["none", "python", "tools"]  # rltrain/envs
+# The weight push's pair group (rltrain/rollout/server_push.py `push_backend`): auto picks NCCL where
+# the trainer and a server it did not spawn both run on CUDA, gloo otherwise.
+PushBackend = Literal["auto", "gloo", "nccl"]
 
 
 @dataclass
@@ -79,6 +82,7 @@ class ServersConfig:
     spawn: int = 0  # servers rltrain starts on this machine, each its own process, stopped with the run
     trainer_address: str = "127.0.0.1"  # the address the servers reach the trainer at (the weight push)
     start_timeout_s: float = 600.0  # bound on a spawned server's start, and on a URL's first answer
+    push_backend: str = choice("auto", PushBackend)  # the weight push's torch.distributed backend per server
 
 
 @dataclass

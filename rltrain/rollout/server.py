@@ -3,10 +3,10 @@
 Each prompt (a GRPO group: its `n` samples) is one request to one server (its prefix cache),
 chosen client-side by least outstanding requests, and seeded by its index in the batch, so a
 completion does not depend on which server produced it. Trainer rank 0 pushes every new version
-to every server (rltrain/rollout/server_push.py) and keeps it as a host copy, so a server that
-comes back gets the current weights before it serves again. Every completion carries the vLLM
-weight version that sampled it; one from another version than the engine's stops the run.
-docs/rollout-servers.md.
+to every server at once (rltrain/rollout/server_push.py: gloo, or NCCL between GPUs) and keeps it
+as a host copy, so a server that comes back gets the current weights before it serves again.
+Every completion carries the vLLM weight version that sampled it; one from another version than
+the engine's stops the run. docs/rollout-servers.md.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,14 @@ from rltrain.config.group_options import ServerRolloutConfig
 from rltrain.rollout.base import Completion, SamplingSettings
 from rltrain.rollout.server_http import ServerDown, call, is_up
 from rltrain.rollout.server_process import SpawnedServer, stop_servers
-from rltrain.rollout.server_push import WeightPusher, buckets_of
+from rltrain.rollout.server_push import (
+    WeightPusher,
+    buckets_of,
+    needs_server_device,
+    push_backend,
+    run_each,
+    server_device,
+)
 from rltrain.rollout.server_worker import model_fingerprint
 from rltrain.rollout.vllm import _request_seed
 from rltrain.runtime.errors import UserError
@@ -67,6 +75,9 @@ class ServerFleetEngine:
         # earlier one on the same servers (`update_weights`).
         self.loads_group = loads_group
         self.rank = rank
+        self.cuda = cuda
+        # The trainer's GPU, taken here on the main thread: NCCL pushes run on threads of their own.
+        self.cuda_device = torch.device("cuda", torch.cuda.current_device()) if cuda else None
         self.model_dir = Path(model_dir)
         self.version = 0
         self.failures = 0
@@ -97,9 +108,11 @@ class ServerFleetEngine:
             for server in self.servers:
                 self._wait_up(server, cfg.servers.start_timeout_s)
             if rank == 0:
-                expected = model_fingerprint(self.model_dir)
-                for server in self.servers:
-                    self._join(server, expected)
+                expected, buckets = model_fingerprint(self.model_dir), self._current_buckets()
+                errors = run_each([partial(self._join, server, expected, buckets) for server in self.servers])
+                for error in errors:
+                    if error is not None:
+                        raise error
         except BaseException:
             self.close()
             raise
@@ -116,10 +129,19 @@ class ServerFleetEngine:
                 )
             time.sleep(1.0)
 
-    def _join(self, server: Server, expected: dict[str, str]) -> None:
-        """Rank 0: open the weight push to `server`, refuse another model, reset it to the
-        checkpoint (a server may hold an earlier run's weights) or to the current version."""
-        server.pusher = WeightPusher(server.url, self.cfg.servers.trainer_address, self.cfg.timeout_s, "gloo")
+    def _current_buckets(self) -> list[tuple[torch.Tensor, list[list[Any]]]]:
+        """The version servers that (re)join get: the pushed one, else the checkpoint (version 0),
+        read once for all the servers that join together."""
+        if self.current is not None:
+            return self.current
+        return list(buckets_of(_checkpoint(self.model_dir), self.cfg.bucket_mb << 20))
+
+    def _join(self, server: Server, expected: dict[str, str], buckets: list[tuple[torch.Tensor, list[list[Any]]]]) -> None:
+        """Rank 0: open the weight push to `server`, refuse another model, reset it to `buckets`:
+        the checkpoint (a server may hold an earlier run's weights) or the current version."""
+        server.pusher = WeightPusher(
+            server.url, self.cfg.servers.trainer_address, self.cfg.timeout_s, self._push_backend(server), self.cuda_device
+        )
         answer = server.pusher.join()
         got = answer["fingerprint"]
         differ = [name for name in expected if got.get(name) != expected[name]]
@@ -129,10 +151,14 @@ class ServerFleetEngine:
                 f"{', '.join(differ)} differ{'s' if len(differ) == 1 else ''}. Start that server on the same model "
                 "directory (`python -m rltrain.serve` with the run's model overrides) or remove it from rollout.servers.urls."
             )
-        if self.current is not None:
-            server.pusher.push(self.current, self.version)
-        else:  # version 0 is the checkpoint on disk
-            server.pusher.push(list(buckets_of(_checkpoint(self.model_dir), self.cfg.bucket_mb << 20)), 0)
+        server.pusher.push(buckets, self.version)
+
+    def _push_backend(self, server: Server) -> str:
+        """gloo or NCCL for this server (`rollout.servers.push_backend`); the server's device is asked
+        only where NCCL is possible."""
+        setting, spawned = self.cfg.servers.push_backend, server.spawned is not None
+        device = server_device(server.url, self.cfg.timeout_s) if needs_server_device(setting, self.cuda, spawned) else None
+        return push_backend(setting, trainer_cuda=self.cuda, server_device=device, spawned=spawned, url=server.url)
 
     def _mark_down(self, server: Server, reason: str) -> None:
         with self._lock:
@@ -144,19 +170,26 @@ class ServerFleetEngine:
 
     def _revive(self) -> None:
         """Down servers that answer again: rank 0 re-joins them and pushes the current version
-        before they serve; other ranks take them back once they report that version."""
-        for server in self.servers:
-            if server.up or not is_up(server.url):
-                continue
-            try:
-                if self.rank == 0:
-                    self._join(server, model_fingerprint(self.model_dir))
-                elif self._server_version(server) != self.version:
-                    continue
-            except ServerDown as exc:
-                server.reasons.append(str(exc))
-                continue
-            server.up = True
+        before they serve (several at once); other ranks take them back once they report that version."""
+        back = [server for server in self.servers if not server.up and is_up(server.url)]
+        if self.rank != 0:
+            for server in back:
+                try:
+                    server.up = self._server_version(server) == self.version
+                except ServerDown as exc:
+                    server.reasons.append(str(exc))
+            return
+        if not back:
+            return
+        expected, buckets = model_fingerprint(self.model_dir), self._current_buckets()
+        errors = run_each([partial(self._join, server, expected, buckets) for server in back])
+        for server, error in zip(back, errors, strict=True):
+            if isinstance(error, ServerDown):
+                server.reasons.append(str(error))
+            elif error is not None:
+                raise error
+            else:
+                server.up = True
 
     def _server_version(self, server: Server) -> int:
         answer = call(server.url, "/weight_info", None, self.cfg.timeout_s)
@@ -255,8 +288,8 @@ class ServerFleetEngine:
         return out
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Rank 0 pushes the version to every server that is up (a failed push marks the
-        server down; it gets this version when it comes back); other ranks count the version."""
+        """Rank 0 pushes the version to every server that is up, all at once (a failed push marks
+        that server down; it gets this version when it comes back); other ranks count the version."""
         self.version += 1
         if self.rank != 0:
             deque(weights, maxlen=0)  # the export is a collective: every rank consumes it
@@ -264,13 +297,14 @@ class ServerFleetEngine:
             return
         self.current = list(buckets_of(weights, self.cfg.bucket_mb << 20))
         self._every_rank_loads()
-        for server in self.servers:
-            if not server.up or server.pusher is None:
-                continue
-            try:
-                server.pusher.push(self.current, self.version)
-            except ServerDown as exc:
-                self._mark_down(server, str(exc))
+        targets = [(server, server.pusher) for server in self.servers if server.up and server.pusher is not None]
+        errors = run_each([partial(pusher.push, self.current, self.version) for _, pusher in targets])
+        for (server, _), error in zip(targets, errors, strict=True):
+            if isinstance(error, ServerDown):
+                self._mark_down(server, str(error))
+        for error in errors:
+            if error is not None and not isinstance(error, ServerDown):
+                raise error
 
     def _every_rank_loads(self) -> None:
         """Generating ahead, each rank's load of a version runs on its engine's worker thread after

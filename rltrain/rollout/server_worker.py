@@ -3,10 +3,11 @@ rltrain.rollout.server_worker.WeightPushExtension`) that vLLM mixes into its wor
 
 vLLM 0.32's own weight-transfer engines need CUDA (NCCL, IPC); this extension is the path that
 also runs on the CPU build. The trainer calls its methods through vLLM's `/collective_rpc` (the
-server runs with `VLLM_SERVER_DEV_MODE=1`), which carries only JSON strings: `rltrain_join` opens a
-two-member torch.distributed group (gloo on CPU, NCCL on GPU) with the trainer, `rltrain_receive`
-takes one version's buckets from it (raw bytes, never pickle) and loads them in place as the
-in-process engine does. docs/rollout-servers.md.
+server runs with `VLLM_SERVER_DEV_MODE=1`), which carries only JSON strings: `rltrain_device` says
+where the model lives, `rltrain_join` opens a two-member torch.distributed group with the trainer
+(gloo, or NCCL where both ends run on CUDA), `rltrain_receive` takes one version's buckets from it
+(raw bytes, never pickle) and loads them in place as the in-process engine does.
+docs/rollout-servers.md.
 """
 
 from __future__ import annotations
@@ -101,6 +102,11 @@ class WeightPushExtension:
 
     def rltrain_current_version(self) -> int:
         return self.rltrain_version
+
+    def rltrain_device(self) -> str:
+        """"cpu" or "cuda": where this worker holds the model and receives the buckets, asked
+        before the pair group opens (the trainer picks gloo or NCCL from it)."""
+        return self._rltrain_device().type
 
     def _rltrain_device(self) -> torch.device:
         return torch.device("cpu") if self.device_config.device_type == "cpu" else torch.device(self.device)

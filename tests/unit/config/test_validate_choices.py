@@ -31,6 +31,7 @@ SCHEMA_PREFIX = {
     "DPOConfig": "algo",
     "GRPOConfig": "algo",
     "VLLMRolloutConfig": "rollout",
+    "ServersConfig": "rollout.servers",
     "SafetyConfig": "safety",
     "HealthConfig": "health",
     "SweepConfig": "sweep",
@@ -38,7 +39,7 @@ SCHEMA_PREFIX = {
     **{spec.config.__name__: "algo" for spec in ALGORITHMS.values()},
 }
 # The group option a key exists under; others use the default composition (algo=grpo, rollout=vllm).
-OPTION_OF = {"algo.loss": "algo=dpo"}
+OPTION_OF = {"algo.loss": "algo=dpo", "rollout.servers.push_backend": "rollout=server"}
 
 
 @pytest.fixture(autouse=True)
@@ -64,6 +65,7 @@ def test_choices_mirror_the_code_that_reads_them():
     from rltrain.data.tasks import TASKS
     from rltrain.launch.sweep import DIRECTIONS
     from rltrain.rollout import PROCESSES
+    from rltrain.rollout.server_push import PUSH_BACKENDS
     from rltrain.runtime.precision import PRECISIONS
 
     assert CHOICES["trainer.precision"] == PRECISIONS
@@ -71,6 +73,7 @@ def test_choices_mirror_the_code_that_reads_them():
     assert CHOICES["algo.loss_agg"] == LOSS_AGGS
     assert CHOICES["algo.scale_rewards"] == SCALES
     assert CHOICES["rollout.process"] == PROCESSES
+    assert CHOICES["rollout.servers.push_backend"] == PUSH_BACKENDS
     assert CHOICES["sweep.direction"] == DIRECTIONS
     assert set(CHOICES["data.task"]) == set(TASKS)
 

@@ -19,6 +19,7 @@ BASE = ["algo=grpo", "model=tiny", "rollout=server"]
         ([], r"rollout\.servers\.spawn=N"),
         (["rollout.servers.urls=[localhost:8000]"], r"base URL such as http://"),
         (["rollout.servers.spawn=1", "rollout.timeout_s=0"], r"rollout\.timeout_s=0\.0 must be positive"),
+        (["rollout.servers.spawn=1", "rollout.servers.push_backend=mpi"], r"push_backend='mpi' is not one of auto, gloo, nccl"),
     ],
 )
 def test_refused_with_the_fix(overrides, message):
@@ -29,3 +30,4 @@ def test_refused_with_the_fix(overrides, message):
 def test_a_fleet_generates_ahead_and_spawned_or_given_servers_pass():
     validate(compose_run_config([*BASE, "rollout.servers.spawn=2", "placement.max_staleness=1"]))
     validate(compose_run_config([*BASE, "rollout.servers.urls=[http://10.0.0.2:8000,http://10.0.0.3:8000]"]))
+    validate(compose_run_config([*BASE, "rollout.servers.urls=[http://10.0.0.2:8000]", "rollout.servers.push_backend=nccl"]))

@@ -19,6 +19,7 @@ from rltrain.config.group_options import ServerRolloutConfig, ServersConfig
 from rltrain.rollout.base import SamplingSettings
 from rltrain.rollout.server import FleetDown, ServerFleetEngine
 from rltrain.rollout.server_process import SpawnedServer, free_port
+from rltrain.rollout.server_push import server_device
 from rltrain.runtime.errors import UserError
 
 pytestmark = [pytest.mark.xdist_group("rollout_servers")]
@@ -27,9 +28,9 @@ PROMPTS = [[1, 5 + i, 7, 9 + (i % 3)] for i in range(8)]
 SAMPLING = SamplingSettings(n=2, temperature=1.0, max_new_tokens=12, seed=3)
 
 
-def fleet(rollout_servers, indices, tmp_path, model_dir=None, timeout_s=60.0) -> ServerFleetEngine:
+def fleet(rollout_servers, indices, tmp_path, model_dir=None, timeout_s=60.0, push_backend="auto") -> ServerFleetEngine:
     urls = [rollout_servers["servers"][i].url for i in indices]
-    cfg = ServerRolloutConfig(servers=ServersConfig(urls=urls, start_timeout_s=60), timeout_s=timeout_s)
+    cfg = ServerRolloutConfig(servers=ServersConfig(urls=urls, start_timeout_s=60, push_backend=push_backend), timeout_s=timeout_s)
     return ServerFleetEngine(
         cfg, model_dir or rollout_servers["model_dir"], dtype="float32", rank=0, cuda=False, log_dir=tmp_path
     )
@@ -163,3 +164,20 @@ def test_updates_on_other_ranks_count_versions_without_pushing(rollout_servers, 
     assert engine.version == 1 and engine.current is None
     with pytest.raises(FleetDown, match="still not at version 1"):  # no rank 0 here: the server stays at version 0
         engine.generate(PROMPTS[:1], SAMPLING)
+
+
+def test_cpu_servers_are_pushed_over_gloo_and_nccl_is_refused_naming_the_fix(rollout_servers, tmp_path):
+    """The worker reports its device before any pair group opens: CPU servers join over gloo under
+    `auto`; `nccl` is refused (exit 2) naming the server, from a CPU trainer and from a CUDA one."""
+    url = rollout_servers["servers"][0].url
+    assert server_device(url, 60.0) == "cpu"
+    engine = fleet(rollout_servers, [0], tmp_path)
+    assert engine.servers[0].pusher is not None and engine.servers[0].pusher.backend == "gloo"
+    with pytest.raises(UserError, match=r"the trainer runs on the CPU.*rollout\.servers\.push_backend=gloo") as info:
+        fleet(rollout_servers, [0], tmp_path, push_backend="nccl")
+    assert url in str(info.value)
+    engine.cuda, engine.cfg.servers.push_backend = True, "nccl"  # what a CUDA trainer asks of this CPU server
+    with pytest.raises(UserError, match=rf"{url} runs its model on cpu.*rollout\.servers\.push_backend=gloo"):
+        engine._push_backend(engine.servers[0])
+    engine.cfg.servers.push_backend = "auto"
+    assert engine._push_backend(engine.servers[0]) == "gloo"
