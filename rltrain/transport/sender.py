@@ -91,7 +91,7 @@ class WeightSender:
     timeout_s: bound on every single wait (the receiver arriving, each reply).
     base_dir: where private directories go (default: the system temp dir). Unix socket paths
       are limited to ~104 bytes, so keep it short.
-    fault_hook: test-only fault injection, see `FaultHook`.
+    fault_hook: fault injection for the tests and `make fault-suite` (scripts/fault_suite.py), see `FaultHook`.
     """
 
     def __init__(

@@ -53,12 +53,10 @@ def _episode_rows(played):
 def _share(rank: int, world: int) -> list:
     import torch.distributed as dist
 
-    from rltrain.rollout.share import replica_leader, share_completions
-
     from rltrain.algos.experience import share_scores
     from rltrain.envs.replica import share_results
     from rltrain.rewards.scoring import Failures
-    from rltrain.rollout.share import raise_leader_error
+    from rltrain.rollout.share import raise_leader_error, replica_leader, share_completions
     from rltrain.runtime.errors import UserError
 
     group = dist.new_group([0, 1])
