@@ -100,16 +100,17 @@ SHAPES = {
 ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 +=-"
 LR, DPO_BETA, CLIP_LOW, CLIP_HIGH, MAX_COMPLETION = 1e-5, 0.1, 0.2, 0.28, 600
 TRL_NAMES = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "grpo": "GRPOTrainer update"}
+WORKLOADS = ("plain", "sft", "dpo", "grpo")
 
 
-def build_model_dir(shape: str, directory: Path, device: torch.device) -> Path:
+def build_model_dir(shape: str, directory: Path, device: torch.device, max_positions: int = 2048) -> Path:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from rltrain.models.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     config = Qwen2Config(
-        **SHAPES[shape], max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
+        **SHAPES[shape], max_position_embeddings=max_positions, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
     )
     torch.manual_seed(0)
@@ -120,13 +121,28 @@ def build_model_dir(shape: str, directory: Path, device: torch.device) -> Path:
     return directory
 
 
-def make_rows(n: int, seed: int = 0) -> list[dict[str, str]]:
+def make_rows(n: int, seed: int = 0, length: int = 0) -> list[dict[str, str]]:
+    """`n` rows of characters (one token each): mixed lengths, or with `length` > 0 (`--rows dense`)
+    every sequence exactly `length` tokens with its EOS, a quarter of them prompt."""
     rng = random.Random(seed)
 
     def text(lo: int, hi: int) -> str:
         return "".join(rng.choice(ALPHABET) for _ in range(rng.randint(lo, hi)))
 
+    if length:
+        p, c = length // 4, length - length // 4 - 1
+        return [{"prompt": text(p, p), "completion": text(c, c), "rejected": text(c, c)} for _ in range(n)]
     return [{"prompt": text(50, 400), "completion": text(50, 600), "rejected": text(50, 600)} for _ in range(n)]
+
+
+def total_steps(args) -> int:
+    """Optimizer steps each workload runs: warm-up, timed, and with --profile one more, profiled."""
+    return args.warmup + args.steps + (1 if args.profile else 0)
+
+
+def max_completion(args) -> int:
+    """The longest GRPO completion: dense rows' fixed length, else the mixed rows' cap."""
+    return args.row_length - args.row_length // 4 if args.row_length else MAX_COMPLETION
 
 
 def matmul_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
@@ -169,14 +185,16 @@ class FixedRollouts:
     adv_B: list[float]
 
 
-def fixed_rollouts(tok, rows: list[dict[str, str]], k: int, batch: int, group: int) -> FixedRollouts:
+def fixed_rollouts(tok, rows: list[dict[str, str]], k: int, batch: int, group: int, length: int = 0) -> FixedRollouts:
+    """`length` > 0 (dense rows): every prompt + completion exactly `length` tokens."""
     rng = random.Random(k)
     prompts, completions = [], []
     for r in rows[k * batch : (k + 1) * batch][: grpo_sequences(batch, group) // group]:
         ids = encode(tok, r["prompt"])
         for _ in range(group):
             prompts.append(ids)
-            completions.append([rng.randrange(3, len(tok)) for _ in range(rng.randint(50, MAX_COMPLETION))])
+            size = length - len(ids) if length else rng.randint(50, MAX_COMPLETION)
+            completions.append([rng.randrange(3, len(tok)) for _ in range(size)])
     return FixedRollouts(prompts, completions, [rng.uniform(-1, 1) for _ in completions])
 
 
@@ -203,7 +221,7 @@ class Workload:
         self.flops_per_param_token = 6 * matmul_params
         self.attn_flops_per_len = 6 * config.num_hidden_layers * config.hidden_size
         optim = OptimConfig(lr=LR, warmup_steps=0, schedule="constant", beta2=0.999, max_grad_norm=1.0)
-        total = args.steps + args.warmup
+        total = total_steps(args)
         backend = FSDPBackendConfig(padding_free=args.padding_free, compile=args.compile)
         self.policy = FSDPEngine(
             model_dir, backend, optim, total, device, precision=args.precision, adapters=adapters,
@@ -220,7 +238,6 @@ class Workload:
         from rltrain.algos.dpo import dpo_micro_batches
         from rltrain.data.batch import SequenceBatch
         from rltrain.data.preference_data import PreferencePair
-        from rltrain.data.sharding import micro_batch_count, split_micro_batches
 
         a, eos = self.args, self.tok.eos_token_id
         chunk = rows[k * a.batch : (k + 1) * a.batch]
@@ -233,14 +250,13 @@ class Workload:
             micro, _ = dpo_micro_batches(pairs, 0, 1, rows_per_micro, a.max_tokens)
             return micro
         if self.name == "sft":
-            prompts = [encode(self.tok, r["prompt"]) for r in chunk]
-            completions = [encode(self.tok, r["completion"]) + [eos] for r in chunk]
+            prompts, completions = sft_rows(self.tok, rows, k, a.batch)
             batch = SequenceBatch.from_lists(prompts, completions, global_tokens=float(sum(map(len, completions))))
         else:
             from rltrain.algos.rl_update import PolicyLossInputs
             from rltrain.data.ragged import Ragged
 
-            rollouts = fixed_rollouts(self.tok, rows, k, a.batch, a.group)
+            rollouts = fixed_rollouts(self.tok, rows, k, a.batch, a.group, a.row_length)
             prompts, completions = rollouts.prompts, rollouts.completions
             batch = SequenceBatch.from_lists(prompts, completions)
             # On-policy from the training pass (old/entropy/reference None); the engine's log-probabilities
@@ -250,9 +266,7 @@ class Workload:
                 adv=torch.tensor(rollouts.adv_B, device="cpu"), engine_logps=no_engine_logps,
                 global_tokens=float(sum(map(len, completions))), global_seqs=float(len(completions)),
             )
-        sizes = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
-        count = micro_batch_count(len(batch), 1, rows_per_micro)
-        return [batch.select(idx) for idx in split_micro_batches(list(range(len(batch))), count, rows_per_micro, sizes, a.max_tokens) if idx]
+        return [batch.select(idx) for idx in micro_indices(prompts, completions, a)]
 
     def _loss(self):
         from types import SimpleNamespace
@@ -266,7 +280,7 @@ class Workload:
         if self.name == "dpo":
             return make_dpo_loss(DPO_BETA, "sigmoid", 0.0, 0.0)
         cfg = SimpleNamespace(clip_low=CLIP_LOW, clip_high=CLIP_HIGH, beta=0.0, loss_agg="token_mean",
-                              importance_level="token", policy_loss="clip", max_new_tokens=MAX_COMPLETION,
+                              importance_level="token", policy_loss="clip", max_new_tokens=max_completion(self.args),
                               rollout_correction="none", rollout_is_cap=2.0, rollout_mask_band=2.0)
         return make_policy_loss(cfg)
 
@@ -286,6 +300,23 @@ class Workload:
         self.policy.train_step(micro, self._loss())
         _sync(self.device)
         return time.perf_counter() - t0, flops, tokens
+
+
+def sft_rows(tok, rows: list[dict[str, str]], k: int, batch: int) -> tuple[list[list[int]], list[list[int]]]:
+    """SFT step k's prompts and completions (with EOS), as token ids."""
+    chunk = rows[k * batch : (k + 1) * batch]
+    return [encode(tok, r["prompt"]) for r in chunk], [encode(tok, r["completion"]) + [tok.eos_token_id] for r in chunk]
+
+
+def micro_indices(prompts: list[list[int]], completions: list[list[int]], args) -> list[list[int]]:
+    """The rows of each micro-batch, as rltrain splits a step: `--micro` rows, or with
+    `--max-tokens` rows in order up to the token budget (trainer.max_tokens_per_micro_batch)."""
+    from rltrain.data.sharding import micro_batch_count, split_micro_batches
+
+    rows_per_micro = len(prompts) if args.max_tokens else args.micro
+    sizes = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
+    count = micro_batch_count(len(prompts), 1, rows_per_micro)
+    return [idx for idx in split_micro_batches(list(range(len(prompts))), count, rows_per_micro, sizes, args.max_tokens) if idx]
 
 
 def _model_tokens(micro) -> int:
@@ -321,11 +352,24 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _timed_steps(step, args, label: str, device: torch.device) -> list:
+    """Warm-up and timed steps' results, timed ones only; with --profile, then one step profiled."""
+    from gpu_profile import StepProfiler
+
+    results = [step(k) for k in range(args.warmup + args.steps)][args.warmup :]
+    if args.profile:
+        profiler = StepProfiler(args.profile, f"{args.rows} {label}", device)
+        profiler.start()
+        step(args.warmup + args.steps)
+        profiler.stop()
+    return results
+
+
 def run_ours(name: str, model_dir: Path, rows, args, device: torch.device) -> dict:
     workload = Workload(name, model_dir, rows, args, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    timings = [workload.step(k) for k in range(args.steps + args.warmup)][args.warmup :]
+    timings = _timed_steps(workload.step, args, f"rltrain {name}", device)
     seconds = sum(t for t, _, _ in timings)
     out = {
         "tokens/s": sum(n for _, _, n in timings) / seconds,
@@ -334,6 +378,36 @@ def run_ours(name: str, model_dir: Path, rows, args, device: torch.device) -> di
         "peak GiB": _peak_gib(device),
     }
     del workload
+    _release(device)
+    return out
+
+
+def run_plain(head: str, model_dir: Path, rows, args, precision, device: torch.device) -> dict:
+    """The plain PyTorch loop (scripts/gpu_plain_loop.py) on SFT's rows and micro-batches; its model
+    FLOPs per step counted as rltrain SFT's."""
+    from gpu_plain_loop import HEADS, PlainLoop
+    from transformers import AutoConfig
+
+    from rltrain.models.tokenizer import load_tokenizer
+
+    tok, config = load_tokenizer(model_dir), AutoConfig.from_pretrained(model_dir)
+    steps = []
+    for k in range(total_steps(args)):
+        prompts, completions = sft_rows(tok, rows, k, args.batch)
+        steps.append([[(prompts[i], completions[i]) for i in idx] for idx in micro_indices(prompts, completions, args)])
+    loop = PlainLoop(model_dir, steps, head, device, precision.mixed, tok.pad_token_id, LR)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    seconds = _timed_steps(loop.step, args, HEADS[head], device)
+    flops, tokens = [], []
+    for step in steps[args.warmup : args.warmup + args.steps]:
+        seqs = [len(p) + len(c) for micro in step for p, c in micro]
+        mean_len = sum(n * n for n in seqs) / sum(seqs)
+        flops.append(sum(seqs) * (6 * _matmul_params(config) + 6 * config.num_hidden_layers * config.hidden_size * mean_len))
+        tokens.append(sum(seqs))
+    out = {"tokens/s": sum(tokens) / sum(seconds), "flops/s": sum(flops) / sum(seconds), "step tokens": tokens,
+           "peak GiB": _peak_gib(device)}
+    del loop
     _release(device)
     return out
 
@@ -353,14 +427,14 @@ def trl_grpo_update_trainer(model_dir: Path, rows, args, trainer_args: dict, dty
     from rltrain.models.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir)
-    total = args.steps + args.warmup
-    steps = [fixed_rollouts(tok, rows, k, args.batch, args.group) for k in range(total)]
+    total = total_steps(args)
+    steps = [fixed_rollouts(tok, rows, k, args.batch, args.group, args.row_length) for k in range(total)]
     prompts_per_step = grpo_sequences(args.batch, args.group) // args.group
     dataset = datasets.Dataset.from_list(
         [{"prompt": r["prompt"]} for k in range(total) for r in rows[k * args.batch : (k + 1) * args.batch][:prompts_per_step]]
     )
     config = GRPOConfig(
-        **trainer_args, num_generations=args.group, max_completion_length=MAX_COMPLETION, use_vllm=False, beta=0.0,
+        **trainer_args, num_generations=args.group, max_completion_length=max_completion(args), use_vllm=False, beta=0.0,
         epsilon=CLIP_LOW, epsilon_high=CLIP_HIGH, loss_type="dapo", num_iterations=1, shuffle_dataset=False,
     )
     trainer = GRPOTrainer(
@@ -393,17 +467,30 @@ def trl_grpo_update_trainer(model_dir: Path, rows, args, trainer_args: dict, dty
 
 
 def run_trl(name: str, model_dir: Path, rows, args, precision, device: torch.device, out_dir: Path) -> dict:
-    """TRL 1.16's trainer for workload `name` on the same rows, batch and micro-batch (module docstring)."""
-    total = args.steps + args.warmup
+    """TRL 1.16's trainer for workload `name` on the same rows, batch and micro-batch (module docstring);
+    with --profile, the step after the timed ones under the profiler (started and stopped by the step
+    timer's callback, after the timed step's end)."""
+    from gpu_profile import StepProfiler
+
+    total, last_timed = total_steps(args), args.warmup + args.steps - 1
     times: list[float] = []
-    timer = trl_step_timer(times)
+    profiler = StepProfiler(args.profile, f"{args.rows} TRL {TRL_NAMES[name]}", device) if args.profile else None
+
+    def after_step(k: int) -> None:
+        if profiler is not None and k == last_timed:
+            profiler.start()
+        elif profiler is not None and k == last_timed + 1:
+            profiler.stop()
+
+    timer = trl_step_timer(times, after_step)
 
     def trainer_args(accumulation: int) -> dict:
         return trl_args(out_dir / name, micro=args.micro, accumulation=accumulation, steps=total, lr=LR, device=device,
                         bf16=precision.mixed)
 
     if name == "sft":
-        trainer = trl_sft_trainer(model_dir, rows[: total * args.batch], trainer_args(args.batch // args.micro), 2048,
+        trainer = trl_sft_trainer(model_dir, rows[: total * args.batch], trainer_args(args.batch // args.micro),
+                                  max(2048, args.row_length),
                                   precision.param_dtype, timer)
         row_tokens, rows_per_step = sft_row_tokens(trainer), args.batch
     elif name == "dpo":
@@ -419,7 +506,7 @@ def run_trl(name: str, model_dir: Path, rows, args, precision, device: torch.dev
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
-    timed = per_step(row_tokens, rows_per_step, times)[args.warmup :]
+    timed = per_step(row_tokens, rows_per_step, times)[args.warmup : last_timed + 1]
     out = {
         "tokens/s": sum(n for _, n in timed) / sum(t for t, _ in timed),
         "step tokens": [n for _, n in timed],
@@ -432,9 +519,11 @@ def run_trl(name: str, model_dir: Path, rows, args, precision, device: torch.dev
 
 def check_batches(parser: argparse.ArgumentParser, args, names: list[str], with_trl: bool) -> None:
     """Bad workload names or batch shapes TRL cannot take stop here, before any model is built."""
-    unknown = sorted(set(names) - set(TRL_NAMES))
+    unknown = sorted(set(names) - set(WORKLOADS))
     if unknown:
-        parser.error(f"--only {args.only}: unknown workload(s) {', '.join(unknown)}; choose from sft,dpo,grpo")
+        parser.error(f"--only {args.only}: unknown workload(s) {', '.join(unknown)}; choose from {','.join(WORKLOADS)}")
+    if args.rows == "dense" and args.length < 8:
+        parser.error(f"--length {args.length}: dense rows need at least 8 tokens (a quarter prompt, the rest completion)")
     if not with_trl:
         return
     if args.batch % args.micro:
@@ -446,16 +535,39 @@ def check_batches(parser: argparse.ArgumentParser, args, names: list[str], with_
                      "--batch, --group or --micro, or pass --no-trl")
 
 
-def _row(name: str, tokens_per_s: float, flops_per_s: float, peak: float, peak_gib: float | None, ratio: str) -> list[str]:
-    mem = f"{peak_gib:.1f}" if peak_gib is not None else "-"
-    return [name, f"{tokens_per_s:.0f}", f"{100 * flops_per_s / peak:.1f}%", mem, ratio]
+def _row(name: str, result: dict, peak: float, plain: dict | None, vs_trl: str) -> list[str]:
+    """A table row; `vs plain` is the MFU ratio to `plain` (the plain loop with rltrain's head)."""
+    mem = f"{result['peak GiB']:.1f}" if result["peak GiB"] is not None else "-"
+    vs_plain = f"{result['flops/s'] / plain['flops/s']:.2f}x" if plain else "-"
+    return [name, f"{result['tokens/s']:.0f}", f"{100 * result['flops/s'] / peak:.1f}%", mem, vs_plain, vs_trl]
+
+
+def rltrain_head(model_dir: Path, rows, args) -> str:
+    """The head rltrain's FSDP engine uses on these micro-batches (chunked past its logits budget),
+    so rltrain is compared with the plain loop that has the same head."""
+    from gpu_plain_loop import HEADS
+    from transformers import AutoConfig
+
+    from rltrain.backends.chunked_head import exceeds_chunk_limit
+    from rltrain.models.tokenizer import load_tokenizer
+
+    tok, vocab = load_tokenizer(model_dir), AutoConfig.from_pretrained(model_dir).vocab_size
+    prompts, completions = sft_rows(tok, rows, 0, args.batch)
+    widest = max(sum(len(prompts[i]) + len(completions[i]) for i in idx) for idx in micro_indices(prompts, completions, args))
+    return HEADS["chunked" if exceeds_chunk_limit(widest, vocab) else "full"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(SHAPES), default=None, help="default: qwen0.5b on CUDA, small on CPU")
     parser.add_argument("--precision", default="auto", help="trainer.precision (auto: bf16-mixed on CUDA, fp32 on CPU)")
-    parser.add_argument("--only", default="sft,dpo,grpo", help="comma-separated subset of sft,dpo,grpo")
+    parser.add_argument("--only", default="plain,sft,dpo,grpo", help="comma-separated subset of plain,sft,dpo,grpo "
+                        "(plain: the plain PyTorch loop, full logits and chunked CE)")
+    parser.add_argument("--rows", choices=("mixed", "dense"), default="mixed",
+                        help="mixed: 50-400 prompt + 50-600 completion tokens; dense: every sequence --length tokens")
+    parser.add_argument("--length", type=int, default=2048, help="--rows dense: tokens per sequence (a quarter prompt)")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="one more step per workload under torch.profiler: a trace in this folder, a summary printed")
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per workload")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--batch", type=int, default=32, help="rows (pairs for DPO, sequences for GRPO) per step")
@@ -476,6 +588,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=29541)
     parser.add_argument("--compile", action="store_true", help="backend.compile=true: torch.compile each decoder layer")
     args = parser.parse_args()
+    args.row_length = args.length if args.rows == "dense" else 0
     from rltrain.runtime.precision import resolve_precision
 
     names = args.only.split(",")
@@ -491,30 +604,41 @@ def main() -> None:
     peak = matmul_peak_flops(device, precision.compute_dtype)
     table, notes = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_model_dir(shape, Path(tmp) / "model", device)
-        rows = make_rows((args.steps + args.warmup) * args.batch)
-        for name in names:
+        model_dir = build_model_dir(shape, Path(tmp) / "model", device, max(2048, args.row_length))
+        rows = make_rows(total_steps(args) * args.batch, length=args.row_length)
+        plain, same_head = {}, rltrain_head(model_dir, rows, args)
+        if "plain" in names:
+            from gpu_plain_loop import HEADS
+
+            for head, label in HEADS.items():
+                plain[label] = run_plain(head, model_dir, rows, args, precision, device)
+                table.append(_row(label, plain[label], peak, None, "-"))
+        for name in [n for n in names if n != "plain"]:
             ours = run_ours(name, model_dir, rows, args, device)
-            table.append(_row(f"rltrain {name}", ours["tokens/s"], ours["flops/s"], peak, ours["peak GiB"], "-"))
+            table.append(_row(f"rltrain {name}", ours, peak, plain.get(same_head), "-"))
             if not with_trl:
                 continue
             theirs = run_trl(name, model_dir, rows, args, precision, device, Path(tmp) / "trl")
             table[-1][-1] = f"{ours['tokens/s'] / theirs['tokens/s']:.2f}x"
-            trl_flops_per_s = ours["flops/s"] / ours["tokens/s"] * theirs["tokens/s"]  # the same work per token
-            table.append(_row(f"TRL 1.16 {TRL_NAMES[name]}", theirs["tokens/s"], trl_flops_per_s, peak, theirs["peak GiB"], "1.00x"))
+            theirs["flops/s"] = ours["flops/s"] / ours["tokens/s"] * theirs["tokens/s"]  # the same work per token
+            table.append(_row(f"TRL 1.16 {TRL_NAMES[name]}", theirs, peak, plain.get(same_head), "1.00x"))
             if theirs["step tokens"] != ours["step tokens"]:
                 notes.append(f"warning: {name}: TRL tokenized {theirs['step tokens']} tokens per step, rltrain {ours['step tokens']}")
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     notes.insert(0, f"matmul peak measured here: {peak / 1e12:.1f} TFLOP/s ({precision.compute_dtype_name})")
     notes.insert(1, "TRL 1.16: same rows, batch and micro-batch, run after ours (not interleaved); vs TRL = tokens/s ratio"
                  if with_trl else "TRL: not importable or --no-trl")
+    if plain:
+        notes.insert(2, f"vs plain = MFU / the MFU of the '{same_head}' row (the plain loop with rltrain's output head); "
+                     "for sft (the same rows and micro-batches) also the tokens/s ratio")
+    rows_text = f"dense rows of {args.length} tokens" if args.row_length else "mixed-length rows"
     print_table(
         f"{shape} ({device_name}, {precision.name}{', padding-free' if args.padding_free else ''}"
         f"{', torch.compile per layer' if args.compile else ''}), "
-        f"{args.batch} rows/step in micro-batches of "
+        f"{args.batch} {rows_text}/step in micro-batches of "
         f"{f'<= {args.max_tokens} tokens (TRL: {args.micro} rows)' if args.max_tokens else args.micro}, "
         f"{args.steps} timed steps (+{args.warmup} warm-up), {torch.get_num_threads()} CPU threads",
-        ["workload", "tokens/s", "MFU", "peak GiB", "vs TRL"],
+        ["workload", "tokens/s", "MFU", "peak GiB", "vs plain", "vs TRL"],
         table,
         notes,
     )
