@@ -203,10 +203,11 @@ class Workload:
 
     def __init__(
         self, name: str, model_dir: Path, rows: list[dict[str, str]], args, device: torch.device, adapters=None,
-        gradient_checkpointing: bool = False,
+        gradient_checkpointing: bool = False, backend_name: str = "fsdp",
     ) -> None:
         """`adapters`: a LoraAdapterConfig to train LoRA adapters (scripts/bench_lora.py); DPO's
-        reference is then the policy's base with the adapters off, as in a run."""
+        reference is then the policy's base with the adapters off, as in a run. `backend_name`:
+        fsdp or megatron (tp = pp = 1), with the same rows, micro-batches, loss and optimizer."""
         from transformers import AutoConfig
 
         from rltrain.backends.fsdp.engine import FSDPEngine
@@ -222,16 +223,26 @@ class Workload:
         self.attn_flops_per_len = 6 * config.num_hidden_layers * config.hidden_size
         optim = OptimConfig(lr=LR, warmup_steps=0, schedule="constant", beta2=0.999, max_grad_norm=1.0)
         total = total_steps(args)
-        backend = FSDPBackendConfig(padding_free=args.padding_free, compile=args.compile)
-        self.policy = FSDPEngine(
-            model_dir, backend, optim, total, device, precision=args.precision, adapters=adapters,
-            gradient_checkpointing=gradient_checkpointing,
-        )
         self.reference = None
-        if name == "dpo":
-            self.reference = self.policy.base_weights() or FSDPEngine(
-                model_dir, backend, None, total, device, precision=args.precision
+        if backend_name == "megatron":
+            from rltrain.backends.megatron.engine import MegatronEngine
+            from rltrain.config.group_options import MegatronBackendConfig
+
+            megatron = MegatronBackendConfig()
+            self.policy = MegatronEngine(model_dir, megatron, optim, total, device, precision=args.precision,
+                                         gradient_checkpointing=gradient_checkpointing)
+            if name == "dpo":
+                self.reference = MegatronEngine(model_dir, megatron, None, total, device, precision=args.precision)
+        else:
+            backend = FSDPBackendConfig(padding_free=args.padding_free, compile=args.compile)
+            self.policy = FSDPEngine(
+                model_dir, backend, optim, total, device, precision=args.precision, adapters=adapters,
+                gradient_checkpointing=gradient_checkpointing,
             )
+            if name == "dpo":
+                self.reference = self.policy.base_weights() or FSDPEngine(
+                    model_dir, backend, None, total, device, precision=args.precision
+                )
         self.steps = [self._build(rows, k) for k in range(total)]
 
     def _build(self, rows: list[dict[str, str]], k: int):
@@ -365,11 +376,15 @@ def _timed_steps(step, args, label: str, device: torch.device) -> list:
     return results
 
 
-def run_ours(name: str, model_dir: Path, rows, args, device: torch.device) -> dict:
-    workload = Workload(name, model_dir, rows, args, device)
+def ours_label(name: str, backend_name: str) -> str:
+    return f"rltrain {name}" + (f" ({backend_name})" if backend_name != "fsdp" else "")
+
+
+def run_ours(name: str, model_dir: Path, rows, args, device: torch.device, backend_name: str = "fsdp") -> dict:
+    workload = Workload(name, model_dir, rows, args, device, backend_name=backend_name)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    timings = _timed_steps(workload.step, args, f"rltrain {name}", device)
+    timings = _timed_steps(workload.step, args, ours_label(name, backend_name), device)
     seconds = sum(t for t, _, _ in timings)
     out = {
         "tokens/s": sum(n for _, _, n in timings) / seconds,
@@ -522,6 +537,12 @@ def check_batches(parser: argparse.ArgumentParser, args, names: list[str], with_
     unknown = sorted(set(names) - set(WORKLOADS))
     if unknown:
         parser.error(f"--only {args.only}: unknown workload(s) {', '.join(unknown)}; choose from {','.join(WORKLOADS)}")
+    bad_backends = sorted(set(args.backend.split(",")) - {"fsdp", "megatron"})
+    if bad_backends:
+        parser.error(f"--backend {args.backend}: unknown backend(s) {', '.join(bad_backends)}; choose from fsdp,megatron")
+    if "megatron" in args.backend.split(",") and (args.padding_free or args.compile):
+        parser.error("--padding-free and --compile are FSDP options (backend.padding_free, backend.compile); "
+                     "pass --backend fsdp with them")
     if args.rows == "dense" and args.length < 8:
         parser.error(f"--length {args.length}: dense rows need at least 8 tokens (a quarter prompt, the rest completion)")
     if not with_trl:
@@ -586,12 +607,14 @@ def main() -> None:
         "as bench_sft.py and bench_dpo.py do)",
     )
     parser.add_argument("--port", type=int, default=29541)
+    parser.add_argument("--backend", default="fsdp",
+                        help="rltrain's backend(s) for its rows, comma-separated: fsdp, megatron (tp = pp = 1) or both")
     parser.add_argument("--compile", action="store_true", help="backend.compile=true: torch.compile each decoder layer")
     args = parser.parse_args()
     args.row_length = args.length if args.rows == "dense" else 0
     from rltrain.runtime.precision import resolve_precision
 
-    names = args.only.split(",")
+    names, backends = args.only.split(","), args.backend.split(",")
     with_trl = not args.no_trl and trl_available()
     check_batches(parser, args, names, with_trl)
     if args.threads:
@@ -614,12 +637,14 @@ def main() -> None:
                 plain[label] = run_plain(head, model_dir, rows, args, precision, device)
                 table.append(_row(label, plain[label], peak, None, "-"))
         for name in [n for n in names if n != "plain"]:
-            ours = run_ours(name, model_dir, rows, args, device)
-            table.append(_row(f"rltrain {name}", ours, peak, plain.get(same_head), "-"))
-            if not with_trl:
+            results = {b: run_ours(name, model_dir, rows, args, device, b) for b in backends}
+            theirs = run_trl(name, model_dir, rows, args, precision, device, Path(tmp) / "trl") if with_trl else None
+            for backend_name, result in results.items():
+                vs_trl = f"{result['tokens/s'] / theirs['tokens/s']:.2f}x" if theirs else "-"
+                table.append(_row(ours_label(name, backend_name), result, peak, plain.get(same_head), vs_trl))
+            if theirs is None:
                 continue
-            theirs = run_trl(name, model_dir, rows, args, precision, device, Path(tmp) / "trl")
-            table[-1][-1] = f"{ours['tokens/s'] / theirs['tokens/s']:.2f}x"
+            ours = results[backends[0]]
             theirs["flops/s"] = ours["flops/s"] / ours["tokens/s"] * theirs["tokens/s"]  # the same work per token
             table.append(_row(f"TRL 1.16 {TRL_NAMES[name]}", theirs, peak, plain.get(same_head), "1.00x"))
             if theirs["step tokens"] != ours["step tokens"]:
@@ -633,7 +658,7 @@ def main() -> None:
                      "for sft (the same rows and micro-batches) also the tokens/s ratio")
     rows_text = f"dense rows of {args.length} tokens" if args.row_length else "mixed-length rows"
     print_table(
-        f"{shape} ({device_name}, {precision.name}{', padding-free' if args.padding_free else ''}"
+        f"{shape} ({device_name}, {precision.name}, rltrain on {args.backend}{', padding-free' if args.padding_free else ''}"
         f"{', torch.compile per layer' if args.compile else ''}), "
         f"{args.batch} {rows_text}/step in micro-batches of "
         f"{f'<= {args.max_tokens} tokens (TRL: {args.micro} rows)' if args.max_tokens else args.micro}, "

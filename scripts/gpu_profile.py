@@ -10,6 +10,7 @@ kernel running (the step's time minus the kernels' summed busy time: host overhe
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,7 +101,7 @@ class StepProfiler:
         wall_s = time.perf_counter() - self.t0
         self.prof.stop()
         self.directory.mkdir(parents=True, exist_ok=True)
-        trace = self.directory / f"{self.name.replace(',', '').replace(' ', '_')}.json.gz"
+        trace = self.directory / f"{re.sub(r'[^A-Za-z0-9]+', '_', self.name).strip('_')}.json.gz"
         self.prof.export_chrome_trace(str(trace))
         print(f"\nprofile of one step, {self.name} ({wall_s * 1e3:.0f} ms, trace {trace}):")
         for line in summarize(op_times(self.prof), wall_s * 1e6, self.device.type == "cuda"):

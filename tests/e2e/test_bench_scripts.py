@@ -33,23 +33,26 @@ def test_bench_gpu_names_an_unknown_workload_before_building_anything():
 
 
 def test_bench_gpu_runs_the_plain_loop_beside_rltrain_on_dense_rows_and_profiles_each(tmp_path):
-    proc = python("scripts/bench_gpu.py", "--model", "small", "--only", "plain,sft", "--rows", "dense", "--length", "64",
+    proc = python("scripts/bench_gpu.py", "--model", "small", "--only", "plain,sft", "--backend", "fsdp,megatron",
+                  "--rows", "dense", "--length", "64",
                   "--batch", "4", "--micro", "2", "--steps", "1", "--warmup", "0", "--no-trl", "--threads", "1",
                   "--profile", str(tmp_path), "--port", str(free_port()), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "4 dense rows of 64 tokens/step" in proc.stdout, proc.stdout
     table = {line.rsplit(None, 5)[0]: line.rsplit(None, 5)[1:] for line in proc.stdout.splitlines()
              if line.startswith(("plain loop", "rltrain "))}
-    assert list(table) == ["plain loop", "plain loop, chunked CE", "rltrain sft"], proc.stdout
+    assert list(table) == ["plain loop", "plain loop, chunked CE", "rltrain sft", "rltrain sft (megatron)"], proc.stdout
     assert all(float(cells[0]) > 0 for cells in table.values()), proc.stdout
-    assert table["rltrain sft"][3].endswith("x"), proc.stdout  # vs the plain loop with the same (full) head
+    for name in ["rltrain sft", "rltrain sft (megatron)"]:  # vs the plain loop with the same (full) head
+        assert float(table[name][3].rstrip("x")) > 0, proc.stdout
     assert "'plain loop' row (the plain loop with rltrain's output head)" in proc.stdout, proc.stdout
-    for name in ["plain loop", "plain loop, chunked CE", "rltrain sft"]:
+    for name in table:
         assert f"profile of one step, dense {name} (" in proc.stdout, proc.stdout
-    assert proc.stdout.count("top 8 by self host time: aten::") == 3, proc.stdout
-    assert proc.stdout.count("optimizer step: host ") == 3, proc.stdout
+    assert proc.stdout.count("top 8 by self host time: aten::") == 4, proc.stdout
+    assert proc.stdout.count("optimizer step: host ") == 4, proc.stdout
     traces = sorted(p.name for p in tmp_path.iterdir())
-    assert traces == ["dense_plain_loop.json.gz", "dense_plain_loop_chunked_CE.json.gz", "dense_rltrain_sft.json.gz"]
+    assert traces == ["dense_plain_loop.json.gz", "dense_plain_loop_chunked_CE.json.gz", "dense_rltrain_sft.json.gz",
+                      "dense_rltrain_sft_megatron.json.gz"]
 
 
 def _script(name: str):
