@@ -625,7 +625,14 @@ def main() -> None:
     quiet_transformers()
     init_single_rank(args.port)
     peak = matmul_peak_flops(device, precision.compute_dtype)
-    table, notes = [], []
+    table: list[list[str]] = []
+    notes: list[str] = []
+
+    def add(cells: list[str]) -> None:
+        """A measured row, printed at once too: a run cut short (a device call's limit) keeps it."""
+        table.append(cells)
+        print("row: " + " | ".join(cells), flush=True)
+
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model_dir(shape, Path(tmp) / "model", device, max(2048, args.row_length))
         rows = make_rows(total_steps(args) * args.batch, length=args.row_length)
@@ -635,18 +642,18 @@ def main() -> None:
 
             for head, label in HEADS.items():
                 plain[label] = run_plain(head, model_dir, rows, args, precision, device)
-                table.append(_row(label, plain[label], peak, None, "-"))
+                add(_row(label, plain[label], peak, None, "-"))
         for name in [n for n in names if n != "plain"]:
             results = {b: run_ours(name, model_dir, rows, args, device, b) for b in backends}
             theirs = run_trl(name, model_dir, rows, args, precision, device, Path(tmp) / "trl") if with_trl else None
             for backend_name, result in results.items():
                 vs_trl = f"{result['tokens/s'] / theirs['tokens/s']:.2f}x" if theirs else "-"
-                table.append(_row(ours_label(name, backend_name), result, peak, plain.get(same_head), vs_trl))
+                add(_row(ours_label(name, backend_name), result, peak, plain.get(same_head), vs_trl))
             if theirs is None:
                 continue
             ours = results[backends[0]]
             theirs["flops/s"] = ours["flops/s"] / ours["tokens/s"] * theirs["tokens/s"]  # the same work per token
-            table.append(_row(f"TRL 1.16 {TRL_NAMES[name]}", theirs, peak, plain.get(same_head), "1.00x"))
+            add(_row(f"TRL 1.16 {TRL_NAMES[name]}", theirs, peak, plain.get(same_head), "1.00x"))
             if theirs["step tokens"] != ours["step tokens"]:
                 notes.append(f"warning: {name}: TRL tokenized {theirs['step tokens']} tokens per step, rltrain {ours['step tokens']}")
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
