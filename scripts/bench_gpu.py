@@ -5,19 +5,30 @@
     .venv/bin/python scripts/bench_gpu.py --only sft --steps 10 --warmup 3
     .venv/bin/python scripts/bench_gpu.py --compile             # decoder layers torch.compile'd (backend.compile)
     .venv/bin/python scripts/bench_gpu.py --padding-free --max-tokens 16384   # one packed row per ~16k tokens
+    .venv/bin/python scripts/bench_gpu.py --rows dense --batch 8 --micro 8 --backend fsdp,megatron --profile prof/
     PYTHONPATH=<trl dir> .venv/bin/python scripts/bench_gpu.py --model small --steps 2 --warmup 1 --batch 8 --micro 4 --threads 1
 
 The model is built locally with random weights (no download): `--model qwen0.5b` is Qwen2.5-0.5B's
 shape (hidden 896, 24 layers, 14 query / 2 KV heads, intermediate 4864, vocabulary 151,936, tied
 embeddings), `--model small` a ~10M-parameter one. The tokenizer is the character tokenizer of the
 embedded default, and the data synthetic rows of 50-400 prompt + 50-600 completion characters
-(~530 tokens on average), `--batch` rows per optimizer step in micro-batches of `--micro`; with
+(~530 tokens on average), or with `--rows dense` every sequence exactly `--length` tokens (default
+2048, a quarter of them prompt; `--rows dense --batch 8 --micro 8` is 8 x 2048 per step and per
+micro-batch), `--batch` rows per optimizer step in micro-batches of `--micro`; with
 `--max-tokens N` rltrain's micro-batches are filled in order up to N tokens instead
 (`trainer.max_tokens_per_micro_batch`; with `--padding-free` each is one packed row), while TRL
 keeps `--micro` rows. The loss and the optimizer step are the same either way (losses are
 normalised by the step's counts), only memory and speed change.
 
-What each row times (one optimizer step, after `--warmup` untimed ones):
+What each row times (one optimizer step, after `--warmup` untimed ones; rltrain's rows on FSDP, or
+with `--backend fsdp,megatron` on both backends, megatron at tp = pp = 1, labelled "(megatron)"):
+- plain loop (`--only plain`, scripts/gpu_plain_loop.py): the ceiling reference, SFT's rows and
+  micro-batches in a plain PyTorch loop over `AutoModelForCausalLM` (bf16 autocast over fp32 weights
+  on CUDA), completion-only NLL, AdamW; once with the model's full logits + `cross_entropy`
+  ("plain loop") and once with the output head + cross-entropy in checkpointed chunks of positions
+  ("plain loop, chunked CE"). Each rltrain and TRL row's `vs plain` is its MFU over the MFU of the
+  plain variant whose head rltrain's engine uses on these micro-batches (chunked past its logits
+  budget: the 0.494B shape's vocabulary; full on the small model).
 - SFT: completion-only NLL, forward + backward + AdamW on the policy engine.
 - DPO: the online reference's forward, then the policy's forward + backward + AdamW over
   `--batch` pairs (chosen and rejected completions share a prompt).
@@ -30,6 +41,11 @@ counts it per sequence, as TRL does). Model FLOPs per trained token = 6 x (matmu
 hidden x (mean sequence length) for causal attention (forward + backward, half the square); a
 forward-only token (DPO's reference) counts a third of that. Peak memory is
 `torch.cuda.max_memory_allocated` (CUDA only).
+
+`--profile DIR` runs one more step per workload, after the timed ones (so the table is not slowed
+by the profiler), under torch.profiler (CPU and CUDA activities), writes its trace to DIR and prints
+a summary (scripts/gpu_profile.py): the top 8 ops or kernels by self device time (host time on CPU),
+and the step's shares in communication, in `Optimizer.step`, and (CUDA) with the device idle.
 
 With TRL importable (docs/benchmarks.md: installed beside the venv; `--no-trl` skips it), TRL 1.16 runs each workload
 on the same model, rows, `--batch` and `--micro` (its `per_device_train_batch_size` = `--micro`,

@@ -3,7 +3,7 @@
 # test machine (../shared/gpu/README.md), run from the project root there:
 #
 #   bash .gpu/on-device.sh bash scripts/gpu_checks.sh suite        # make test-gpu, in 4 concurrent streams
-#   bash .gpu/on-device.sh bash scripts/gpu_checks.sh bench        # bench_gpu.py beside TRL (needs its wheel)
+#   bash .gpu/on-device.sh bash scripts/gpu_checks.sh bench        # like-for-like: plain loop, rltrain, TRL (needs its wheel)
 #   bash .gpu/on-device.sh bash scripts/gpu_checks.sh bench-fast   # padding-free, token budget, compile
 #   bash .gpu/on-device.sh bash scripts/gpu_checks.sh fleet        # rollout=server: tests and bench_fleet.py on CUDA vLLM
 #
