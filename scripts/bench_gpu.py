@@ -408,6 +408,8 @@ def run_ours(name: str, model_dir: Path, rows, args, device: torch.device, backe
         "step tokens": [n for _, _, n in timings],
         "peak GiB": _peak_gib(device),
     }
+    if backend_name == "megatron":  # megatron's shared parallel state keeps its engines' models for re-binding
+        workload.policy.groups.detach(*[e.model for e in [workload.policy, workload.reference] if e is not None])
     del workload
     _release(device)
     return out
