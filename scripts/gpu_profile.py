@@ -1,11 +1,12 @@
 """bench_gpu.py --profile: one optimizer step per workload under torch.profiler, a trace file and
-a few summary lines (docs/gpus.md, "Where the time goes").
+a few summary lines (docs/gpus.md, "Running the GPU checks").
 
 The summary reads the profiler's per-op totals: the top ops by self time on the device (kernels,
 on CUDA) or on the host (CPU), and shares of the profiled step's wall time spent in communication
 (ops or kernels named after a collective or its library), in the optimizer (the
 `Optimizer.step#...` range torch records around every `optimizer.step()`), and, on CUDA, with no
-kernel running (the step's time minus the kernels' summed busy time: host overhead and syncs).
+kernel running (the step's time minus the kernels' summed busy time: host overhead and syncs), and
+the host's time inside ops (high with the device idle: the step is bound by the host).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-COMMUNICATION = ("nccl", "gloo", "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast")
+# Names of collectives and their libraries' ops and kernels (not "broadcast": aten::broadcast_tensors is no collective).
+COMMUNICATION = ("nccl", "gloo", "c10d::", "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter")
 TOP = 8
 
 
@@ -57,7 +59,9 @@ def summarize(ops: list[OpTime], step_us: float, on_device: bool, top: int = TOP
         busy_us = sum(op.self_device_us for op in kernels)
         comm_line += f", device {share(sum(op.self_device_us for op in kernels if is_comm(op)))}"
         optim_line += f", device {share(sum(op.device_us for op in optimizer))}"
-        lines += [comm_line, optim_line, f"device idle: {share(max(step_us - busy_us, 0.0))} (step minus kernel time)"]
+        host_us = sum(op.self_host_us for op in host_ops)
+        lines += [comm_line, optim_line, f"device idle: {share(max(step_us - busy_us, 0.0))} (step minus kernel time)",
+                  f"host in ops: {share(host_us)} (their self times: launches, Python inside ranges, syncs)"]
     else:
         lines += [comm_line, optim_line]
     return lines

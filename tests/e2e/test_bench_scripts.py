@@ -90,6 +90,7 @@ def test_profile_summary_shares_of_the_step():
         op("aten::mm", False, 300.0, 0.0, 300.0, 400.0),
         op("Optimizer.step#AdamW.step", False, 50.0, 0.0, 150.0, 100.0),
         op("c10d::allreduce_", False, 100.0, 0.0, 100.0, 0.0),
+        op("aten::broadcast_tensors", False, 50.0, 0.0, 50.0, 0.0),  # no collective
         op("sm90_gemm_kernel", True, 0.0, 400.0, 0.0, 400.0),
         op("ncclDevKernel_AllReduce", True, 0.0, 100.0, 0.0, 100.0),
         op("multi_tensor_apply_kernel", True, 0.0, 100.0, 0.0, 100.0),
@@ -99,6 +100,7 @@ def test_profile_summary_shares_of_the_step():
         "communication: host 10.0%, device 10.0%",
         "optimizer step: host 15.0%, device 10.0%",
         "device idle: 40.0% (step minus kernel time)",
+        "host in ops: 50.0% (their self times: launches, Python inside ranges, syncs)",
     ]
     assert profile.summarize(ops, 1000.0, on_device=False, top=1) == [
         "top 1 by self host time: aten::mm 30.0%",
