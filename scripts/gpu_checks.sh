@@ -63,8 +63,8 @@ case $part in
     tar cf "$out/bench-profiles.tar" -C "$prof" .
     ;;
   bench-fast)
-    { $py scripts/bench_gpu.py --padding-free --max-tokens 16384 --no-trl &&
-      $py scripts/bench_gpu.py --padding-free --max-tokens 16384 --compile --no-trl; } 2>&1 | tee "$out/bench-fast.log"
+    { $py scripts/bench_gpu.py --only sft,dpo,grpo --padding-free --max-tokens 16384 --no-trl &&
+      $py scripts/bench_gpu.py --only sft,dpo,grpo --padding-free --max-tokens 16384 --compile --no-trl; } 2>&1 | tee "$out/bench-fast.log"
     ;;
   fleet)
     # rollout=server on CUDA vLLM servers (docs/rollout-servers.md): the engine tests, then the step
