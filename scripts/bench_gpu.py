@@ -5,19 +5,30 @@
     .venv/bin/python scripts/bench_gpu.py --only sft --steps 10 --warmup 3
     .venv/bin/python scripts/bench_gpu.py --compile             # decoder layers torch.compile'd (backend.compile)
     .venv/bin/python scripts/bench_gpu.py --padding-free --max-tokens 16384   # one packed row per ~16k tokens
+    .venv/bin/python scripts/bench_gpu.py --rows dense --batch 8 --micro 8 --backend fsdp,megatron --profile prof/
     PYTHONPATH=<trl dir> .venv/bin/python scripts/bench_gpu.py --model small --steps 2 --warmup 1 --batch 8 --micro 4 --threads 1
 
 The model is built locally with random weights (no download): `--model qwen0.5b` is Qwen2.5-0.5B's
 shape (hidden 896, 24 layers, 14 query / 2 KV heads, intermediate 4864, vocabulary 151,936, tied
 embeddings), `--model small` a ~10M-parameter one. The tokenizer is the character tokenizer of the
 embedded default, and the data synthetic rows of 50-400 prompt + 50-600 completion characters
-(~530 tokens on average), `--batch` rows per optimizer step in micro-batches of `--micro`; with
+(~530 tokens on average), or with `--rows dense` every sequence exactly `--length` tokens (default
+2048, a quarter of them prompt; `--rows dense --batch 8 --micro 8` is 8 x 2048 per step and per
+micro-batch), `--batch` rows per optimizer step in micro-batches of `--micro`; with
 `--max-tokens N` rltrain's micro-batches are filled in order up to N tokens instead
 (`trainer.max_tokens_per_micro_batch`; with `--padding-free` each is one packed row), while TRL
 keeps `--micro` rows. The loss and the optimizer step are the same either way (losses are
 normalised by the step's counts), only memory and speed change.
 
-What each row times (one optimizer step, after `--warmup` untimed ones):
+What each row times (one optimizer step, after `--warmup` untimed ones; rltrain's rows on FSDP, or
+with `--backend fsdp,megatron` on both backends, megatron at tp = pp = 1, labelled "(megatron)"):
+- plain loop (`--only plain`, scripts/gpu_plain_loop.py): the ceiling reference, SFT's rows and
+  micro-batches in a plain PyTorch loop over `AutoModelForCausalLM` (bf16 autocast over fp32 weights
+  on CUDA), completion-only NLL, AdamW; once with the model's full logits + `cross_entropy`
+  ("plain loop") and once with the output head + cross-entropy in checkpointed chunks of positions
+  ("plain loop, chunked CE"). Each rltrain and TRL row's `vs plain` is its MFU over the MFU of the
+  plain variant whose head rltrain's engine uses on these micro-batches (chunked past its logits
+  budget: the 0.494B shape's vocabulary; full on the small model).
 - SFT: completion-only NLL, forward + backward + AdamW on the policy engine.
 - DPO: the online reference's forward, then the policy's forward + backward + AdamW over
   `--batch` pairs (chosen and rejected completions share a prompt).
@@ -30,6 +41,11 @@ counts it per sequence, as TRL does). Model FLOPs per trained token = 6 x (matmu
 hidden x (mean sequence length) for causal attention (forward + backward, half the square); a
 forward-only token (DPO's reference) counts a third of that. Peak memory is
 `torch.cuda.max_memory_allocated` (CUDA only).
+
+`--profile DIR` runs one more step per workload, after the timed ones (so the table is not slowed
+by the profiler), under torch.profiler (CPU and CUDA activities), writes its trace to DIR and prints
+a summary (scripts/gpu_profile.py): the top 8 ops or kernels by self device time (host time on CPU),
+and the step's shares in communication, in `Optimizer.step`, and (CUDA) with the device idle.
 
 With TRL importable (docs/benchmarks.md: installed beside the venv; `--no-trl` skips it), TRL 1.16 runs each workload
 on the same model, rows, `--batch` and `--micro` (its `per_device_train_batch_size` = `--micro`,
@@ -100,16 +116,17 @@ SHAPES = {
 ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 +=-"
 LR, DPO_BETA, CLIP_LOW, CLIP_HIGH, MAX_COMPLETION = 1e-5, 0.1, 0.2, 0.28, 600
 TRL_NAMES = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "grpo": "GRPOTrainer update"}
+WORKLOADS = ("plain", "sft", "dpo", "grpo")
 
 
-def build_model_dir(shape: str, directory: Path, device: torch.device) -> Path:
+def build_model_dir(shape: str, directory: Path, device: torch.device, max_positions: int = 2048) -> Path:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from rltrain.models.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     config = Qwen2Config(
-        **SHAPES[shape], max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
+        **SHAPES[shape], max_position_embeddings=max_positions, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
     )
     torch.manual_seed(0)
@@ -120,13 +137,28 @@ def build_model_dir(shape: str, directory: Path, device: torch.device) -> Path:
     return directory
 
 
-def make_rows(n: int, seed: int = 0) -> list[dict[str, str]]:
+def make_rows(n: int, seed: int = 0, length: int = 0) -> list[dict[str, str]]:
+    """`n` rows of characters (one token each): mixed lengths, or with `length` > 0 (`--rows dense`)
+    every sequence exactly `length` tokens with its EOS, a quarter of them prompt."""
     rng = random.Random(seed)
 
     def text(lo: int, hi: int) -> str:
         return "".join(rng.choice(ALPHABET) for _ in range(rng.randint(lo, hi)))
 
+    if length:
+        p, c = length // 4, length - length // 4 - 1
+        return [{"prompt": text(p, p), "completion": text(c, c), "rejected": text(c, c)} for _ in range(n)]
     return [{"prompt": text(50, 400), "completion": text(50, 600), "rejected": text(50, 600)} for _ in range(n)]
+
+
+def total_steps(args) -> int:
+    """Optimizer steps each workload runs: warm-up, timed, and with --profile one more, profiled."""
+    return args.warmup + args.steps + (1 if args.profile else 0)
+
+
+def max_completion(args) -> int:
+    """The longest GRPO completion: dense rows' fixed length, else the mixed rows' cap."""
+    return args.row_length - args.row_length // 4 if args.row_length else MAX_COMPLETION
 
 
 def matmul_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
@@ -169,14 +201,16 @@ class FixedRollouts:
     adv_B: list[float]
 
 
-def fixed_rollouts(tok, rows: list[dict[str, str]], k: int, batch: int, group: int) -> FixedRollouts:
+def fixed_rollouts(tok, rows: list[dict[str, str]], k: int, batch: int, group: int, length: int = 0) -> FixedRollouts:
+    """`length` > 0 (dense rows): every prompt + completion exactly `length` tokens."""
     rng = random.Random(k)
     prompts, completions = [], []
     for r in rows[k * batch : (k + 1) * batch][: grpo_sequences(batch, group) // group]:
         ids = encode(tok, r["prompt"])
         for _ in range(group):
             prompts.append(ids)
-            completions.append([rng.randrange(3, len(tok)) for _ in range(rng.randint(50, MAX_COMPLETION))])
+            size = length - len(ids) if length else rng.randint(50, MAX_COMPLETION)
+            completions.append([rng.randrange(3, len(tok)) for _ in range(size)])
     return FixedRollouts(prompts, completions, [rng.uniform(-1, 1) for _ in completions])
 
 
@@ -185,10 +219,11 @@ class Workload:
 
     def __init__(
         self, name: str, model_dir: Path, rows: list[dict[str, str]], args, device: torch.device, adapters=None,
-        gradient_checkpointing: bool = False,
+        gradient_checkpointing: bool = False, backend_name: str = "fsdp",
     ) -> None:
         """`adapters`: a LoraAdapterConfig to train LoRA adapters (scripts/bench_lora.py); DPO's
-        reference is then the policy's base with the adapters off, as in a run."""
+        reference is then the policy's base with the adapters off, as in a run. `backend_name`:
+        fsdp or megatron (tp = pp = 1), with the same rows, micro-batches, loss and optimizer."""
         from transformers import AutoConfig
 
         from rltrain.backends.fsdp.engine import FSDPEngine
@@ -203,24 +238,33 @@ class Workload:
         self.flops_per_param_token = 6 * matmul_params
         self.attn_flops_per_len = 6 * config.num_hidden_layers * config.hidden_size
         optim = OptimConfig(lr=LR, warmup_steps=0, schedule="constant", beta2=0.999, max_grad_norm=1.0)
-        total = args.steps + args.warmup
-        backend = FSDPBackendConfig(padding_free=args.padding_free, compile=args.compile)
-        self.policy = FSDPEngine(
-            model_dir, backend, optim, total, device, precision=args.precision, adapters=adapters,
-            gradient_checkpointing=gradient_checkpointing,
-        )
+        total = total_steps(args)
         self.reference = None
-        if name == "dpo":
-            self.reference = self.policy.base_weights() or FSDPEngine(
-                model_dir, backend, None, total, device, precision=args.precision
+        if backend_name == "megatron":
+            from rltrain.backends.megatron.engine import MegatronEngine
+            from rltrain.config.group_options import MegatronBackendConfig
+
+            megatron = MegatronBackendConfig()
+            self.policy = MegatronEngine(model_dir, megatron, optim, total, device, precision=args.precision,
+                                         gradient_checkpointing=gradient_checkpointing)
+            if name == "dpo":
+                self.reference = MegatronEngine(model_dir, megatron, None, total, device, precision=args.precision)
+        else:
+            backend = FSDPBackendConfig(padding_free=args.padding_free, compile=args.compile)
+            self.policy = FSDPEngine(
+                model_dir, backend, optim, total, device, precision=args.precision, adapters=adapters,
+                gradient_checkpointing=gradient_checkpointing,
             )
+            if name == "dpo":
+                self.reference = self.policy.base_weights() or FSDPEngine(
+                    model_dir, backend, None, total, device, precision=args.precision
+                )
         self.steps = [self._build(rows, k) for k in range(total)]
 
     def _build(self, rows: list[dict[str, str]], k: int):
         from rltrain.algos.dpo import dpo_micro_batches
         from rltrain.data.batch import SequenceBatch
         from rltrain.data.preference_data import PreferencePair
-        from rltrain.data.sharding import micro_batch_count, split_micro_batches
 
         a, eos = self.args, self.tok.eos_token_id
         chunk = rows[k * a.batch : (k + 1) * a.batch]
@@ -233,14 +277,13 @@ class Workload:
             micro, _ = dpo_micro_batches(pairs, 0, 1, rows_per_micro, a.max_tokens)
             return micro
         if self.name == "sft":
-            prompts = [encode(self.tok, r["prompt"]) for r in chunk]
-            completions = [encode(self.tok, r["completion"]) + [eos] for r in chunk]
+            prompts, completions = sft_rows(self.tok, rows, k, a.batch)
             batch = SequenceBatch.from_lists(prompts, completions, global_tokens=float(sum(map(len, completions))))
         else:
             from rltrain.algos.rl_update import PolicyLossInputs
             from rltrain.data.ragged import Ragged
 
-            rollouts = fixed_rollouts(self.tok, rows, k, a.batch, a.group)
+            rollouts = fixed_rollouts(self.tok, rows, k, a.batch, a.group, a.row_length)
             prompts, completions = rollouts.prompts, rollouts.completions
             batch = SequenceBatch.from_lists(prompts, completions)
             # On-policy from the training pass (old/entropy/reference None); the engine's log-probabilities
@@ -250,9 +293,7 @@ class Workload:
                 adv=torch.tensor(rollouts.adv_B, device="cpu"), engine_logps=no_engine_logps,
                 global_tokens=float(sum(map(len, completions))), global_seqs=float(len(completions)),
             )
-        sizes = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
-        count = micro_batch_count(len(batch), 1, rows_per_micro)
-        return [batch.select(idx) for idx in split_micro_batches(list(range(len(batch))), count, rows_per_micro, sizes, a.max_tokens) if idx]
+        return [batch.select(idx) for idx in micro_indices(prompts, completions, a)]
 
     def _loss(self):
         from types import SimpleNamespace
@@ -266,7 +307,7 @@ class Workload:
         if self.name == "dpo":
             return make_dpo_loss(DPO_BETA, "sigmoid", 0.0, 0.0)
         cfg = SimpleNamespace(clip_low=CLIP_LOW, clip_high=CLIP_HIGH, beta=0.0, loss_agg="token_mean",
-                              importance_level="token", policy_loss="clip", max_new_tokens=MAX_COMPLETION,
+                              importance_level="token", policy_loss="clip", max_new_tokens=max_completion(self.args),
                               rollout_correction="none", rollout_is_cap=2.0, rollout_mask_band=2.0)
         return make_policy_loss(cfg)
 
@@ -286,6 +327,23 @@ class Workload:
         self.policy.train_step(micro, self._loss())
         _sync(self.device)
         return time.perf_counter() - t0, flops, tokens
+
+
+def sft_rows(tok, rows: list[dict[str, str]], k: int, batch: int) -> tuple[list[list[int]], list[list[int]]]:
+    """SFT step k's prompts and completions (with EOS), as token ids."""
+    chunk = rows[k * batch : (k + 1) * batch]
+    return [encode(tok, r["prompt"]) for r in chunk], [encode(tok, r["completion"]) + [tok.eos_token_id] for r in chunk]
+
+
+def micro_indices(prompts: list[list[int]], completions: list[list[int]], args) -> list[list[int]]:
+    """The rows of each micro-batch, as rltrain splits a step: `--micro` rows, or with
+    `--max-tokens` rows in order up to the token budget (trainer.max_tokens_per_micro_batch)."""
+    from rltrain.data.sharding import micro_batch_count, split_micro_batches
+
+    rows_per_micro = len(prompts) if args.max_tokens else args.micro
+    sizes = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
+    count = micro_batch_count(len(prompts), 1, rows_per_micro)
+    return [idx for idx in split_micro_batches(list(range(len(prompts))), count, rows_per_micro, sizes, args.max_tokens) if idx]
 
 
 def _model_tokens(micro) -> int:
@@ -321,11 +379,28 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def run_ours(name: str, model_dir: Path, rows, args, device: torch.device) -> dict:
-    workload = Workload(name, model_dir, rows, args, device)
+def _timed_steps(step, args, label: str, device: torch.device) -> list:
+    """Warm-up and timed steps' results, timed ones only; with --profile, then one step profiled."""
+    from gpu_profile import StepProfiler
+
+    results = [step(k) for k in range(args.warmup + args.steps)][args.warmup :]
+    if args.profile:
+        profiler = StepProfiler(args.profile, f"{args.rows} {label}", device)
+        profiler.start()
+        step(args.warmup + args.steps)
+        profiler.stop()
+    return results
+
+
+def ours_label(name: str, backend_name: str) -> str:
+    return f"rltrain {name}" + (f" ({backend_name})" if backend_name != "fsdp" else "")
+
+
+def run_ours(name: str, model_dir: Path, rows, args, device: torch.device, backend_name: str = "fsdp") -> dict:
+    workload = Workload(name, model_dir, rows, args, device, backend_name=backend_name)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    timings = [workload.step(k) for k in range(args.steps + args.warmup)][args.warmup :]
+    timings = _timed_steps(workload.step, args, ours_label(name, backend_name), device)
     seconds = sum(t for t, _, _ in timings)
     out = {
         "tokens/s": sum(n for _, _, n in timings) / seconds,
@@ -333,7 +408,39 @@ def run_ours(name: str, model_dir: Path, rows, args, device: torch.device) -> di
         "step tokens": [n for _, _, n in timings],
         "peak GiB": _peak_gib(device),
     }
+    if backend_name == "megatron":  # megatron's shared parallel state keeps its engines' models for re-binding
+        workload.policy.groups.detach(*[e.model for e in [workload.policy, workload.reference] if e is not None])
     del workload
+    _release(device)
+    return out
+
+
+def run_plain(head: str, model_dir: Path, rows, args, precision, device: torch.device) -> dict:
+    """The plain PyTorch loop (scripts/gpu_plain_loop.py) on SFT's rows and micro-batches; its model
+    FLOPs per step counted as rltrain SFT's."""
+    from gpu_plain_loop import HEADS, PlainLoop
+    from transformers import AutoConfig
+
+    from rltrain.models.tokenizer import load_tokenizer
+
+    tok, config = load_tokenizer(model_dir), AutoConfig.from_pretrained(model_dir)
+    steps = []
+    for k in range(total_steps(args)):
+        prompts, completions = sft_rows(tok, rows, k, args.batch)
+        steps.append([[(prompts[i], completions[i]) for i in idx] for idx in micro_indices(prompts, completions, args)])
+    loop = PlainLoop(model_dir, steps, head, device, precision.mixed, tok.pad_token_id, LR)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    seconds = _timed_steps(loop.step, args, HEADS[head], device)
+    flops, tokens = [], []
+    for step in steps[args.warmup : args.warmup + args.steps]:
+        seqs = [len(p) + len(c) for micro in step for p, c in micro]
+        mean_len = sum(n * n for n in seqs) / sum(seqs)
+        flops.append(sum(seqs) * (6 * _matmul_params(config) + 6 * config.num_hidden_layers * config.hidden_size * mean_len))
+        tokens.append(sum(seqs))
+    out = {"tokens/s": sum(tokens) / sum(seconds), "flops/s": sum(flops) / sum(seconds), "step tokens": tokens,
+           "peak GiB": _peak_gib(device)}
+    del loop
     _release(device)
     return out
 
@@ -353,14 +460,14 @@ def trl_grpo_update_trainer(model_dir: Path, rows, args, trainer_args: dict, dty
     from rltrain.models.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir)
-    total = args.steps + args.warmup
-    steps = [fixed_rollouts(tok, rows, k, args.batch, args.group) for k in range(total)]
+    total = total_steps(args)
+    steps = [fixed_rollouts(tok, rows, k, args.batch, args.group, args.row_length) for k in range(total)]
     prompts_per_step = grpo_sequences(args.batch, args.group) // args.group
     dataset = datasets.Dataset.from_list(
         [{"prompt": r["prompt"]} for k in range(total) for r in rows[k * args.batch : (k + 1) * args.batch][:prompts_per_step]]
     )
     config = GRPOConfig(
-        **trainer_args, num_generations=args.group, max_completion_length=MAX_COMPLETION, use_vllm=False, beta=0.0,
+        **trainer_args, num_generations=args.group, max_completion_length=max_completion(args), use_vllm=False, beta=0.0,
         epsilon=CLIP_LOW, epsilon_high=CLIP_HIGH, loss_type="dapo", num_iterations=1, shuffle_dataset=False,
     )
     trainer = GRPOTrainer(
@@ -393,17 +500,30 @@ def trl_grpo_update_trainer(model_dir: Path, rows, args, trainer_args: dict, dty
 
 
 def run_trl(name: str, model_dir: Path, rows, args, precision, device: torch.device, out_dir: Path) -> dict:
-    """TRL 1.16's trainer for workload `name` on the same rows, batch and micro-batch (module docstring)."""
-    total = args.steps + args.warmup
+    """TRL 1.16's trainer for workload `name` on the same rows, batch and micro-batch (module docstring);
+    with --profile, the step after the timed ones under the profiler (started and stopped by the step
+    timer's callback, after the timed step's end)."""
+    from gpu_profile import StepProfiler
+
+    total, last_timed = total_steps(args), args.warmup + args.steps - 1
     times: list[float] = []
-    timer = trl_step_timer(times)
+    profiler = StepProfiler(args.profile, f"{args.rows} TRL {TRL_NAMES[name]}", device) if args.profile else None
+
+    def after_step(k: int) -> None:
+        if profiler is not None and k == last_timed:
+            profiler.start()
+        elif profiler is not None and k == last_timed + 1:
+            profiler.stop()
+
+    timer = trl_step_timer(times, after_step)
 
     def trainer_args(accumulation: int) -> dict:
         return trl_args(out_dir / name, micro=args.micro, accumulation=accumulation, steps=total, lr=LR, device=device,
                         bf16=precision.mixed)
 
     if name == "sft":
-        trainer = trl_sft_trainer(model_dir, rows[: total * args.batch], trainer_args(args.batch // args.micro), 2048,
+        trainer = trl_sft_trainer(model_dir, rows[: total * args.batch], trainer_args(args.batch // args.micro),
+                                  max(2048, args.row_length),
                                   precision.param_dtype, timer)
         row_tokens, rows_per_step = sft_row_tokens(trainer), args.batch
     elif name == "dpo":
@@ -419,7 +539,7 @@ def run_trl(name: str, model_dir: Path, rows, args, precision, device: torch.dev
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
-    timed = per_step(row_tokens, rows_per_step, times)[args.warmup :]
+    timed = per_step(row_tokens, rows_per_step, times)[args.warmup : last_timed + 1]
     out = {
         "tokens/s": sum(n for _, n in timed) / sum(t for t, _ in timed),
         "step tokens": [n for _, n in timed],
@@ -432,9 +552,17 @@ def run_trl(name: str, model_dir: Path, rows, args, precision, device: torch.dev
 
 def check_batches(parser: argparse.ArgumentParser, args, names: list[str], with_trl: bool) -> None:
     """Bad workload names or batch shapes TRL cannot take stop here, before any model is built."""
-    unknown = sorted(set(names) - set(TRL_NAMES))
+    unknown = sorted(set(names) - set(WORKLOADS))
     if unknown:
-        parser.error(f"--only {args.only}: unknown workload(s) {', '.join(unknown)}; choose from sft,dpo,grpo")
+        parser.error(f"--only {args.only}: unknown workload(s) {', '.join(unknown)}; choose from {','.join(WORKLOADS)}")
+    bad_backends = sorted(set(args.backend.split(",")) - {"fsdp", "megatron"})
+    if bad_backends:
+        parser.error(f"--backend {args.backend}: unknown backend(s) {', '.join(bad_backends)}; choose from fsdp,megatron")
+    if "megatron" in args.backend.split(",") and (args.padding_free or args.compile):
+        parser.error("--padding-free and --compile are FSDP options (backend.padding_free, backend.compile); "
+                     "pass --backend fsdp with them")
+    if args.rows == "dense" and args.length < 8:
+        parser.error(f"--length {args.length}: dense rows need at least 8 tokens (a quarter prompt, the rest completion)")
     if not with_trl:
         return
     if args.batch % args.micro:
@@ -446,16 +574,39 @@ def check_batches(parser: argparse.ArgumentParser, args, names: list[str], with_
                      "--batch, --group or --micro, or pass --no-trl")
 
 
-def _row(name: str, tokens_per_s: float, flops_per_s: float, peak: float, peak_gib: float | None, ratio: str) -> list[str]:
-    mem = f"{peak_gib:.1f}" if peak_gib is not None else "-"
-    return [name, f"{tokens_per_s:.0f}", f"{100 * flops_per_s / peak:.1f}%", mem, ratio]
+def _row(name: str, result: dict, peak: float, plain: dict | None, vs_trl: str) -> list[str]:
+    """A table row; `vs plain` is the MFU ratio to `plain` (the plain loop with rltrain's head)."""
+    mem = f"{result['peak GiB']:.1f}" if result["peak GiB"] is not None else "-"
+    vs_plain = f"{result['flops/s'] / plain['flops/s']:.2f}x" if plain else "-"
+    return [name, f"{result['tokens/s']:.0f}", f"{100 * result['flops/s'] / peak:.1f}%", mem, vs_plain, vs_trl]
+
+
+def rltrain_head(model_dir: Path, rows, args) -> str:
+    """The head rltrain's FSDP engine uses on these micro-batches (chunked past its logits budget),
+    so rltrain is compared with the plain loop that has the same head."""
+    from gpu_plain_loop import HEADS
+    from transformers import AutoConfig
+
+    from rltrain.backends.chunked_head import exceeds_chunk_limit
+    from rltrain.models.tokenizer import load_tokenizer
+
+    tok, vocab = load_tokenizer(model_dir), AutoConfig.from_pretrained(model_dir).vocab_size
+    prompts, completions = sft_rows(tok, rows, 0, args.batch)
+    widest = max(sum(len(prompts[i]) + len(completions[i]) for i in idx) for idx in micro_indices(prompts, completions, args))
+    return HEADS["chunked" if exceeds_chunk_limit(widest, vocab) else "full"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(SHAPES), default=None, help="default: qwen0.5b on CUDA, small on CPU")
     parser.add_argument("--precision", default="auto", help="trainer.precision (auto: bf16-mixed on CUDA, fp32 on CPU)")
-    parser.add_argument("--only", default="sft,dpo,grpo", help="comma-separated subset of sft,dpo,grpo")
+    parser.add_argument("--only", default="plain,sft,dpo,grpo", help="comma-separated subset of plain,sft,dpo,grpo "
+                        "(plain: the plain PyTorch loop, full logits and chunked CE)")
+    parser.add_argument("--rows", choices=("mixed", "dense"), default="mixed",
+                        help="mixed: 50-400 prompt + 50-600 completion tokens; dense: every sequence --length tokens")
+    parser.add_argument("--length", type=int, default=2048, help="--rows dense: tokens per sequence (a quarter prompt)")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="one more step per workload under torch.profiler: a trace in this folder, a summary printed")
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per workload")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--batch", type=int, default=32, help="rows (pairs for DPO, sequences for GRPO) per step")
@@ -474,11 +625,14 @@ def main() -> None:
         "as bench_sft.py and bench_dpo.py do)",
     )
     parser.add_argument("--port", type=int, default=29541)
+    parser.add_argument("--backend", default="fsdp",
+                        help="rltrain's backend(s) for its rows, comma-separated: fsdp, megatron (tp = pp = 1) or both")
     parser.add_argument("--compile", action="store_true", help="backend.compile=true: torch.compile each decoder layer")
     args = parser.parse_args()
+    args.row_length = args.length if args.rows == "dense" else 0
     from rltrain.runtime.precision import resolve_precision
 
-    names = args.only.split(",")
+    names, backends = args.only.split(","), args.backend.split(",")
     with_trl = not args.no_trl and trl_available()
     check_batches(parser, args, names, with_trl)
     if args.threads:
@@ -489,32 +643,52 @@ def main() -> None:
     quiet_transformers()
     init_single_rank(args.port)
     peak = matmul_peak_flops(device, precision.compute_dtype)
-    table, notes = [], []
+    table: list[list[str]] = []
+    notes: list[str] = []
+
+    def add(cells: list[str]) -> None:
+        """A measured row, printed at once too: a run cut short (a device call's limit) keeps it."""
+        table.append(cells)
+        print("row: " + " | ".join(cells), flush=True)
+
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_model_dir(shape, Path(tmp) / "model", device)
-        rows = make_rows((args.steps + args.warmup) * args.batch)
-        for name in names:
-            ours = run_ours(name, model_dir, rows, args, device)
-            table.append(_row(f"rltrain {name}", ours["tokens/s"], ours["flops/s"], peak, ours["peak GiB"], "-"))
-            if not with_trl:
+        model_dir = build_model_dir(shape, Path(tmp) / "model", device, max(2048, args.row_length))
+        rows = make_rows(total_steps(args) * args.batch, length=args.row_length)
+        plain, same_head = {}, rltrain_head(model_dir, rows, args)
+        if "plain" in names:
+            from gpu_plain_loop import HEADS
+
+            for head, label in HEADS.items():
+                plain[label] = run_plain(head, model_dir, rows, args, precision, device)
+                add(_row(label, plain[label], peak, None, "-"))
+        for name in [n for n in names if n != "plain"]:
+            results = {b: run_ours(name, model_dir, rows, args, device, b) for b in backends}
+            theirs = run_trl(name, model_dir, rows, args, precision, device, Path(tmp) / "trl") if with_trl else None
+            for backend_name, result in results.items():
+                vs_trl = f"{result['tokens/s'] / theirs['tokens/s']:.2f}x" if theirs else "-"
+                add(_row(ours_label(name, backend_name), result, peak, plain.get(same_head), vs_trl))
+            if theirs is None:
                 continue
-            theirs = run_trl(name, model_dir, rows, args, precision, device, Path(tmp) / "trl")
-            table[-1][-1] = f"{ours['tokens/s'] / theirs['tokens/s']:.2f}x"
-            trl_flops_per_s = ours["flops/s"] / ours["tokens/s"] * theirs["tokens/s"]  # the same work per token
-            table.append(_row(f"TRL 1.16 {TRL_NAMES[name]}", theirs["tokens/s"], trl_flops_per_s, peak, theirs["peak GiB"], "1.00x"))
+            ours = results[backends[0]]
+            theirs["flops/s"] = ours["flops/s"] / ours["tokens/s"] * theirs["tokens/s"]  # the same work per token
+            add(_row(f"TRL 1.16 {TRL_NAMES[name]}", theirs, peak, plain.get(same_head), "1.00x"))
             if theirs["step tokens"] != ours["step tokens"]:
                 notes.append(f"warning: {name}: TRL tokenized {theirs['step tokens']} tokens per step, rltrain {ours['step tokens']}")
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     notes.insert(0, f"matmul peak measured here: {peak / 1e12:.1f} TFLOP/s ({precision.compute_dtype_name})")
     notes.insert(1, "TRL 1.16: same rows, batch and micro-batch, run after ours (not interleaved); vs TRL = tokens/s ratio"
                  if with_trl else "TRL: not importable or --no-trl")
+    if plain:
+        notes.insert(2, f"vs plain = MFU / the MFU of the '{same_head}' row (the plain loop with rltrain's output head); "
+                     "for sft (the same rows and micro-batches) also the tokens/s ratio")
+    rows_text = f"dense rows of {args.length} tokens" if args.row_length else "mixed-length rows"
     print_table(
-        f"{shape} ({device_name}, {precision.name}{', padding-free' if args.padding_free else ''}"
+        f"{shape} ({device_name}, {precision.name}, rltrain on {args.backend}{', padding-free' if args.padding_free else ''}"
         f"{', torch.compile per layer' if args.compile else ''}), "
-        f"{args.batch} rows/step in micro-batches of "
+        f"{args.batch} {rows_text}/step in micro-batches of "
         f"{f'<= {args.max_tokens} tokens (TRL: {args.micro} rows)' if args.max_tokens else args.micro}, "
         f"{args.steps} timed steps (+{args.warmup} warm-up), {torch.get_num_threads()} CPU threads",
-        ["workload", "tokens/s", "MFU", "peak GiB", "vs TRL"],
+        ["workload", "tokens/s", "MFU", "peak GiB", "vs plain", "vs TRL"],
         table,
         notes,
     )

@@ -3,7 +3,7 @@
 # test machine (../shared/gpu/README.md), run from the project root there:
 #
 #   bash .gpu/on-device.sh bash scripts/gpu_checks.sh suite        # make test-gpu, in 4 concurrent streams
-#   bash .gpu/on-device.sh bash scripts/gpu_checks.sh bench        # bench_gpu.py beside TRL (needs its wheel)
+#   bash .gpu/on-device.sh bash scripts/gpu_checks.sh bench        # like-for-like: plain loop, rltrain, TRL (needs its wheel)
 #   bash .gpu/on-device.sh bash scripts/gpu_checks.sh bench-fast   # padding-free, token budget, compile
 #   bash .gpu/on-device.sh bash scripts/gpu_checks.sh fleet        # rollout=server: tests and bench_fleet.py on CUDA vLLM
 #
@@ -41,11 +41,30 @@ case $part in
     exit $status
     ;;
   bench)
-    $py scripts/bench_gpu.py 2>&1 | tee "$out/bench.log"
+    # Issue 51's like-for-like table (docs/gpus.md, "Running the GPU checks"; prepared on CPU, not yet
+    # run on a GPU): the plain loop (full logits and chunked CE), rltrain and TRL on the same rows,
+    # dense 8 x 2048 (FSDP and megatron; DPO in micro-batches of 4 pairs, the same 16k tokens as the
+    # others' 8 rows) and the mixed rows with token-budget micro-batches (FSDP). Sized for one
+    # 10-minute call on an H100: 3 timed steps after 1 warm-up, then one profiled step per workload;
+    # each run has a timeout so a slow one cannot take the others' time, and prints every row as soon
+    # as it is measured ("row: ..."), so a cut run keeps its rows. The traces go into one tar (the
+    # device tool returns at most 8 files); the summaries are in bench.log.
+    prof=/tmp/bench-profile
+    rm -rf "$prof"
+    common=(--steps 3 --warmup 1 --profile "$prof")
+    {
+      timeout 240 $py scripts/bench_gpu.py --only plain,sft,grpo --rows dense --length 2048 --batch 8 --micro 8 \
+        --group 8 --backend fsdp,megatron --port 29541 "${common[@]}"
+      timeout 100 $py scripts/bench_gpu.py --only dpo --rows dense --length 2048 --batch 8 --micro 4 \
+        --backend fsdp,megatron --port 29542 "${common[@]}"
+      timeout 220 $py scripts/bench_gpu.py --only plain,sft,dpo,grpo --rows mixed --batch 32 --micro 8 \
+        --max-tokens 8192 --port 29543 "${common[@]}"
+    } 2>&1 | grep -v '^USDT:' | tee "$out/bench.log"
+    tar cf "$out/bench-profiles.tar" -C "$prof" .
     ;;
   bench-fast)
-    { $py scripts/bench_gpu.py --padding-free --max-tokens 16384 --no-trl &&
-      $py scripts/bench_gpu.py --padding-free --max-tokens 16384 --compile --no-trl; } 2>&1 | tee "$out/bench-fast.log"
+    { $py scripts/bench_gpu.py --only sft,dpo,grpo --padding-free --max-tokens 16384 --no-trl &&
+      $py scripts/bench_gpu.py --only sft,dpo,grpo --padding-free --max-tokens 16384 --compile --no-trl; } 2>&1 | tee "$out/bench-fast.log"
     ;;
   fleet)
     # rollout=server on CUDA vLLM servers (docs/rollout-servers.md): the engine tests, then the step

@@ -3,10 +3,13 @@ TRL side is run too wherever TRL is importable (it is not a dependency, so CI sk
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 
 import pytest
+import torch
+import torch.nn.functional as F
 from cli import ROOT, python
 from helpers import free_port
 
@@ -14,8 +17,8 @@ pytestmark = pytest.mark.e2e
 
 
 def test_bench_gpu_runs_every_workload_on_cpu():
-    proc = python("scripts/bench_gpu.py", "--steps", "1", "--warmup", "0", "--batch", "4", "--micro", "2",
-                  "--group", "2", "--no-trl", "--port", str(free_port()), timeout=600)
+    proc = python("scripts/bench_gpu.py", "--only", "sft,dpo,grpo", "--steps", "1", "--warmup", "0", "--batch", "4",
+                  "--micro", "2", "--group", "2", "--no-trl", "--port", str(free_port()), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split()[1]: line.split() for line in proc.stdout.splitlines() if line.startswith("rltrain ")}
     assert set(rows) == {"sft", "dpo", "grpo"}, proc.stdout
@@ -26,14 +29,91 @@ def test_bench_gpu_runs_every_workload_on_cpu():
 def test_bench_gpu_names_an_unknown_workload_before_building_anything():
     proc = python("scripts/bench_gpu.py", "--only", "sft,ppo", "--no-trl", timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "unknown workload(s) ppo; choose from sft,dpo,grpo" in proc.stderr, proc.stderr
+    assert "unknown workload(s) ppo; choose from plain,sft,dpo,grpo" in proc.stderr, proc.stderr
+
+
+def test_bench_gpu_runs_the_plain_loop_beside_rltrain_on_dense_rows_and_profiles_each(tmp_path):
+    proc = python("scripts/bench_gpu.py", "--model", "small", "--only", "plain,sft", "--backend", "fsdp,megatron",
+                  "--rows", "dense", "--length", "64",
+                  "--batch", "4", "--micro", "2", "--steps", "1", "--warmup", "0", "--no-trl", "--threads", "1",
+                  "--profile", str(tmp_path), "--port", str(free_port()), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "4 dense rows of 64 tokens/step" in proc.stdout, proc.stdout
+    table = {line.rsplit(None, 5)[0]: line.rsplit(None, 5)[1:] for line in proc.stdout.splitlines()
+             if line.startswith(("plain loop", "rltrain "))}
+    assert list(table) == ["plain loop", "plain loop, chunked CE", "rltrain sft", "rltrain sft (megatron)"], proc.stdout
+    assert all(float(cells[0]) > 0 for cells in table.values()), proc.stdout
+    for name in ["rltrain sft", "rltrain sft (megatron)"]:  # vs the plain loop with the same (full) head
+        assert float(table[name][3].rstrip("x")) > 0, proc.stdout
+    assert "'plain loop' row (the plain loop with rltrain's output head)" in proc.stdout, proc.stdout
+    for name in table:
+        assert f"profile of one step, dense {name} (" in proc.stdout, proc.stdout
+    assert proc.stdout.count("top 8 by self host time: aten::") == 4, proc.stdout
+    assert proc.stdout.count("optimizer step: host ") == 4, proc.stdout
+    traces = sorted(p.name for p in tmp_path.iterdir())
+    assert traces == ["dense_plain_loop.json.gz", "dense_plain_loop_chunked_CE.json.gz", "dense_rltrain_sft.json.gz",
+                      "dense_rltrain_sft_megatron.json.gz"]
+
+
+def _script(name: str):
+    """A module of scripts/ (not a package), imported by path; registered as dataclasses need."""
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plain_loop_chunked_cross_entropy_equals_the_full_logits_one():
+    plain = _script("gpu_plain_loop")
+    torch.manual_seed(0)
+    hidden_NH = torch.randn(7, 5, requires_grad=True)
+    weight_VH = torch.randn(11, 5, requires_grad=True)
+    targets_N = torch.randint(0, 11, (7,))
+    full = F.cross_entropy(hidden_NH @ weight_VH.t(), targets_N, reduction="sum")
+    grads = torch.autograd.grad(full, [hidden_NH, weight_VH])
+    old, plain.CHUNK_ELEMENTS = plain.CHUNK_ELEMENTS, 33  # chunks of 3 positions: 3 + 3 + 1
+    try:
+        chunked = plain.chunked_ce_sum(hidden_NH, weight_VH, targets_N)
+    finally:
+        plain.CHUNK_ELEMENTS = old
+    chunked_grads = torch.autograd.grad(chunked, [hidden_NH, weight_VH])
+    torch.testing.assert_close(chunked, full)
+    for got, want in zip(chunked_grads, grads):
+        torch.testing.assert_close(got, want)
+
+
+def test_profile_summary_shares_of_the_step():
+    profile = _script("gpu_profile")
+    op = profile.OpTime
+    ops = [
+        op("aten::mm", False, 300.0, 0.0, 300.0, 400.0),
+        op("Optimizer.step#AdamW.step", False, 50.0, 0.0, 150.0, 100.0),
+        op("c10d::allreduce_", False, 100.0, 0.0, 100.0, 0.0),
+        op("aten::broadcast_tensors", False, 50.0, 0.0, 50.0, 0.0),  # no collective
+        op("sm90_gemm_kernel", True, 0.0, 400.0, 0.0, 400.0),
+        op("ncclDevKernel_AllReduce", True, 0.0, 100.0, 0.0, 100.0),
+        op("multi_tensor_apply_kernel", True, 0.0, 100.0, 0.0, 100.0),
+    ]
+    assert profile.summarize(ops, 1000.0, on_device=True, top=2) == [
+        "top 2 by self device time: sm90_gemm_kernel 40.0%; ncclDevKernel_AllReduce 10.0%",
+        "communication: host 10.0%, device 10.0%",
+        "optimizer step: host 15.0%, device 10.0%",
+        "device idle: 40.0% (step minus kernel time)",
+        "host in ops: 50.0% (their self times: launches, Python inside ranges, syncs)",
+    ]
+    assert profile.summarize(ops, 1000.0, on_device=False, top=1) == [
+        "top 1 by self host time: aten::mm 30.0%",
+        "communication: host 10.0%",
+        "optimizer step: host 15.0%",
+    ]
 
 
 def test_bench_gpu_prints_trl_beside_every_workload_when_trl_is_importable():
     """TRL is a benchmark peer, not a dependency: this runs where it is importable (PYTHONPATH)."""
     pytest.importorskip("trl")
     proc = subprocess.run(
-        [sys.executable, "scripts/bench_gpu.py", "--steps", "1", "--warmup", "0", "--batch", "4", "--micro", "2",
+        [sys.executable, "scripts/bench_gpu.py", "--only", "sft,dpo,grpo", "--steps", "1", "--warmup", "0", "--batch", "4", "--micro", "2",
          "--group", "2", "--threads", "1", "--port", str(free_port())],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
@@ -41,7 +121,7 @@ def test_bench_gpu_prints_trl_beside_every_workload_when_trl_is_importable():
     trl_rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("TRL 1.16 ")]
     assert [cells[2] for cells in trl_rows] == ["SFTTrainer", "DPOTrainer", "GRPOTrainer"], proc.stdout
     for cells in trl_rows:
-        assert float(cells[-4]) > 0 and cells[-1] == "1.00x", cells
+        assert float(cells[-5]) > 0 and cells[-1] == "1.00x", cells
     ours = [line.split() for line in proc.stdout.splitlines() if line.startswith("rltrain ")]
     assert all(cells[-1].endswith("x") and float(cells[-1][:-1]) > 0 for cells in ours), proc.stdout
     assert "warning" not in proc.stdout, proc.stdout  # both sides counted the same tokens

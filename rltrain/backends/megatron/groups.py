@@ -253,6 +253,11 @@ class ParallelGroups:
         """Objects (models, optimizers, ...) whose group handles `recreate()` must re-bind."""
         self._roots.extend(roots)
 
+    def detach(self, *roots: Any) -> None:
+        """Forget `roots` given to `attach`, so a discarded engine's model can be freed while the
+        process goes on (scripts/bench_gpu.py builds one engine per workload)."""
+        self._roots = [root for root in self._roots if all(root is not gone for gone in roots)]
+
     # -- handles held elsewhere -------------------------------------------------------------
 
     def rebind(self, mapping: dict[int, dist.ProcessGroup], roots: Iterable[Any]) -> int:
