@@ -45,6 +45,6 @@ def test_bench_gpu_padding_free_flag_on_cpu():
                   "--micro", "2", "--no-trl", "--padding-free", "--max-tokens", "1024", "--port", str(free_port()),
                   timeout=600, env={"PYTHONPATH": str(ROOT)})  # this checkout's rltrain, whichever one the venv installed
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "fp32, padding-free)" in proc.stdout and "micro-batches of <= 1024 tokens (TRL: 2 rows)" in proc.stdout, proc.stdout
+    assert "fp32, rltrain on fsdp, padding-free)" in proc.stdout and "micro-batches of <= 1024 tokens (TRL: 2 rows)" in proc.stdout, proc.stdout
     (sft,) = [line.split() for line in proc.stdout.splitlines() if line.startswith("rltrain sft")]
     assert float(sft[2]) > 0, sft
