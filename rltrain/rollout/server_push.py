@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, get_args
 
 import torch
@@ -65,27 +66,23 @@ def server_device(url: str, timeout_s: float) -> str:
     return next((d for d in devices if d != "cuda"), "cpu")
 
 
-def run_each(jobs: list[Callable[[], None]]) -> list[Exception | None]:
+def run_each(jobs: list[Callable[[], None]]) -> list[BaseException | None]:
     """Every job at once, a thread each (a single job on the caller's thread); what each raised, or
     None. N servers then take the time of the slowest push, not the sum; each still gets its own
     copy from rank 0 (docs/rollout-servers.md)."""
-    errors: list[Exception | None] = [None] * len(jobs)
+    if len(jobs) <= 1:
+        return [_raised(job) for job in jobs]
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        futures = [pool.submit(job) for job in jobs]
+    return [future.exception() for future in futures]
 
-    def run(i: int) -> None:
-        try:
-            jobs[i]()
-        except Exception as exc:  # noqa: BLE001 - handed to the caller, who decides per server
-            errors[i] = exc
 
-    if len(jobs) == 1:
-        run(0)
-        return errors
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(jobs))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return errors
+def _raised(job: Callable[[], None]) -> BaseException | None:
+    try:
+        job()
+    except Exception as exc:  # noqa: BLE001 - handed to the caller, who decides per server
+        return exc
+    return None
 
 
 def buckets_of(weights: Weights, bucket_bytes: int) -> Iterator[tuple[torch.Tensor, list[list[Any]]]]:
