@@ -15,6 +15,7 @@ from cli import (
     ROOT,
     SFT_RUN,
     SFT_RUN_2_RANKS,
+    SMALL_SFT_RUN_2_RANKS,
     comparable,
     kill_when,
     python,
@@ -111,9 +112,9 @@ def test_micro_batching_does_not_change_the_losses(shared_runs, tmp_path):
 
 
 def test_torchrun_launch_matches_local_ranks(shared_runs, tmp_path):
-    local = shared_runs.get(*SFT_RUN_2_RANKS)
+    local = shared_runs.get(*SMALL_SFT_RUN_2_RANKS)
     torchrun = Path(sys.executable).parent / "torchrun"
-    args = [a for a in SFT_RUN_2_RANKS if a != "trainer.nproc=2"]  # torchrun gives the ranks
+    args = [a for a in SMALL_SFT_RUN_2_RANKS if a != "trainer.nproc=2"]  # torchrun gives the ranks
     cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "rltrain", *args,
            "logger.wandb.mode=disabled", f"hydra.run.dir={tmp_path / 'tr'}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli import QUICK, ROOT, SFT_RUN_2_RANKS, ranks_forked, rltrain, torchrun_ranks_env, train_rows
+from cli import QUICK, ROOT, SMALL_SFT_RUN_2_RANKS, ranks_forked, rltrain, torchrun_ranks_env, train_rows
 from helpers import cuda_machine, free_port
 
 pytestmark = pytest.mark.e2e
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.e2e
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 RUNS = {
     # SFT: the shared 2-rank run is the local launch (tests/cli.py); the nodes run its settings.
-    "sft": [*(a for a in SFT_RUN_2_RANKS if a != "trainer.nproc=2"), "logger.wandb.mode=disabled"],
+    "sft": [a for a in SMALL_SFT_RUN_2_RANKS if a != "trainer.nproc=2"],
     "grpo": ["algo=grpo", "rollout=hf", "algo.prompts_per_step=4", "algo.group_size=2", "trainer.max_steps=2", "data.num_eval=8", *QUICK],
 }
 SHORT_TIMEOUT = ["safety.collective_timeout_s=60"]  # a rank left alone fails instead of hanging
@@ -60,7 +60,7 @@ def run_two_nodes(args: list[str], run_dir: Path, logs: Path, node1_prefix: tupl
 def test_two_nodes_train_like_two_local_ranks(shared_runs, tmp_path, algo):
     args = [*RUNS[algo], *SHORT_TIMEOUT]
     if algo == "sft":
-        local_dir = shared_runs.get(*SFT_RUN_2_RANKS)
+        local_dir = shared_runs.get(*SMALL_SFT_RUN_2_RANKS)
     else:
         local_dir = tmp_path / "local"
         rltrain(*args, "trainer.nproc=2", run_dir=local_dir, timeout=500)
