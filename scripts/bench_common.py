@@ -1,14 +1,16 @@
 """What every benchmark script shares: the benchmark model, a single-rank process group, quiet
-libraries, timing summaries, the printed table, the step-by-step interleaving with TRL, and TRL's
-SFT and DPO trainers built the same way wherever they are compared (arguments, step timer, token
-counts), so two benchmarks never drive TRL differently by accident.
+libraries, timing summaries, device syncs and peak memory, the printed table, the step-by-step
+interleaving with TRL, and TRL's SFT and DPO trainers built the same way wherever they are compared
+(arguments, step timer, token counts), so two benchmarks never drive TRL differently by accident.
 
-The scripts import from here, never from each other.
+The bench scripts import from here, never from each other (bench_gpu.py's own parts are its gpu_*
+siblings, which bench_lora.py shares).
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import statistics
 import time
@@ -244,3 +246,21 @@ def dpo_pair_tokens(trainer) -> list[int]:
 def per_step(row_tokens: list[int], rows_per_step: int, times: list[float]) -> list[Timing]:
     """(seconds, tokens) of each timed step, the rows taken in order `rows_per_step` at a time."""
     return [(t, sum(row_tokens[k * rows_per_step : (k + 1) * rows_per_step])) for k, t in enumerate(times)]
+
+
+def cuda_sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA only), so a timer around a step sees all of it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def cuda_peak_gib(device: torch.device) -> float | None:
+    """`torch.cuda.max_memory_allocated` in GiB; None off CUDA."""
+    return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+
+
+def release_memory(device: torch.device) -> None:
+    """Free the last workload before the next one, so its memory is not in the next peak."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

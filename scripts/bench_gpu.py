@@ -8,20 +8,21 @@
     .venv/bin/python scripts/bench_gpu.py --rows dense --batch 8 --micro 8 --backend fsdp,megatron --profile prof/
     PYTHONPATH=<trl dir> .venv/bin/python scripts/bench_gpu.py --model small --steps 2 --warmup 1 --batch 8 --micro 4 --threads 1
 
-The model is built locally with random weights (no download): `--model qwen0.5b` is Qwen2.5-0.5B's
-shape (hidden 896, 24 layers, 14 query / 2 KV heads, intermediate 4864, vocabulary 151,936, tied
-embeddings), `--model small` a ~10M-parameter one. The tokenizer is the character tokenizer of the
-embedded default, and the data synthetic rows of 50-400 prompt + 50-600 completion characters
-(~530 tokens on average), or with `--rows dense` every sequence exactly `--length` tokens (default
-2048, a quarter of them prompt; `--rows dense --batch 8 --micro 8` is 8 x 2048 per step and per
-micro-batch), `--batch` rows per optimizer step in micro-batches of `--micro`; with
-`--max-tokens N` rltrain's micro-batches are filled in order up to N tokens instead
-(`trainer.max_tokens_per_micro_batch`; with `--padding-free` each is one packed row), while TRL
-keeps `--micro` rows. The loss and the optimizer step are the same either way (losses are
-normalised by the step's counts), only memory and speed change.
+The model is built locally with random weights (no download; the model and the rows are built in
+scripts/gpu_rows.py): `--model qwen0.5b` is Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 query /
+2 KV heads, intermediate 4864, vocabulary 151,936, tied embeddings), `--model small` a
+~10M-parameter one. The tokenizer is the character tokenizer of the embedded default, and the data
+synthetic rows of 50-400 prompt + 50-600 completion characters (~530 tokens on average), or with
+`--rows dense` every sequence exactly `--length` tokens (default 2048, a quarter of them prompt;
+`--rows dense --batch 8 --micro 8` is 8 x 2048 per step and per micro-batch), `--batch` rows per
+optimizer step in micro-batches of `--micro`; with `--max-tokens N` rltrain's micro-batches are
+filled in order up to N tokens instead (`trainer.max_tokens_per_micro_batch`; with `--padding-free`
+each is one packed row), while TRL keeps `--micro` rows. The loss and the optimizer step are the
+same either way (losses are normalised by the step's counts), only memory and speed change.
 
-What each row times (one optimizer step, after `--warmup` untimed ones; rltrain's rows on FSDP, or
-with `--backend fsdp,megatron` on both backends, megatron at tp = pp = 1, labelled "(megatron)"):
+What each row times (one optimizer step, after `--warmup` untimed ones; rltrain's rows,
+scripts/gpu_rltrain.py, on FSDP, or with `--backend fsdp,megatron` on both backends, megatron at
+tp = pp = 1, labelled "(megatron)"):
 - plain loop (`--only plain`, scripts/gpu_plain_loop.py): the ceiling reference, SFT's rows and
   micro-batches in a plain PyTorch loop over `AutoModelForCausalLM` (bf16 autocast over fp32 weights
   on CUDA), completion-only NLL, AdamW; once with the model's full logits + `cross_entropy`
@@ -47,15 +48,15 @@ by the profiler), under torch.profiler (CPU and CUDA activities), writes its tra
 a summary (scripts/gpu_profile.py): the top 8 ops or kernels by self device time (host time on CPU),
 and the step's shares in communication, in `Optimizer.step`, and (CUDA) with the device idle.
 
-With TRL importable (docs/benchmarks.md: installed beside the venv; `--no-trl` skips it), TRL 1.16 runs each workload
-on the same model, rows, `--batch` and `--micro` (its `per_device_train_batch_size` = `--micro`,
-gradient accumulation = `--batch / --micro`), the same optimizer settings (AdamW, lr 1e-5
-constant, clipping at 1.0), bf16 autocast over fp32 weights where ours is `bf16-mixed` (fp32 on
-CPU), activations kept on both sides (TRL's configs default to recomputing them: turned off), and
-its row is printed under ours with the same columns. Its step is timed from its
-`on_step_begin` to its `on_step_end` callback (the step's micro-batches are already loaded and
-collated; the forwards, backwards, clipping, AdamW step and zero_grad are inside), CUDA-synchronised
-at both ends:
+With TRL importable (docs/benchmarks.md: installed beside the venv; `--no-trl` skips it), TRL 1.16
+(scripts/gpu_trl.py) runs each workload on the same model, rows, `--batch` and `--micro` (its
+`per_device_train_batch_size` = `--micro`, gradient accumulation = `--batch / --micro`), the same
+optimizer settings (AdamW, lr 1e-5 constant, clipping at 1.0), bf16 autocast over fp32 weights where
+ours is `bf16-mixed` (fp32 on CPU), activations kept on both sides (TRL's configs default to
+recomputing them: turned off), and its row is printed under ours with the same columns. Its step is
+timed from its `on_step_begin` to its `on_step_end` callback (the step's micro-batches are already
+loaded and collated; the forwards, backwards, clipping, AdamW step and zero_grad are inside),
+CUDA-synchronised at both ends:
 - SFT: `SFTTrainer(...).train()`, completion-only loss, no packing, rows in order.
 - DPO: `DPOTrainer(...).train()` with an explicit `ref_model` scored online every step (no
   precomputed reference log-probabilities), sigmoid loss, beta 0.1 as ours, pairs in order, no
@@ -83,82 +84,34 @@ bench_dpo.py interleave; this script is meant for an otherwise idle GPU).
 from __future__ import annotations
 
 import argparse
-import gc
-import random
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from bench_common import (
-    dpo_pair_tokens,
+    cuda_peak_gib,
+    cuda_sync,
     init_single_rank,
-    load_trl_model,
-    per_step,
     print_table,
     quiet_transformers,
-    sft_row_tokens,
-    silence_trainer,
-    trl_args,
+    release_memory,
     trl_available,
-    trl_dpo_trainer,
-    trl_sft_trainer,
-    trl_step_timer,
 )
+from gpu_rltrain import Workload, count_matmul_params
+from gpu_rows import (
+    LR,
+    SHAPES,
+    build_model_dir,
+    grpo_sequences,
+    make_rows,
+    micro_indices,
+    sft_rows,
+    total_steps,
+)
+from gpu_trl import TRL_NAMES, run_trl
 
-SHAPES = {
-    "qwen0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                     num_attention_heads=14, num_key_value_heads=2),
-    "small": dict(vocab_size=128, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
-                  num_attention_heads=12, num_key_value_heads=4),
-}
-ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 +=-"
-LR, DPO_BETA, CLIP_LOW, CLIP_HIGH, MAX_COMPLETION = 1e-5, 0.1, 0.2, 0.28, 600
-TRL_NAMES = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "grpo": "GRPOTrainer update"}
 WORKLOADS = ("plain", "sft", "dpo", "grpo")
-
-
-def build_model_dir(shape: str, directory: Path, device: torch.device, max_positions: int = 2048) -> Path:
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from rltrain.models.tokenizer import build_char_tokenizer
-
-    tokenizer = build_char_tokenizer()
-    config = Qwen2Config(
-        **SHAPES[shape], max_position_embeddings=max_positions, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-    )
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(directory, safe_serialization=True)
-    tokenizer.save_pretrained(directory)
-    return directory
-
-
-def make_rows(n: int, seed: int = 0, length: int = 0) -> list[dict[str, str]]:
-    """`n` rows of characters (one token each): mixed lengths, or with `length` > 0 (`--rows dense`)
-    every sequence exactly `length` tokens with its EOS, a quarter of them prompt."""
-    rng = random.Random(seed)
-
-    def text(lo: int, hi: int) -> str:
-        return "".join(rng.choice(ALPHABET) for _ in range(rng.randint(lo, hi)))
-
-    if length:
-        p, c = length // 4, length - length // 4 - 1
-        return [{"prompt": text(p, p), "completion": text(c, c), "rejected": text(c, c)} for _ in range(n)]
-    return [{"prompt": text(50, 400), "completion": text(50, 600), "rejected": text(50, 600)} for _ in range(n)]
-
-
-def total_steps(args) -> int:
-    """Optimizer steps each workload runs: warm-up, timed, and with --profile one more, profiled."""
-    return args.warmup + args.steps + (1 if args.profile else 0)
-
-
-def max_completion(args) -> int:
-    """The longest GRPO completion: dense rows' fixed length, else the mixed rows' cap."""
-    return args.row_length - args.row_length // 4 if args.row_length else MAX_COMPLETION
 
 
 def matmul_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
@@ -168,215 +121,13 @@ def matmul_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     b = torch.randn(n, n, device=device, dtype=dtype)
     best = float("inf")
     for _ in range(5 if device.type == "cuda" else 3):
-        _sync(device)
+        cuda_sync(device)
         t0 = time.perf_counter()
         for _ in range(10 if device.type == "cuda" else 1):
             a @ b
-        _sync(device)
+        cuda_sync(device)
         best = min(best, (time.perf_counter() - t0) / (10 if device.type == "cuda" else 1))
     return 2 * n**3 / best
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def encode(tok, text: str) -> list[int]:
-    return tok(text, add_special_tokens=False)["input_ids"]
-
-
-def grpo_sequences(batch: int, group: int) -> int:
-    """Sequences of one GRPO step: `batch // group` prompts (at least one) x `group` completions."""
-    return max(1, batch // group) * group
-
-
-@dataclass(frozen=True)
-class FixedRollouts:
-    """One GRPO step's experience, the same for both sides: each prompt once per completion of its
-    group, completions of random tokens, one advantage per completion."""
-
-    prompts: list[list[int]]
-    completions: list[list[int]]
-    adv_B: list[float]
-
-
-def fixed_rollouts(tok, rows: list[dict[str, str]], k: int, batch: int, group: int, length: int = 0) -> FixedRollouts:
-    """`length` > 0 (dense rows): every prompt + completion exactly `length` tokens."""
-    rng = random.Random(k)
-    prompts, completions = [], []
-    for r in rows[k * batch : (k + 1) * batch][: grpo_sequences(batch, group) // group]:
-        ids = encode(tok, r["prompt"])
-        for _ in range(group):
-            prompts.append(ids)
-            size = length - len(ids) if length else rng.randint(50, MAX_COMPLETION)
-            completions.append([rng.randrange(3, len(tok)) for _ in range(size)])
-    return FixedRollouts(prompts, completions, [rng.uniform(-1, 1) for _ in completions])
-
-
-class Workload:
-    """One algorithm's optimizer steps on fixed batches: `step(k)` -> (seconds, model FLOPs, tokens)."""
-
-    def __init__(
-        self, name: str, model_dir: Path, rows: list[dict[str, str]], args, device: torch.device, adapters=None,
-        gradient_checkpointing: bool = False, backend_name: str = "fsdp",
-    ) -> None:
-        """`adapters`: a LoraAdapterConfig to train LoRA adapters (scripts/bench_lora.py); DPO's
-        reference is then the policy's base with the adapters off, as in a run. `backend_name`:
-        fsdp or megatron (tp = pp = 1), with the same rows, micro-batches, loss and optimizer."""
-        from transformers import AutoConfig
-
-        from rltrain.backends.fsdp.engine import FSDPEngine
-        from rltrain.config.group_options import FSDPBackendConfig
-        from rltrain.config.schema import OptimConfig
-        from rltrain.models.tokenizer import load_tokenizer
-
-        self.name, self.args, self.device = name, args, device
-        self.tok = load_tokenizer(model_dir)
-        config = AutoConfig.from_pretrained(model_dir)
-        matmul_params = _matmul_params(config)
-        self.flops_per_param_token = 6 * matmul_params
-        self.attn_flops_per_len = 6 * config.num_hidden_layers * config.hidden_size
-        optim = OptimConfig(lr=LR, warmup_steps=0, schedule="constant", beta2=0.999, max_grad_norm=1.0)
-        total = total_steps(args)
-        self.reference = None
-        if backend_name == "megatron":
-            from rltrain.backends.megatron.engine import MegatronEngine
-            from rltrain.config.group_options import MegatronBackendConfig
-
-            megatron = MegatronBackendConfig()
-            self.policy = MegatronEngine(model_dir, megatron, optim, total, device, precision=args.precision,
-                                         gradient_checkpointing=gradient_checkpointing)
-            if name == "dpo":
-                self.reference = MegatronEngine(model_dir, megatron, None, total, device, precision=args.precision)
-        else:
-            backend = FSDPBackendConfig(padding_free=args.padding_free, compile=args.compile)
-            self.policy = FSDPEngine(
-                model_dir, backend, optim, total, device, precision=args.precision, adapters=adapters,
-                gradient_checkpointing=gradient_checkpointing,
-            )
-            if name == "dpo":
-                self.reference = self.policy.base_weights() or FSDPEngine(
-                    model_dir, backend, None, total, device, precision=args.precision
-                )
-        self.steps = [self._build(rows, k) for k in range(total)]
-
-    def _build(self, rows: list[dict[str, str]], k: int):
-        from rltrain.algos.dpo import dpo_micro_batches
-        from rltrain.data.batch import SequenceBatch
-        from rltrain.data.preference_data import PreferencePair
-
-        a, eos = self.args, self.tok.eos_token_id
-        chunk = rows[k * a.batch : (k + 1) * a.batch]
-        # --max-tokens: rltrain's micro-batches by token budget (trainer.max_tokens_per_micro_batch),
-        # any number of rows; TRL keeps --micro rows
-        rows_per_micro = a.batch if a.max_tokens else a.micro
-        if self.name == "dpo":
-            pairs = [PreferencePair(encode(self.tok, r["prompt"]), encode(self.tok, r["completion"]) + [eos],
-                                    encode(self.tok, r["rejected"]) + [eos]) for r in chunk]
-            micro, _ = dpo_micro_batches(pairs, 0, 1, rows_per_micro, a.max_tokens)
-            return micro
-        if self.name == "sft":
-            prompts, completions = sft_rows(self.tok, rows, k, a.batch)
-            batch = SequenceBatch.from_lists(prompts, completions, global_tokens=float(sum(map(len, completions))))
-        else:
-            from rltrain.algos.rl_update import PolicyLossInputs
-            from rltrain.data.ragged import Ragged
-
-            rollouts = fixed_rollouts(self.tok, rows, k, a.batch, a.group, a.row_length)
-            prompts, completions = rollouts.prompts, rollouts.completions
-            batch = SequenceBatch.from_lists(prompts, completions)
-            # On-policy from the training pass (old/entropy/reference None); the engine's log-probabilities
-            # are not measured here (no rollout engine), so zeros stand in and no correction reads them.
-            no_engine_logps = Ragged.from_lengths(torch.zeros(batch.num_completion_tokens, device="cpu"), batch.completion_lens())
-            batch.loss_inputs = PolicyLossInputs(
-                adv=torch.tensor(rollouts.adv_B, device="cpu"), engine_logps=no_engine_logps,
-                global_tokens=float(sum(map(len, completions))), global_seqs=float(len(completions)),
-            )
-        return [batch.select(idx) for idx in micro_indices(prompts, completions, a)]
-
-    def _loss(self):
-        from types import SimpleNamespace
-
-        from rltrain.algos.dpo import make_dpo_loss
-        from rltrain.algos.losses import sft_loss
-        from rltrain.algos.rl_update import make_policy_loss
-
-        if self.name == "sft":
-            return sft_loss
-        if self.name == "dpo":
-            return make_dpo_loss(DPO_BETA, "sigmoid", 0.0, 0.0)
-        cfg = SimpleNamespace(clip_low=CLIP_LOW, clip_high=CLIP_HIGH, beta=0.0, loss_agg="token_mean",
-                              importance_level="token", policy_loss="clip", max_new_tokens=max_completion(self.args),
-                              rollout_correction="none", rollout_is_cap=2.0, rollout_mask_band=2.0)
-        return make_policy_loss(cfg)
-
-    def step(self, k: int) -> tuple[float, float, int]:
-        from rltrain.algos.dpo import attach_reference
-
-        micro = self.steps[k]
-        seqs = [len(s) for mb in micro for s in mb.tokens.split()]
-        tokens = sum(seqs)  # what TRL counts: a shared prompt once per sequence
-        mean_len = sum(n * n for n in seqs) / max(tokens, 1)  # token-weighted: what attention sees
-        flops = _model_tokens(micro) * (self.flops_per_param_token + self.attn_flops_per_len * mean_len)
-        _sync(self.device)
-        t0 = time.perf_counter()
-        if self.reference is not None:
-            attach_reference(micro, self.reference)
-            flops += flops / 3  # the reference's forward over the same tokens
-        self.policy.train_step(micro, self._loss())
-        _sync(self.device)
-        return time.perf_counter() - t0, flops, tokens
-
-
-def sft_rows(tok, rows: list[dict[str, str]], k: int, batch: int) -> tuple[list[list[int]], list[list[int]]]:
-    """SFT step k's prompts and completions (with EOS), as token ids."""
-    chunk = rows[k * batch : (k + 1) * batch]
-    return [encode(tok, r["prompt"]) for r in chunk], [encode(tok, r["completion"]) + [tok.eos_token_id] for r in chunk]
-
-
-def micro_indices(prompts: list[list[int]], completions: list[list[int]], args) -> list[list[int]]:
-    """The rows of each micro-batch, as rltrain splits a step: `--micro` rows, or with
-    `--max-tokens` rows in order up to the token budget (trainer.max_tokens_per_micro_batch)."""
-    from rltrain.data.sharding import micro_batch_count, split_micro_batches
-
-    rows_per_micro = len(prompts) if args.max_tokens else args.micro
-    sizes = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
-    count = micro_batch_count(len(prompts), 1, rows_per_micro)
-    return [idx for idx in split_micro_batches(list(range(len(prompts))), count, rows_per_micro, sizes, args.max_tokens) if idx]
-
-
-def _model_tokens(micro) -> int:
-    """Tokens the model must process: a prompt shared by several sequences of a micro-batch (a DPO
-    pair, a GRPO group) once, since computing it again is work saved, not work done."""
-    total = 0
-    for mb in micro:
-        prompts = set()
-        for seq, prompt_len in zip(mb.tokens.split(), mb.prompt_lens.tolist()):
-            total += len(seq) - prompt_len
-            prompts.add(tuple(seq[:prompt_len].tolist()))
-        total += sum(map(len, prompts))
-    return total
-
-
-def _matmul_params(config) -> int:
-    """Parameters that take part in a matmul per token: every decoder weight plus the output head
-    (the input embedding is a lookup)."""
-    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    kv = h // config.num_attention_heads * config.num_key_value_heads
-    per_layer = h * h * 2 + h * kv * 2 + 3 * h * i
-    return layers * per_layer + config.vocab_size * h
-
-
-def _peak_gib(device: torch.device) -> float | None:
-    return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-
-
-def _release(device: torch.device) -> None:
-    """Free the last workload before the next one, so its memory is not in the next peak."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _timed_steps(step, args, label: str, device: torch.device) -> list:
@@ -406,12 +157,12 @@ def run_ours(name: str, model_dir: Path, rows, args, device: torch.device, backe
         "tokens/s": sum(n for _, _, n in timings) / seconds,
         "flops/s": sum(f for _, f, _ in timings) / seconds,
         "step tokens": [n for _, _, n in timings],
-        "peak GiB": _peak_gib(device),
+        "peak GiB": cuda_peak_gib(device),
     }
     if backend_name == "megatron":  # megatron's shared parallel state keeps its engines' models for re-binding
         workload.policy.groups.detach(*[e.model for e in [workload.policy, workload.reference] if e is not None])
     del workload
-    _release(device)
+    release_memory(device)
     return out
 
 
@@ -436,117 +187,12 @@ def run_plain(head: str, model_dir: Path, rows, args, precision, device: torch.d
     for step in steps[args.warmup : args.warmup + args.steps]:
         seqs = [len(p) + len(c) for micro in step for p, c in micro]
         mean_len = sum(n * n for n in seqs) / sum(seqs)
-        flops.append(sum(seqs) * (6 * _matmul_params(config) + 6 * config.num_hidden_layers * config.hidden_size * mean_len))
+        flops.append(sum(seqs) * (6 * count_matmul_params(config) + 6 * config.num_hidden_layers * config.hidden_size * mean_len))
         tokens.append(sum(seqs))
     out = {"tokens/s": sum(tokens) / sum(seconds), "flops/s": sum(flops) / sum(seconds), "step tokens": tokens,
-           "peak GiB": _peak_gib(device)}
+           "peak GiB": cuda_peak_gib(device)}
     del loop
-    _release(device)
-    return out
-
-
-def _unused_reward(**_) -> list[float]:
-    """GRPOTrainer needs a reward function; the update benchmark bypasses scoring, so never called."""
-    raise AssertionError("the GRPO update benchmark scores nothing: its rollouts come with advantages")
-
-
-def trl_grpo_update_trainer(model_dir: Path, rows, args, trainer_args: dict, dtype: torch.dtype, callback):
-    """TRL's GRPOTrainer whose generation and scoring return our fixed rollouts (see the module
-    docstring); (trainer, tokens of each sequence in step order)."""
-    import datasets
-    from trl import GRPOConfig, GRPOTrainer
-    from trl.trainer.utils import pad
-
-    from rltrain.models.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(model_dir)
-    total = total_steps(args)
-    steps = [fixed_rollouts(tok, rows, k, args.batch, args.group, args.row_length) for k in range(total)]
-    prompts_per_step = grpo_sequences(args.batch, args.group) // args.group
-    dataset = datasets.Dataset.from_list(
-        [{"prompt": r["prompt"]} for k in range(total) for r in rows[k * args.batch : (k + 1) * args.batch][:prompts_per_step]]
-    )
-    config = GRPOConfig(
-        **trainer_args, num_generations=args.group, max_completion_length=max_completion(args), use_vllm=False, beta=0.0,
-        epsilon=CLIP_LOW, epsilon_high=CLIP_HIGH, loss_type="dapo", num_iterations=1, shuffle_dataset=False,
-    )
-    trainer = GRPOTrainer(
-        model=load_trl_model(model_dir, dtype), reward_funcs=[_unused_reward], args=config, train_dataset=dataset,
-        processing_class=tok, callbacks=[callback],
-    )
-    silence_trainer(trainer)
-    device, pad_id = trainer.accelerator.device, tok.pad_token_id
-    fed = iter(steps)
-
-    def scored_rollouts(generation_batch) -> dict[str, torch.Tensor]:
-        """What `_generate_and_score_completions` returns here once it has generated and scored,
-        built as its own code builds it (no old or reference log-probabilities: one iteration,
-        beta 0)."""
-        r = next(fed)
-        prompt_ids = [torch.tensor(ids) for ids in r.prompts]
-        completion_ids = [torch.tensor(ids) for ids in r.completions]
-        completion_mask = pad([torch.ones_like(c) for c in completion_ids], padding_value=0, padding_side="right").to(device)
-        return {
-            "prompt_ids": pad(prompt_ids, padding_value=pad_id, padding_side="left").to(device),
-            "prompt_mask": pad([torch.ones_like(p) for p in prompt_ids], padding_value=0, padding_side="left").to(device),
-            "completion_ids": pad(completion_ids, padding_value=pad_id, padding_side="right").to(device),
-            "completion_mask": completion_mask,
-            "advantages": torch.tensor(r.adv_B, device=device),
-            "num_items_in_batch": completion_mask.sum(),
-        }
-
-    trainer._generate_and_score_completions = scored_rollouts
-    return trainer, [len(p) + len(c) for r in steps for p, c in zip(r.prompts, r.completions)]
-
-
-def run_trl(name: str, model_dir: Path, rows, args, precision, device: torch.device, out_dir: Path) -> dict:
-    """TRL 1.16's trainer for workload `name` on the same rows, batch and micro-batch (module docstring);
-    with --profile, the step after the timed ones under the profiler (started and stopped by the step
-    timer's callback, after the timed step's end)."""
-    from gpu_profile import StepProfiler
-
-    total, last_timed = total_steps(args), args.warmup + args.steps - 1
-    times: list[float] = []
-    profiler = StepProfiler(args.profile, f"{args.rows} TRL {TRL_NAMES[name]}", device) if args.profile else None
-
-    def after_step(k: int) -> None:
-        if profiler is not None and k == last_timed:
-            profiler.start()
-        elif profiler is not None and k == last_timed + 1:
-            profiler.stop()
-
-    timer = trl_step_timer(times, after_step)
-
-    def trainer_args(accumulation: int) -> dict:
-        return trl_args(out_dir / name, micro=args.micro, accumulation=accumulation, steps=total, lr=LR, device=device,
-                        bf16=precision.mixed)
-
-    if name == "sft":
-        trainer = trl_sft_trainer(model_dir, rows[: total * args.batch], trainer_args(args.batch // args.micro),
-                                  max(2048, args.row_length),
-                                  precision.param_dtype, timer)
-        row_tokens, rows_per_step = sft_row_tokens(trainer), args.batch
-    elif name == "dpo":
-        pairs = [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": r["rejected"]} for r in rows[: total * args.batch]]
-        trainer = trl_dpo_trainer(model_dir, pairs, trainer_args(args.batch // args.micro), DPO_BETA, None,
-                                  precision.param_dtype, timer)
-        row_tokens, rows_per_step = dpo_pair_tokens(trainer), args.batch
-    else:
-        rows_per_step = grpo_sequences(args.batch, args.group)
-        trainer, row_tokens = trl_grpo_update_trainer(
-            model_dir, rows, args, trainer_args(rows_per_step // args.micro), precision.param_dtype, timer
-        )
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    trainer.train()
-    timed = per_step(row_tokens, rows_per_step, times)[args.warmup : last_timed + 1]
-    out = {
-        "tokens/s": sum(n for _, n in timed) / sum(t for t, _ in timed),
-        "step tokens": [n for _, n in timed],
-        "peak GiB": _peak_gib(device),
-    }
-    del trainer
-    _release(device)
+    release_memory(device)
     return out
 
 

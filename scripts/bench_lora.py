@@ -4,7 +4,8 @@
     .venv/bin/python scripts/bench_lora.py --model small --rank 16  # a ~10M-parameter model
 
 The model is bench_gpu.py's, built locally with random weights (`--model qwen0.5b`: Qwen2.5-0.5B's
-shape), and so are the workloads (bench_gpu.py's `Workload`: the same rows, losses and optimizer);
+shape, scripts/gpu_rows.py), and so are the workloads (`Workload`, scripts/gpu_rltrain.py: the same
+rows, losses and optimizer);
 LoRA adapts every linear layer of the decoder (`model.lora.target_modules=[all-linear]`) with rank
 `--rank`, and DPO's reference is the policy's base with the adapters off, as in a run. Both modes
 recompute activations in the backward (`model.gradient_checkpointing=true`) unless
@@ -36,7 +37,8 @@ WORKLOADS = ("sft", "dpo", "grpo")
 def child(args) -> None:
     """One (workload, mode) cell in this process; prints its result as one JSON line."""
     from bench_common import init_single_rank, quiet_transformers
-    from bench_gpu import Workload, make_rows
+    from gpu_rltrain import Workload
+    from gpu_rows import make_rows
 
     from rltrain.config.schema import LoraAdapterConfig
 
@@ -110,7 +112,7 @@ def main() -> None:
         child(args)
         return
     from bench_common import print_table
-    from bench_gpu import build_model_dir
+    from gpu_rows import build_model_dir
 
     names = [n for n in args.only.split(",") if n]
     rows = []
