@@ -148,7 +148,7 @@ def ours_label(name: str, backend_name: str) -> str:
 
 
 def run_ours(name: str, model_dir: Path, rows, args, device: torch.device, backend_name: str = "fsdp") -> dict:
-    workload = Workload(name, model_dir, rows, args, device, backend_name=backend_name)
+    workload = Workload(name, model_dir, rows, args, device, backend_name=backend_name, optim_implementation=args.optim)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     timings = _timed_steps(workload.step, args, ours_label(name, backend_name), device)
@@ -274,6 +274,8 @@ def main() -> None:
     parser.add_argument("--backend", default="fsdp",
                         help="rltrain's backend(s) for its rows, comma-separated: fsdp, megatron (tp = pp = 1) or both")
     parser.add_argument("--compile", action="store_true", help="backend.compile=true: torch.compile each decoder layer")
+    parser.add_argument("--optim", choices=("auto", "for-loop", "foreach", "fused"), default="auto",
+                        help="rltrain's optim.implementation: AdamW's kernels (auto: the backend's own)")
     args = parser.parse_args()
     args.row_length = args.length if args.rows == "dense" else 0
     from rltrain.runtime.precision import resolve_precision
@@ -330,7 +332,7 @@ def main() -> None:
     rows_text = f"dense rows of {args.length} tokens" if args.row_length else "mixed-length rows"
     print_table(
         f"{shape} ({device_name}, {precision.name}, rltrain on {args.backend}{', padding-free' if args.padding_free else ''}"
-        f"{', torch.compile per layer' if args.compile else ''}), "
+        f"{', torch.compile per layer' if args.compile else ''}{f', AdamW {args.optim}' if args.optim != 'auto' else ''}), "
         f"{args.batch} {rows_text}/step in micro-batches of "
         f"{f'<= {args.max_tokens} tokens (TRL: {args.micro} rows)' if args.max_tokens else args.micro}, "
         f"{args.steps} timed steps (+{args.warmup} warm-up), {torch.get_num_threads()} CPU threads",

@@ -30,11 +30,12 @@ class Workload:
 
     def __init__(
         self, name: str, model_dir: Path, rows: list[dict[str, str]], args, device: torch.device, adapters=None,
-        gradient_checkpointing: bool = False, backend_name: str = "fsdp",
+        gradient_checkpointing: bool = False, backend_name: str = "fsdp", optim_implementation: str = "auto",
     ) -> None:
         """`adapters`: a LoraAdapterConfig to train LoRA adapters (scripts/bench_lora.py); DPO's
         reference is then the policy's base with the adapters off, as in a run. `backend_name`:
-        fsdp or megatron (tp = pp = 1), with the same rows, micro-batches, loss and optimizer."""
+        fsdp or megatron (tp = pp = 1), with the same rows, micro-batches, loss and optimizer.
+        `optim_implementation`: `optim.implementation`, AdamW's kernels."""
         from transformers import AutoConfig
 
         from rltrain.backends.fsdp.engine import FSDPEngine
@@ -48,7 +49,8 @@ class Workload:
         matmul_params = count_matmul_params(config)
         self.flops_per_param_token = 6 * matmul_params
         self.attn_flops_per_len = 6 * config.num_hidden_layers * config.hidden_size
-        optim = OptimConfig(lr=LR, warmup_steps=0, schedule="constant", beta2=0.999, max_grad_norm=1.0)
+        optim = OptimConfig(lr=LR, warmup_steps=0, schedule="constant", beta2=0.999, max_grad_norm=1.0,
+                            implementation=optim_implementation)
         total = total_steps(args)
         self.reference = None
         if backend_name == "megatron":

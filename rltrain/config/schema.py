@@ -44,6 +44,8 @@ Overlong = Literal["drop", "truncate", "error"]
 Task = Literal["addition", "multiplication"]  # the built-in tasks (rltrain/data/tasks.py)
 WandbMode = Literal["auto", "online", "offline", "disabled"]  # auto: online with an API key, else offline
 Schedule = Literal["cosine", "linear", "constant"]
+# AdamW's kernels (torch.optim.AdamW): one launch per tensor, per tensor list, or one fused kernel.
+OptimImplementation = Literal["auto", "for-loop", "foreach", "fused"]
 Arch = Literal["qwen2", "llama"]  # the tiny model only
 SweepDirection = Literal["maximize", "minimize"]
 
@@ -80,6 +82,8 @@ class OptimConfig:
     schedule: str = choice("cosine", Schedule)
     min_lr_ratio: float = 0.1
     max_grad_norm: float = 1.0
+    # auto: the backend's (FSDP foreach, megatron for-loop); fused is one kernel per step, for GPUs (docs/gpus.md)
+    implementation: str = choice("auto", OptimImplementation)
 
 
 # Modules an adapter may not target (model.lora.target_modules): their weights are tied or indexed, not multiplied.

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rltrain.backends.adamw import build_adamw
 from rltrain.backends.base import (
     LogProbScorer,
     LossFn,
@@ -152,13 +153,9 @@ class FSDPEngine:
         self.optimizer = None
         if self.trainable:
             assert optim_cfg is not None
-            self.optimizer = torch.optim.AdamW(
-                [p for p in self.scorer.parameters() if p.requires_grad],
-                lr=lr_at(0, optim_cfg, max_steps),
-                betas=(optim_cfg.beta1, optim_cfg.beta2),
-                eps=optim_cfg.eps,
-                weight_decay=optim_cfg.weight_decay,
-                foreach=True,
+            self.optimizer = build_adamw(
+                (p for p in self.scorer.parameters() if p.requires_grad), optim_cfg, lr=lr_at(0, optim_cfg, max_steps),
+                backend_default="foreach",
             )
 
     def base_weights(self) -> LogProbScorer | None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rltrain.backends.adamw import build_adamw
 from rltrain.backends.base import LossFn, PolicyOutput, Scores, wrong_scores_error
 from rltrain.backends.lr_schedule import lr_at
 from rltrain.backends.megatron import checkpoint, export
@@ -37,7 +38,6 @@ from rltrain.backends.megatron.hf_source import checked_spec, hf_reader
 from rltrain.backends.megatron.logprobs import head_logps
 from rltrain.backends.megatron.metrics import reduce_metrics
 from rltrain.backends.megatron.model import build_stage, checkpoint_layers, load_stage_weights
-from rltrain.backends.megatron.optim import build_adamw
 from rltrain.backends.megatron.schedule import Pipeline, run_pipeline
 from rltrain.backends.megatron.value_model import make_value_stage, value_head_shards
 from rltrain.backends.optimizer_state import move_optimizer_state
@@ -125,7 +125,9 @@ class MegatronEngine:
         ]
         self.optim_cfg = optim_cfg
         self.max_steps = max_steps
-        self.optimizer = build_adamw(self.params, optim_cfg) if optim_cfg is not None else None
+        self.optimizer = (
+            build_adamw(self.params, optim_cfg, lr=optim_cfg.lr, backend_default="for-loop") if optim_cfg is not None else None
+        )
         if self.optimizer is None:
             self.model.requires_grad_(False)
         self.steps_taken = 0  # optimizer steps actually applied (skipped ones excluded)

@@ -10,14 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from rltrain.config.schema import OptimConfig
-
-
-def build_adamw(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(
-        params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=False
-    )
-
 
 def ensure_state(optimizer: torch.optim.Optimizer) -> None:
     """Create zero moments for parameters that have not stepped yet (so a checkpoint always has
@@ -26,6 +18,7 @@ def ensure_state(optimizer: torch.optim.Optimizer) -> None:
         for p in group["params"]:
             state = optimizer.state[p]
             if not state:
-                state["step"] = torch.tensor(0.0)
+                # torch keeps `step` on the host, except for its fused kernel (optim.implementation=fused)
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if group.get("fused") else "cpu")
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
