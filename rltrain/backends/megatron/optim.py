@@ -1,4 +1,5 @@
-"""AdamW over the local shards (the learning-rate schedule is `rltrain.backends.lr_schedule.lr_at`).
+"""Megatron's AdamW (rltrain/backends/adamw.py) steps each rank's local shards (the learning-rate
+schedule is `rltrain.backends.lr_schedule.lr_at`); this module fills in the state a checkpoint needs.
 
 AdamW is elementwise, so stepping each rank's shard is the same as stepping the full tensor: no
 distributed optimizer is needed for correctness (megatron's distributed optimizer would shard the
