@@ -36,7 +36,7 @@ WORKLOADS = ("sft", "dpo", "grpo")
 
 def child(args) -> None:
     """One (workload, mode) cell in this process; prints its result as one JSON line."""
-    from bench_common import init_single_rank, quiet_transformers
+    from bench_common import cuda_peak_gib, init_single_rank, quiet_transformers
     from gpu_rltrain import Workload
     from gpu_rows import make_rows
 
@@ -58,7 +58,7 @@ def child(args) -> None:
     Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from here: the steps' own
     times = [workload.step(k)[0] for k in range(args.steps + args.warmup)][args.warmup :]
     peak_rss_gib = _rss_gib("VmHWM")
-    cuda_gib = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    cuda_gib = cuda_peak_gib(device)
     print(json.dumps({"step_s": sum(times) / len(times), "peak_rss_gib": peak_rss_gib, "cuda_gib": cuda_gib,
                       "trainable": trainable, "loaded_gib": loaded_gib}))
 
