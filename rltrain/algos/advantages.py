@@ -27,7 +27,11 @@ def group_advantages(
     if group_size < 1 or rewards_B.numel() % group_size:
         raise ValueError(f"{rewards_B.numel()} rewards do not split into groups of {group_size}")
     rewards_GK = rewards_B.float().view(-1, group_size)
-    centred_GK = rewards_GK - rewards_GK.mean(dim=1, keepdim=True)
+    # A group of equal rewards carries no signal: its mean, rounded in float32, need not equal the
+    # rewards themselves (eight rewards of 0.7), and dividing that rounding error by a near-zero std
+    # would give the whole group one sign. Such a group's advantages are exactly 0.
+    tied_G1 = rewards_GK.amax(dim=1, keepdim=True) == rewards_GK.amin(dim=1, keepdim=True)
+    centred_GK = torch.where(tied_G1, 0.0, rewards_GK - rewards_GK.mean(dim=1, keepdim=True))
     if scale == "none":
         return centred_GK.reshape(-1)
     if scale == "group":

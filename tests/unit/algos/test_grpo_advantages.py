@@ -36,6 +36,18 @@ def test_group_advantages_edge_cases():
         group_advantages(torch.zeros(4), 2, "global")
 
 
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("reward", [0.7, 0.1, 1 / 3])
+def test_a_group_of_equal_rewards_gets_exactly_zero_advantage(scale, reward):
+    # float32's mean of eight 0.7s is not 0.7: divided by a near-zero std, that rounding once gave
+    # the whole group one sign (about 0.06). Beside it, a group with signal keeps its advantages.
+    rewards = torch.tensor([reward] * 8 + [0.0, 1.0] * 4)
+    adv = group_advantages(rewards, 8, scale)
+    assert adv[:8].tolist() == [0.0] * 8
+    assert (adv[8:] != 0).all()
+    assert adv[8:].sum().abs() < 1e-5
+
+
 def example():
     """Two completions: ratios (1.5, 0.5) with advantage +1, ratio 1.1 with advantage -2."""
     old = Ragged.from_lengths(torch.tensor([-1.0, -2.0, -0.5]), [2, 1])
