@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import run_ranks
 
 pytestmark = pytest.mark.dist

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import run_ranks
 
 pytestmark = pytest.mark.dist

@@ -98,7 +98,7 @@ def _batch() -> SequenceBatch:
 
 
 def test_sft_loss_runs_where_the_outputs_are():
-    from rltrain.algos.losses import sft_loss
+    from rltrain.algos.sft import sft_loss
 
     batch = _batch()
     batch.extras["global_tokens"] = float(batch.num_completion_tokens)
@@ -131,13 +131,13 @@ def test_kto_loss_runs_where_the_outputs_are_with_host_labels_and_reference_sums
 
 
 def test_grpo_loss_runs_where_the_outputs_are_with_host_advantages_and_engine_logps():
-    from rltrain.algos.rl_update import PolicyLossInputs, make_policy_loss
-    from rltrain.config.algorithms import GRPOConfig
+    from rltrain.algos.grpo import GRPOConfig
+    from rltrain.algos.rl_update import PolicyBatchInputs, make_policy_loss
 
     batch = _batch()
     lengths = batch.completion_lens()
     n = int(lengths.sum())
-    batch.loss_inputs = PolicyLossInputs(
+    batch.loss_inputs = PolicyBatchInputs(
         adv=torch.tensor([1.0, -1.0, 0.5, -0.5], device="cpu"),
         old_logps=None, entropy=None, ref_logps=None,
         engine_logps=Ragged.from_lengths(torch.full((n,), -1.0, device="cpu"), lengths),
@@ -151,13 +151,13 @@ def test_grpo_loss_runs_where_the_outputs_are_with_host_advantages_and_engine_lo
 
 @pytest.mark.parametrize("reference_on", ["cpu", "meta"])
 def test_grpo_loss_with_reference_log_probs_on_either_device(reference_on):
-    from rltrain.algos.rl_update import PolicyLossInputs, make_policy_loss
-    from rltrain.config.algorithms import GRPOConfig
+    from rltrain.algos.grpo import GRPOConfig
+    from rltrain.algos.rl_update import PolicyBatchInputs, make_policy_loss
 
     batch = _batch()
     lengths = batch.completion_lens()
     n = int(lengths.sum())
-    batch.loss_inputs = PolicyLossInputs(
+    batch.loss_inputs = PolicyBatchInputs(
         adv=torch.tensor([1.0, -1.0, 0.5, -0.5], device="cpu"),
         old_logps=Ragged.from_lengths(torch.full((n,), -1.0, device=reference_on), lengths),
         entropy=Ragged.from_lengths(torch.ones(n, device=reference_on), lengths),
