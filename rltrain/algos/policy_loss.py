@@ -1,9 +1,9 @@
 """The policy loss every RL algorithm shares (GRPO, PPO, distillation), as pure torch functions: an
-importance ratio (per token, or GSPO's per sequence), a surrogate from `SURROGATES` (PPO's clip,
-CISPO's clipped weight), the k3 KL to the reference, and the aggregation of per-token values into
-a loss already divided by a *global* count, so micro-batch size, accumulation and the rank count do
-not change it. docs/internals/algos.md says what each computes and its sources; adding a surrogate:
-docs/adding-an-algorithm.md.
+importance ratio from `IMPORTANCE_RATIOS` (per token, or GSPO's per sequence), a surrogate from
+`SURROGATES` (PPO's clip, CISPO's clipped weight), the k3 KL to the reference, and the aggregation
+of per-token values into a loss already divided by a *global* count, so micro-batch size,
+accumulation and the rank count do not change it. docs/internals/algos.md says what each computes
+and its sources; adding a surrogate: docs/adding-an-algorithm.md.
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ from typing import get_args
 
 import torch
 
-from rltrain.algos.rl_config import ImportanceLevel, LossAgg
+from rltrain.algos.rl_config import LossAgg
 from rltrain.data.ragged import Ragged
 
 LOSS_AGGS: tuple[str, ...] = get_args(LossAgg)
-IMPORTANCE_LEVELS: tuple[str, ...] = get_args(ImportanceLevel)
 
 
 @dataclass(frozen=True)
@@ -93,26 +92,39 @@ POLICY_LOSSES: tuple[str, ...] = tuple(SURROGATES)
 
 
 # --- the importance ratio: one entry per `algo.importance_level` -----------------------------------
+# (per-token log ratio log(pi / pi_old), differentiable through `logps`) of (logps, old_N, keep_N)
+ImportanceRatio = Callable[[Ragged, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def token_log_ratio(logps: Ragged, old_N: torch.Tensor, keep_N: torch.Tensor) -> torch.Tensor:
+    """PPO's ratio: each token's own."""
+    return logps.values.float() - old_N
+
+
+def sequence_log_ratio(logps: Ragged, old_N: torch.Tensor, keep_N: torch.Tensor) -> torch.Tensor:
+    """GSPO's: every token carries its sequence's length-normalised log ratio (the mean over the
+    sequence's counted tokens, `keep_N`), with the token's own gradient (GSPO-token: the value is
+    the sequence's, the gradient flows through each log-probability), so a per-token advantage
+    keeps its meaning and a per-sequence one gives GSPO's gradient exactly."""
+    logps_N = logps.values.float()
+    log_ratio_N = logps_N - old_N
+    counted = logps.with_values(keep_N)
+    seq_mean_B = logps.with_values(log_ratio_N.detach() * keep_N).sum_per_seq() / counted.sum_per_seq().clamp(min=1.0)
+    return logps_N - logps_N.detach() + logps.broadcast(seq_mean_B).values
+
+
+# Keyed by `algo.importance_level`, whose allowed values (`ImportanceLevel`) are these keys.
+IMPORTANCE_RATIOS: dict[str, ImportanceRatio] = {"token": token_log_ratio, "sequence": sequence_log_ratio}
+IMPORTANCE_LEVELS: tuple[str, ...] = tuple(IMPORTANCE_RATIOS)
 
 
 def importance_log_ratio(
     logps: Ragged, old_N: torch.Tensor, keep_N: torch.Tensor, level: str = "token"
 ) -> torch.Tensor:
-    """Per-token log importance ratio log(pi / pi_old), differentiable through `logps`.
-
-    `sequence` (GSPO): every token carries its sequence's length-normalised log ratio (the mean over
-    the sequence's counted tokens, `keep_N`), with the token's own gradient (GSPO-token: the value
-    is the sequence's, the gradient flows through each log-probability), so a per-token advantage
-    keeps its meaning and a per-sequence one gives GSPO's gradient exactly."""
-    if level not in IMPORTANCE_LEVELS:
+    """Per-token log importance ratio log(pi / pi_old) at `level` (`IMPORTANCE_RATIOS`)."""
+    if level not in IMPORTANCE_RATIOS:
         raise ValueError(f"algo.importance_level={level!r}: choose one of {', '.join(IMPORTANCE_LEVELS)}")
-    logps_N = logps.values.float()
-    log_ratio_N = logps_N - old_N
-    if level == "token":
-        return log_ratio_N
-    counted = logps.with_values(keep_N)
-    seq_mean_B = logps.with_values(log_ratio_N.detach() * keep_N).sum_per_seq() / counted.sum_per_seq().clamp(min=1.0)
-    return logps_N - logps_N.detach() + logps.broadcast(seq_mean_B).values
+    return IMPORTANCE_RATIOS[level](logps, old_N, keep_N)
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
@@ -124,7 +136,7 @@ def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
 # --- the loss --------------------------------------------------------------------------------------
 
 
-def check_inputs(x: PolicyLossInputs) -> None:
+def check_policy_loss_inputs(x: PolicyLossInputs) -> None:
     """A ValueError naming what is inconsistent (the config's values are checked before a run)."""
     if x.kind not in SURROGATES:
         raise ValueError(f"algo.policy_loss={x.kind!r}: choose one of {', '.join(SURROGATES)}")
@@ -150,7 +162,7 @@ def policy_loss(x: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tens
     """(loss of this micro-batch divided by the global count, metric contributions): the surrogate
     `SURROGATES[x.kind]` on the ratio `importance_log_ratio` picks by `x.importance_level`, plus
     `beta` times the k3 KL, aggregated by `x.loss_agg`."""
-    check_inputs(x)
+    check_policy_loss_inputs(x)
     global_tokens, global_seqs = max(float(x.global_tokens), 1.0), max(float(x.global_seqs), 1.0)
     logps, logps_N = x.logps, x.logps.values.float()
     device = logps_N.device

@@ -15,7 +15,8 @@ from rltrain.runtime.errors import UserError
 
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 RolloutCorrection = Literal["auto", "none", "tis", "mask"]  # auto: none in sync, tis with placement.max_staleness >= 1
-ImportanceLevel = Literal["token", "sequence"]  # sequence: GSPO's length-normalised sequence ratio
+# The keys of rltrain.algos.policy_loss.IMPORTANCE_RATIOS. sequence: GSPO's length-normalised sequence ratio
+ImportanceLevel = Literal["token", "sequence"]
 # The keys of rltrain.algos.policy_loss.SURROGATES. cispo: the clipped, stop-gradient weight times the log-probability
 PolicyLossKind = Literal["clip", "cispo"]
 
