@@ -35,7 +35,10 @@ from rltrain.data.batch import SequenceBatch
 from rltrain.data.preference_data import PreferencePair
 from rltrain.runtime.errors import UserError
 
-__all__ = ["DPO", "attach_reference", "dpo_micro_batches", "make_dpo_loss"]
+__all__ = [
+    "DPO", "DPO_LOSSES", "SPEC", "DPOConfig", "DPOLossType", "attach_reference", "check_dpo", "dpo_micro_batches",
+    "dpo_pair_losses", "make_dpo_loss",
+]
 
 REF_FILE = "ref_logps.safetensors"
 
