@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from helpers import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -42,11 +43,12 @@ def _pairs(kind: str, tokenizer):
 
 
 def _engine_step(rank, world, policy_dir, ref_dir, kind, micro_batch_size, backend="fsdp"):
+    from rltrain.models.tokenizer import load_tokenizer
+
     from rltrain.algos.dpo import attach_reference, dpo_micro_batches, make_dpo_loss
     from rltrain.backends.fsdp.engine import FSDPEngine
     from rltrain.config.group_options import FSDPBackendConfig
     from rltrain.config.schema import OptimConfig
-    from rltrain.models.tokenizer import load_tokenizer
 
     torch.set_num_threads(1)
     tok = load_tokenizer(policy_dir)

@@ -27,12 +27,12 @@ COMPLETIONS = [[10, 11, 12], [13], [14, 15]]
 def _learner_kl(rank, world, policy_dir, reference_dir):
     from pathlib import Path
 
+    from rltrain.config.run_context import RunContext
     from rltrain.algos.experience import BatchLayout, Experience
+    from rltrain.rewards.scoring import Failures
     from rltrain.algos.rl_update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
     from rltrain.backends import build_engine
-    from rltrain.config.run_context import RunContext
     from rltrain.data.batch import SequenceBatch
-    from rltrain.rewards.scoring import Failures
     from rltrain.runtime.distributed import DistInfo
 
     cfg = compose_config("algo=grpo", "algo.beta=0.1")

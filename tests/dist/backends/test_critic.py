@@ -198,8 +198,8 @@ def _extras(eng, ctx, batches, n_tokens: int, out_dir: Path) -> dict:
 def _worker(rank: int, world: int, cfg_yaml: str, model_dir: str, data, n_tokens: int, out_dir: str, extras: bool) -> dict:
     from omegaconf import OmegaConf
 
-    from rltrain.backends import build_engine
     from rltrain.config.run_context import RunContext
+    from rltrain.backends import build_engine
     from rltrain.runtime.distributed import DistInfo
 
     cfg = OmegaConf.create(cfg_yaml)

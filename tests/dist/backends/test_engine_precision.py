@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from helpers import run_ranks
 
 pytestmark = pytest.mark.dist

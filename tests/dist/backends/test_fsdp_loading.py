@@ -3,6 +3,7 @@ every rank ends with rank 0's weights, ties and non-persistent buffers (rotary i
 
 import pytest
 import torch
+
 from helpers import run_ranks
 
 pytestmark = pytest.mark.dist

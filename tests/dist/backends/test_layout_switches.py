@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from helpers import run_ranks
 
 pytestmark = pytest.mark.dist

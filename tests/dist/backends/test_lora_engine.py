@@ -44,8 +44,8 @@ def _nll(n_tokens: int, world: int):
 def _worker(rank: int, world: int, cfg_yaml: str, model_dir: str, out_dir: str) -> dict:
     from omegaconf import OmegaConf
 
-    from rltrain.backends import build_engine, build_reference
     from rltrain.config.run_context import RunContext
+    from rltrain.backends import build_engine, build_reference
     from rltrain.data.batch import SequenceBatch
     from rltrain.runtime.distributed import DistInfo
 
