@@ -6,7 +6,7 @@ extends `RLConfig`; the keys are documented in docs/algorithms.md.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from rltrain.config.algorithms import AlgoConfig
@@ -14,7 +14,8 @@ from rltrain.config.choices import choice
 from rltrain.runtime.errors import UserError
 
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-RolloutCorrection = Literal["auto", "none", "tis", "mask"]  # auto: none in sync, tis with placement.max_staleness >= 1
+# auto: none in sync, tis with placement.max_staleness >= 1 (rltrain/algos/rollout_correction.py: each mode)
+RolloutCorrection = Literal["auto", "none", "tis", "mask", "seq_tis", "seq_mask", "geo_mask", "icepop"]
 # The keys of rltrain.algos.policy_loss.IMPORTANCE_RATIOS. sequence: GSPO's length-normalised sequence ratio
 ImportanceLevel = Literal["token", "sequence"]
 # The keys of rltrain.algos.policy_loss.SURROGATES. cispo: the clipped, stop-gradient weight times the log-probability
@@ -48,8 +49,11 @@ class RLConfig(AlgoConfig):
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 3
     rollout_correction: str = choice("auto", RolloutCorrection)
-    rollout_is_cap: float = 2.0  # tis: token importance weights truncated at this value
+    rollout_is_cap: float = 2.0  # tis, seq_tis: weights truncated at this value; seq_mask: the ratio's upper bound
     rollout_mask_band: float = 2.0  # mask: keep sequences whose train/rollout ratio is in [1/band, band]
+    rollout_is_floor: float = 0.0  # seq_mask: the sequence ratio's lower bound
+    rollout_geo_band: list[float] = field(default_factory=lambda: [0.999, 1.001])  # geo_mask: [low, high]
+    rollout_icepop_band: list[float] = field(default_factory=lambda: [0.5, 5.0])  # icepop: [low, high]
 
 
 def _at_least(algo: RLConfig, keys: tuple[str, ...], low: int = 1) -> None:
@@ -72,6 +76,18 @@ def check_rl(algo: RLConfig) -> None:
         raise UserError(
             f"algo.rollout_is_cap={algo.rollout_is_cap} must be positive and algo.rollout_mask_band="
             f"{algo.rollout_mask_band} at least 1 (sequences are kept when their ratio is in [1/band, band])."
+        )
+    for key in ("rollout_geo_band", "rollout_icepop_band"):
+        low_high = list(getattr(algo, key))
+        if len(low_high) != 2 or not 0 < low_high[0] <= 1 <= low_high[1]:
+            raise UserError(
+                f"algo.{key}={low_high}: give [low, high] with 0 < low <= 1 <= high, e.g. algo.{key}=[0.5,5.0] "
+                "(a ratio of 1, no mismatch, must always be kept)."
+            )
+    if not 0 <= algo.rollout_is_floor < algo.rollout_is_cap:
+        raise UserError(
+            f"algo.rollout_is_floor={algo.rollout_is_floor} must be in [0, algo.rollout_is_cap={algo.rollout_is_cap}): "
+            "seq_mask keeps a sequence whose importance ratio lies between the two."
         )
     if algo.dynamic_sampling and algo.group_size < 2:
         raise UserError(

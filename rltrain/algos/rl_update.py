@@ -18,7 +18,14 @@ import torch
 from rltrain.algos.experience import BatchLayout, Experience
 from rltrain.algos.policy_loss import PolicyLossInputs, policy_loss
 from rltrain.algos.rl_config import RLConfig
-from rltrain.algos.rollout_correction import correction, correction_metrics, resolve_mode
+from rltrain.algos.rollout_correction import (
+    CorrectionBands,
+    correction,
+    correction_metrics,
+    mismatch_kl_sum,
+    ratio_max,
+    resolve_mode,
+)
 from rltrain.backends.base import LogProbScorer, LossFn, LossMetrics, PolicyOutput, TrainEngine
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged, on_device
@@ -91,16 +98,30 @@ def sampled_gap(trainer_N: torch.Tensor, engine_N: torch.Tensor, sampled: Ragged
 
 
 class ParityProbe:
-    """The largest |engine - trainer| log-probability gap seen by the loss function this step. A
-    max cannot travel with the summed metrics of `train_step`, so the loss reports it here and the
-    step reduces it over ranks (MAX); under pipeline parallelism only the last stage sees any."""
+    """The largest |engine - trainer| log-probability gap and the largest importance ratio seen by
+    the loss function this step. A max cannot travel with the summed metrics of `train_step`, so
+    the loss reports it here and the step reduces it over ranks (MAX); under pipeline parallelism
+    only the last stage sees any."""
 
     def __init__(self) -> None:
         self.max_diff = 0.0
+        self.max_ratio = 0.0
+
+    def reset(self) -> None:
+        self.max_diff = self.max_ratio = 0.0
 
     def observe(self, diffs_N: torch.Tensor) -> None:
         if diffs_N.numel():
             self.max_diff = max(self.max_diff, float(diffs_N.max()))
+
+    def observe_ratio(self, ratio: float) -> None:
+        self.max_ratio = max(self.max_ratio, ratio)
+
+
+def correction_bands(algo_cfg: RLConfig) -> CorrectionBands:
+    geo_low, geo_high = algo_cfg.rollout_geo_band
+    icepop_low, icepop_high = algo_cfg.rollout_icepop_band
+    return CorrectionBands(algo_cfg.rollout_is_floor, geo_low, geo_high, icepop_low, icepop_high)
 
 
 def make_policy_loss(
@@ -115,6 +136,7 @@ def make_policy_loss(
     `max_staleness` picks what `rollout_correction=auto` means (rollout_correction.resolve_mode)."""
     beta = algo_cfg.beta if kl_in_loss else 0.0
     mode = resolve_mode(algo_cfg.rollout_correction, max_staleness)
+    bands = correction_bands(algo_cfg)
 
     def loss_fn(output: PolicyOutput, batch: SequenceBatch) -> tuple[torch.Tensor, LossMetrics]:
         assert output.logps is not None, "the policy's loss needs log-probabilities"
@@ -126,7 +148,7 @@ def make_policy_loss(
         engine_logps = e.engine_logps
         sampled = batch.sampled.to(output.logps.values.device) if batch.sampled is not None else None
         weights, keep_B = correction(
-            old, engine_logps, mode, algo_cfg.rollout_is_cap, algo_cfg.rollout_mask_band, sampled
+            old, engine_logps, mode, algo_cfg.rollout_is_cap, algo_cfg.rollout_mask_band, sampled, bands
         )
         loss, loss_metrics = policy_loss(PolicyLossInputs(
             output.logps,
@@ -149,6 +171,9 @@ def make_policy_loss(
         ))
         metrics: dict[str, torch.Tensor | float] = dict(loss_metrics)
         metrics.update(correction_metrics(weights, keep_B, batch.num_sampled_tokens, e.global_tokens, e.global_seqs, sampled))
+        metrics["rollout/mismatch_kl"] = mismatch_kl_sum(old, engine_logps, sampled) / max(float(e.global_tokens), 1.0)
+        if parity is not None:
+            parity.observe_ratio(ratio_max(old, engine_logps, mode, sampled))
         if e.measure_parity:
             diffs_N = sampled_gap(output.logps.values.detach(), engine_logps.values, sampled)
             metrics["rollout/logprob_diff_mean"] = diffs_N.sum() / max(float(e.global_tokens), 1.0)
@@ -239,7 +264,7 @@ class Learner:
 
     def score(self, exp: Experience) -> None:
         """Fill the experience's trainer-side fields this learner needs (a collective: every rank)."""
-        self.parity.max_diff = 0.0
+        self.parity.reset()
         batch = exp.batch
         need_micro = not self.fused or self.reference is not None or self.critic is not None
         micro = self.update.micro_batches(batch, exp.episode_of) if need_micro else []
@@ -264,6 +289,7 @@ class Learner:
         )
         out = self.update.run(self.policy, exp.batch, inputs, self.loss_fn, with_entropy=self.fused, episode_of=exp.episode_of)
         out["rollout/logprob_diff_max"] = global_max(self.parity.max_diff)
+        out["rollout/is_ratio_max"] = global_max(self.parity.max_ratio)
         if not self.fused:
             old = exp.old_logps
             diffs_sum = sampled_gap(old.values, exp.engine_logps.values, exp.batch.sampled).sum() if old is not None else 0.0

@@ -81,7 +81,7 @@ def test_the_static_check_flags_the_bugs_that_crashed_on_cuda():
 OTHER = torch.device("meta")
 RL_KEYS = (
     "clip_low", "clip_high", "beta", "loss_agg", "importance_level", "policy_loss", "max_new_tokens", "rollout_is_cap",
-    "rollout_mask_band",
+    "rollout_mask_band", "rollout_is_floor", "rollout_geo_band", "rollout_icepop_band",
 )
 
 
@@ -143,10 +143,11 @@ def test_grpo_loss_runs_where_the_outputs_are_with_host_advantages_and_engine_lo
         engine_logps=Ragged.from_lengths(torch.full((n,), -1.0, device="cpu"), lengths),
         measure_parity=True, global_tokens=float(n), global_seqs=4.0,
     )
-    for correction in ("none", "tis", "mask"):
+    for correction in ("none", "tis", "mask", "seq_tis", "seq_mask", "geo_mask", "icepop"):
         cfg = SimpleNamespace(**{k: getattr(GRPOConfig(), k) for k in RL_KEYS}, rollout_correction=correction)
         loss, metrics = make_policy_loss(cfg)(_output(batch, with_entropy=True), batch)
         assert loss.device == OTHER and metrics["rollout/logprob_diff_mean"].device == OTHER, correction
+        assert metrics["rollout/mismatch_kl"].device == OTHER, correction
 
 
 @pytest.mark.parametrize("reference_on", ["cpu", "meta"])
