@@ -140,7 +140,7 @@ class DistillConfig(RLConfig):
     name: str = "distill"
 
 
-# --- value checks a schema cannot express (run by rltrain.config.validate) ---------------------
+# --- value checks a schema cannot express (run by rltrain.preflight.validate) ---------------------
 
 
 def _at_least(algo: RLConfig, keys: tuple[str, ...], low: int = 1) -> None:

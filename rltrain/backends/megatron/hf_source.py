@@ -35,7 +35,7 @@ def hf_reader(model_dir: Path):
 
 
 def checked_spec(model_dir: Path, tp: int, pp: int) -> ModelSpec:
-    """The model's spec, or a UserError naming the key to change. `rltrain.config.validate` catches most
+    """The model's spec, or a UserError naming the key to change. `rltrain.preflight.validate` catches most
     of this before any rank starts; this covers what it cannot read (an unsupported architecture,
     a config.json it could not parse) and callers that bypass it (torchrun, the Python API)."""
     from transformers import AutoConfig

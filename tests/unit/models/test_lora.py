@@ -13,7 +13,7 @@ import torch
 from helpers import compose_config
 
 from rltrain.config.schema import LoraAdapterConfig, ModelConfig
-from rltrain.config.validate import validate
+from rltrain.preflight.validate import validate
 from rltrain.models import lora
 from rltrain.runtime.errors import UserError
 

@@ -1,5 +1,6 @@
-"""The world layout a run will have and the megatron split of ranks and model it needs, checked
-before any rank starts (rltrain.config.validate calls `validate_megatron_layout`)."""
+"""The world a run will have (its ranks, those that hold distinct data) and the megatron split of
+ranks and model it needs, checked before any rank starts (rltrain.preflight.validate calls
+`validate_megatron_layout`)."""
 
 from __future__ import annotations
 

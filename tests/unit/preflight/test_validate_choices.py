@@ -18,7 +18,7 @@ from helpers import compose_config
 from rltrain.config import algorithms, group_options, schema
 from rltrain.config.algorithms import ALGORITHMS
 from rltrain.config.choices import choices_of
-from rltrain.config.validate import CHOICES, validate
+from rltrain.preflight.validate import CHOICES, validate
 from rltrain.runtime.errors import UserError
 
 # The group (and, for algorithm- or engine-specific keys, the option) each schema class belongs to.
