@@ -15,10 +15,9 @@ from typing import Any
 from rltrain.config import group_options, schema
 from rltrain.config.algorithms import SPECS, AlgoConfig, names_where, spec_of
 from rltrain.config.choices import choices_of
-from rltrain.preflight.compose_errors import added_keys
 from rltrain.config.group_options import VLLMRolloutConfig
-from rltrain.preflight.world import data_parallel_size, validate_megatron_layout
 from rltrain.config.schema import Config, ModelConfig
+from rltrain.preflight.compose_errors import added_keys
 from rltrain.preflight.sources import (
     check_revision,
     read_hf_config,
@@ -26,6 +25,7 @@ from rltrain.preflight.sources import (
     validate_model_source,
 )
 from rltrain.preflight.validate_rl import validate_env, validate_servers, validate_staleness
+from rltrain.preflight.world import data_parallel_size, validate_megatron_layout
 from rltrain.runtime.errors import UserError
 
 # Every enum-like key of every group and the values it accepts (the schema's `Literal`s), checked

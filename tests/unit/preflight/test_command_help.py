@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from rltrain.preflight.command_help import COMMON_KEYS, command_help, group_options
 from rltrain.config.schema import CONF_DIR, register_configs
+from rltrain.preflight.command_help import COMMON_KEYS, command_help, group_options
 
 MAX_LINES = 45
 MAX_WIDTH = 100

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from helpers import compose_config
 
-from rltrain.preflight.world import data_parallel_size
 from rltrain.preflight.validate import validate
+from rltrain.preflight.world import data_parallel_size
 from rltrain.runtime.errors import UserError
 
 
