@@ -1,8 +1,8 @@
 """Process-global state a run leaves behind, reset so the next in-process run starts clean.
 
 A Hydra multirun (`python -m rltrain -m ...`) runs its jobs one after the other in one process, so
-what one job sets in module globals (process groups, megatron-core's state, the fault injector,
-deterministic mode, environment variables) must not leak into the next. The list:
+what one job sets in module globals (process groups, megatron-core's state, deterministic mode,
+environment variables) must not leak into the next. The list:
 docs/internals/runtime.md.
 """
 
@@ -17,9 +17,6 @@ def reset_process_state() -> None:
     """Undo the module-global state of a finished run (idempotent; cheap when nothing was used)."""
     if "megatron.core.parallel_state" in sys.modules:
         _reset_megatron()
-    faults: Any = sys.modules.get("rltrain.safety.faults")  # reset only if loaded: not imported here
-    if faults is not None:
-        faults._active = faults.FaultInjector()
     import torch
 
     torch.use_deterministic_algorithms(False)

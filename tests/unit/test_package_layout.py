@@ -176,11 +176,11 @@ def test_vllm_and_megatron_are_imported_only_where_used():
 # package and from packages below it; the entry modules at the root (__main__, worker, plot) sit on top.
 LAYERS = [
     "runtime",  # processes, collectives, errors: imports no other package
+    "safety",  # guarded steps, metric reduction, faults, health: on runtime alone, so RunContext holds a run's faults
     "config",  # the schema every layer reads, RunContext, Hub ids
     "launch",  # starts ranks by command line, never by import
     "models",
     "data",
-    "safety",
     "transport",  # weights across a process boundary
     "backends",
     "rollout",

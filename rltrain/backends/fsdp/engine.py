@@ -44,13 +44,14 @@ from rltrain.backends.optimizer_state import move_optimizer_state
 from rltrain.backends.roles import engine_options, role_build
 from rltrain.backends.value_head import new_value_head
 from rltrain.config.group_options import FSDPBackendConfig
+from rltrain.config.run_context import RunContext
 from rltrain.config.schema import LoraAdapterConfig, OptimConfig, SafetyConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
 from rltrain.models import lora, moe
 from rltrain.models.hf_io import load_causal_lm
 from rltrain.runtime.precision import Precision, resolve_precision
-from rltrain.safety import faults
+from rltrain.safety.faults import FaultInjector
 from rltrain.safety.guard import (
     ErrorBudget,
     MicroBatchGuard,
@@ -81,7 +82,9 @@ class FSDPEngine:
         adapters: LoraAdapterConfig | None = None,
         seed: int = 0,
         value_head_bias: bool = True,
+        faults: FaultInjector | None = None,
     ) -> None:
+        self.faults = faults if faults is not None else FaultInjector()
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.device = device
@@ -236,7 +239,7 @@ class FSDPEngine:
             group["lr"] = lr
         sums: dict[str, torch.Tensor] = {}
         errors = StepErrors(self.rank, self.fail_fast)
-        injector = faults.active()
+        injector = self.faults
         share = 1.0 / (len(micro_batches) * self.world_size)  # per-micro-batch means -> one global mean
         for i, mb in enumerate(micro_batches):
             done = guarded_micro_batch(
@@ -267,7 +270,7 @@ class FSDPEngine:
         return reduced
 
     def _train_loss(
-        self, out: PolicyOutput, mb: SequenceBatch, loss_fn: LossFn, share: float, injector: faults.FaultInjector
+        self, out: PolicyOutput, mb: SequenceBatch, loss_fn: LossFn, share: float, injector: FaultInjector
     ) -> tuple[torch.Tensor, LossMetrics]:
         """The algorithm's loss plus the dummy-batch anchor and, for a MoE model, its weighted
         load-balancing loss (a per-micro-batch mean, scaled so the sum over micro-batches and ranks
@@ -291,7 +294,7 @@ class FSDPEngine:
                 "FSDPEngine.export_weights: a critic or a reward model is not synced to a rollout engine (none runs "
                 "it); save_pretrained writes a reward model as a sequence classifier"
             )
-        yield from export.hf_weights(self.lm, self.adapters, self.tied)
+        yield from export.hf_weights(self.lm, self.adapters, self.tied, not self.faults.adapters_dropped())
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.export_weights())
@@ -304,7 +307,10 @@ class FSDPEngine:
         if isinstance(self.scorer, CompletionValuer):
             export.save_sequence_classifier(directory, self.lm, self.adapters, self.scorer.value_head, self.rank)
             return
-        export.save_pretrained(directory, self.lm, self.adapters, self.save_merged, self.tied, self.model_dir, self.rank)
+        export.save_pretrained(
+            directory, self.lm, self.adapters, self.save_merged, self.tied, self.model_dir, self.rank,
+            with_adapters=not self.faults.adapters_dropped(),
+        )
 
     # --- checkpoints ---------------------------------------------------------------------------
 
@@ -357,7 +363,7 @@ class AdaptersOff:
             return self.engine.forward_logps(micro_batches, with_entropy)
 
 
-def build_engine(ctx, role: str, max_steps: int) -> FSDPEngine:
+def build_engine(ctx: RunContext, role: str, max_steps: int) -> FSDPEngine:
     """The backend registry's entry (`backend=fsdp`) for one role (rltrain.backends.Role)."""
     cfg = ctx.cfg
     build = role_build(ctx, role)

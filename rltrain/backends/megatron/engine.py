@@ -45,11 +45,13 @@ from rltrain.backends.roles import engine_options, role_build
 from rltrain.backends.sequence_classifier import CRITIC_NOT_EXPORTED
 from rltrain.backends.value_head import head_values
 from rltrain.config.group_options import MegatronBackendConfig
+from rltrain.config.run_context import RunContext
 from rltrain.config.schema import OptimConfig, SafetyConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
 from rltrain.runtime.distributed import agree_or_raise, control_device
 from rltrain.runtime.precision import Precision, resolve_precision
+from rltrain.safety.faults import FaultInjector
 from rltrain.safety.guard import (
     ErrorBudget,
     fail_fast_enabled,
@@ -75,6 +77,7 @@ class MegatronEngine:
         gradient_checkpointing: bool = False,
         value_head_seed: int | None = None,
         value_head_bias: bool = True,
+        faults: FaultInjector | None = None,
     ) -> None:
         """`groups=None` joins the process's shared megatron parallel state (created by the first
         engine), so a policy and its frozen reference share one set of communicators.
@@ -83,6 +86,7 @@ class MegatronEngine:
         `model.checkpoint_layers`. `value_head_bias=False`: a reward model's head, exported as a
         sequence classifier's score layer (`save_pretrained`)."""
         apply_cpu_shims()
+        self.faults = faults if faults is not None else FaultInjector()
         self.model_dir = Path(model_dir)
         tp, pp = backend_cfg.tp, backend_cfg.pp
         self.spec = checked_spec(self.model_dir, tp, pp)
@@ -266,7 +270,9 @@ class MegatronEngine:
         padded = [pad_micro_batch(mb, self.device) for mb in micro_batches]
         for p in self.params:
             p.grad = None
-        guarded = GuardedLosses(self._score, self.scores, self.layout, self.fail_fast, padded, micro_batches, loss_fn, with_entropy)
+        guarded = GuardedLosses(
+            self._score, self.scores, self.layout, self.fail_fast, padded, micro_batches, loss_fn, self.faults, with_entropy
+        )
         run_pipeline(self.model, self._pipeline(), padded, guarded.on_output, train=True, on_backward=guarded.on_backward)
         recovered, mixed = guarded.errors.recovered, guarded.mixed
         if layout.tp > 1:  # each error is counted once, by the TP rank that had it
@@ -365,7 +371,7 @@ class MegatronEngine:
         return self.groups.recreate()
 
 
-def build_engine(ctx, role: str, max_steps: int) -> MegatronEngine:
+def build_engine(ctx: RunContext, role: str, max_steps: int) -> MegatronEngine:
     """The backend registry's entry (`backend=megatron`) for one role (rltrain.backends.Role);
     every role's engine joins the policy's process groups."""
     cfg = ctx.cfg

@@ -14,7 +14,7 @@ from rltrain.backends.megatron.groups import Layout
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
 from rltrain.runtime.distributed import control_device
-from rltrain.safety import faults
+from rltrain.safety.faults import FaultInjector
 from rltrain.safety.guard import (
     MicroBatchGuard,
     Owed,
@@ -54,13 +54,14 @@ class GuardedLosses:
         padded: list[PaddedMicroBatch],
         batches: list[SequenceBatch],
         loss_fn: LossFn,
+        injector: FaultInjector,
         with_entropy: bool = False,
     ) -> None:
         self.score, self.scores = score, scores
         self.padded, self.batches, self.loss_fn = padded, batches, loss_fn
         self.with_entropy = with_entropy
         self.layout = layout
-        self.injector = faults.active()
+        self.injector = injector
         self.errors = StepErrors(dist.get_rank(), fail_fast)
         self.sums: dict[str, float] = {}
         self.mixed = False
