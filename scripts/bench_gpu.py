@@ -147,8 +147,14 @@ def ours_label(name: str, backend_name: str) -> str:
     return f"rltrain {name}" + (f" ({backend_name})" if backend_name != "fsdp" else "")
 
 
-def run_ours(name: str, model_dir: Path, rows, args, device: torch.device, backend_name: str = "fsdp") -> dict:
-    workload = Workload(name, model_dir, rows, args, device, backend_name=backend_name, optim_implementation=args.optim)
+def run_ours(
+    name: str, model_dir: Path, rows, args, device: torch.device, backend_name: str = "fsdp", shared=None
+) -> dict:
+    """`shared`: the process's SharedObjects (rltrain.config.run_context): megatron's workloads join
+    one parallel state, one after another."""
+    workload = Workload(
+        name, model_dir, rows, args, device, backend_name=backend_name, optim_implementation=args.optim, shared=shared
+    )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     timings = _timed_steps(workload.step, args, ours_label(name, backend_name), device)
@@ -278,6 +284,7 @@ def main() -> None:
                         help="rltrain's optim.implementation: AdamW's kernels (auto: the backend's own)")
     args = parser.parse_args()
     args.row_length = args.length if args.rows == "dense" else 0
+    from rltrain.config.run_context import SharedObjects
     from rltrain.runtime.precision import resolve_precision
 
     names, backends = args.only.split(","), args.backend.split(",")
@@ -299,6 +306,7 @@ def main() -> None:
         table.append(cells)
         print("row: " + " | ".join(cells), flush=True)
 
+    shared = SharedObjects()  # megatron's parallel state, one per process, shared by its workloads
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model_dir(shape, Path(tmp) / "model", device, max(2048, args.row_length))
         rows = make_rows(total_steps(args) * args.batch, length=args.row_length)
@@ -310,7 +318,7 @@ def main() -> None:
                 plain[label] = run_plain(head, model_dir, rows, args, precision, device)
                 add(_row(label, plain[label], peak, None, "-"))
         for name in [n for n in names if n != "plain"]:
-            results = {b: run_ours(name, model_dir, rows, args, device, b) for b in backends}
+            results = {b: run_ours(name, model_dir, rows, args, device, b, shared) for b in backends}
             theirs = run_trl(name, model_dir, rows, args, precision, device, Path(tmp) / "trl") if with_trl else None
             for backend_name, result in results.items():
                 vs_trl = f"{result['tokens/s'] / theirs['tokens/s']:.2f}x" if theirs else "-"

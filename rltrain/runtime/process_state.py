@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
 
 
 def reset_process_state() -> None:
@@ -27,9 +26,6 @@ def _reset_megatron() -> None:
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()  # clears every group global; its gloo groups are destroyed if alive
-    groups: Any = sys.modules.get("rltrain.backends.megatron.groups")
-    if groups is not None:
-        groups._SHARED = None
     if torch.cuda.is_available():
         # The next run seeds megatron's model-parallel RNG states from its own trainer.seed.
         from megatron.core import tensor_parallel

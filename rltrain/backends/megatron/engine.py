@@ -79,8 +79,8 @@ class MegatronEngine:
         value_head_bias: bool = True,
         faults: FaultInjector | None = None,
     ) -> None:
-        """`groups=None` joins the process's shared megatron parallel state (created by the first
-        engine), so a policy and its frozen reference share one set of communicators.
+        """`groups`: megatron's parallel state to join (a run's engines share one, so a policy and
+        its frozen reference share one set of communicators); None creates it for this engine.
         `precision`: see `rltrain.runtime.precision` (parameters in its parameter dtype, each stage's
         forward autocast to its compute dtype when they differ); `gradient_checkpointing`: see
         `model.checkpoint_layers`. `value_head_bias=False`: a reward model's head, exported as a
@@ -91,7 +91,7 @@ class MegatronEngine:
         tp, pp = backend_cfg.tp, backend_cfg.pp
         self.spec = checked_spec(self.model_dir, tp, pp)
         if groups is None:
-            groups = ParallelGroups.shared(tp, pp, timeout_s=collective_timeout_s)
+            groups = ParallelGroups.created(tp, pp, timeout_s=collective_timeout_s)
         elif (groups.tp, groups.pp) != (tp, pp):
             raise ValueError(f"the given ParallelGroups are tp={groups.tp}, pp={groups.pp}; this engine needs tp={tp}, pp={pp}")
         self.groups = groups
@@ -373,10 +373,12 @@ class MegatronEngine:
 
 def build_engine(ctx: RunContext, role: str, max_steps: int) -> MegatronEngine:
     """The backend registry's entry (`backend=megatron`) for one role (rltrain.backends.Role);
-    every role's engine joins the policy's process groups."""
+    every role's engine joins the process groups the run holds (created by the first)."""
     cfg = ctx.cfg
     build = role_build(ctx, role)
+    timeout_s = cfg.safety.collective_timeout_s
+    groups = ctx.shared.one(ParallelGroups, partial(ParallelGroups.created, cfg.backend.tp, cfg.backend.pp, timeout_s))
     return MegatronEngine(
         build.model_dir, cfg.backend, build.optim, max_steps, ctx.dist.device,
-        collective_timeout_s=cfg.safety.collective_timeout_s, **engine_options(ctx, build),
+        collective_timeout_s=timeout_s, groups=groups, **engine_options(ctx, build),
     )

@@ -82,9 +82,6 @@ class Layout:
         )
 
 
-_SHARED: ParallelGroups | None = None
-
-
 class ParallelGroups:
     """Owns megatron's parallel state for one engine (tp x pp, data parallel over the rest)."""
 
@@ -114,20 +111,12 @@ class ParallelGroups:
         return self.snapshot.init_kwargs["pipeline_model_parallel_size"]
 
     @staticmethod
-    def shared(tp: int, pp: int, timeout_s: float | None = None) -> ParallelGroups:
-        """The process's one megatron parallel state (megatron keeps it in module globals, so two
-        engines in a process must share it); created on first use."""
-        global _SHARED
-        if _SHARED is None:
-            groups = ParallelGroups(tp, pp, timeout_s=timeout_s)
-            groups.create()
-            _SHARED = groups
-        elif (_SHARED.tp, _SHARED.pp) != (tp, pp):
-            raise ValueError(
-                f"megatron's parallel state is tp={_SHARED.tp}, pp={_SHARED.pp} in this process; "
-                f"an engine with tp={tp}, pp={pp} cannot join it"
-            )
-        return _SHARED
+    def created(tp: int, pp: int, timeout_s: float | None = None) -> ParallelGroups:
+        """Megatron's parallel state, initialised now under a record. Megatron keeps it in module
+        globals, one per process: the engines of a run share these (`RunContext.shared`)."""
+        groups = ParallelGroups(tp, pp, timeout_s=timeout_s)
+        groups.create()
+        return groups
 
     # -- creation ---------------------------------------------------------------------------
 
