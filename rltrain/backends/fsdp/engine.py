@@ -94,22 +94,48 @@ class FSDPEngine:
         self.trainable = optim_cfg is not None
         self.precision = precision if isinstance(precision, Precision) else resolve_precision(precision, device)
         self.sharded = self.world_size > 1
-        # Sharded: on the meta device until `sharding` has placed it (no rank holds the full model).
+        safety = safety or SafetyConfig()
+        self.fail_fast = fail_fast_enabled(safety.fail_fast)
+        self.error_budget = ErrorBudget(safety.max_consecutive_errors)
+        self._load_model(adapters, seed)
+        self._build_scorer(backend_cfg, value_head_seed, value_head_bias)
+        if gradient_checkpointing:
+            self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if backend_cfg.compile:  # before fully_shard (rltrain.backends.fsdp.compile_layers)
+            compile_decoder_layers(self.lm.model.layers)
+        if not self.trainable:
+            self.scorer.requires_grad_(False)
+        # The group FSDP shards over (None with one rank: nothing is wrapped, nothing to tear down).
+        self.groups: FSDPGroups | None = None
+        if self.sharded:
+            self._shard(backend_cfg, safety.collective_timeout_s, seed, value_head_seed)
+        self.steps_taken = 0  # optimizer steps actually applied (skipped ones excluded)
+        self.optimizer = self._build_optimizer()
+
+    # --- build steps, in the order __init__ takes them -------------------------------------------
+
+    def _load_model(self, adapters: LoraAdapterConfig | None, seed: int) -> None:
+        """The Hugging Face model (sharded: on the meta device until `sharding` has placed it, so no
+        rank holds the full model); with LoRA its linear layers become peft LoRA layers in place,
+        before sharding (rltrain.models.lora)."""
         self.lm = load_causal_lm(self.model_dir, self.precision.param_dtype, on_meta=self.sharded)
-        # LoRA: the linear layers become peft LoRA layers in place, before sharding (rltrain.models.lora)
         self.adapters = lora.add_adapters(self.lm, adapters) if adapters is not None and adapters.rank > 0 else None
         self.save_merged = adapters is not None and adapters.save_merged
         if not self.sharded:
-            self.lm.to(device)
+            self.lm.to(self.device)
             if self.adapters is not None:
                 lora.fill_adapters(self.lm, seed)
         self.pad_id = int(self.lm.config.pad_token_id or 0)
         self.tied = bool(self.lm.config.tie_word_embeddings)
         self.moe_info = moe.prepare_moe(self.lm)
+
+    def _build_scorer(self, backend_cfg: FSDPBackendConfig, value_head_seed: int | None, value_head_bias: bool) -> None:
+        """How a micro-batch meets the model (packed shared prompts, one padding-free row, length
+        buckets, one rectangle; padding-free rows on CUDA run flex_attention: attention_masks) and
+        what scores it: the LM head's log-probabilities, or a critic's value head."""
+        device = self.device
         # Sharded, FSDP casts weights to the compute dtype; unsharded, autocast does (docstring).
         autocast = contextlib.nullcontext if self.sharded else partial(self.precision.autocast, device)
-        # How a micro-batch meets the model (packed shared prompts, one padding-free row, length
-        # buckets, one rectangle); padding-free rows on CUDA run flex_attention (attention_masks).
         self.layout = MicroBatchLayout.for_model(
             self.lm.config,
             self.pad_id,
@@ -134,32 +160,26 @@ class FSDPEngine:
                 "meta" if self.sharded else device, bias=value_head_bias,
             )
             self.scorer = CompletionValuer(self.lm, head, self.moe_info, autocast, flex)
-        if gradient_checkpointing:
-            self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if backend_cfg.compile:  # before fully_shard (rltrain.backends.fsdp.compile_layers)
-            compile_decoder_layers(self.lm.model.layers)
-        safety = safety or SafetyConfig()
-        self.fail_fast = fail_fast_enabled(safety.fail_fast)
-        self.error_budget = ErrorBudget(safety.max_consecutive_errors)
-        if not self.trainable:
-            self.scorer.requires_grad_(False)
-        # The group FSDP shards over (None with one rank: nothing is wrapped, nothing to tear down).
-        self.groups: FSDPGroups | None = None
-        if self.sharded:
-            self.groups = FSDPGroups(device.type, timeout_s=safety.collective_timeout_s)
-            shard_model(self.lm, self.scorer, self.groups, self.precision, backend_cfg)
-            load_shards(
-                self.lm, self.scorer, self.groups, self.model_dir, self.precision, device,
-                self.adapters, seed, value_head_seed,
-            )
-        self.steps_taken = 0  # optimizer steps actually applied (skipped ones excluded)
-        self.optimizer = None
-        if self.trainable:
-            assert optim_cfg is not None
-            self.optimizer = build_adamw(
-                (p for p in self.scorer.parameters() if p.requires_grad), optim_cfg, lr=lr_at(0, optim_cfg, max_steps),
-                backend_default="foreach",
-            )
+
+    def _shard(
+        self, backend_cfg: FSDPBackendConfig, timeout_s: float | None, seed: int, value_head_seed: int | None
+    ) -> None:
+        """fully_shard over a group of the engine's own, then each rank's shards filled."""
+        self.groups = FSDPGroups(self.device.type, timeout_s=timeout_s)
+        shard_model(self.lm, self.scorer, self.groups, self.precision, backend_cfg)
+        load_shards(
+            self.lm, self.scorer, self.groups, self.model_dir, self.precision, self.device,
+            self.adapters, seed, value_head_seed,
+        )
+
+    def _build_optimizer(self) -> torch.optim.Optimizer | None:
+        """AdamW over the trainable parameters; None for a frozen engine."""
+        if self.optim_cfg is None:
+            return None
+        return build_adamw(
+            (p for p in self.scorer.parameters() if p.requires_grad), self.optim_cfg,
+            lr=lr_at(0, self.optim_cfg, self.max_steps), backend_default="foreach",
+        )
 
     def base_weights(self) -> LogProbScorer | None:
         """The base model scored with the adapters switched off: a LoRA policy's reference at no

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,7 @@ from rltrain.backends.megatron.logprobs import head_logps
 from rltrain.backends.megatron.metrics import reduce_metrics
 from rltrain.backends.megatron.model import build_stage, checkpoint_layers, load_stage_weights
 from rltrain.backends.megatron.schedule import Pipeline, run_pipeline
+from rltrain.backends.megatron.spec import ModelSpec
 from rltrain.backends.megatron.value_model import make_value_stage, value_head_shards
 from rltrain.backends.optimizer_state import move_optimizer_state
 from rltrain.backends.roles import engine_options, role_build
@@ -90,12 +92,7 @@ class MegatronEngine:
         self.model_dir = Path(model_dir)
         tp, pp = backend_cfg.tp, backend_cfg.pp
         self.spec = checked_spec(self.model_dir, tp, pp)
-        if groups is None:
-            groups = ParallelGroups.created(tp, pp, timeout_s=collective_timeout_s)
-        elif (groups.tp, groups.pp) != (tp, pp):
-            raise ValueError(f"the given ParallelGroups are tp={groups.tp}, pp={groups.pp}; this engine needs tp={tp}, pp={pp}")
-        self.groups = groups
-        layout = self.layout
+        self.groups = self._join_groups(groups, tp, pp, collective_timeout_s)
         if not isinstance(precision, Precision):
             default = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             precision = resolve_precision(precision, device if device is not None else default)
@@ -105,28 +102,12 @@ class MegatronEngine:
         self.reward_model = critic and not value_head_bias
         # A critic's stage is built untied: its last stage holds a value head, no embedding copy.
         build_spec = dataclasses.replace(self.spec, tie_embeddings=False) if critic else self.spec
-        self.model = build_stage(build_spec, tp, pp, layout.pp_rank, precision.param_dtype)
-        last_stage = layout.pp_rank == pp - 1
-        if critic and last_stage:
-            make_value_stage(self.model, self.spec.hidden_size, precision.param_dtype, value_head_bias)
-        if device is not None:
-            self.model.to(device)
-        if gradient_checkpointing:
-            checkpoint_layers(self.model)
-        shards = hf_to_megatron(
-            self.spec, hf_reader(self.model_dir), layout.tp_rank, tp, layout.pp_rank, pp, output=not critic
-        )
-        if critic and last_stage:
-            assert value_head_seed is not None
-            shards |= value_head_shards(self.spec.hidden_size, value_head_seed, value_head_bias)
-        load_stage_weights(self.model, shards)
+        self.model = self._build_stage(build_spec, tp, pp, device, gradient_checkpointing, value_head_bias)
+        self._load_weights(tp, pp, value_head_seed, value_head_bias)
         self.params = list(self.model.parameters())
         # The tied embedding's copy on the last stage of a pipeline (a policy's, never a critic's).
         self.tied_copies = build_spec.tie_embeddings and pp > 1
-        tied_copy_name = OUTPUT if self.tied_copies else None
-        self._norm_params = [
-            p for n, p in self.model.named_parameters() if norm_counted(n, layout.tp_rank, n == tied_copy_name)
-        ]
+        self._norm_params = self._norm_counted_params()
         self.optim_cfg = optim_cfg
         self.max_steps = max_steps
         self.optimizer = (
@@ -138,9 +119,52 @@ class MegatronEngine:
         safety = safety or SafetyConfig()
         self.fail_fast = fail_fast_enabled(safety.fail_fast)
         self.error_budget = ErrorBudget(safety.max_consecutive_errors)
-        groups.attach(self.model)
-        self.rank = layout.dp_rank
-        self.world_size = layout.dp
+        self.groups.attach(self.model)
+        self.rank = self.layout.dp_rank
+        self.world_size = self.layout.dp
+
+    # -- build steps, in the order __init__ takes them ------------------------------------------
+
+    @staticmethod
+    def _join_groups(groups: ParallelGroups | None, tp: int, pp: int, timeout_s: float | None) -> ParallelGroups:
+        if groups is None:
+            return ParallelGroups.created(tp, pp, timeout_s=timeout_s)
+        if (groups.tp, groups.pp) != (tp, pp):
+            raise ValueError(f"the given ParallelGroups are tp={groups.tp}, pp={groups.pp}; this engine needs tp={tp}, pp={pp}")
+        return groups
+
+    def _build_stage(
+        self, build_spec: ModelSpec, tp: int, pp: int, device: torch.device | None, gradient_checkpointing: bool,
+        value_head_bias: bool,
+    ) -> Any:  # megatron's GPTModel (rltrain.backends.megatron.model.build_stage)
+        """This rank's pipeline stage of tp shards, uninitialised; a value model's last stage with its
+        value head in place of the output layer."""
+        layout = self.layout
+        model = build_stage(build_spec, tp, pp, layout.pp_rank, self.precision.param_dtype)
+        if self.scores == "values" and layout.pp_rank == pp - 1:
+            make_value_stage(model, self.spec.hidden_size, self.precision.param_dtype, value_head_bias)
+        if device is not None:
+            model.to(device)
+        if gradient_checkpointing:
+            checkpoint_layers(model)
+        return model
+
+    def _load_weights(self, tp: int, pp: int, value_head_seed: int | None, value_head_bias: bool) -> None:
+        """The stage's shards of the Hugging Face weights; a value model's head drawn from its seed."""
+        layout = self.layout
+        critic = value_head_seed is not None
+        shards = hf_to_megatron(
+            self.spec, hf_reader(self.model_dir), layout.tp_rank, tp, layout.pp_rank, pp, output=not critic
+        )
+        if value_head_seed is not None and layout.pp_rank == pp - 1:
+            shards |= value_head_shards(self.spec.hidden_size, value_head_seed, value_head_bias)
+        load_stage_weights(self.model, shards)
+
+    def _norm_counted_params(self) -> list[torch.nn.Parameter]:
+        """The parameters the gradient norm counts on this rank (`grads.norm_counted`)."""
+        tied_copy_name = OUTPUT if self.tied_copies else None
+        tp_rank = self.layout.tp_rank
+        return [p for n, p in self.model.named_parameters() if norm_counted(n, tp_rank, n == tied_copy_name)]
 
     # -- layout -----------------------------------------------------------------------------
 
