@@ -29,7 +29,3 @@ class SyncStats:
     bytes: int
     buckets: int
     seconds: float
-
-    @property
-    def mb_per_s(self) -> float:
-        return self.bytes / 1e6 / max(self.seconds, 1e-9)

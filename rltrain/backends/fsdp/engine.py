@@ -316,9 +316,6 @@ class FSDPEngine:
             )
         yield from export.hf_weights(self.lm, self.adapters, self.tied, not self.faults.adapters_dropped())
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return dict(self.export_weights())
-
     def save_pretrained(self, directory: Path) -> None:
         """A Hugging Face model directory; with LoRA a PEFT adapter directory, plus the merged
         model in `merged/` when `model.lora.save_merged` (docs/lora.md, "Outputs"). A reward model
