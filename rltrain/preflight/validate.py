@@ -25,7 +25,7 @@ from rltrain.preflight.sources import (
     validate_model_source,
 )
 from rltrain.preflight.validate_rl import validate_env, validate_servers, validate_staleness
-from rltrain.preflight.world import data_parallel_size, validate_megatron_layout
+from rltrain.preflight.world import data_parallel_size, validate_megatron_split
 from rltrain.runtime.errors import UserError
 
 # Every enum-like key of every group and the values it accepts (the schema's `Literal`s), checked
@@ -76,7 +76,7 @@ def validate(cfg: Config) -> None:
         )
     validate_choices(cfg)
     validate_trainer(cfg)
-    validate_megatron_layout(cfg)
+    validate_megatron_split(cfg)
     validate_compile(cfg)
     validate_batch_and_logging(cfg)
     validate_reward(cfg)

@@ -33,7 +33,7 @@ from rltrain.backends.megatron.grads import (
     sum_over_data_parallel,
     sync_tied_embedding,
 )
-from rltrain.backends.megatron.groups import Layout, ParallelGroups
+from rltrain.backends.megatron.groups import ParallelCoords, ParallelGroups
 from rltrain.backends.megatron.guarded_losses import GuardedLosses
 from rltrain.backends.megatron.hf_source import checked_spec, hf_reader
 from rltrain.backends.megatron.logprobs import head_logps
@@ -120,8 +120,8 @@ class MegatronEngine:
         self.fail_fast = fail_fast_enabled(safety.fail_fast)
         self.error_budget = ErrorBudget(safety.max_consecutive_errors)
         self.groups.attach(self.model)
-        self.rank = self.layout.dp_rank
-        self.world_size = self.layout.dp
+        self.rank = self.coords.dp_rank
+        self.world_size = self.coords.dp
 
     # -- build steps, in the order __init__ takes them ------------------------------------------
 
@@ -139,9 +139,9 @@ class MegatronEngine:
     ) -> Any:  # megatron's GPTModel (rltrain.backends.megatron.model.build_stage)
         """This rank's pipeline stage of tp shards, uninitialised; a value model's last stage with its
         value head in place of the output layer."""
-        layout = self.layout
-        model = build_stage(build_spec, tp, pp, layout.pp_rank, self.precision.param_dtype)
-        if self.scores == "values" and layout.pp_rank == pp - 1:
+        coords = self.coords
+        model = build_stage(build_spec, tp, pp, coords.pp_rank, self.precision.param_dtype)
+        if self.scores == "values" and coords.pp_rank == pp - 1:
             make_value_stage(model, self.spec.hidden_size, self.precision.param_dtype, value_head_bias)
         if device is not None:
             model.to(device)
@@ -151,28 +151,28 @@ class MegatronEngine:
 
     def _load_weights(self, tp: int, pp: int, value_head_seed: int | None, value_head_bias: bool) -> None:
         """The stage's shards of the Hugging Face weights; a value model's head drawn from its seed."""
-        layout = self.layout
+        coords = self.coords
         critic = value_head_seed is not None
         shards = hf_to_megatron(
-            self.spec, hf_reader(self.model_dir), layout.tp_rank, tp, layout.pp_rank, pp, output=not critic
+            self.spec, hf_reader(self.model_dir), coords.tp_rank, tp, coords.pp_rank, pp, output=not critic
         )
-        if value_head_seed is not None and layout.pp_rank == pp - 1:
+        if value_head_seed is not None and coords.pp_rank == pp - 1:
             shards |= value_head_shards(self.spec.hidden_size, value_head_seed, value_head_bias)
         load_stage_weights(self.model, shards)
 
     def _norm_counted_params(self) -> list[torch.nn.Parameter]:
         """The parameters the gradient norm counts on this rank (`grads.norm_counted`)."""
         tied_copy_name = OUTPUT if self.tied_copies else None
-        tp_rank = self.layout.tp_rank
+        tp_rank = self.coords.tp_rank
         return [p for n, p in self.model.named_parameters() if norm_counted(n, tp_rank, n == tied_copy_name)]
 
-    # -- layout -----------------------------------------------------------------------------
+    # -- coords -----------------------------------------------------------------------------
 
     @property
-    def layout(self) -> Layout:
-        if self.groups.layout is None:
+    def coords(self) -> ParallelCoords:
+        if self.groups.coords is None:
             raise RuntimeError("the engine's process groups are torn down; call recreate_communicators() first")
-        return self.groups.layout
+        return self.groups.coords
 
     @property
     def device(self) -> torch.device:
@@ -185,18 +185,18 @@ class MegatronEngine:
     def replica_group(self) -> dist.ProcessGroup | None:
         """The tp x pp ranks of this rank's data-parallel replica (they must see the same data),
         or None when a replica is a single rank. Re-read each time: time sharing re-creates it."""
-        layout = self.layout
-        return layout.mp_group if layout.tp * layout.pp > 1 else None
+        coords = self.coords
+        return coords.mp_group if coords.tp * coords.pp > 1 else None
 
     def _pipeline(self) -> Pipeline:
-        layout = self.layout
-        ranks = dist.get_process_group_ranks(layout.pp_group) if layout.pp > 1 else [dist.get_rank()]
+        coords = self.coords
+        ranks = dist.get_process_group_ranks(coords.pp_group) if coords.pp > 1 else [dist.get_rank()]
         return Pipeline(
-            group=layout.pp_group,
-            rank=layout.pp_rank,
-            size=layout.pp,
-            prev=ranks[layout.pp_rank - 1] if layout.pp_rank > 0 else None,
-            next=ranks[layout.pp_rank + 1] if layout.pp_rank < layout.pp - 1 else None,
+            group=coords.pp_group,
+            rank=coords.pp_rank,
+            size=coords.pp,
+            prev=ranks[coords.pp_rank - 1] if coords.pp_rank > 0 else None,
+            next=ranks[coords.pp_rank + 1] if coords.pp_rank < coords.pp - 1 else None,
             hidden_size=self.spec.hidden_size,
             dtype=self.precision.param_dtype,  # not params[0]'s: norm weights stay fp32 in pure bf16
             device=self.device,
@@ -205,12 +205,12 @@ class MegatronEngine:
 
     def _check_same_data(self, micro_batches: list[SequenceBatch]) -> None:
         """Every tp x pp rank of a replica must hold the same micro-batches; all ranks agree."""
-        layout = self.layout
-        if layout.tp * layout.pp == 1:
+        coords = self.coords
+        if coords.tp * coords.pp == 1:
             return
         fp = fingerprint(micro_batches).to(control_device())
         both = torch.cat([fp, -fp])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=layout.mp_group)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=coords.mp_group)
         ok = bool(torch.equal(both[:3], -both[3:]))
         agree_or_raise(ok, "micro-batch check (tp/pp ranks of one data-parallel replica were given different data)")
 
@@ -223,10 +223,10 @@ class MegatronEngine:
         if self.scores == "values":
             hidden_NH = stage_out[mb.cols_N, mb.rows_N]
             return head_values(self.model.value_head, hidden_NH), None
-        layout = self.layout
+        coords = self.coords
         hidden_NH = stage_out[mb.rows_N, mb.cols_N]  # the positions that predict completion tokens
         return head_logps(
-            self.model, hidden_NH, mb.targets_N, layout.tp_rank, self.spec.vocab_size, layout.tp_group,
+            self.model, hidden_NH, mb.targets_N, coords.tp_rank, self.spec.vocab_size, coords.tp_group,
             with_entropy, partial(self.precision.autocast, self.device),
         )
 
@@ -290,37 +290,37 @@ class MegatronEngine:
         if with_entropy and self.scores == "values":
             raise ValueError("train_step(with_entropy=True) on a critic engine: a critic has no entropy")
         self._check_same_data(micro_batches)
-        layout = self.layout
+        coords = self.coords
         padded = [pad_micro_batch(mb, self.device) for mb in micro_batches]
         for p in self.params:
             p.grad = None
         guarded = GuardedLosses(
-            self._score, self.scores, self.layout, self.fail_fast, padded, micro_batches, loss_fn, self.faults, with_entropy
+            self._score, self.scores, self.coords, self.fail_fast, padded, micro_batches, loss_fn, self.faults, with_entropy
         )
         run_pipeline(self.model, self._pipeline(), padded, guarded.on_output, train=True, on_backward=guarded.on_backward)
         recovered, mixed = guarded.errors.recovered, guarded.mixed
-        if layout.tp > 1:  # each error is counted once, by the TP rank that had it
+        if coords.tp > 1:  # each error is counted once, by the TP rank that had it
             both = torch.tensor([float(recovered), float(mixed)], dtype=torch.float64, device=control_device())
-            dist.all_reduce(both, group=layout.tp_group)
+            dist.all_reduce(both, group=coords.tp_group)
             recovered, mixed = int(both[0]), bool(both[1] > 0)
         sums = guarded.sums
         sums["safety/recovered_errors"] = float(recovered)
         guarded.injector.poison_grads(self.params)
-        grad_norm, lr, stepped = self._optimizer_step(layout, force_skip=mixed)
-        metrics = reduce_metrics(sums, layout, partial=recovered > 0)
+        grad_norm, lr, stepped = self._optimizer_step(coords, force_skip=mixed)
+        metrics = reduce_metrics(sums, coords, partial=recovered > 0)
         self.error_budget.update(metrics["safety/recovered_errors"])
         metrics.update({"grad_norm": grad_norm, "lr": lr, "safety/skipped_steps": 0.0 if stepped else 1.0})
         return metrics
 
-    def _optimizer_step(self, layout: Layout, force_skip: bool = False) -> tuple[float, float, bool]:
+    def _optimizer_step(self, coords: ParallelCoords, force_skip: bool = False) -> tuple[float, float, bool]:
         """`force_skip`: this rank's gradients are known to be inconsistent with its TP peers'
         (see `GuardedLosses.mixed`); it votes "not finite", so every rank skips the step together."""
         assert self.optimizer is not None and self.optim_cfg is not None
         fill_missing_grads(self.params)
-        sum_over_data_parallel(self.params, layout.dp_group)
+        sum_over_data_parallel(self.params, coords.dp_group)
         if self.tied_copies:
-            sync_tied_embedding(self.model.shared_embedding_or_output_weight(), layout.embd_group)
-        norm = float(global_grad_norm(self._norm_params, layout.mp_group))
+            sync_tied_embedding(self.model.shared_embedding_or_output_weight(), coords.embd_group)
+        norm = float(global_grad_norm(self._norm_params, coords.mp_group))
         lr = lr_at(self.steps_taken, self.optim_cfg, self.max_steps)
         stepped = all_finite(float("nan") if force_skip else norm)
         if stepped:
@@ -340,16 +340,16 @@ class MegatronEngine:
         yields (saving), and only data-parallel replica 0 communicates.
         """
         self._refuse_critic_export("export_weights")
-        return export.export_weights(self.model, self.spec, self.layout, to_rank0=to_rank0)
+        return export.export_weights(self.model, self.spec, self.coords, to_rank0=to_rank0)
 
     def save_pretrained(self, directory: Path) -> None:
         """A Hugging Face causal LM directory; a reward model's a one-output sequence classifier
         (`export.save_sequence_classifier`); a critic is refused."""
         if self.reward_model:
-            export.save_sequence_classifier(self.model, self.spec, self.layout, self.model_dir, Path(directory))
+            export.save_sequence_classifier(self.model, self.spec, self.coords, self.model_dir, Path(directory))
             return
         self._refuse_critic_export("save_pretrained")
-        export.save_pretrained(self.model, self.spec, self.layout, self.model_dir, Path(directory))
+        export.save_pretrained(self.model, self.spec, self.coords, self.model_dir, Path(directory))
 
     def _refuse_critic_export(self, called: str) -> None:
         if self.scores == "values":
@@ -360,10 +360,10 @@ class MegatronEngine:
             )
 
     def save_checkpoint(self, directory: Path) -> None:
-        checkpoint.save(Path(directory), self.model, self.optimizer, self.layout, self.steps_taken)
+        checkpoint.save(Path(directory), self.model, self.optimizer, self.coords, self.steps_taken)
 
     def load_checkpoint(self, directory: Path) -> None:
-        self.steps_taken = checkpoint.load(Path(directory), self.model, self.optimizer, self.layout)
+        self.steps_taken = checkpoint.load(Path(directory), self.model, self.optimizer, self.coords)
 
     def offload(self) -> None:
         """Free gradients; on CUDA also move parameters and AdamW moments to the host."""

@@ -1,5 +1,5 @@
-"""Reading a Hugging Face model directory for megatron: its spec, checked against the parallel
-layout with a clear error, and its safetensors one tensor at a time (convert.py picks the shards)."""
+"""Reading a Hugging Face model directory for megatron: its spec, checked against the split over
+tp and pp with a clear error, and its safetensors one tensor at a time (convert.py picks the shards)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def checked_spec(model_dir: Path, tp: int, pp: int) -> ModelSpec:
 
     try:
         spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(model_dir))
-        spec.check_layout(tp, pp)
+        spec.check_split(tp, pp)
     except ValueError as exc:
         raise UserError(
             f"backend=megatron cannot run the model in {model_dir}: {exc}. Change backend.tp/backend.pp, or use "

@@ -117,7 +117,7 @@ def _timeshare(eng, ckpt: Path, batches, n_tokens) -> dict:
 
     eng.load_checkpoint(ckpt)
     sizes = [_pg_count()]
-    old_tp_group = eng.layout.tp_group
+    old_tp_group = eng.coords.tp_group
     rebound = []
     for _ in range(3):
         eng.teardown_communicators()
