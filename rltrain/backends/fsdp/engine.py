@@ -27,9 +27,7 @@ from rltrain.backends.base import (
     wrong_scores_error,
 )
 from rltrain.backends.fsdp import checkpoint, export
-from rltrain.backends.fsdp.attention_masks import use_flex_attention
 from rltrain.backends.fsdp.compile_layers import compile_decoder_layers
-from rltrain.backends.fsdp.flex_autocast import switch_to_flex_attention
 from rltrain.backends.fsdp.groups import FSDPGroups
 from rltrain.backends.fsdp.hf_scoring import (
     CompletionScorer,
@@ -37,7 +35,9 @@ from rltrain.backends.fsdp.hf_scoring import (
     completion_positions,
     dummy_batch,
 )
-from rltrain.backends.fsdp.layout import MicroBatchLayout
+from rltrain.backends.fsdp.micro_batches.attention_masks import use_flex_attention
+from rltrain.backends.fsdp.micro_batches.flex_autocast import switch_to_flex_attention
+from rltrain.backends.fsdp.micro_batches.layout import MicroBatchLayout
 from rltrain.backends.fsdp.sharding import load_shards, shard_model
 from rltrain.backends.lr_schedule import lr_at
 from rltrain.backends.optimizer_state import move_optimizer_state
@@ -147,7 +147,7 @@ class FSDPEngine:
             length_buckets=backend_cfg.length_buckets,
         )
         flex = self.layout.padding_free and use_flex_attention(self.lm, device)
-        if flex:  # under autocast too (one unsharded rank in bf16-mixed): rltrain.backends.fsdp.flex_autocast
+        if flex:  # under autocast too (one unsharded rank in bf16-mixed): rltrain.backends.fsdp.micro_batches.flex_autocast
             switch_to_flex_attention(self.lm)
         self.scores: Scores = "logps" if value_head_seed is None else "values"
         self.value_head_seed = value_head_seed
