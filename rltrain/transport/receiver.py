@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rltrain.transport.layout import BucketUnpacker
+from rltrain.transport.buckets import BucketUnpacker
 from rltrain.transport.protocol import ALIGN_BYTES, NO_BUCKET, NO_SYNC, PROTOCOL_VERSION, SyncStats
 from rltrain.transport.shm import SharedSegment
 from rltrain.transport.wire import (

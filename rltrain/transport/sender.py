@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from rltrain.transport.layout import BucketPacker, PackedBucket
+from rltrain.transport.buckets import BucketPacker, PackedBucket
 from rltrain.transport.protocol import ALIGN_BYTES, NO_BUCKET, NO_SYNC, PROTOCOL_VERSION, SyncStats
 from rltrain.transport.shm import SharedMemoryFull, SharedSegment, shm_full_error
 from rltrain.transport.wire import (
