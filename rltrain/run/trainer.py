@@ -4,7 +4,7 @@ The loop is algorithm-agnostic: the algorithm turns `train_step(step)` into one 
 and returns metrics that are already identical on every rank; the loop adds timing, writes rows,
 runs evaluation every `trainer.eval_every` steps and at the end, saves atomic checkpoints every
 `trainer.save_every` steps and writes `final/` as a Hugging Face model directory; rank 0 then draws
-the run's curves into `plots.png` (rltrain.run.plot).
+the run's curves into `plots.png` (rltrain.run.curves).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from rltrain.models.lora import MERGED_DIR
 from rltrain.models.model_dir import resolve_model_dir
 from rltrain.run.algorithm import Algorithm
 from rltrain.run.checkpoint import CheckpointManager, fingerprint, fsync_path
+from rltrain.run.curves import write_run_plot
 from rltrain.run.metrics_log import MetricsLogger
-from rltrain.run.plot import write_run_plot
 from rltrain.run.safety_services import SafetyServices
 from rltrain.runtime.distributed import DistInfo, barrier, init_distributed
 from rltrain.runtime.errors import UserError, report_user_error
