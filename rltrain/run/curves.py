@@ -1,4 +1,4 @@
-"""Training curves of runs, overlaid (the drawing of `python -m rltrain.plot RUN_DIR ... [--out plots.png]`).
+"""Training curves of runs and sweeps, overlaid in one PNG (`python -m rltrain.plot`'s drawing).
 
 One PNG with a panel per metric that any of the runs logged (loss, reward/mean, each eval/* key,
 policy/kl, policy/clipfrac, tokens/s, lr, critic/value_loss), against the step, one colour per
