@@ -58,18 +58,16 @@ class Workload:
         self.reference = None
         if backend_name == "megatron":
             from rltrain.backends.megatron.engine import MegatronEngine
-            from rltrain.backends.megatron.groups import ParallelGroups
             from rltrain.config.group_options import MegatronBackendConfig
             from rltrain.config.run_context import SharedObjects
 
             megatron = MegatronBackendConfig()
             shared = shared if shared is not None else SharedObjects()
-            groups = shared.one(ParallelGroups, lambda: ParallelGroups.created(megatron.tp, megatron.pp))
             self.policy = MegatronEngine(model_dir, megatron, optim, total, device, precision=args.precision,
-                                         gradient_checkpointing=gradient_checkpointing, groups=groups)
+                                         gradient_checkpointing=gradient_checkpointing, shared=shared)
             if name == "dpo":
                 self.reference = MegatronEngine(model_dir, megatron, None, total, device, precision=args.precision,
-                                                groups=groups)
+                                                shared=shared)
         else:
             backend = FSDPBackendConfig(padding_free=args.padding_free, compile=args.compile)
             self.policy = FSDPEngine(

@@ -47,7 +47,7 @@ from rltrain.backends.roles import engine_options, role_build
 from rltrain.backends.sequence_classifier import CRITIC_NOT_EXPORTED
 from rltrain.backends.value_head import head_values
 from rltrain.config.group_options import MegatronBackendConfig
-from rltrain.config.run_context import RunContext
+from rltrain.config.run_context import RunContext, SharedObjects
 from rltrain.config.schema import OptimConfig, SafetyConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
@@ -75,6 +75,7 @@ class MegatronEngine:
         *,
         collective_timeout_s: float | None = None,
         groups: ParallelGroups | None = None,
+        shared: SharedObjects | None = None,
         safety: SafetyConfig | None = None,
         gradient_checkpointing: bool = False,
         value_head_seed: int | None = None,
@@ -82,7 +83,8 @@ class MegatronEngine:
         faults: FaultInjector | None = None,
     ) -> None:
         """`groups`: megatron's parallel state to join (a run's engines share one, so a policy and
-        its frozen reference share one set of communicators); None creates it for this engine.
+        its frozen reference share one set of communicators); else the one `shared` holds (a run's
+        `RunContext.shared`: the first engine creates it), else one created for this engine.
         `precision`: see `rltrain.runtime.precision` (parameters in its parameter dtype, each stage's
         forward autocast to its compute dtype when they differ); `gradient_checkpointing`: see
         `model.checkpoint_layers`. `value_head_bias=False`: a reward model's head, exported as a
@@ -92,7 +94,7 @@ class MegatronEngine:
         self.model_dir = Path(model_dir)
         tp, pp = backend_cfg.tp, backend_cfg.pp
         self.spec = checked_spec(self.model_dir, tp, pp)
-        self.groups = self._join_groups(groups, tp, pp, collective_timeout_s)
+        self.groups = self._join_groups(groups, shared, tp, pp, collective_timeout_s)
         if not isinstance(precision, Precision):
             default = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             precision = resolve_precision(precision, device if device is not None else default)
@@ -126,9 +128,12 @@ class MegatronEngine:
     # -- build steps, in the order __init__ takes them ------------------------------------------
 
     @staticmethod
-    def _join_groups(groups: ParallelGroups | None, tp: int, pp: int, timeout_s: float | None) -> ParallelGroups:
+    def _join_groups(
+        groups: ParallelGroups | None, shared: SharedObjects | None, tp: int, pp: int, timeout_s: float | None
+    ) -> ParallelGroups:
+        create = partial(ParallelGroups.created, tp, pp, timeout_s=timeout_s)
         if groups is None:
-            return ParallelGroups.created(tp, pp, timeout_s=timeout_s)
+            groups = create() if shared is None else shared.one(ParallelGroups, create)
         if (groups.tp, groups.pp) != (tp, pp):
             raise ValueError(f"the given ParallelGroups are tp={groups.tp}, pp={groups.pp}; this engine needs tp={tp}, pp={pp}")
         return groups
@@ -400,9 +405,7 @@ def build_engine(ctx: RunContext, role: str, max_steps: int) -> MegatronEngine:
     every role's engine joins the process groups the run holds (created by the first)."""
     cfg = ctx.cfg
     build = role_build(ctx, role)
-    timeout_s = cfg.safety.collective_timeout_s
-    groups = ctx.shared.one(ParallelGroups, partial(ParallelGroups.created, cfg.backend.tp, cfg.backend.pp, timeout_s))
     return MegatronEngine(
         build.model_dir, cfg.backend, build.optim, max_steps, ctx.dist.device,
-        collective_timeout_s=timeout_s, groups=groups, **engine_options(ctx, build),
+        collective_timeout_s=cfg.safety.collective_timeout_s, shared=ctx.shared, **engine_options(ctx, build),
     )

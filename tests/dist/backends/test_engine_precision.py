@@ -56,13 +56,11 @@ def _engine(backend: str, model_dir, precision: str, gc: bool, device: torch.dev
     optim = OptimConfig(lr=1e-2, warmup_steps=0)
     if backend.startswith("megatron"):
         from rltrain.backends.megatron.engine import MegatronEngine
-        from rltrain.backends.megatron.groups import ParallelGroups
 
         pp = 2 if backend == "megatron-pp2" else 1
-        groups = shared.one(ParallelGroups, lambda: ParallelGroups.created(1, pp))
         return MegatronEngine(
             model_dir, MegatronBackendConfig(tp=1, pp=pp), optim, 10, device, precision=precision,
-            gradient_checkpointing=gc, groups=groups,
+            gradient_checkpointing=gc, shared=shared,
         )
     from rltrain.backends.fsdp.engine import FSDPEngine
 
