@@ -110,8 +110,7 @@ class MegatronEngine:
         # The tied embedding's copy on the last stage of a pipeline (a policy's, never a critic's).
         self.tied_copies = build_spec.tie_embeddings and pp > 1
         self._norm_params = self._norm_counted_params()
-        self.optim_cfg = optim_cfg
-        self.max_steps = max_steps
+        self.optim_cfg, self.max_steps = optim_cfg, max_steps
         self.optimizer = (
             build_adamw(self.params, optim_cfg, lr=optim_cfg.lr, backend_default="for-loop") if optim_cfg is not None else None
         )
