@@ -95,10 +95,7 @@ class MegatronEngine:
         tp, pp = backend_cfg.tp, backend_cfg.pp
         self.spec = checked_spec(self.model_dir, tp, pp)
         self.groups = self._join_groups(groups, shared, tp, pp, collective_timeout_s)
-        if not isinstance(precision, Precision):
-            default = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            precision = resolve_precision(precision, device if device is not None else default)
-        self.precision = precision
+        self.precision = self._resolve_precision(precision, device)
         self.scores: Scores = "logps" if value_head_seed is None else "values"
         critic = value_head_seed is not None  # a value model: a critic, or a reward model
         self.reward_model = critic and not value_head_bias
@@ -125,6 +122,13 @@ class MegatronEngine:
         self.world_size = self.coords.dp
 
     # -- build steps, in the order __init__ takes them ------------------------------------------
+
+    @staticmethod
+    def _resolve_precision(precision: Precision | str, device: torch.device | None) -> Precision:
+        if isinstance(precision, Precision):
+            return precision
+        default = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return resolve_precision(precision, device if device is not None else default)
 
     @staticmethod
     def _join_groups(
