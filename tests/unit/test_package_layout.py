@@ -187,7 +187,7 @@ LAYERS = [
     "sync",  # when weights move between the two above
     "rewards",
     "envs",
-    "run",  # the loop and its services (samples, evaluation, metrics, checkpoints); algorithms by name
+    "run",  # the loop and its services (samples, evaluation, metrics, checkpoints, safety); algorithms by name
     "algos",
     "preflight",  # the launcher's checks and help, before a run exists: above every package it checks
 ]
