@@ -18,10 +18,10 @@ from typing import NoReturn
 import hydra
 from omegaconf import OmegaConf
 
-from rltrain.config.command_help import register_help
-from rltrain.config.compose_errors import composition_done, reporting_composition_errors
 from rltrain.config.schema import CONF_DIR, Config, register_configs
 from rltrain.launch.sweep import JobOutcome, objective_value, sweep_exit_status
+from rltrain.preflight.command_help import register_help
+from rltrain.preflight.compose_errors import composition_done, reporting_composition_errors
 from rltrain.runtime.errors import (
     EXIT_USER_ERROR,
     UserError,
@@ -134,7 +134,7 @@ def _first_line(text: str) -> str:
 
 def run_job(cfg: Config, run_dir: Path) -> None:
     """Validate and run one job; raises JobFailed (after printing) when it fails."""
-    from rltrain.config.validate import validate
+    from rltrain.preflight.validate import validate
 
     try:
         validate(cfg)

@@ -47,8 +47,8 @@ def _serve(host: str, port: int, overrides: list[str]) -> int:
 
     from rltrain.config.group_choice import as_option
     from rltrain.config.group_options import ServerRolloutConfig
-    from rltrain.config.validate import validate
     from rltrain.models.model_dir import resolve_model_dir
+    from rltrain.preflight.validate import validate
     from rltrain.rollout.server_http import is_up
     from rltrain.rollout.server_process import server_command, server_env
     from rltrain.runtime.precision import resolve_precision

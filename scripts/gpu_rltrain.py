@@ -31,11 +31,14 @@ class Workload:
     def __init__(
         self, name: str, model_dir: Path, rows: list[dict[str, str]], args, device: torch.device, adapters=None,
         gradient_checkpointing: bool = False, backend_name: str = "fsdp", optim_implementation: str = "auto",
+        shared=None,
     ) -> None:
         """`adapters`: a LoraAdapterConfig to train LoRA adapters (scripts/bench_lora.py); DPO's
         reference is then the policy's base with the adapters off, as in a run. `backend_name`:
         fsdp or megatron (tp = pp = 1), with the same rows, micro-batches, loss and optimizer.
-        `optim_implementation`: `optim.implementation`, AdamW's kernels."""
+        `optim_implementation`: `optim.implementation`, AdamW's kernels. `shared`: the process's
+        SharedObjects (rltrain.config.run_context), so successive megatron workloads join one
+        parallel state, as a run's engines do."""
         from transformers import AutoConfig
 
         from rltrain.backends.fsdp.engine import FSDPEngine
@@ -56,12 +59,15 @@ class Workload:
         if backend_name == "megatron":
             from rltrain.backends.megatron.engine import MegatronEngine
             from rltrain.config.group_options import MegatronBackendConfig
+            from rltrain.config.run_context import SharedObjects
 
             megatron = MegatronBackendConfig()
+            shared = shared if shared is not None else SharedObjects()
             self.policy = MegatronEngine(model_dir, megatron, optim, total, device, precision=args.precision,
-                                         gradient_checkpointing=gradient_checkpointing)
+                                         gradient_checkpointing=gradient_checkpointing, shared=shared)
             if name == "dpo":
-                self.reference = MegatronEngine(model_dir, megatron, None, total, device, precision=args.precision)
+                self.reference = MegatronEngine(model_dir, megatron, None, total, device, precision=args.precision,
+                                                shared=shared)
         else:
             backend = FSDPBackendConfig(padding_free=args.padding_free, compile=args.compile)
             self.policy = FSDPEngine(

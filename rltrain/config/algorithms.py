@@ -42,7 +42,7 @@ def _no_checks(algo: AlgoConfig) -> None:
 @dataclass(frozen=True)
 class AlgorithmSpec:
     """What an algorithm is and needs. `impl`: the class the trainer builds with the run's context;
-    `check`: the value checks its schema cannot express (run by rltrain.config.validate);
+    `check`: the value checks its schema cannot express (run by rltrain.preflight.validate);
     `generates`: it samples from the policy with a rollout engine each step (so `rollout`,
     `placement.max_staleness`, `env` apply); `rewards`: its samples are scored (`reward.fns`,
     `reward_model`, environments); `reference`: when a frozen reference is built; `critic`: PPO's

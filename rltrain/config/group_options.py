@@ -32,11 +32,11 @@ class FSDPBackendConfig(BackendConfig):
     name: str = "fsdp"
     reshard_after_forward: bool = True
     # A micro-batch of unrelated sequences is one packed row with document-masked attention
-    # (rltrain/backends/fsdp/padding_free.py) instead of a padded rectangle or length buckets.
+    # (rltrain/backends/fsdp/micro_batches/padding_free.py) instead of a padded rectangle or length buckets.
     padding_free: bool = False
     compile: bool = False  # torch.compile each decoder layer (rltrain/backends/fsdp/compile_layers.py)
     # Sequences that share a prompt (GRPO groups, DPO pairs) are packed one row per prompt, so the
-    # prompt is computed once (rltrain/backends/fsdp/shared_prefix.py). Never for MoE models.
+    # prompt is computed once (rltrain/backends/fsdp/micro_batches/shared_prefix.py). Never for MoE models.
     share_prompts: bool = True
     # On one rank, a micro-batch is scored as a few rectangles of similar lengths instead of one
     # padded to its longest row. Never on sharded ranks or for MoE models.

@@ -5,7 +5,7 @@ misspelt key or a value of the wrong type fails while Hydra composes the config,
 is built. The options a group chooses between (algo, backend, rollout, ...) are in
 rltrain.config.group_options. Code reads config through these fields only (never `.get(key, default)`),
 so a default lives in exactly one place. So do the allowed values of every enum-like key: a `Literal`
-beside its field, attached by `choice()` (rltrain.config.choices); rltrain.config.validate checks them
+beside its field, attached by `choice()` (rltrain.config.choices); rltrain.preflight.validate checks them
 and the code that reads a key takes its values from the same `Literal`. docs/configuration.md lists every key.
 """
 

@@ -50,10 +50,6 @@ def padded_vocab_size(tokenizer, multiple: int = 64) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
-def save_tokenizer(tokenizer, directory: str | Path) -> None:
-    tokenizer.save_pretrained(str(directory))
-
-
 # tokenizer_config.json class names that mean "tokenizer.json is the whole tokenizer".
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rltrain.config.group_options import HFRolloutConfig
+from rltrain.config.run_context import RunContext
 from rltrain.rollout.base import Completion, SamplingSettings, exclusive
 from rltrain.runtime.precision import resolve_precision
 
@@ -194,7 +195,7 @@ class HFRolloutEngine:
         self.model = None
 
 
-def build_engine(ctx) -> HFRolloutEngine:
+def build_engine(ctx: RunContext) -> HFRolloutEngine:
     """The run's transformers engine (for a lazy registry `"hf": "rltrain.rollout.hf:build_engine"`)."""
     return HFRolloutEngine(
         ctx.model_dir,

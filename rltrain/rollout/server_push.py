@@ -21,7 +21,7 @@ from rltrain.rollout.server_http import ServerDown, ServerRefused, call, collect
 from rltrain.rollout.server_process import free_port
 from rltrain.rollout.server_worker import open_pair_group
 from rltrain.runtime.errors import UserError
-from rltrain.transport.layout import align_up, dtype_name
+from rltrain.transport.buckets import align_up, dtype_name
 
 Weights = Iterable[tuple[str, torch.Tensor]]
 PUSH_BACKENDS: tuple[str, ...] = get_args(PushBackend)  # rollout.servers.push_backend

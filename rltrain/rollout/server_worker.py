@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from rltrain.transport.layout import DTYPES
+from rltrain.transport.buckets import DTYPES
 
 FINGERPRINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
 

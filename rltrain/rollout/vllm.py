@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rltrain.config.group_options import VLLMRolloutConfig
+from rltrain.config.run_context import RunContext
 from rltrain.rollout.base import Completion, SamplingSettings, exclusive
 from rltrain.rollout.vllm_args import engine_kwargs, set_vllm_env
 from rltrain.rollout.vllm_reload import SyncPlan, build_plan
@@ -384,7 +385,7 @@ def _record_names(
         yield name, tensor
 
 
-def build_engine(ctx) -> VLLMRolloutEngine:
+def build_engine(ctx: RunContext) -> VLLMRolloutEngine:
     """The run's vLLM engine (for a lazy registry `"vllm": "rltrain.rollout.vllm:build_engine"`).
     Every rank builds one at the same time (vLLM calls `new_group` on the trainer's group)."""
     return VLLMRolloutEngine(

@@ -4,7 +4,7 @@ The loop is algorithm-agnostic: the algorithm turns `train_step(step)` into one 
 and returns metrics that are already identical on every rank; the loop adds timing, writes rows,
 runs evaluation every `trainer.eval_every` steps and at the end, saves atomic checkpoints every
 `trainer.save_every` steps and writes `final/` as a Hugging Face model directory; rank 0 then draws
-the run's curves into `plots.png` (rltrain.run.plot).
+the run's curves into `plots.png` (rltrain.run.curves).
 """
 
 from __future__ import annotations
@@ -28,14 +28,15 @@ from rltrain.models.lora import MERGED_DIR
 from rltrain.models.model_dir import resolve_model_dir
 from rltrain.run.algorithm import Algorithm
 from rltrain.run.checkpoint import CheckpointManager, fingerprint, fsync_path
+from rltrain.run.curves import write_run_plot
 from rltrain.run.metrics_log import MetricsLogger
-from rltrain.run.plot import write_run_plot
+from rltrain.run.safety_services import SafetyServices
 from rltrain.runtime.distributed import DistInfo, barrier, init_distributed
 from rltrain.runtime.errors import UserError, report_user_error
 from rltrain.runtime.library_noise import quiet_transformers_checkpoint_bars
 from rltrain.runtime.process_state import reset_process_state
 from rltrain.runtime.threads import thread_split
-from rltrain.safety.runtime import SafetyRuntime
+from rltrain.safety.faults import FaultInjector, parse_faults
 
 
 def build_algorithm(ctx: RunContext) -> Algorithm:
@@ -86,7 +87,8 @@ def run(cfg: Config, run_dir: Path) -> None:
         tokenizer = load_tokenizer(model_dir)
         role_dirs = resolve_role_dirs(cfg, model_dir, tokenizer, dist_info.rank)
         ctx = RunContext(
-            cfg=cfg, run_dir=run_dir, dist=dist_info, model_dir=model_dir, tokenizer=tokenizer, role_dirs=role_dirs
+            cfg=cfg, run_dir=run_dir, dist=dist_info, model_dir=model_dir, tokenizer=tokenizer, role_dirs=role_dirs,
+            faults=FaultInjector(parse_faults(cfg.debug.fault), dist_info.rank),
         )
         algo = build_algorithm(ctx)
         try:
@@ -120,7 +122,7 @@ def train_loop(ctx: RunContext, algo: Algorithm) -> None:
             print(f"rltrain: resumed from {latest} (step {start_step})", flush=True)
     logger = MetricsLogger(cfg, run_dir, dist_info.is_main, start_step)
     # heartbeat, hang watchdog, health server, fault injection (docs/failure-behaviour.md)
-    safety = SafetyRuntime(cfg, run_dir, dist_info.rank, dist_info.world_size, ping=algo.health_ping())
+    safety = SafetyServices(ctx, ping=algo.health_ping())
     safety.start()
     try:
         max_steps = cfg.trainer.max_steps

@@ -96,7 +96,7 @@ def test_serve_refuses_what_the_run_would_refuse(overrides, message):
     "overrides",
     [
         pytest.param(["algo=ppo", "backend=megatron"], id="ppo-megatron"),
-        pytest.param(["algo=grpo", "model.lora.rank=8", "env=python", "env.cls=rltrain.envs.retry:AdditionWithRetries",
+        pytest.param(["algo=grpo", "model.lora.rank=8", "env=python", "env.cls=rltrain.envs.addition_with_retries:AdditionWithRetries",
                       "env.max_turns=2"], id="grpo-lora-env"),
     ],
 )

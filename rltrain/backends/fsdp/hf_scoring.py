@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from rltrain.backends.chunked_head import chunked_target_logps, use_chunked_head
-from rltrain.backends.fsdp.attention_masks import model_attention_mask
-from rltrain.backends.fsdp.shared_prefix import Rectangle
+from rltrain.backends.fsdp.micro_batches.attention_masks import model_attention_mask
+from rltrain.backends.fsdp.micro_batches.shared_prefix import Rectangle
 from rltrain.backends.value_head import head_values
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
@@ -33,7 +33,7 @@ class _SelectedHidden(nn.Module):
     that predict the scored completion tokens), however the micro-batch is laid out (one plain
     rectangle, length buckets, packed rows that share a prompt, or one padding-free row). The heads
     are the subclasses'. `flex_attention`: the model runs flex_attention, so masks are handed to it
-    as BlockMasks (rltrain.backends.fsdp.attention_masks)."""
+    as BlockMasks (rltrain.backends.fsdp.micro_batches.attention_masks)."""
 
     def __init__(
         self,
@@ -57,7 +57,7 @@ class _SelectedHidden(nn.Module):
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """(hidden states [N, H] in ragged order, the router logits of a MoE model or None). Call
         inside `self.autocast()`. One model call per rectangle (several: length buckets or packed
-        rows, see `rltrain.backends.fsdp.layout`); the selected hidden states are concatenated in rectangle
+        rows, see `rltrain.backends.fsdp.micro_batches.layout`); the selected hidden states are concatenated in rectangle
         order and `order_N` puts them back into ragged order."""
         # A plain rectangle is right-padded: causal attention never lets a real token see the
         # padding after it, so it needs no attention mask (and sdpa keeps its fast causal path).

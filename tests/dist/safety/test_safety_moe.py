@@ -77,7 +77,7 @@ def _reference(model_dir):
     from rltrain.algos.sft import sft_loss
     from rltrain.backends.base import PolicyOutput
     from rltrain.backends.fsdp.hf_scoring import CompletionScorer, completion_positions
-    from rltrain.backends.fsdp.shared_prefix import Rectangle
+    from rltrain.backends.fsdp.micro_batches.shared_prefix import Rectangle
     from rltrain.data.ragged import Ragged
     from rltrain.models.hf_io import load_causal_lm
     from rltrain.models.moe import prepare_moe

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from rltrain.backends.fsdp.shared_prefix import Rectangle
+from rltrain.backends.fsdp.micro_batches.shared_prefix import Rectangle
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -1,6 +1,6 @@
 """A built-in multi-turn environment: the built-in addition task with feedback and another try.
 
-`env=python env.cls=rltrain.envs.retry:AdditionWithRetries`: the model answers the prompt's sum; a
+`env=python env.cls=rltrain.envs.addition_with_retries:AdditionWithRetries`: the model answers the prompt's sum; a
 right answer ends the episode with reward 1, a wrong one gets the observation " wrong, try again:"
 and another turn (up to `env.max_turns`), each later success worth less (1 / attempt). It needs the
 data's `answer` column (the built-in task has it). Deterministic, as every environment must be for

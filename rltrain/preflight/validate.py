@@ -15,17 +15,17 @@ from typing import Any
 from rltrain.config import group_options, schema
 from rltrain.config.algorithms import SPECS, AlgoConfig, names_where, spec_of
 from rltrain.config.choices import choices_of
-from rltrain.config.compose_errors import added_keys
 from rltrain.config.group_options import VLLMRolloutConfig
-from rltrain.config.layout import data_parallel_size, validate_megatron_layout
 from rltrain.config.schema import Config, ModelConfig
-from rltrain.config.sources import (
+from rltrain.preflight.compose_errors import added_keys
+from rltrain.preflight.sources import (
     check_revision,
     read_hf_config,
     validate_data_sources,
     validate_model_source,
 )
-from rltrain.config.validate_rl import validate_env, validate_servers, validate_staleness
+from rltrain.preflight.validate_rl import validate_env, validate_servers, validate_staleness
+from rltrain.preflight.world import data_parallel_size, validate_megatron_split
 from rltrain.runtime.errors import UserError
 
 # Every enum-like key of every group and the values it accepts (the schema's `Literal`s), checked
@@ -68,12 +68,36 @@ def validate_choices(cfg: Config) -> None:
 
 
 def validate(cfg: Config) -> None:
+    """Every check, in an order where the first failure is the one to fix first."""
     if added := added_keys(cfg):
         raise UserError(
             f"unknown config key(s) {', '.join(added)}: rltrain reads no such key, so the value would be ignored. "
             "Remove the leading '+' and the key's typo (`python -m rltrain --cfg job` prints every key)."
         )
     validate_choices(cfg)
+    validate_trainer(cfg)
+    validate_megatron_split(cfg)
+    validate_compile(cfg)
+    validate_batch_and_logging(cfg)
+    validate_reward(cfg)
+    validate_model(cfg.model)
+    validate_lora(cfg)
+    validate_data(cfg)
+    validate_algo(cfg.algo)
+    validate_roles(cfg)
+    validate_env(cfg)
+    validate_staleness(cfg)
+    validate_servers(cfg)
+    validate_safety(cfg)
+    if cfg.rollout is not None and cfg.rollout.name == "vllm":
+        validate_vllm(cfg.rollout)
+    from rltrain.safety.faults import parse_faults
+
+    parse_faults(cfg.debug.fault)  # a malformed debug.fault fails here, before any model is built
+    validate_data_sources(cfg.data)
+
+
+def validate_trainer(cfg: Config) -> None:
     positive = ["trainer.max_steps", "trainer.nproc", "trainer.global_batch_size", "trainer.micro_batch_size", "data.max_length"]
     for key in positive:
         if _get(cfg, key) < 1:
@@ -89,8 +113,9 @@ def validate(cfg: Config) -> None:
             "newest checkpoints are kept, and the one just written is always among them. To save none, set "
             "trainer.save_every=0 (the last step is still saved for resume)."
         )
-    validate_megatron_layout(cfg)
-    validate_compile(cfg)
+
+
+def validate_batch_and_logging(cfg: Config) -> None:
     # An algorithm that generates sizes its steps by algo.prompts_per_step instead.
     if not spec_of(cfg.algo.name).generates and cfg.trainer.global_batch_size < data_parallel_size(cfg):
         raise UserError(
@@ -106,6 +131,9 @@ def validate(cfg: Config) -> None:
         )
     if cfg.optim.lr <= 0:
         raise UserError(f"optim.lr={cfg.optim.lr} must be positive.")
+
+
+def validate_reward(cfg: Config) -> None:
     if cfg.reward.timeout_s is not None and cfg.reward.timeout_s < 0:
         raise UserError(f"reward.timeout_s={cfg.reward.timeout_s} must be positive (seconds), or 0 / null for no limit.")
     if cfg.reward.workers < 1 or cfg.reward.chunk_size < 0:
@@ -115,14 +143,9 @@ def validate(cfg: Config) -> None:
         )
     if not 0 <= cfg.reward.max_failure_frac <= 1:
         raise UserError(f"reward.max_failure_frac={cfg.reward.max_failure_frac} must be in [0, 1] (a share of a step's samples).")
-    validate_model(cfg.model)
-    validate_lora(cfg)
-    validate_data(cfg)
-    validate_algo(cfg.algo)
-    validate_roles(cfg)
-    validate_env(cfg)
-    validate_staleness(cfg)
-    validate_servers(cfg)
+
+
+def validate_safety(cfg: Config) -> None:
     if cfg.safety.collective_timeout_s <= 0 or cfg.safety.max_consecutive_errors < 0:
         raise UserError(
             f"safety.collective_timeout_s={cfg.safety.collective_timeout_s} must be positive and "
@@ -133,12 +156,6 @@ def validate(cfg: Config) -> None:
             f"safety.max_logprob_diff={cfg.safety.max_logprob_diff} must be a positive limit (nats), 0 (no check) or "
             "null (auto: 1e-2 in fp32, none in bf16)."
         )
-    if cfg.rollout is not None and cfg.rollout.name == "vllm":
-        validate_vllm(cfg.rollout)
-    from rltrain.safety.faults import parse_faults
-
-    parse_faults(cfg.debug.fault)  # a malformed debug.fault fails here, before any model is built
-    validate_data_sources(cfg.data)
 
 
 def validate_model(model: ModelConfig) -> None:

@@ -1,4 +1,4 @@
-"""`python -m rltrain.plot RUN_DIR [RUN_DIR ...] [--out plots.png]`: training curves of runs, overlaid.
+"""Training curves of runs and sweeps, overlaid in one PNG (`python -m rltrain.plot`'s drawing).
 
 One PNG with a panel per metric that any of the runs logged (loss, reward/mean, each eval/* key,
 policy/kl, policy/clipfrac, tokens/s, lr, critic/value_loss), against the step, one colour per
@@ -185,7 +185,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"rltrain: {len(labels)} runs -> {args.out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

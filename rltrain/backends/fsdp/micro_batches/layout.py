@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from rltrain.backends.fsdp.hf_scoring import BUCKET_COST_TOKENS, bucket_rectangles, completion_positions
-from rltrain.backends.fsdp.padding_free import padding_free_rectangle
-from rltrain.backends.fsdp.shared_prefix import (
+from rltrain.backends.fsdp.micro_batches.padding_free import padding_free_rectangle
+from rltrain.backends.fsdp.micro_batches.shared_prefix import (
     PackingCost,
     Rectangle,
     packed_rectangles,
@@ -55,9 +55,9 @@ class MicroBatchLayout:
         """How one micro-batch meets the model: (rectangles, order_N, padding mask).
 
         Sequences that share a prompt (GRPO groups, DPO pairs) are packed one row per prompt,
-        so each prompt is computed once (rltrain.backends.fsdp.shared_prefix); this wins over
+        so each prompt is computed once (rltrain.backends.fsdp.micro_batches.shared_prefix); this wins over
         padding-free whenever it applies. Otherwise, with `padding_free`, one packed row with
-        document-masked attention (rltrain.backends.fsdp.padding_free); else one padded rectangle, or
+        document-masked attention (rltrain.backends.fsdp.micro_batches.padding_free); else one padded rectangle, or
         on one rank length buckets (`_length_groups`). Sharded ranks always make one model call
         per micro-batch: FSDP all-gathers once per call, so ranks with different call counts
         would fall out of step in their collectives. A MoE model is never packed or bucketed:

@@ -23,7 +23,7 @@ class Rectangle:
     cols_N: torch.Tensor
     position_ids_BT: torch.Tensor | None = None  # None: 0..T-1 on every row
     attention_mask_B1TT: torch.Tensor | None = None  # None: plain causal (right padding is unseen)
-    # Packed documents (rltrain.backends.fsdp.padding_free): a token attends to earlier tokens with its
+    # Packed documents (rltrain.backends.fsdp.micro_batches.padding_free): a token attends to earlier tokens with its
     # own id only. The model's mask is built from it where the model runs (attention_masks).
     document_ids_BT: torch.Tensor | None = None
 

@@ -19,7 +19,7 @@ from rltrain.algos import rl_config
 from rltrain.config import group_options, schema
 from rltrain.config.algorithms import ALGORITHMS
 from rltrain.config.choices import choices_of
-from rltrain.config.validate import CHOICES, validate
+from rltrain.preflight.validate import CHOICES, validate
 from rltrain.runtime.errors import UserError
 
 # The group (and, for algorithm- or engine-specific keys, the option) each schema class belongs to.

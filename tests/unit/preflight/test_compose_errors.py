@@ -1,5 +1,5 @@
 """Hydra's composition errors become one `rltrain: error:` paragraph with the fix
-(rltrain/config/compose_errors.py): the real exceptions Hydra raises for each kind of bad override."""
+(rltrain/preflight/compose_errors.py): the real exceptions Hydra raises for each kind of bad override."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from helpers import compose_config
 
 from rltrain.config.algorithms import ALGORITHMS
-from rltrain.config.compose_errors import composition_done, describe, reporting_composition_errors
+from rltrain.preflight.compose_errors import composition_done, describe, reporting_composition_errors
 
 
 def _error_of(*overrides: str) -> BaseException:
@@ -62,7 +62,7 @@ def test_a_user_who_asked_for_full_errors_gets_hydras(monkeypatch):
 
 
 def test_a_key_added_with_plus_where_the_schema_has_none_is_refused():
-    from rltrain.config.compose_errors import added_keys
+    from rltrain.preflight.compose_errors import added_keys
 
     assert added_keys(compose_config("algo=grpo")) == []
     assert added_keys(compose_config("algo=ppo", "reward_model=hf")) == []

@@ -1,11 +1,11 @@
-"""`rollout=server`'s config checks (rltrain/config/validate_rl.py, docs/rollout-servers.md): each
+"""`rollout=server`'s config checks (rltrain/preflight/validate_rl.py, docs/rollout-servers.md): each
 refusal is one paragraph naming the fix, before anything is built."""
 
 from __future__ import annotations
 
 import pytest
 
-from rltrain.config.validate import validate
+from rltrain.preflight.validate import validate
 from rltrain.runtime.errors import UserError
 from rltrain.serve import compose_run_config
 

@@ -1,4 +1,4 @@
-"""`python -m rltrain --help` is rltrain's one screen (rltrain/config/command_help.py): every group of
+"""`python -m rltrain --help` is rltrain's one screen (rltrain/preflight/command_help.py): every group of
 conf/ with its real options (no `*_schema` entry of the ConfigStore), the chosen one marked, keys that
 exist, and short enough to read without scrolling."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from rltrain.config.command_help import COMMON_KEYS, command_help, group_options
 from rltrain.config.schema import CONF_DIR, register_configs
+from rltrain.preflight.command_help import COMMON_KEYS, command_help, group_options
 
 MAX_LINES = 45
 MAX_WIDTH = 100
@@ -32,7 +32,7 @@ def test_the_page_lists_each_groups_options_and_marks_the_chosen_one(algo):
 
 
 def test_the_options_are_read_from_conf(tmp_path, monkeypatch):
-    import rltrain.config.command_help as command_help_module
+    import rltrain.preflight.command_help as command_help_module
 
     for name in ("algo/sft.yaml", "algo/newalgo.yaml", "hydra/launcher/slurm.yaml"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)

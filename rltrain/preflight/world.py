@@ -1,5 +1,6 @@
-"""The world layout a run will have and the megatron split of ranks and model it needs, checked
-before any rank starts (rltrain.config.validate calls `validate_megatron_layout`)."""
+"""The world a run will have (its ranks, those that hold distinct data) and the megatron split of
+ranks and model it needs, checked before any rank starts (rltrain.preflight.validate calls
+`validate_megatron_split`)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def _model_dims(cfg: Config) -> dict[str, int] | None:
         return None
 
 
-def validate_megatron_layout(cfg: Config) -> None:
+def validate_megatron_split(cfg: Config) -> None:
     """`backend=megatron` splits ranks into tp x pp x dp and the model into pp stages of tp shards.
 
     Caught here, before any rank starts, so the user sees one message naming the key instead of a

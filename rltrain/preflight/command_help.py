@@ -58,8 +58,8 @@ def command_help(cfg: DictConfig) -> str:
     """The help page for the composed config `cfg` (the root, with `hydra.runtime.choices`)."""
     chosen = OmegaConf.select(cfg, "hydra.runtime.choices", default={}) or {}
     lines = [
-        "rltrain: post-train a causal language model with SFT, DPO, GRPO or PPO, on an FSDP2 or",
-        "megatron-core backend with a vLLM rollout engine, on CPU or GPU.",
+        "rltrain: post-train a causal language model (SFT, DPO, KTO, ORPO, SimPO, reward models, GRPO,",
+        "PPO, on-policy distillation) on an FSDP2 or megatron-core backend, on CPU or GPU.",
         "",
         "Usage: python -m rltrain [GROUP=OPTION ...] [KEY=VALUE ...] [--cfg job] [-m] [--help]",
         "",

@@ -1,6 +1,6 @@
 """`backend=megatron` layouts that cannot work are refused at config time, naming the key and fix.
 
-The composed config goes through `rltrain.config.validate` exactly as `python -m rltrain` does, so these
+The composed config goes through `rltrain.preflight.validate` exactly as `python -m rltrain` does, so these
 run in milliseconds; one CLI run in tests/e2e/test_megatron_cli.py proves the message reaches the
 user. What validation cannot read (an unsupported architecture) is refused by the engine with a
 UserError instead of a megatron assertion.
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from helpers import compose_config
 
-from rltrain.config.layout import data_parallel_size
-from rltrain.config.validate import validate
+from rltrain.preflight.validate import validate
+from rltrain.preflight.world import data_parallel_size
 from rltrain.runtime.errors import UserError
 
 

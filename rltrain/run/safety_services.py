@@ -1,5 +1,5 @@
-"""The per-rank safety services of a run (heartbeat, hang watchdog, health server, faults), behind
-the few calls the training loop makes (`SafetyRuntime`).
+"""The per-rank safety services of a run (heartbeat, hang watchdog, health server, the step its
+fault injector is on), behind the few calls the training loop makes (`SafetyServices`).
 
 The guard and the optimizer step need the model and live in the backends; this module holds what
 only needs the run directory and the clock. The call sequence: docs/internals/safety.md.
@@ -13,9 +13,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from rltrain.config.schema import Config
+from rltrain.config.run_context import RunContext
 from rltrain.runtime.errors import peer_reported
-from rltrain.safety import faults
 from rltrain.safety.error_kinds import is_collective_failure
 from rltrain.safety.health import HealthServer
 from rltrain.safety.heartbeat import Heartbeat, describe_lost_peers
@@ -26,18 +25,17 @@ from rltrain.safety.watchdog import Watchdog
 LOST_PEER_EVIDENCE_S = 4.0
 
 
-class SafetyRuntime:
-    def __init__(
-        self, cfg: Config, run_dir: Path, rank: int, world_size: int, ping: Callable[[], object] | None = None
-    ) -> None:
+class SafetyServices:
+    def __init__(self, ctx: RunContext, ping: Callable[[], object] | None = None) -> None:
+        cfg = ctx.cfg
         self.cfg = cfg
-        self.run_dir = Path(run_dir)
-        self.rank = rank
-        self.world_size = world_size
-        self.injector = faults.install(cfg.debug.fault, rank)
-        self.heartbeat = Heartbeat(self.run_dir, rank)
+        self.run_dir = Path(ctx.run_dir)
+        self.rank = ctx.dist.rank
+        self.world_size = ctx.dist.world_size
+        self.injector = ctx.faults
+        self.heartbeat = Heartbeat(self.run_dir, self.rank)
         hang = cfg.health.hang_timeout_s
-        self.watchdog = Watchdog(self.run_dir, rank, hang) if hang and hang > 0 else None
+        self.watchdog = Watchdog(self.run_dir, self.rank, hang) if hang and hang > 0 else None
         self.ping = self.injector.wrap_ping(ping)
         self.server: HealthServer | None = None
 

@@ -1,5 +1,5 @@
 """The checks only RL runs need: multi-turn environments (`env`) and generating ahead
-(`placement.max_staleness`). rltrain/config/validate.py calls them with the rest before any model
+(`placement.max_staleness`). rltrain/preflight/validate.py calls them with the rest before any model
 is built; docs/environments.md and docs/async.md say what each refusal protects.
 """
 

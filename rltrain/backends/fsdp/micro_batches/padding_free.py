@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from rltrain.backends.fsdp.hf_scoring import completion_positions
-from rltrain.backends.fsdp.shared_prefix import Rectangle
+from rltrain.backends.fsdp.micro_batches.shared_prefix import Rectangle
 from rltrain.data.batch import SequenceBatch
 
 

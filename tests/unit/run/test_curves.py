@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from rltrain.run.plot import COLUMNS, DPI, PANEL_INCHES, plot_runs, write_run_plot
+from rltrain.run.curves import COLUMNS, DPI, PANEL_INCHES, plot_runs, write_run_plot
 from rltrain.runtime.errors import UserError
 
 
@@ -54,11 +54,11 @@ def test_a_sweep_and_a_run_are_overlaid_with_their_overrides_as_labels(tmp_path)
 def test_the_command_line_writes_the_png_and_refuses_a_directory_without_runs(tmp_path):
     run = _run(tmp_path / "r", ["algo=sft"], [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}])
     out = tmp_path / "p.png"
-    proc = subprocess.run([sys.executable, "-m", "rltrain.run.plot", str(run), "--out", str(out)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "rltrain.plot", str(run), "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "1 runs" in proc.stdout and Image.open(out).size[0] == int(PANEL_INCHES[0] * COLUMNS * DPI)
     (tmp_path / "empty").mkdir()
-    proc = subprocess.run([sys.executable, "-m", "rltrain.run.plot", str(tmp_path / "empty")], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "rltrain.plot", str(tmp_path / "empty")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "has no metrics.jsonl" in proc.stderr
     with pytest.raises(UserError, match="is not a directory"):
         plot_runs([tmp_path / "missing"], out)
