@@ -197,7 +197,7 @@ class ExperienceCollector:
             except UserError as exc:
                 error = str(exc)
         raise_leader_error(error, group)
-        return share_scores(scored, [rf.name for rf in self.reward_fns], group)
+        return share_scores(scored, self.scorer.series_names(), group)
 
     def _score(
         self, rows: list[PromptRow], completions: list[Completion], texts: list[str] | None
@@ -352,8 +352,8 @@ class ExperienceCollector:
         if self.episodes is not None:
             out["env/timeouts"], out["env/errors"], out["env/turns_mean"] = float(totals[-7]), float(totals[-6]), float(means[-5])
             out["env/tool_calls_mean"], out["env/success"] = float(means[-8]), float(means[-9])
-        for i, name in enumerate(exp.rewards_by_fn):
-            out[f"reward/{name}"] = float(means[i])
+        for i, name in enumerate(exp.rewards_by_fn):  # a reported count (reward/code_timeouts) is summed
+            out[f"reward/{name}"] = float(totals[i] if name in self.scorer.counted else means[i])
         if isinstance(self.episodes, AgentRunner):  # env/history_rewrites, env/no_calls (every rank has the same names)
             names = sorted(exp.env_counts)
             counted = sum_over_replicas(torch.tensor([exp.env_counts[n] for n in names], dtype=torch.float64, device="cpu"), self.policy.world_size)
