@@ -4,7 +4,6 @@ A reward function is user code: it can be slow, hang or raise on one odd complet
 called on chunks of one prompt's group (`reward.chunk_size`) in worker processes
 (rltrain.runtime.call_pool): a chunk that raises, returns nonsense or runs past `reward.timeout_s`
 scores `reward.on_failure` and is counted (`reward/errors`, `reward/timeouts`), and the run goes on.
-A built-in function may report per-sample metrics beside its rewards (`REPORTING`: the code reward).
 Only when more than `reward.max_failure_frac` of the samples a rank scores in a step fail for one
 function does that rank stop with a UserError naming it; and every rank's scoring ends by half the
 collective timeout, so a peer never waits into it. The reward model is ours and on the training
@@ -95,12 +94,18 @@ def build_reward_fns(cfg: Config, device: torch.device) -> list[RewardFn]:
     if len(weights) != len(paths):
         raise UserError(f"reward.weights has {len(weights)} entries but reward.fns has {len(paths)}; give one weight per function.")
     fns = [RewardFn(p.split(":")[-1].split(".")[-1], p, load_callable("reward function", p), float(w)) for p, w in zip(paths, weights)]
-    if any(p in REPORTING for p in paths):
-        check_sandbox(reward_cfg.sandbox)  # e.g. no bwrap: stop now, not at the first step
+    check_reward_needs(cfg)
     if rm.path is not None:
         model = load_reward_model(cfg, device)
         fns.append(RewardFn("model", f"reward_model.path={rm.path}", model, float(rm.weight), device_model=model))
     return fns
+
+
+def check_reward_needs(cfg: Config) -> None:
+    """What the chosen functions need from this machine, checked at start: the code reward's
+    sandbox (bwrap installed, its settings sane)."""
+    if any(path in REPORTING for path in cfg.reward.fns):
+        check_sandbox(cfg.reward.sandbox)
 
 
 def load_reward_model(cfg: Config, device: torch.device) -> SequenceClassifierReward:

@@ -6,6 +6,7 @@ never scores half-finished reasoning. The marker is `reward.thinking_end`; docs/
 
 from __future__ import annotations
 
+
 def answer_after_thinking(text: str, end_marker: str) -> str:
     """The part of `text` after the last `end_marker`; all of it when it has none and opened no
     thinking block; "" when a block was opened and not closed. An empty marker: all of `text`."""

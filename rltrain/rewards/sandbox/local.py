@@ -181,7 +181,19 @@ class LocalSandbox:
         return (-returncode, 0) if returncode < 0 else (None, returncode)
 
     def sweep(self, uid: int | None) -> None:
-        """Kill what the execution left running under its user id (a process that left its group)."""
+        """Kill what the execution left running under its user id and wait until it is gone: under
+        bwrap its namespace dies after its outer process, under rlimits a process may have left
+        its group. (A user id shared with rltrain, when not root, cannot be swept.)"""
+        if uid is None:
+            return
+        for _ in range(500):  # a fork bomb may still fork between a scan and its kills
+            pids = user_tasks(uid)
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.01)
 
 
 class BwrapSandbox(LocalSandbox):
@@ -234,18 +246,6 @@ class RlimitsSandbox(LocalSandbox):
         if uid is not None:
             os.chown(workdir, uid, uid)
         return [self.python, "-I", "-c", self.launcher], workdir, workdir
-
-    def sweep(self, uid: int | None) -> None:
-        if uid is None:
-            return
-        for _ in range(100):  # a fork bomb may still fork between the scan and the kills
-            pids = user_tasks(uid)
-            if not pids:
-                return
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.01)
 
 
 BWRAP_MISSING = (

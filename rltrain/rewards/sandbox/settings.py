@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from rltrain.config.schema import CodeRewardConfig, RewardConfig, SandboxConfig
@@ -78,6 +79,6 @@ def sandbox_for(cfg: SandboxConfig) -> Sandbox:
         from rltrain.rewards.sandbox.local import BwrapSandbox, RlimitsSandbox
         from rltrain.rewards.sandbox.remote import RemoteSandbox
 
-        kinds = {"bwrap": BwrapSandbox, "rlimits": RlimitsSandbox, "remote": RemoteSandbox}
+        kinds: dict[str, Callable[[SandboxConfig], Sandbox]] = {"bwrap": BwrapSandbox, "rlimits": RlimitsSandbox, "remote": RemoteSandbox}
         _sandboxes[key] = kinds[cfg.mode](cfg)
     return _sandboxes[key]
