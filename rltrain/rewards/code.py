@@ -50,11 +50,15 @@ def stdio_cases(code: str, input_output: Any) -> list[Case]:
 
 
 def assert_cases(code: str, test: str | list[str], entry_point: str | None) -> list[Case]:
-    """One case per assert of a list (MBPP's test_list), else one for the whole test (HumanEval's
-    `check(candidate)`, called on `entry_point`)."""
+    """One case per test string: MBPP's list gives one per assert, HumanEval's string one for its
+    `check(candidate)`, which is called on `entry_point`."""
     tests = [test] if isinstance(test, str) else list(test)
-    calls = f"\n\ncheck({entry_point})\n" if entry_point and isinstance(test, str) and "def check(" in test else "\n"
-    return [Case(Execution(f"{code}\n\n{t}{calls}", exit_ends=False), None) for t in tests]
+
+    def program(t: str) -> str:
+        call = f"\n\ncheck({entry_point})\n" if entry_point and "def check(" in t else "\n"
+        return f"{code}\n\n{t}{call}"
+
+    return [Case(Execution(program(t), exit_ends=False), None) for t in tests]
 
 
 def text_of(value: Any) -> str:
