@@ -28,6 +28,7 @@ SCHEMA_PREFIX = {
     "ModelConfig": "model",
     "DataConfig": "data",
     "WandbConfig": "logger.wandb",
+    "SandboxConfig": "reward.sandbox",
     "DPOConfig": "algo",
     "GRPOConfig": "algo",
     "VLLMRolloutConfig": "rollout",
