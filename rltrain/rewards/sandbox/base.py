@@ -38,13 +38,18 @@ class Sandbox(Protocol):
     def run(self, execution: Execution) -> Outcome: ...
 
 
-def payload(execution: Execution, nonce: str, rlimits: dict[str, tuple[int, int]], uid: int | None, cwd: str) -> bytes:
-    """The launcher's stdin: its length-prefixed JSON payload, then the program's stdin."""
+def payload(
+    execution: Execution, nonce: str, rlimits: dict[str, tuple[int, int]], uid: int | None, cwd: str, parent_death: int = 0,
+    preload: tuple[str, ...] = (),
+) -> bytes:
+    """The launcher's stdin: its length-prefixed JSON payload, then the program's stdin.
+    `parent_death`: the pid whose death kills the launcher (0: none); `preload`: modules it
+    imports before it leaves root."""
     import json
 
     body = json.dumps({
         "program": execution.program, "nonce": nonce, "rlimits": rlimits, "uid": uid, "cwd": cwd,
-        "exit_ends": execution.exit_ends,
+        "exit_ends": execution.exit_ends, "parent_death": parent_death, "preload": list(preload),
     }).encode()
     return str(len(body)).encode() + b"\n" + body + execution.stdin.encode()
 

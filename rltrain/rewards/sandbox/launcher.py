@@ -34,6 +34,8 @@ def read_payload():
 
 
 def confine(payload):
+    for name in payload["preload"]:  # what its user may be unable to read (an interpreter under /root)
+        __import__(name)
     for name, soft_hard in payload["rlimits"].items():
         resource.setrlimit(getattr(resource, name), tuple(soft_hard))
     uid = payload["uid"]
@@ -41,6 +43,10 @@ def confine(payload):
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
+    if payload["parent_death"]:  # set after the user change, which clears it
+        sys.modules["ctypes"].CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: die with the process that started it
+        if os.getppid() != payload["parent_death"]:
+            os._exit(1)
     os.chdir(payload["cwd"])
 
 

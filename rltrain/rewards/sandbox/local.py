@@ -143,7 +143,8 @@ class LocalSandbox:
         try:
             argv, cwd, workdir = self.command(uid)
             nonce = new_nonce()
-            data = payload(execution, nonce, rlimits(self.cfg, self.process_limit(uid)), uid, cwd)
+            limits = rlimits(self.cfg, self.process_limit(uid))
+            data = payload(execution, nonce, limits, uid, cwd, self.parent_death(), self.preload if uid is not None else ())
             return self.execute(argv, data, nonce, uid, workdir)
         finally:
             if workdir is not None:
@@ -155,6 +156,17 @@ class LocalSandbox:
         """(argv, the code's working directory, a host directory to delete afterwards)."""
         raise NotImplementedError
 
+    # Imported before the user change: its own user id may not read an interpreter kept in a private
+    # directory (pyenv under /root); under bwrap the interpreter's directories are bound readable.
+    preload: tuple[str, ...] = (
+        "ctypes", "collections", "itertools", "functools", "heapq", "bisect", "math", "cmath", "re", "string", "random",
+        "statistics", "decimal", "fractions", "typing", "dataclasses", "copy", "operator", "array", "json", "io", "time",
+    )
+
+    def parent_death(self) -> int:
+        """The pid whose death kills the launcher (a killed reward worker leaves no code running)."""
+        return os.getpid()
+
     def execute(self, argv: list[str], data: bytes, nonce: str, uid: int | None, workdir: str | None) -> Outcome:
         proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir or "/",
@@ -164,7 +176,7 @@ class LocalSandbox:
             stdout, stderr, broke = communicate(proc, data, self.cfg.timeout_s, self.cfg.output_bytes)
         finally:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)  # under bwrap the namespace dies with it
+                os.killpg(proc.pid, signal.SIGKILL)  # under bwrap its namespace dies with its outer process
             proc.wait()
             self.sweep(uid)
         for f in (proc.stdin, proc.stdout, proc.stderr):
@@ -197,6 +209,8 @@ class LocalSandbox:
 
 
 class BwrapSandbox(LocalSandbox):
+    preload = ()
+
     def __init__(self, cfg: SandboxConfig) -> None:
         super().__init__(cfg)
         self.bwrap = require_bwrap()
@@ -231,6 +245,9 @@ class BwrapSandbox(LocalSandbox):
             "--", self.python, "-I", "-c", self.launcher,
         ]
         return argv, "/tmp", None
+
+    def parent_death(self) -> int:
+        return 0  # --die-with-parent: the outer bwrap, and so the namespace, dies with the reward worker
 
     def ending(self, returncode: int) -> tuple[int | None, int]:
         if returncode > 128 and returncode - 128 in signal.Signals._value2member_map_:  # bwrap: 128 + the signal

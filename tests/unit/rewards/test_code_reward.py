@@ -22,7 +22,7 @@ from rltrain.rewards.sandbox.settings import SETTINGS_ENV, CodeSettings
 from rltrain.rewards.scoring import RewardFn, RewardScorer
 from rltrain.rewards.thinking import answer_after_thinking
 
-FAST = SandboxConfig(timeout_s=2.0, cpu_s=2, memory_mb=256, workers=2)
+FAST = SandboxConfig(timeout_s=20.0, cpu_s=20, memory_mb=256, workers=2)  # honest code: a clock a loaded machine never reaches
 ADD_IO = {"inputs": ["1 2\n", "3 4\n", "10 -1\n"], "outputs": ["3\n", "7\n", "9\n"]}
 ADD = "a, b = map(int, input().split())\nprint(a + b)"
 HUMANEVAL_TEST = "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(0, 0) == 0\n"
@@ -88,7 +88,7 @@ def test_the_scorer_logs_the_code_metrics_from_its_workers():
     """The run's path: RewardScorer hands reward.sandbox to real reward workers (their environment)
     and collects per-sample metrics beside the rewards."""
     cfg = OmegaConf.structured(RewardConfig(fns=["rltrain.rewards.code:tests_pass"], timeout_s=60.0))
-    cfg.sandbox.timeout_s, cfg.sandbox.cpu_s = 1.0, 1
+    cfg.sandbox.timeout_s, cfg.sandbox.cpu_s = 4.0, 4  # the loop costs it; the others end long before
     fn = RewardFn("tests_pass", "rltrain.rewards.code:tests_pass", code.tests_pass, 1.0)
     scorer = RewardScorer([fn], cfg, collective_timeout_s=600.0)
     try:
@@ -142,16 +142,19 @@ def fusion_url():
 
 
 def test_the_sandboxfusion_client_runs_both_layouts(fusion_url):
-    remote = SandboxConfig(mode="remote", url=fusion_url, timeout_s=1.0, memory_mb=300)
+    remote = SandboxConfig(mode="remote", url=fusion_url, timeout_s=20.0, memory_mb=300)
     scored = run_tests(
-        [fenced(ADD), "print(3)", "while True:\n    pass", fenced("def add(a, b):\n    return a + b"), "import sys\nsys.exit(0)"],
-        {"input_output": [ADD_IO, ADD_IO, ADD_IO, None, None], "test": [None, None, None, MBPP_TEST, MBPP_TEST]},
+        [fenced(ADD), "print(3)", fenced("def add(a, b):\n    return a + b"), "import sys\nsys.exit(0)"],
+        {"input_output": [ADD_IO, ADD_IO, None, None], "test": [None, None, MBPP_TEST, MBPP_TEST]},
         CodeSettings(sandbox=remote),
     )
-    assert [(s.passed, s.total) for s in scored] == [(3, 3), (1, 3), (0, 3), (3, 3), (0, 3)]
-    assert scored[2].statuses == {"timeout"} and scored[4].statuses == {"error"}
+    assert [(s.passed, s.total) for s in scored] == [(3, 3), (1, 3), (3, 3), (0, 3)]
+    assert scored[3].statuses == {"error"}
     sent = FusionStub.requests[0]
-    assert (sent["language"], sent["run_timeout"], sent["memory_limit_MB"]) == ("python", 1.0, 300)
+    assert (sent["language"], sent["run_timeout"], sent["memory_limit_MB"]) == ("python", 20.0, 300)
+    looping = run_tests(["while True:\n    pass"], {"input_output": [ADD_IO]}, CodeSettings(sandbox=SandboxConfig(
+        mode="remote", url=fusion_url, timeout_s=1.0)))[0]
+    assert (looping.passed, looping.statuses) == (0, {"timeout"})  # TimeLimitExceeded; its other cases skipped
 
 
 def test_an_unreachable_sandbox_service_raises_naming_it():

@@ -10,6 +10,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -22,15 +23,21 @@ from rltrain.runtime.errors import UserError
 IO = {"inputs": [""], "outputs": ["3"]}  # what the hostile programs would print if their harm worked
 
 
-def settings(mode: str) -> CodeSettings:
-    cfg = SandboxConfig(mode=mode, timeout_s=1.5, cpu_s=2, memory_mb=256, processes=8, output_bytes=65536, workers=2, tmp_mb=8,
-                        file_size_mb=1)
+# Code that ends by itself (a refused call, MemoryError) gets a wall clock a loaded machine never
+# reaches; code that never ends (loops, fork bombs, floods) a short one.
+ENDS, NEVER_ENDS = 20.0, 1.5
+
+
+def settings(mode: str, timeout_s: float) -> CodeSettings:
+    cfg = SandboxConfig(mode=mode, timeout_s=timeout_s, cpu_s=int(timeout_s) + 1, memory_mb=256, processes=8, output_bytes=65536,
+                        workers=2, tmp_mb=8, file_size_mb=1)
     return CodeSettings(sandbox=cfg)
 
 
-def run_hostile(code: str, mode: str = "bwrap", expected: str = "3") -> tuple[float, set[str]]:
+def run_hostile(code: str, mode: str = "bwrap", expected: str = "3", timeout_s: float = ENDS) -> tuple[float, set[str]]:
     """(its reward, its executions' statuses); afterwards no process of a sandbox user is left."""
-    scored = run_tests([f"```python\n{code}\n```"], {"input_output": [{"inputs": [""], "outputs": [expected]}]}, settings(mode))[0]
+    columns = {"input_output": [{"inputs": [""], "outputs": [expected]}]}
+    scored = run_tests([f"```python\n{code}\n```"], columns, settings(mode, timeout_s))[0]
     leftovers = [pid for pid in os.listdir("/proc") if pid.isdigit() and sandbox_owned(int(pid))]
     assert not leftovers, f"processes of the sandbox's user ids outlived the execution: {leftovers}"
     assert subprocess.run(["true"]).returncode == 0  # this machine still starts processes
@@ -49,7 +56,8 @@ MODES = ["bwrap", "rlimits"]  # the harms both modes stop (rlimits: as root, a u
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_fork_bomb_is_contained_and_killed(mode):
-    reward, statuses = run_hostile("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", mode)
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    reward, statuses = run_hostile(bomb, mode, timeout_s=NEVER_ENDS)
     assert reward == 0.0 and statuses & {"timeout", "error", "killed"}
 
 
@@ -61,7 +69,7 @@ def test_unbounded_allocation_fails_at_the_memory_limit(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_an_infinite_loop_is_stopped_at_the_timeout(mode):
-    reward, statuses = run_hostile("while True:\n    pass", mode)
+    reward, statuses = run_hostile("while True:\n    pass", mode, timeout_s=NEVER_ENDS)
     assert reward == 0.0 and statuses == {"timeout"}
 
 
@@ -117,7 +125,7 @@ def test_signals_reach_no_other_process(mode, target):
 
 
 def test_a_flood_of_output_is_killed_at_the_limit():
-    reward, statuses = run_hostile("while True:\n    print('x' * 10000)")
+    reward, statuses = run_hostile("while True:\n    print('x' * 10000)", timeout_s=NEVER_ENDS)
     assert reward == 0.0 and statuses == {"killed"}
 
 
@@ -146,3 +154,29 @@ def test_bad_limits_are_refused():
         check(SandboxConfig(timeout_s=0))
     with pytest.raises(UserError, match="reward.sandbox.url"):
         check(SandboxConfig(mode="remote"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_reward_worker_killed_mid_execution_leaves_no_code_running(mode):
+    """reward.timeout_s ends the reward call first: its worker dies with its process group, and the
+    sandboxed code (asleep, so no CPU limit would ever end it) goes with it."""
+    from omegaconf import OmegaConf
+
+    from rltrain.config.schema import RewardConfig
+    from rltrain.rewards import code
+    from rltrain.rewards.scoring import RewardFn, RewardScorer
+
+    cfg = OmegaConf.structured(RewardConfig(fns=["rltrain.rewards.code:tests_pass"], timeout_s=1.5, max_failure_frac=1.0))
+    cfg.sandbox.mode, cfg.sandbox.timeout_s = mode, 60.0
+    scorer = RewardScorer([RewardFn("tests_pass", "rltrain.rewards.code:tests_pass", code.tests_pass, 1.0)], cfg, 600.0)
+    try:
+        per_fn, failures = scorer.score(["p"], ["import time\ntime.sleep(600)"], {"input_output": [IO]}, [0])
+    finally:
+        scorer.close()
+    assert failures.timeouts == 1 and per_fn["tests_pass"] == [0.0]
+    for _ in range(200):  # the namespace's teardown is asynchronous
+        if not [pid for pid in os.listdir("/proc") if pid.isdigit() and sandbox_owned(int(pid))]:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("sandboxed code outlived its killed reward worker")
