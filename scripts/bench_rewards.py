@@ -56,7 +56,7 @@ def pool_table(args: argparse.Namespace) -> None:
     fn = RewardFn("addition_reward", "rltrain.rewards.builtin:addition_reward", addition_reward, 1.0)
     for workers in (int(w) for w in args.workers.split(",")):
         cfg = SimpleNamespace(timeout_s=60.0, workers=workers, chunk_size=0, chunk_spans_groups=False, on_failure=0.0,
-                              max_failure_frac=0.25, fns=[])
+                              max_failure_frac=0.25)
         scorer = RewardScorer([fn], cfg, collective_timeout_s=600.0)
         try:
             scorer.score(prompts, completions, {"answer": answers}, groups)  # the workers' start-up

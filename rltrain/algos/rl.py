@@ -28,6 +28,7 @@ from rltrain.data.ragged import Ragged
 from rltrain.data.sharding import sum_over_replicas
 from rltrain.envs.build import build_episode_runner
 from rltrain.rewards.scoring import RewardScorer, build_reward_fns
+from rltrain.rewards.thinking import thinking_end_marker
 from rltrain.rollout import build_rollout
 from rltrain.rollout.ahead import RolloutWorker
 from rltrain.rollout.share import leads
@@ -88,7 +89,8 @@ class RLAlgorithm:
         self.weights = WeightSync(self.rollout, deferred=cfg.placement.time_sharing, worker=worker)
         self.timeshare = TimeSharing(engines, self.rollout, ctx.dist.device, cfg.placement.time_sharing, self.weights, frozen)
         plays = leads(self.policy.replica_group())  # a replica's peers receive scores and episodes
-        scorer = RewardScorer(reward_fns, cfg.reward, cfg.safety.collective_timeout_s, start_workers=plays)
+        thinking_end = thinking_end_marker(ctx.tokenizer, cfg.reward.thinking_end)
+        scorer = RewardScorer(reward_fns, cfg.reward, cfg.safety.collective_timeout_s, start_workers=plays, thinking_end=thinking_end)
         self._built.callback(scorer.close)
         episodes = build_episode_runner(cfg, ctx.tokenizer, start_workers=plays)
         if episodes is not None:
@@ -180,6 +182,7 @@ class RLAlgorithm:
             **self.collector.reward_metrics(exp),
             "rollout/response_length_mean": float(exp.counts[0] / n_global),
             "rollout/truncated_fraction": float(exp.counts[2] / n_global),
+            "rollout/thinking_tokens_mean": float(exp.counts[4] / n_global),  # inside a thinking block
             "rollout/tokens_per_s": float(exp.counts[0]) / max(global_max(exp.time_rollout), 1e-9),
             "time/rollout": exp.time_rollout,
             "time/train": time_train,

@@ -157,6 +157,9 @@ class DataConfig:
     revision: str | None = None  # a Hub dataset's branch, tag or commit; null = main
     split: str = "train"
     columns: DataColumns = field(default_factory=DataColumns)
+    # Arguments every chat template rendering of the run gets (data, environments, the agents'
+    # endpoint), e.g. {enable_thinking: false} for a reasoning model's template
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     map_fn: str | None = None  # pkg.module:fn, one row in, the columns to set out (datasets.map), after `columns`
     eval_path: str | None = None
     eval_fraction: float = 0.05
@@ -237,7 +240,9 @@ class RewardConfig:
     chunk_spans_groups: bool = False  # true: chunks of chunk_size may hold several prompts' completions
     on_failure: float = 0.0  # the reward of a sample whose call raised, returned nonsense or timed out
     max_failure_frac: float = 0.25  # a rank stops when more of its step's samples fail for one function
-    thinking_end: str = "</think>"  # the code reward reads the completion after its last one; "": all of it
+    # The built-in answer rewards (code, math) read a completion after its last one; null: the
+    # closing tag the tokenizer's chat template uses (</think> where it has none); "": all of it
+    thinking_end: str | None = None
     code: CodeRewardConfig = field(default_factory=CodeRewardConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from rltrain.rewards.sandbox.base import Execution, Outcome
 from rltrain.rewards.sandbox.settings import CodeSettings, current_settings, sandbox_for
-from rltrain.rewards.thinking import answer_after_thinking
+from rltrain.rewards.thinking import answer_after_thinking, current_end_marker
 
 FENCE = re.compile(r"```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)```", re.DOTALL)
 # The per-sample series `tests_pass_reported` returns beside the rewards; summed ones are counts.
@@ -102,7 +102,8 @@ def run_tests(completions: list[str], columns: dict[str, list], settings: CodeSe
     case past its time skips its cases not yet started (they fail): looping code costs one timeout."""
     sandbox = sandbox_for(settings.sandbox)
     rows = [{k: v[i] for k, v in columns.items()} for i in range(len(completions))]
-    all_cases = [cases_of(extract_code(c, settings.thinking_end), row) for c, row in zip(completions, rows, strict=True)]
+    marker = current_end_marker()
+    all_cases = [cases_of(extract_code(c, marker), row) for c, row in zip(completions, rows, strict=True)]
     timed_out: set[int] = set()
 
     def run(owner: int, execution: Execution) -> Outcome:

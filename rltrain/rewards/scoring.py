@@ -23,6 +23,7 @@ from rltrain.rewards.code import COUNTED as CODE_COUNTED
 from rltrain.rewards.code import METRICS as CODE_METRICS
 from rltrain.rewards.sandbox.settings import check as check_sandbox
 from rltrain.rewards.sandbox.settings import worker_env
+from rltrain.rewards.thinking import DEFAULT_THINKING_END, THINKING_END_ENV
 from rltrain.runtime.call_pool import Call, CallPool, CallResult
 from rltrain.runtime.errors import UserError
 from rltrain.runtime.user_code import load_callable
@@ -163,12 +164,16 @@ def split_report(result: CallResult, reporting: bool) -> tuple[CallResult, dict[
 class RewardScorer:
     """The run's reward functions and the worker pool that runs the user ones."""
 
-    def __init__(self, fns: list[RewardFn], reward_cfg: RewardConfig, collective_timeout_s: float, start_workers: bool = True) -> None:
-        self.fns, self.cfg = fns, reward_cfg
+    def __init__(
+        self, fns: list[RewardFn], reward_cfg: RewardConfig, collective_timeout_s: float, start_workers: bool = True,
+        thinking_end: str = DEFAULT_THINKING_END,
+    ) -> None:
+        """`thinking_end`: the marker the answer rewards read after (`thinking_end_marker`)."""
+        self.fns, self.cfg, self.thinking_end = fns, reward_cfg, thinking_end
         self.timeout_s = float(reward_cfg.timeout_s) if reward_cfg.timeout_s else None
         self.budget_s = collective_timeout_s / 2  # a rank's scoring never keeps a peer into the collective timeout
         pooled = [rf.call_path for rf in fns if rf.device_model is None]
-        env = worker_env(reward_cfg) if any(rf.metrics for rf in fns) else None
+        env = {THINKING_END_ENV: thinking_end, **(worker_env(reward_cfg) if any(rf.metrics for rf in fns) else {})}
         self.pool = CallPool(reward_cfg.workers, pooled, "reward function", env=env) if pooled else None
         if self.pool is not None and start_workers:  # else they start on the first call (a replica's peers never score)
             self.pool.start()  # the workers import while the engines are built

@@ -32,7 +32,7 @@ def test_grpo_with_the_code_reward_logs_its_metrics(tiny_cache, tmp_path):
     rltrain(
         "algo=grpo", "algo.prompts_per_step=4", "algo.group_size=4", "algo.max_new_tokens=8", "data.eval_fraction=0",
         "rollout=hf", f"data.path={data}", "reward.fns=[rltrain.rewards.code:tests_pass]", "reward.sandbox.timeout_s=3",
-        "trainer.max_steps=2", *QUICK, run_dir=run_dir, timeout=400,
+        "trainer.max_steps=2", "+data.chat_template_kwargs.enable_thinking=false", *QUICK, run_dir=run_dir, timeout=400,
     )
     steps = train_rows(run_dir)
     assert len(steps) == 2
@@ -43,6 +43,7 @@ def test_grpo_with_the_code_reward_logs_its_metrics(tiny_cache, tmp_path):
         counts = [row[k] for k in CODE_METRICS[1:]]
         assert all(c == int(c) and 0 <= c <= 16 for c in counts)  # samples of the step's 16, summed
         assert (row["reward/timeouts"], row["reward/errors"]) == (0.0, 0.0)  # the reward calls themselves never failed
+        assert 0.0 <= row["rollout/thinking_tokens_mean"] <= 8  # of at most algo.max_new_tokens
     # The sandbox ran them: the random model's text mostly fails to parse, and each such sample is counted.
     assert sum(row["reward/code_errors"] for row in steps) > 0
 

@@ -1,8 +1,8 @@
 """The code reward's settings in its worker processes, and the sandbox they choose.
 
-A run hands `reward.code`, `reward.sandbox` and `reward.thinking_end` to its reward workers in one
-environment variable (`SETTINGS_ENV`, set only on those workers); outside a run (a reward function
-called by hand) the schema's defaults hold. `check` refuses bad values with one paragraph.
+A run hands `reward.code` and `reward.sandbox` to its reward workers in one environment variable
+(`SETTINGS_ENV`, set only on those workers); outside a run (a reward function called by hand) the
+schema's defaults hold. `check` refuses bad values with one paragraph.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ SETTINGS_ENV = "RLTRAIN_CODE_REWARD"
 class CodeSettings:
     code: CodeRewardConfig = field(default_factory=CodeRewardConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
-    thinking_end: str = "</think>"
 
 
 def settings_of(reward_cfg: RewardConfig) -> CodeSettings:
@@ -31,7 +30,6 @@ def settings_of(reward_cfg: RewardConfig) -> CodeSettings:
     return CodeSettings(
         CodeRewardConfig(**{k: getattr(reward_cfg.code, k) for k in asdict(CodeRewardConfig())}),
         SandboxConfig(**{k: getattr(reward_cfg.sandbox, k) for k in asdict(SandboxConfig())}),
-        reward_cfg.thinking_end,
     )
 
 
@@ -46,7 +44,7 @@ def current_settings() -> CodeSettings:
     if not raw:
         return CodeSettings()
     plain = json.loads(raw)
-    return CodeSettings(CodeRewardConfig(**plain["code"]), SandboxConfig(**plain["sandbox"]), plain["thinking_end"])
+    return CodeSettings(CodeRewardConfig(**plain["code"]), SandboxConfig(**plain["sandbox"]))
 
 
 def check(cfg: SandboxConfig) -> None:
