@@ -9,7 +9,12 @@ from rltrain.data.tokenize import render_messages
 from rltrain.envs.agent_reply import render
 from rltrain.models.tokenizer import build_char_tokenizer, with_chat_template_kwargs
 from rltrain.rewards.math import accuracy
-from rltrain.rewards.thinking import THINKING_END_ENV, answer_after_thinking, thinking_end_marker, thinking_tokens
+from rltrain.rewards.thinking import (
+    THINKING_END_ENV,
+    answer_after_thinking,
+    thinking_end_marker,
+    thinking_tokens,
+)
 
 # A reasoning model's template in miniature: an empty thinking block when thinking is off.
 THINKING_TEMPLATE = (
