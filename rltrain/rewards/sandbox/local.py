@@ -182,6 +182,8 @@ class LocalSandbox:
         for f in (proc.stdin, proc.stdout, proc.stderr):
             if f is not None:
                 f.close()
+        if stderr.startswith(b"bwrap: "):  # the sandbox itself failed: never read as the code's failure
+            raise RuntimeError(f"bubblewrap could not start the sandbox: {stderr.decode(errors='replace').strip()[:500]}")
         if broke == "timeout":
             return Outcome("timeout", stdout.decode(errors="replace"), f"past reward.sandbox.timeout_s={self.cfg.timeout_s:g} s")
         if broke == "output":
@@ -281,3 +283,23 @@ def require_bwrap() -> str:
     if path is None:
         raise UserError(BWRAP_MISSING)
     return path
+
+
+def works_here(cfg: SandboxConfig) -> None:
+    """bwrap is installed and can build the sandbox on this machine (namespaces allowed): one
+    trivial execution, or a UserError saying what to do."""
+    from rltrain.runtime.errors import UserError
+
+    require_bwrap()
+    try:
+        outcome = BwrapSandbox(cfg).run(Execution("pass"))
+        problem = "" if outcome.status == "ran" else f"{outcome.status}: {outcome.detail.strip()[-500:]}"
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        problem = str(exc)
+    if problem:
+        raise UserError(
+            f"reward.sandbox.mode=bwrap cannot run code on this machine ({problem}). Where unprivileged user namespaces "
+            "are disabled, run as root or allow them (sysctl kernel.unprivileged_userns_clone=1); check "
+            "reward.sandbox.python; or choose reward.sandbox.mode=rlimits (no file or network isolation) or "
+            "reward.sandbox.mode=remote reward.sandbox.url=http://HOST:PORT."
+        )

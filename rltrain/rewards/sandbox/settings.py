@@ -61,9 +61,9 @@ def check(cfg: SandboxConfig) -> None:
     if cfg.mode != "remote" and cfg.python is not None and not os.access(cfg.python, os.X_OK):
         raise UserError(f"reward.sandbox.python={cfg.python!r} is not an executable interpreter; give its path, or null for rltrain's own.")
     if cfg.mode == "bwrap":
-        from rltrain.rewards.sandbox.local import require_bwrap
+        from rltrain.rewards.sandbox.local import works_here
 
-        require_bwrap()
+        works_here(cfg)
 
 
 _sandboxes: dict[str, Sandbox] = {}

@@ -180,3 +180,15 @@ def test_a_reward_worker_killed_mid_execution_leaves_no_code_running(mode):
         time.sleep(0.05)
     else:
         raise AssertionError("sandboxed code outlived its killed reward worker")
+
+
+def test_a_bwrap_that_cannot_build_namespaces_stops_the_run_not_the_rewards(tmp_path, monkeypatch):
+    """As where user namespaces are off: bwrap exits with its own error. That is a UserError at start,
+    never every completion scored 0."""
+    fake = tmp_path / "bwrap"
+    fake.write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    with pytest.raises(UserError, match="No permissions to create new namespace") as info:
+        check(SandboxConfig(timeout_s=20.0))
+    assert "reward.sandbox.mode=rlimits" in str(info.value)
