@@ -16,7 +16,7 @@ import pytest
 
 from rltrain.config.schema import SandboxConfig
 from rltrain.rewards.code import run_tests
-from rltrain.rewards.sandbox.local import UID_BASE, user_tasks
+from rltrain.rewards.sandbox.local import MAX_SLOTS, UID_BASE
 from rltrain.rewards.sandbox.settings import CodeSettings, check
 from rltrain.runtime.errors import UserError
 
@@ -38,17 +38,24 @@ def run_hostile(code: str, mode: str = "bwrap", expected: str = "3", timeout_s: 
     """(its reward, its executions' statuses); afterwards no process of a sandbox user is left."""
     columns = {"input_output": [{"inputs": [""], "outputs": [expected]}]}
     scored = run_tests([f"```python\n{code}\n```"], columns, settings(mode, timeout_s))[0]
-    leftovers = [pid for pid in os.listdir("/proc") if pid.isdigit() and sandbox_owned(int(pid))]
+    leftovers = sandboxed_by(os.getpid())
     assert not leftovers, f"processes of the sandbox's user ids outlived the execution: {leftovers}"
     assert subprocess.run(["true"]).returncode == 0  # this machine still starts processes
     return scored.passed / scored.total, scored.statuses
 
 
-def sandbox_owned(pid: int) -> bool:
-    try:
-        return os.stat(f"/proc/{pid}").st_uid >= UID_BASE
-    except OSError:
-        return False
+def sandboxed_by(starter: int) -> list[int]:
+    """Live processes under the user ids that process `starter` gives its executions (other tests'
+    sandboxes, in other processes, are not ours to count)."""
+    first = UID_BASE + starter * MAX_SLOTS
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and first <= os.stat(f"/proc/{entry}").st_uid < first + MAX_SLOTS:
+                found.append(int(entry))
+        except OSError:
+            pass
+    return found
 
 
 MODES = ["bwrap", "rlimits"]  # the harms both modes stop (rlimits: as root, a user id of its own)
@@ -138,7 +145,6 @@ def test_honest_code_passes_in_every_local_mode():
     for mode in MODES:
         reward, statuses = run_hostile("import sys\nprint(sum(map(int, '1 2'.split())))\nsys.exit(0)", mode)
         assert (reward, statuses) == (1.0, {"ran"})
-    assert not user_tasks(UID_BASE)
 
 
 def test_without_bwrap_the_run_is_told_how_to_install_it(tmp_path, monkeypatch):
@@ -169,13 +175,15 @@ def test_a_reward_worker_killed_mid_execution_leaves_no_code_running(mode):
     cfg = OmegaConf.structured(RewardConfig(fns=["rltrain.rewards.code:tests_pass"], timeout_s=1.5, max_failure_frac=1.0))
     cfg.sandbox.mode, cfg.sandbox.timeout_s = mode, 60.0
     scorer = RewardScorer([RewardFn("tests_pass", "rltrain.rewards.code:tests_pass", code.tests_pass, 1.0)], cfg, 600.0)
+    assert scorer.pool is not None
+    worker = scorer.pool.workers[0].proc.pid  # the process that starts the executions (and is killed)
     try:
         per_fn, failures = scorer.score(["p"], ["import time\ntime.sleep(600)"], {"input_output": [IO]}, [0])
     finally:
         scorer.close()
     assert failures.timeouts == 1 and per_fn["tests_pass"] == [0.0]
     for _ in range(200):  # the namespace's teardown is asynchronous
-        if not [pid for pid in os.listdir("/proc") if pid.isdigit() and sandbox_owned(int(pid))]:
+        if not sandboxed_by(worker):
             break
         time.sleep(0.05)
     else:
