@@ -93,7 +93,7 @@ class Workload:
             prompts, completions = sft_rows(self.tok, rows, k, a.batch)
             batch = SequenceBatch.from_lists(prompts, completions, global_tokens=float(sum(map(len, completions))))
         else:
-            from rltrain.algos.rl_update import PolicyLossInputs
+            from rltrain.algos.rl_update import PolicyBatchInputs
             from rltrain.data.ragged import Ragged
 
             rollouts = fixed_rollouts(self.tok, rows, k, a.batch, a.group, a.row_length)
@@ -102,7 +102,7 @@ class Workload:
             # On-policy from the training pass (old/entropy/reference None); the engine's log-probabilities
             # are not measured here (no rollout engine), so zeros stand in and no correction reads them.
             no_engine_logps = Ragged.from_lengths(torch.zeros(batch.num_completion_tokens, device="cpu"), batch.completion_lens())
-            batch.loss_inputs = PolicyLossInputs(
+            batch.loss_inputs = PolicyBatchInputs(
                 adv=torch.tensor(rollouts.adv_B, device="cpu"), engine_logps=no_engine_logps,
                 global_tokens=float(sum(map(len, completions))), global_seqs=float(len(completions)),
             )
@@ -112,8 +112,8 @@ class Workload:
         from types import SimpleNamespace
 
         from rltrain.algos.dpo import make_dpo_loss
-        from rltrain.algos.losses import sft_loss
         from rltrain.algos.rl_update import make_policy_loss
+        from rltrain.algos.sft import sft_loss
 
         if self.name == "sft":
             return sft_loss

@@ -1,8 +1,9 @@
-"""What the pairwise preference objectives share (DPO, SimPO, ORPO, the reward model): the pairs of
-rltrain/data/preference_data.py cut into micro-batches of whole pairs, each pair's chosen and
-rejected completions as separate ragged sequences (never padded to each other, so padding never
-enters a sum), held-out preference accuracy, and the step itself. An objective supplies its loss
-and how a pair's chosen-vs-rejected score is computed; docs/algorithms.md compares them.
+"""The preference base DPO, SimPO, ORPO and the reward model share (KTO its implicit reward and
+scoring): the pairs of rltrain/data/preference_data.py cut into micro-batches of whole pairs, each
+pair's chosen and rejected completions as separate ragged sequences (never padded to each other, so
+padding never enters a sum), held-out preference accuracy, and the step itself. An objective
+supplies its loss and how a pair's chosen-vs-rejected score is computed; docs/algorithms.md
+compares them.
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ def chosen_rejected_means(logps) -> tuple[torch.Tensor, torch.Tensor]:
 def chosen_rejected_lengths(logps) -> tuple[torch.Tensor, torch.Tensor]:
     lengths_S = logps.lengths().to(logps.values.device).to(logps.values.dtype)
     return lengths_S[0::2], lengths_S[1::2]
+
+
+def implicit_rewards(policy_P: torch.Tensor, ref_P: torch.Tensor, beta: float) -> torch.Tensor:
+    """DPO's and KTO's implicit reward of a completion, `beta * (log pi - log ref)` of its sums."""
+    return beta * (policy_P - ref_P)
 
 
 def pair_metrics(

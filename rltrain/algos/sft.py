@@ -11,9 +11,14 @@ number of ranks do not change it. No packing across examples, no label smoothing
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+
 from rltrain.algos.base import PolicyStreamAlgorithm
-from rltrain.algos.losses import sft_loss
 from rltrain.backends import build_engine
+from rltrain.backends.base import PolicyOutput
+from rltrain.config.algorithms import AlgoConfig, AlgorithmSpec
 from rltrain.config.run_context import RunContext
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.sampler import IndexStream
@@ -21,6 +26,18 @@ from rltrain.data.sft_data import build_sft_data
 from rltrain.data.sharding import micro_batch_count, rank_slice, split_micro_batches
 from rltrain.run.evaluation import GreedyEvaluator
 from rltrain.runtime.precision import resolve_precision
+
+
+@dataclass
+class SFTConfig(AlgoConfig):
+    name: str = "sft"
+
+
+def sft_loss(output: PolicyOutput, batch: SequenceBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Summed completion NLL over the global completion-token count (in `extras`)."""
+    global_tokens = batch.extras["global_tokens"]
+    loss = -output.policy_logps().values.sum() / global_tokens
+    return loss, {}
 
 
 class SFT(PolicyStreamAlgorithm):
@@ -64,3 +81,8 @@ class SFT(PolicyStreamAlgorithm):
         result = self.evaluator.accuracy(self.policy, [e.prompt for e in self.data.eval], [e.reference for e in self.data.eval])
         self.recorded = result.samples  # greedy completions, reward 1 for an exact match
         return {"eval/accuracy": result.accuracy}
+
+
+SPEC = AlgorithmSpec(
+    "sft", SFTConfig, SFT, "supervised fine-tuning on prompt/completion pairs", data="completions",
+)

@@ -1,6 +1,6 @@
 """The options a Hydra group chooses between: one dataclass per option of `backend`, `rollout`,
 `reward_model` and `env` (a base per group, a subclass per option), and the `reference` and `critic`
-models; the `algo` options are declared with what each algorithm needs in rltrain.config.algorithms.
+models; each `algo` option is declared in its algorithm's module, read through rltrain.config.algorithms.
 Each option's YAML in `conf/<group>/` extends its schema (`<group>/<name>_schema`, stored by
 rltrain.config.schema.register_configs). The run's own sections and the root `Config` are in
 rltrain.config.schema; docs/configuration.md lists every key.

@@ -11,6 +11,7 @@ and the code that reads a key takes its values from the same `Literal`. docs/con
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -18,7 +19,7 @@ from typing import Any, Literal
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from rltrain.config.algorithms import ALGORITHMS
+from rltrain.config.algorithms import ALGORITHM_CONFIGS
 from rltrain.config.choices import choice
 from rltrain.config.group_options import (
     AgentEnvConfig,
@@ -302,8 +303,8 @@ class Config:
     sweep: SweepConfig = field(default_factory=SweepConfig)
 
 
-GROUP_SCHEMAS: dict[str, dict[str, type]] = {
-    "algo": {name: spec.config for name, spec in ALGORITHMS.items()},
+GROUP_SCHEMAS: dict[str, Mapping[str, type]] = {
+    "algo": ALGORITHM_CONFIGS,  # declared by the algorithms themselves, read when first asked
     "backend": {"fsdp": FSDPBackendConfig, "megatron": MegatronBackendConfig},
     "rollout": {"vllm": VLLMRolloutConfig, "hf": HFRolloutConfig, "server": ServerRolloutConfig},
     "model": {"tiny": ModelConfig, "tiny_sft": ModelConfig},

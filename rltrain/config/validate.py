@@ -43,7 +43,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 CHOICE_HINTS = {
     "rollout.process": " (the vLLM engine in the trainer's process, or in a child process of its own)",
-    "algo.rollout_correction": " (auto: none in sync and tis with placement.max_staleness >= 1; trust the samples, truncated importance weights per token, or drop sequences whose train/rollout ratio leaves a band)",
+    "algo.rollout_correction": " (auto: none in sync and tis with placement.max_staleness >= 1; trust the samples, truncated importance weights per token, drop sequences whose train/rollout ratio leaves a band, or the sequence-level and masking variants: docs/algorithms.md#rollout-correction)",
     "rollout.servers.push_backend": " (auto: NCCL where the trainer and a server it did not spawn both run on CUDA, gloo otherwise)",
     "algo.loss_agg": " (DAPO's token mean, GRPO's mean of per-sequence means, Dr. GRPO's sums over the generation budget)",
 }

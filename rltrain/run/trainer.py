@@ -9,7 +9,6 @@ the run's curves into `plots.png` (rltrain.run.plot).
 
 from __future__ import annotations
 
-import importlib
 import os
 import random
 import shutil
@@ -39,10 +38,9 @@ from rltrain.runtime.threads import thread_split
 from rltrain.safety.runtime import SafetyRuntime
 
 
-def build_algorithm(ctx: RunContext):
-    """The algorithm its declaration names (rltrain.config.algorithms), imported only now."""
-    module_name, cls_name = spec_of(ctx.cfg.algo.name).impl.split(":")
-    return getattr(importlib.import_module(module_name), cls_name)(ctx)
+def build_algorithm(ctx: RunContext) -> Algorithm:
+    """The algorithm its declaration names (rltrain.config.algorithms)."""
+    return spec_of(ctx.cfg.algo.name).impl(ctx)
 
 
 def configure_threads(cfg: Config, dist_info: DistInfo) -> None:

@@ -45,7 +45,7 @@ def _run(rank: int, world: int, model_dir, compile_layers: bool, device_type: st
 def _train(rank: int, world: int, model_dir, device: torch.device, padding_free: bool, compile_layers: bool):
     import torch.distributed as dist
 
-    from rltrain.algos.losses import sft_loss
+    from rltrain.algos.sft import sft_loss
     from rltrain.backends.fsdp.engine import FSDPEngine
     from rltrain.config.group_options import FSDPBackendConfig
     from rltrain.config.schema import OptimConfig

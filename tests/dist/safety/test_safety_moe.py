@@ -46,7 +46,7 @@ def _batches():
 
 
 def _rank(rank, world, model_dir):
-    from rltrain.algos.losses import sft_loss
+    from rltrain.algos.sft import sft_loss
     from rltrain.backends.fsdp import engine as fsdp
     from rltrain.config.group_options import FSDPBackendConfig
     from rltrain.config.schema import OptimConfig
@@ -74,7 +74,7 @@ def _rank(rank, world, model_dir):
 
 
 def _reference(model_dir):
-    from rltrain.algos.losses import sft_loss
+    from rltrain.algos.sft import sft_loss
     from rltrain.backends.base import PolicyOutput
     from rltrain.backends.fsdp.hf_scoring import CompletionScorer, completion_positions
     from rltrain.backends.fsdp.shared_prefix import Rectangle

@@ -25,7 +25,7 @@ FAULTS = "loss_error:1:2,backward_error:1:3,nan_grad:0:5"
 def _session(rank, world, model_dir):
     from safety_common import adam_steps, empty_batch, full_params, make_engine, rank_batch
 
-    from rltrain.algos.losses import sft_loss
+    from rltrain.algos.sft import sft_loss
     from rltrain.safety import faults
     from rltrain.safety.guard import params_without_grad
 
@@ -55,7 +55,7 @@ def _budget(rank, model_dir):
     """Errors at steps 2, 3 and 4 with max_consecutive_errors=2: the third one stops the run."""
     from safety_common import make_engine, rank_batch
 
-    from rltrain.algos.losses import sft_loss
+    from rltrain.algos.sft import sft_loss
     from rltrain.safety import faults
     from rltrain.safety.guard import TooManyErrors
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rltrain.algos.losses import sft_loss
+from rltrain.algos.sft import sft_loss
 from rltrain.backends.base import PolicyOutput
 from rltrain.backends.fsdp.attention_masks import (
     block_mask,

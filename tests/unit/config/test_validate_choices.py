@@ -1,7 +1,7 @@
 """Every enum-like key is checked at composition, with the allowed values named.
 
 The allowed values are declared once, as `Literal`s in rltrain/config/schema.py,
-rltrain/config/group_options.py and rltrain/config/algorithms.py; `CHOICES` (validate) and the constants of the code that reads each
+rltrain/config/group_options.py and each algorithm's module (rltrain/algos/<name>.py, rl_config.py); `CHOICES` (validate) and the constants of the code that reads each
 key are derived from them. These tests keep them equal and find every enum-like key of the schema in CHOICES, so a new one cannot be added without its check. The CLI side (one paragraph, exit 2) is
 tests/e2e/test_bad_input_cli.py.
 """
@@ -15,7 +15,8 @@ import re
 import pytest
 from helpers import compose_config
 
-from rltrain.config import algorithms, group_options, schema
+from rltrain.algos import rl_config
+from rltrain.config import group_options, schema
 from rltrain.config.algorithms import ALGORITHMS
 from rltrain.config.choices import choices_of
 from rltrain.config.validate import CHOICES, validate
@@ -62,7 +63,8 @@ def _cfg(*overrides: str):
 
 def test_choices_mirror_the_code_that_reads_them():
     from rltrain.algos.advantages import SCALES
-    from rltrain.algos.losses import DPO_LOSSES, LOSS_AGGS
+    from rltrain.algos.dpo import DPO_LOSSES
+    from rltrain.algos.policy_loss import IMPORTANCE_LEVELS, LOSS_AGGS, POLICY_LOSSES
     from rltrain.data.tasks import TASKS
     from rltrain.launch.sweep import DIRECTIONS
     from rltrain.rollout import PROCESSES
@@ -72,6 +74,8 @@ def test_choices_mirror_the_code_that_reads_them():
     assert CHOICES["trainer.precision"] == PRECISIONS
     assert CHOICES["algo.loss"] == DPO_LOSSES
     assert CHOICES["algo.loss_agg"] == LOSS_AGGS
+    assert CHOICES["algo.policy_loss"] == POLICY_LOSSES  # the keys of the surrogates' table
+    assert CHOICES["algo.importance_level"] == IMPORTANCE_LEVELS
     assert CHOICES["algo.scale_rewards"] == SCALES
     assert CHOICES["rollout.process"] == PROCESSES
     assert CHOICES["rollout.servers.push_backend"] == PUSH_BACKENDS
@@ -85,7 +89,7 @@ def test_every_enum_like_key_of_every_group_is_checked():
     found = set()
     classes = [
         (name, cls)
-        for module in (schema, group_options, algorithms)
+        for module in (schema, group_options, rl_config, *{inspect.getmodule(s.config) for s in ALGORITHMS.values()})
         for name, cls in inspect.getmembers(module, dataclasses.is_dataclass)
         if cls.__module__ == module.__name__
     ]
