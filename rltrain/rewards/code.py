@@ -36,6 +36,19 @@ def extract_code(completion: str, thinking_end: str) -> str:
 class Case:
     execution: Execution
     expected: str | None  # stdout it must print; None: passing is running to its end
+    returns: bool = False  # `expected` is the JSON of what the function must return (APPS's fn_name cases)
+
+
+# APPS / TACO call-based cases: the function `fn_name` (module level, or a method of LeetCode's
+# `class Solution`) called with the case's argument list from stdin; its result printed as JSON last.
+CALL_HARNESS = """
+
+import json as _rltrain_json, sys as _rltrain_sys
+_rltrain_fn = globals().get({name!r}) or getattr(globals()["Solution"](), {name!r})
+_rltrain_result = _rltrain_fn(*_rltrain_json.loads(_rltrain_sys.stdin.read()))
+print()
+print(_rltrain_json.dumps(_rltrain_result))
+"""
 
 
 def stdio_cases(code: str, input_output: Any) -> list[Case]:
@@ -45,7 +58,11 @@ def stdio_cases(code: str, input_output: Any) -> list[Case]:
     if len(spec["inputs"]) != len(spec["outputs"]):
         raise ValueError(f"input_output has {len(spec['inputs'])} inputs but {len(spec['outputs'])} outputs")
     if spec.get("fn_name"):
-        raise ValueError("input_output cases that call a function (fn_name) are not supported; give stdin/stdout cases or asserts (test)")
+        program = code + CALL_HARNESS.format(name=str(spec["fn_name"]))
+        return [
+            Case(Execution(program, json.dumps(args if isinstance(args, list) else [args]), exit_ends=False), json.dumps(out), returns=True)
+            for args, out in zip(spec["inputs"], spec["outputs"], strict=True)
+        ]
     return [Case(Execution(code, text_of(i)), text_of(o)) for i, o in zip(spec["inputs"], spec["outputs"], strict=True)]
 
 
@@ -74,11 +91,22 @@ def same_output(got: str, expected: str) -> bool:
 
 
 def passed(case: Case, outcome: Outcome) -> bool:
-    return outcome.status == "ran" and (case.expected is None or same_output(outcome.stdout, case.expected))
+    if outcome.status != "ran" or case.expected is None:
+        return outcome.status == "ran"
+    if not case.returns:
+        return same_output(outcome.stdout, case.expected)
+    try:
+        got = json.loads(outcome.stdout.rstrip("\n").rsplit("\n", 1)[-1])
+    except ValueError:
+        return False
+    expected = json.loads(case.expected)
+    return got == expected or [got] == expected  # APPS wraps most expected results in a list
 
 
 @dataclass
-class Scored:
+class Tally:
+    """One completion's cases: how many passed, of how many, and their executions' statuses."""
+
     passed: int
     total: int
     statuses: set[str]
@@ -97,7 +125,7 @@ def cases_of(code: str, row: dict[str, Any]) -> list[Case]:
     )
 
 
-def run_tests(completions: list[str], columns: dict[str, list], settings: CodeSettings) -> list[Scored]:
+def run_tests(completions: list[str], columns: dict[str, list], settings: CodeSettings) -> list[Tally]:
     """Every completion's cases, `reward.sandbox.workers` executions at once. A completion with a
     case past its time skips its cases not yet started (they fail): looping code costs one timeout."""
     sandbox = sandbox_for(settings.sandbox)
@@ -121,11 +149,11 @@ def run_tests(completions: list[str], columns: dict[str, list], settings: CodeSe
     for cases in all_cases:
         outcomes = flat[start : start + len(cases)]
         start += len(cases)
-        scored.append(Scored(sum(passed(c, o) for c, o in zip(cases, outcomes, strict=True)), len(cases), {o.status for o in outcomes}))
+        scored.append(Tally(sum(passed(c, o) for c, o in zip(cases, outcomes, strict=True)), len(cases), {o.status for o in outcomes}))
     return scored
 
 
-def reward_of(s: Scored, all_or_nothing: bool) -> float:
+def reward_of(s: Tally, all_or_nothing: bool) -> float:
     if s.total == 0:
         return 0.0
     return float(s.passed == s.total) if all_or_nothing else s.passed / s.total

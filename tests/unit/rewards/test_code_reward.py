@@ -64,6 +64,19 @@ def test_asserts_run_per_statement_and_humaneval_checks_its_entry_point():
     assert [(s.passed, s.total) for s in scored] == [(3, 3), (2, 3), (1, 1), (0, 1)]
 
 
+def test_call_based_cases_call_fn_name_with_each_argument_list():
+    """APPS / TACO rows with `fn_name`: a module-level function or LeetCode's Solution method."""
+    apps = {"fn_name": "add", "inputs": [[1, 2], [3, 4]], "outputs": [[3], [7]]}  # APPS wraps results in a list
+    leetcode = json.dumps({"fn_name": "twoSum", "inputs": [[[2, 7, 11, 15], 9]], "outputs": [[0, 1]]})
+    completions = [
+        fenced("def add(a, b):\n    return a + b"), "def add(a, b):\n    return 3",
+        fenced("class Solution:\n    def twoSum(self, nums, target):\n        return [0, 1]"),
+        "import sys\nprint(7)\nsys.exit(0)",  # prints a plausible result and leaves before the call
+    ]
+    scored = run_tests(completions, {"input_output": [apps, apps, leetcode, apps]}, CodeSettings(sandbox=FAST))
+    assert [(s.passed, s.total) for s in scored] == [(2, 2), (1, 2), (1, 1), (0, 2)]
+
+
 def test_exiting_before_the_asserts_is_no_pass():
     for escape in ("import sys\nsys.exit(0)", "import os\nos._exit(0)", "raise SystemExit"):
         scored = run_tests([fenced(escape)], {"test": [MBPP_TEST]}, CodeSettings(sandbox=FAST))[0]
