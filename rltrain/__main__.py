@@ -135,9 +135,11 @@ def _first_line(text: str) -> str:
 def run_job(cfg: Config, run_dir: Path) -> None:
     """Validate and run one job; raises JobFailed (after printing) when it fails."""
     from rltrain.preflight.validate import validate
+    from rltrain.rewards.scoring import check_reward_needs
 
     try:
         validate(cfg)
+        check_reward_needs(cfg)  # e.g. the code reward's sandbox tool, before any model is built
     except UserError as exc:
         fail(exc)
     if under_torchrun():

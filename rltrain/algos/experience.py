@@ -29,6 +29,7 @@ from rltrain.envs.agent import AgentResults, AgentRunner, named_on_every_rank
 from rltrain.envs.episodes import EpisodeResults, EpisodeRunner
 from rltrain.rewards.overlong import overlong_penalties
 from rltrain.rewards.scoring import Failures, RewardScorer, Scored
+from rltrain.rewards.thinking import thinking_tokens
 from rltrain.rollout.base import Completion, RolloutEngine, SamplingSettings
 from rltrain.rollout.share import leads, raise_leader_error, replica_leader
 from rltrain.run.samples import Sample, first_samples
@@ -88,7 +89,7 @@ class Experience:
     reward_failures: Failures  # this rank's samples scored `reward.on_failure` (per function)
     scores_B: torch.Tensor  # this rank's weighted total reward per completion (float64, host)
     global_scores: torch.Tensor  # every rank's totals at their global positions (float64, host)
-    counts: torch.Tensor  # global [completion tokens, sequences, truncated sequences, sampled tokens] (host)
+    counts: torch.Tensor  # global [completion tokens, sequences, truncated sequences, sampled tokens, thinking tokens] (host)
     time_rollout: float
     env_failures: Failures = field(default_factory=Failures)  # failed environment steps or tool calls (env=python, env=tools)
     turns: float = 0.0  # the model's turns over this rank's episodes
@@ -178,6 +179,10 @@ class ExperienceCollector:
             stop_token_ids=[self.eos],
         )
 
+    def decode(self, token_ids: list[int]) -> str:
+        """Token ids as text, special tokens kept (a thinking marker may be one)."""
+        return self.ctx.tokenizer.decode(token_ids, skip_special_tokens=False)
+
     def texts(self, completions: list[Completion]) -> list[str]:
         return [self.ctx.tokenizer.decode([t for t in c.token_ids if t != self.eos], skip_special_tokens=True) for c in completions]
 
@@ -197,7 +202,7 @@ class ExperienceCollector:
             except UserError as exc:
                 error = str(exc)
         raise_leader_error(error, group)
-        return share_scores(scored, [rf.name for rf in self.reward_fns], group)
+        return share_scores(scored, self.scorer.series_names(), group)
 
     def _score(
         self, rows: list[PromptRow], completions: list[Completion], texts: list[str] | None
@@ -317,8 +322,10 @@ class ExperienceCollector:
             [c.prompt_ids if c.prompt_ids is not None else rows[c.prompt_index].ids for c in completions], [c.token_ids for c in completions]
         )
         batch.sampled = sampled_mask(completions)
+        thinking = sum(thinking_tokens(c.token_ids, self.decode, self.scorer.thinking_end) for c in completions)
         local_counts = torch.tensor(
-            [batch.num_completion_tokens, len(completions), sum(not c.finished for c in completions), batch.num_sampled_tokens],
+            [batch.num_completion_tokens, len(completions), sum(not c.finished for c in completions), batch.num_sampled_tokens,
+             thinking],
             dtype=torch.float64, device="cpu",
         )
         engine_logps = Ragged.from_lengths(
@@ -352,8 +359,8 @@ class ExperienceCollector:
         if self.episodes is not None:
             out["env/timeouts"], out["env/errors"], out["env/turns_mean"] = float(totals[-7]), float(totals[-6]), float(means[-5])
             out["env/tool_calls_mean"], out["env/success"] = float(means[-8]), float(means[-9])
-        for i, name in enumerate(exp.rewards_by_fn):
-            out[f"reward/{name}"] = float(means[i])
+        for i, name in enumerate(exp.rewards_by_fn):  # a reported count (reward/code_timeouts) is summed
+            out[f"reward/{name}"] = float(totals[i] if name in self.scorer.counted else means[i])
         if isinstance(self.episodes, AgentRunner):  # env/history_rewrites, env/no_calls (every rank has the same names)
             names = sorted(exp.env_counts)
             counted = sum_over_replicas(torch.tensor([exp.env_counts[n] for n in names], dtype=torch.float64, device="cpu"), self.policy.world_size)

@@ -21,6 +21,7 @@ from rltrain.envs.agent import AgentRunner
 from rltrain.envs.build import build_episode_runner
 from rltrain.envs.episodes import EpisodeRunner
 from rltrain.rewards.scoring import RewardScorer, build_reward_fns
+from rltrain.rewards.thinking import thinking_end_marker
 from rltrain.rollout import build_rollout
 from rltrain.rollout.ahead import RolloutWorker
 from rltrain.rollout.base import RolloutEngine
@@ -112,7 +113,8 @@ class RLBuilder:
         weights = WeightSync(engines.rollout, deferred=cfg.placement.time_sharing, worker=self.worker)
         timeshare = TimeSharing(trained, engines.rollout, self.ctx.dist.device, cfg.placement.time_sharing, weights, frozen)
         self.plays = leads(engines.policy.replica_group())  # a replica's peers receive scores and episodes
-        scorer = RewardScorer(reward_fns, cfg.reward, cfg.safety.collective_timeout_s, start_workers=self.plays)
+        thinking_end = thinking_end_marker(self.ctx.tokenizer, cfg.reward.thinking_end)
+        scorer = RewardScorer(reward_fns, cfg.reward, cfg.safety.collective_timeout_s, start_workers=self.plays, thinking_end=thinking_end)
         self.built.callback(scorer.close)
         return weights, timeshare, scorer
 

@@ -43,6 +43,7 @@ Resume = Literal["auto", "never"]
 Progress = Literal["auto", "bar", "lines"]
 Overlong = Literal["drop", "truncate", "error"]
 Task = Literal["addition", "multiplication"]  # the built-in tasks (rltrain/data/tasks.py)
+SandboxMode = Literal["bwrap", "rlimits", "remote"]  # rltrain/rewards/sandbox (docs/rewards-and-roles.md)
 WandbMode = Literal["auto", "online", "offline", "disabled"]  # auto: online with an API key, else offline
 Schedule = Literal["cosine", "linear", "constant"]
 # AdamW's kernels (torch.optim.AdamW): one launch per tensor, per tensor list, or one fused kernel.
@@ -142,6 +143,9 @@ class DataColumns:
     chosen: str | None = None
     rejected: str | None = None
     solution: str | None = None  # what rltrain.rewards.math:accuracy compares with
+    input_output: str | None = None  # rltrain.rewards.code:tests_pass's stdin/stdout cases
+    test: str | None = None  # rltrain.rewards.code:tests_pass's assert statements
+    entry_point: str | None = None  # the function a `test`'s check(candidate) is called on
 
 
 @dataclass
@@ -154,6 +158,9 @@ class DataConfig:
     revision: str | None = None  # a Hub dataset's branch, tag or commit; null = main
     split: str = "train"
     columns: DataColumns = field(default_factory=DataColumns)
+    # Arguments every chat template rendering of the run gets (data, environments, the agents'
+    # endpoint), e.g. {enable_thinking: false} for a reasoning model's template
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     map_fn: str | None = None  # pkg.module:fn, one row in, the columns to set out (datasets.map), after `columns`
     eval_path: str | None = None
     eval_fraction: float = 0.05
@@ -197,6 +204,32 @@ class SweepConfig:
 
 
 @dataclass
+class CodeRewardConfig:
+    """rltrain.rewards.code:tests_pass (docs/rewards-and-roles.md, "Code")."""
+
+    all_or_nothing: bool = False  # true: 1.0 only when every case passes; false: the fraction passed
+
+
+@dataclass
+class SandboxConfig:
+    """Where and how the code rewards run model-written code (rltrain/rewards/sandbox)."""
+
+    # bwrap: bubblewrap namespaces + limits; rlimits: limits only (no file or network isolation);
+    # remote: a SandboxFusion service at `url`
+    mode: str = choice("bwrap", SandboxMode)
+    url: str | None = None  # mode=remote: the SandboxFusion service, e.g. http://host:8080
+    workers: int = 4  # executions at once per reward call
+    python: str | None = None  # the interpreter the code runs with; null: the one rltrain runs on, without its packages
+    timeout_s: float = 5.0  # wall clock per execution (one test case)
+    cpu_s: int = 5  # CPU seconds per execution (RLIMIT_CPU)
+    memory_mb: int = 1024  # address space per process (RLIMIT_AS)
+    file_size_mb: int = 16  # largest file the code may write (RLIMIT_FSIZE)
+    tmp_mb: int = 64  # its private temporary directory, all files together (bwrap)
+    processes: int = 16  # processes and threads it may run at once (RLIMIT_NPROC)
+    output_bytes: int = 1048576  # stdout + stderr per execution; more is killed
+
+
+@dataclass
 class RewardConfig:
     """Reward functions by dotted path (`pkg.module:function`); empty = the built-in task's reward."""
 
@@ -208,6 +241,11 @@ class RewardConfig:
     chunk_spans_groups: bool = False  # true: chunks of chunk_size may hold several prompts' completions
     on_failure: float = 0.0  # the reward of a sample whose call raised, returned nonsense or timed out
     max_failure_frac: float = 0.25  # a rank stops when more of its step's samples fail for one function
+    # The built-in answer rewards (code, math) read a completion after its last one; null: the
+    # closing tag the tokenizer's chat template uses (</think> where it has none); "": all of it
+    thinking_end: str | None = None
+    code: CodeRewardConfig = field(default_factory=CodeRewardConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
 
 @dataclass

@@ -36,7 +36,7 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("trainer", schema.TrainerConfig), ("optim", schema.OptimConfig), ("model", schema.ModelConfig),
     ("data", schema.DataConfig), ("logger.wandb", schema.WandbConfig), ("sweep", schema.SweepConfig),
     *(("algo", spec.config) for spec in SPECS), ("rollout", group_options.VLLMRolloutConfig),
-    ("rollout.servers", group_options.ServersConfig),
+    ("rollout.servers", group_options.ServersConfig), ("reward.sandbox", schema.SandboxConfig),
 )
 CHOICES: dict[str, tuple[str, ...]] = {
     f"{prefix}.{name}": values for prefix, cls in SECTIONS for name, values in choices_of(cls).items()

@@ -73,7 +73,7 @@ def prepare_model_dir(cfg: Config, dist_info: DistInfo) -> Path:
 
 
 def run(cfg: Config, run_dir: Path) -> None:
-    from rltrain.models.tokenizer import load_tokenizer
+    from rltrain.models.tokenizer import load_tokenizer, with_chat_template_kwargs
 
     if os.environ.get("RANK", "0") != "0" or cfg.model.path is None:  # a user's model: rank 0 shows its load
         quiet_transformers_checkpoint_bars()
@@ -84,7 +84,7 @@ def run(cfg: Config, run_dir: Path) -> None:
             torch.use_deterministic_algorithms(True, warn_only=True)
         seed_everything(cfg.trainer.seed, dist_info.rank)
         model_dir = prepare_model_dir(cfg, dist_info)
-        tokenizer = load_tokenizer(model_dir)
+        tokenizer = with_chat_template_kwargs(load_tokenizer(model_dir), cfg.data.chat_template_kwargs)
         role_dirs = resolve_role_dirs(cfg, model_dir, tokenizer, dist_info.rank)
         ctx = RunContext(
             cfg=cfg, run_dir=run_dir, dist=dist_info, model_dir=model_dir, tokenizer=tokenizer, role_dirs=role_dirs,

@@ -63,7 +63,7 @@ class Worker:
     """One worker process and the pipes to it (the parent's ends); `tasks` maps the index of each
     call it runs to when it was sent."""
 
-    def __init__(self, paths: list[str], slots: int) -> None:
+    def __init__(self, paths: list[str], slots: int, env: dict[str, str] | None = None) -> None:
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
         self.proc = subprocess.Popen(
@@ -71,6 +71,7 @@ class Worker:
             pass_fds=(to_child_r, from_child_w),
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own process group: a kill reaches what the function started
+            env={**os.environ, **env} if env else None,
         )
         os.close(to_child_r)
         os.close(from_child_w)
@@ -113,8 +114,10 @@ class CallPool:
     """`size` workers that have imported `paths`; `run` spreads calls over them, up to
     `concurrency` at once (default: one per worker), each bounded."""
 
-    def __init__(self, size: int, paths: list[str], label: str, concurrency: int | None = None) -> None:
-        self.size, self.paths, self.label = size, paths, label
+    def __init__(
+        self, size: int, paths: list[str], label: str, concurrency: int | None = None, env: dict[str, str] | None = None
+    ) -> None:
+        self.size, self.paths, self.label, self.env = size, paths, label, env  # env: added to the workers' environment
         self.concurrency = max(1, concurrency if concurrency is not None else size)
         self.slots = -(-self.concurrency // size)  # calls one worker runs at once
         self.workers: list[Worker] = []
@@ -122,7 +125,7 @@ class CallPool:
     def start(self) -> None:
         """Start the missing workers (they import while the caller does other work)."""
         while len(self.workers) < self.size:
-            self.workers.append(Worker(self.paths, self.slots))
+            self.workers.append(Worker(self.paths, self.slots, self.env))
 
     def run(self, calls: list[Call], timeout_s: float | None, deadline: float | None = None) -> list[CallResult]:
         """Every call's result, in order. A call past `timeout_s` (None: no limit) costs its worker;
@@ -231,7 +234,7 @@ class CallPool:
 
     def _replace(self, w: Worker) -> None:
         w.kill()
-        self.workers[self.workers.index(w)] = Worker(self.paths, self.slots)
+        self.workers[self.workers.index(w)] = Worker(self.paths, self.slots, self.env)
 
     def _expire_all(self, results: list[CallResult | None], pending: deque, why: str) -> None:
         for w in list(self.workers):

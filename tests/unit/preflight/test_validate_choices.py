@@ -29,6 +29,7 @@ SCHEMA_PREFIX = {
     "ModelConfig": "model",
     "DataConfig": "data",
     "WandbConfig": "logger.wandb",
+    "SandboxConfig": "reward.sandbox",
     "DPOConfig": "algo",
     "GRPOConfig": "algo",
     "VLLMRolloutConfig": "rollout",
