@@ -15,6 +15,8 @@ from rltrain.data.tokenize import (
     fit_length,
     render_messages,
 )
+from rltrain.data.vision_rows import has_image_column, source_of
+from rltrain.data.vision_sft import vision_sft_pairs
 from rltrain.runtime.errors import UserError
 
 
@@ -53,8 +55,13 @@ def row_texts(tokenizer, row: dict, where: str) -> tuple[str, str]:
     return prompt, completion
 
 
-def build_sft_data(tokenizer, data_cfg: DataConfig, seed: int) -> SFTData:
+def build_sft_data(tokenizer, data_cfg: DataConfig, seed: int, processor=None) -> SFTData:
+    """`processor`: a vision-language model's (None for a text-only model); rows with images need
+    one (rltrain.data.vision_sft)."""
     train_rows, eval_rows, where = text_rows(data_cfg, seed, tokenizer.eos_token)
+    if has_image_column(train_rows):
+        train, stats = vision_sft_pairs(processor, train_rows, source_of(data_cfg.path, where), data_cfg)
+        return SFTData(train, [], stats)  # no greedy evaluation of image rows yet (docs/vision.md)
     stats = OverlongStats()
     eos = tokenizer.eos_token_id
     max_length, overlong = data_cfg.max_length, data_cfg.overlong  # read once: a config lookup per row adds up

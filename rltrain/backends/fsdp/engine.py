@@ -47,7 +47,7 @@ from rltrain.config.group_options import FSDPBackendConfig
 from rltrain.config.schema import LoraAdapterConfig, OptimConfig, SafetyConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
-from rltrain.models import lora, moe
+from rltrain.models import lora, moe, vision
 from rltrain.models.hf_io import load_causal_lm
 from rltrain.runtime.precision import Precision, resolve_precision
 from rltrain.safety import faults
@@ -81,6 +81,7 @@ class FSDPEngine:
         adapters: LoraAdapterConfig | None = None,
         seed: int = 0,
         value_head_bias: bool = True,
+        freeze_vision: bool = True,
     ) -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -93,6 +94,8 @@ class FSDPEngine:
         self.sharded = self.world_size > 1
         # Sharded: on the meta device until `sharding` has placed it (no rank holds the full model).
         self.lm = load_causal_lm(self.model_dir, self.precision.param_dtype, on_meta=self.sharded)
+        if freeze_vision:  # a vision-language model's tower and projector (none in a text-only model)
+            vision.freeze_vision(self.lm)
         # LoRA: the linear layers become peft LoRA layers in place, before sharding (rltrain.models.lora)
         self.adapters = lora.add_adapters(self.lm, adapters) if adapters is not None and adapters.rank > 0 else None
         self.save_merged = adapters is not None and adapters.save_merged
@@ -100,7 +103,8 @@ class FSDPEngine:
             self.lm.to(device)
             if self.adapters is not None:
                 lora.fill_adapters(self.lm, seed)
-        self.pad_id = int(self.lm.config.pad_token_id or 0)
+        text_config = self.lm.config.get_text_config()  # the config itself for a text-only model
+        self.pad_id = int(text_config.pad_token_id or 0)
         self.tied = bool(self.lm.config.tie_word_embeddings)
         self.moe_info = moe.prepare_moe(self.lm)
         # Sharded, FSDP casts weights to the compute dtype; unsharded, autocast does (docstring).
@@ -108,7 +112,7 @@ class FSDPEngine:
         # How a micro-batch meets the model (packed shared prompts, one padding-free row, length
         # buckets, one rectangle); padding-free rows on CUDA run flex_attention (attention_masks).
         self.layout = MicroBatchLayout.for_model(
-            self.lm.config,
+            text_config,
             self.pad_id,
             device,
             self.sharded,
@@ -116,6 +120,7 @@ class FSDPEngine:
             padding_free=backend_cfg.padding_free,
             share_prompts=backend_cfg.share_prompts,
             length_buckets=backend_cfg.length_buckets,
+            image_token_id=vision.image_token_id(self.lm.config),
         )
         flex = self.layout.padding_free and use_flex_attention(self.lm, device)
         if flex:  # under autocast too (one unsharded rank in bf16-mixed): rltrain.backends.fsdp.flex_autocast
@@ -127,14 +132,14 @@ class FSDPEngine:
             self.scorer = CompletionScorer(self.lm, self.moe_info, autocast, flex)
         else:
             head = new_value_head(
-                self.lm.config.hidden_size, value_head_seed, self.precision.param_dtype,
+                text_config.hidden_size, value_head_seed, self.precision.param_dtype,
                 "meta" if self.sharded else device, bias=value_head_bias,
             )
             self.scorer = CompletionValuer(self.lm, head, self.moe_info, autocast, flex)
         if gradient_checkpointing:
             self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if backend_cfg.compile:  # before fully_shard (rltrain.backends.fsdp.compile_layers)
-            compile_decoder_layers(self.lm.model.layers)
+            compile_decoder_layers(vision.decoder_layers(self.lm))
         safety = safety or SafetyConfig()
         self.fail_fast = fail_fast_enabled(safety.fail_fast)
         self.error_budget = ErrorBudget(safety.max_consecutive_errors)
@@ -363,5 +368,5 @@ def build_engine(ctx, role: str, max_steps: int) -> FSDPEngine:
     build = role_build(ctx, role)
     return FSDPEngine(
         build.model_dir, cfg.backend, build.optim, max_steps, ctx.dist.device, adapters=build.adapters,
-        seed=int(cfg.trainer.seed), **engine_options(ctx, build),
+        seed=int(cfg.trainer.seed), freeze_vision=bool(cfg.model.freeze_vision), **engine_options(ctx, build),
     )

@@ -72,6 +72,7 @@ class _SelectedHidden(nn.Module):
                 kwargs["position_ids"] = rect.position_ids_BT
             if router:
                 kwargs["output_router_logits"] = True
+            kwargs.update(rect.model_inputs or {})
             # The decoder stack: torch types a submodule attribute as `Tensor | Module`.
             out = cast(nn.Module, self.lm.model)(input_ids=rect.input_ids_BT, use_cache=False, **kwargs)
             parts.append(out.last_hidden_state[rect.rows_N, rect.cols_N])

@@ -1,0 +1,36 @@
+"""SFT rows with images: each row's prompt ids (visual tokens included) and images, the completion
+text tokenized as for text rows, `data.overlong` applied to the whole (visual tokens count).
+Greedy evaluation of image rows is not done yet: such a run holds no eval rows (docs/vision.md)."""
+
+from __future__ import annotations
+
+from rltrain.config.schema import DataConfig
+from rltrain.data.tokenize import OverlongStats, TokenizedPair, encode_all, fit_length
+from rltrain.data.vision_rows import RowSource, VisionEncoder, vision_prompt_completion
+from rltrain.runtime.errors import UserError
+
+
+def vision_sft_pairs(
+    processor, rows: list[dict], source: RowSource, data_cfg: DataConfig
+) -> tuple[list[TokenizedPair], OverlongStats]:
+    """(training pairs with their images, overlong counts); `processor` None: a text-only model."""
+    if processor is None:
+        raise UserError(
+            f"{source.where} has images (an 'images' or 'image' column) but the model is text-only. Train a "
+            "vision-language model (model=tiny_vl, or model.path of one that AutoModelForImageTextToText loads), "
+            "or drop the image column."
+        )
+    encoder = VisionEncoder(processor)
+    tokenizer = processor.tokenizer
+    encoded = [vision_prompt_completion(encoder, row, i, source) for i, row in enumerate(rows)]
+    completions = encode_all(tokenizer, [completion for _, completion, _ in encoded])
+    stats = OverlongStats()
+    train: list[TokenizedPair] = []
+    for (prompt_ids, _, vision), completion_ids in zip(encoded, completions, strict=True):
+        pair = fit_length(prompt_ids, completion_ids + [tokenizer.eos_token_id], data_cfg.max_length, data_cfg.overlong, stats, source.where)
+        if pair is not None:
+            pair.vision = vision
+            train.append(pair)
+    if not train:
+        raise UserError(f"{source.where}: no training rows are left (all were dropped as longer than data.max_length).")
+    return train, stats
