@@ -9,6 +9,7 @@ unless `model.freeze_vision=false`. docs/vision.md.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -93,3 +94,15 @@ def load_processor(model_dir: Path, tokenizer):
     from transformers import AutoProcessor
 
     return AutoProcessor.from_pretrained(str(model_dir), tokenizer=tokenizer)
+
+
+# A processor's own files (transformers writes one or several, by version and model).
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
+
+
+def copy_processor_files(model_dir: Path, directory: Path) -> None:
+    """Copy the processor files of the model a run started from into an output directory, so that
+    `final/` loads with AutoProcessor as the start did (nothing for a text-only model)."""
+    for name in PROCESSOR_FILES:
+        if (Path(model_dir) / name).is_file():
+            shutil.copyfile(Path(model_dir) / name, Path(directory) / name)

@@ -67,7 +67,20 @@ def ensure_torchvision(directory: Path = TORCHVISION_DIR):
         )
     import torchvision
 
+    if not _transformers_sees_torchvision():
+        raise TorchvisionMissing(
+            "transformers was imported before torchvision was made importable, and decided once that there is "
+            "none: import rltrain before transformers (python -m rltrain does), so vision-language models work."
+        )
     return torchvision
+
+
+def _transformers_sees_torchvision() -> bool:
+    if "transformers.utils.import_utils" not in sys.modules:
+        return True
+    from transformers.utils.import_utils import is_torchvision_available
+
+    return bool(is_torchvision_available())
 
 
 def _ops_library_loads() -> bool:

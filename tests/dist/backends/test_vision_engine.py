@@ -1,0 +1,112 @@
+"""A vision-language model on the FSDP engine scores each row with its own images: the engine's
+log-probabilities and its SFT step equal a plain transformers computation that scores every row
+alone, on 1 and 2 ranks (rows with one image, two images of different sizes, and none), whatever
+the micro-batch split. The tower stays frozen by default and LoRA adapts only the language model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import run_ranks
+
+pytestmark = pytest.mark.dist
+
+COLOURS = [(220, 20, 20), (20, 20, 220), (20, 200, 20), (200, 200, 20), (90, 90, 90)]
+SIZES = [(56, 56), (28, 28), (56, 28), (28, 56), (84, 56)]
+
+
+def _rows(model_dir):
+    """(prompt ids, completion ids, VisionInputs or None) of five rows."""
+    from PIL import Image
+
+    from rltrain.data.vision_rows import RowSource, VisionEncoder
+    from rltrain.models.tokenizer import load_tokenizer
+    from rltrain.models.vision import load_processor
+
+    tokenizer = load_tokenizer(model_dir)
+    encoder = VisionEncoder(load_processor(model_dir, tokenizer))
+    source = RowSource("test rows", model_dir)
+    rows = []
+    for i in range(5):
+        images = [Image.new("RGB", SIZES[j % 5], COLOURS[j % 5]) for j in range(i, i + (2 if i == 3 else 1))] if i != 4 else []
+        prompt = encoder.text_prompt("<image>" * len(images) + f"Row {i}: colour? ", images, i, source)
+        ids, vision = encoder.encode(prompt, images)
+        completion = tokenizer(["red", "blue", "green", "yellow", "grey"][i], add_special_tokens=False)["input_ids"]
+        rows.append((ids, completion + [tokenizer.eos_token_id], vision))
+    return rows
+
+
+def _batch(rows, global_tokens):
+    from rltrain.data.batch import SequenceBatch
+    from rltrain.data.vision_inputs import vision_extras
+
+    return SequenceBatch.from_lists(
+        [r[0] for r in rows], [r[1] for r in rows], global_tokens=global_tokens, **vision_extras([r[2] for r in rows])
+    )
+
+
+def _engine_run(rank, world, model_dir, micro_batch_size, lora_rank):
+    from rltrain.algos.losses import sft_loss
+    from rltrain.backends.fsdp.engine import FSDPEngine
+    from rltrain.config.group_options import FSDPBackendConfig
+    from rltrain.config.schema import LoraAdapterConfig, OptimConfig
+    from rltrain.data.sharding import micro_batch_count, rank_slice, split_micro_batches
+
+    torch.set_num_threads(1)
+    rows = _rows(model_dir)
+    adapters = LoraAdapterConfig(rank=lora_rank) if lora_rank else None
+    engine = FSDPEngine(model_dir, FSDPBackendConfig(), OptimConfig(max_grad_norm=0.0), 10, torch.device("cpu"), adapters=adapters)
+    mine = rank_slice(list(range(len(rows))), rank, world)
+    total = sum(len(r[1]) for r in rows)
+    count = micro_batch_count(len(rows), world, micro_batch_size)
+    micro = [_batch([rows[i] for i in part], total) for part in split_micro_batches(mine, count, micro_batch_size)]
+    per_row = [float(v) for mb, out in zip(micro, engine.forward_logps(micro)) for v in out.logps.sum_per_seq()]
+    trainable = [n for n, p in engine.lm.named_parameters() if p.requires_grad]
+    metrics = engine.train_step(micro, sft_loss)
+    return {"rows": mine, "per_row": per_row, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+            "trainable": trainable}
+
+
+def _plain(model_dir):
+    """Per-row completion log-prob sums, and the SFT loss and gradient norm, scoring each row alone."""
+    from transformers import AutoModelForImageTextToText
+
+    rows = _rows(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    for p in model.model.visual.parameters():
+        p.requires_grad_(False)
+    image_token = model.config.image_token_id
+    per_row, total = [], 0.0
+    for prompt, completion, vision in rows:
+        ids = torch.tensor([prompt + completion])
+        extra = dict(vision.tensors, mm_token_type_ids=(ids == image_token).int()) if vision is not None else {}
+        logp = torch.log_softmax(model(input_ids=ids, **extra).logits[0, :-1].float(), -1)
+        token_logps = logp.gather(-1, ids[0, 1:, None])[:, 0][len(prompt) - 1 :]
+        per_row.append(token_logps.sum())
+        total = total + token_logps.sum()
+    n = sum(len(r[1]) for r in rows)
+    loss = -total / n
+    loss.backward()
+    grad_norm = torch.norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
+    return [float(v.detach()) for v in per_row], float(loss.detach()), float(grad_norm)
+
+
+@pytest.mark.parametrize("nproc, micro_batch_size", [(1, 2), (2, 1)])
+def test_engine_scores_and_trains_each_row_with_its_own_images(tiny_vl_dir, nproc, micro_batch_size):
+    expected_rows, expected_loss, expected_norm = _plain(tiny_vl_dir)
+    results = run_ranks(_engine_run, tiny_vl_dir, micro_batch_size, 0, nproc=nproc, timeout_s=300)
+    got = {}
+    for r in results:
+        got.update(dict(zip(r["rows"], r["per_row"])))
+        assert r["loss"] == pytest.approx(expected_loss, rel=1e-5)
+        assert r["grad_norm"] == pytest.approx(expected_norm, rel=1e-4)
+        assert r["trainable"] and not any(".visual." in n for n in r["trainable"])  # the tower is frozen
+    assert [got[i] for i in range(5)] == pytest.approx(expected_rows, rel=1e-5)
+
+
+def test_lora_adapts_the_language_model_only(tiny_vl_dir):
+    (result,) = run_ranks(_engine_run, tiny_vl_dir, 2, 4, nproc=1, timeout_s=300)
+    assert result["trainable"] and all(".lora_" in n for n in result["trainable"])
+    assert all(".language_model." in n for n in result["trainable"])
+    assert result["grad_norm"] > 0
