@@ -142,6 +142,7 @@ class DataColumns:
     chosen: str | None = None
     rejected: str | None = None
     solution: str | None = None  # what rltrain.rewards.math:accuracy compares with
+    images: str | None = None  # a row's images (a list, or one): docs/vision.md
 
 
 @dataclass

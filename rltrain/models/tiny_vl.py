@@ -32,7 +32,7 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'][0] | upper }}:"
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
     "{% if p['type'] in ('image', 'image_url') %}" + IMAGE_MARKUP + "{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+    "{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
 )
 
 # The vision tower and the images it sees: 14-pixel patches merged 2x2 into one visual token, so a
@@ -40,7 +40,7 @@ CHAT_TEMPLATE = (
 VISION = dict(depth=2, embed_dim=64, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
 MIN_PIXELS = 28 * 28
 MAX_PIXELS = 112 * 112
-FORMAT = 1
+FORMAT = 2  # bumped when the files change (2: the template keeps each message's newline)
 
 
 def build_vl_tokenizer():

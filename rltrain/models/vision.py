@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rltrain.runtime.errors import UserError
 from rltrain.runtime.torchvision_compat import ensure_torchvision
 
 # Submodules of `lm.model` that see pixels, by architecture: Qwen2-VL's `visual`, LLaVA's tower and
@@ -106,3 +107,13 @@ def copy_processor_files(model_dir: Path, directory: Path) -> None:
     for name in PROCESSOR_FILES:
         if (Path(model_dir) / name).is_file():
             shutil.copyfile(Path(model_dir) / name, Path(directory) / name)
+
+
+def refuse_on_megatron(model_dir: Path) -> None:
+    """backend=megatron trains text-only models: a vision-language model is refused in one paragraph."""
+    if is_vision_model_dir(model_dir):
+        raise UserError(
+            f"backend=megatron does not train vision-language models ({model_dir} has a vision tower): rltrain "
+            "converts only text decoders to megatron-core. Use backend=fsdp, which trains them on 1 or more "
+            "ranks, with or without LoRA (docs/vision.md)."
+        )

@@ -48,6 +48,7 @@ from rltrain.config.group_options import MegatronBackendConfig
 from rltrain.config.schema import OptimConfig, SafetyConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
+from rltrain.models.vision import refuse_on_megatron
 from rltrain.runtime.distributed import agree_or_raise, control_device
 from rltrain.runtime.precision import Precision, resolve_precision
 from rltrain.safety.guard import (
@@ -370,6 +371,7 @@ def build_engine(ctx, role: str, max_steps: int) -> MegatronEngine:
     every role's engine joins the policy's process groups."""
     cfg = ctx.cfg
     build = role_build(ctx, role)
+    refuse_on_megatron(build.model_dir)
     return MegatronEngine(
         build.model_dir, cfg.backend, build.optim, max_steps, ctx.dist.device,
         collective_timeout_s=cfg.safety.collective_timeout_s, **engine_options(ctx, build),

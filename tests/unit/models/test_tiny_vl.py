@@ -26,7 +26,7 @@ def test_the_directory_loads_with_the_auto_classes_and_sees_the_image(tiny_vl_di
              for colour in ((255, 0, 0), (0, 0, 255))]
     assert batch[0]["image_grid_thw"].tolist() == [[1, 4, 4]]  # 56 px = 4 patches a side, merged 2x2
     assert (batch[0]["input_ids"] == processor.tokenizer.convert_tokens_to_ids(IMAGE_PAD)).sum() == 4
-    assert processor.tokenizer.decode(batch[0]["input_ids"][0]).endswith("Which colour? A:")
+    assert processor.tokenizer.decode(batch[0]["input_ids"][0]).endswith("Which colour? \nA:")
     with torch.no_grad():
         logits = [model(**b).logits[0, -1] for b in batch]
     assert not torch.allclose(logits[0], logits[1])  # the image reaches the output
