@@ -153,3 +153,45 @@ def vision_prompt_completion(
         prompt = encoder.text_prompt(prompt, images, index, source)
     ids, vision = encoder.encode(prompt, images)
     return ids, completion, vision
+
+
+def text_only_refusal(source: RowSource) -> UserError:
+    return UserError(
+        f"{source.where} has images (an 'images' or 'image' column) but the model is text-only. Train a "
+        "vision-language model (model=tiny_vl, or model.path of one that AutoModelForImageTextToText loads), "
+        "or drop the image column."
+    )
+
+
+@dataclass
+class VisionPairRow:
+    """A preference row with images: its prompt ids (visual tokens included), completion texts and images."""
+
+    prompt: list[int]
+    chosen: str
+    rejected: str
+    vision: VisionInputs | None
+
+
+def vision_pair_rows(processor, rows: list[dict], source: RowSource) -> list[VisionPairRow]:
+    """Preference rows (`prompt` text with `<image>` or messages, `chosen`/`rejected` texts or
+    message lists) with their images; `processor` None (a text-only model) is refused."""
+    if processor is None:
+        raise text_only_refusal(source)
+    encoder = VisionEncoder(processor)
+    out = []
+    for index, row in enumerate(rows):
+        images = row_images(row, index, source)
+        prompt, chosen, rejected = row.get("prompt"), row.get("chosen"), row.get("rejected")
+        if isinstance(chosen, list) and isinstance(rejected, list) and chosen and rejected:
+            context = prompt if isinstance(prompt, list) else chosen[:-1]
+            check_placeholders(image_parts(context), len(images), index, source, '{"type": "image"} content parts')
+            prompt = processor.tokenizer.apply_chat_template(context, tokenize=False, add_generation_prompt=True)
+            chosen, rejected = message_text(chosen[-1]), message_text(rejected[-1])
+        elif isinstance(prompt, str):
+            prompt = encoder.text_prompt(prompt, images, index, source)
+        if not all(isinstance(v, str) for v in (prompt, chosen, rejected)):
+            raise UserError(f"{source.where}: row {index} needs 'prompt', 'chosen' and 'rejected' as strings or message lists.")
+        ids, vision = encoder.encode(prompt, images)
+        out.append(VisionPairRow(ids, chosen, rejected, vision))
+    return out

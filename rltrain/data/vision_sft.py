@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from rltrain.config.schema import DataConfig
 from rltrain.data.tokenize import OverlongStats, TokenizedPair, encode_all, fit_length
-from rltrain.data.vision_rows import RowSource, VisionEncoder, vision_prompt_completion
+from rltrain.data.vision_rows import RowSource, VisionEncoder, text_only_refusal, vision_prompt_completion
 from rltrain.runtime.errors import UserError
 
 
@@ -15,11 +15,7 @@ def vision_sft_pairs(
 ) -> tuple[list[TokenizedPair], OverlongStats]:
     """(training pairs with their images, overlong counts); `processor` None: a text-only model."""
     if processor is None:
-        raise UserError(
-            f"{source.where} has images (an 'images' or 'image' column) but the model is text-only. Train a "
-            "vision-language model (model=tiny_vl, or model.path of one that AutoModelForImageTextToText loads), "
-            "or drop the image column."
-        )
+        raise text_only_refusal(source)
     encoder = VisionEncoder(processor)
     tokenizer = processor.tokenizer
     encoded = [vision_prompt_completion(encoder, row, i, source) for i, row in enumerate(rows)]
