@@ -195,3 +195,37 @@ def vision_pair_rows(processor, rows: list[dict], source: RowSource) -> list[Vis
         ids, vision = encoder.encode(prompt, images)
         out.append(VisionPairRow(ids, chosen, rejected, vision))
     return out
+
+
+@dataclass
+class VisionPrompt:
+    """An RL prompt with images: `text` has one image markup per image (what a rollout engine reads
+    beside `images`), `ids` each image's visual tokens expanded (what the trainer scores)."""
+
+    text: str
+    ids: list[int]
+    chat: bool
+    images: list
+    vision: VisionInputs | None
+
+
+def vision_prompts(processor, rows: list[dict], source: RowSource) -> list[VisionPrompt]:
+    """RL prompts (`prompt` text with `<image>`, or messages with image parts) with their images."""
+    if processor is None:
+        raise text_only_refusal(source)
+    encoder = VisionEncoder(processor)
+    out = []
+    for index, row in enumerate(rows):
+        images = row_images(row, index, source)
+        prompt = row.get("prompt")
+        chat = isinstance(prompt, list)
+        if chat:
+            check_placeholders(image_parts(prompt), len(images), index, source, '{"type": "image"} content parts')
+            prompt = processor.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        elif isinstance(prompt, str):
+            prompt = encoder.text_prompt(prompt, images, index, source)
+        if not isinstance(prompt, str) or not prompt:
+            raise UserError(f"{source.where}: row {index} needs a non-empty 'prompt' (text or messages).")
+        ids, vision = encoder.encode(prompt, images)
+        out.append(VisionPrompt(prompt, ids, chat, images, vision))
+    return out

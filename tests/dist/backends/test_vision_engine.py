@@ -17,7 +17,8 @@ SIZES = [(56, 56), (28, 28), (56, 28), (28, 56), (84, 56)]
 
 
 def _rows(model_dir):
-    """(prompt ids, completion ids, VisionInputs or None) of five rows."""
+    """(prompt ids, completion ids, VisionInputs or None) of five rows: one image, the same prompt
+    and image twice, two images of different sizes, and none."""
     from PIL import Image
 
     from rltrain.data.vision_rows import RowSource, VisionEncoder
@@ -29,8 +30,9 @@ def _rows(model_dir):
     source = RowSource("test rows", model_dir)
     rows = []
     for i in range(5):
-        images = [Image.new("RGB", SIZES[j % 5], COLOURS[j % 5]) for j in range(i, i + (2 if i == 3 else 1))] if i != 4 else []
-        prompt = encoder.text_prompt("<image>" * len(images) + f"Row {i}: colour? ", images, i, source)
+        first = 0 if i == 1 else i  # rows 0 and 1: one prompt and image, two completions (a GRPO group)
+        images = [Image.new("RGB", SIZES[j % 5], COLOURS[j % 5]) for j in range(first, first + (2 if i == 3 else 1))] if i != 4 else []
+        prompt = encoder.text_prompt("<image>" * len(images) + f"Row {first}: colour? ", images, i, source)
         ids, vision = encoder.encode(prompt, images)
         completion = tokenizer(["red", "blue", "green", "yellow", "grey"][i], add_special_tokens=False)["input_ids"]
         rows.append((ids, completion + [tokenizer.eos_token_id], vision))
@@ -64,7 +66,10 @@ def _engine_run(rank, world, model_dir, micro_batch_size, lora_rank):
     per_row = [float(v) for mb, out in zip(micro, engine.forward_logps(micro)) for v in out.logps.sum_per_seq()]
     trainable = [n for n, p in engine.lm.named_parameters() if p.requires_grad]
     metrics = engine.train_step(micro, sft_loss)
-    return {"rows": mine, "per_row": per_row, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+    critic = FSDPEngine(model_dir, FSDPBackendConfig(), None, 10, torch.device("cpu"), value_head_seed=3)  # PPO's
+    values = critic.forward_values(micro)
+    values_fit = all(torch.equal(v.lengths(), mb.completion_lens()) and bool(torch.isfinite(v.values).all()) for v, mb in zip(values, micro))
+    return {"values_fit": values_fit, "rows": mine, "per_row": per_row, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
             "trainable": trainable}
 
 
@@ -102,6 +107,7 @@ def test_engine_scores_and_trains_each_row_with_its_own_images(tiny_vl_dir, npro
         assert r["loss"] == pytest.approx(expected_loss, rel=1e-5)
         assert r["grad_norm"] == pytest.approx(expected_norm, rel=1e-4)
         assert r["trainable"] and not any(".visual." in n for n in r["trainable"])  # the tower is frozen
+        assert r["values_fit"]  # a critic on the same backbone values each completion token, images and all
     assert [got[i] for i in range(5)] == pytest.approx(expected_rows, rel=1e-5)
 
 

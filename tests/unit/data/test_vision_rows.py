@@ -117,3 +117,18 @@ def test_visual_tokens_count_towards_max_length(processor, tmp_path):
     assert data.overlong.dropped == 1 and len(data.train) == 1
     with pytest.raises(UserError, match="more than data.max_length=16"):
         sft(processor, path, max_length=16, overlong="error")
+
+
+def test_rl_prompts_keep_their_images_for_the_rollout_and_the_trainer(processor, tmp_path):
+    from rltrain.data.prompt_data import build_prompt_data
+
+    (tmp_path / "a.png").write_bytes(png((56, 56)))
+    rows = [{"image": "a.png", "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}],
+             "answer": "red"},
+            {"images": ["a.png", "a.png"], "prompt": "<image><image>same?", "answer": "yes"}]
+    train, _, dropped = build_prompt_data(processor.tokenizer, DataConfig(path=jsonl(tmp_path, rows), eval_fraction=0.0), 0,
+                                          processor=processor)
+    assert dropped == 0 and [len(r.images) for r in train] == [1, 2] and [r.vision.num_images for r in train] == [1, 2]
+    assert train[0].chat and train[0].text.count("<|image_pad|>") == 1  # the engine's text: one marker per image
+    assert image_tokens(processor, train[0].ids) == 4 and image_tokens(processor, train[1].ids) == 8
+    assert train[0].columns["answer"] == "red"  # reward functions still read the other columns
