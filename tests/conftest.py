@@ -6,6 +6,10 @@ from pathlib import Path
 
 import pytest
 
+# Before any test module imports transformers, which decides once whether torchvision exists: rltrain
+# makes the venv's side-folder torchvision importable (rltrain/runtime/torchvision_compat.py).
+import rltrain  # noqa: F401  isort: skip
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
