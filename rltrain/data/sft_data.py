@@ -60,8 +60,8 @@ def build_sft_data(tokenizer, data_cfg: DataConfig, seed: int, processor=None) -
     one (rltrain.data.vision_sft)."""
     train_rows, eval_rows, where = text_rows(data_cfg, seed, tokenizer.eos_token)
     if has_image_column(train_rows):
-        train, stats = vision_sft_pairs(processor, train_rows, source_of(data_cfg.path, where), data_cfg)
-        return SFTData(train, [], stats)  # no greedy evaluation of image rows yet (docs/vision.md)
+        pairs, skipped = vision_sft_pairs(processor, train_rows, source_of(data_cfg.path, where), data_cfg)
+        return SFTData(pairs, [], skipped)  # no greedy evaluation of image rows yet (docs/vision.md)
     stats = OverlongStats()
     eos = tokenizer.eos_token_id
     max_length, overlong = data_cfg.max_length, data_cfg.overlong  # read once: a config lookup per row adds up

@@ -134,7 +134,9 @@ def vision_prompt_completion(
     assistant's), conversational `prompt`/`completion` lists, or text `prompt`/`completion`."""
     images = row_images(row, index, source)
     tokenizer = encoder.processor.tokenizer
-    conversation = row.get("messages") if row.get("prompt") is None else None
+    prompt: Any  # a dataset row's values: checked below
+    completion: Any
+    conversation: Any = row.get("messages") if row.get("prompt") is None else None
     if conversation is None and isinstance(row.get("prompt"), list):
         conversation = list(row["prompt"]) + list(row.get("completion") or [])
     if conversation is not None:
@@ -182,7 +184,9 @@ def vision_pair_rows(processor, rows: list[dict], source: RowSource) -> list[Vis
     out = []
     for index, row in enumerate(rows):
         images = row_images(row, index, source)
-        prompt, chosen, rejected = row.get("prompt"), row.get("chosen"), row.get("rejected")
+        prompt: Any = row.get("prompt")  # a dataset row's values: checked below
+        chosen: Any = row.get("chosen")
+        rejected: Any = row.get("rejected")
         if isinstance(chosen, list) and isinstance(rejected, list) and chosen and rejected:
             context = prompt if isinstance(prompt, list) else chosen[:-1]
             check_placeholders(image_parts(context), len(images), index, source, '{"type": "image"} content parts')
@@ -190,7 +194,7 @@ def vision_pair_rows(processor, rows: list[dict], source: RowSource) -> list[Vis
             chosen, rejected = message_text(chosen[-1]), message_text(rejected[-1])
         elif isinstance(prompt, str):
             prompt = encoder.text_prompt(prompt, images, index, source)
-        if not all(isinstance(v, str) for v in (prompt, chosen, rejected)):
+        if not (isinstance(prompt, str) and isinstance(chosen, str) and isinstance(rejected, str)):
             raise UserError(f"{source.where}: row {index} needs 'prompt', 'chosen' and 'rejected' as strings or message lists.")
         ids, vision = encoder.encode(prompt, images)
         out.append(VisionPairRow(ids, chosen, rejected, vision))
@@ -217,7 +221,7 @@ def vision_prompts(processor, rows: list[dict], source: RowSource) -> list[Visio
     out = []
     for index, row in enumerate(rows):
         images = row_images(row, index, source)
-        prompt = row.get("prompt")
+        prompt: Any = row.get("prompt")
         chat = isinstance(prompt, list)
         if chat:
             check_placeholders(image_parts(prompt), len(images), index, source, '{"type": "image"} content parts')

@@ -53,7 +53,7 @@ def build_vl_tokenizer():
     return tokenizer
 
 
-def build_processor(tokenizer):
+def build_processor(tokenizer) -> Any:
     """Qwen2-VL's processor around `tokenizer`, sized for tiny images."""
     ensure_torchvision()
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor

@@ -11,12 +11,16 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from rltrain.runtime.errors import UserError
 from rltrain.runtime.torchvision_compat import ensure_torchvision
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Submodules of `lm.model` that see pixels, by architecture: Qwen2-VL's `visual`, LLaVA's tower and
 # projector, Idefics3's vision model and connector.
@@ -37,7 +41,7 @@ def is_vision_model_dir(model_dir: Path) -> bool:
         return False
 
 
-def load_vision_lm(model_dir: Path, dtype: torch.dtype, on_meta: bool = False) -> nn.Module:
+def load_vision_lm(model_dir: Path, dtype: torch.dtype, on_meta: bool = False) -> PreTrainedModel:
     """`load_causal_lm`'s twin for vision-language models (same arguments, same attention)."""
     ensure_torchvision()
     from transformers import AutoConfig, AutoModelForImageTextToText
@@ -55,6 +59,7 @@ def decoder_layers(lm: nn.Module) -> nn.ModuleList:
     body = lm.model
     assert isinstance(body, nn.Module)
     inner = body.language_model if hasattr(body, "language_model") else body
+    assert isinstance(inner, nn.Module)
     layers = inner.layers
     assert isinstance(layers, nn.ModuleList)
     return layers

@@ -16,6 +16,40 @@ COLOURS = [(220, 20, 20), (20, 20, 220), (20, 200, 20), (200, 200, 20), (90, 90,
 SIZES = [(56, 56), (28, 28), (56, 28), (28, 56), (84, 56)]
 
 
+def build_tiny_llava(directory) -> None:
+    """A tiny LLaVA (CLIP tower, Llama decoder, the character tokenizer plus `<image>`): the second
+    architecture, one both transformers and vLLM support. A 28x28 image is 4 visual tokens."""
+    from tokenizers import AddedToken
+    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    from rltrain.models.tokenizer import build_char_tokenizer, padded_vocab_size
+
+    tok = build_char_tokenizer()
+    tok.add_tokens([AddedToken("<image>", special=True, normalized=False)], special_tokens=True)
+    text = LlamaConfig(vocab_size=padded_vocab_size(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=28, patch_size=14, projection_dim=32)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=tok.convert_tokens_to_ids("<image>"),
+                         vision_feature_select_strategy="default", vision_feature_layer=-1)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        LlavaForConditionalGeneration(config).save_pretrained(directory)
+    images = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
+                   num_additional_image_tokens=1).save_pretrained(directory)
+    tok.save_pretrained(directory)
+
+
+@pytest.fixture(scope="module")
+def tiny_llava_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny_llava")
+    build_tiny_llava(directory)
+    return directory
+
+
 def _rows(model_dir):
     """(prompt ids, completion ids, VisionInputs or None) of five rows: one image, the same prompt
     and image twice, two images of different sizes, and none."""
@@ -78,14 +112,18 @@ def _plain(model_dir):
     from transformers import AutoModelForImageTextToText
 
     rows = _rows(model_dir)
+    from rltrain.models.vision import freeze_vision, image_token_id
+
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
-    for p in model.model.visual.parameters():
-        p.requires_grad_(False)
-    image_token = model.config.image_token_id
+    freeze_vision(model)
+    image_token = image_token_id(model.config)
+    grids = model.config.model_type == "qwen2_vl"  # M-RoPE reads which tokens are images
     per_row, total = [], 0.0
     for prompt, completion, vision in rows:
         ids = torch.tensor([prompt + completion])
-        extra = dict(vision.tensors, mm_token_type_ids=(ids == image_token).int()) if vision is not None else {}
+        extra = dict(vision.tensors) if vision is not None else {}
+        if vision is not None and grids:
+            extra["mm_token_type_ids"] = (ids == image_token).int()
         logp = torch.log_softmax(model(input_ids=ids, **extra).logits[0, :-1].float(), -1)
         token_logps = logp.gather(-1, ids[0, 1:, None])[:, 0][len(prompt) - 1 :]
         per_row.append(token_logps.sum())
@@ -116,3 +154,13 @@ def test_lora_adapts_the_language_model_only(tiny_vl_dir):
     assert result["trainable"] and all(".lora_" in n for n in result["trainable"])
     assert all(".language_model." in n for n in result["trainable"])
     assert result["grad_norm"] > 0
+
+
+def test_a_llava_model_loads_scores_and_trains_the_same_way(tiny_llava_dir):
+    expected_rows, expected_loss, expected_norm = _plain(tiny_llava_dir)
+    (result,) = run_ranks(_engine_run, tiny_llava_dir, 2, 0, nproc=1, timeout_s=300)
+    assert result["per_row"] == pytest.approx(expected_rows, rel=1e-5)
+    assert result["loss"] == pytest.approx(expected_loss, rel=1e-5)
+    assert result["grad_norm"] == pytest.approx(expected_norm, rel=1e-4)
+    assert not any(".vision_tower." in n or ".multi_modal_projector." in n for n in result["trainable"])
+    assert result["values_fit"]
