@@ -82,7 +82,7 @@ def _batch(rows, global_tokens):
     )
 
 
-def _engine_run(rank, world, model_dir, micro_batch_size, lora_rank):
+def _engine_run(rank, world, model_dir, micro_batch_size, lora_rank, freeze_vision=True):
     from rltrain.algos.losses import sft_loss
     from rltrain.backends.fsdp.engine import FSDPEngine
     from rltrain.config.group_options import FSDPBackendConfig
@@ -92,7 +92,8 @@ def _engine_run(rank, world, model_dir, micro_batch_size, lora_rank):
     torch.set_num_threads(1)
     rows = _rows(model_dir)
     adapters = LoraAdapterConfig(rank=lora_rank) if lora_rank else None
-    engine = FSDPEngine(model_dir, FSDPBackendConfig(), OptimConfig(max_grad_norm=0.0), 10, torch.device("cpu"), adapters=adapters)
+    engine = FSDPEngine(model_dir, FSDPBackendConfig(), OptimConfig(max_grad_norm=0.0), 10, torch.device("cpu"), adapters=adapters,
+                        freeze_vision=freeze_vision)
     mine = rank_slice(list(range(len(rows))), rank, world)
     total = sum(len(r[1]) for r in rows)
     count = micro_batch_count(len(rows), world, micro_batch_size)
@@ -107,15 +108,16 @@ def _engine_run(rank, world, model_dir, micro_batch_size, lora_rank):
             "trainable": trainable}
 
 
-def _plain(model_dir):
+def _plain(model_dir, frozen_tower=True):
     """Per-row completion log-prob sums, and the SFT loss and gradient norm, scoring each row alone."""
     from transformers import AutoModelForImageTextToText
 
-    rows = _rows(model_dir)
     from rltrain.models.vision import freeze_vision, image_token_id
 
+    rows = _rows(model_dir)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
-    freeze_vision(model)
+    if frozen_tower:
+        freeze_vision(model)
     image_token = image_token_id(model.config)
     grids = model.config.model_type == "qwen2_vl"  # M-RoPE reads which tokens are images
     per_row, total = [], 0.0
@@ -164,3 +166,15 @@ def test_a_llava_model_loads_scores_and_trains_the_same_way(tiny_llava_dir):
     assert result["grad_norm"] == pytest.approx(expected_norm, rel=1e-4)
     assert not any(".vision_tower." in n or ".multi_modal_projector." in n for n in result["trainable"])
     assert result["values_fit"]
+
+
+def test_an_unfrozen_tower_trains_on_two_ranks_whose_micro_batches_differ_in_images(tiny_vl_dir):
+    """Rank 1's second micro-batch has no image and its third is empty; the tower still gets one
+    consistent gradient (the plain computation's)."""
+    expected_rows, expected_loss, expected_norm = _plain(tiny_vl_dir, frozen_tower=False)
+    frozen_norm = _plain(tiny_vl_dir)[2]
+    results = run_ranks(_engine_run, tiny_vl_dir, 1, 0, False, nproc=2, timeout_s=300)
+    for r in results:
+        assert any(".visual." in n for n in r["trainable"])
+        assert r["loss"] == pytest.approx(expected_loss, rel=1e-5)
+        assert r["grad_norm"] == pytest.approx(expected_norm, rel=1e-4) and r["grad_norm"] != pytest.approx(frozen_norm, rel=1e-4)
