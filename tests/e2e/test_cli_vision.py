@@ -1,6 +1,6 @@
 """Vision-language models end to end (`python -m rltrain`): SFT on a local image dataset on one
 rank (its final/ loads with AutoModelForImageTextToText and AutoProcessor), DPO with LoRA on two
-ranks, and the refusals: images for a text-only model, a vision-language model on megatron."""
+ranks, and images for a text-only model refused (megatron's refusal: tests/unit/models/test_tiny_vl.py)."""
 
 from __future__ import annotations
 
@@ -58,12 +58,8 @@ def test_dpo_with_lora_on_two_ranks(tiny_cache, image_data, tmp_path):
     assert any("dpo/accuracy" in r for r in read_metrics(run_dir))
 
 
-@pytest.mark.parametrize("overrides, says", [
-    (["model=tiny"], "but the model is text-only"),
-    (["model=tiny_vl", "backend=megatron"], "backend=megatron does not train vision-language models"),
-])
-def test_refusals_are_one_paragraph(tiny_cache, image_data, tmp_path, overrides, says):
-    proc = rltrain("algo=sft", *overrides, f"data.path={image_data / 'sft.jsonl'}", *SHORT, run_dir=tmp_path / "run",
+def test_images_for_a_text_only_model_are_refused_in_one_paragraph(tiny_cache, image_data, tmp_path):
+    proc = rltrain("algo=sft", "model=tiny", f"data.path={image_data / 'sft.jsonl'}", *SHORT, run_dir=tmp_path / "run",
                    check=False, timeout=400)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "but the model is text-only" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]

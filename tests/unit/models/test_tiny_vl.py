@@ -3,6 +3,7 @@ seed, whose processor turns one image part into as many visual tokens as the ima
 
 from __future__ import annotations
 
+import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
@@ -41,3 +42,12 @@ def test_the_build_is_deterministic_from_the_seed(tiny_vl_dir, tmp_path):
     first = load_file(tiny_vl_dir / "model.safetensors")
     assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
     assert any(not torch.equal(first[k], other[k]) for k in first)
+
+
+def test_megatron_refuses_a_vision_language_model_in_one_paragraph(tiny_vl_dir):
+    from rltrain.models.vision import refuse_on_megatron
+    from rltrain.runtime.errors import UserError
+
+    with pytest.raises(UserError, match="backend=megatron does not train vision-language models") as err:
+        refuse_on_megatron(tiny_vl_dir)
+    assert "backend=fsdp" in str(err.value) and "\n" not in str(err.value)
