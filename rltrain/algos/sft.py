@@ -66,6 +66,8 @@ class SFT(PolicyStreamAlgorithm):
     def evaluate(self, step: int) -> dict[str, float]:
         if not self.data.eval:
             return {}
-        result = self.evaluator.accuracy(self.policy, [e.prompt for e in self.data.eval], [e.reference for e in self.data.eval])
+        result = self.evaluator.accuracy(
+            self.policy, [e.prompt for e in self.data.eval], [e.reference for e in self.data.eval], [e.vision for e in self.data.eval]
+        )
         self.recorded = result.samples  # greedy completions, reward 1 for an exact match
         return {"eval/accuracy": result.accuracy}

@@ -47,3 +47,13 @@ def concatenate(rows: list[VisionInputs | None]) -> dict[str, torch.Tensor]:
 def vision_extras(rows: list[VisionInputs | None]) -> dict[str, list[VisionInputs | None]]:
     """The SequenceBatch extras that carry these rows' images ({} when none has any)."""
     return {VISION: rows} if any(r is not None for r in rows) else {}
+
+
+def vision_call_inputs(image_token: int | None, ids_BT: torch.Tensor, rows: list[VisionInputs | None]) -> dict[str, torch.Tensor]:
+    """The image inputs of a model call over `ids_BT` (its rows' ids, padded) from the rows' images:
+    concatenated in row order, plus `mm_token_type_ids` (1 on image tokens) for models that place
+    visual tokens by image grids (the Qwen2-VL family). {} when no row has an image."""
+    inputs = concatenate(rows)
+    if "image_grid_thw" in inputs and image_token is not None:
+        inputs["mm_token_type_ids"] = (ids_BT == image_token).to(torch.int32)
+    return inputs

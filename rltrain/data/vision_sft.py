@@ -1,11 +1,12 @@
 """SFT rows with images: each row's prompt ids (visual tokens included) and images, the completion
-text tokenized as for text rows, `data.overlong` applied to the whole (visual tokens count).
-Greedy evaluation of image rows is not done yet: such a run holds no eval rows (docs/vision.md)."""
+text tokenized as for text rows, `data.overlong` applied to the whole (visual tokens count); the
+held-out rows as prompts with images and the completion greedy decoding must reproduce."""
 
 from __future__ import annotations
 
 from rltrain.config.schema import DataConfig
 from rltrain.data.tokenize import OverlongStats, TokenizedPair, encode_all, fit_length
+from rltrain.data.vision_inputs import VisionInputs
 from rltrain.data.vision_rows import RowSource, VisionEncoder, text_only_refusal, vision_prompt_completion
 from rltrain.runtime.errors import UserError
 
@@ -30,3 +31,13 @@ def vision_sft_pairs(
     if not train:
         raise UserError(f"{source.where}: no training rows are left (all were dropped as longer than data.max_length).")
     return train, stats
+
+
+def vision_eval_items(processor, rows: list[dict], source: RowSource) -> list[tuple[list[int], str, VisionInputs | None]]:
+    """(prompt ids, reference completion, images) of held-out rows."""
+    if not rows:
+        return []
+    if processor is None:
+        raise text_only_refusal(source)
+    encoder = VisionEncoder(processor)
+    return [vision_prompt_completion(encoder, row, i, source) for i, row in enumerate(rows)]

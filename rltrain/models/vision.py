@@ -122,3 +122,11 @@ def refuse_on_megatron(model_dir: Path) -> None:
             "converts only text decoders to megatron-core. Use backend=fsdp, which trains them on 1 or more "
             "ranks, with or without LoRA (docs/vision.md)."
         )
+
+
+def vision_auto_class():
+    """AutoModelForImageTextToText, torchvision made importable first."""
+    ensure_torchvision()
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText

@@ -8,12 +8,10 @@ layouts would merge. docs/vision.md.
 
 from __future__ import annotations
 
-import torch
-
 from rltrain.backends.fsdp.hf_scoring import completion_positions
 from rltrain.backends.fsdp.shared_prefix import Rectangle
 from rltrain.data.batch import SequenceBatch
-from rltrain.data.vision_inputs import VISION, concatenate
+from rltrain.data.vision_inputs import VISION, vision_call_inputs
 
 
 def vision_rectangle(batch: SequenceBatch, pad_id: int, image_token_id: int | None) -> Rectangle:
@@ -22,7 +20,4 @@ def vision_rectangle(batch: SequenceBatch, pad_id: int, image_token_id: int | No
     visual tokens in M-RoPE."""
     ids_BT, _ = batch.tokens.to_padded(pad_id)
     rows_N, cols_N, _ = completion_positions(batch)
-    inputs = concatenate(batch.extras[VISION])
-    if "image_grid_thw" in inputs and image_token_id is not None:
-        inputs["mm_token_type_ids"] = (ids_BT == image_token_id).to(torch.int32)
-    return Rectangle(ids_BT, rows_N, cols_N, model_inputs=inputs)
+    return Rectangle(ids_BT, rows_N, cols_N, model_inputs=vision_call_inputs(image_token_id, ids_BT, batch.extras[VISION]))

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.dist
 
 COLOURS = [(220, 20, 20), (20, 20, 220), (20, 200, 20), (200, 200, 20), (90, 90, 90)]
 SIZES = [(56, 56), (28, 28), (56, 28), (28, 56), (84, 56)]
+GREEDY_TOKENS = 4
 
 
 def build_tiny_llava(directory) -> None:
@@ -47,6 +48,27 @@ def build_tiny_llava(directory) -> None:
 def tiny_llava_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny_llava")
     build_tiny_llava(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def sharp_vl_dir(tiny_vl_dir, tmp_path_factory):
+    """tiny_vl with its matrices scaled up: its greedy completions differ from image to image, so a
+    generation that dropped or mixed up images would show (the seed model's are all alike)."""
+    import shutil
+
+    from transformers import AutoModelForImageTextToText
+
+    directory = tmp_path_factory.mktemp("sharp_vl")
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vl_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.mul_(6.0)
+    model.save_pretrained(directory)
+    for f in tiny_vl_dir.iterdir():
+        if f.is_file() and not (directory / f.name).exists():
+            shutil.copyfile(f, directory / f.name)
     return directory
 
 
@@ -88,6 +110,8 @@ def _engine_run(rank, world, model_dir, micro_batch_size, lora_rank, freeze_visi
     from rltrain.config.group_options import FSDPBackendConfig
     from rltrain.config.schema import LoraAdapterConfig, OptimConfig
     from rltrain.data.sharding import micro_batch_count, rank_slice, split_micro_batches
+    from rltrain.models.tokenizer import load_tokenizer
+    from rltrain.run.evaluation import GreedyEvaluator
 
     torch.set_num_threads(1)
     rows = _rows(model_dir)
@@ -100,11 +124,15 @@ def _engine_run(rank, world, model_dir, micro_batch_size, lora_rank, freeze_visi
     micro = [_batch([rows[i] for i in part], total) for part in split_micro_batches(mine, count, micro_batch_size)]
     per_row = [float(v) for mb, out in zip(micro, engine.forward_logps(micro)) for v in out.logps.sum_per_seq()]
     trainable = [n for n, p in engine.lm.named_parameters() if p.requires_grad]
+    evaluator = GreedyEvaluator(model_dir, load_tokenizer(model_dir), torch.float32, GREEDY_TOKENS)
+    evaluator.load(engine)  # the held-out path of SFT: left-padded batched generation, each row its images
+    greedy = evaluator.generate([r[0] for r in rows], images=[r[2] for r in rows])
+    evaluator.release()
     metrics = engine.train_step(micro, sft_loss)
     critic = FSDPEngine(model_dir, FSDPBackendConfig(), None, 10, torch.device("cpu"), value_head_seed=3)  # PPO's
     values = critic.forward_values(micro)
     values_fit = all(torch.equal(v.lengths(), mb.completion_lens()) and bool(torch.isfinite(v.values).all()) for v, mb in zip(values, micro))
-    return {"values_fit": values_fit, "rows": mine, "per_row": per_row, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+    return {"values_fit": values_fit, "greedy": greedy, "rows": mine, "per_row": per_row, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
             "trainable": trainable}
 
 
@@ -112,6 +140,7 @@ def _plain(model_dir, frozen_tower=True):
     """Per-row completion log-prob sums, and the SFT loss and gradient norm, scoring each row alone."""
     from transformers import AutoModelForImageTextToText
 
+    from rltrain.models.tokenizer import load_tokenizer
     from rltrain.models.vision import freeze_vision, image_token_id
 
     rows = _rows(model_dir)
@@ -132,15 +161,25 @@ def _plain(model_dir, frozen_tower=True):
         total = total + token_logps.sum()
     n = sum(len(r[1]) for r in rows)
     loss = -total / n
+    greedy = []
+    with torch.no_grad():
+        for prompt, _, vision in rows:
+            ids = torch.tensor([prompt])
+            extra = dict(vision.tensors) if vision is not None else {}
+            if vision is not None and grids:
+                extra["mm_token_type_ids"] = (ids == image_token).int()
+            out = model.generate(input_ids=ids, max_new_tokens=GREEDY_TOKENS, do_sample=False, **extra)
+            greedy.append(load_tokenizer(model_dir).decode(out[0, len(prompt):], skip_special_tokens=True))
     loss.backward()
     grad_norm = torch.norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
-    return [float(v.detach()) for v in per_row], float(loss.detach()), float(grad_norm)
+    return [float(v.detach()) for v in per_row], float(loss.detach()), float(grad_norm), greedy
 
 
 @pytest.mark.parametrize("nproc, micro_batch_size", [(1, 2), (2, 1)])
-def test_engine_scores_and_trains_each_row_with_its_own_images(tiny_vl_dir, nproc, micro_batch_size):
-    expected_rows, expected_loss, expected_norm = _plain(tiny_vl_dir)
-    results = run_ranks(_engine_run, tiny_vl_dir, micro_batch_size, 0, nproc=nproc, timeout_s=300)
+def test_engine_scores_and_trains_each_row_with_its_own_images(sharp_vl_dir, nproc, micro_batch_size):
+    expected_rows, expected_loss, expected_norm, expected_greedy = _plain(sharp_vl_dir)
+    assert len(set(expected_greedy)) >= 3 and expected_greedy[0] == expected_greedy[1]  # images change the output
+    results = run_ranks(_engine_run, sharp_vl_dir, micro_batch_size, 0, nproc=nproc, timeout_s=300)
     got = {}
     for r in results:
         got.update(dict(zip(r["rows"], r["per_row"])))
@@ -148,6 +187,7 @@ def test_engine_scores_and_trains_each_row_with_its_own_images(tiny_vl_dir, npro
         assert r["grad_norm"] == pytest.approx(expected_norm, rel=1e-4)
         assert r["trainable"] and not any(".visual." in n for n in r["trainable"])  # the tower is frozen
         assert r["values_fit"]  # a critic on the same backbone values each completion token, images and all
+        assert r["greedy"] == expected_greedy  # held-out generation sees each prompt's own images
     assert [got[i] for i in range(5)] == pytest.approx(expected_rows, rel=1e-5)
 
 
@@ -159,19 +199,19 @@ def test_lora_adapts_the_language_model_only(tiny_vl_dir):
 
 
 def test_a_llava_model_loads_scores_and_trains_the_same_way(tiny_llava_dir):
-    expected_rows, expected_loss, expected_norm = _plain(tiny_llava_dir)
+    expected_rows, expected_loss, expected_norm, expected_greedy = _plain(tiny_llava_dir)
     (result,) = run_ranks(_engine_run, tiny_llava_dir, 2, 0, nproc=1, timeout_s=300)
     assert result["per_row"] == pytest.approx(expected_rows, rel=1e-5)
     assert result["loss"] == pytest.approx(expected_loss, rel=1e-5)
     assert result["grad_norm"] == pytest.approx(expected_norm, rel=1e-4)
     assert not any(".vision_tower." in n or ".multi_modal_projector." in n for n in result["trainable"])
-    assert result["values_fit"]
+    assert result["values_fit"] and result["greedy"] == expected_greedy
 
 
 def test_an_unfrozen_tower_trains_on_two_ranks_whose_micro_batches_differ_in_images(tiny_vl_dir):
     """Rank 1's second micro-batch has no image and its third is empty; the tower still gets one
     consistent gradient (the plain computation's)."""
-    expected_rows, expected_loss, expected_norm = _plain(tiny_vl_dir, frozen_tower=False)
+    expected_rows, expected_loss, expected_norm, _ = _plain(tiny_vl_dir, frozen_tower=False)
     frozen_norm = _plain(tiny_vl_dir)[2]
     results = run_ranks(_engine_run, tiny_vl_dir, 1, 0, False, nproc=2, timeout_s=300)
     for r in results:
