@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import run_ranks
+
+from rltrain.models.vision import VISION_MODULE_NAMES
 
 pytestmark = pytest.mark.dist
 
@@ -21,8 +22,14 @@ def build_tiny_llava(directory) -> None:
     """A tiny LLaVA (CLIP tower, Llama decoder, the character tokenizer plus `<image>`): the second
     architecture, one both transformers and vLLM support. A 28x28 image is 4 visual tokens."""
     from tokenizers import AddedToken
-    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
-                              LlavaForConditionalGeneration, LlavaProcessor)
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
 
     from rltrain.models.tokenizer import build_char_tokenizer, padded_vocab_size
 
@@ -44,10 +51,31 @@ def build_tiny_llava(directory) -> None:
     tok.save_pretrained(directory)
 
 
+def build_tiny_qwen25_vl(directory) -> None:
+    """A tiny Qwen2.5-VL (windowed vision attention, its own processor class), tiny_vl's text side."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+
+    from rltrain.models.tiny_vl import build_processor, build_vl_tokenizer, tiny_vl_config
+
+    tok = build_vl_tokenizer()
+    base = tiny_vl_config(tok).to_dict()
+    vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=64, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+    ids = {k: base[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
+    config = Qwen2_5_VLConfig(text_config=base["text_config"], vision_config=vision, tie_word_embeddings=True, **ids)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        Qwen2_5_VLForConditionalGeneration(config).save_pretrained(directory)
+    qwen2 = build_processor(tok)
+    Qwen2_5_VLProcessor(image_processor=qwen2.image_processor, video_processor=qwen2.video_processor, tokenizer=tok,
+                        chat_template=qwen2.chat_template).save_pretrained(directory)
+    tok.save_pretrained(directory)
+
+
 @pytest.fixture(scope="module")
-def tiny_llava_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny_llava")
-    build_tiny_llava(directory)
+def other_arch_dir(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    {"llava": build_tiny_llava, "qwen2_5_vl": build_tiny_qwen25_vl}[request.param](directory)
     return directory
 
 
@@ -148,7 +176,7 @@ def _plain(model_dir, frozen_tower=True):
     if frozen_tower:
         freeze_vision(model)
     image_token = image_token_id(model.config)
-    grids = model.config.model_type == "qwen2_vl"  # M-RoPE reads which tokens are images
+    grids = model.config.model_type in ("qwen2_vl", "qwen2_5_vl")  # M-RoPE reads which tokens are images
     per_row, total = [], 0.0
     for prompt, completion, vision in rows:
         ids = torch.tensor([prompt + completion])
@@ -198,13 +226,14 @@ def test_lora_adapts_the_language_model_only(tiny_vl_dir):
     assert result["grad_norm"] > 0
 
 
-def test_a_llava_model_loads_scores_and_trains_the_same_way(tiny_llava_dir):
-    expected_rows, expected_loss, expected_norm, expected_greedy = _plain(tiny_llava_dir)
-    (result,) = run_ranks(_engine_run, tiny_llava_dir, 2, 0, nproc=1, timeout_s=300)
+@pytest.mark.parametrize("other_arch_dir", ["llava", "qwen2_5_vl"], indirect=True)
+def test_llava_and_qwen2_5_vl_load_score_and_train_the_same_way(other_arch_dir):
+    expected_rows, expected_loss, expected_norm, expected_greedy = _plain(other_arch_dir)
+    (result,) = run_ranks(_engine_run, other_arch_dir, 2, 0, nproc=1, timeout_s=300)
     assert result["per_row"] == pytest.approx(expected_rows, rel=1e-5)
     assert result["loss"] == pytest.approx(expected_loss, rel=1e-5)
     assert result["grad_norm"] == pytest.approx(expected_norm, rel=1e-4)
-    assert not any(".vision_tower." in n or ".multi_modal_projector." in n for n in result["trainable"])
+    assert result["trainable"] and not any(f".{part}." in n for n in result["trainable"] for part in VISION_MODULE_NAMES)
     assert result["values_fit"] and result["greedy"] == expected_greedy
 
 
