@@ -132,3 +132,13 @@ def test_rl_prompts_keep_their_images_for_the_rollout_and_the_trainer(processor,
     assert train[0].chat and train[0].text.count("<|image_pad|>") == 1  # the engine's text: one marker per image
     assert image_tokens(processor, train[0].ids) == 4 and image_tokens(processor, train[1].ids) == 8
     assert train[0].columns["answer"] == "red"  # reward functions still read the other columns
+
+
+def test_kto_refuses_image_rows_until_it_takes_them(tmp_path):
+    from rltrain.data.unpaired_data import build_unpaired_data
+    from rltrain.models.tokenizer import build_char_tokenizer
+
+    (tmp_path / "ok.png").write_bytes(png())
+    path = jsonl(tmp_path, [{"images": ["ok.png"], "prompt": "<image>?", "completion": "x", "label": True}])
+    with pytest.raises(UserError, match="algo=kto does not take yet"):
+        build_unpaired_data(build_char_tokenizer(), DataConfig(path=path, eval_fraction=0.0), 0)
