@@ -142,3 +142,25 @@ def test_kto_refuses_image_rows_until_it_takes_them(tmp_path):
     path = jsonl(tmp_path, [{"images": ["ok.png"], "prompt": "<image>?", "completion": "x", "label": True}])
     with pytest.raises(UserError, match="algo=kto does not take yet"):
         build_unpaired_data(build_char_tokenizer(), DataConfig(path=path, eval_fraction=0.0), 0)
+
+
+def test_preference_pairs_carry_their_prompts_images(processor, tmp_path):
+    from rltrain.algos.preference import pairs_to_batch
+    from rltrain.data.preference_data import build_preference_data
+    from rltrain.data.vision_inputs import VISION
+
+    (tmp_path / "a.png").write_bytes(png((56, 56)))
+    (tmp_path / "b.png").write_bytes(png((28, 28)))
+    user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}
+    rows = [{"image": "a.png", "prompt": "<image>colour? ", "chosen": "red", "rejected": "blue"},
+            {"image": "b.png", "chosen": [user, {"role": "assistant", "content": "red"}],
+             "rejected": [user, {"role": "assistant", "content": [{"type": "text", "text": "green"}]}]},
+            {"image": "b.png", "prompt": "<image>same", "chosen": "x", "rejected": "x"}]  # no preference: skipped
+    data = build_preference_data(processor.tokenizer, DataConfig(path=jsonl(tmp_path, rows), eval_fraction=0.0), 0, processor)
+    assert data.skipped.identical == 1 and len(data.train) == 2
+    assert [image_tokens(processor, p.prompt) for p in data.train] == [4, 1]
+    assert processor.tokenizer.decode(data.train[1].rejected) == "green<eos>"
+    batch = pairs_to_batch(data.train)  # chosen, rejected, chosen, rejected: each with its pair's images
+    grids = [v.tensors["image_grid_thw"].tolist() for v in batch.extras[VISION]]
+    assert grids == [[[1, 4, 4]], [[1, 4, 4]], [[1, 2, 2]], [[1, 2, 2]]]
+    assert [v.tensors["image_grid_thw"].tolist() for v in batch.select([3, 0]).extras[VISION]] == [[[1, 2, 2]], [[1, 4, 4]]]
