@@ -7,3 +7,7 @@ Packages, from the bottom layer up: `runtime` (a rank's process groups, dtypes, 
 `sync`, `rewards`, `envs`, `run` (the loop and its outputs), `algos`, and `preflight` (the checks
 and help before a run exists). docs/architecture.md walks one GRPO step through them.
 """
+
+from rltrain.runtime.torchvision_compat import make_torchvision_importable
+
+make_torchvision_importable()  # vision-language models need it; the CPU venv keeps it aside (docs/vision.md)

@@ -25,8 +25,10 @@ from rltrain.data.prompt_data import PromptRow, build_prompt_data
 from rltrain.data.ragged import Ragged
 from rltrain.data.sampler import IndexStream
 from rltrain.data.sharding import rank_slice, sum_over_replicas
+from rltrain.data.vision_inputs import vision_extras
 from rltrain.envs.agent import AgentResults, AgentRunner, named_on_every_rank
 from rltrain.envs.episodes import EpisodeResults, EpisodeRunner
+from rltrain.models.vision import load_processor
 from rltrain.rewards.overlong import overlong_penalties
 from rltrain.rewards.scoring import Failures, RewardScorer, Scored
 from rltrain.rewards.thinking import thinking_tokens
@@ -154,7 +156,8 @@ class ExperienceCollector:
         cfg = ctx.cfg
         self.ctx, self.algo_cfg = ctx, cfg.algo
         self.train_prompts, self.eval_prompts, self.dropped = build_prompt_data(
-            ctx.tokenizer, cfg.data, cfg.trainer.seed, episodes.renderer if episodes is not None else None
+            ctx.tokenizer, cfg.data, cfg.trainer.seed, episodes.renderer if episodes is not None else None,
+            load_processor(ctx.model_dir, ctx.tokenizer),
         )
         self.scorer = scorer
         self.reward_fns = scorer.fns
@@ -319,7 +322,8 @@ class ExperienceCollector:
         global_scores[offset : offset + len(scores_B)] = scores_B
         global_scores = sum_over_replicas(global_scores, dp_size)
         batch = SequenceBatch.from_lists(
-            [c.prompt_ids if c.prompt_ids is not None else rows[c.prompt_index].ids for c in completions], [c.token_ids for c in completions]
+            [c.prompt_ids if c.prompt_ids is not None else rows[c.prompt_index].ids for c in completions], [c.token_ids for c in completions],
+            **vision_extras([rows[c.prompt_index].vision for c in completions]),  # each sequence carries its prompt's images
         )
         batch.sampled = sampled_mask(completions)
         thinking = sum(thinking_tokens(c.token_ids, self.decode, self.scorer.thinking_end) for c in completions)

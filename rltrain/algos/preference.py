@@ -19,6 +19,8 @@ from rltrain.data.batch import SequenceBatch
 from rltrain.data.preference_data import PreferencePair, build_preference_data
 from rltrain.data.sampler import IndexStream
 from rltrain.data.sharding import micro_batch_count, rank_slice, split_micro_batches, sum_over_replicas
+from rltrain.data.vision_inputs import vision_extras
+from rltrain.models.vision import load_processor
 from rltrain.run.evaluation import GreedyEvaluator
 from rltrain.run.samples import Sample
 from rltrain.runtime.precision import resolve_precision
@@ -30,7 +32,8 @@ def pairs_to_batch(pairs: list[PreferencePair], **extras: Any) -> SequenceBatch:
     for p in pairs:
         prompts += [p.prompt, p.prompt]
         completions += [p.chosen, p.rejected]
-    return SequenceBatch.from_lists(prompts, completions, **extras)
+    images = vision_extras([v for p in pairs for v in (p.vision, p.vision)])  # each row carries its images
+    return SequenceBatch.from_lists(prompts, completions, **extras, **images)
 
 
 def chosen_rejected_sums(logps) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +157,7 @@ class PairwisePreference(PolicyStreamAlgorithm):
         self.ctx = ctx
         cfg = ctx.cfg
         self.algo_cfg = cfg.algo
-        self.data = build_preference_data(ctx.tokenizer, cfg.data, cfg.trainer.seed)
+        self.data = build_preference_data(ctx.tokenizer, cfg.data, cfg.trainer.seed, load_processor(ctx.model_dir, ctx.tokenizer))
         self.stream = IndexStream(len(self.data.train), cfg.trainer.seed)
         self.policy = build_engine(ctx, "policy", cfg.trainer.max_steps)
         self.build_roles()

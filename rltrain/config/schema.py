@@ -48,7 +48,7 @@ WandbMode = Literal["auto", "online", "offline", "disabled"]  # auto: online wit
 Schedule = Literal["cosine", "linear", "constant"]
 # AdamW's kernels (torch.optim.AdamW): one launch per tensor, per tensor list, or one fused kernel.
 OptimImplementation = Literal["auto", "for-loop", "foreach", "fused"]
-Arch = Literal["qwen2", "llama"]  # the tiny model only
+Arch = Literal["qwen2", "llama", "qwen2_vl"]  # the tiny model only (qwen2_vl: model=tiny_vl, rltrain/models/tiny_vl.py)
 SweepDirection = Literal["maximize", "minimize"]
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")  # the YAML tree every group's option lives in
@@ -121,6 +121,7 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     attention_bias: bool = True
     max_position_embeddings: int = 512
+    freeze_vision: bool = True  # a vision-language model's vision tower stays as loaded (docs/vision.md)
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in the backward
     cache_dir: str | None = None  # where the built tiny model is cached; null = ~/.cache/rltrain
     # model=tiny_sft: SFT the tiny model this many steps on the built-in task's training split
@@ -146,6 +147,7 @@ class DataColumns:
     input_output: str | None = None  # rltrain.rewards.code:tests_pass's stdin/stdout cases
     test: str | None = None  # rltrain.rewards.code:tests_pass's assert statements
     entry_point: str | None = None  # the function a `test`'s check(candidate) is called on
+    images: str | None = None  # a row's images (a list, or one): docs/vision.md
 
 
 @dataclass
@@ -307,7 +309,7 @@ GROUP_SCHEMAS: dict[str, Mapping[str, type]] = {
     "algo": ALGORITHM_CONFIGS,  # declared by the algorithms themselves, read when first asked
     "backend": {"fsdp": FSDPBackendConfig, "megatron": MegatronBackendConfig},
     "rollout": {"vllm": VLLMRolloutConfig, "hf": HFRolloutConfig, "server": ServerRolloutConfig},
-    "model": {"tiny": ModelConfig, "tiny_sft": ModelConfig},
+    "model": {"tiny": ModelConfig, "tiny_sft": ModelConfig, "tiny_vl": ModelConfig},
     "reference": {"default": ReferenceConfig},
     "critic": {"default": CriticConfig},
     "teacher": {"default": TeacherConfig},

@@ -26,6 +26,7 @@ from rltrain.config.run_context import RunContext
 from rltrain.config.schema import Config
 from rltrain.models.lora import MERGED_DIR
 from rltrain.models.model_dir import resolve_model_dir
+from rltrain.models.vision import copy_processor_files
 from rltrain.run.algorithm import Algorithm
 from rltrain.run.checkpoint import CheckpointManager, fingerprint, fsync_path
 from rltrain.run.curves import write_run_plot
@@ -179,6 +180,7 @@ def export_final(ctx: RunContext, algo: Algorithm) -> None:
             if not directory.is_dir():
                 continue
             ctx.tokenizer.save_pretrained(str(directory))
+            copy_processor_files(ctx.model_dir, directory)  # a vision-language model's processor
             for path in directory.iterdir():
                 if path.is_file():
                     fsync_path(path)

@@ -48,7 +48,7 @@ from rltrain.config.run_context import RunContext
 from rltrain.config.schema import LoraAdapterConfig, OptimConfig, SafetyConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
-from rltrain.models import lora, moe
+from rltrain.models import lora, moe, vision
 from rltrain.models.hf_io import load_causal_lm
 from rltrain.runtime.precision import Precision, resolve_precision
 from rltrain.safety.faults import FaultInjector
@@ -83,8 +83,10 @@ class FSDPEngine:
         seed: int = 0,
         value_head_bias: bool = True,
         faults: FaultInjector | None = None,
+        freeze_vision: bool = True,
     ) -> None:
         self.faults = faults if faults is not None else FaultInjector()
+        self.freeze_vision = freeze_vision
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.device = device
@@ -102,7 +104,7 @@ class FSDPEngine:
         if gradient_checkpointing:
             self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if backend_cfg.compile:  # before fully_shard (rltrain.backends.fsdp.compile_layers)
-            compile_decoder_layers(self.lm.model.layers)
+            compile_decoder_layers(vision.decoder_layers(self.lm))
         if not self.trainable:
             self.scorer.requires_grad_(False)
         # The group FSDP shards over (None with one rank: nothing is wrapped, nothing to tear down).
@@ -119,13 +121,16 @@ class FSDPEngine:
         rank holds the full model); with LoRA its linear layers become peft LoRA layers in place,
         before sharding (rltrain.models.lora)."""
         self.lm = load_causal_lm(self.model_dir, self.precision.param_dtype, on_meta=self.sharded)
+        if self.freeze_vision:  # a vision-language model's tower and projector (none in a text-only model)
+            vision.freeze_vision(self.lm)
         self.adapters = lora.add_adapters(self.lm, adapters) if adapters is not None and adapters.rank > 0 else None
         self.save_merged = adapters is not None and adapters.save_merged
         if not self.sharded:
             self.lm.to(self.device)
             if self.adapters is not None:
                 lora.fill_adapters(self.lm, seed)
-        self.pad_id = int(self.lm.config.pad_token_id or 0)
+        self.text_config = self.lm.config.get_text_config()  # the config itself for a text-only model
+        self.pad_id = int(self.text_config.pad_token_id or 0)
         self.tied = bool(self.lm.config.tie_word_embeddings)
         self.moe_info = moe.prepare_moe(self.lm)
 
@@ -137,7 +142,7 @@ class FSDPEngine:
         # Sharded, FSDP casts weights to the compute dtype; unsharded, autocast does (docstring).
         autocast = contextlib.nullcontext if self.sharded else partial(self.precision.autocast, device)
         self.layout = MicroBatchLayout.for_model(
-            self.lm.config,
+            self.text_config,
             self.pad_id,
             device,
             self.sharded,
@@ -145,6 +150,7 @@ class FSDPEngine:
             padding_free=backend_cfg.padding_free,
             share_prompts=backend_cfg.share_prompts,
             length_buckets=backend_cfg.length_buckets,
+            image_token_id=vision.image_token_id(self.lm.config),
         )
         flex = self.layout.padding_free and use_flex_attention(self.lm, device)
         if flex:  # under autocast too (one unsharded rank in bf16-mixed): rltrain.backends.fsdp.micro_batches.flex_autocast
@@ -156,7 +162,7 @@ class FSDPEngine:
             self.scorer = CompletionScorer(self.lm, self.moe_info, autocast, flex)
         else:
             head = new_value_head(
-                self.lm.config.hidden_size, value_head_seed, self.precision.param_dtype,
+                self.text_config.hidden_size, value_head_seed, self.precision.param_dtype,
                 "meta" if self.sharded else device, bias=value_head_bias,
             )
             self.scorer = CompletionValuer(self.lm, head, self.moe_info, autocast, flex)
@@ -386,5 +392,5 @@ def build_engine(ctx: RunContext, role: str, max_steps: int) -> FSDPEngine:
     build = role_build(ctx, role)
     return FSDPEngine(
         build.model_dir, cfg.backend, build.optim, max_steps, ctx.dist.device, adapters=build.adapters,
-        seed=int(cfg.trainer.seed), **engine_options(ctx, build),
+        seed=int(cfg.trainer.seed), freeze_vision=bool(cfg.model.freeze_vision), **engine_options(ctx, build),
     )

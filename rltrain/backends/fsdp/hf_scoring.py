@@ -21,6 +21,7 @@ from rltrain.backends.value_head import head_values
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
 from rltrain.models import moe
+from rltrain.models.vision import vision_modules
 
 # What one more model call costs, in tokens of compute, when splitting a micro-batch into length
 # buckets: on CPU a call is cheap next to its matmuls; on an accelerator small calls are
@@ -47,6 +48,8 @@ class _SelectedHidden(nn.Module):
         self.moe_info = moe_info
         self.autocast = autocast  # entered around the model and the head (see the module docstring)
         self.flex_attention = flex_attention
+        # A vision-language model's tower and projector (a plain list: not registered twice).
+        self.vision_parts: list[nn.Module] = vision_modules(lm)
 
     def _router(self) -> bool:
         """Whether this pass computes a MoE load-balancing loss (training a MoE model that has one)."""
@@ -72,6 +75,7 @@ class _SelectedHidden(nn.Module):
                 kwargs["position_ids"] = rect.position_ids_BT
             if router:
                 kwargs["output_router_logits"] = True
+            kwargs.update(rect.model_inputs or {})
             # The decoder stack: torch types a submodule attribute as `Tensor | Module`.
             out = cast(nn.Module, self.lm.model)(input_ids=rect.input_ids_BT, use_cache=False, **kwargs)
             parts.append(out.last_hidden_state[rect.rows_N, rect.cols_N])
@@ -80,7 +84,18 @@ class _SelectedHidden(nn.Module):
         hidden_NH = parts[0] if len(parts) == 1 else torch.cat(parts)
         if order_N is not None:
             hidden_NH = hidden_NH[order_N]
-        return hidden_NH, router_logits
+        return self._reach_vision(hidden_NH), router_logits
+
+    def _reach_vision(self, hidden_NH: torch.Tensor) -> torch.Tensor:
+        """With a trainable vision tower, every training pass gives each of its parameters a
+        gradient (zero where no row had an image): FSDP reduce-scatters the parameters that have
+        gradients, and ranks whose micro-batches differ in having images must still agree on them."""
+        if not self.training:
+            return hidden_NH
+        params = [p for part in self.vision_parts for p in part.parameters() if p.requires_grad]
+        if not params:
+            return hidden_NH
+        return hidden_NH + 0.0 * torch.stack([p.sum() for p in params]).sum().to(hidden_NH.dtype)
 
     def _aux_loss(
         self, router_logits: tuple[torch.Tensor, ...] | None, padding_mask_BT: torch.Tensor | None

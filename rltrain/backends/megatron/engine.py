@@ -51,6 +51,7 @@ from rltrain.config.run_context import RunContext, SharedObjects
 from rltrain.config.schema import OptimConfig, SafetyConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
+from rltrain.models.vision import refuse_on_megatron
 from rltrain.runtime.distributed import agree_or_raise, control_device
 from rltrain.runtime.precision import Precision, resolve_precision
 from rltrain.safety.faults import FaultInjector
@@ -408,6 +409,7 @@ def build_engine(ctx: RunContext, role: str, max_steps: int) -> MegatronEngine:
     every role's engine joins the process groups the run holds (created by the first)."""
     cfg = ctx.cfg
     build = role_build(ctx, role)
+    refuse_on_megatron(build.model_dir)
     return MegatronEngine(
         build.model_dir, cfg.backend, build.optim, max_steps, ctx.dist.device,
         collective_timeout_s=cfg.safety.collective_timeout_s, shared=ctx.shared, **engine_options(ctx, build),

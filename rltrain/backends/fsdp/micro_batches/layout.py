@@ -17,7 +17,9 @@ from rltrain.backends.fsdp.micro_batches.shared_prefix import (
     packed_rectangles,
     shared_prompt_groups,
 )
+from rltrain.backends.fsdp.vision_layout import vision_rectangle
 from rltrain.data.batch import SequenceBatch, length_buckets
+from rltrain.data.vision_inputs import batch_has_images
 
 
 @dataclass
@@ -30,6 +32,7 @@ class MicroBatchLayout:
     # Unshared sequences as one packed row with document-masked attention (backend.padding_free;
     # never for MoE), in place of a padded rectangle or length buckets.
     padding_free: bool = False
+    image_token_id: int | None = None  # a vision-language model's image token (vision_layout)
 
     @staticmethod
     def for_model(
@@ -41,6 +44,7 @@ class MicroBatchLayout:
         padding_free: bool = False,
         share_prompts: bool = True,
         length_buckets: bool = True,
+        image_token_id: int | None = None,
     ) -> MicroBatchLayout:
         """The layout for a model, from the backend's switches (`backend.padding_free`,
         `backend.share_prompts`, `backend.length_buckets`) and what the model allows."""
@@ -48,7 +52,8 @@ class MicroBatchLayout:
         if length_buckets and not sharded and not moe:
             bucket_cost = BUCKET_COST_TOKENS.get(device.type, BUCKET_COST_TOKENS["cpu"])
         return MicroBatchLayout(
-            pad_id, share_prompts and not moe, PackingCost.from_config(hf_config), bucket_cost, padding_free and not moe
+            pad_id, share_prompts and not moe, PackingCost.from_config(hf_config), bucket_cost, padding_free and not moe,
+            image_token_id,
         )
 
     def __call__(self, batch: SequenceBatch) -> tuple[list[Rectangle], torch.Tensor | None, torch.Tensor | None]:
@@ -62,7 +67,10 @@ class MicroBatchLayout:
         per micro-batch: FSDP all-gathers once per call, so ranks with different call counts
         would fall out of step in their collectives. A MoE model is never packed or bucketed:
         its load-balancing loss is computed over one plain rectangle.
+        Rows with images always make one padded rectangle (rltrain.backends.fsdp.vision_layout).
         """
+        if batch_has_images(batch.extras):
+            return [vision_rectangle(batch, self.pad_id, self.image_token_id)], None, None
         if self.share_prompts and (shared := shared_prompt_groups(batch, self.packing_cost)) is not None:
             return (*packed_rectangles(batch, shared, self.pad_id, self.bucket_cost), None)
         if self.padding_free:

@@ -26,6 +26,8 @@ class Rectangle:
     # Packed documents (rltrain.backends.fsdp.micro_batches.padding_free): a token attends to earlier tokens with its
     # own id only. The model's mask is built from it where the model runs (attention_masks).
     document_ids_BT: torch.Tensor | None = None
+    # More inputs of the model call, by argument name: the rows' images (rltrain.backends.fsdp.vision_layout).
+    model_inputs: dict[str, torch.Tensor] | None = None
 
     def to(self, device: torch.device) -> Rectangle:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -34,6 +36,7 @@ class Rectangle:
         return Rectangle(
             self.input_ids_BT.to(device), self.rows_N.to(device), self.cols_N.to(device),
             move(self.position_ids_BT), move(self.attention_mask_B1TT), move(self.document_ids_BT),
+            {k: v.to(device) for k, v in self.model_inputs.items()} if self.model_inputs is not None else None,
         )
 
 
