@@ -17,7 +17,7 @@ from rltrain.backends.fsdp.micro_batches.shared_prefix import (
     packed_rectangles,
     shared_prompt_groups,
 )
-from rltrain.backends.fsdp.vision_layout import vision_rectangle
+from rltrain.backends.fsdp.micro_batches.vision_layout import vision_rectangle
 from rltrain.data.batch import SequenceBatch, length_buckets
 from rltrain.data.vision_inputs import batch_has_images
 
@@ -67,7 +67,7 @@ class MicroBatchLayout:
         per micro-batch: FSDP all-gathers once per call, so ranks with different call counts
         would fall out of step in their collectives. A MoE model is never packed or bucketed:
         its load-balancing loss is computed over one plain rectangle.
-        Rows with images always make one padded rectangle (rltrain.backends.fsdp.vision_layout).
+        Rows with images always make one padded rectangle (rltrain.backends.fsdp.micro_batches.vision_layout).
         """
         if batch_has_images(batch.extras):
             return [vision_rectangle(batch, self.pad_id, self.image_token_id)], None, None

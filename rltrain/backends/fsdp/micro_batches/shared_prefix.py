@@ -26,7 +26,7 @@ class Rectangle:
     # Packed documents (rltrain.backends.fsdp.micro_batches.padding_free): a token attends to earlier tokens with its
     # own id only. The model's mask is built from it where the model runs (attention_masks).
     document_ids_BT: torch.Tensor | None = None
-    # More inputs of the model call, by argument name: the rows' images (rltrain.backends.fsdp.vision_layout).
+    # More inputs of the model call, by argument name: the rows' images (rltrain.backends.fsdp.micro_batches.vision_layout).
     model_inputs: dict[str, torch.Tensor] | None = None
 
     def to(self, device: torch.device) -> Rectangle:

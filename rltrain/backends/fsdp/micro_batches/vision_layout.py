@@ -9,7 +9,7 @@ layouts would merge. docs/vision.md.
 from __future__ import annotations
 
 from rltrain.backends.fsdp.hf_scoring import completion_positions
-from rltrain.backends.fsdp.shared_prefix import Rectangle
+from rltrain.backends.fsdp.micro_batches.shared_prefix import Rectangle
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.vision_inputs import VISION, vision_call_inputs
 
