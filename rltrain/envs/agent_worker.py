@@ -4,21 +4,22 @@ one episode, so a hung or crashing agent costs its worker and that episode only.
 `run_episode` points the OpenAI environment variables at the episode's endpoint (for agents and
 frameworks that build their own client), tells the endpoint the episode started (its
 `env.timeout_s` runs from then), and calls the user's `run(client, row)` with a ready client:
-`AsyncOpenAI` for an `async def` agent (run on the worker's event loop), `OpenAI` otherwise. What it
-returns is the episode's reward: a number, or a dict of named numbers (summed). A worker plays
-several episodes at once, so `os.environ` answers the two variables from a per-episode context
-variable (docs/agents.md, "Isolation").
+`AsyncOpenAI` for an `async def` agent (handed back as a coroutine: the call worker awaits it on
+its one watched event loop, rltrain/runtime/watched_loop.py), `OpenAI` otherwise. What it returns
+is the episode's reward: a number, or a dict of named numbers (summed). A worker plays several
+episodes at once, so `os.environ` answers the two variables from a per-episode context variable
+(docs/agents.md, "Isolation").
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import inspect
 import math
 import os
 import threading
 import urllib.request
+from collections.abc import Coroutine
 from typing import Any
 
 import openai
@@ -61,24 +62,15 @@ class _EpisodeEnviron(type(os.environ)):  # type: ignore[misc]
         return (episode is not None and key in episode) or super().__contains__(key)
 
 
-_LOOP: list[asyncio.AbstractEventLoop] = []
-_LOOP_LOCK = threading.Lock()
+_ENVIRON_LOCK = threading.Lock()
 
 
-def _event_loop() -> asyncio.AbstractEventLoop:
-    """The worker's one event loop, running in a thread of its own for the worker's life."""
-    with _LOOP_LOCK:
-        if not _LOOP:
-            os.environ.__class__ = _EpisodeEnviron
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="agents-event-loop", daemon=True).start()
-            _LOOP.append(loop)
-        return _LOOP[0]
-
-
-def run_episode(agent: str, base_url: str, api_key: str, row: dict[str, Any], timeout_s: float | None) -> dict[str, Any]:
-    """Play one episode of `agent` (`package.module:function`) on `row` against the endpoint at `base_url`."""
-    with _LOOP_LOCK:
+def run_episode(
+    agent: str, base_url: str, api_key: str, row: dict[str, Any], timeout_s: float | None,
+) -> dict[str, Any] | Coroutine[Any, Any, dict[str, Any]]:
+    """Play one episode of `agent` (`package.module:function`) on `row` against the endpoint at
+    `base_url`: its reward, or for an `async def` agent the coroutine that plays it."""
+    with _ENVIRON_LOCK:
         os.environ.__class__ = _EpisodeEnviron
         os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"] = base_url, api_key  # what a subprocess inherits
     _EPISODE_ENV.set(dict(zip(OPENAI_KEYS, (base_url, api_key), strict=True)))
@@ -89,10 +81,10 @@ def run_episode(agent: str, base_url: str, api_key: str, row: dict[str, Any], ti
     request_timeout = timeout_s if timeout_s else None
     if inspect.iscoroutinefunction(fn):
 
-        async def play() -> Any:
+        async def play() -> dict[str, Any]:
             async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=request_timeout) as client:
-                return await fn(client, row)
+                return reward_of(await fn(client, row))
 
-        return reward_of(asyncio.run_coroutine_threadsafe(play(), _event_loop()).result())
+        return play()
     with openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=request_timeout) as client:
         return reward_of(fn(client, row))

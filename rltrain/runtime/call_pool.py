@@ -4,7 +4,9 @@ User code may hang, run for minutes or crash the interpreter, and a thread canno
 its deadline a call's worker is SIGKILLed with its process group and replaced, and the call fails.
 Up to `concurrency` calls run at once: one per worker in its main thread (reward functions), or
 several in threads (environment calls). Hung calls that started together die together (N cost one
-timeout); the other calls in flight on a killed worker run again, once, each alone on a worker.
+timeout), as does a call that blocks its worker's event loop (rltrain/runtime/watched_loop.py);
+the other calls in flight on a worker killed for them run again, not counted as failures. Calls
+on a worker that died under them, one of them its cause, run again once, each alone on a worker.
 Workers are `python -m rltrain.runtime.call_worker` processes that import the functions before they
 report ready and die with the trainer; calls and results cross as JSON. docs/environments.md
 ("Concurrency") and docs/rewards-and-roles.md tell the story."""
@@ -24,6 +26,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from rltrain.runtime.errors import UserError
+from rltrain.runtime.watched_loop import BLOCKED_S
 
 STARTUP_S = 120.0  # a worker's interpreter start and imports (a loaded machine is slow)
 STOP_S = 5.0
@@ -146,7 +149,7 @@ class CallPool:
                     for i, started in w.tasks.items():
                         if now - started >= timeout_s:
                             results[i] = CallResult(failure="timeout", message=f"no result within {timeout_s:g} s")
-                    self._lose(w, results, pending, reruns, "its worker was killed for another call that ran out of time")
+                    self._lose(w, results, pending, reruns)
                 elif not w.ready and now - w.started > STARTUP_S:
                     self._replace(w)
                     raise UserError(f"a {self.label} worker did not start within {STARTUP_S:g} s (importing {self.paths}).")
@@ -196,7 +199,7 @@ class CallPool:
             if len(w.tasks) == 1:  # the call that ended it
                 results[next(iter(w.tasks))] = CallResult(failure="died", message=died)
                 self._replace(w)
-            elif w.tasks:  # which of them ended it is unknown: each runs again, once
+            elif w.tasks:  # which of them ended it is unknown: each runs again, once, alone
                 self._lose(w, results, pending, reruns, f"a worker running it with others {died}")
             elif w.ready:  # it died idle (killed from outside, or between a call and the next)
                 self._replace(w)
@@ -209,19 +212,30 @@ class CallPool:
         elif kind == "load_error":
             self._replace(w)
             raise UserError(payload)
+        elif kind == "blocked":  # it stalls every call of the worker's event loop: it is the hung one
+            if index in w.tasks and results[index] is None:
+                results[index] = CallResult(
+                    failure="timeout", message=f"it blocked its worker's event loop for more than {BLOCKED_S:g} s (a "
+                    "synchronous call inside an async def: await it, or run it with asyncio.to_thread)",
+                )
+                self._lose(w, results, pending, reruns)
         elif index in w.tasks:
             results[index] = CallResult(value=payload) if kind == "ok" else CallResult(failure="error", message=payload)
             del w.tasks[index]
             w.alone = False
 
-    def _lose(self, w: Worker, results: list[CallResult | None], pending: deque, reruns: list[int], why: str) -> None:
-        """Kill `w`; its calls without a result run again on a fresh worker (first in line), or fail
-        as "died" once they have used their reruns."""
+    def _lose(self, w: Worker, results: list[CallResult | None], pending: deque, reruns: list[int], why: str | None = None) -> None:
+        """Kill `w`; its calls without a result run again on a fresh worker (first in line). With
+        `why` (the worker died under them, which one caused it unknown) each runs again alone, and
+        fails as "died" once it has used its reruns; without it (killed for a call that failed) the
+        others lost nothing of their own: they run again as any call, uncounted."""
         again = []
         for i in w.tasks:
             if results[i] is not None:
                 continue
-            if reruns[i] < RERUNS:
+            if why is None:
+                again.append(i)
+            elif reruns[i] < RERUNS:
                 reruns[i] += 1
                 again.append(i)
             else:

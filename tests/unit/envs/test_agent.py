@@ -111,6 +111,23 @@ AGENTS = textwrap.dedent('''
         await openai.AsyncOpenAI().chat.completions.create(model="x", messages=[{"role": "user", "content": row["tag"]}])
         return 1.0
 
+    async def blocks_its_loop(client, row):
+        """On the rows tagged "block": a synchronous sleep inside async def (the worker's event loop
+        stops for every episode on it); the others talk after a short await."""
+        if row["tag"] == "block":
+            time.sleep(1000)
+        await asyncio.sleep(0.3)
+        await client.chat.completions.create(model="x", messages=[{"role": "user", "content": row["prompt"]}])
+        return 1.0
+
+    def blocks_its_thread(client, row):
+        """The synchronous agent's version: its own thread sleeps on the rows tagged "block"."""
+        if row["tag"] == "block":
+            time.sleep(1000)
+        time.sleep(0.3)
+        client.chat.completions.create(model="x", messages=[{"role": "user", "content": row["prompt"]}])
+        return 1.0
+
     def by_tag(client, row):
         """What each row's tag asks for: hang, raise, stay silent, return nonsense, or answer."""
         tag = row["tag"]
@@ -399,6 +416,19 @@ def test_a_hung_crashing_silent_or_nonsense_agent_fails_its_episode_only(agents)
     assert hung.prompt_ids == ids("U:hang\nA:") and hung.sampled == [True] * 3
     silent = played.completions[3]  # never called: one stop token, not sampled, after the row's prompt
     assert silent.prompt_ids is None and silent.token_ids == [EOS] and silent.sampled == [False]
+
+
+@pytest.mark.parametrize("agent", ["blocks_its_loop", "blocks_its_thread"])
+def test_an_agent_blocked_on_one_prompt_in_eight_costs_those_episodes_only(agents, agent):
+    """16 episodes, 8 at once on one worker, two of them blocked for good: those two time out
+    (`env/timeouts`); the episodes that shared the worker (its event loop, for the async agent)
+    run again on a fresh one and score as they would without them."""
+    tags = ["block" if i % 8 == 0 else f"e{i}" for i in range(16)]
+    reward = RewardConfig(on_failure=-1.0, max_failure_frac=1.0)
+    played = play(f"{agents}:{agent}", tags=tags, reward=reward, timeout_s=6.0, workers=1, max_concurrency=8)
+    assert played.returns == [-1.0 if t == "block" else 1.0 for t in tags]
+    assert played.failures.timeouts == 2 and played.failures.errors == 0
+    assert [c.prompt_ids for c in played.completions if c.prompt_ids] == [ids(f"U:{t}|\nA:") for t in tags if t != "block"]
 
 
 def test_too_many_failed_episodes_stop_the_run_naming_the_agent(agents):
