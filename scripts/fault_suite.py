@@ -109,12 +109,15 @@ def shm_names() -> set[str]:
         return set()
 
 
-def train_rows(run_dir: Path) -> list[dict]:
+def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if "loss" in r]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def train_rows(run_dir: Path) -> list[dict]:
+    return [r for r in read_metrics(run_dir) if "loss" in r]
 
 
 EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Fault|Exception|Aborted|Closed|Timeout)\w*: ")

@@ -27,7 +27,7 @@ import torch
 
 from rltrain.config.group_options import ServerRolloutConfig
 from rltrain.rollout.base import Completion, SamplingSettings
-from rltrain.rollout.server_http import ServerDown, call, is_up
+from rltrain.rollout.server_http import ServerDown, ServerRefused, call, is_up, server_identity
 from rltrain.rollout.server_process import SpawnedServer, stop_servers
 from rltrain.rollout.server_push import (
     WeightPusher,
@@ -44,8 +44,8 @@ from rltrain.runtime.errors import UserError
 MAX_IN_FLIGHT = 64  # concurrent requests from one trainer rank
 
 
-class FleetDown(RuntimeError):
-    """Every server stayed unreachable for `rollout.timeout_s`."""
+class FleetDown(UserError):
+    """Every server stayed unreachable for `rollout.timeout_s`: one paragraph naming each (exit 2)."""
 
 
 @dataclass
@@ -58,6 +58,7 @@ class Server:
     served: int = 0  # requests it answered
     down_since: float = 0.0
     reasons: list[str] = field(default_factory=list)
+    identity: str | None = None  # the id it reports (rank 0): two URLs of one server are refused
 
 
 class ServerFleetEngine:
@@ -87,14 +88,7 @@ class ServerFleetEngine:
         self.servers: list[Server] = []
         try:
             if rank == 0:
-                self.servers = [Server(url.rstrip("/")) for url in cfg.servers.urls]
-                spawned = [
-                    SpawnedServer(cfg, model_dir, dtype, cuda, log_dir / f"vllm-server-{i}.log") for i in range(cfg.servers.spawn)
-                ]
-                self.servers += [Server(s.url, spawned=s) for s in spawned]
-                for s in spawned:
-                    s.wait_ready(cfg.servers.start_timeout_s)
-                    print(f"rltrain: rollout server {s.url} (pid {s.proc.pid}, log {s.log_path})", flush=True)
+                self.servers = self._start_servers(dtype, log_dir)
             urls = [s.url for s in self.servers]
             if urls_from_rank0 is not None:  # every rank uses the servers rank 0 spawned
                 urls = urls_from_rank0(urls)
@@ -105,29 +99,119 @@ class ServerFleetEngine:
                     "rollout=server has no servers: set rollout.servers.spawn=N (servers started on this machine) "
                     "and/or rollout.servers.urls=[http://host:port,...] (servers started with `python -m rltrain.serve`)."
                 )
-            for server in self.servers:
-                self._wait_up(server, cfg.servers.start_timeout_s)
-            if rank == 0:
-                expected, buckets = model_fingerprint(self.model_dir), self._current_buckets()
-                errors = run_each([partial(self._join, server, expected, buckets) for server in self.servers])
-                for error in errors:
-                    if error is not None:
-                        raise error
+            self._form()
         except BaseException:
             self.close()
             raise
 
-    # --- servers --------------------------------------------------------------------------------
+    # --- forming the fleet ----------------------------------------------------------------------
 
-    def _wait_up(self, server: Server, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not is_up(server.url):
-            if time.monotonic() > deadline:
-                raise FleetDown(
-                    f"rollout=server: {server.url} did not answer /health within {timeout_s:g}s. Start it "
-                    "(`python -m rltrain.serve <the run's overrides>`) or fix rollout.servers.urls."
+    def _start_servers(self, dtype: str, log_dir: Path) -> list[Server]:
+        """Rank 0: the URL-given servers (each given once) and the ones this trainer spawns; a spawned
+        one that fails to start is a server down (the others go on)."""
+        cfg = self.cfg
+        raw = list(cfg.servers.urls)
+        given = [url.rstrip("/") for url in raw]
+        for i, url in enumerate(given):
+            if url in given[:i]:
+                first = given.index(url)
+                raise UserError(
+                    f"rollout.servers.urls: entries {first} ({raw[first]}) and {i} ({raw[i]}) are the same URL: one server "
+                    "takes one entry. Remove the repeat, or start another server (`python -m rltrain.serve --port N`) for it."
                 )
+        servers = [Server(url) for url in given]
+        spawned = [
+            SpawnedServer(cfg, self.model_dir, dtype, self.cuda, log_dir / f"vllm-server-{i}.log") for i in range(cfg.servers.spawn)
+        ]
+        servers += [Server(s.url, spawned=s) for s in spawned]
+        for server in servers[len(given):]:
+            assert server.spawned is not None
+            try:
+                server.spawned.wait_ready(cfg.servers.start_timeout_s)
+            except RuntimeError as exc:
+                self._mark_down(server, str(exc))
+                print(f"rltrain: rollout server {server.url} did not start, going on without it: {exc}", flush=True)
+                continue
+            print(f"rltrain: rollout server {server.url} (pid {server.spawned.proc.pid}, log {server.spawned.log_path})", flush=True)
+        return servers
+
+    def _form(self) -> None:
+        """Every rank: wait for the servers to answer. Rank 0: tell them apart (two URLs of one
+        server are refused), join each and give it the checkpoint. A server that fails any of it is
+        down, as one that dies mid-run: the others go on; none left, the fleet waits for one up to
+        `rollout.timeout_s` (docs/rollout-servers.md, "Failure behaviour")."""
+        self._wait_up([s for s in self.servers if s.up], self.cfg.servers.start_timeout_s)
+        if self.rank == 0:
+            up = [s for s in self.servers if s.up]
+            errors = run_each([partial(self._identify, server) for server in up])
+            self._down_or_raise(up, errors)
+            self._refuse_duplicates()
+            up = [s for s in self.servers if s.up]
+            expected, buckets = model_fingerprint(self.model_dir), self._current_buckets()
+            self._down_or_raise(up, run_each([partial(self._join, server, expected, buckets) for server in up]))
+        if not any(s.up for s in self.servers):
+            self._await_any(time.monotonic() + self.cfg.timeout_s)
+
+    def _wait_up(self, servers: list[Server], timeout_s: float) -> None:
+        """Each of `servers` answers /health within `timeout_s` (all together), or is down."""
+        deadline = time.monotonic() + timeout_s
+        waiting = list(servers)
+        while waiting:
+            waiting = [s for s in waiting if not is_up(s.url)]
+            if waiting and time.monotonic() > deadline:
+                for server in waiting:
+                    self._mark_down(server, f"no answer to /health within rollout.servers.start_timeout_s={timeout_s:g}s")
+                    print(f"rltrain: rollout server {server.url} does not answer, going on without it for now", flush=True)
+                return
+            if waiting:
+                time.sleep(1.0)
+
+    def _identify(self, server: Server) -> None:
+        """Ask `server` who it is (the id its worker extension reports)."""
+        try:
+            server.identity = server_identity(server.url, self.cfg.timeout_s)
+        except ServerRefused as exc:
+            raise UserError(
+                f"rollout=server: {server.url} answers, but not as a server of rltrain's (no dev-mode /collective_rpc "
+                f"or no worker extension: {str(exc)[:200]}). Start it with `python -m rltrain.serve <the run's overrides>`."
+            ) from None
+
+    def _refuse_duplicates(self) -> None:
+        """Two entries that reach one server (one URL twice, two names of one host) are refused: the
+        trainer would push each version into it twice over two pair groups."""
+        seen: dict[str, Server] = {}
+        for server in self.servers:
+            if server.identity is None:
+                continue
+            first = seen.setdefault(server.identity, server)
+            if first is not server:
+                raise UserError(
+                    f"rollout.servers.urls: {first.url} and {server.url} reach the same server (it reports one id, "
+                    f"{server.identity}). Give each server once; for a second server start another "
+                    "(`python -m rltrain.serve --port N`)."
+                )
+
+    def _down_or_raise(self, servers: list[Server], errors: list[BaseException | None]) -> None:
+        """A server's failure (`ServerDown`) marks it down; any other error is raised."""
+        for server, error in zip(servers, errors, strict=True):
+            if isinstance(error, ServerDown):
+                self._mark_down(server, str(error))
+                print(f"rltrain: rollout server {server.url} failed while the fleet formed, going on without it for now: "
+                      f"{str(error)[:300]}", flush=True)
+        for error in errors:
+            if error is not None and not isinstance(error, ServerDown):
+                raise error
+
+    def _await_any(self, deadline: float) -> None:
+        """No server is up: ask the down ones again until one is, or raise FleetDown at `deadline`."""
+        while not any(s.up for s in self.servers):
+            if time.monotonic() > deadline:
+                raise FleetDown(self._all_down_message())
             time.sleep(1.0)
+            with self._lock:
+                self._revive()
+
+    # --- servers --------------------------------------------------------------------------------
 
     def _current_buckets(self) -> list[tuple[torch.Tensor, list[list[Any]]]]:
         """The version servers that (re)join get: the pushed one, else the checkpoint (version 0),
@@ -181,15 +265,24 @@ class ServerFleetEngine:
             return
         if not back:
             return
+        identified = self._still_up(back, run_each([partial(self._identify, server) for server in back]))
+        self._refuse_duplicates()
+        if not identified:
+            return
         expected, buckets = model_fingerprint(self.model_dir), self._current_buckets()
-        errors = run_each([partial(self._join, server, expected, buckets) for server in back])
-        for server, error in zip(back, errors, strict=True):
-            if isinstance(error, ServerDown):
-                server.reasons.append(str(error))
-            elif error is not None:
+        joined = self._still_up(identified, run_each([partial(self._join, server, expected, buckets) for server in identified]))
+        for server in joined:
+            server.up = True
+
+    def _still_up(self, servers: list[Server], errors: list[BaseException | None]) -> list[Server]:
+        """The down `servers` whose step went through; a `ServerDown` is kept as a reason, any other error raised."""
+        for error in errors:
+            if error is not None and not isinstance(error, ServerDown):
                 raise error
-            else:
-                server.up = True
+        for server, error in zip(servers, errors, strict=True):
+            if error is not None:
+                server.reasons.append(str(error))
+        return [server for server, error in zip(servers, errors, strict=True) if error is None]
 
     def _server_version(self, server: Server) -> int:
         answer = call(server.url, "/weight_info", None, self.cfg.timeout_s)

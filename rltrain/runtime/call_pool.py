@@ -121,6 +121,7 @@ class CallPool:
         self.concurrency = max(1, concurrency if concurrency is not None else size)
         self.slots = -(-self.concurrency // size)  # calls one worker runs at once
         self.workers: list[Worker] = []
+        self.spare: list[Worker] = []  # one ready replacement once a worker was replaced
 
     def start(self) -> None:
         """Start the missing workers (they import while the caller does other work)."""
@@ -156,9 +157,9 @@ class CallPool:
         return [r if r is not None else CallResult(failure="timeout", message="not run") for r in results]
 
     def close(self) -> None:
-        for w in self.workers:
+        for w in [*self.workers, *self.spare]:
             w.kill()
-        self.workers = []
+        self.workers, self.spare = [], []
 
     def _dispatch(self, calls: list[Call], pending: deque, reruns: list[int]) -> None:
         """Hand waiting calls to workers with a free slot, up to `concurrency` in flight. A call that
@@ -244,8 +245,12 @@ class CallPool:
         self._replace(w)
 
     def _replace(self, w: Worker) -> None:
+        """Kill `w`; a spare worker, started at the first replacement and kept ready since (a pool
+        that lost one worker tends to lose more: a hung or loop-blocking function), takes its place."""
         w.kill()
-        self.workers[self.workers.index(w)] = Worker(self.paths, self.slots)
+        fresh = self.spare.pop() if self.spare else Worker(self.paths, self.slots)
+        self.workers[self.workers.index(w)] = fresh
+        self.spare.append(Worker(self.paths, self.slots))
 
     def _expire_all(self, results: list[CallResult | None], pending: deque, why: str) -> None:
         for w in list(self.workers):
