@@ -344,7 +344,7 @@ def table(rows: list[Row]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", nargs="*", help="case names: KIND@BACKEND, rollout_child@BACKEND, async_sigkill@BACKEND, async_sigstop@BACKEND, receiver, lost, agent_loop_sleep, agent_spins, agent_never_returns, agent_thread_sleep, server_killed, server_restarted, server_other_model, servers_gone, trainer_killed")
+    parser.add_argument("--only", nargs="*", help="case names: KIND@BACKEND, rollout_child@BACKEND, async_sigkill@BACKEND, async_sigstop@BACKEND, receiver, lost, agent_loop_sleep, agent_spins, agent_never_returns, agent_thread_sleep, server_killed, server_restarted, server_other_model, server_twice, server_handshake_fails, servers_gone, trainer_killed")
     parser.add_argument("--out", type=Path, help="also write the table here")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

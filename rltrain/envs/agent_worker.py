@@ -1,15 +1,13 @@
 """The worker side of an agent episode (env=agent): one call of rltrain/runtime/call_pool.py plays
 one episode, so a hung or crashing agent costs its worker and that episode only.
 
-`run_episode` points the OpenAI environment variables at the episode's endpoint (for agents and
-frameworks that build their own client), tells the endpoint the episode started (its
-`env.timeout_s` runs from then), and calls the user's `run(client, row)` with a ready client:
-`AsyncOpenAI` for an `async def` agent (handed back as a coroutine: the call worker awaits it on
-its one watched event loop, rltrain/runtime/watched_loop.py), `OpenAI` otherwise. What it returns
-is the episode's reward: a number, or a dict of named numbers (summed). A worker plays several
-episodes at once, so `os.environ` answers the two variables from a per-episode context variable
-(docs/agents.md, "Isolation").
-"""
+`run_episode` points the OpenAI environment variables at the episode's endpoint, tells the endpoint
+the episode started (its `env.timeout_s` runs from then), and calls the user's `run(client, row)`
+with a ready client: `OpenAI`, or `AsyncOpenAI` for an `async def` agent (handed back as a
+coroutine the call worker awaits on its watched event loop). What it returns is the episode's
+reward: a number, or a dict of named numbers (summed). Several episodes share a worker, so
+`os.environ` answers the two variables from a per-episode context variable (docs/agents.md,
+"Isolation")."""
 
 from __future__ import annotations
 
@@ -24,6 +22,7 @@ from typing import Any
 
 import openai
 
+from rltrain.runtime.errors import UserError
 from rltrain.runtime.user_code import load_callable
 
 
@@ -65,6 +64,23 @@ class _EpisodeEnviron(type(os.environ)):  # type: ignore[misc]
 _ENVIRON_LOCK = threading.Lock()
 
 
+def check_agent(agent: str) -> None:
+    """Import `env.agent` and check it takes (client, row): a typo or a wrong signature is a
+    UserError in the launcher, seconds in, not an error of every episode once the engines are up."""
+    fn = load_callable("env.agent", agent)
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a callable Python cannot describe: its first call tells
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise UserError(
+            f"env.agent {agent!r} must take two arguments, (client, row), and return the episode's reward; its "
+            f"signature is {fn.__name__}{signature}. docs/agents.md, \"The agent\"."
+        ) from None
+
+
 def run_episode(
     agent: str, base_url: str, api_key: str, row: dict[str, Any], timeout_s: float | None,
 ) -> dict[str, Any] | Coroutine[Any, Any, dict[str, Any]]:
@@ -81,8 +97,13 @@ def run_episode(
     request_timeout = timeout_s if timeout_s else None
     if inspect.iscoroutinefunction(fn):
 
+        # Made here, in the call's thread: a client's TLS setup and the first use of `chat` are
+        # tenths of a second of work that would hold the event loop every other episode shares.
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=request_timeout)
+        client.chat.completions  # noqa: B018 - its resources are imported on first use
+
         async def play() -> dict[str, Any]:
-            async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=request_timeout) as client:
+            async with client:
                 return reward_of(await fn(client, row))
 
         return play()

@@ -3,13 +3,11 @@
 User code may hang, run for minutes or crash the interpreter, and a thread cannot be killed: past
 its deadline a call's worker is SIGKILLed with its process group and replaced, and the call fails.
 Up to `concurrency` calls run at once: one per worker in its main thread (reward functions), or
-several in threads (environment calls). Hung calls that started together die together (N cost one
-timeout), as does a call that blocks its worker's event loop (rltrain/runtime/watched_loop.py);
-the other calls in flight on a worker killed for them run again, not counted as failures. Calls
-on a worker that died under them, one of them its cause, run again once, each alone on a worker.
-Workers are `python -m rltrain.runtime.call_worker` processes that import the functions before they
-report ready and die with the trainer; calls and results cross as JSON. docs/environments.md
-("Concurrency") and docs/rewards-and-roles.md tell the story."""
+several in threads (environment calls). Hung calls that started together die together, as does a
+call that blocks its worker's event loop (rltrain/runtime/watched_loop.py); the others on that
+worker run again, uncounted. Calls on a worker that died under them (which one caused it unknown)
+run again once, each alone. Workers are `python -m rltrain.runtime.call_worker` processes; calls
+and results cross as JSON. docs/environments.md ("Concurrency") and docs/agents.md ("Isolation")."""
 
 from __future__ import annotations
 

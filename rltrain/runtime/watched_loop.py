@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-BLOCKED_S = 1.0  # a task that holds the loop this long without yielding has blocked it
+BLOCKED_S = 2.0  # a task that holds the loop this long without yielding has blocked it
 TICK_S = 0.05
 CALL_INDEX: contextvars.ContextVar[int | None] = contextvars.ContextVar("rltrain_call_index", default=None)
 
