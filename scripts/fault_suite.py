@@ -126,13 +126,14 @@ EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Fault|Exception|Aborted|Closed|Timeo
 def first_error(output: str) -> str:
     """The line that says what happened: a lost rank; else the error rltrain raised on the first
     rank that failed (the outermost of a chain: the last one before the launcher's report); else
-    the first exception; else rltrain's own line."""
+    the first exception; else rltrain's one-paragraph error; else rltrain's own line."""
     lines = [re.sub(r"^\[rank\d+\]: ", "", line) for line in output.splitlines()]
     exited = next((i for i, line in enumerate(lines) if re.match(r"rltrain: rank \d+ exited", line)), len(lines))
     picks = (
         [line for line in lines if line.startswith("rltrain: ") and "killed by" in line][:1]
         or [line for line in lines[:exited] if re.match(r"rltrain\.[\w.]+: ", line)][-1:]
         or [line for line in lines if EXCEPTION_LINE.match(line)][:1]
+        or [line for line in lines if line.startswith("rltrain: error: ")][:1]
         or [line for line in lines if line.startswith("rltrain: ")][:1]
         or lines[-1:]
     )
