@@ -139,7 +139,7 @@ def run_job(cfg: Config, run_dir: Path) -> None:
     try:
         validate(cfg)
         if cfg.env.name == "agent":  # the user's code, before any engine starts (a typo costs seconds)
-            from rltrain.envs.agent_worker import check_agent
+            from rltrain.envs.agent.episode import check_agent
 
             check_agent(str(cfg.env.agent))
     except UserError as exc:

@@ -60,13 +60,13 @@ def with_server_rollout(overrides: list[str]) -> list[str]:
 
 
 def _serve(host: str, port: int, overrides: list[str]) -> int:
-    from rltrain.rollout.server_process import port_problem
+    from rltrain.rollout.server.process import port_problem
 
     problem = port_problem(host, port)
     if problem is not None:
         raise port_refusal(host, port, problem)
     rollout, model_dir, dtype, cuda = _run_server_config(host, port, overrides)
-    from rltrain.rollout.server_process import is_ours, server_command, server_env
+    from rltrain.rollout.server.process import is_ours, server_command, server_env
 
     identity = uuid.uuid4().hex
     proc = subprocess.Popen(server_command(rollout, model_dir, dtype, host, port, cuda), env=server_env(rollout, cuda, identity))

@@ -254,7 +254,7 @@ def _newest(run_dir: Path) -> int:
 
 def server_cases() -> list[tuple[str, Callable[..., Row]]]:
     """(name, fn(base)) per row; the URL-given servers are started once and shared by their rows."""
-    from rltrain.rollout.server_process import free_port
+    from rltrain.rollout.server.process import free_port
 
     shared: dict[str, object] = {}
 

@@ -25,7 +25,7 @@ from rltrain.data.prompt_data import PromptRow, build_prompt_data
 from rltrain.data.ragged import Ragged
 from rltrain.data.sampler import IndexStream
 from rltrain.data.sharding import rank_slice, sum_over_replicas
-from rltrain.envs.agent import AgentResults, AgentRunner, named_on_every_rank
+from rltrain.envs.agent.runner import AgentResults, AgentRunner, named_on_every_rank
 from rltrain.envs.episodes import EpisodeResults, EpisodeRunner
 from rltrain.rewards.overlong import overlong_penalties
 from rltrain.rewards.scoring import Failures, RewardScorer, Scored

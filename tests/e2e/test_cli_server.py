@@ -13,7 +13,7 @@ import socket
 import pytest
 from cli import QUICK, ROOT, SMALL_MODEL, python, rltrain, train_rows
 
-from rltrain.rollout.server_process import free_port
+from rltrain.rollout.server.process import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("rollout_servers")]
 

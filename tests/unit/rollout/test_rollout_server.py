@@ -19,9 +19,9 @@ from safetensors.torch import load_file
 
 from rltrain.config.group_options import ServerRolloutConfig, ServersConfig
 from rltrain.rollout.base import SamplingSettings
-from rltrain.rollout.server import FleetDown, ServerFleetEngine
-from rltrain.rollout.server_process import SpawnedServer, free_port
-from rltrain.rollout.server_push import server_device
+from rltrain.rollout.server.fleet import FleetDown, ServerFleetEngine
+from rltrain.rollout.server.process import SpawnedServer, free_port
+from rltrain.rollout.server.push import server_device
 from rltrain.runtime.errors import UserError
 
 pytestmark = [pytest.mark.xdist_group("rollout_servers")]

@@ -11,8 +11,8 @@ import pytest
 
 from rltrain import serve
 from rltrain.config.group_options import ServerRolloutConfig, ServersConfig
-from rltrain.rollout import server_process
-from rltrain.rollout.server_process import free_port, port_problem
+from rltrain.rollout.server import process
+from rltrain.rollout.server.process import free_port, port_problem
 
 
 @pytest.fixture
@@ -44,7 +44,7 @@ def test_a_port_taken_while_the_server_started_is_refused_naming_it(monkeypatch,
 
     bind = f"import socket; socket.socket().bind(('127.0.0.1', {port}))"
     monkeypatch.setattr(serve, "_run_server_config", config_while_the_port_is_taken)
-    monkeypatch.setattr(server_process, "server_command", lambda *args: [sys.executable, "-c", bind])
+    monkeypatch.setattr(process, "server_command", lambda *args: [sys.executable, "-c", bind])
     try:
         code = serve.main(["--host", "127.0.0.1", "--port", str(port)])
     finally:

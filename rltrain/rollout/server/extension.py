@@ -1,5 +1,5 @@
 """The trainer's end inside a vLLM API server: a worker extension (`--worker-extension-cls
-rltrain.rollout.server_worker.WeightPushExtension`) that vLLM mixes into its worker class.
+rltrain.rollout.server.extension.WeightPushExtension`) that vLLM mixes into its worker class.
 
 vLLM 0.32's own weight-transfer engines need CUDA (NCCL, IPC); this extension is the path that
 also runs on the CPU build. The trainer calls its methods through vLLM's `/collective_rpc` (the

@@ -1,7 +1,7 @@
 """Starting vLLM's own OpenAI-compatible API server for `rollout=server`: its command line (what
 the trainer needs in it: token-in/token-out generation, the dev-mode RPC the weight push rides on,
 our worker extension, the trainer's raw log-probabilities), and a spawned server's lifetime (it
-dies with the trainer: rltrain/rollout/server_guard.py). docs/rollout-servers.md.
+dies with the trainer: rltrain/rollout/server/guard.py). docs/rollout-servers.md.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import uuid
 from pathlib import Path
 
 from rltrain.config.group_options import ServerRolloutConfig
-from rltrain.rollout.server_http import ServerDown, ServerRefused, is_up, server_identity
-from rltrain.rollout.server_worker import SERVER_ID_ENV
+from rltrain.rollout.server.client import ServerDown, ServerRefused, is_up, server_identity
+from rltrain.rollout.server.extension import SERVER_ID_ENV
 from rltrain.runtime.threads import usable_cores
 
-EXTENSION = "rltrain.rollout.server_worker.WeightPushExtension"
+EXTENSION = "rltrain.rollout.server.extension.WeightPushExtension"
 # torch.distributed / elastic variables a server must not inherit from a trainer rank.
 _DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -62,7 +62,7 @@ def server_env(cfg: ServerRolloutConfig, cuda: bool, server_id: str) -> dict[str
     env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV and not k.startswith("TORCHELASTIC_")}
     env["VLLM_SERVER_DEV_MODE"] = "1"
     env[SERVER_ID_ENV] = server_id
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(Path(__file__).resolve().parents[3])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # The in-process engine's setting does not pass on. On a CPU "0" keeps the uni executor that
@@ -109,9 +109,9 @@ class SpawnedServer:
         self.server_id = uuid.uuid4().hex
         self.log_path = log_path
         with open(log_path, "ab") as log:
-            # Through the guard (rltrain/rollout/server_guard.py), in a session of its own: the
+            # Through the guard (rltrain/rollout/server/guard.py), in a session of its own: the
             # server and vLLM's engine processes go when the trainer goes, however it goes.
-            guard = [sys.executable, "-m", "rltrain.rollout.server_guard", str(os.getpid())]
+            guard = [sys.executable, "-m", "rltrain.rollout.server.guard", str(os.getpid())]
             self.proc = subprocess.Popen(
                 guard + server_command(cfg, model_dir, dtype, "127.0.0.1", self.port, cuda),
                 env=server_env(cfg, cuda, self.server_id), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,

@@ -3,7 +3,7 @@
 Each prompt (a GRPO group: its `n` samples) is one request to one server (its prefix cache),
 chosen client-side by least outstanding requests, and seeded by its index in the batch, so a
 completion does not depend on which server produced it. Trainer rank 0 pushes every new version
-to every server at once (rltrain/rollout/server_push.py: gloo, or NCCL between GPUs) and keeps it
+to every server at once (rltrain/rollout/server/push.py: gloo, or NCCL between GPUs) and keeps it
 as a host copy, so a server that comes back gets the current weights before it serves again.
 Every completion carries the vLLM weight version that sampled it; one from another version than
 the engine's stops the run. docs/rollout-servers.md.
@@ -11,13 +11,11 @@ the engine's stops the run. docs/rollout-servers.md.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -27,17 +25,27 @@ import torch
 
 from rltrain.config.group_options import ServerRolloutConfig
 from rltrain.rollout.base import Completion, SamplingSettings
-from rltrain.rollout.server_http import ServerDown, ServerRefused, call, is_up, server_identity
-from rltrain.rollout.server_process import SpawnedServer, stop_servers
-from rltrain.rollout.server_push import (
+from rltrain.rollout.server.client import ServerDown, call, is_up
+from rltrain.rollout.server.extension import model_fingerprint
+from rltrain.rollout.server.process import stop_servers
+from rltrain.rollout.server.push import (
     WeightPusher,
     buckets_of,
+    checkpoint_weights,
     needs_server_device,
     push_backend,
     run_each,
     server_device,
 )
-from rltrain.rollout.server_worker import model_fingerprint
+from rltrain.rollout.server.roster import (
+    Server,
+    given_servers,
+    identify,
+    not_answering,
+    refuse_duplicates,
+    share_urls,
+    spawn_servers,
+)
 from rltrain.rollout.vllm import _request_seed
 from rltrain.runtime.errors import UserError
 
@@ -46,19 +54,6 @@ MAX_IN_FLIGHT = 64  # concurrent requests from one trainer rank
 
 class FleetDown(UserError):
     """Every server stayed unreachable for `rollout.timeout_s`: one paragraph naming each (exit 2)."""
-
-
-@dataclass
-class Server:
-    url: str
-    spawned: SpawnedServer | None = None
-    pusher: WeightPusher | None = None  # trainer rank 0 only
-    up: bool = True
-    outstanding: int = 0
-    served: int = 0  # requests it answered
-    down_since: float = 0.0
-    reasons: list[str] = field(default_factory=list)
-    identity: str | None = None  # the id it reports (rank 0): two URLs of one server are refused
 
 
 class ServerFleetEngine:
@@ -109,30 +104,11 @@ class ServerFleetEngine:
     def _start_servers(self, dtype: str, log_dir: Path) -> list[Server]:
         """Rank 0: the URL-given servers (each given once) and the ones this trainer spawns; a spawned
         one that fails to start is a server down (the others go on)."""
-        cfg = self.cfg
-        raw = list(cfg.servers.urls)
-        given = [url.rstrip("/") for url in raw]
-        for i, url in enumerate(given):
-            if url in given[:i]:
-                first = given.index(url)
-                raise UserError(
-                    f"rollout.servers.urls: entries {first} ({raw[first]}) and {i} ({raw[i]}) are the same URL: one server "
-                    "takes one entry. Remove the repeat, or start another server (`python -m rltrain.serve --port N`) for it."
-                )
-        servers = [Server(url) for url in given]
-        spawned = [
-            SpawnedServer(cfg, self.model_dir, dtype, self.cuda, log_dir / f"vllm-server-{i}.log") for i in range(cfg.servers.spawn)
-        ]
-        servers += [Server(s.url, spawned=s) for s in spawned]
-        for server in servers[len(given):]:
-            assert server.spawned is not None
-            try:
-                server.spawned.wait_ready(cfg.servers.start_timeout_s)
-            except RuntimeError as exc:
-                self._mark_down(server, str(exc))
-                print(f"rltrain: rollout server {server.url} did not start, going on without it: {exc}", flush=True)
-                continue
-            print(f"rltrain: rollout server {server.url} (pid {server.spawned.proc.pid}, log {server.spawned.log_path})", flush=True)
+        servers = given_servers(list(self.cfg.servers.urls))
+        for server, error in spawn_servers(self.cfg, self.model_dir, dtype, self.cuda, log_dir):
+            servers.append(server)
+            if error is not None:
+                self._mark_down(server, error)
         return servers
 
     def _form(self) -> None:
@@ -140,56 +116,20 @@ class ServerFleetEngine:
         server are refused), join each and give it the checkpoint. A server that fails any of it is
         down, as one that dies mid-run: the others go on; none left, the fleet waits for one up to
         `rollout.timeout_s` (docs/rollout-servers.md, "Failure behaviour")."""
-        self._wait_up([s for s in self.servers if s.up], self.cfg.servers.start_timeout_s)
+        wait_s = self.cfg.servers.start_timeout_s
+        for server in not_answering([s for s in self.servers if s.up], wait_s):
+            self._mark_down(server, f"no answer to /health within rollout.servers.start_timeout_s={wait_s:g}s")
+            print(f"rltrain: rollout server {server.url} does not answer, going on without it for now", flush=True)
         if self.rank == 0:
             up = [s for s in self.servers if s.up]
-            errors = run_each([partial(self._identify, server) for server in up])
+            errors = run_each([partial(identify, server, self.cfg.timeout_s) for server in up])
             self._down_or_raise(up, errors)
-            self._refuse_duplicates()
+            refuse_duplicates(self.servers)
             up = [s for s in self.servers if s.up]
             expected, buckets = model_fingerprint(self.model_dir), self._current_buckets()
             self._down_or_raise(up, run_each([partial(self._join, server, expected, buckets) for server in up]))
         if not any(s.up for s in self.servers):
             self._await_any(time.monotonic() + self.cfg.timeout_s)
-
-    def _wait_up(self, servers: list[Server], timeout_s: float) -> None:
-        """Each of `servers` answers /health within `timeout_s` (all together), or is down."""
-        deadline = time.monotonic() + timeout_s
-        waiting = list(servers)
-        while waiting:
-            waiting = [s for s in waiting if not is_up(s.url)]
-            if waiting and time.monotonic() > deadline:
-                for server in waiting:
-                    self._mark_down(server, f"no answer to /health within rollout.servers.start_timeout_s={timeout_s:g}s")
-                    print(f"rltrain: rollout server {server.url} does not answer, going on without it for now", flush=True)
-                return
-            if waiting:
-                time.sleep(1.0)
-
-    def _identify(self, server: Server) -> None:
-        """Ask `server` who it is (the id its worker extension reports)."""
-        try:
-            server.identity = server_identity(server.url, self.cfg.timeout_s)
-        except ServerRefused as exc:
-            raise UserError(
-                f"rollout=server: {server.url} answers, but not as a server of rltrain's (no dev-mode /collective_rpc "
-                f"or no worker extension: {str(exc)[:200]}). Start it with `python -m rltrain.serve <the run's overrides>`."
-            ) from None
-
-    def _refuse_duplicates(self) -> None:
-        """Two entries that reach one server (one URL twice, two names of one host) are refused: the
-        trainer would push each version into it twice over two pair groups."""
-        seen: dict[str, Server] = {}
-        for server in self.servers:
-            if server.identity is None:
-                continue
-            first = seen.setdefault(server.identity, server)
-            if first is not server:
-                raise UserError(
-                    f"rollout.servers.urls: {first.url} and {server.url} reach the same server (it reports one id, "
-                    f"{server.identity}). Give each server once; for a second server start another "
-                    "(`python -m rltrain.serve --port N`)."
-                )
 
     def _down_or_raise(self, servers: list[Server], errors: list[BaseException | None]) -> None:
         """A server's failure (`ServerDown`) marks it down; any other error is raised."""
@@ -218,7 +158,7 @@ class ServerFleetEngine:
         read once for all the servers that join together."""
         if self.current is not None:
             return self.current
-        return list(buckets_of(_checkpoint(self.model_dir), self.cfg.bucket_mb << 20))
+        return list(buckets_of(checkpoint_weights(self.model_dir), self.cfg.bucket_mb << 20))
 
     def _join(self, server: Server, expected: dict[str, str], buckets: list[tuple[torch.Tensor, list[list[Any]]]]) -> None:
         """Rank 0: open the weight push to `server`, refuse another model, reset it to `buckets`:
@@ -265,8 +205,8 @@ class ServerFleetEngine:
             return
         if not back:
             return
-        identified = self._still_up(back, run_each([partial(self._identify, server) for server in back]))
-        self._refuse_duplicates()
+        identified = self._still_up(back, run_each([partial(identify, server, self.cfg.timeout_s) for server in back]))
+        refuse_duplicates(self.servers)
         if not identified:
             return
         expected, buckets = model_fingerprint(self.model_dir), self._current_buckets()
@@ -441,27 +381,6 @@ class ServerFleetEngine:
             server.spawned = None
 
 
-def _checkpoint(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(model_dir.glob("*.safetensors")):
-        tensors.update(load_file(str(file), device="cpu"))
-    return sorted(tensors.items())
-
-
-def _share_urls(urls: list[str]) -> list[str]:
-    """Rank 0's server list on every rank (a JSON byte tensor broadcast, no pickle)."""
-    import torch.distributed as dist
-
-    payload = torch.tensor(list(json.dumps(urls).encode()), dtype=torch.uint8, device="cpu")
-    size = torch.tensor([payload.numel()], dtype=torch.int64, device="cpu")
-    dist.broadcast(size, 0)
-    buf = payload if dist.get_rank() == 0 else torch.empty(int(size.item()), dtype=torch.uint8, device="cpu")
-    dist.broadcast(buf, 0)
-    return list(json.loads(bytes(buf.tolist()).decode()))
-
-
 def build_engine(ctx: Any) -> ServerFleetEngine:
     """The run's fleet (registry key `server`)."""
     import torch.distributed as dist
@@ -470,7 +389,7 @@ def build_engine(ctx: Any) -> ServerFleetEngine:
 
     cfg: ServerRolloutConfig = ctx.cfg.rollout
     several = dist.is_initialized() and dist.get_world_size() > 1
-    share = _share_urls if several else None
+    share = share_urls if several else None
     loads_group = None
     if several and ctx.cfg.placement.max_staleness >= 1:  # every rank builds the engine: new_group is collective
         loads_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=ctx.cfg.safety.collective_timeout_s))
