@@ -140,6 +140,10 @@ def run_job(cfg: Config, run_dir: Path) -> None:
     try:
         validate(cfg)
         check_reward_needs(cfg)  # e.g. the code reward's sandbox tool, before any model is built
+        if cfg.env.name == "agent":  # the user's code, before any engine starts (a typo costs seconds)
+            from rltrain.envs.agent.episode import check_agent
+
+            check_agent(str(cfg.env.agent))
     except UserError as exc:
         fail(exc)
     if under_torchrun():

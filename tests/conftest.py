@@ -112,7 +112,7 @@ def rollout_servers(tiny_cache, tmp_path_factory):
     from cli import SMALL_MODEL
 
     from rltrain.models.model_dir import resolve_model_dir
-    from rltrain.rollout.server_process import SpawnedServer, stop_servers
+    from rltrain.rollout.server.process import SpawnedServer, stop_servers
     from rltrain.serve import compose_run_config
 
     cfg = compose_run_config(["model=tiny", *SMALL_MODEL, "rollout=server", "rollout.servers.spawn=1", "rollout.timeout_s=60"])

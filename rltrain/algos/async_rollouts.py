@@ -21,7 +21,7 @@ from typing import Any
 
 from rltrain.algos.experience import Experience, ExperienceCollector
 from rltrain.algos.rollout_turns import refuse_agent_replica
-from rltrain.envs.agent import AgentRunner, played_from_json, played_to_json
+from rltrain.envs.agent.runner import AgentRunner, played_from_json, played_to_json
 from rltrain.envs.episodes import EpisodeResults
 from rltrain.envs.replica import share_results
 from rltrain.rollout.ahead import RolloutWorker
@@ -92,7 +92,7 @@ class AsyncRollouts:
     def _play(self, rows: list, step: int) -> Generated:
         """Step `step`'s episodes, every turn, on the worker's thread (the engine called directly):
         exactly what the synchronous step plays (rltrain/envs/episodes.py; env=agent: the endpoint
-        served from this thread, rltrain/envs/agent.py), by one version."""
+        served from this thread, rltrain/envs/agent/runner.py), by one version."""
         assert self.collector.episodes is not None
         started = time.perf_counter()
         played = self.collector.episodes.run(

@@ -26,7 +26,7 @@ from rltrain.data.ragged import Ragged
 from rltrain.data.sampler import IndexStream
 from rltrain.data.sharding import rank_slice, sum_over_replicas
 from rltrain.data.vision_inputs import vision_extras
-from rltrain.envs.agent import AgentResults, AgentRunner, named_on_every_rank
+from rltrain.envs.agent.runner import AgentResults, AgentRunner, named_on_every_rank
 from rltrain.envs.episodes import EpisodeResults, EpisodeRunner
 from rltrain.models.vision import load_processor
 from rltrain.rewards.overlong import overlong_penalties

@@ -17,7 +17,7 @@ from rltrain.backends import build_engine, build_reference
 from rltrain.backends.base import LogProbScorer, TrainEngine
 from rltrain.config.algorithms import AlgorithmSpec, spec_of
 from rltrain.config.run_context import RunContext
-from rltrain.envs.agent import AgentRunner
+from rltrain.envs.agent.runner import AgentRunner
 from rltrain.envs.build import build_episode_runner
 from rltrain.envs.episodes import EpisodeRunner
 from rltrain.rewards.scoring import RewardScorer, build_reward_fns

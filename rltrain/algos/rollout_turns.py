@@ -10,7 +10,7 @@ the experience collector (rltrain/algos/experience.py). docs/agents.md has env=a
 from __future__ import annotations
 
 from rltrain.data.prompt_data import PromptRow
-from rltrain.envs.agent import AgentResults, AgentRunner
+from rltrain.envs.agent.runner import AgentResults, AgentRunner
 from rltrain.envs.episodes import EpisodeResults, EpisodeRunner
 from rltrain.envs.replica import share_results
 from rltrain.rollout.ahead import RolloutWorker

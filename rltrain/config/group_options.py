@@ -17,7 +17,7 @@ from rltrain.config.choices import choice
 
 RolloutProcess = Literal["colocated", "separate"]  # separate: the engine in a child process (rollout/separate.py)
 EnvName = Literal["none", "python", "tools"]  # rltrain/envs
-# The weight push's pair group (rltrain/rollout/server_push.py `push_backend`): auto picks NCCL where
+# The weight push's pair group (rltrain/rollout/server/push.py `push_backend`): auto picks NCCL where
 # the trainer and a server it did not spawn both run on CUDA, gloo otherwise.
 PushBackend = Literal["auto", "gloo", "nccl"]
 

@@ -30,7 +30,7 @@ class Completion:
     # environment's observations (their logprob is 0). None: every token was sampled.
     sampled: list[bool] | None = None
     # The prompt these tokens continue where it is not the row's (an agent's call rendered its own
-    # messages, rltrain/envs/agent.py). None: the row's prompt.
+    # messages, rltrain/envs/agent/runner.py). None: the row's prompt.
     prompt_ids: list[int] | None = None
     # The policy version that sampled it, as the server reported it (rollout=server); None for an
     # engine beside the trainer, whose weights are the ones the schedule delivered.

@@ -68,7 +68,7 @@ def test_choices_mirror_the_code_that_reads_them():
     from rltrain.data.tasks import TASKS
     from rltrain.launch.sweep import DIRECTIONS
     from rltrain.rollout import PROCESSES
-    from rltrain.rollout.server_push import PUSH_BACKENDS
+    from rltrain.rollout.server.push import PUSH_BACKENDS
     from rltrain.runtime.precision import PRECISIONS
 
     assert CHOICES["trainer.precision"] == PRECISIONS

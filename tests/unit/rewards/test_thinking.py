@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from rltrain.data.prompt_data import _prompt_text
 from rltrain.data.tokenize import render_messages
-from rltrain.envs.agent_reply import render
+from rltrain.envs.agent.reply import render
 from rltrain.models.tokenizer import build_char_tokenizer, with_chat_template_kwargs
 from rltrain.rewards.math import accuracy
 from rltrain.rewards.thinking import (

@@ -1,4 +1,4 @@
-"""The parent of a spawned vLLM API server: `python -m rltrain.rollout.server_guard PARENT_PID CMD...`.
+"""The parent of a spawned vLLM API server: `python -m rltrain.rollout.server.guard PARENT_PID CMD...`.
 
 A spawned server must not outlive the trainer, even a SIGKILLed one. `PR_SET_PDEATHSIG` reaches
 only the process that asked for it, and vLLM's API server starts its engine and workers as

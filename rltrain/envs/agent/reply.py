@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from rltrain.envs.agent_endpoint import SERVED_MODEL, ApiError
+from rltrain.envs.agent.endpoint import SERVED_MODEL, ApiError
 from rltrain.envs.tools import CALL_RE, parse_tool_calls
 
 

@@ -1,25 +1,28 @@
 """Starting vLLM's own OpenAI-compatible API server for `rollout=server`: its command line (what
 the trainer needs in it: token-in/token-out generation, the dev-mode RPC the weight push rides on,
 our worker extension, the trainer's raw log-probabilities), and a spawned server's lifetime (it
-dies with the trainer: rltrain/rollout/server_guard.py). docs/rollout-servers.md.
+dies with the trainer: rltrain/rollout/server/guard.py). docs/rollout-servers.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from rltrain.config.group_options import ServerRolloutConfig
-from rltrain.rollout.server_http import is_up
+from rltrain.rollout.server.client import ServerDown, ServerRefused, is_up, server_identity
+from rltrain.rollout.server.extension import SERVER_ID_ENV
 from rltrain.runtime.threads import usable_cores
 
-EXTENSION = "rltrain.rollout.server_worker.WeightPushExtension"
+EXTENSION = "rltrain.rollout.server.extension.WeightPushExtension"
 # torch.distributed / elastic variables a server must not inherit from a trainer rank.
 _DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -53,11 +56,13 @@ def server_command(cfg: ServerRolloutConfig, model_dir: str | Path, dtype: str, 
     return command
 
 
-def server_env(cfg: ServerRolloutConfig, cuda: bool) -> dict[str, str]:
-    """The server's environment: dev mode (`/collective_rpc`), rltrain importable, no trainer rank."""
+def server_env(cfg: ServerRolloutConfig, cuda: bool, server_id: str) -> dict[str, str]:
+    """The server's environment: dev mode (`/collective_rpc`), rltrain importable, no trainer rank,
+    and `server_id`, the identity its worker extension reports."""
     env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV and not k.startswith("TORCHELASTIC_")}
     env["VLLM_SERVER_DEV_MODE"] = "1"
-    root = str(Path(__file__).resolve().parents[2])
+    env[SERVER_ID_ENV] = server_id
+    root = str(Path(__file__).resolve().parents[3])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # The in-process engine's setting does not pass on. On a CPU "0" keeps the uni executor that
@@ -79,6 +84,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def port_problem(host: str, port: int) -> str | None:
+    """Why a server cannot listen on `port` of `host` ("taken": something holds it, on that address
+    or on every interface), or None: the bind a server makes goes through. With SO_REUSEADDR, as
+    vLLM's server binds: a port left in TIME_WAIT only is free."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return "taken" if exc.errno == errno.EADDRINUSE else str(exc)
+    return None
+
+
 class SpawnedServer:
     """One API server this trainer started; `stop()` ends it and its engine process."""
 
@@ -87,14 +106,15 @@ class SpawnedServer:
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.server_id = uuid.uuid4().hex
         self.log_path = log_path
         with open(log_path, "ab") as log:
-            # Through the guard (rltrain/rollout/server_guard.py), in a session of its own: the
+            # Through the guard (rltrain/rollout/server/guard.py), in a session of its own: the
             # server and vLLM's engine processes go when the trainer goes, however it goes.
-            guard = [sys.executable, "-m", "rltrain.rollout.server_guard", str(os.getpid())]
+            guard = [sys.executable, "-m", "rltrain.rollout.server.guard", str(os.getpid())]
             self.proc = subprocess.Popen(
                 guard + server_command(cfg, model_dir, dtype, "127.0.0.1", self.port, cuda),
-                env=server_env(cfg, cuda), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=server_env(cfg, cuda, self.server_id), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
 
@@ -106,7 +126,7 @@ class SpawnedServer:
                     f"the spawned vLLM server {self.url} exited with code {self.proc.returncode} while starting; "
                     f"its log: {self.log_path}\n{_tail(self.log_path)}"
                 )
-            if is_up(self.url):
+            if is_up(self.url) and is_ours(self.url, self.server_id):
                 return
             time.sleep(1.0)
         self.stop()
@@ -130,6 +150,15 @@ class SpawnedServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
+
+
+def is_ours(url: str, server_id: str) -> bool:
+    """Whether the server answering at `url` is the one started with `server_id` (not another that
+    holds the port)."""
+    try:
+        return server_identity(url, 10.0) == server_id
+    except (ServerDown, ServerRefused, IndexError, TypeError):
+        return False
 
 
 def stop_servers(servers: list[SpawnedServer]) -> None:

@@ -3,7 +3,7 @@
 Each prompt (a GRPO group: its `n` samples) is one request to one server (its prefix cache),
 chosen client-side by least outstanding requests, and seeded by its index in the batch, so a
 completion does not depend on which server produced it. Trainer rank 0 pushes every new version
-to every server at once (rltrain/rollout/server_push.py: gloo, or NCCL between GPUs) and keeps it
+to every server at once (rltrain/rollout/server/push.py: gloo, or NCCL between GPUs) and keeps it
 as a host copy, so a server that comes back gets the current weights before it serves again.
 Every completion carries the vLLM weight version that sampled it; one from another version than
 the engine's stops the run. docs/rollout-servers.md.
@@ -11,13 +11,11 @@ the engine's stops the run. docs/rollout-servers.md.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -27,37 +25,35 @@ import torch
 
 from rltrain.config.group_options import ServerRolloutConfig
 from rltrain.rollout.base import Completion, SamplingSettings
-from rltrain.rollout.server_http import ServerDown, call, is_up
-from rltrain.rollout.server_process import SpawnedServer, stop_servers
-from rltrain.rollout.server_push import (
+from rltrain.rollout.server.client import ServerDown, call, is_up
+from rltrain.rollout.server.extension import model_fingerprint
+from rltrain.rollout.server.process import stop_servers
+from rltrain.rollout.server.push import (
     WeightPusher,
     buckets_of,
+    checkpoint_weights,
     needs_server_device,
     push_backend,
     run_each,
     server_device,
 )
-from rltrain.rollout.server_worker import model_fingerprint
+from rltrain.rollout.server.roster import (
+    Server,
+    given_servers,
+    identify,
+    not_answering,
+    refuse_duplicates,
+    share_urls,
+    spawn_servers,
+)
 from rltrain.rollout.vllm import _request_seed
 from rltrain.runtime.errors import UserError
 
 MAX_IN_FLIGHT = 64  # concurrent requests from one trainer rank
 
 
-class FleetDown(RuntimeError):
-    """Every server stayed unreachable for `rollout.timeout_s`."""
-
-
-@dataclass
-class Server:
-    url: str
-    spawned: SpawnedServer | None = None
-    pusher: WeightPusher | None = None  # trainer rank 0 only
-    up: bool = True
-    outstanding: int = 0
-    served: int = 0  # requests it answered
-    down_since: float = 0.0
-    reasons: list[str] = field(default_factory=list)
+class FleetDown(UserError):
+    """Every server stayed unreachable for `rollout.timeout_s`: one paragraph naming each (exit 2)."""
 
 
 class ServerFleetEngine:
@@ -87,14 +83,7 @@ class ServerFleetEngine:
         self.servers: list[Server] = []
         try:
             if rank == 0:
-                self.servers = [Server(url.rstrip("/")) for url in cfg.servers.urls]
-                spawned = [
-                    SpawnedServer(cfg, model_dir, dtype, cuda, log_dir / f"vllm-server-{i}.log") for i in range(cfg.servers.spawn)
-                ]
-                self.servers += [Server(s.url, spawned=s) for s in spawned]
-                for s in spawned:
-                    s.wait_ready(cfg.servers.start_timeout_s)
-                    print(f"rltrain: rollout server {s.url} (pid {s.proc.pid}, log {s.log_path})", flush=True)
+                self.servers = self._start_servers(dtype, log_dir)
             urls = [s.url for s in self.servers]
             if urls_from_rank0 is not None:  # every rank uses the servers rank 0 spawned
                 urls = urls_from_rank0(urls)
@@ -105,36 +94,71 @@ class ServerFleetEngine:
                     "rollout=server has no servers: set rollout.servers.spawn=N (servers started on this machine) "
                     "and/or rollout.servers.urls=[http://host:port,...] (servers started with `python -m rltrain.serve`)."
                 )
-            for server in self.servers:
-                self._wait_up(server, cfg.servers.start_timeout_s)
-            if rank == 0:
-                expected, buckets = model_fingerprint(self.model_dir), self._current_buckets()
-                errors = run_each([partial(self._join, server, expected, buckets) for server in self.servers])
-                for error in errors:
-                    if error is not None:
-                        raise error
+            self._form()
         except BaseException:
             self.close()
             raise
 
-    # --- servers --------------------------------------------------------------------------------
+    # --- forming the fleet ----------------------------------------------------------------------
 
-    def _wait_up(self, server: Server, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not is_up(server.url):
+    def _start_servers(self, dtype: str, log_dir: Path) -> list[Server]:
+        """Rank 0: the URL-given servers (each given once) and the ones this trainer spawns; a spawned
+        one that fails to start is a server down (the others go on)."""
+        servers = given_servers(list(self.cfg.servers.urls))
+        for server, error in spawn_servers(self.cfg, self.model_dir, dtype, self.cuda, log_dir):
+            servers.append(server)
+            if error is not None:
+                self._mark_down(server, error)
+        return servers
+
+    def _form(self) -> None:
+        """Every rank: wait for the servers to answer. Rank 0: tell them apart (two URLs of one
+        server are refused), join each and give it the checkpoint. A server that fails any of it is
+        down, as one that dies mid-run: the others go on; none left, the fleet waits for one up to
+        `rollout.timeout_s` (docs/rollout-servers.md, "Failure behaviour")."""
+        wait_s = self.cfg.servers.start_timeout_s
+        for server in not_answering([s for s in self.servers if s.up], wait_s):
+            self._mark_down(server, f"no answer to /health within rollout.servers.start_timeout_s={wait_s:g}s")
+            print(f"rltrain: rollout server {server.url} does not answer, going on without it for now", flush=True)
+        if self.rank == 0:
+            up = [s for s in self.servers if s.up]
+            errors = run_each([partial(identify, server, self.cfg.timeout_s) for server in up])
+            self._down_or_raise(up, errors)
+            refuse_duplicates(self.servers)
+            up = [s for s in self.servers if s.up]
+            expected, buckets = model_fingerprint(self.model_dir), self._current_buckets()
+            self._down_or_raise(up, run_each([partial(self._join, server, expected, buckets) for server in up]))
+        if not any(s.up for s in self.servers):
+            self._await_any(time.monotonic() + self.cfg.timeout_s)
+
+    def _down_or_raise(self, servers: list[Server], errors: list[BaseException | None]) -> None:
+        """A server's failure (`ServerDown`) marks it down; any other error is raised."""
+        for server, error in zip(servers, errors, strict=True):
+            if isinstance(error, ServerDown):
+                self._mark_down(server, str(error))
+                print(f"rltrain: rollout server {server.url} failed while the fleet formed, going on without it for now: "
+                      f"{str(error)[:300]}", flush=True)
+        for error in errors:
+            if error is not None and not isinstance(error, ServerDown):
+                raise error
+
+    def _await_any(self, deadline: float) -> None:
+        """No server is up: ask the down ones again until one is, or raise FleetDown at `deadline`."""
+        while not any(s.up for s in self.servers):
             if time.monotonic() > deadline:
-                raise FleetDown(
-                    f"rollout=server: {server.url} did not answer /health within {timeout_s:g}s. Start it "
-                    "(`python -m rltrain.serve <the run's overrides>`) or fix rollout.servers.urls."
-                )
+                raise FleetDown(self._all_down_message())
             time.sleep(1.0)
+            with self._lock:
+                self._revive()
+
+    # --- servers --------------------------------------------------------------------------------
 
     def _current_buckets(self) -> list[tuple[torch.Tensor, list[list[Any]]]]:
         """The version servers that (re)join get: the pushed one, else the checkpoint (version 0),
         read once for all the servers that join together."""
         if self.current is not None:
             return self.current
-        return list(buckets_of(_checkpoint(self.model_dir), self.cfg.bucket_mb << 20))
+        return list(buckets_of(checkpoint_weights(self.model_dir), self.cfg.bucket_mb << 20))
 
     def _join(self, server: Server, expected: dict[str, str], buckets: list[tuple[torch.Tensor, list[list[Any]]]]) -> None:
         """Rank 0: open the weight push to `server`, refuse another model, reset it to `buckets`:
@@ -181,15 +205,24 @@ class ServerFleetEngine:
             return
         if not back:
             return
+        identified = self._still_up(back, run_each([partial(identify, server, self.cfg.timeout_s) for server in back]))
+        refuse_duplicates(self.servers)
+        if not identified:
+            return
         expected, buckets = model_fingerprint(self.model_dir), self._current_buckets()
-        errors = run_each([partial(self._join, server, expected, buckets) for server in back])
-        for server, error in zip(back, errors, strict=True):
-            if isinstance(error, ServerDown):
-                server.reasons.append(str(error))
-            elif error is not None:
+        joined = self._still_up(identified, run_each([partial(self._join, server, expected, buckets) for server in identified]))
+        for server in joined:
+            server.up = True
+
+    def _still_up(self, servers: list[Server], errors: list[BaseException | None]) -> list[Server]:
+        """The down `servers` whose step went through; a `ServerDown` is kept as a reason, any other error raised."""
+        for error in errors:
+            if error is not None and not isinstance(error, ServerDown):
                 raise error
-            else:
-                server.up = True
+        for server, error in zip(servers, errors, strict=True):
+            if error is not None:
+                server.reasons.append(str(error))
+        return [server for server, error in zip(servers, errors, strict=True) if error is None]
 
     def _server_version(self, server: Server) -> int:
         answer = call(server.url, "/weight_info", None, self.cfg.timeout_s)
@@ -348,27 +381,6 @@ class ServerFleetEngine:
             server.spawned = None
 
 
-def _checkpoint(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(model_dir.glob("*.safetensors")):
-        tensors.update(load_file(str(file), device="cpu"))
-    return sorted(tensors.items())
-
-
-def _share_urls(urls: list[str]) -> list[str]:
-    """Rank 0's server list on every rank (a JSON byte tensor broadcast, no pickle)."""
-    import torch.distributed as dist
-
-    payload = torch.tensor(list(json.dumps(urls).encode()), dtype=torch.uint8, device="cpu")
-    size = torch.tensor([payload.numel()], dtype=torch.int64, device="cpu")
-    dist.broadcast(size, 0)
-    buf = payload if dist.get_rank() == 0 else torch.empty(int(size.item()), dtype=torch.uint8, device="cpu")
-    dist.broadcast(buf, 0)
-    return list(json.loads(bytes(buf.tolist()).decode()))
-
-
 def build_engine(ctx: Any) -> ServerFleetEngine:
     """The run's fleet (registry key `server`)."""
     import torch.distributed as dist
@@ -377,7 +389,7 @@ def build_engine(ctx: Any) -> ServerFleetEngine:
 
     cfg: ServerRolloutConfig = ctx.cfg.rollout
     several = dist.is_initialized() and dist.get_world_size() > 1
-    share = _share_urls if several else None
+    share = share_urls if several else None
     loads_group = None
     if several and ctx.cfg.placement.max_staleness >= 1:  # every rank builds the engine: new_group is collective
         loads_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=ctx.cfg.safety.collective_timeout_s))

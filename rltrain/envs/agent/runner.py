@@ -1,11 +1,11 @@
 """`env=agent`, the trainer's side: the user's agents play their episodes in call workers while this
 thread serves their requests with the rollout engine.
 
-Each episode is one call of the pool (rltrain/envs/agent_worker.py:run_episode) with its own key at
-the endpoint (rltrain/envs/agent_endpoint.py). While the pool runs them (a thread of its own), the
+Each episode is one call of the pool (rltrain/envs/agent/episode.py:run_episode) with its own key at
+the endpoint (rltrain/envs/agent/endpoint.py). While the pool runs them (a thread of its own), the
 thread that owns the engine takes the queued requests in batches, renders their messages with the
 chat template, samples them in one engine call per distinct sampling setting and answers each; every
-token served is recorded (rltrain/envs/agent_record.py). An episode trains on every sequence it made,
+token served is recorded (rltrain/envs/agent/record.py). An episode trains on every sequence it made,
 with what its agent returned; one that timed out, raised, returned no number or never called the
 endpoint scores `reward.on_failure`. docs/agents.md tells the story.
 """
@@ -25,9 +25,9 @@ import torch.distributed as dist
 from rltrain.config.group_options import EnvConfig
 from rltrain.config.schema import RewardConfig
 from rltrain.data.prompt_data import PromptRow
-from rltrain.envs.agent_endpoint import AgentEndpoint, ApiError, Pending
-from rltrain.envs.agent_record import Chain, Continuation, EpisodeRecord
-from rltrain.envs.agent_reply import choice, completion_body, cut_reply, render
+from rltrain.envs.agent.endpoint import AgentEndpoint, ApiError, Pending
+from rltrain.envs.agent.record import Chain, Continuation, EpisodeRecord
+from rltrain.envs.agent.reply import choice, completion_body, cut_reply, render
 from rltrain.envs.episodes import TURN_SEED_STRIDE, EpisodeResults, results_from_json, results_to_json
 from rltrain.rewards.scoring import Failures
 from rltrain.rollout.base import Completion, SamplingSettings
@@ -36,7 +36,7 @@ from rltrain.runtime.call_pool import Call, CallPool, CallResult
 from rltrain.runtime.distributed import broadcast_str
 from rltrain.runtime.errors import UserError
 
-RUN_EPISODE = "rltrain.envs.agent_worker:run_episode"
+RUN_EPISODE = "rltrain.envs.agent.episode:run_episode"
 GATHER_S = 0.02  # after a request arrives, how long the engine waits for others to batch with it
 POLL_S = 0.05
 

@@ -47,6 +47,12 @@ def collective_rpc(url: str, method: str, args: list[str], timeout_s: float) -> 
     return list(answer["results"]) if answer else []
 
 
+def server_identity(url: str, timeout_s: float) -> str:
+    """Which server answers at `url`: the id its worker extension reports (rltrain_server_id), the
+    same under every name that reaches it."""
+    return str(collective_rpc(url, "rltrain_server_id", [], timeout_s)[0])
+
+
 def is_up(url: str, timeout_s: float = 2.0) -> bool:
     try:
         call(url, "/health", None, timeout_s)

@@ -1,10 +1,10 @@
 """The trainer's end inside a vLLM API server: a worker extension (`--worker-extension-cls
-rltrain.rollout.server_worker.WeightPushExtension`) that vLLM mixes into its worker class.
+rltrain.rollout.server.extension.WeightPushExtension`) that vLLM mixes into its worker class.
 
 vLLM 0.32's own weight-transfer engines need CUDA (NCCL, IPC); this extension is the path that
 also runs on the CPU build. The trainer calls its methods through vLLM's `/collective_rpc` (the
-server runs with `VLLM_SERVER_DEV_MODE=1`), which carries only JSON strings: `rltrain_device` says
-where the model lives, `rltrain_join` opens a two-member torch.distributed group with the trainer
+server runs with `VLLM_SERVER_DEV_MODE=1`), which carries only JSON strings: `rltrain_server_id`
+says which server this is, `rltrain_device` where the model lives, `rltrain_join` opens a two-member torch.distributed group with the trainer
 (gloo, or NCCL where both ends run on CUDA), `rltrain_receive` takes one version's buckets from it
 (raw bytes, never pickle) and loads them in place as the in-process engine does.
 docs/rollout-servers.md.
@@ -15,6 +15,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,10 @@ import torch
 from rltrain.transport.buckets import DTYPES
 
 FINGERPRINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+SERVER_ID_ENV = "RLTRAIN_SERVER_ID"
+# The server's identity: what `python -m rltrain.serve` (or a trainer spawning it) put in its
+# environment, else one of its own (a server started by hand with this extension).
+SERVER_ID = os.environ.get(SERVER_ID_ENV) or uuid.uuid4().hex
 
 
 def model_fingerprint(model_dir: str | Path) -> dict[str, str]:
@@ -100,8 +106,9 @@ class WeightPushExtension:
         self.rltrain_version = int(manifest["version"])
         return {"version": self.rltrain_version}
 
-    def rltrain_current_version(self) -> int:
-        return self.rltrain_version
+    def rltrain_server_id(self) -> str:
+        """Who this server is (`SERVER_ID`): the fleet refuses two URLs that reach one server."""
+        return SERVER_ID
 
     def rltrain_device(self) -> str:
         """"cpu" or "cuda": where this worker holds the model and receives the buckets, asked

@@ -77,7 +77,7 @@ class EpisodeRecord:
 
     def __init__(self, tokenizer: Any, attempt: int = 1) -> None:
         self.tokenizer = tokenizer
-        self.attempt = attempt  # the episode's attempt it records (rltrain/envs/agent_endpoint.py)
+        self.attempt = attempt  # the episode's attempt it records (rltrain/envs/agent/endpoint.py)
         self.chains: list[Chain] = []
         self.calls = 0  # chat completion requests served
         self.tool_calls = 0  # tool calls in the replies served

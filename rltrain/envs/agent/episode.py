@@ -1,28 +1,28 @@
 """The worker side of an agent episode (env=agent): one call of rltrain/runtime/call_pool.py plays
 one episode, so a hung or crashing agent costs its worker and that episode only.
 
-`run_episode` points the OpenAI environment variables at the episode's endpoint (for agents and
-frameworks that build their own client), tells the endpoint the episode started (its
-`env.timeout_s` runs from then), and calls the user's `run(client, row)` with a ready client:
-`AsyncOpenAI` for an `async def` agent (run on the worker's event loop), `OpenAI` otherwise. What it
-returns is the episode's reward: a number, or a dict of named numbers (summed). A worker plays
-several episodes at once, so `os.environ` answers the two variables from a per-episode context
-variable (docs/agents.md, "Isolation").
-"""
+`run_episode` points the OpenAI environment variables at the episode's endpoint, tells the endpoint
+the episode started (its `env.timeout_s` runs from then), and calls the user's `run(client, row)`
+with a ready client: `OpenAI`, or `AsyncOpenAI` for an `async def` agent (handed back as a
+coroutine the call worker awaits on its watched event loop). What it returns is the episode's
+reward: a number, or a dict of named numbers (summed). Several episodes share a worker, so
+`os.environ` answers the two variables from a per-episode context variable (docs/agents.md,
+"Isolation")."""
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import inspect
 import math
 import os
 import threading
 import urllib.request
+from collections.abc import Coroutine
 from typing import Any
 
 import openai
 
+from rltrain.runtime.errors import UserError
 from rltrain.runtime.user_code import load_callable
 
 
@@ -61,24 +61,32 @@ class _EpisodeEnviron(type(os.environ)):  # type: ignore[misc]
         return (episode is not None and key in episode) or super().__contains__(key)
 
 
-_LOOP: list[asyncio.AbstractEventLoop] = []
-_LOOP_LOCK = threading.Lock()
+_ENVIRON_LOCK = threading.Lock()
 
 
-def _event_loop() -> asyncio.AbstractEventLoop:
-    """The worker's one event loop, running in a thread of its own for the worker's life."""
-    with _LOOP_LOCK:
-        if not _LOOP:
-            os.environ.__class__ = _EpisodeEnviron
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="agents-event-loop", daemon=True).start()
-            _LOOP.append(loop)
-        return _LOOP[0]
+def check_agent(agent: str) -> None:
+    """Import `env.agent` and check it takes (client, row): a typo or a wrong signature is a
+    UserError in the launcher, seconds in, not an error of every episode once the engines are up."""
+    fn = load_callable("env.agent", agent)
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a callable Python cannot describe: its first call tells
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise UserError(
+            f"env.agent {agent!r} must take two arguments, (client, row), and return the episode's reward; its "
+            f"signature is {fn.__name__}{signature}. docs/agents.md, \"The agent\"."
+        ) from None
 
 
-def run_episode(agent: str, base_url: str, api_key: str, row: dict[str, Any], timeout_s: float | None) -> dict[str, Any]:
-    """Play one episode of `agent` (`package.module:function`) on `row` against the endpoint at `base_url`."""
-    with _LOOP_LOCK:
+def run_episode(
+    agent: str, base_url: str, api_key: str, row: dict[str, Any], timeout_s: float | None,
+) -> dict[str, Any] | Coroutine[Any, Any, dict[str, Any]]:
+    """Play one episode of `agent` (`package.module:function`) on `row` against the endpoint at
+    `base_url`: its reward, or for an `async def` agent the coroutine that plays it."""
+    with _ENVIRON_LOCK:
         os.environ.__class__ = _EpisodeEnviron
         os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"] = base_url, api_key  # what a subprocess inherits
     _EPISODE_ENV.set(dict(zip(OPENAI_KEYS, (base_url, api_key), strict=True)))
@@ -89,10 +97,15 @@ def run_episode(agent: str, base_url: str, api_key: str, row: dict[str, Any], ti
     request_timeout = timeout_s if timeout_s else None
     if inspect.iscoroutinefunction(fn):
 
-        async def play() -> Any:
-            async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=request_timeout) as client:
-                return await fn(client, row)
+        # Made here, in the call's thread: a client's TLS setup and the first use of `chat` are
+        # tenths of a second of work that would hold the event loop every other episode shares.
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=request_timeout)
+        client.chat.completions  # noqa: B018 - its resources are imported on first use
 
-        return reward_of(asyncio.run_coroutine_threadsafe(play(), _event_loop()).result())
+        async def play() -> dict[str, Any]:
+            async with client:
+                return reward_of(await fn(client, row))
+
+        return play()
     with openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=request_timeout) as client:
         return reward_of(fn(client, row))

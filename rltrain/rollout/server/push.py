@@ -3,7 +3,7 @@ on GPU: `push_backend`) opened through the server's `/collective_rpc`, then per 
 manifest (names, dtypes, shapes, offsets: never pickle) and the buckets' raw bytes as broadcasts,
 and finally the server's prefix-cache reset and its vLLM weight version, which every completion
 then reports. The fleet pushes to its servers at once (`run_each`). The worker's end is
-rltrain/rollout/server_worker.py; docs/rollout-servers.md.
+rltrain/rollout/server/extension.py; docs/rollout-servers.md.
 """
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ import json
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, get_args
 
 import torch
 
 from rltrain.config.group_options import PushBackend
-from rltrain.rollout.server_http import ServerDown, ServerRefused, call, collective_rpc
-from rltrain.rollout.server_process import free_port
-from rltrain.rollout.server_worker import open_pair_group
+from rltrain.rollout.server.client import ServerDown, ServerRefused, call, collective_rpc
+from rltrain.rollout.server.extension import open_pair_group
+from rltrain.rollout.server.process import free_port
 from rltrain.runtime.errors import UserError
 from rltrain.transport.buckets import align_up, dtype_name
 
@@ -83,6 +84,16 @@ def _raised(job: Callable[[], None]) -> BaseException | None:
     except Exception as exc:  # noqa: BLE001 - handed to the caller, who decides per server
         return exc
     return None
+
+
+def checkpoint_weights(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
+    """The model directory's weights (version 0, what a server that joins is reset to), by name."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(file), device="cpu"))
+    return sorted(tensors.items())
 
 
 def buckets_of(weights: Weights, bucket_bytes: int) -> Iterator[tuple[torch.Tensor, list[list[Any]]]]:
