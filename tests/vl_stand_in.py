@@ -127,3 +127,32 @@ def max_logprob_diff(model, prompts, images, completions, pad_id: int) -> float:
             ref_N = torch.log_softmax(logits_TV, -1)[len(prompt) - 1 : -1].gather(-1, ids_T[len(prompt) :, None])[:, 0]
             worst = max(worst, float((ref_N - torch.tensor(c.logprobs)).abs().max()))
     return worst
+
+
+def vision_rows(model_dir: Path):
+    """(prompts, images, image processor, placeholder id) the rollout tests share: one image, two
+    images of different sizes, a text-only row (these three expanded as the processor writes them),
+    and a row with one placeholder for its image."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    processor = AutoImageProcessor.from_pretrained(model_dir)
+    start, pad, end = (tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>"))
+    image = [start, pad, end]
+    raw = [tok.encode("U:what is it?") + image + tok.encode("\nA:"), tok.encode("U:") + image + image + tok.encode("same?\nA:"),
+           tok.encode("U:hello\nA:"), tok.encode("U:and this") + image + tok.encode("?\nA:")]
+    images = [[picture(0, 56, 84)], [picture(1, 28, 28), picture(2, 112, 56)], [], [picture(3, 84, 84)]]
+    prompts = [expand(p, im, processor, pad) for p, im in zip(raw[:3], images[:3], strict=True)] + [raw[3]]
+    return prompts, images, processor, pad
+
+
+def vision_tower_update(model, seed: int, scale: float = 0.2) -> dict[str, torch.Tensor]:
+    """Every parameter, the vision tower's (`visual.`) plus Gaussian noise; loaded into `model`."""
+    g = torch.Generator().manual_seed(seed)
+    state = {
+        n: p.detach() + (scale * torch.randn(p.shape, generator=g) if ".visual." in f".{n}" else 0)
+        for n, p in model.named_parameters()
+    }
+    assert sum(".visual." in f".{n}" for n in state) > 10
+    model.load_state_dict(state, strict=False)
+    return state

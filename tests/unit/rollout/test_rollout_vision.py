@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vl_stand_in import expand, max_logprob_diff, picture, tiny_qwen2_vl_dir
+from vl_stand_in import expand, max_logprob_diff, picture, tiny_qwen2_vl_dir, vision_rows, vision_tower_update
 
 from rltrain.config.group_options import VLLMRolloutConfig
 from rltrain.rollout.base import SamplingSettings
@@ -24,21 +24,12 @@ SAMPLING = SamplingSettings(n=2, max_new_tokens=8, seed=5)
 @pytest.fixture(scope="module")
 def vl(tiny_cache):
     """(engine, HF model, image processor, prompts, images): the module's one engine."""
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
+    from transformers import Qwen2VLForConditionalGeneration
 
     from rltrain.rollout.vllm import VLLMRolloutEngine
 
     model_dir = tiny_qwen2_vl_dir(tiny_cache / "models")
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    processor = AutoImageProcessor.from_pretrained(model_dir)
-    start, pad, end = (tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>"))
-    image = [start, pad, end]
-    one, two = [picture(0, 56, 84)], [picture(1, 28, 28), picture(2, 112, 56)]
-    raw = [tok.encode("U:what is it?") + image + tok.encode("\nA:"), tok.encode("U:") + image + image + tok.encode("same?\nA:"),
-           tok.encode("U:hello\nA:"), tok.encode("U:and this") + image + tok.encode("?\nA:")]
-    images = [one, two, [], [picture(3, 84, 84)]]
-    # Rows 0-2 as the processor writes them; row 3 with one placeholder per image (vLLM expands it).
-    prompts = [expand(p, im, processor, pad) for p, im in zip(raw[:3], images[:3], strict=True)] + [raw[3]]
+    prompts, images, processor, pad = vision_rows(model_dir)
     hf = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
     hf.rollout_image_processor = processor
     engine = VLLMRolloutEngine(model_dir, VLLMRolloutConfig(kv_cache_gib=1, max_num_seqs=16, max_model_len=512), seed=0)
@@ -65,10 +56,7 @@ def test_a_vision_tower_update_reaches_the_engine_and_its_caches(vl):
     model (the encoder cache recomputed every image), the text-only row's stay exactly."""
     engine, hf, _, prompts, images, pad = vl
     before = engine.generate(prompts, SAMPLING, images=images)
-    g = torch.Generator().manual_seed(7)
-    state = {n: p.detach() + (0.2 * torch.randn(p.shape, generator=g) if ".visual." in f".{n}" else 0) for n, p in hf.named_parameters()}
-    assert sum(".visual." in f".{n}" for n in state) > 10
-    hf.load_state_dict(state, strict=False)
+    state = vision_tower_update(hf, seed=7)
     engine.update_weights(state.items())
     after = engine.generate(prompts, SAMPLING, images=images)
     assert max_logprob_diff(hf, prompts, images, after, pad) < TOL
