@@ -26,11 +26,15 @@ PromptImages = Sequence["Image"]
 DATA_URL_PREFIX = "data:image/png;base64,"
 
 
+IMAGE_TOKEN_KEYS = ("image_token_id", "image_token_index")
+
+
 def image_token_id(hf_config: Any) -> int | None:
-    """The placeholder token of a vision-language config (Qwen2-VL: `image_token_id`, LLaVA and
-    Gemma 3: `image_token_index`); None for a text-only model."""
-    for key in ("image_token_id", "image_token_index"):
-        value = getattr(hf_config, key, None)
+    """The placeholder token of a vision-language config, a transformers config or config.json's
+    dict (Qwen2-VL: `image_token_id`, LLaVA and Gemma 3: `image_token_index`); None for a
+    text-only model."""
+    for key in IMAGE_TOKEN_KEYS:
+        value = hf_config.get(key) if isinstance(hf_config, dict) else getattr(hf_config, key, None)
         if isinstance(value, int):
             return value
     return None
