@@ -136,7 +136,7 @@ class VLLMRolloutEngine:
             self.expected_names.discard("lm_head.weight")
         # How vLLM names a Hugging Face tensor: a vision-language checkpoint on disk and the trainer's
         # model name the same tensor differently (`model.layers.0...` vs `model.language_model.layers.0...`).
-        self.weights_mapper = self._live().apply_model(_weights_mapper)[0]
+        self.prefix_renames: dict[str, str | None] = self._live().apply_model(_prefix_renames)[0]
 
     # --- generation -----------------------------------------------------------------------------
 
@@ -230,11 +230,18 @@ class VLLMRolloutEngine:
             )
 
     def _missing_names(self, seen: set[str]) -> set[str]:
-        """The checkpoint's tensors no name in `seen` stands for (compared as vLLM maps them)."""
-        if self.weights_mapper is None:
-            return self.expected_names - seen
-        vllm_names = {self.weights_mapper.map_name(name) for name in seen}
-        return {name for name in self.expected_names if self.weights_mapper.map_name(name) not in vllm_names}
+        """The checkpoint's tensors no name in `seen` stands for, compared after vLLM's renaming of
+        prefixes (its fusing of q/k/v names is left out: each part must come)."""
+        renamed = {self._renamed(name) for name in seen}
+        return {name for name in self.expected_names - seen if self._renamed(name) not in renamed}
+
+    def _renamed(self, name: str) -> str | None:
+        for prefix, new in self.prefix_renames.items():
+            if name.startswith(prefix):
+                if new is None:
+                    return None
+                name = new + name[len(prefix) :]
+        return name
 
     def _reload_in_place(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """vLLM's own in-place reload, nothing more (the tied head stays stale on CPU)."""
@@ -407,9 +414,11 @@ def _destroy_vllm_world_only() -> None:
     parallel_state._NODE_COUNT = None
 
 
-def _weights_mapper(model: torch.nn.Module) -> Any:
-    """The model class's Hugging Face to vLLM name mapping (vLLM's `WeightsMapper`), if it has one."""
-    return getattr(type(model), "hf_to_vllm_mapper", None)
+def _prefix_renames(model: torch.nn.Module) -> dict[str, str | None]:
+    """The prefixes the model class's Hugging Face to vLLM name mapping (vLLM's `WeightsMapper`,
+    where it has one) renames, in its order."""
+    mapper = getattr(type(model), "hf_to_vllm_mapper", None)
+    return dict(mapper.orig_to_new_prefix) if mapper is not None else {}
 
 
 def _pong(worker) -> bool:
