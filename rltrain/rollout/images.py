@@ -101,19 +101,22 @@ def to_data_url(image: Image) -> str:
     return DATA_URL_PREFIX + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def from_data_url(url: str) -> Image:
-    """The image of a PNG data URL from `to_data_url`; anything else is refused (never decoded
-    with a format guessed from the bytes)."""
+def from_data_url(url: str, formats: tuple[str, ...] = ("PNG",)) -> Image:
+    """The image of a base64 data URL in one of `formats` (PIL's names; PNG, what `to_data_url`
+    writes, by default); anything else is refused, never decoded with a format guessed from the bytes."""
     from PIL import Image as PILImage
 
-    if not isinstance(url, str) or not url.startswith(DATA_URL_PREFIX):
-        raise ValueError(f"an image must be a {DATA_URL_PREFIX}... data URL, got {str(url)[:40]!r}")
+    kind = url.partition(";")[0].removeprefix("data:image/").upper() if isinstance(url, str) else ""
+    kind = "JPEG" if kind == "JPG" else kind
+    if not isinstance(url, str) or not url.startswith("data:image/") or ";base64," not in url or kind not in formats:
+        names = ", ".join(f"data:image/{f.lower()};base64,..." for f in formats)
+        raise ValueError(f"an image must be a data URL ({names}), got {str(url)[:40]!r}")
     try:
-        data = base64.b64decode(url[len(DATA_URL_PREFIX) :], validate=True)
-        image = PILImage.open(io.BytesIO(data), formats=["PNG"])
+        data = base64.b64decode(url.partition(";base64,")[2], validate=True)
+        image = PILImage.open(io.BytesIO(data), formats=[kind])
         image.load()
     except (binascii.Error, OSError) as exc:
-        raise ValueError(f"an image data URL does not hold a PNG image: {exc}") from exc
+        raise ValueError(f"an image data URL does not hold a {kind} image: {exc}") from exc
     return image
 
 

@@ -11,6 +11,7 @@ import pytest
 from PIL import Image
 
 from rltrain.rollout import images as im
+from rltrain.rollout import server_images as si
 
 PAD = 9  # an image token id
 
@@ -75,9 +76,43 @@ def test_data_url_refuses_anything_but_png():
     jpeg = base64.b64encode(buf.getvalue()).decode()
     with pytest.raises(ValueError, match="does not hold a PNG"):
         im.from_data_url("data:image/png;base64," + jpeg)
-    with pytest.raises(ValueError, match="must be a data:image/png;base64"):
+    with pytest.raises(ValueError, match=r"must be a data URL \(data:image/png;base64,...\)"):
+        im.from_data_url("data:image/jpeg;base64," + jpeg)  # JPEG only where asked for
+    assert im.from_data_url("data:image/jpeg;base64," + jpeg, ("PNG", "JPEG")).size == (56, 28)
+    with pytest.raises(ValueError, match="must be a data URL"):
         im.from_data_url("file:///etc/passwd")
     with pytest.raises(ValueError, match="does not hold a PNG"):
         im.from_data_url("data:image/png;base64,not base64!")
     with pytest.raises(ValueError, match="list of lists"):
         im.images_from_json(["data:image/png;base64,"])
+
+
+def test_server_request_fields_and_answer(tmp_path):
+    a, b = picture(0), picture(1)
+    fields = si.generate_fields(2, [1, PAD, PAD, 4, PAD, 5], [a, b], PAD)
+    assert fields["token_ids"] == [1, PAD, 4, PAD, 5] and fields["return_token_ids"] is True
+    assert [p["type"] for p in fields["content_parts"]] == ["image_url", "image_url"]
+    assert np.array_equal(np.asarray(im.from_data_url(fields["content_parts"][1]["url"])), np.asarray(b))
+    assert si.generate_fields(0, [1, 2], [], PAD) == {"token_ids": [1, 2]}
+    assert si.answered_prompt(0, [1, PAD, 2], {"prompt_token_ids": [1, PAD, PAD, 2]}, PAD) == [1, PAD, PAD, 2]
+    assert si.answered_prompt(0, [1, 2], {"choices": []}, PAD) is None
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2_vl", "image_token_id": 151655}')
+    assert si.model_image_token(tmp_path) == 151655
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
+    assert si.model_image_token(tmp_path) is None
+
+
+def test_chat_image_parts_round_trip():
+    a = picture(5)
+    buf = io.BytesIO()
+    a.save(buf, format="JPEG")
+    jpeg_part = {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()}}
+    messages = [
+        {"role": "system", "content": "look"},
+        {"role": "user", "content": [{"type": "text", "text": "which?"}, si.chat_image_part(a), jpeg_part]},
+    ]
+    got = si.message_images(messages)
+    assert len(got) == 2 and np.array_equal(np.asarray(got[0]), np.asarray(a)) and got[1].size == a.size
+    bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://example.com/x.png"}}]}]
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]: an image must be a data URL"):
+        si.message_images(bad)
