@@ -90,7 +90,7 @@ def expand(ids: list[int], images, image_processor, pad_id: int) -> list[int]:
     return out
 
 
-def trainer_logits(model, ids_T: torch.Tensor, prompt_len: int, pad_id: int, images) -> torch.Tensor:
+def trainer_logits(model, image_processor, ids_T: torch.Tensor, prompt_len: int, pad_id: int, images) -> torch.Tensor:
     """[T, V] logits of a Qwen2-VL forward the way a trainer must run it: the image positions are
     the prompt's placeholders only (`mm_token_type_ids`), so a completion that samples the
     placeholder token keeps it as text, as vLLM does; transformers' own forward counts every
@@ -102,7 +102,7 @@ def trainer_logits(model, ids_T: torch.Tensor, prompt_len: int, pad_id: int, ima
     embeds_BTH = inner.get_input_embeddings()(ids_BT)
     grid = None
     if images:
-        pixels = image_inputs(model_processor(model), images)
+        pixels = image_inputs(image_processor, images)
         grid = pixels["image_grid_thw"]
         features = torch.cat(inner.get_image_features(pixels["pixel_values"], grid).pooler_output)
         embeds_BTH = embeds_BTH.masked_scatter(mm_BT.bool()[..., None].expand_as(embeds_BTH), features)
@@ -110,11 +110,7 @@ def trainer_logits(model, ids_T: torch.Tensor, prompt_len: int, pad_id: int, ima
     return model(inputs_embeds=embeds_BTH, position_ids=position_ids).logits[0].float()
 
 
-def model_processor(model):
-    return model.rollout_image_processor  # set by the tests next to the model
-
-
-def max_logprob_diff(model, prompts, images, completions, pad_id: int) -> float:
+def max_logprob_diff(model, image_processor, prompts, images, completions, pad_id: int) -> float:
     """Largest |engine logprob - the trainer-style forward's temperature-1 log-softmax| over every
     sampled token, each row forwarded with its own images."""
     worst = 0.0
@@ -123,7 +119,7 @@ def max_logprob_diff(model, prompts, images, completions, pad_id: int) -> float:
             prompt = c.prompt_ids if c.prompt_ids is not None else prompts[c.prompt_index]
             ids_T = torch.tensor([*prompt, *c.token_ids])
             row_images = images[c.prompt_index] if images else None
-            logits_TV = trainer_logits(model, ids_T, len(prompt), pad_id, row_images)
+            logits_TV = trainer_logits(model, image_processor, ids_T, len(prompt), pad_id, row_images)
             ref_N = torch.log_softmax(logits_TV, -1)[len(prompt) - 1 : -1].gather(-1, ids_T[len(prompt) :, None])[:, 0]
             worst = max(worst, float((ref_N - torch.tensor(c.logprobs)).abs().max()))
     return worst
@@ -156,3 +152,8 @@ def vision_tower_update(model, seed: int, scale: float = 0.2) -> dict[str, torch
     assert sum(".visual." in f".{n}" for n in state) > 10
     model.load_state_dict(state, strict=False)
     return state
+
+
+def logprobs_of(completions, row: int) -> list[list[float]]:
+    """The log-probabilities of prompt `row`'s completions."""
+    return [c.logprobs for c in completions if c.prompt_index == row]

@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vl_stand_in import expand, max_logprob_diff, picture, tiny_qwen2_vl_dir, vision_rows, vision_tower_update
+from vl_stand_in import (
+    expand,
+    logprobs_of,
+    max_logprob_diff,
+    picture,
+    tiny_qwen2_vl_dir,
+    vision_rows,
+    vision_tower_update,
+)
 
 from rltrain.config.group_options import HFRolloutConfig
 from rltrain.rollout.base import SamplingSettings
@@ -24,7 +32,6 @@ def hf_vl(tiny_cache):
     model_dir = tiny_qwen2_vl_dir(tiny_cache / "models")
     prompts, images, processor, pad = vision_rows(model_dir)
     trainer = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    trainer.rollout_image_processor = processor
     return HFRolloutEngine(model_dir, HFRolloutConfig(), seed=0), trainer, processor, prompts, images, pad
 
 
@@ -34,14 +41,13 @@ def test_generate_with_images_and_a_vision_tower_update(hf_vl):
     assert [c.prompt_index for c in before] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert [c.prompt_ids for c in before[:6]] == [None] * 6
     assert before[6].prompt_ids == expand(prompts[3], images[3], processor, pad) != prompts[3]
-    assert max_logprob_diff(trainer, prompts, images, before, pad) < TOL
+    assert max_logprob_diff(trainer, processor, prompts, images, before, pad) < TOL
 
     engine.update_weights(vision_tower_update(trainer, seed=7).items())
     after = engine.generate(prompts, SAMPLING, images=images)
-    assert max_logprob_diff(trainer, prompts, images, after, pad) < TOL
-    by_row = lambda cs, i: [c.logprobs for c in cs if c.prompt_index == i]  # noqa: E731
-    assert by_row(after, 2) == by_row(before, 2)
-    assert all(by_row(after, row) != by_row(before, row) for row in (0, 1, 3))
+    assert max_logprob_diff(trainer, processor, prompts, images, after, pad) < TOL
+    assert logprobs_of(after, 2) == logprobs_of(before, 2)
+    assert all(logprobs_of(after, row) != logprobs_of(before, row) for row in (0, 1, 3))
 
 
 def test_rows_it_cannot_read_are_named(hf_vl):

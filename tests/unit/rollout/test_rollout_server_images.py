@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vl_stand_in import max_logprob_diff, tiny_qwen2_vl_dir, vision_rows, vision_tower_update
+from vl_stand_in import logprobs_of, max_logprob_diff, tiny_qwen2_vl_dir, vision_rows, vision_tower_update
 
 from rltrain.config.group_options import ServerRolloutConfig, ServersConfig
 from rltrain.rollout.base import SamplingSettings
@@ -24,7 +24,6 @@ def test_server_fleet_with_images(tiny_cache, tmp_path):
     model_dir = tiny_qwen2_vl_dir(tiny_cache / "models")
     prompts, images, processor, pad = vision_rows(model_dir)
     trainer = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    trainer.rollout_image_processor = processor
     cfg = ServerRolloutConfig(servers=ServersConfig(spawn=1, start_timeout_s=180), timeout_s=60, max_model_len=512)
     engine = ServerFleetEngine(cfg, model_dir, dtype="float32", rank=0, cuda=False, log_dir=tmp_path)
     try:
@@ -32,10 +31,10 @@ def test_server_fleet_with_images(tiny_cache, tmp_path):
         assert [c.prompt_index for c in before] == [0, 0, 1, 1, 2, 2, 3, 3]
         assert [c.prompt_ids for c in before[:6]] == [None] * 6
         assert before[6].prompt_ids is not None and len(before[6].prompt_ids) > len(prompts[3])
-        assert max_logprob_diff(trainer, prompts, images, before, pad) < TOL
+        assert max_logprob_diff(trainer, processor, prompts, images, before, pad) < TOL
         engine.update_weights(vision_tower_update(trainer, seed=7).items())
         after = engine.generate(prompts, SAMPLING, images=images)
-        assert max_logprob_diff(trainer, prompts, images, after, pad) < TOL
-        assert [c.logprobs for c in after if c.prompt_index == 0] != [c.logprobs for c in before if c.prompt_index == 0]
+        assert max_logprob_diff(trainer, processor, prompts, images, after, pad) < TOL
+        assert logprobs_of(after, 0) != logprobs_of(before, 0)
     finally:
         engine.close()

@@ -11,7 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vl_stand_in import expand, max_logprob_diff, picture, tiny_qwen2_vl_dir, vision_rows, vision_tower_update
+from vl_stand_in import (
+    expand,
+    logprobs_of,
+    max_logprob_diff,
+    picture,
+    tiny_qwen2_vl_dir,
+    vision_rows,
+    vision_tower_update,
+)
 
 from rltrain.config.group_options import VLLMRolloutConfig
 from rltrain.rollout.base import SamplingSettings
@@ -23,7 +31,7 @@ SAMPLING = SamplingSettings(n=2, max_new_tokens=8, seed=5)
 
 @pytest.fixture(scope="module")
 def vl(tiny_cache):
-    """(engine, HF model, image processor, prompts, images): the module's one engine."""
+    """(engine, HF model, image processor, prompts, images, placeholder id): the module's one engine."""
     from transformers import Qwen2VLForConditionalGeneration
 
     from rltrain.rollout.vllm import VLLMRolloutEngine
@@ -31,7 +39,6 @@ def vl(tiny_cache):
     model_dir = tiny_qwen2_vl_dir(tiny_cache / "models")
     prompts, images, processor, pad = vision_rows(model_dir)
     hf = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    hf.rollout_image_processor = processor
     engine = VLLMRolloutEngine(model_dir, VLLMRolloutConfig(kv_cache_gib=1, max_num_seqs=16, max_model_len=512), seed=0)
     yield engine, hf, processor, prompts, images, pad
     engine.close()
@@ -45,7 +52,7 @@ def test_generate_with_images_matches_the_trainers_forward(vl):
     assert [c.prompt_ids for c in completions[:6]] == [None] * 6, "an expanded row is the engine's prompt"
     expanded = expand(prompts[3], images[3], processor, pad)
     assert len(expanded) > len(prompts[3]) and completions[6].prompt_ids == completions[7].prompt_ids == expanded
-    assert max_logprob_diff(hf, prompts, images, completions, pad) < TOL
+    assert max_logprob_diff(hf, processor, prompts, images, completions, pad) < TOL
     # The image is seen: another image in row 0 changes its log-probabilities of the same tokens.
     other = engine.generate(prompts[:1], SAMPLING, images=[[picture(9, 56, 84)]])
     assert other[0].logprobs != completions[0].logprobs or other[0].token_ids != completions[0].token_ids
@@ -54,16 +61,15 @@ def test_generate_with_images_matches_the_trainers_forward(vl):
 def test_a_vision_tower_update_reaches_the_engine_and_its_caches(vl):
     """Only `visual.*` tensors change: image rows' log-probabilities move and match the updated HF
     model (the encoder cache recomputed every image), the text-only row's stay exactly."""
-    engine, hf, _, prompts, images, pad = vl
+    engine, hf, processor, prompts, images, pad = vl
     before = engine.generate(prompts, SAMPLING, images=images)
     state = vision_tower_update(hf, seed=7)
     engine.update_weights(state.items())
     after = engine.generate(prompts, SAMPLING, images=images)
-    assert max_logprob_diff(hf, prompts, images, after, pad) < TOL
-    by_row = lambda cs, i: [c.logprobs for c in cs if c.prompt_index == i]  # noqa: E731
-    assert by_row(after, 2) == by_row(before, 2), "a text-only row does not see the vision tower"
+    assert max_logprob_diff(hf, processor, prompts, images, after, pad) < TOL
+    assert logprobs_of(after, 2) == logprobs_of(before, 2), "a text-only row does not see the vision tower"
     for row in (0, 1, 3):
-        assert by_row(after, row) != by_row(before, row), f"row {row}'s images went through the old vision tower"
+        assert logprobs_of(after, row) != logprobs_of(before, row), f"row {row}'s images went through the old vision tower"
 
 
 def test_a_mismatched_expansion_names_the_row(vl):
