@@ -68,9 +68,9 @@ class AsyncRollouts:
     def _leads(self) -> bool:
         return leads(self.collector.policy.replica_group())
 
-    def _generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> Generated:
+    def _generate(self, prompts: list[list[int]], sampling: SamplingSettings, images: list | None = None) -> Generated:
         started = time.perf_counter()
-        completions = self.rollout.generate(prompts, sampling) if prompts else []
+        completions = self.rollout.generate(prompts, sampling, images) if prompts else []
         return completions, time.perf_counter() - started
 
     def request(self, step: int, global_index: list[int] | None = None, done: Generated | None = None) -> None:
@@ -86,7 +86,7 @@ class AsyncRollouts:
             future = self.worker.submit(self._play, self.collector.my_rows(index), step)
         elif self._leads():
             rows = [r for block in self._rounds(index) for r in self.collector.my_rows(block)]
-            future = self.worker.submit(self._generate, [r.ids for r in rows], self.collector.sampling(step))
+            future = self.worker.submit(self._generate, [r.ids for r in rows], self.collector.sampling(step), [r.images or [] for r in rows])
         self.pending[step] = Ticket(step, index, sample_version(step, self.k), future)
 
     def _play(self, rows: list, step: int) -> Generated:

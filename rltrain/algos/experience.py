@@ -236,7 +236,7 @@ class ExperienceCollector:
             played = self.turns.play(rows, self.algo_cfg.group_size, self.sampling(step), f"train-{step}")
             time_rollout = time.perf_counter() - started
             return self.assemble_played(step, global_index, played, time_rollout)
-        completions = self.turns.generate([r.ids for r in rows], self.sampling(step))
+        completions = self.turns.generate([r.ids for r in rows], self.sampling(step), [r.images or [] for r in rows])
         if self.algo_cfg.dynamic_sampling:
             return self.collect_signal(step, global_index, rows, completions, self.timeshare.last_generate_s)
         return self.assemble(step, global_index, completions, self.timeshare.last_generate_s)
@@ -263,7 +263,8 @@ class ExperienceCollector:
         def sample_now(sampling_round: int) -> tuple[list[int], list[Completion]]:
             nonlocal time_rollout
             round_index = self.take_prompts()
-            sampled = self.turns.generate([r.ids for r in self.my_rows(round_index)], self.sampling(step, sampling_round))
+            round_rows = self.my_rows(round_index)
+            sampled = self.turns.generate([r.ids for r in round_rows], self.sampling(step, sampling_round), [r.images or [] for r in round_rows])
             time_rollout += self.timeshare.last_generate_s
             return round_index, sampled
 

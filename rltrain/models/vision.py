@@ -91,6 +91,28 @@ def image_token_id(config) -> int | None:
     return None
 
 
+def grid_model_inputs(inner: PreTrainedModel, input_ids_BT: torch.Tensor, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The language model's call inputs for a Qwen2-VL-family model (image grids): the token
+    embeddings with each image's features placed where `mm_token_type_ids` marks the prompt's
+    placeholders, and the M-RoPE positions those marks give. Transformers' own forward would take
+    every placeholder token in `input_ids` as an image slot, so a completion that sampled the
+    placeholder (the rollout engine takes it as text) would not match its image features."""
+    grid = inputs["image_grid_thw"]
+    marks_BT = inputs["mm_token_type_ids"]
+    embeds_BTH = inner.get_input_embeddings()(input_ids_BT)
+    features = inner.get_image_features(inputs["pixel_values"], grid).pooler_output
+    features_NH = torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
+    slots = marks_BT.bool()[..., None].expand_as(embeds_BTH)
+    embeds_BTH = embeds_BTH.masked_scatter(slots, features_NH.to(embeds_BTH.dtype))
+    position_ids, _ = inner.get_rope_index(input_ids_BT, marks_BT, image_grid_thw=grid)
+    return {"inputs_embeds": embeds_BTH, "position_ids": position_ids}
+
+
+def places_by_grid(inputs: dict[str, torch.Tensor]) -> bool:
+    """Whether a call's image inputs are placed by `grid_model_inputs` (pixels with image grids)."""
+    return "pixel_values" in inputs and "image_grid_thw" in inputs and "mm_token_type_ids" in inputs
+
+
 def load_processor(model_dir: Path, tokenizer):
     """A vision-language model's processor around the run's `tokenizer` (the one every text path
     uses); None for a text-only model."""

@@ -21,7 +21,7 @@ from rltrain.backends.value_head import head_values
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
 from rltrain.models import moe
-from rltrain.models.vision import vision_modules
+from rltrain.models.vision import grid_model_inputs, places_by_grid, vision_modules
 
 # What one more model call costs, in tokens of compute, when splitting a micro-batch into length
 # buckets: on CPU a call is cheap next to its matmuls; on an accelerator small calls are
@@ -75,9 +75,14 @@ class _SelectedHidden(nn.Module):
                 kwargs["position_ids"] = rect.position_ids_BT
             if router:
                 kwargs["output_router_logits"] = True
-            kwargs.update(rect.model_inputs or {})
             # The decoder stack: torch types a submodule attribute as `Tensor | Module`.
-            out = cast(nn.Module, self.lm.model)(input_ids=rect.input_ids_BT, use_cache=False, **kwargs)
+            inner = cast(nn.Module, self.lm.model)
+            images = rect.model_inputs or {}
+            if places_by_grid(images):  # the prompts' image slots only (rltrain.models.vision)
+                kwargs.update(grid_model_inputs(inner, rect.input_ids_BT, images))
+                out = inner(use_cache=False, **kwargs)
+            else:
+                out = inner(input_ids=rect.input_ids_BT, use_cache=False, **kwargs, **images)
             parts.append(out.last_hidden_state[rect.rows_N, rect.cols_N])
             if router:
                 router_logits = out.router_logits

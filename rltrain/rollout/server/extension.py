@@ -132,5 +132,7 @@ class WeightPushExtension:
             self.model_runner.reload_weights(weights_iterator=iter(weights))
             hf_config = self.model_runner.model_config.hf_config
             if getattr(hf_config, "tie_word_embeddings", False):
-                head: Any = model.lm_head
-                head.quant_method.process_weights_after_loading(head)
+                # `lm_head`, or `language_model.lm_head` in a vision-language model.
+                for name, head in model.named_modules():
+                    if name.rpartition(".")[2] == "lm_head":
+                        head.quant_method.process_weights_after_loading(head)

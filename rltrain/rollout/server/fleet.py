@@ -25,8 +25,10 @@ import torch
 
 from rltrain.config.group_options import ServerRolloutConfig
 from rltrain.rollout.base import Completion, SamplingSettings
+from rltrain.rollout.images import PromptImages, check_batch
 from rltrain.rollout.server.client import ServerDown, call, is_up
 from rltrain.rollout.server.extension import model_fingerprint
+from rltrain.rollout.server.images import answered_prompt, generate_fields, model_image_token
 from rltrain.rollout.server.process import stop_servers
 from rltrain.rollout.server.push import (
     WeightPusher,
@@ -75,6 +77,7 @@ class ServerFleetEngine:
         # The trainer's GPU, taken here on the main thread: NCCL pushes run on threads of their own.
         self.cuda_device = torch.device("cuda", torch.cuda.current_device()) if cuda else None
         self.model_dir = Path(model_dir)
+        self.image_token = model_image_token(self.model_dir)  # None: a text-only model
         self.version = 0
         self.failures = 0
         self.observed: list[int] = []  # versions of the completions since the last `metrics()`
@@ -255,14 +258,19 @@ class ServerFleetEngine:
 
     # --- RolloutEngine --------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingSettings, images: list[PromptImages] | None = None
+    ) -> list[Completion]:
+        check_batch(prompts, images)
         with self._lock:
             self._revive()
         if self.rank != 0:  # rank 0's push may still be under way: wait for the version
             self._await_version()
         deadline = time.monotonic() + self.cfg.timeout_s
         with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), MAX_IN_FLIGHT))) as pool:
-            results = list(pool.map(lambda i: self._request(i, prompts[i], sampling, deadline), range(len(prompts))))
+            results = list(pool.map(
+                lambda i: self._request(i, prompts[i], sampling, deadline, images[i] if images else None), range(len(prompts))
+            ))
         return [c for group in results for c in group]
 
     def _await_version(self) -> None:
@@ -280,9 +288,11 @@ class ServerFleetEngine:
                     break
                 time.sleep(0.05)
 
-    def _request(self, index: int, prompt: list[int], sampling: SamplingSettings, deadline: float) -> list[Completion]:
+    def _request(
+        self, index: int, prompt: list[int], sampling: SamplingSettings, deadline: float, images: PromptImages | None
+    ) -> list[Completion]:
         body = {
-            "token_ids": [int(t) for t in prompt],
+            **generate_fields(index, prompt, images, self.image_token),  # images: rollout/server/images.py
             "sampling_params": {
                 "n": sampling.n, "temperature": sampling.temperature, "top_p": sampling.top_p,
                 "max_tokens": sampling.max_new_tokens, "seed": _request_seed(sampling.seed, index, sampling.n),
@@ -301,9 +311,11 @@ class ServerFleetEngine:
                 with self._lock:
                     server.outstanding -= 1
             server.served += 1
-            return self._completions(index, answer, server)
+            return self._completions(index, answer, server, answered_prompt(index, prompt, answer, self.image_token))
 
-    def _completions(self, index: int, answer: dict[str, Any], server: Server) -> list[Completion]:
+    def _completions(
+        self, index: int, answer: dict[str, Any], server: Server, prompt_ids: list[int] | None = None
+    ) -> list[Completion]:
         out = []
         for choice in sorted(answer["choices"], key=lambda c: c["index"]):
             versions = {span["version"] for span in choice.get("weight_versions") or []}
@@ -317,7 +329,10 @@ class ServerFleetEngine:
                 self.observed.append(self.version)
             token_ids = [int(t) for t in choice["token_ids"]]
             logprobs = [float(entry["logprob"]) for entry in choice["logprobs"]["content"]]
-            out.append(Completion(index, token_ids, logprobs, finished=choice["finish_reason"] == "stop", version=int(versions.pop())))
+            out.append(Completion(
+                index, token_ids, logprobs, finished=choice["finish_reason"] == "stop", prompt_ids=prompt_ids,
+                version=int(versions.pop()),
+            ))
         return out
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

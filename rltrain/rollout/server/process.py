@@ -31,7 +31,7 @@ def server_command(cfg: ServerRolloutConfig, model_dir: str | Path, dtype: str, 
     """vLLM's own API server (what `vllm serve` runs) for one server of this run; by module, so it
     runs in this interpreter's environment whatever the PATH holds."""
     command = [
-        sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
+        sys.executable, "-W", "ignore::DeprecationWarning", "-m", "rltrain.rollout.server.api_server",  # vLLM's, rltrain first
         "--model", os.fspath(model_dir), "--dtype", dtype, "--seed", str(cfg.seed),
         "--host", host, "--port", str(port),
         "--logprobs-mode", "raw_logprobs",  # the trainer's log-softmax, for the parity check

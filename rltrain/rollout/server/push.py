@@ -1,7 +1,7 @@
 """The weight push to one vLLM API server: a two-member torch.distributed group (gloo on CPU, NCCL
 on GPU: `push_backend`) opened through the server's `/collective_rpc`, then per version a JSON
 manifest (names, dtypes, shapes, offsets: never pickle) and the buckets' raw bytes as broadcasts,
-and finally the server's prefix-cache reset and its vLLM weight version, which every completion
+and finally the server's prefix- and encoder-cache resets and its vLLM weight version, which every completion
 then reports. The fleet pushes to its servers at once (`run_each`). The worker's end is
 rltrain/rollout/server/extension.py; docs/rollout-servers.md.
 """
@@ -202,6 +202,7 @@ class WeightPusher:
             error = errors[0]
             raise error if isinstance(error, (ServerDown, ServerRefused)) else ServerDown(str(error))
         call(self.url, "/reset_prefix_cache", {}, self.timeout_s)
+        call(self.url, "/reset_encoder_cache", {}, self.timeout_s)  # image embeddings of the old weights
         call(self.url, "/update_weight_version", {"new_version": str(version)}, self.timeout_s)
 
     def _device(self) -> torch.device:
