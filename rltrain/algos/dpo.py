@@ -31,6 +31,7 @@ from rltrain.backends import build_reference
 from rltrain.backends.base import LogProbScorer, PolicyOutput
 from rltrain.config.algorithms import AlgoConfig, AlgorithmSpec
 from rltrain.config.choices import choice
+from rltrain.config.run_context import RunContext
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.preference_data import PreferencePair
 from rltrain.runtime.errors import UserError
@@ -123,7 +124,7 @@ def attach_reference(micro: list[SequenceBatch], reference) -> None:
 
 
 class DPO(PairwisePreference):
-    def __init__(self, ctx) -> None:
+    def __init__(self, ctx: RunContext) -> None:
         a = ctx.cfg.algo
         self.loss_fn = make_dpo_loss(a.beta, a.loss, a.label_smoothing, a.sft_weight)
         super().__init__(ctx)

@@ -26,6 +26,7 @@ from rltrain.algos.preference import (
 )
 from rltrain.backends.base import PolicyOutput
 from rltrain.config.algorithms import AlgoConfig, AlgorithmSpec
+from rltrain.config.run_context import RunContext
 from rltrain.data.batch import SequenceBatch
 from rltrain.runtime.errors import UserError
 
@@ -76,7 +77,7 @@ def make_orpo_loss(lambda_: float):
 
 
 class ORPO(PairwisePreference):
-    def __init__(self, ctx) -> None:
+    def __init__(self, ctx: RunContext) -> None:
         self.loss_fn = make_orpo_loss(ctx.cfg.algo.lambda_)
         super().__init__(ctx)
         self.eval_lengths = completion_lengths(self.data.eval)

@@ -32,6 +32,7 @@ from rltrain.algos.rl_config import RLConfig, check_rl
 from rltrain.algos.rl_update import ValueLossInputs
 from rltrain.backends.base import PolicyOutput
 from rltrain.config.algorithms import AlgorithmSpec
+from rltrain.config.run_context import RunContext
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
 from rltrain.data.sharding import sum_over_replicas
@@ -130,7 +131,7 @@ def ppo_advantages(exp: Experience, algo_cfg: PPOConfig, dp_size: int) -> Advant
 
 
 class PPO(RLAlgorithm):
-    def __init__(self, ctx) -> None:
+    def __init__(self, ctx: RunContext) -> None:
         super().__init__(ctx)
         self.value_loss_fn = make_value_loss(self.algo_cfg.vf_clip)
 

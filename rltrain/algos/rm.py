@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from rltrain.algos.preference import PairwisePreference, score_pairs
 from rltrain.backends.base import PolicyOutput
 from rltrain.config.algorithms import AlgoConfig, AlgorithmSpec
+from rltrain.config.run_context import RunContext
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
 from rltrain.runtime.errors import UserError
@@ -102,7 +103,7 @@ class RewardModel(PairwisePreference):
     eval_key = "eval/rm_accuracy"
     samples_greedy = False  # a reward model generates nothing
 
-    def __init__(self, ctx) -> None:
+    def __init__(self, ctx: RunContext) -> None:
         self.loss_fn = make_reward_model_loss(ctx.cfg.algo.center_rewards_coefficient)
         super().__init__(ctx)
 

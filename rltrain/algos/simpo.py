@@ -25,6 +25,7 @@ from rltrain.algos.preference import (
 )
 from rltrain.backends.base import PolicyOutput
 from rltrain.config.algorithms import AlgoConfig, AlgorithmSpec
+from rltrain.config.run_context import RunContext
 from rltrain.data.batch import SequenceBatch
 from rltrain.runtime.errors import UserError
 
@@ -65,7 +66,7 @@ def make_simpo_loss(beta: float, gamma: float):
 
 
 class SimPO(PairwisePreference):
-    def __init__(self, ctx) -> None:
+    def __init__(self, ctx: RunContext) -> None:
         self.loss_fn = make_simpo_loss(ctx.cfg.algo.beta, ctx.cfg.algo.gamma)
         super().__init__(ctx)
         self.eval_lengths = completion_lengths(self.data.eval)
