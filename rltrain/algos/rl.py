@@ -12,12 +12,13 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from rltrain.algos.async_rollouts import AsyncRollouts
 from rltrain.algos.experience import Experience, ExperienceCollector
+from rltrain.algos.inflight_rollouts import InFlightRollouts, StreamingEngine, evaluated_versions
 from rltrain.algos.rl_evaluation import evaluate
 from rltrain.algos.rl_update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
 from rltrain.backends import build_engine, build_reference
@@ -83,8 +84,9 @@ class RLAlgorithm:
         reward_fns = build_reward_fns(cfg, ctx.dist.device) if cfg.env.name not in ("python", "agent") else []
         frozen = [rf.device_model for rf in reward_fns if rf.device_model is not None]
         k = cfg.placement.max_staleness
+        in_flight = cfg.placement.weight_update == "in_flight"  # the engine's own loop takes versions as they come
         # k >= 1: the engine runs beside the trainer, driven by its own thread (docs/async.md).
-        worker = RolloutWorker() if k >= 1 else None
+        worker = RolloutWorker() if k >= 1 and not in_flight else None
         self.weights = WeightSync(self.rollout, deferred=cfg.placement.time_sharing, worker=worker)
         self.timeshare = TimeSharing(engines, self.rollout, ctx.dist.device, cfg.placement.time_sharing, self.weights, frozen)
         plays = leads(self.policy.replica_group())  # a replica's peers receive scores and episodes
@@ -100,6 +102,12 @@ class RLAlgorithm:
         if worker is not None:  # each engine call is bounded by rollout.timeout_s; a wait spans k + 2 of them
             self.ahead = AsyncRollouts(
                 self.collector, self.rollout, worker, k, cfg.trainer.max_steps, cfg.rollout.timeout_s * (k + 2), ctx.dist.rank
+            )
+        self.inflight: InFlightRollouts | None = None
+        if in_flight:
+            self.inflight = InFlightRollouts(
+                self.collector, cast(StreamingEngine, self.rollout), cfg.placement, cfg.trainer.max_steps,
+                evaluated_versions(cfg.trainer.eval_every, cfg.trainer.max_steps) if self.collector.eval_prompts else [],
             )
         parity = ParityProbe()
         update = MiniBatchUpdate(
@@ -140,7 +148,9 @@ class RLAlgorithm:
         # 1. Generate. With time sharing this is the engine's turn, and it begins by delivering the
         #    weights published at the end of the last step (the `sync` phase: WeightSync.deliver).
         waits: dict[str, float] = {}
-        if self.ahead is not None:
+        if self.inflight is not None:
+            exp, waits = self.inflight.next_experience(step)
+        elif self.ahead is not None:
             exp, waits["time/wait_rollout"] = self.ahead.next_experience(step)
         else:
             exp = self.collector.collect(step)

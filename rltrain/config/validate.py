@@ -25,6 +25,7 @@ from rltrain.config.sources import (
     validate_data_sources,
     validate_model_source,
 )
+from rltrain.config.validate_inflight import validate_in_flight
 from rltrain.config.validate_rl import validate_env, validate_servers, validate_staleness
 from rltrain.runtime.errors import UserError
 
@@ -36,12 +37,13 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("trainer", schema.TrainerConfig), ("optim", schema.OptimConfig), ("model", schema.ModelConfig),
     ("data", schema.DataConfig), ("logger.wandb", schema.WandbConfig), ("sweep", schema.SweepConfig),
     *(("algo", spec.config) for spec in SPECS), ("rollout", group_options.VLLMRolloutConfig),
-    ("rollout.servers", group_options.ServersConfig),
+    ("rollout.servers", group_options.ServersConfig), ("placement", schema.PlacementConfig),
 )
 CHOICES: dict[str, tuple[str, ...]] = {
     f"{prefix}.{name}": values for prefix, cls in SECTIONS for name, values in choices_of(cls).items()
 }
 CHOICE_HINTS = {
+    "placement.weight_update": " (the engine loads a new version between batches, or between two decoding steps: docs/async.md)",
     "rollout.process": " (the vLLM engine in the trainer's process, or in a child process of its own)",
     "algo.rollout_correction": " (auto: none in sync and tis with placement.max_staleness >= 1; trust the samples, truncated importance weights per token, or drop sequences whose train/rollout ratio leaves a band)",
     "rollout.servers.push_backend": " (auto: NCCL where the trainer and a server it did not spawn both run on CUDA, gloo otherwise)",
@@ -122,6 +124,7 @@ def validate(cfg: Config) -> None:
     validate_roles(cfg)
     validate_env(cfg)
     validate_staleness(cfg)
+    validate_in_flight(cfg)
     validate_servers(cfg)
     if cfg.safety.collective_timeout_s <= 0 or cfg.safety.max_consecutive_errors < 0:
         raise UserError(

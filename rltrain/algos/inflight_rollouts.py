@@ -1,0 +1,106 @@
+"""Batches from an engine that takes new weights between its decoding steps (`placement.weight_update=in_flight`).
+
+The rollout process runs vLLM step by step (rltrain/rollout/inflight_child.py): the trainer submits
+prompts ahead (those of steps up to t + 1 + k before it asks for step t's batch), asks for step t's
+batch, and publishes each new version as usual (`update_weights`, loaded between two decode steps
+while the requests in flight go on). Without `placement.stream` step t's batch is its own prompts,
+admitted once version t - 1 - k is loaded; with it, the first `algo.prompts_per_step` groups to
+complete, and a group holding a token older than the bound allows is generated again. Every token
+carries the version that sampled it. docs/async.md, "Weights in flight".
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+from rltrain.algos.experience import Experience, ExperienceCollector
+from rltrain.config.schema import PlacementConfig
+from rltrain.rollout.base import Completion
+from rltrain.rollout.inflight_schedule import version_stats
+
+
+class StreamingEngine(Protocol):
+    def request(self, op: str, **fields: Any) -> Any:
+        """One request to the rollout process, its result (rltrain/rollout/separate.py)."""
+
+
+class InFlightRollouts:
+    """The trainer's side of the in-flight mode (see the module doc)."""
+
+    def __init__(
+        self, collector: ExperienceCollector, engine: StreamingEngine, placement: PlacementConfig, max_steps: int,
+        eval_versions: list[int],
+    ) -> None:
+        self.collector, self.engine, self.placement = collector, engine, placement
+        self.k, self.max_steps, self.eval_versions = placement.max_staleness, max_steps, eval_versions
+        self.per_step = collector.algo_cfg.prompts_per_step
+        self.opened = False
+        self.submitted_through = 0  # the last step whose prompts the engine has
+
+    def _open(self, step: int) -> None:
+        a = self.collector.algo_cfg
+        sampling = self.collector.sampling(step)
+        options = {
+            "stream": self.placement.stream, "deterministic": self.placement.deterministic, "max_staleness": self.k,
+            "per_step": self.per_step, "group_size": a.group_size, "lag_steps": self.placement.update_lag_steps,
+            "version": step - 1, "first_step": step, "expected_groups": self.per_step * (self.max_steps - step + 1),
+            "eval_versions": self.eval_versions,
+            "sampling": {
+                "temperature": sampling.temperature, "top_p": sampling.top_p, "max_new_tokens": sampling.max_new_tokens,
+                "stop_token_ids": sampling.stop_token_ids,
+            },
+        }
+        self.engine.request("stream_open", options=options)
+        self.opened, self.submitted_through = True, step - 1
+
+    def _submit_through(self, last: int) -> None:
+        """Hand the engine the prompts of the steps up to `last` (the data stream's, in step order)."""
+        groups = []
+        for step in range(self.submitted_through + 1, min(last, self.max_steps) + 1):
+            index = self.collector.take_prompts()
+            seed = self.collector.sampling(step).seed
+            for position, (i, row) in enumerate(zip(index, self.collector.my_rows(index), strict=True)):
+                groups.append({
+                    "index": i, "step": step, "position": position, "prompt_ids": row.ids,
+                    "seed": seed,
+                })
+            self.submitted_through = step
+        if groups:
+            self.engine.request("submit", groups=groups)
+
+    def next_experience(self, step: int) -> tuple[Experience, dict[str, float]]:
+        """Step `step`'s experience and its metrics (waits, versions, idle share, regenerated groups)."""
+        if not self.opened:
+            self._open(step)
+        self._submit_through(step + 1 + self.k)
+        started = time.perf_counter()
+        taken = self.engine.request("take", step=step)
+        wait_s = time.perf_counter() - started
+        groups = taken["groups"]
+        completions: list[Completion] = []
+        versions: list[list[int]] = []
+        for position, g in enumerate(groups):
+            for tokens, logps, vs, finished in zip(g["token_ids"], g["logprobs"], g["versions"], g["finished"], strict=True):
+                completions.append(Completion(position, [int(t) for t in tokens], [float(x) for x in logps], bool(finished)))
+                versions.append([int(v) for v in vs])
+        stats = version_stats(versions)
+        oldest = int(stats["rollout/token_version_min"]) if any(versions) else step - 1
+        tokens = [step - 1 - v for seq in versions for v in seq]
+        busy, idle = float(taken["busy_s"]), float(taken["idle_s"])
+        exp = self.collector.assemble(step, [int(g["index"]) for g in groups], completions, busy, staleness=step - 1 - oldest)
+        return exp, {
+            **stats,
+            "rollout/staleness_mean": sum(tokens) / max(len(tokens), 1),
+            "rollout/staleness_max": float(step - 1 - oldest),
+            "rollout/engine_idle_frac": idle / max(idle + busy, 1e-9),
+            "rollout/regenerated": float(taken["dropped"]),
+            "time/wait_rollout": wait_s,
+        }
+
+
+def evaluated_versions(eval_every: int, max_steps: int) -> list[int]:
+    """The versions an evaluation follows (rltrain/run/trainer.py: every `eval_every` steps and after
+    the last): a deterministic engine runs each evaluation right after loading its version."""
+    every = [s for s in range(eval_every, max_steps + 1, eval_every)] if eval_every > 0 else []
+    return sorted({*every, max_steps})
