@@ -53,10 +53,12 @@ class StreamLoop:
         self.backlog: deque[Group] = deque()
         self.live: dict[str, tuple[Group, int]] = {}  # vLLM request id -> (group, sample)
         self.live_groups: set[int] = set()
-        self.submitted, self.dropped = 0, 0
+        self.submitted = 0
+        self.dropped: dict[int, int] = {}  # step -> groups generated again because too stale for it
         self.weights: dict[int, list[Any]] = {}  # received, not applied yet
         self.take: tuple[int, int] | None = None  # (request id, step) waiting for its batch
-        self.evaluation: dict[str, Any] | None = None
+        self.evaluation: dict[str, Any] | None = None  # running
+        self.held_evaluation: dict[str, Any] | None = None  # arrived, not started
         self.evaluated = {opts.version}  # its evaluation, if any, came before the stream opened
         self.idle_s, self.busy_s, self.closed = 0.0, 0.0, False
 
@@ -94,7 +96,7 @@ class StreamLoop:
         due = due_step(self.book.filled_at, self.version + 1, self.opts.lag_steps)
         if due is not None and self.decode_steps >= due and self.version + 1 not in self.weights:
             return True
-        if self._evaluation_due() and self.evaluation is None:
+        if self._evaluation_due() and self.evaluation is None and self.held_evaluation is None:
             return True
         return not self.backlog and self.submitted < self.opts.expected_groups and self._would_admit_next()
 
@@ -153,9 +155,8 @@ class StreamLoop:
         elif op == "take":
             self.take, reply = (request_id, int(message["step"])), None
             self._answer_take()
-        elif op == "generate":
-            self.evaluation, reply = {"id": request_id, **message}, None
-            self._start_evaluation()
+        elif op == "generate":  # an evaluation: started at once, or (deterministic) once its version is loaded
+            self.held_evaluation, reply = {"id": request_id, **message}, None
         elif op == "ping":
             reply["result"] = self.engine.ping()
         elif op == "close":
@@ -184,6 +185,9 @@ class StreamLoop:
         return applied
 
     def _admit(self) -> None:
+        if self.held_evaluation is not None and self.evaluation is None and (not self.opts.deterministic or self._evaluation_due()):
+            self.evaluation, self.held_evaluation = self.held_evaluation, None
+            self._start_evaluation()
         if self.evaluation is not None:
             self._admit_evaluation()
         heads: list[Group] = []
@@ -235,7 +239,8 @@ class StreamLoop:
             return
         self.live_groups.discard(group.key)
         if not self.book.place(group, self.version, self.decode_steps):
-            self.dropped += 1
+            target = self.book.filling if self.opts.stream else group.step
+            self.dropped[target] = self.dropped.get(target, 0) + 1  # counted in the batch it could not join
             self.keys += 1
             self.backlog.appendleft(group.again(self.keys))
         self._answer_take()
@@ -249,9 +254,8 @@ class StreamLoop:
             {"index": g.index, "token_ids": g.token_ids, "logprobs": g.logprobs, "versions": g.versions, "finished": g.finished}
             for g in self.book.pop(step)
         ]
-        result = {"groups": groups, "idle_s": self.idle_s, "busy_s": self.busy_s, "dropped": self.dropped, "version": self.version}
+        result = {"groups": groups, "idle_s": self.idle_s, "busy_s": self.busy_s, "dropped": self.dropped.pop(step, 0)}
         self.idle_s = self.busy_s = 0.0
-        self.dropped = 0
         self.channel.send({"op": "reply", "id": request_id, "ok": True, "result": result})
 
     # --- evaluation: greedy or sampled requests among the training ones, answered when all are done
