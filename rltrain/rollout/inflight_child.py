@@ -137,7 +137,8 @@ class StreamLoop:
 
     def _handle(self, message: dict[str, Any]) -> None:
         op, request_id = message["op"], message["id"]
-        reply: dict[str, Any] | None = {"op": "reply", "id": request_id, "ok": True}
+        done = {"op": "reply", "id": request_id, "ok": True}
+        reply: dict[str, Any] | None = done
         if op == "update":  # the next version: received now, applied between two decode steps
             self.weights[self.version + 1 + len(self.weights)] = list(self.receiver.receive(copy=True))
             if not self.opts.deterministic:
@@ -158,7 +159,7 @@ class StreamLoop:
         elif op == "generate":  # an evaluation: started at once, or (deterministic) once its version is loaded
             self.held_evaluation, reply = {"id": request_id, **message}, None
         elif op == "ping":
-            reply["result"] = self.engine.ping()
+            reply = {**done, "result": self.engine.ping()}
         elif op == "close":
             self.closed = True
         else:
