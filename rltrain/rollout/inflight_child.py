@@ -203,9 +203,14 @@ class StreamLoop:
     def _add(self, group: Group) -> None:
         for j in range(group.n):
             request_id = f"g{group.key}-{j}"
-            self.core.add_request(request_id, {"prompt_token_ids": group.prompt_ids}, self._params(group.seed + j, self.opts.sampling))
+            self.core.add_request(request_id, self._prompt(group), self._params(group.seed + j, self.opts.sampling))
             self.live[request_id] = (group, j)
         self.live_groups.add(group.key)
+
+    def _prompt(self, group: Group) -> dict[str, Any]:
+        """The prompt salted with the version loaded now: a request reuses only prompt KV cached
+        under the same version (vLLM cannot reset its prefix cache while requests run)."""
+        return {"prompt_token_ids": group.prompt_ids, "cache_salt": f"v{self.version}"}
 
     def _params(self, seed: int, s: dict[str, Any]) -> Any:
         from vllm import SamplingParams
@@ -282,7 +287,7 @@ class StreamLoop:
             group = Group(-1 - i, i, 0, i, [int(t) for t in prompt], _request_seed(int(ev["sampling"]["seed"]), i, n), n)
             for j in range(n):
                 request_id = f"e{ev['id']}-{i}-{j}"
-                self.core.add_request(request_id, {"prompt_token_ids": group.prompt_ids}, self._params(group.seed + j, ev["sampling"]))
+                self.core.add_request(request_id, self._prompt(group), self._params(group.seed + j, ev["sampling"]))
                 self.live[request_id] = (group, j)
             ev["groups"].append(group)
             ev["pending"] += 1
