@@ -1,8 +1,8 @@
-"""Rollout engines behind one protocol (`base.RolloutEngine`): vLLM in the trainer's process
-(`vllm`) or in a child process (`separate`, `separate_child`), vLLM's API servers over HTTP
-(`server`, `server_*`), and transformers' generate (`hf`).
-The registry below is lazy, so `rollout=hf` never imports vLLM; `share` hands a model-parallel
-replica's completions to its peers. docs/internals/rollout.md.
+"""Rollout engines behind one protocol (`base.RolloutEngine`): vLLM in the trainer's process (`vllm`)
+or in a child process (`separate`, `separate_child`; step by step, weights in flight: `inflight_*`),
+vLLM's API servers over HTTP (`server`, `server_*`), and transformers' generate (`hf`). The registry
+below is lazy, so `rollout=hf` never imports vLLM; `share` hands a model-parallel replica's
+completions to its peers. docs/internals/rollout.md.
 """
 
 from __future__ import annotations
