@@ -11,7 +11,9 @@ carries the version that sampled it. docs/async.md, "Weights in flight".
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Any, Protocol
 
 from rltrain.algos.experience import Experience, ExperienceCollector
@@ -37,6 +39,8 @@ class InFlightRollouts:
         self.per_step = collector.algo_cfg.prompts_per_step
         self.opened = False
         self.submitted_through = 0  # the last step whose prompts the engine has
+        self.untrained: list[int] = []  # prompts submitted and not trained yet, in submission order
+        self.restored: list[list[int]] = []  # a checkpoint's untrained prompts, a step's worth each
 
     def _open(self, step: int) -> None:
         a = self.collector.algo_cfg
@@ -58,7 +62,8 @@ class InFlightRollouts:
         """Hand the engine the prompts of the steps up to `last` (the data stream's, in step order)."""
         groups = []
         for step in range(self.submitted_through + 1, min(last, self.max_steps) + 1):
-            index = self.collector.take_prompts()
+            index = self.restored.pop(0) if self.restored else self.collector.take_prompts()
+            self.untrained += index
             seed = self.collector.sampling(step).seed
             for position, (i, row) in enumerate(zip(index, self.collector.my_rows(index), strict=True)):
                 groups.append({
@@ -78,6 +83,8 @@ class InFlightRollouts:
         taken = self.engine.request("take", step=step)
         wait_s = time.perf_counter() - started
         groups = taken["groups"]
+        for g in groups:
+            self.untrained.remove(int(g["index"]))
         completions: list[Completion] = []
         versions: list[list[int]] = []
         for position, g in enumerate(groups):
@@ -97,6 +104,25 @@ class InFlightRollouts:
             "rollout/regenerated": float(taken["dropped"]),
             "time/wait_rollout": wait_s,
         }
+
+
+    # --- checkpoint part (rltrain/run/checkpoint.py; the file generating ahead writes and reads) --
+
+    def save_checkpoint(self, directory: Path) -> None:
+        """The prompts submitted and not trained, a step's worth per row as `AsyncRollouts` writes
+        them with nothing generated: a resumed run (in flight or between batches) generates them
+        first, from the checkpoint's weights, so no prompt of the stream is skipped."""
+        step = self.submitted_through - len(self.untrained) // self.per_step
+        rows = [
+            {"step": step + 1 + i, "global_index": self.untrained[i * self.per_step : (i + 1) * self.per_step],
+             "version": max(0, step - self.k + i), "completions": None, "generate_s": 0.0}
+            for i in range(len(self.untrained) // self.per_step)
+        ]
+        (directory / "rank0.json").write_text(json.dumps({"max_staleness": self.k, "pending": rows}))
+
+    def load_checkpoint(self, directory: Path) -> None:
+        rows = json.loads((directory / "rank0.json").read_text())["pending"]
+        self.restored = [[int(i) for i in row["global_index"]] for row in sorted(rows, key=lambda r: int(r["step"]))]
 
 
 def evaluated_versions(eval_every: int, max_steps: int) -> list[int]:

@@ -236,6 +236,8 @@ class RLAlgorithm:
             parts["critic"] = self.critic
         if self.ahead is not None:
             parts["rollouts"] = self.ahead
+        if self.inflight is not None:
+            parts["rollouts"] = self.inflight
         return parts
 
     def export_engine(self) -> Any:

@@ -5,6 +5,8 @@ in flight") in real runs: GRPO on one rank, vLLM in its own process driven step 
   token is more than `placement.max_staleness` versions behind the trainer that trains it (the
   per-token versions, `batches.jsonl`), every prompt of the data stream is trained exactly once,
   and the metrics of the mode are logged.
+- SIGKILL after a checkpoint and a restart: the prompts submitted ahead and not trained are the
+  checkpoint's, generated first on resume, so the run still trains every prompt once.
 - `placement.deterministic=true`: the same command twice gives the same samples and equal metric
   rows (timings and the engine's idle share aside), with versions loaded mid-sequence.
 """
@@ -12,9 +14,10 @@ in flight") in real runs: GRPO on one rank, vLLM in its own process driven step 
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
-from cli import SMALL_MODEL, comparable, read_metrics, rltrain, train_rows
+from cli import SMALL_MODEL, comparable, kill_when, read_metrics, rltrain, train_rows
 
 # One xdist worker runs every separate-engine test: their cleanup checks count rlsep-* directories.
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("separate_engine")]
@@ -68,3 +71,15 @@ def test_deterministic_in_flight_runs_repeat_exactly(shared_runs, tmp_path):
     # a version was loaded while sequences were being sampled: some sequence holds tokens of two
     assert max(r["rollout/versions_per_sequence_max"] for r in trained) >= 2
     assert all(r["step"] - 1 - r["rollout/token_version_min"] <= K for r in trained)
+
+
+def test_a_killed_stream_resumes_without_skipping_a_prompt(shared_runs, tmp_path):
+    args = [*STREAM, "trainer.save_every=2"]
+    run_dir = tmp_path / "killed"
+    kill_when(args, run_dir, run_dir / "checkpoints" / "step_00000002", signal.SIGKILL, timeout=600)
+    rltrain(*args, run_dir=run_dir, timeout=600)
+    assert [r["step"] for r in train_rows(run_dir)] == list(range(1, STEPS + 1))
+    assert all(r["step"] - 1 - r["rollout/token_version_min"] <= K for r in train_rows(run_dir))
+    prompts = [p for b in batches(run_dir) for p in b["prompts"]]
+    full = [p for b in batches(shared_runs.get(*STREAM, timeout=600)) for p in b["prompts"]]
+    assert len(set(prompts)) == len(prompts) and sorted(prompts) == sorted(full)
