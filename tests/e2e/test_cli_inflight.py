@@ -5,6 +5,8 @@ in flight") in real runs: GRPO on one rank, vLLM in its own process driven step 
   token is more than `placement.max_staleness` versions behind the trainer that trains it (the
   per-token versions, `batches.jsonl`), every prompt of the data stream is trained exactly once,
   and the metrics of the mode are logged.
+- Without streaming, step t's batch is its own prompts, the ones generating ahead between batches
+  takes, and step 1 (sampled by version 0 in both) gives the same samples and the same row.
 - SIGKILL after a checkpoint and a restart: the prompts submitted ahead and not trained are the
   checkpoint's, generated first on resume, so the run still trains every prompt once.
 - `placement.deterministic=true`: the same command twice gives the same samples and equal metric
@@ -30,6 +32,8 @@ STREAM = [
     f"placement.max_staleness={K}", "placement.weight_update=in_flight", "placement.stream=true",
 ]
 DETERMINISTIC = [*STREAM, "placement.deterministic=true", "placement.update_lag_steps=3"]
+IN_FLIGHT = [*STREAM, "placement.stream=false"]
+BETWEEN_BATCHES = [*STREAM, "placement.stream=false", "placement.weight_update=between_batches"]
 
 
 def batches(run_dir) -> list[dict]:
@@ -83,3 +87,15 @@ def test_a_killed_stream_resumes_without_skipping_a_prompt(shared_runs, tmp_path
     prompts = [p for b in batches(run_dir) for p in b["prompts"]]
     full = [p for b in batches(shared_runs.get(*STREAM, timeout=600)) for p in b["prompts"]]
     assert len(set(prompts)) == len(prompts) and sorted(prompts) == sorted(full)
+
+
+def test_in_flight_batches_are_the_steps_own_prompts_with_the_same_first_samples(shared_runs):
+    in_flight, between = shared_runs.get(*IN_FLIGHT, timeout=600), shared_runs.get(*BETWEEN_BATCHES, timeout=600)
+    assert [b["prompts"] for b in batches(in_flight)] == [b["prompts"] for b in batches(between)]
+    rows = train_rows(in_flight)
+    for r in rows:
+        assert max(0, r["step"] - 1 - K) <= r["rollout/token_version_min"] <= r["rollout/token_version_max"] <= r["step"] - 1, r
+    first, reference = comparable(rows)[0], comparable(train_rows(between))[0]
+    shared = set(first) & set(reference)
+    assert {"loss", "reward/mean", "rollout/response_length_mean", "rollout/logprob_diff_max"} <= shared
+    assert {k: first[k] for k in shared} == {k: reference[k] for k in shared}
