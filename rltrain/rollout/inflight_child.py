@@ -16,11 +16,15 @@ import select
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rltrain.rollout.inflight_schedule import Group, TakeBook, admit_count, due_step
-from rltrain.rollout.separate import ControlChannel
 from rltrain.transport.wire import PeerClosed
+
+if TYPE_CHECKING:
+    from rltrain.rollout.separate import ControlChannel
+    from rltrain.rollout.vllm import VLLMRolloutEngine
+    from rltrain.transport.receiver import WeightReceiver
 
 
 @dataclass
@@ -43,7 +47,7 @@ class StreamOptions:
 class StreamLoop:
     """The loop itself; `run` returns when the trainer closes the channel or asks to close."""
 
-    def __init__(self, channel: ControlChannel, engine: Any, receiver: Any, opts: StreamOptions) -> None:
+    def __init__(self, channel: ControlChannel, engine: VLLMRolloutEngine, receiver: WeightReceiver, opts: StreamOptions) -> None:
         self.channel, self.engine, self.receiver, self.opts = channel, engine, receiver, opts
         self.core = engine._live().llm_engine
         scheduler = self.core.vllm_config.scheduler_config
@@ -307,7 +311,7 @@ class StreamLoop:
         self.channel.send({"op": "reply", "id": ev["id"], "ok": True, "result": rows})
 
 
-def serve_stream(channel: ControlChannel, engine: Any, receiver: Any, request: dict[str, Any]) -> None:
+def serve_stream(channel: ControlChannel, engine: VLLMRolloutEngine, receiver: WeightReceiver, request: dict[str, Any]) -> None:
     """Answer `stream_open`, then run the loop until the trainer closes it."""
     opts = StreamOptions(**request["options"])
     channel.send({"op": "reply", "id": request["id"], "ok": True})
