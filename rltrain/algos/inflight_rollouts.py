@@ -1,7 +1,8 @@
 """Batches from an engine that takes new weights between its decoding steps (`placement.weight_update=in_flight`).
 
 The rollout process runs vLLM step by step (rltrain/rollout/inflight_child.py): the trainer submits
-prompts ahead (those of steps up to t + 1 + k before it asks for step t's batch), asks for step t's
+prompts ahead (those of steps up to t + 2 + 2k before it asks for step t's batch: more than the
+engine can start before the trainer's next version, so it never waits for prompts), asks for step t's
 batch, and publishes each new version as usual (`update_weights`, loaded between two decode steps
 while the requests in flight go on). Without `placement.stream` step t's batch is its own prompts,
 admitted once version t - 1 - k is loaded; with it, the first `algo.prompts_per_step` groups to
@@ -78,7 +79,7 @@ class InFlightRollouts:
         """Step `step`'s experience and its metrics (waits, versions, idle share, regenerated groups)."""
         if not self.opened:
             self._open(step)
-        self._submit_through(step + 1 + self.k)
+        self._submit_through(step + 2 + 2 * self.k)
         started = time.perf_counter()
         taken = self.engine.request("take", step=step)
         wait_s = time.perf_counter() - started

@@ -95,8 +95,8 @@ class StreamLoop:
     def _must_wait(self) -> bool:
         """Deterministic: hold the next decode step while something it depends on has not arrived
         (a due version's weights, the evaluation of a just-applied version, the next prompts)."""
-        if not self.opts.deterministic:
-            return False
+        if not self.opts.deterministic or self.evaluation is not None:
+            return False  # an evaluation in progress is stepped to its end (the trainer waits for it)
         due = due_step(self.book.filled_at, self.version + 1, self.opts.lag_steps)
         if due is not None and self.decode_steps >= due and self.version + 1 not in self.weights:
             return True
@@ -180,8 +180,8 @@ class StreamLoop:
         applied = False
         while self.version + 1 in self.weights:
             due = due_step(self.book.filled_at, self.version + 1, self.opts.lag_steps)
-            if self.opts.deterministic and not idle and (due is None or self.decode_steps < due):
-                break
+            if self.opts.deterministic and (self.evaluation is not None or not idle and (due is None or self.decode_steps < due)):
+                break  # deterministic: at its decode step, once no evaluation is in progress
             self.engine.update_weights(self.weights.pop(self.version + 1))
             self.version += 1
             applied = True
@@ -195,6 +195,8 @@ class StreamLoop:
             self._start_evaluation()
         if self.evaluation is not None:
             self._admit_evaluation()
+            if self.opts.deterministic:
+                return  # no training prompt enters during an evaluation: its start and end are counts, the prompts' arrival is not
         heads: list[Group] = []
         for group in self.backlog:
             if len(self.live_groups) + len(heads) >= self._group_cap() or not self._open_for(group.step):
