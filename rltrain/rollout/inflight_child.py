@@ -97,10 +97,10 @@ class StreamLoop:
         (a due version's weights, the evaluation of a just-applied version, the next prompts)."""
         if not self.opts.deterministic or self.evaluation is not None:
             return False  # an evaluation in progress is stepped to its end (the trainer waits for it)
+        if self._evaluation_due():  # first: the trainer sends it before anything else
+            return self.held_evaluation is None
         due = due_step(self.book.filled_at, self.version + 1, self.opts.lag_steps)
         if due is not None and self.decode_steps >= due and self.version + 1 not in self.weights:
-            return True
-        if self._evaluation_due() and self.evaluation is None and self.held_evaluation is None:
             return True
         return not self.backlog and self.submitted < self.opts.expected_groups and self._would_admit_next()
 
