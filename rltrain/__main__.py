@@ -18,10 +18,10 @@ from typing import NoReturn
 import hydra
 from omegaconf import OmegaConf
 
-from rltrain.config.command_help import register_help
-from rltrain.config.compose_errors import composition_done, reporting_composition_errors
 from rltrain.config.schema import CONF_DIR, Config, register_configs
 from rltrain.launch.sweep import JobOutcome, objective_value, sweep_exit_status
+from rltrain.preflight.command_help import register_help
+from rltrain.preflight.compose_errors import composition_done, reporting_composition_errors
 from rltrain.runtime.errors import (
     EXIT_USER_ERROR,
     UserError,
@@ -134,10 +134,16 @@ def _first_line(text: str) -> str:
 
 def run_job(cfg: Config, run_dir: Path) -> None:
     """Validate and run one job; raises JobFailed (after printing) when it fails."""
-    from rltrain.config.validate import validate
+    from rltrain.preflight.validate import validate
+    from rltrain.rewards.scoring import check_reward_needs
 
     try:
         validate(cfg)
+        check_reward_needs(cfg)  # e.g. the code reward's sandbox tool, before any model is built
+        if cfg.env.name == "agent":  # the user's code, before any engine starts (a typo costs seconds)
+            from rltrain.envs.agent.episode import check_agent
+
+            check_agent(str(cfg.env.agent))
     except UserError as exc:
         fail(exc)
     if under_torchrun():

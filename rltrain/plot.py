@@ -1,9 +1,9 @@
 """`python -m rltrain.plot RUN_DIR [RUN_DIR ...] [--out plots.png]`: the command; the drawing is
-rltrain/run/plot.py (docs/run-directory.md, "Plots")."""
+rltrain/run/curves.py (docs/run-directory.md, "Plots")."""
 
 import sys
 
-from rltrain.run.plot import main
+from rltrain.run.curves import main
 
 if __name__ == "__main__":
     sys.exit(main())

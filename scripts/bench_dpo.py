@@ -14,7 +14,7 @@ forward.
 Tokens/s counts the tokens of each step's sequences, the same number for both sides: 2 x prompt +
 chosen + rejected per pair (the reference forward is not counted again). That is the work asked
 for, not what each side feeds its model: rltrain packs a pair's prompt, chosen and rejected into
-one row and computes the prompt once (rltrain/backends/fsdp/shared_prefix.py; `--ablate-packing` shows
+one row and computes the prompt once (rltrain/backends/fsdp/micro_batches/shared_prefix.py; `--ablate-packing` shows
 what that buys), TRL pads chosen and rejected each with its own copy of the prompt. Steps are interleaved (rltrain's step k runs
 right after TRL's step k, from a TRL callback outside TRL's timed region) because the CPU is
 shared with other jobs; the per-step ratio on the same batch is printed too.

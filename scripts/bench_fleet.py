@@ -44,7 +44,7 @@ CPU_PARTS = ("api server", "engine", "trainer")
 
 def part_of(comm: str, cmdline: str) -> str:
     """Which part of a run a process is (see the module doc)."""
-    if "vllm.entrypoints.openai.api_server" in cmdline and "server_guard" not in cmdline:
+    if "vllm.entrypoints.openai.api_server" in cmdline and "rltrain.rollout.server.guard" not in cmdline:
         return "api server"
     if "EngineCore" in comm or "EngineCore" in cmdline or "rltrain.rollout.separate_child" in cmdline:
         return "engine"

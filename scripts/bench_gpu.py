@@ -147,8 +147,14 @@ def ours_label(name: str, backend_name: str) -> str:
     return f"rltrain {name}" + (f" ({backend_name})" if backend_name != "fsdp" else "")
 
 
-def run_ours(name: str, model_dir: Path, rows, args, device: torch.device, backend_name: str = "fsdp") -> dict:
-    workload = Workload(name, model_dir, rows, args, device, backend_name=backend_name, optim_implementation=args.optim)
+def run_ours(
+    name: str, model_dir: Path, rows, args, device: torch.device, backend_name: str = "fsdp", shared=None
+) -> dict:
+    """`shared`: the process's SharedObjects (rltrain.config.run_context): megatron's workloads join
+    one parallel state, one after another."""
+    workload = Workload(
+        name, model_dir, rows, args, device, backend_name=backend_name, optim_implementation=args.optim, shared=shared
+    )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     timings = _timed_steps(workload.step, args, ours_label(name, backend_name), device)
@@ -242,7 +248,20 @@ def rltrain_head(model_dir: Path, rows, args) -> str:
     return HEADS["chunked" if exceeds_chunk_limit(widest, vocab) else "full"]
 
 
-def main() -> None:
+def _leading_notes(peak: float, precision, with_trl: bool, same_head: str | None) -> list[str]:
+    """What the table's columns measure against: the matmul peak, TRL, the plain loop (when it ran)."""
+    notes = [
+        f"matmul peak measured here: {peak / 1e12:.1f} TFLOP/s ({precision.compute_dtype_name})",
+        "TRL 1.16: same rows, batch and micro-batch, run after ours (not interleaved); vs TRL = tokens/s ratio"
+        if with_trl else "TRL: not importable or --no-trl",
+    ]
+    if same_head is not None:
+        notes.append(f"vs plain = MFU / the MFU of the '{same_head}' row (the plain loop with rltrain's output head); "
+                     "for sft (the same rows and micro-batches) also the tokens/s ratio")
+    return notes
+
+
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(SHAPES), default=None, help="default: qwen0.5b on CUDA, small on CPU")
     parser.add_argument("--precision", default="auto", help="trainer.precision (auto: bf16-mixed on CUDA, fp32 on CPU)")
@@ -276,8 +295,14 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="backend.compile=true: torch.compile each decoder layer")
     parser.add_argument("--optim", choices=("auto", "for-loop", "foreach", "fused"), default="auto",
                         help="rltrain's optim.implementation: AdamW's kernels (auto: the backend's own)")
+    return parser
+
+
+def main() -> None:
+    parser = make_parser()
     args = parser.parse_args()
     args.row_length = args.length if args.rows == "dense" else 0
+    from rltrain.config.run_context import SharedObjects
     from rltrain.runtime.precision import resolve_precision
 
     names, backends = args.only.split(","), args.backend.split(",")
@@ -299,6 +324,7 @@ def main() -> None:
         table.append(cells)
         print("row: " + " | ".join(cells), flush=True)
 
+    shared = SharedObjects()  # megatron's parallel state, one per process, shared by its workloads
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model_dir(shape, Path(tmp) / "model", device, max(2048, args.row_length))
         rows = make_rows(total_steps(args) * args.batch, length=args.row_length)
@@ -310,7 +336,7 @@ def main() -> None:
                 plain[label] = run_plain(head, model_dir, rows, args, precision, device)
                 add(_row(label, plain[label], peak, None, "-"))
         for name in [n for n in names if n != "plain"]:
-            results = {b: run_ours(name, model_dir, rows, args, device, b) for b in backends}
+            results = {b: run_ours(name, model_dir, rows, args, device, b, shared) for b in backends}
             theirs = run_trl(name, model_dir, rows, args, precision, device, Path(tmp) / "trl") if with_trl else None
             for backend_name, result in results.items():
                 vs_trl = f"{result['tokens/s'] / theirs['tokens/s']:.2f}x" if theirs else "-"
@@ -323,22 +349,19 @@ def main() -> None:
             if theirs["step tokens"] != ours["step tokens"]:
                 notes.append(f"warning: {name}: TRL tokenized {theirs['step tokens']} tokens per step, rltrain {ours['step tokens']}")
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    notes.insert(0, f"matmul peak measured here: {peak / 1e12:.1f} TFLOP/s ({precision.compute_dtype_name})")
-    notes.insert(1, "TRL 1.16: same rows, batch and micro-batch, run after ours (not interleaved); vs TRL = tokens/s ratio"
-                 if with_trl else "TRL: not importable or --no-trl")
-    if plain:
-        notes.insert(2, f"vs plain = MFU / the MFU of the '{same_head}' row (the plain loop with rltrain's output head); "
-                     "for sft (the same rows and micro-batches) also the tokens/s ratio")
+    notes[:0] = _leading_notes(peak, precision, with_trl, same_head if plain else None)
+    title = _title(args, shape, device_name, precision.name)
+    print_table(title, ["workload", "tokens/s", "MFU", "peak GiB", "vs plain", "vs TRL"], table, notes)
+
+
+def _title(args: argparse.Namespace, shape: str, device_name: str, precision_name: str) -> str:
     rows_text = f"dense rows of {args.length} tokens" if args.row_length else "mixed-length rows"
-    print_table(
-        f"{shape} ({device_name}, {precision.name}, rltrain on {args.backend}{', padding-free' if args.padding_free else ''}"
+    return (
+        f"{shape} ({device_name}, {precision_name}, rltrain on {args.backend}{', padding-free' if args.padding_free else ''}"
         f"{', torch.compile per layer' if args.compile else ''}{f', AdamW {args.optim}' if args.optim != 'auto' else ''}), "
         f"{args.batch} {rows_text}/step in micro-batches of "
         f"{f'<= {args.max_tokens} tokens (TRL: {args.micro} rows)' if args.max_tokens else args.micro}, "
-        f"{args.steps} timed steps (+{args.warmup} warm-up), {torch.get_num_threads()} CPU threads",
-        ["workload", "tokens/s", "MFU", "peak GiB", "vs plain", "vs TRL"],
-        table,
-        notes,
+        f"{args.steps} timed steps (+{args.warmup} warm-up), {torch.get_num_threads()} CPU threads"
     )
 
 

@@ -67,7 +67,7 @@ class RltrainSFT:
     def __init__(
         self, model_dir: Path, rows: list[dict[str, str]], batch: int, total_steps: int, buckets: bool = True
     ) -> None:
-        from rltrain.algos.losses import sft_loss
+        from rltrain.algos.sft import sft_loss
         from rltrain.backends.fsdp.engine import FSDPEngine
         from rltrain.config.group_options import FSDPBackendConfig
         from rltrain.config.schema import OptimConfig

@@ -251,21 +251,26 @@ def main() -> None:
             child.kill()
     print(f"(median of {args.repeats} syncs per cell; total {time.perf_counter() - started:.0f}s)")
     if args.grpo_steps > 1:
-        started = time.perf_counter()
-        print(f"\nGRPO steps 2..{args.grpo_steps} (median); target: sync < 5% of a step")
-        header = f"{'model':>6} {'engine':>10} | {'step s':>7} | {'sync ms':>8} | {'sync / step':>11}"
-        print(header)
-        print("-" * len(header))
-        with tempfile.TemporaryDirectory(prefix="bench-sync-models-") as cache:
-            for model in args.grpo_models.split(","):
-                overrides = grpo_model_overrides(model, Path(cache)) + args.grpo_args.split()
-                for r in grpo_sync_fraction(args.grpo_steps, overrides):
-                    print(
-                        f"{model:>6} {r['process']:>10} | {r['step_s']:>7.2f} | {r['sync_s'] * 1e3:>8.1f} | "
-                        f"{r['fraction']:>10.1%}",
-                        flush=True,
-                    )
-        print(f"(total {time.perf_counter() - started:.0f}s)")
+        grpo_table(args)
+
+
+def grpo_table(args: argparse.Namespace) -> None:
+    """The second table: the sync's share of a GRPO step, per model and engine placement."""
+    started = time.perf_counter()
+    print(f"\nGRPO steps 2..{args.grpo_steps} (median); target: sync < 5% of a step")
+    header = f"{'model':>6} {'engine':>10} | {'step s':>7} | {'sync ms':>8} | {'sync / step':>11}"
+    print(header)
+    print("-" * len(header))
+    with tempfile.TemporaryDirectory(prefix="bench-sync-models-") as cache:
+        for model in args.grpo_models.split(","):
+            overrides = grpo_model_overrides(model, Path(cache)) + args.grpo_args.split()
+            for r in grpo_sync_fraction(args.grpo_steps, overrides):
+                print(
+                    f"{model:>6} {r['process']:>10} | {r['step_s']:>7.2f} | {r['sync_s'] * 1e3:>8.1f} | "
+                    f"{r['fraction']:>10.1%}",
+                    flush=True,
+                )
+    print(f"(total {time.perf_counter() - started:.0f}s)")
 
 
 if __name__ == "__main__":

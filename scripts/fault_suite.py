@@ -5,8 +5,10 @@ On 2 CPU ranks and both backends, each `debug.fault` kind (docs/failure-behaviou
 in a real 2-rank GRPO run (`rollout.process=separate`, both backends), and killed or frozen while the engine
 generates ahead (`placement.max_staleness=1`); then the weight transport on its own: a
 receiver process killed in the middle of a sync, and a sync whose bucket message is lost; then
-`rollout=server` (scripts/fault_suite_servers.py): a server killed, restarted, all gone, of another
-model, and a SIGKILLed trainer's spawned server.
+`env=agent` (scripts/fault_suite_agents.py): agents blocked on one prompt in eight (their event loop,
+their thread, the CPU, an await that never returns); then `rollout=server`
+(scripts/fault_suite_servers.py): a server killed, restarted, all gone, of another model, two URLs
+of one server, and a SIGKILLed trainer's spawned server.
 
 One row per fault:
 
@@ -107,12 +109,15 @@ def shm_names() -> set[str]:
         return set()
 
 
-def train_rows(run_dir: Path) -> list[dict]:
+def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if "loss" in r]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def train_rows(run_dir: Path) -> list[dict]:
+    return [r for r in read_metrics(run_dir) if "loss" in r]
 
 
 EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Fault|Exception|Aborted|Closed|Timeout)\w*: ")
@@ -121,13 +126,14 @@ EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Fault|Exception|Aborted|Closed|Timeo
 def first_error(output: str) -> str:
     """The line that says what happened: a lost rank; else the error rltrain raised on the first
     rank that failed (the outermost of a chain: the last one before the launcher's report); else
-    the first exception; else rltrain's own line."""
+    the first exception; else rltrain's one-paragraph error; else rltrain's own line."""
     lines = [re.sub(r"^\[rank\d+\]: ", "", line) for line in output.splitlines()]
     exited = next((i for i, line in enumerate(lines) if re.match(r"rltrain: rank \d+ exited", line)), len(lines))
     picks = (
         [line for line in lines if line.startswith("rltrain: ") and "killed by" in line][:1]
         or [line for line in lines[:exited] if re.match(r"rltrain\.[\w.]+: ", line)][-1:]
         or [line for line in lines if EXCEPTION_LINE.match(line)][:1]
+        or [line for line in lines if line.startswith("rltrain: error: ")][:1]
         or [line for line in lines if line.startswith("rltrain: ")][:1]
         or lines[-1:]
     )
@@ -139,11 +145,13 @@ def newest_checkpoint(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
-def start(args: list[str], run_dir: Path) -> subprocess.Popen:
-    """`python -m rltrain *args` in its own session, its output (every rank's) to `<run_dir>.log`."""
+def start(args: list[str], run_dir: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`python -m rltrain *args` in its own session (`env` added to its environment), its output
+    (every rank's) to `<run_dir>.log`."""
     cmd = [sys.executable, "-m", "rltrain", *args, f"hydra.run.dir={run_dir}"]
     log = open(f"{run_dir}.log", "w")  # a file, not a pipe: a chatty run never blocks on a full pipe
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **(env or {})})
     proc.log_path = log.name  # type: ignore[attr-defined]
     log.close()
     return proc
@@ -337,7 +345,7 @@ def table(rows: list[Row]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", nargs="*", help="case names: KIND@BACKEND, rollout_child@BACKEND, async_sigkill@BACKEND, async_sigstop@BACKEND, receiver, lost, server_killed, server_restarted, server_other_model, servers_gone, trainer_killed")
+    parser.add_argument("--only", nargs="*", help="case names: KIND@BACKEND, rollout_child@BACKEND, async_sigkill@BACKEND, async_sigstop@BACKEND, receiver, lost, agent_loop_sleep, agent_spins, agent_never_returns, agent_thread_sleep, server_killed, server_restarted, server_other_model, server_twice, server_handshake_fails, servers_gone, trainer_killed")
     parser.add_argument("--out", type=Path, help="also write the table here")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -350,8 +358,10 @@ def main() -> int:
               for b in ("fsdp", "megatron") for sig in (signal.SIGKILL, signal.SIGSTOP)]
     cases += [
               ("receiver", lambda base: transport_case("killed")), ("lost", lambda base: transport_case("lost"))]
+    from fault_suite_agents import agent_cases  # env=agent (docs/agents.md)
     from fault_suite_servers import server_cases  # rollout=server (docs/rollout-servers.md)
 
+    cases += agent_cases()
     cases += server_cases()
     rows = []
     with tempfile.TemporaryDirectory(prefix="rltrain-fault-suite-") as tmp:

@@ -1,19 +1,23 @@
 """The `rollout=server` rows of `make fault-suite` (docs/rollout-servers.md, "Failure behaviour"):
 a spawned server SIGKILLed mid-run, a URL-given server killed and restarted at the same URL, every
-server gone, a server of another model, and a SIGKILLed trainer's spawned server. Real GRPO runs
+server gone, a server of another model, two URLs of one server, a server that fails its handshake
+while the fleet forms, and a SIGKILLed trainer's spawned server. Real GRPO runs
 on one trainer rank over real vLLM API servers (`python -m rltrain.serve` for the URL-given ones).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from fault_suite import ROOT, Row, finish, first_error, shm_names, start, train_rows
@@ -29,7 +33,7 @@ def serve(port: int, log: Path, *overrides: str) -> subprocess.Popen:
     """`python -m rltrain.serve` in a session of its own (so the whole server can be killed)."""
     with open(log, "w") as out:
         return subprocess.Popen([sys.executable, "-m", "rltrain.serve", "--host", "127.0.0.1", "--port", str(port),
-                                 "rollout=server", *MODEL, *overrides], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                 *MODEL, *overrides], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
 
@@ -168,6 +172,61 @@ def other_model(base: Path, port: int) -> Row:
                time.monotonic() - t0, "0", 0, ok)
 
 
+def one_server_twice(base: Path, port: int) -> Row:
+    """`localhost` and `127.0.0.1`: two names of one server, refused at start naming both."""
+    run_dir = base / "one-server-twice"
+    urls = [f"http://127.0.0.1:{port}", f"http://localhost:{port}"]
+    t0 = time.monotonic()
+    proc = start([*RUN, "trainer.max_steps=2", f"rollout.servers.urls=[{','.join(urls)}]"], run_dir)
+    code, err = finish(proc, 600)
+    said = next((line for line in err.splitlines() if line.startswith("rltrain: error:")), first_error(err))
+    ok = code == 2 and all(u in said for u in urls) and "Traceback" not in err
+    outcome = f"refused at start (exit {code}: {said[:140]})"
+    return Row("two URLs of one rollout server", "GRPO, 1 rank, 1 URL-given server", outcome if ok else f"FAILED: {outcome}",
+               time.monotonic() - t0, "0", 0, ok)
+
+
+class _HandshakeFails(BaseHTTPRequestHandler):
+    """A server that answers /health and says who it is, then fails the weight push's handshake."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self._send(200, {})
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        ok = body.get("method") == "rltrain_server_id"
+        self._send(200 if ok else 500, {"results": ["handshake-fails"]} if ok else {"error": "engine died"})
+
+    def _send(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def handshake_fails(base: Path, port: int) -> Row:
+    """A URL-given server that fails its handshake while the fleet forms: down, the run goes on."""
+    run_dir, before = base / "handshake-fails", shm_names()
+    failing = ThreadingHTTPServer(("127.0.0.1", 0), _HandshakeFails)
+    threading.Thread(target=failing.serve_forever, daemon=True).start()
+    urls = f"http://127.0.0.1:{port},http://127.0.0.1:{failing.server_address[1]}"
+    t0 = time.monotonic()
+    proc = start([*RUN, "trainer.max_steps=2", f"rollout.servers.urls=[{urls}]", "rollout.timeout_s=20"], run_dir)
+    code, err = finish(proc, 600)
+    failing.shutdown()
+    rows = train_rows(run_dir)
+    last = rows[-1] if rows else {}
+    ok = code == 0 and len(rows) == 2 and last.get("rollout/server_failures") == 1 and last.get("rollout/servers_up") == 1
+    outcome = f"recovered (server_failures={last.get('rollout/server_failures')}, servers_up={last.get('rollout/servers_up')})"
+    return Row("a rollout server failing its handshake at start", "GRPO, 1 rank, 2 URL-given servers",
+               outcome if ok else f"FAILED: exit {code}: {outcome} {first_error(err)}", time.monotonic() - t0, "0",
+               len(shm_names() - before), ok)
+
+
 def trainer_sigkilled(base: Path) -> Row:
     run_dir = base / "trainer-killed"
     proc, failed = started(run_dir, ["trainer.max_steps=100000", "rollout.servers.spawn=1"], 1)
@@ -195,7 +254,7 @@ def _newest(run_dir: Path) -> int:
 
 def server_cases() -> list[tuple[str, Callable[..., Row]]]:
     """(name, fn(base)) per row; the URL-given servers are started once and shared by their rows."""
-    from rltrain.rollout.server_process import free_port
+    from rltrain.rollout.server.process import free_port
 
     shared: dict[str, object] = {}
 
@@ -216,6 +275,14 @@ def server_cases() -> list[tuple[str, Callable[..., Row]]]:
         ports, _ = fleet(base)
         return other_model(base, ports[0])
 
+    def twice(base: Path) -> Row:
+        ports, _ = fleet(base)
+        return one_server_twice(base, ports[0])
+
+    def handshake(base: Path) -> Row:
+        ports, _ = fleet(base)
+        return handshake_fails(base, ports[0])
+
     def gone(base: Path) -> Row:
         ports, procs = fleet(base)
         kill_session(procs[1])
@@ -225,4 +292,4 @@ def server_cases() -> list[tuple[str, Callable[..., Row]]]:
             shared.clear()
 
     return [("server_killed", lambda base: spawned_server_killed(base)), ("server_restarted", restarted),
-            ("server_other_model", refused), ("servers_gone", gone), ("trainer_killed", lambda base: trainer_sigkilled(base))]
+            ("server_other_model", refused), ("server_twice", twice), ("server_handshake_fails", handshake), ("servers_gone", gone), ("trainer_killed", lambda base: trainer_sigkilled(base))]

@@ -31,11 +31,14 @@ class Workload:
     def __init__(
         self, name: str, model_dir: Path, rows: list[dict[str, str]], args, device: torch.device, adapters=None,
         gradient_checkpointing: bool = False, backend_name: str = "fsdp", optim_implementation: str = "auto",
+        shared=None,
     ) -> None:
         """`adapters`: a LoraAdapterConfig to train LoRA adapters (scripts/bench_lora.py); DPO's
         reference is then the policy's base with the adapters off, as in a run. `backend_name`:
         fsdp or megatron (tp = pp = 1), with the same rows, micro-batches, loss and optimizer.
-        `optim_implementation`: `optim.implementation`, AdamW's kernels."""
+        `optim_implementation`: `optim.implementation`, AdamW's kernels. `shared`: the process's
+        SharedObjects (rltrain.config.run_context), so successive megatron workloads join one
+        parallel state, as a run's engines do."""
         from transformers import AutoConfig
 
         from rltrain.backends.fsdp.engine import FSDPEngine
@@ -56,12 +59,15 @@ class Workload:
         if backend_name == "megatron":
             from rltrain.backends.megatron.engine import MegatronEngine
             from rltrain.config.group_options import MegatronBackendConfig
+            from rltrain.config.run_context import SharedObjects
 
             megatron = MegatronBackendConfig()
+            shared = shared if shared is not None else SharedObjects()
             self.policy = MegatronEngine(model_dir, megatron, optim, total, device, precision=args.precision,
-                                         gradient_checkpointing=gradient_checkpointing)
+                                         gradient_checkpointing=gradient_checkpointing, shared=shared)
             if name == "dpo":
-                self.reference = MegatronEngine(model_dir, megatron, None, total, device, precision=args.precision)
+                self.reference = MegatronEngine(model_dir, megatron, None, total, device, precision=args.precision,
+                                                shared=shared)
         else:
             backend = FSDPBackendConfig(padding_free=args.padding_free, compile=args.compile)
             self.policy = FSDPEngine(
@@ -93,7 +99,7 @@ class Workload:
             prompts, completions = sft_rows(self.tok, rows, k, a.batch)
             batch = SequenceBatch.from_lists(prompts, completions, global_tokens=float(sum(map(len, completions))))
         else:
-            from rltrain.algos.rl_update import PolicyLossInputs
+            from rltrain.algos.rl_update import PolicyBatchInputs
             from rltrain.data.ragged import Ragged
 
             rollouts = fixed_rollouts(self.tok, rows, k, a.batch, a.group, a.row_length)
@@ -102,7 +108,7 @@ class Workload:
             # On-policy from the training pass (old/entropy/reference None); the engine's log-probabilities
             # are not measured here (no rollout engine), so zeros stand in and no correction reads them.
             no_engine_logps = Ragged.from_lengths(torch.zeros(batch.num_completion_tokens, device="cpu"), batch.completion_lens())
-            batch.loss_inputs = PolicyLossInputs(
+            batch.loss_inputs = PolicyBatchInputs(
                 adv=torch.tensor(rollouts.adv_B, device="cpu"), engine_logps=no_engine_logps,
                 global_tokens=float(sum(map(len, completions))), global_seqs=float(len(completions)),
             )
@@ -112,8 +118,8 @@ class Workload:
         from types import SimpleNamespace
 
         from rltrain.algos.dpo import make_dpo_loss
-        from rltrain.algos.losses import sft_loss
         from rltrain.algos.rl_update import make_policy_loss
+        from rltrain.algos.sft import sft_loss
 
         if self.name == "sft":
             return sft_loss

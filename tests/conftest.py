@@ -6,6 +6,10 @@ from pathlib import Path
 
 import pytest
 
+# Before any test module imports transformers, which decides once whether torchvision exists: rltrain
+# makes the venv's side-folder torchvision importable (rltrain/runtime/torchvision_compat.py).
+import rltrain  # noqa: F401  isort: skip
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
@@ -108,7 +112,7 @@ def rollout_servers(tiny_cache, tmp_path_factory):
     from cli import SMALL_MODEL
 
     from rltrain.models.model_dir import resolve_model_dir
-    from rltrain.rollout.server_process import SpawnedServer, stop_servers
+    from rltrain.rollout.server.process import SpawnedServer, stop_servers
     from rltrain.serve import compose_run_config
 
     cfg = compose_run_config(["model=tiny", *SMALL_MODEL, "rollout=server", "rollout.servers.spawn=1", "rollout.timeout_s=60"])
@@ -121,3 +125,14 @@ def rollout_servers(tiny_cache, tmp_path_factory):
         yield {"model_dir": model_dir, "cfg": cfg.rollout, "servers": servers, "logs": logs}
     finally:
         stop_servers(servers)
+
+
+@pytest.fixture(scope="session")
+def tiny_vl_dir(tiny_cache) -> Path:
+    """The tiny vision-language model (model=tiny_vl, seed 0), built once for the session."""
+    from rltrain.config.schema import ModelConfig
+    from rltrain.models.tiny_vl import build_tiny_vl_model_dir
+
+    cfg = ModelConfig(arch="qwen2_vl", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                      intermediate_size=128, max_position_embeddings=1024)
+    return build_tiny_vl_model_dir(cfg, seed=0)

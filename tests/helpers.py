@@ -40,7 +40,7 @@ def free_port() -> int:
 # distributed modules, vLLM's server-side dependencies): seconds per rank, read once here. None of
 # them reads an RLTRAIN_/VLLM_/WANDB_ variable on import (a warm run may set those differently) or
 # leaves a Python thread running; OpenCV and gRPC are left out (a native thread, fork handlers).
-PRELOAD = ["torch", "torch.distributed", "torch._inductor.config", "transformers", "safetensors.torch", "datasets",
+PRELOAD = ["torch", "torch.distributed", "torch._inductor.config", "torchvision_importable", "transformers", "safetensors.torch", "datasets",
            "hydra", "omegaconf"]
 PRELOAD += [
     "scipy.stats", "scipy.optimize", "scipy.sparse", "scipy.signal", "scipy.integrate", "scipy.interpolate", "scipy.spatial",

@@ -5,15 +5,15 @@ all-reduced, so the rank count does not change them). docs/internals/algos.md ha
 
 from __future__ import annotations
 
-from typing import get_args
+from typing import Literal, get_args
 
 import torch
 
-from rltrain.config.algorithms import ScaleRewards
 from rltrain.data.ragged import Ragged
 
 # --- GRPO --------------------------------------------------------------------------------------
 
+ScaleRewards = Literal["group", "batch", "none"]  # algo.scale_rewards (GRPOConfig)
 SCALES: tuple[str, ...] = get_args(ScaleRewards)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from rltrain.algos.experience import Experience, ExperienceCollector
 from rltrain.algos.rollout_turns import refuse_agent_replica
-from rltrain.envs.agent import AgentRunner, played_from_json, played_to_json
+from rltrain.envs.agent.runner import AgentRunner, played_from_json, played_to_json
 from rltrain.envs.episodes import EpisodeResults
 from rltrain.envs.replica import share_results
 from rltrain.rollout.ahead import RolloutWorker
@@ -68,9 +68,9 @@ class AsyncRollouts:
     def _leads(self) -> bool:
         return leads(self.collector.policy.replica_group())
 
-    def _generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> Generated:
+    def _generate(self, prompts: list[list[int]], sampling: SamplingSettings, images: list | None = None) -> Generated:
         started = time.perf_counter()
-        completions = self.rollout.generate(prompts, sampling) if prompts else []
+        completions = self.rollout.generate(prompts, sampling, images) if prompts else []
         return completions, time.perf_counter() - started
 
     def request(self, step: int, global_index: list[int] | None = None, done: Generated | None = None) -> None:
@@ -86,13 +86,13 @@ class AsyncRollouts:
             future = self.worker.submit(self._play, self.collector.my_rows(index), step)
         elif self._leads():
             rows = [r for block in self._rounds(index) for r in self.collector.my_rows(block)]
-            future = self.worker.submit(self._generate, [r.ids for r in rows], self.collector.sampling(step))
+            future = self.worker.submit(self._generate, [r.ids for r in rows], self.collector.sampling(step), [r.images or [] for r in rows])
         self.pending[step] = Ticket(step, index, sample_version(step, self.k), future)
 
     def _play(self, rows: list, step: int) -> Generated:
         """Step `step`'s episodes, every turn, on the worker's thread (the engine called directly):
         exactly what the synchronous step plays (rltrain/envs/episodes.py; env=agent: the endpoint
-        served from this thread, rltrain/envs/agent.py), by one version."""
+        served from this thread, rltrain/envs/agent/runner.py), by one version."""
         assert self.collector.episodes is not None
         started = time.perf_counter()
         played = self.collector.episodes.run(

@@ -12,12 +12,40 @@ as a metric only), no baseline. docs/algorithms.md ("On-policy distillation").
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from rltrain.algos.advantages import reverse_kl_advantages
 from rltrain.algos.experience import Experience
 from rltrain.algos.rl import Advantages, RLAlgorithm
+from rltrain.algos.rl_config import RLConfig, check_rl
+from rltrain.config.algorithms import AlgorithmSpec
 from rltrain.data.sharding import sum_over_replicas
+from rltrain.runtime.errors import UserError
+
+
+@dataclass
+class DistillConfig(RLConfig):
+    """RL's sampling and policy loss with the per-token reverse KL to the teacher as the (negated)
+    advantage; no rewards, no reference (`beta` stays 0)."""
+
+    name: str = "distill"
+
+
+def check_distill(algo: DistillConfig) -> None:
+    check_rl(algo)
+    if algo.beta != 0:
+        raise UserError(
+            f"algo.beta={algo.beta}: algo=distill builds no reference; its objective is already a KL, to the teacher. "
+            "Leave algo.beta=0."
+        )
+    if algo.dynamic_sampling or algo.overlong_buffer:
+        raise UserError(
+            f"algo.dynamic_sampling={algo.dynamic_sampling} / algo.overlong_buffer={algo.overlong_buffer} with algo=distill: "
+            "both act on rewards, and distillation trains on the teacher's log-probabilities alone. Set "
+            "algo.dynamic_sampling=false and algo.overlong_buffer=0."
+        )
 
 
 class Distill(RLAlgorithm):
@@ -30,3 +58,9 @@ class Distill(RLAlgorithm):
         sums = torch.tensor([float(-adv.values.sum()), float(adv.num_tokens)], dtype=torch.float64, device="cpu")
         kl_sum, tokens = sum_over_replicas(sums, self.policy.world_size).tolist()
         return Advantages(adv, {"distill/reverse_kl": kl_sum / max(tokens, 1.0)})
+
+
+SPEC = AlgorithmSpec(
+    "distill", DistillConfig, Distill, "on-policy distillation: reverse KL to a teacher on the policy's samples",
+    data="prompts", generates=True, teacher=True, check=check_distill,
+)

@@ -11,27 +11,92 @@ from __future__ import annotations
 
 import gc
 import os
+from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from rltrain.algos.losses import dpo_pair_losses, implicit_rewards
 from rltrain.algos.preference import (
     PairwisePreference,
     chosen_rejected_lengths,
     chosen_rejected_sums,
+    implicit_rewards,
     pair_metrics,
     score_pairs,
 )
 from rltrain.algos.preference import preference_micro_batches as dpo_micro_batches
 from rltrain.backends import build_reference
 from rltrain.backends.base import LogProbScorer, PolicyOutput
+from rltrain.config.algorithms import AlgoConfig, AlgorithmSpec
+from rltrain.config.choices import choice
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.preference_data import PreferencePair
+from rltrain.runtime.errors import UserError
 
-__all__ = ["DPO", "attach_reference", "dpo_micro_batches", "make_dpo_loss"]
+__all__ = [
+    "DPO", "DPO_LOSSES", "SPEC", "DPOConfig", "DPOLossType", "attach_reference", "check_dpo", "dpo_micro_batches",
+    "dpo_pair_losses", "make_dpo_loss",
+]
 
 REF_FILE = "ref_logps.safetensors"
+
+
+DPOLossType = Literal["sigmoid", "ipo", "hinge", "robust"]
+DPO_LOSSES: tuple[str, ...] = get_args(DPOLossType)
+
+
+@dataclass
+class DPOConfig(AlgoConfig):
+    name: str = "dpo"
+    beta: float = 0.1
+    loss: str = choice("sigmoid", DPOLossType)
+    label_smoothing: float = 0.0
+    sft_weight: float = 0.0
+    precompute_ref_logps: bool = False
+
+
+def check_dpo(algo: DPOConfig) -> None:
+    if algo.beta <= 0:
+        raise UserError(f"algo.beta={algo.beta} must be positive (the DPO temperature).")
+    if not 0 <= algo.label_smoothing < 0.5:
+        raise UserError(f"algo.label_smoothing={algo.label_smoothing} must be in [0, 0.5).")
+
+
+def dpo_pair_losses(
+    policy_chosen_P: torch.Tensor,
+    policy_rejected_P: torch.Tensor,
+    ref_chosen_P: torch.Tensor,
+    ref_rejected_P: torch.Tensor,
+    beta: float,
+    loss: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    chosen_lens_P: torch.Tensor | None = None,
+    rejected_lens_P: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[P] loss of each pair, on per-sequence log-probability sums (docs/internals/algos.md,
+    "Preference losses"). `ipo` compares per-token log-ratios (each sum over its completion's
+    length, `chosen_lens_P` / `rejected_lens_P`): without it the squared target would grow with the
+    completions' length (TRL's form, which the IPO authors confirmed)."""
+    h_P = (policy_chosen_P - ref_chosen_P) - (policy_rejected_P - ref_rejected_P)
+    eps = label_smoothing
+    if loss == "sigmoid":
+        return -(1 - eps) * F.logsigmoid(beta * h_P) - eps * F.logsigmoid(-beta * h_P)
+    if loss == "robust":
+        if not 0 <= eps < 0.5:
+            raise ValueError(f"algo.label_smoothing={eps} must be in [0, 0.5) for the robust loss")
+        return (-(1 - eps) * F.logsigmoid(beta * h_P) + eps * F.logsigmoid(-beta * h_P)) / (1 - 2 * eps)
+    if loss == "hinge":
+        return torch.relu(1 - beta * h_P)
+    if loss == "ipo":
+        if chosen_lens_P is None or rejected_lens_P is None:
+            raise ValueError("the ipo loss needs the completion lengths (chosen_lens_P, rejected_lens_P)")
+        per_token_h_P = (policy_chosen_P - ref_chosen_P) / chosen_lens_P.clamp(min=1) - (
+            policy_rejected_P - ref_rejected_P
+        ) / rejected_lens_P.clamp(min=1)
+        return (per_token_h_P - 1 / (2 * beta)) ** 2
+    raise ValueError(f"algo.loss={loss!r}: choose one of {', '.join(DPO_LOSSES)}")
 
 
 def make_dpo_loss(beta: float, loss: str, label_smoothing: float, sft_weight: float):
@@ -108,3 +173,9 @@ class DPO(PairwisePreference):
         ref_c, ref_r = self.ref_eval
         beta = self.algo_cfg.beta
         return implicit_rewards(policy_chosen_P, ref_c, beta) > implicit_rewards(policy_rejected_P, ref_r, beta)
+
+
+SPEC = AlgorithmSpec(
+    "dpo", DPOConfig, DPO, "direct preference optimisation against a frozen reference",
+    data="preferences", reference="always", check=check_dpo,
+)

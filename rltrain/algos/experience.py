@@ -25,10 +25,13 @@ from rltrain.data.prompt_data import PromptRow, build_prompt_data
 from rltrain.data.ragged import Ragged
 from rltrain.data.sampler import IndexStream
 from rltrain.data.sharding import rank_slice, sum_over_replicas
-from rltrain.envs.agent import AgentResults, AgentRunner, named_on_every_rank
+from rltrain.data.vision_inputs import vision_extras
+from rltrain.envs.agent.runner import AgentResults, AgentRunner, named_on_every_rank
 from rltrain.envs.episodes import EpisodeResults, EpisodeRunner
+from rltrain.models.vision import load_processor
 from rltrain.rewards.overlong import overlong_penalties
 from rltrain.rewards.scoring import Failures, RewardScorer, Scored
+from rltrain.rewards.thinking import thinking_tokens
 from rltrain.rollout.base import Completion, RolloutEngine, SamplingSettings
 from rltrain.rollout.share import leads, raise_leader_error, replica_leader
 from rltrain.run.samples import Sample, first_samples
@@ -88,7 +91,7 @@ class Experience:
     reward_failures: Failures  # this rank's samples scored `reward.on_failure` (per function)
     scores_B: torch.Tensor  # this rank's weighted total reward per completion (float64, host)
     global_scores: torch.Tensor  # every rank's totals at their global positions (float64, host)
-    counts: torch.Tensor  # global [completion tokens, sequences, truncated sequences, sampled tokens] (host)
+    counts: torch.Tensor  # global [completion tokens, sequences, truncated sequences, sampled tokens, thinking tokens] (host)
     time_rollout: float
     env_failures: Failures = field(default_factory=Failures)  # failed environment steps or tool calls (env=python, env=tools)
     turns: float = 0.0  # the model's turns over this rank's episodes
@@ -153,7 +156,8 @@ class ExperienceCollector:
         cfg = ctx.cfg
         self.ctx, self.algo_cfg = ctx, cfg.algo
         self.train_prompts, self.eval_prompts, self.dropped = build_prompt_data(
-            ctx.tokenizer, cfg.data, cfg.trainer.seed, episodes.renderer if episodes is not None else None
+            ctx.tokenizer, cfg.data, cfg.trainer.seed, episodes.renderer if episodes is not None else None,
+            load_processor(ctx.model_dir, ctx.tokenizer),
         )
         self.scorer = scorer
         self.reward_fns = scorer.fns
@@ -178,6 +182,10 @@ class ExperienceCollector:
             stop_token_ids=[self.eos],
         )
 
+    def decode(self, token_ids: list[int]) -> str:
+        """Token ids as text, special tokens kept (a thinking marker may be one)."""
+        return self.ctx.tokenizer.decode(token_ids, skip_special_tokens=False)
+
     def texts(self, completions: list[Completion]) -> list[str]:
         return [self.ctx.tokenizer.decode([t for t in c.token_ids if t != self.eos], skip_special_tokens=True) for c in completions]
 
@@ -197,7 +205,7 @@ class ExperienceCollector:
             except UserError as exc:
                 error = str(exc)
         raise_leader_error(error, group)
-        return share_scores(scored, [rf.name for rf in self.reward_fns], group)
+        return share_scores(scored, self.scorer.series_names(), group)
 
     def _score(
         self, rows: list[PromptRow], completions: list[Completion], texts: list[str] | None
@@ -228,7 +236,7 @@ class ExperienceCollector:
             played = self.turns.play(rows, self.algo_cfg.group_size, self.sampling(step), f"train-{step}")
             time_rollout = time.perf_counter() - started
             return self.assemble_played(step, global_index, played, time_rollout)
-        completions = self.turns.generate([r.ids for r in rows], self.sampling(step))
+        completions = self.turns.generate([r.ids for r in rows], self.sampling(step), [r.images or [] for r in rows])
         if self.algo_cfg.dynamic_sampling:
             return self.collect_signal(step, global_index, rows, completions, self.timeshare.last_generate_s)
         return self.assemble(step, global_index, completions, self.timeshare.last_generate_s)
@@ -255,7 +263,8 @@ class ExperienceCollector:
         def sample_now(sampling_round: int) -> tuple[list[int], list[Completion]]:
             nonlocal time_rollout
             round_index = self.take_prompts()
-            sampled = self.turns.generate([r.ids for r in self.my_rows(round_index)], self.sampling(step, sampling_round))
+            round_rows = self.my_rows(round_index)
+            sampled = self.turns.generate([r.ids for r in round_rows], self.sampling(step, sampling_round), [r.images or [] for r in round_rows])
             time_rollout += self.timeshare.last_generate_s
             return round_index, sampled
 
@@ -314,11 +323,14 @@ class ExperienceCollector:
         global_scores[offset : offset + len(scores_B)] = scores_B
         global_scores = sum_over_replicas(global_scores, dp_size)
         batch = SequenceBatch.from_lists(
-            [c.prompt_ids if c.prompt_ids is not None else rows[c.prompt_index].ids for c in completions], [c.token_ids for c in completions]
+            [c.prompt_ids if c.prompt_ids is not None else rows[c.prompt_index].ids for c in completions], [c.token_ids for c in completions],
+            **vision_extras([rows[c.prompt_index].vision for c in completions]),  # each sequence carries its prompt's images
         )
         batch.sampled = sampled_mask(completions)
+        thinking = sum(thinking_tokens(c.token_ids, self.decode, self.scorer.thinking_end) for c in completions)
         local_counts = torch.tensor(
-            [batch.num_completion_tokens, len(completions), sum(not c.finished for c in completions), batch.num_sampled_tokens],
+            [batch.num_completion_tokens, len(completions), sum(not c.finished for c in completions), batch.num_sampled_tokens,
+             thinking],
             dtype=torch.float64, device="cpu",
         )
         engine_logps = Ragged.from_lengths(
@@ -352,8 +364,8 @@ class ExperienceCollector:
         if self.episodes is not None:
             out["env/timeouts"], out["env/errors"], out["env/turns_mean"] = float(totals[-7]), float(totals[-6]), float(means[-5])
             out["env/tool_calls_mean"], out["env/success"] = float(means[-8]), float(means[-9])
-        for i, name in enumerate(exp.rewards_by_fn):
-            out[f"reward/{name}"] = float(means[i])
+        for i, name in enumerate(exp.rewards_by_fn):  # a reported count (reward/code_timeouts) is summed
+            out[f"reward/{name}"] = float(totals[i] if name in self.scorer.counted else means[i])
         if isinstance(self.episodes, AgentRunner):  # env/history_rewrites, env/no_calls (every rank has the same names)
             names = sorted(exp.env_counts)
             counted = sum_over_replicas(torch.tensor([exp.env_counts[n] for n in names], dtype=torch.float64, device="cpu"), self.policy.world_size)

@@ -1,5 +1,5 @@
 """Group Relative Policy Optimisation: the shared RL step (rltrain/algos/rl.py) with group-relative
-advantages (rltrain/algos/advantages.py) and the clipped policy loss (rltrain/algos/losses.py).
+advantages (rltrain/algos/advantages.py) and the policy loss (rltrain/algos/policy_loss.py).
 
 It needs no critic: each completion's baseline is its group's mean reward, so a step costs only
 generation and one policy update. The step, and what is left out: docs/internals/algos.md.
@@ -10,11 +10,22 @@ generation and one policy update. The step, and what is left out: docs/internals
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from rltrain.algos.advantages import group_advantages
+from rltrain.algos.advantages import ScaleRewards, group_advantages
 from rltrain.algos.experience import Experience
 from rltrain.algos.rl import Advantages, RLAlgorithm
+from rltrain.algos.rl_config import RLConfig, check_rl
+from rltrain.config.algorithms import AlgorithmSpec
+from rltrain.config.choices import choice
+
+
+@dataclass
+class GRPOConfig(RLConfig):
+    name: str = "grpo"
+    scale_rewards: str = choice("group", ScaleRewards)
 
 
 class GRPO(RLAlgorithm):
@@ -27,3 +38,9 @@ class GRPO(RLAlgorithm):
         if exp.episode_of is not None:  # env=agent: each sequence gets its episode's advantage
             adv = adv[torch.tensor(exp.episode_of, dtype=torch.long, device="cpu")]
         return Advantages(adv)
+
+
+SPEC = AlgorithmSpec(
+    "grpo", GRPOConfig, GRPO, "group-relative policy optimisation (also GSPO, CISPO, Dr. GRPO, DAPO)",
+    data="prompts", generates=True, rewards=True, reference="when_beta", check=check_rl,
+)

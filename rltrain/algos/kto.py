@@ -12,19 +12,70 @@ docs/algorithms.md, "KTO".
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from rltrain.algos.base import PolicyStreamAlgorithm
-from rltrain.algos.losses import implicit_rewards, kto_losses, kto_reference_kl
-from rltrain.algos.preference import AnswerCheck, score_pairs
+from rltrain.algos.preference import AnswerCheck, implicit_rewards, score_pairs
 from rltrain.backends import build_engine, build_reference
 from rltrain.backends.base import LogProbScorer, PolicyOutput
+from rltrain.config.algorithms import AlgoConfig, AlgorithmSpec
 from rltrain.config.run_context import RunContext
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.sampler import IndexStream
 from rltrain.data.sharding import micro_batch_count, rank_slice, split_micro_batches, sum_over_replicas
 from rltrain.data.unpaired_data import LabelledCompletion, build_unpaired_data
 from rltrain.runtime.errors import UserError
+
+
+@dataclass
+class KTOConfig(AlgoConfig):
+    """KTO on unpaired examples (prompt, completion, boolean label)."""
+
+    name: str = "kto"
+    beta: float = 0.1
+    desirable_weight: float = 1.0  # weight of a desirable (label true) example's loss
+    undesirable_weight: float = 1.0  # weight of an undesirable (label false) example's loss
+
+
+def check_kto(algo: KTOConfig) -> None:
+    if algo.beta <= 0:
+        raise UserError(f"algo.beta={algo.beta} must be positive (KTO's temperature on the log-ratio to the reference).")
+    if algo.desirable_weight < 0 or algo.undesirable_weight < 0 or algo.desirable_weight + algo.undesirable_weight == 0:
+        raise UserError(
+            f"algo.desirable_weight={algo.desirable_weight} and algo.undesirable_weight={algo.undesirable_weight} must "
+            "be at least 0 and not both 0 (they weight the losses of examples labelled true and false)."
+        )
+
+
+def kto_reference_kl(policy_mismatched_B: torch.Tensor, ref_mismatched_B: torch.Tensor) -> torch.Tensor:
+    """KTO's reference point z0 (Ethayarajh et al. 2024, eq. 7 and section 4.1): the batch's mean of
+    `log pi(y'|x) - log ref(y'|x)` over mismatched pairs (each prompt with another example's
+    completion), clamped at 0 and detached: a biased but cheap estimate of KL(pi || ref), no
+    gradient flows through it."""
+    return (policy_mismatched_B.float() - ref_mismatched_B.float()).mean().clamp(min=0).detach()
+
+
+def kto_losses(
+    policy_B: torch.Tensor,
+    ref_B: torch.Tensor,
+    desirable_B: torch.Tensor,
+    kl: torch.Tensor | float,
+    beta: float,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> torch.Tensor:
+    """[B] KTO's loss of each unpaired example (eq. 7 with the constant lambda_y dropped, as TRL
+    does): with `r = log pi - log ref` of its completion, a desirable one (`desirable_B` True) loses
+    `desirable_weight * (1 - s(beta (r - z0)))`, an undesirable one
+    `undesirable_weight * (1 - s(beta (z0 - r)))`; `kl` is z0 (`kto_reference_kl`)."""
+    logratio_B = policy_B.float() - ref_B.float()
+    desirable_B = desirable_B.to(device=logratio_B.device, dtype=torch.bool)
+    kl_t = torch.as_tensor(kl, dtype=logratio_B.dtype, device=logratio_B.device).detach()
+    desirable_loss_B = desirable_weight * (1 - torch.sigmoid(beta * (logratio_B - kl_t)))
+    undesirable_loss_B = undesirable_weight * (1 - torch.sigmoid(beta * (kl_t - logratio_B)))
+    return torch.where(desirable_B, desirable_loss_B, undesirable_loss_B)
 
 
 def examples_to_batch(examples: list[LabelledCompletion], **extras) -> SequenceBatch:
@@ -147,3 +198,9 @@ class KTO(PolicyStreamAlgorithm):
         if self.answer_check is not None:
             out["eval/accuracy"], self.recorded = self.answer_check.accuracy(self.policy)
         return out
+
+
+SPEC = AlgorithmSpec(
+    "kto", KTOConfig, KTO, "KTO: unpaired desirable/undesirable completions against a frozen reference",
+    data="unpaired", reference="always", check=check_kto,
+)

@@ -11,9 +11,12 @@ docs/algorithms.md compares the family.
 
 from __future__ import annotations
 
-import torch
+import math
+from dataclasses import dataclass
 
-from rltrain.algos.losses import orpo_log_odds_ratio, orpo_pair_losses
+import torch
+import torch.nn.functional as F
+
 from rltrain.algos.preference import (
     PairwisePreference,
     chosen_rejected_means,
@@ -22,7 +25,38 @@ from rltrain.algos.preference import (
     pair_metrics,
 )
 from rltrain.backends.base import PolicyOutput
+from rltrain.config.algorithms import AlgoConfig, AlgorithmSpec
 from rltrain.data.batch import SequenceBatch
+from rltrain.runtime.errors import UserError
+
+
+@dataclass
+class ORPOConfig(AlgoConfig):
+    name: str = "orpo"
+    lambda_: float = 0.1  # weight of the odds-ratio term next to the chosen completions' NLL
+
+
+def check_orpo(algo: ORPOConfig) -> None:
+    if algo.lambda_ < 0:
+        raise UserError(f"algo.lambda_={algo.lambda_} must be at least 0 (the odds-ratio term's weight; 0 is plain SFT).")
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, accurate at both ends (Maechler 2012: expm1 near 0, log1p far)."""
+    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def orpo_log_odds_ratio(policy_chosen_mean_P: torch.Tensor, policy_rejected_mean_P: torch.Tensor) -> torch.Tensor:
+    """[P] ORPO's log odds ratio (Hong et al. 2024, eq. 4-6) of the per-token mean log-probabilities
+    `m`: `log(odds_c / odds_r)` with `odds = p / (1 - p)`, `p = exp(m)`, in log space."""
+    c_P, r_P = policy_chosen_mean_P.float(), policy_rejected_mean_P.float()
+    return (c_P - r_P) - (log1mexp(c_P) - log1mexp(r_P))
+
+
+def orpo_pair_losses(policy_chosen_mean_P: torch.Tensor, policy_rejected_mean_P: torch.Tensor) -> torch.Tensor:
+    """[P] ORPO's odds-ratio term `-log s(log odds ratio)` (eq. 7), weighted by `algo.lambda_` and
+    added to the chosen completions' NLL by the caller."""
+    return -F.logsigmoid(orpo_log_odds_ratio(policy_chosen_mean_P, policy_rejected_mean_P))
 
 
 def make_orpo_loss(lambda_: float):
@@ -52,3 +86,9 @@ class ORPO(PairwisePreference):
         higher one (the odds are increasing in it)."""
         len_c, len_r = self.eval_lengths
         return policy_chosen_P / len_c > policy_rejected_P / len_r
+
+
+SPEC = AlgorithmSpec(
+    "orpo", ORPOConfig, ORPO, "ORPO: SFT plus an odds-ratio preference term, no reference",
+    data="preferences", reference="never", check=check_orpo,
+)

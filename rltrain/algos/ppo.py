@@ -11,6 +11,8 @@ the critic warm-up: docs/internals/algos.md.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from rltrain.algos.advantages import (
@@ -25,13 +27,61 @@ from rltrain.algos.advantages import (
     whiten,
 )
 from rltrain.algos.experience import Experience, sequence_scores
-from rltrain.algos.losses import value_loss
 from rltrain.algos.rl import Advantages, RLAlgorithm
+from rltrain.algos.rl_config import RLConfig, check_rl
 from rltrain.algos.rl_update import ValueLossInputs
 from rltrain.backends.base import PolicyOutput
-from rltrain.config.algorithms import PPOConfig
+from rltrain.config.algorithms import AlgorithmSpec
 from rltrain.data.batch import SequenceBatch
+from rltrain.data.ragged import Ragged
 from rltrain.data.sharding import sum_over_replicas
+from rltrain.runtime.errors import UserError
+
+
+@dataclass
+class PPOConfig(RLConfig):
+    name: str = "ppo"
+    gamma: float = 1.0  # GAE discount
+    lam: float = 0.95  # GAE lambda
+    vf_clip: float = 0.2  # clipped value loss: values move at most this far from the old ones
+    critic_warmup_steps: int = 0  # the first steps train the critic only
+    whiten_advantages: bool = True
+    kl_in_reward: bool = False  # true: -beta * KL per token in the reward; false: beta * k3 in the loss
+
+
+def check_ppo(algo: PPOConfig) -> None:
+    check_rl(algo)
+    if not (0 <= algo.gamma <= 1 and 0 <= algo.lam <= 1):
+        raise UserError(f"algo.gamma={algo.gamma} and algo.lam={algo.lam} must be in [0, 1] (GAE).")
+    if algo.vf_clip <= 0 or algo.critic_warmup_steps < 0:
+        raise UserError(
+            f"algo.vf_clip={algo.vf_clip} must be positive and algo.critic_warmup_steps={algo.critic_warmup_steps} at least 0."
+        )
+
+
+def value_loss(
+    values: Ragged, old_values: Ragged, returns: Ragged, vf_clip: float, global_tokens: float, sampled: Ragged | None = None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(this micro-batch's share of the clipped value loss, metric contributions). With `sampled`
+    (a multi-turn batch) only the policy's tokens count; `global_tokens` then counts those."""
+    global_tokens = max(float(global_tokens), 1.0)
+    v_N = values.values.float()
+    device = v_N.device
+    old_N = old_values.values.float().detach().to(device)
+    ret_N = returns.values.float().detach().to(device)
+    unclipped_N = (v_N - ret_N) ** 2
+    clipped_v_N = old_N + torch.clamp(v_N - old_N, -vf_clip, vf_clip)
+    clipped_N = (clipped_v_N - ret_N) ** 2
+    loss_N = 0.5 * torch.maximum(unclipped_N, clipped_N)
+    clipped_frac_N = (clipped_N > unclipped_N).float()
+    if sampled is not None:  # observation tokens are context: no share of the loss
+        keep_N = sampled.values.to(device=device, dtype=v_N.dtype)
+        loss_N, clipped_frac_N = loss_N * keep_N, clipped_frac_N * keep_N
+    loss = loss_N.sum() / global_tokens
+    return loss, {
+        "critic/value_loss": loss.detach(),
+        "critic/vf_clipfrac": clipped_frac_N.sum().detach() / global_tokens,
+    }
 
 
 def make_value_loss(vf_clip: float):
@@ -99,3 +149,9 @@ class PPO(RLAlgorithm):
     def update_critic(self, exp: Experience, advantages: Advantages, step: int) -> dict[str, float]:
         assert advantages.returns is not None, "PPO's advantages come with the critic's targets"
         return self.learner.update_critic(exp, advantages.returns, self.value_loss_fn)
+
+
+SPEC = AlgorithmSpec(
+    "ppo", PPOConfig, PPO, "PPO with a critic (GAE, clipped value loss)",
+    data="prompts", generates=True, rewards=True, reference="when_beta", critic=True, check=check_ppo,
+)

@@ -1,8 +1,9 @@
-"""What the pairwise preference objectives share (DPO, SimPO, ORPO, the reward model): the pairs of
-rltrain/data/preference_data.py cut into micro-batches of whole pairs, each pair's chosen and
-rejected completions as separate ragged sequences (never padded to each other, so padding never
-enters a sum), held-out preference accuracy, and the step itself. An objective supplies its loss
-and how a pair's chosen-vs-rejected score is computed; docs/algorithms.md compares them.
+"""The preference base DPO, SimPO, ORPO and the reward model share (KTO its implicit reward and
+scoring): the pairs of rltrain/data/preference_data.py cut into micro-batches of whole pairs, each
+pair's chosen and rejected completions as separate ragged sequences (never padded to each other, so
+padding never enters a sum), held-out preference accuracy, and the step itself. An objective
+supplies its loss and how a pair's chosen-vs-rejected score is computed; docs/algorithms.md
+compares them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from rltrain.data.batch import SequenceBatch
 from rltrain.data.preference_data import PreferencePair, build_preference_data
 from rltrain.data.sampler import IndexStream
 from rltrain.data.sharding import micro_batch_count, rank_slice, split_micro_batches, sum_over_replicas
+from rltrain.data.vision_inputs import vision_extras
+from rltrain.models.vision import load_processor
 from rltrain.run.evaluation import GreedyEvaluator
 from rltrain.run.samples import Sample
 from rltrain.runtime.precision import resolve_precision
@@ -29,7 +32,8 @@ def pairs_to_batch(pairs: list[PreferencePair], **extras: Any) -> SequenceBatch:
     for p in pairs:
         prompts += [p.prompt, p.prompt]
         completions += [p.chosen, p.rejected]
-    return SequenceBatch.from_lists(prompts, completions, **extras)
+    images = vision_extras([v for p in pairs for v in (p.vision, p.vision)])  # each row carries its images
+    return SequenceBatch.from_lists(prompts, completions, **extras, **images)
 
 
 def chosen_rejected_sums(logps) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,6 +53,11 @@ def chosen_rejected_means(logps) -> tuple[torch.Tensor, torch.Tensor]:
 def chosen_rejected_lengths(logps) -> tuple[torch.Tensor, torch.Tensor]:
     lengths_S = logps.lengths().to(logps.values.device).to(logps.values.dtype)
     return lengths_S[0::2], lengths_S[1::2]
+
+
+def implicit_rewards(policy_P: torch.Tensor, ref_P: torch.Tensor, beta: float) -> torch.Tensor:
+    """DPO's and KTO's implicit reward of a completion, `beta * (log pi - log ref)` of its sums."""
+    return beta * (policy_P - ref_P)
 
 
 def pair_metrics(
@@ -148,7 +157,7 @@ class PairwisePreference(PolicyStreamAlgorithm):
         self.ctx = ctx
         cfg = ctx.cfg
         self.algo_cfg = cfg.algo
-        self.data = build_preference_data(ctx.tokenizer, cfg.data, cfg.trainer.seed)
+        self.data = build_preference_data(ctx.tokenizer, cfg.data, cfg.trainer.seed, load_processor(ctx.model_dir, ctx.tokenizer))
         self.stream = IndexStream(len(self.data.train), cfg.trainer.seed)
         self.policy = build_engine(ctx, "policy", cfg.trainer.max_steps)
         self.build_roles()

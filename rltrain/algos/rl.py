@@ -1,9 +1,9 @@
-"""One RL step, collect then update, for every RL algorithm (GRPO, PPO).
+"""One RL step, collect then update, for every RL algorithm (GRPO, PPO, distillation).
 
-The data, the rollout engine, the trainer's scoring and the mini-batch loop live here once; what an
-algorithm needs (a reference, a critic) comes from its declaration (rltrain.config.algorithms), and
-it implements `advantages` (and `needs_old_logps_first` where its advantages read them). Generating ahead (`placement.max_staleness`), the batch comes from the
-schedule of rltrain/algos/async_rollouts.py instead. The step in order: docs/internals/algos.md.
+What the step runs on is built by rltrain/algos/rl_builder.py from the algorithm's declaration (a
+reference, a critic, a teacher); an algorithm implements `advantages` (and `needs_old_logps_first`
+where its advantages read them). Generating ahead (`placement.max_staleness`), the batch comes
+from the schedule of rltrain/algos/async_rollouts.py instead. The step in order: docs/internals/algos.md.
 """
 
 from __future__ import annotations
@@ -12,33 +12,20 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 
-from rltrain.algos.async_rollouts import AsyncRollouts
-from rltrain.algos.experience import Experience, ExperienceCollector
-from rltrain.algos.inflight_rollouts import InFlightRollouts, StreamingEngine, evaluated_versions
+from rltrain.algos.experience import Experience
+from rltrain.algos.rl_builder import RLBuilder
 from rltrain.algos.rl_evaluation import evaluate
-from rltrain.algos.rl_update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
-from rltrain.backends import build_engine, build_reference
-from rltrain.backends.base import LogProbScorer
-from rltrain.config.algorithms import spec_of
 from rltrain.config.run_context import RunContext
 from rltrain.data.ragged import Ragged
 from rltrain.data.sharding import sum_over_replicas
-from rltrain.envs.build import build_episode_runner
-from rltrain.rewards.scoring import RewardScorer, build_reward_fns
-from rltrain.rollout import build_rollout
-from rltrain.rollout.ahead import RolloutWorker
-from rltrain.rollout.share import leads
 from rltrain.run.metrics_log import append_batch_record
 from rltrain.run.samples import Sample
 from rltrain.runtime.distributed import global_max
-from rltrain.runtime.precision import resolve_precision
-from rltrain.safety.parity import check_parity, parity_limit
-from rltrain.sync.timeshare import TimeSharing
-from rltrain.sync.weight_sync import WeightSync
+from rltrain.safety.parity import check_parity
 
 
 @dataclass
@@ -56,71 +43,16 @@ class RLAlgorithm:
         # in the data, found after the engine is up) shuts the built parts down here, while the
         # process group lives, not in exit-time finalizers after it is gone (docs/failure-behaviour.md).
         self._built = ExitStack()
+        self.ctx, self.algo_cfg = ctx, ctx.cfg.algo
         try:
-            self._build(ctx)
+            parts = RLBuilder(ctx, self._built, self.kl_in_loss(), self.needs_old_logps_first()).build()
         except BaseException:
             self._built.close()
             raise
-
-    def _build(self, ctx: RunContext) -> None:
-        self.ctx = ctx
-        cfg = ctx.cfg
-        a = self.algo_cfg = cfg.algo
-        self.spec = spec_of(a.name)
-        # The LR schedule spans every optimizer step the run will take.
-        optimizer_steps = cfg.trainer.max_steps * a.mini_batches * a.num_iterations
-        self.policy = build_engine(ctx, "policy", optimizer_steps)
-        self.reference: LogProbScorer | None = None
-        reference_engine = None  # the reference's own engine (none for a LoRA policy's base)
-        if self.spec.builds_reference(a):
-            self.reference, reference_engine = build_reference(ctx, self.policy, cfg.trainer.max_steps)
-        elif self.spec.teacher:  # scored where a reference would be: its log-probabilities arrive as `ref_logps`
-            self.reference = reference_engine = build_engine(ctx, "teacher", cfg.trainer.max_steps)
-        self.rollout = build_rollout(ctx)
-        self._built.callback(self.rollout.close)
-        self.critic = build_engine(ctx, "critic", optimizer_steps) if self.spec.critic else None
-        engines = [e for e in (self.policy, reference_engine, self.critic) if e is not None]
-        # env=python and env=agent: the environment (agent) gives the reward; reward.fns are not called.
-        reward_fns = build_reward_fns(cfg, ctx.dist.device) if cfg.env.name not in ("python", "agent") else []
-        frozen = [rf.device_model for rf in reward_fns if rf.device_model is not None]
-        k = cfg.placement.max_staleness
-        in_flight = cfg.placement.weight_update == "in_flight"  # the engine's own loop takes versions as they come
-        # k >= 1: the engine runs beside the trainer, driven by its own thread (docs/async.md).
-        worker = RolloutWorker() if k >= 1 and not in_flight else None
-        self.weights = WeightSync(self.rollout, deferred=cfg.placement.time_sharing, worker=worker)
-        self.timeshare = TimeSharing(engines, self.rollout, ctx.dist.device, cfg.placement.time_sharing, self.weights, frozen)
-        plays = leads(self.policy.replica_group())  # a replica's peers receive scores and episodes
-        scorer = RewardScorer(reward_fns, cfg.reward, cfg.safety.collective_timeout_s, start_workers=plays)
-        self._built.callback(scorer.close)
-        episodes = build_episode_runner(cfg, ctx.tokenizer, start_workers=plays)
-        if episodes is not None:
-            self._built.callback(episodes.close)
-        if worker is not None:  # closed first: a call it runs may use the episodes' workers
-            self._built.callback(worker.close)
-        self.collector = ExperienceCollector(ctx, self.rollout, self.timeshare, self.policy, scorer, episodes)
-        self.ahead: AsyncRollouts | None = None
-        if worker is not None:  # each engine call is bounded by rollout.timeout_s; a wait spans k + 2 of them
-            self.ahead = AsyncRollouts(
-                self.collector, self.rollout, worker, k, cfg.trainer.max_steps, cfg.rollout.timeout_s * (k + 2), ctx.dist.rank
-            )
-        self.inflight: InFlightRollouts | None = None
-        if in_flight:
-            self.inflight = InFlightRollouts(
-                self.collector, cast(StreamingEngine, self.rollout), cfg.placement, cfg.trainer.max_steps,
-                evaluated_versions(cfg.trainer.eval_every, cfg.trainer.max_steps) if self.collector.eval_prompts else [],
-            )
-        parity = ParityProbe()
-        update = MiniBatchUpdate(
-            self.collector.layout, a.mini_batches, a.num_iterations, cfg.trainer.micro_batch_size, cfg.trainer.max_tokens_per_micro_batch
-        )
-        # On-policy with one optimizer step per batch: old log-probabilities, entropy and the
-        # parity check come from the training pass itself (same weights, before the update), which
-        # saves a forward over the whole batch every step.
-        fused = a.num_iterations == 1 and a.mini_batches == 1 and not self.needs_old_logps_first()
-        loss_fn = make_policy_loss(a, parity, kl_in_loss=self.kl_in_loss(), max_staleness=k)
-        self.learner = Learner(self.policy, update, loss_fn, parity, fused, self.reference, self.critic)
-        precision = resolve_precision(cfg.trainer.precision, ctx.dist.device).name
-        self.parity_limit = parity_limit(cfg.safety.max_logprob_diff, precision)
+        self.spec, self.policy, self.reference, self.critic = parts.spec, parts.policy, parts.reference, parts.critic
+        self.rollout, self.weights, self.timeshare = parts.rollout, parts.weights, parts.timeshare
+        self.collector, self.ahead, self.inflight, self.learner = parts.collector, parts.ahead, parts.inflight, parts.learner
+        self.parity_limit = parts.parity_limit
 
     # --- what a subclass decides ---------------------------------------------------------------
 
@@ -190,6 +122,7 @@ class RLAlgorithm:
             **self.collector.reward_metrics(exp),
             "rollout/response_length_mean": float(exp.counts[0] / n_global),
             "rollout/truncated_fraction": float(exp.counts[2] / n_global),
+            "rollout/thinking_tokens_mean": float(exp.counts[4] / n_global),  # inside a thinking block
             "rollout/tokens_per_s": float(exp.counts[0]) / max(global_max(exp.time_rollout), 1e-9),
             "time/rollout": exp.time_rollout,
             "time/train": time_train,

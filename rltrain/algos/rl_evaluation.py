@@ -29,7 +29,7 @@ def evaluate(collector: ExperienceCollector, step: int) -> dict[str, float]:
     mine = rank_slice(collector.eval_prompts, collector.policy.rank, collector.policy.world_size)
     if collector.episodes is not None:
         return evaluate_episodes(collector, mine, step)
-    completions = collector.turns.generate([r.ids for r in mine], collector.sampling(step, greedy=True))
+    completions = collector.turns.generate([r.ids for r in mine], collector.sampling(step, greedy=True), [r.images or [] for r in mine])
     collector.timeshare.pop_metrics()  # a step's row reports the step's phases only
     per_fn, _ = collector.rewards(mine, completions)  # evaluation's failed samples score reward.on_failure, uncounted
     texts = collector.texts(completions)

@@ -4,7 +4,7 @@ the policy's loss function (shared by GRPO and PPO; the critic's update runs thr
 Mini-batches split the *global* batch by position (rltrain.algos.experience.BatchLayout), so the
 split does not depend on the number of ranks; each rank trains on its sequences that fall in the
 mini-batch, in as many micro-batches as the rank holding the most of them needs. What the losses
-read besides the model's output (`PolicyLossInputs`, `ValueLossInputs`) travels with the
+read besides the model's output (`PolicyBatchInputs`, `ValueLossInputs`) travels with the
 micro-batches as `SequenceBatch.loss_inputs`, on the host; the losses move it to the outputs' device.
 """
 
@@ -16,10 +16,17 @@ from dataclasses import dataclass, replace
 import torch
 
 from rltrain.algos.experience import BatchLayout, Experience
-from rltrain.algos.losses import policy_loss
-from rltrain.algos.rollout_correction import correction, correction_metrics, resolve_mode
+from rltrain.algos.policy_loss import PolicyLossInputs, policy_loss
+from rltrain.algos.rl_config import RLConfig
+from rltrain.algos.rollout_correction import (
+    CorrectionBands,
+    correction,
+    correction_metrics,
+    mismatch_kl_sum,
+    ratio_max,
+    resolve_mode,
+)
 from rltrain.backends.base import LogProbScorer, LossFn, LossMetrics, PolicyOutput, TrainEngine
-from rltrain.config.algorithms import RLConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged, on_device
 from rltrain.data.sharding import split_micro_batches, sum_over_replicas
@@ -36,7 +43,7 @@ def _pick(value, idx: torch.Tensor):
 
 
 @dataclass
-class PolicyLossInputs:
+class PolicyBatchInputs:
     """What the policy's loss reads besides the model's output, per sequence of its batch.
     None means on-policy scoring from the training pass itself (see `make_policy_loss`)."""
 
@@ -49,14 +56,14 @@ class PolicyLossInputs:
     global_tokens: float = 0.0  # completion tokens of the mini-batch over every rank
     global_seqs: float = 0.0  # sequences of the mini-batch over every rank
 
-    def select(self, indices: torch.Tensor) -> PolicyLossInputs:
+    def select(self, indices: torch.Tensor) -> PolicyBatchInputs:
         return replace(
             self, adv=_pick(self.adv, indices), engine_logps=_pick(self.engine_logps, indices),
             old_logps=_pick(self.old_logps, indices), entropy=_pick(self.entropy, indices),
             ref_logps=_pick(self.ref_logps, indices),
         )
 
-    def to(self, device: torch.device) -> PolicyLossInputs:
+    def to(self, device: torch.device) -> PolicyBatchInputs:
         return replace(
             self, adv=self.adv.to(device), engine_logps=self.engine_logps.to(device),
             old_logps=on_device(self.old_logps, device), entropy=on_device(self.entropy, device),
@@ -80,7 +87,7 @@ class ValueLossInputs:
         return replace(self, old_values=self.old_values.to(device), returns=self.returns.to(device))
 
 
-LossInputsT = PolicyLossInputs | ValueLossInputs
+LossInputsT = PolicyBatchInputs | ValueLossInputs
 
 
 def sampled_gap(trainer_N: torch.Tensor, engine_N: torch.Tensor, sampled: Ragged | None) -> torch.Tensor:
@@ -91,22 +98,36 @@ def sampled_gap(trainer_N: torch.Tensor, engine_N: torch.Tensor, sampled: Ragged
 
 
 class ParityProbe:
-    """The largest |engine - trainer| log-probability gap seen by the loss function this step. A
-    max cannot travel with the summed metrics of `train_step`, so the loss reports it here and the
-    step reduces it over ranks (MAX); under pipeline parallelism only the last stage sees any."""
+    """The largest |engine - trainer| log-probability gap and the largest importance ratio seen by
+    the loss function this step. A max cannot travel with the summed metrics of `train_step`, so
+    the loss reports it here and the step reduces it over ranks (MAX); under pipeline parallelism
+    only the last stage sees any."""
 
     def __init__(self) -> None:
         self.max_diff = 0.0
+        self.max_ratio = 0.0
+
+    def reset(self) -> None:
+        self.max_diff = self.max_ratio = 0.0
 
     def observe(self, diffs_N: torch.Tensor) -> None:
         if diffs_N.numel():
             self.max_diff = max(self.max_diff, float(diffs_N.max()))
 
+    def observe_ratio(self, ratio: float) -> None:
+        self.max_ratio = max(self.max_ratio, ratio)
+
+
+def correction_bands(algo_cfg: RLConfig) -> CorrectionBands:
+    geo_low, geo_high = algo_cfg.rollout_geo_band
+    icepop_low, icepop_high = algo_cfg.rollout_icepop_band
+    return CorrectionBands(algo_cfg.rollout_is_floor, geo_low, geo_high, icepop_low, icepop_high)
+
 
 def make_policy_loss(
     algo_cfg: RLConfig, parity: ParityProbe | None = None, kl_in_loss: bool = True, max_staleness: int = 0
 ) -> LossFn:
-    """The policy's loss for `train_step`, reading the batch's `PolicyLossInputs`. Inputs set to
+    """The policy's loss for `train_step`, reading the batch's `PolicyBatchInputs`. Inputs set to
     None mean on-policy scoring from the training pass itself: `old_logps` -> the pass's own detached log-probabilities (ratio 1),
     `entropy` -> the pass's entropies, `ref_logps` (without a reference model) -> the old
     log-probabilities, so `policy/kl` reads 0. With `engine_logps` the loss applies the rollout
@@ -115,10 +136,11 @@ def make_policy_loss(
     `max_staleness` picks what `rollout_correction=auto` means (rollout_correction.resolve_mode)."""
     beta = algo_cfg.beta if kl_in_loss else 0.0
     mode = resolve_mode(algo_cfg.rollout_correction, max_staleness)
+    bands = correction_bands(algo_cfg)
 
     def loss_fn(output: PolicyOutput, batch: SequenceBatch) -> tuple[torch.Tensor, LossMetrics]:
         assert output.logps is not None, "the policy's loss needs log-probabilities"
-        assert isinstance(batch.loss_inputs, PolicyLossInputs), "the policy's loss needs PolicyLossInputs"
+        assert isinstance(batch.loss_inputs, PolicyBatchInputs), "the policy's loss needs PolicyBatchInputs"
         # The inputs are built on the host; the loss runs where the model's outputs are.
         e = batch.loss_inputs.to(output.logps.values.device)
         old = e.old_logps if e.old_logps is not None else output.logps.detach()
@@ -126,9 +148,9 @@ def make_policy_loss(
         engine_logps = e.engine_logps
         sampled = batch.sampled.to(output.logps.values.device) if batch.sampled is not None else None
         weights, keep_B = correction(
-            old, engine_logps, mode, algo_cfg.rollout_is_cap, algo_cfg.rollout_mask_band, sampled
+            old, engine_logps, mode, algo_cfg.rollout_is_cap, algo_cfg.rollout_mask_band, sampled, bands
         )
-        loss, loss_metrics = policy_loss(
+        loss, loss_metrics = policy_loss(PolicyLossInputs(
             output.logps,
             e.adv,
             old_logps=old,
@@ -146,9 +168,12 @@ def make_policy_loss(
             global_seqs=e.global_seqs,
             max_len=algo_cfg.max_new_tokens,
             sampled=sampled,
-        )
+        ))
         metrics: dict[str, torch.Tensor | float] = dict(loss_metrics)
         metrics.update(correction_metrics(weights, keep_B, batch.num_sampled_tokens, e.global_tokens, e.global_seqs, sampled))
+        metrics["rollout/mismatch_kl"] = mismatch_kl_sum(old, engine_logps, sampled) / max(float(e.global_tokens), 1.0)
+        if parity is not None:
+            parity.observe_ratio(ratio_max(old, engine_logps, mode, sampled))
         if e.measure_parity:
             diffs_N = sampled_gap(output.logps.values.detach(), engine_logps.values, sampled)
             metrics["rollout/logprob_diff_mean"] = diffs_N.sum() / max(float(e.global_tokens), 1.0)
@@ -239,7 +264,7 @@ class Learner:
 
     def score(self, exp: Experience) -> None:
         """Fill the experience's trainer-side fields this learner needs (a collective: every rank)."""
-        self.parity.max_diff = 0.0
+        self.parity.reset()
         batch = exp.batch
         need_micro = not self.fused or self.reference is not None or self.critic is not None
         micro = self.update.micro_batches(batch, exp.episode_of) if need_micro else []
@@ -258,12 +283,13 @@ class Learner:
 
     def update_policy(self, exp: Experience, adv: torch.Tensor | Ragged) -> dict[str, float]:
         """The policy's optimizer steps on `exp` with advantages `adv` ([B] or per token)."""
-        inputs = PolicyLossInputs(
+        inputs = PolicyBatchInputs(
             adv=adv, engine_logps=exp.engine_logps, old_logps=exp.old_logps, entropy=exp.entropy,
             ref_logps=exp.ref_logps, measure_parity=self.fused,
         )
         out = self.update.run(self.policy, exp.batch, inputs, self.loss_fn, with_entropy=self.fused, episode_of=exp.episode_of)
         out["rollout/logprob_diff_max"] = global_max(self.parity.max_diff)
+        out["rollout/is_ratio_max"] = global_max(self.parity.max_ratio)
         if not self.fused:
             old = exp.old_logps
             diffs_sum = sampled_gap(old.values, exp.engine_logps.values, exp.batch.sampled).sum() if old is not None else 0.0

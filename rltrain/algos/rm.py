@@ -11,13 +11,53 @@ scores decoded text. Pairs and held-out accuracy: rltrain/algos/preference.py; d
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
-from rltrain.algos.losses import reward_pair_losses
+import torch
+import torch.nn.functional as F
+
 from rltrain.algos.preference import PairwisePreference, score_pairs
 from rltrain.backends.base import PolicyOutput
+from rltrain.config.algorithms import AlgoConfig, AlgorithmSpec
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
+from rltrain.runtime.errors import UserError
+
+
+@dataclass
+class RewardModelConfig(AlgoConfig):
+    """Bradley-Terry reward-model training on preference pairs."""
+
+    name: str = "rm"
+    # TRL's center_rewards_coefficient: this times the mean of (r_chosen + r_rejected)^2 keeps the
+    # scores near zero (the pair loss sees only their difference); 0 turns it off.
+    center_rewards_coefficient: float = 0.0
+
+
+def check_rm(algo: RewardModelConfig) -> None:
+    if algo.center_rewards_coefficient < 0:
+        raise UserError(
+            f"algo.center_rewards_coefficient={algo.center_rewards_coefficient} must be at least 0 (0: no centering)."
+        )
+
+
+def reward_pair_losses(
+    rewards_chosen_P: torch.Tensor,
+    rewards_rejected_P: torch.Tensor,
+    margins_P: torch.Tensor | None = None,
+    center_coefficient: float = 0.0,
+) -> torch.Tensor:
+    """[P] the Bradley-Terry loss of a reward model's scores, `-log s(r_c - r_r - margin)`, plus
+    `center_coefficient * (r_c + r_r)^2`, which pins the scores' free offset near zero (the pair
+    term sees only differences). The optional per-pair `margins_P` asks for a wider gap where the
+    data says the preference is strong (Llama 2's margin, as TRL's RewardTrainer applies it)."""
+    diff_P = rewards_chosen_P.float() - rewards_rejected_P.float()
+    if margins_P is not None:
+        diff_P = diff_P - margins_P.to(diff_P.device, diff_P.dtype)
+    losses_P = -F.logsigmoid(diff_P)
+    if center_coefficient:
+        losses_P = losses_P + center_coefficient * (rewards_chosen_P.float() + rewards_rejected_P.float()) ** 2
+    return losses_P
 
 
 def last_token_rewards(values: Ragged) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,3 +117,9 @@ class RewardModel(PairwisePreference):
 
     def eval_wins(self, rewards_chosen_P: torch.Tensor, rewards_rejected_P: torch.Tensor) -> torch.Tensor:
         return rewards_chosen_P > rewards_rejected_P
+
+
+SPEC = AlgorithmSpec(
+    "rm", RewardModelConfig, RewardModel, "Bradley-Terry reward model on preference pairs (a sequence classifier)",
+    data="preferences", reference="never", head="scalar", check=check_rm,
+)

@@ -10,7 +10,7 @@ the experience collector (rltrain/algos/experience.py). docs/agents.md has env=a
 from __future__ import annotations
 
 from rltrain.data.prompt_data import PromptRow
-from rltrain.envs.agent import AgentResults, AgentRunner
+from rltrain.envs.agent.runner import AgentResults, AgentRunner
 from rltrain.envs.episodes import EpisodeResults, EpisodeRunner
 from rltrain.envs.replica import share_results
 from rltrain.rollout.ahead import RolloutWorker
@@ -48,7 +48,7 @@ class RolloutTurns:
         self.worker: RolloutWorker | None = None  # placement.max_staleness >= 1 (rltrain/algos/async_rollouts.py)
         self.worker_wait_s = 0.0
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings, images: list | None = None) -> list[Completion]:
         """Completions for this replica's prompts. Under tensor/pipeline parallelism the replica's
         ranks must train on identical sequences, so only its first rank samples and the others
         receive the tokens (rltrain.rollout.share); every rank of a replica calls this together.
@@ -56,19 +56,19 @@ class RolloutTurns:
         before it and the completions are shared after it."""
         leader = leads(self.policy.replica_group())  # found before the turn tears the group down
         with self.timeshare.rollout_turn():
-            mine = (self.engine_generate(prompts, sampling) if prompts else []) if leader else None
+            mine = (self.engine_generate(prompts, sampling, images) if prompts else []) if leader else None
         group = self.policy.replica_group()  # re-created by the turn
         if group is not None:
             return share_completions(mine, group)
         assert mine is not None  # without a replica group every rank leads
         return mine
 
-    def engine_generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+    def engine_generate(self, prompts: list[list[int]], sampling: SamplingSettings, images: list | None = None) -> list[Completion]:
         """In an asynchronous run the engine is driven by its worker thread: a generation queues
         behind the batches and weights already submitted, so it samples the newest published policy."""
         if self.worker is None:
-            return self.rollout.generate(prompts, sampling)
-        return self.worker.wait(self.worker.submit(self.rollout.generate, prompts, sampling), "a generation", self.worker_wait_s)
+            return self.rollout.generate(prompts, sampling, images)
+        return self.worker.wait(self.worker.submit(self.rollout.generate, prompts, sampling, images), "a generation", self.worker_wait_s)
 
     def play(self, rows: list[PromptRow], copies: int, sampling: SamplingSettings, phase: str) -> EpisodeResults:
         """`copies` episodes of each of `rows` (rltrain/envs/episodes.py). Under tensor/pipeline

@@ -11,9 +11,11 @@ rltrain/algos/preference.py's; docs/algorithms.md compares the family.
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
-from rltrain.algos.losses import simpo_pair_losses
+import torch
+import torch.nn.functional as F
+
 from rltrain.algos.preference import (
     PairwisePreference,
     chosen_rejected_means,
@@ -22,7 +24,33 @@ from rltrain.algos.preference import (
     pair_metrics,
 )
 from rltrain.backends.base import PolicyOutput
+from rltrain.config.algorithms import AlgoConfig, AlgorithmSpec
 from rltrain.data.batch import SequenceBatch
+from rltrain.runtime.errors import UserError
+
+
+@dataclass
+class SimPOConfig(AlgoConfig):
+    name: str = "simpo"
+    beta: float = 2.0  # temperature on the per-token mean log-probabilities
+    gamma: float = 1.0  # target reward margin between chosen and rejected
+
+
+def check_simpo(algo: SimPOConfig) -> None:
+    if algo.beta <= 0 or algo.gamma < 0:
+        raise UserError(
+            f"algo.beta={algo.beta} must be positive and algo.gamma={algo.gamma} at least 0 (SimPO's temperature "
+            "and target margin)."
+        )
+
+
+def simpo_pair_losses(
+    policy_chosen_mean_P: torch.Tensor, policy_rejected_mean_P: torch.Tensor, beta: float, gamma: float
+) -> torch.Tensor:
+    """[P] SimPO's loss (Meng et al. 2024, eq. 6): `-log s(beta (mean_c - mean_r) - gamma)` on the
+    *per-token mean* log-probabilities, so no reference is needed and length is not rewarded;
+    `gamma` is the target reward margin."""
+    return -F.logsigmoid(beta * (policy_chosen_mean_P - policy_rejected_mean_P) - gamma)
 
 
 def make_simpo_loss(beta: float, gamma: float):
@@ -45,3 +73,9 @@ class SimPO(PairwisePreference):
     def eval_wins(self, policy_chosen_P: torch.Tensor, policy_rejected_P: torch.Tensor) -> torch.Tensor:
         len_c, len_r = self.eval_lengths
         return policy_chosen_P / len_c > policy_rejected_P / len_r
+
+
+SPEC = AlgorithmSpec(
+    "simpo", SimPOConfig, SimPO, "SimPO: length-normalised preference margin, no reference",
+    data="preferences", reference="never", check=check_simpo,
+)

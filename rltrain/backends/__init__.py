@@ -1,6 +1,6 @@
 """Training backends behind one protocol (`base.TrainEngine`): Hugging Face + FSDP2 (`fsdp/`) and
-megatron-core (`megatron/`), with what both share (roles, LR schedule, value head, chunked head,
-optimizer-state offload). The registry below is lazy: `backend=fsdp` never imports megatron.
+megatron-core (`megatron/`), with what both share (roles, AdamW, LR schedule, value head, chunked
+head, optimizer-state offload, a reward model written as a sequence classifier). The registry below is lazy: `backend=fsdp` never imports megatron.
 docs/backends.md compares the two.
 """
 

@@ -7,6 +7,8 @@ path's numbers. docs/internals/backends.md says when it applies and how the back
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 # Elements of fp32 logits one chunk may hold (512 MiB); also the threshold for chunking at all.
@@ -86,7 +88,7 @@ def accumulate_head_grads(
 
 class _ChunkedTargetLogps(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, targets_N, chunk, dtype, entropy_out_N):
+    def forward(ctx: Any, hidden_NH, weight_VH, targets_N, chunk, dtype, entropy_out_N):
         with torch.autocast(hidden_NH.device.type, enabled=False):
             n = hidden_NH.shape[0]
             logps_N = torch.empty(n, dtype=torch.float32, device=hidden_NH.device)
@@ -105,7 +107,7 @@ class _ChunkedTargetLogps(torch.autograd.Function):
         return logps_N
 
     @staticmethod
-    def backward(ctx, grad_N):
+    def backward(ctx: Any, grad_N):
         hidden_NH, weight_VH, targets_N, lse_N = ctx.saved_tensors
         grad_hidden_NH = torch.zeros_like(hidden_NH) if ctx.needs_input_grad[0] else None
         grad_weight_VH = torch.zeros(weight_VH.shape, dtype=torch.float32, device=weight_VH.device) if ctx.needs_input_grad[1] else None

@@ -14,9 +14,11 @@ from omegaconf import OmegaConf
 
 from rltrain.config.algorithms import spec_of
 from rltrain.config.group_options import CriticConfig, ReferenceConfig, TeacherConfig
+from rltrain.config.run_context import RunContext
 from rltrain.config.schema import Config, SafetyConfig
 from rltrain.runtime.errors import UserError
 from rltrain.runtime.precision import Precision
+from rltrain.safety.faults import FaultInjector
 
 Role = Literal["policy", "reference", "critic", "teacher"]
 ROLES: tuple[Role, ...] = ("policy", "reference", "critic", "teacher")
@@ -102,19 +104,20 @@ class EngineOptions(TypedDict):
     gradient_checkpointing: bool
     value_head_seed: int | None
     value_head_bias: bool
+    faults: FaultInjector
 
 
-def engine_options(ctx: Any, build: RoleBuild) -> EngineOptions:
+def engine_options(ctx: RunContext, build: RoleBuild) -> EngineOptions:
     """The keyword arguments every backend's engine takes alike from the run and the role's build,
     so a role's engine is configured the same on FSDP and on Megatron."""
     cfg = ctx.cfg
     return EngineOptions(
         precision=cfg.trainer.precision, safety=cfg.safety, gradient_checkpointing=cfg.model.gradient_checkpointing,
-        value_head_seed=build.value_head_seed, value_head_bias=build.value_head_bias,
+        value_head_seed=build.value_head_seed, value_head_bias=build.value_head_bias, faults=ctx.faults,
     )
 
 
-def role_build(ctx: Any, role: str) -> RoleBuild:
+def role_build(ctx: RunContext, role: str) -> RoleBuild:
     cfg = ctx.cfg
     model_dir = Path(ctx.model_dir_for(role))
     adapters = cfg.model.lora if cfg.model.lora.rank > 0 else None

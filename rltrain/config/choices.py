@@ -1,6 +1,6 @@
 """Enum-like string fields: `choice()` attaches a `Literal`'s values to a schema field, `choices_of()`
 reads them back. Both schema modules (schema.py, group_options.py) declare their fields with it, and
-rltrain.config.validate refuses any other value, naming the allowed ones."""
+rltrain.preflight.validate refuses any other value, naming the allowed ones."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, get_args
 
 def choice(default: str, allowed: Any) -> Any:
     """A string field whose values are the `Literal` `allowed`. OmegaConf types it as `str` (it has
-    no Literal type); rltrain.config.validate refuses any other value, naming the allowed ones."""
+    no Literal type); rltrain.preflight.validate refuses any other value, naming the allowed ones."""
     values = get_args(allowed)
     assert default in values, f"default {default!r} is not one of {values}"
     return field(default=default, metadata={"choices": values})

@@ -1,6 +1,6 @@
 """The options a Hydra group chooses between: one dataclass per option of `backend`, `rollout`,
 `reward_model` and `env` (a base per group, a subclass per option), and the `reference` and `critic`
-models; the `algo` options are declared with what each algorithm needs in rltrain.config.algorithms.
+models; each `algo` option is declared in its algorithm's module, read through rltrain.config.algorithms.
 Each option's YAML in `conf/<group>/` extends its schema (`<group>/<name>_schema`, stored by
 rltrain.config.schema.register_configs). The run's own sections and the root `Config` are in
 rltrain.config.schema; docs/configuration.md lists every key.
@@ -17,7 +17,7 @@ from rltrain.config.choices import choice
 
 RolloutProcess = Literal["colocated", "separate"]  # separate: the engine in a child process (rollout/separate.py)
 EnvName = Literal["none", "python", "tools"]  # rltrain/envs
-# The weight push's pair group (rltrain/rollout/server_push.py `push_backend`): auto picks NCCL where
+# The weight push's pair group (rltrain/rollout/server/push.py `push_backend`): auto picks NCCL where
 # the trainer and a server it did not spawn both run on CUDA, gloo otherwise.
 PushBackend = Literal["auto", "gloo", "nccl"]
 
@@ -32,11 +32,11 @@ class FSDPBackendConfig(BackendConfig):
     name: str = "fsdp"
     reshard_after_forward: bool = True
     # A micro-batch of unrelated sequences is one packed row with document-masked attention
-    # (rltrain/backends/fsdp/padding_free.py) instead of a padded rectangle or length buckets.
+    # (rltrain/backends/fsdp/micro_batches/padding_free.py) instead of a padded rectangle or length buckets.
     padding_free: bool = False
     compile: bool = False  # torch.compile each decoder layer (rltrain/backends/fsdp/compile_layers.py)
     # Sequences that share a prompt (GRPO groups, DPO pairs) are packed one row per prompt, so the
-    # prompt is computed once (rltrain/backends/fsdp/shared_prefix.py). Never for MoE models.
+    # prompt is computed once (rltrain/backends/fsdp/micro_batches/shared_prefix.py). Never for MoE models.
     share_prompts: bool = True
     # On one rank, a micro-batch is scored as a few rectangles of similar lengths instead of one
     # padded to its longest row. Never on sharded ranks or for MoE models.

@@ -5,12 +5,13 @@ misspelt key or a value of the wrong type fails while Hydra composes the config,
 is built. The options a group chooses between (algo, backend, rollout, ...) are in
 rltrain.config.group_options. Code reads config through these fields only (never `.get(key, default)`),
 so a default lives in exactly one place. So do the allowed values of every enum-like key: a `Literal`
-beside its field, attached by `choice()` (rltrain.config.choices); rltrain.config.validate checks them
+beside its field, attached by `choice()` (rltrain.config.choices); rltrain.preflight.validate checks them
 and the code that reads a key takes its values from the same `Literal`. docs/configuration.md lists every key.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -18,7 +19,7 @@ from typing import Any, Literal
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from rltrain.config.algorithms import ALGORITHMS
+from rltrain.config.algorithms import ALGORITHM_CONFIGS
 from rltrain.config.choices import choice
 from rltrain.config.group_options import (
     AgentEnvConfig,
@@ -42,11 +43,12 @@ Resume = Literal["auto", "never"]
 Progress = Literal["auto", "bar", "lines"]
 Overlong = Literal["drop", "truncate", "error"]
 Task = Literal["addition", "multiplication"]  # the built-in tasks (rltrain/data/tasks.py)
+SandboxMode = Literal["bwrap", "rlimits", "remote"]  # rltrain/rewards/sandbox (docs/rewards-and-roles.md)
 WandbMode = Literal["auto", "online", "offline", "disabled"]  # auto: online with an API key, else offline
 Schedule = Literal["cosine", "linear", "constant"]
 # AdamW's kernels (torch.optim.AdamW): one launch per tensor, per tensor list, or one fused kernel.
 OptimImplementation = Literal["auto", "for-loop", "foreach", "fused"]
-Arch = Literal["qwen2", "llama"]  # the tiny model only
+Arch = Literal["qwen2", "llama", "qwen2_vl"]  # the tiny model only (qwen2_vl: model=tiny_vl, rltrain/models/tiny_vl.py)
 SweepDirection = Literal["maximize", "minimize"]
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")  # the YAML tree every group's option lives in
@@ -119,6 +121,7 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     attention_bias: bool = True
     max_position_embeddings: int = 512
+    freeze_vision: bool = True  # a vision-language model's vision tower stays as loaded (docs/vision.md)
     gradient_checkpointing: bool = False  # recompute each decoder layer's activations in the backward
     cache_dir: str | None = None  # where the built tiny model is cached; null = ~/.cache/rltrain
     # model=tiny_sft: SFT the tiny model this many steps on the built-in task's training split
@@ -141,6 +144,10 @@ class DataColumns:
     chosen: str | None = None
     rejected: str | None = None
     solution: str | None = None  # what rltrain.rewards.math:accuracy compares with
+    input_output: str | None = None  # rltrain.rewards.code:tests_pass's stdin/stdout cases
+    test: str | None = None  # rltrain.rewards.code:tests_pass's assert statements
+    entry_point: str | None = None  # the function a `test`'s check(candidate) is called on
+    images: str | None = None  # a row's images (a list, or one): docs/vision.md
 
 
 @dataclass
@@ -153,6 +160,9 @@ class DataConfig:
     revision: str | None = None  # a Hub dataset's branch, tag or commit; null = main
     split: str = "train"
     columns: DataColumns = field(default_factory=DataColumns)
+    # Arguments every chat template rendering of the run gets (data, environments, the agents'
+    # endpoint), e.g. {enable_thinking: false} for a reasoning model's template
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     map_fn: str | None = None  # pkg.module:fn, one row in, the columns to set out (datasets.map), after `columns`
     eval_path: str | None = None
     eval_fraction: float = 0.05
@@ -196,6 +206,32 @@ class SweepConfig:
 
 
 @dataclass
+class CodeRewardConfig:
+    """rltrain.rewards.code:tests_pass (docs/rewards-and-roles.md, "Code")."""
+
+    all_or_nothing: bool = False  # true: 1.0 only when every case passes; false: the fraction passed
+
+
+@dataclass
+class SandboxConfig:
+    """Where and how the code rewards run model-written code (rltrain/rewards/sandbox)."""
+
+    # bwrap: bubblewrap namespaces + limits; rlimits: limits only (no file or network isolation);
+    # remote: a SandboxFusion service at `url`
+    mode: str = choice("bwrap", SandboxMode)
+    url: str | None = None  # mode=remote: the SandboxFusion service, e.g. http://host:8080
+    workers: int = 4  # executions at once per reward call
+    python: str | None = None  # the interpreter the code runs with; null: the one rltrain runs on, without its packages
+    timeout_s: float = 5.0  # wall clock per execution (one test case)
+    cpu_s: int = 5  # CPU seconds per execution (RLIMIT_CPU)
+    memory_mb: int = 1024  # address space per process (RLIMIT_AS)
+    file_size_mb: int = 16  # largest file the code may write (RLIMIT_FSIZE)
+    tmp_mb: int = 64  # its private temporary directory, all files together (bwrap)
+    processes: int = 16  # processes and threads it may run at once (RLIMIT_NPROC)
+    output_bytes: int = 1048576  # stdout + stderr per execution; more is killed
+
+
+@dataclass
 class RewardConfig:
     """Reward functions by dotted path (`pkg.module:function`); empty = the built-in task's reward."""
 
@@ -207,6 +243,11 @@ class RewardConfig:
     chunk_spans_groups: bool = False  # true: chunks of chunk_size may hold several prompts' completions
     on_failure: float = 0.0  # the reward of a sample whose call raised, returned nonsense or timed out
     max_failure_frac: float = 0.25  # a rank stops when more of its step's samples fail for one function
+    # The built-in answer rewards (code, math) read a completion after its last one; null: the
+    # closing tag the tokenizer's chat template uses (</think> where it has none); "": all of it
+    thinking_end: str | None = None
+    code: CodeRewardConfig = field(default_factory=CodeRewardConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
 
 @dataclass
@@ -272,11 +313,11 @@ class Config:
     sweep: SweepConfig = field(default_factory=SweepConfig)
 
 
-GROUP_SCHEMAS: dict[str, dict[str, type]] = {
-    "algo": {name: spec.config for name, spec in ALGORITHMS.items()},
+GROUP_SCHEMAS: dict[str, Mapping[str, type]] = {
+    "algo": ALGORITHM_CONFIGS,  # declared by the algorithms themselves, read when first asked
     "backend": {"fsdp": FSDPBackendConfig, "megatron": MegatronBackendConfig},
     "rollout": {"vllm": VLLMRolloutConfig, "hf": HFRolloutConfig, "server": ServerRolloutConfig},
-    "model": {"tiny": ModelConfig, "tiny_sft": ModelConfig},
+    "model": {"tiny": ModelConfig, "tiny_sft": ModelConfig, "tiny_vl": ModelConfig},
     "reference": {"default": ReferenceConfig},
     "critic": {"default": CriticConfig},
     "teacher": {"default": TeacherConfig},

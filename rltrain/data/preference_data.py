@@ -16,6 +16,8 @@ from rltrain.config.schema import DataConfig
 from rltrain.data import tasks
 from rltrain.data.loading import PAIRED, PAIRED_IMPLICIT, eval_limit, train_and_eval_rows
 from rltrain.data.tokenize import OverlongStats, check_messages, encode_all, fit_length
+from rltrain.data.vision_inputs import VisionInputs
+from rltrain.data.vision_rows import has_image_column, source_of, vision_pair_rows
 from rltrain.runtime.errors import UserError
 
 
@@ -25,6 +27,7 @@ class PreferencePair:
     chosen: list[int]
     rejected: list[int]
     margin: float = 0.0  # the optional `margin` column: how much chosen must beat rejected by (algo=rm)
+    vision: VisionInputs | None = None  # the prompt's images (rltrain.data.vision_rows), shared by both
 
 
 @dataclass
@@ -79,13 +82,22 @@ def _margin(row: dict, where: str) -> float:
     return float(value)
 
 
-def rows_to_pairs(tokenizer, rows: list[dict], data_cfg: DataConfig, where: str, skipped: SkipCounts) -> list[PreferencePair]:
+def rows_to_pairs(
+    tokenizer, rows: list[dict], data_cfg: DataConfig, where: str, skipped: SkipCounts, processor=None
+) -> list[PreferencePair]:
+    """Rows with images go through the vision-language model's `processor` (rltrain.data.vision_rows)."""
     eos = tokenizer.eos_token_id
     max_length, overlong = data_cfg.max_length, data_cfg.overlong  # read once: a config lookup per row adds up
+    with_images = has_image_column(rows)
+    vision_rows = vision_pair_rows(processor, rows, source_of(data_cfg.path, where)) if with_images else []
     usable: list[tuple[str, str, str]] = []
     margins: list[float] = []
-    for row in rows:
-        prompt, chosen, rejected = pair_texts(tokenizer, row, where)
+    kept: list[int] = []
+    for i, row in enumerate(rows):
+        if with_images:
+            prompt, chosen, rejected = "", vision_rows[i].chosen, vision_rows[i].rejected
+        else:
+            prompt, chosen, rejected = pair_texts(tokenizer, row, where)
         if chosen == rejected:
             skipped.identical += 1
         elif not chosen or not rejected:
@@ -93,10 +105,14 @@ def rows_to_pairs(tokenizer, rows: list[dict], data_cfg: DataConfig, where: str,
         else:
             usable.append((prompt, chosen, rejected))
             margins.append(_margin(row, where))
+            kept.append(i)
     # one tokenizer call per column, not three per row (the per-call overhead dominates short texts)
     prompts_ids, chosen_ids, rejected_ids = (encode_all(tokenizer, [texts[i] for texts in usable]) for i in range(3))
+    if with_images:
+        prompts_ids = [vision_rows[i].prompt for i in kept]
+    visions = [vision_rows[i].vision for i in kept] if with_images else [None] * len(kept)
     pairs = []
-    for prompt_ids, c_ids, r_ids, margin in zip(prompts_ids, chosen_ids, rejected_ids, margins, strict=True):
+    for prompt_ids, c_ids, r_ids, margin, vision in zip(prompts_ids, chosen_ids, rejected_ids, margins, visions, strict=True):
         if not prompt_ids:
             raise UserError(f"{where}: a row has an empty prompt; DPO needs at least one prompt token.")
         c_ids, r_ids = c_ids + [eos], r_ids + [eos]
@@ -105,11 +121,12 @@ def rows_to_pairs(tokenizer, rows: list[dict], data_cfg: DataConfig, where: str,
         if fitted is None:
             continue
         keep = len(fitted.completion)
-        pairs.append(PreferencePair(prompt_ids, c_ids[:keep], r_ids[:keep], margin))
+        pairs.append(PreferencePair(prompt_ids, c_ids[:keep], r_ids[:keep], margin, vision))
     return pairs
 
 
-def build_preference_data(tokenizer, data_cfg: DataConfig, seed: int) -> PreferenceData:
+def build_preference_data(tokenizer, data_cfg: DataConfig, seed: int, processor=None) -> PreferenceData:
+    """`processor`: a vision-language model's (None for a text-only model), for rows with images."""
     skipped = SkipCounts()
     if data_cfg.path is None:
         train_p, eval_p = tasks.builtin_split(data_cfg, seed)
@@ -120,9 +137,9 @@ def build_preference_data(tokenizer, data_cfg: DataConfig, seed: int) -> Prefere
     else:
         train_rows, eval_rows, where = train_and_eval_rows(data_cfg, seed, [PAIRED, PAIRED_IMPLICIT])
         answers = []
-    train = rows_to_pairs(tokenizer, train_rows, data_cfg, where, skipped)
+    train = rows_to_pairs(tokenizer, train_rows, data_cfg, where, skipped, processor)
     if not train:
         raise UserError(f"{where}: no usable preference pairs (identical, empty or overlong rows were all skipped).")
     limit = eval_limit(data_cfg)
-    evals = rows_to_pairs(tokenizer, eval_rows[:limit], data_cfg, where, SkipCounts())
+    evals = rows_to_pairs(tokenizer, eval_rows[:limit], data_cfg, where, SkipCounts(), processor)
     return PreferenceData(train, evals, answers[:limit], skipped)

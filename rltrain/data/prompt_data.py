@@ -9,6 +9,8 @@ from rltrain.config.schema import DataConfig
 from rltrain.data import tasks
 from rltrain.data.loading import eval_limit, train_and_eval_rows
 from rltrain.data.tokenize import check_messages, encode_all
+from rltrain.data.vision_inputs import VisionInputs
+from rltrain.data.vision_rows import RowSource, has_image_column, source_of, vision_prompts
 from rltrain.runtime.errors import UserError
 
 
@@ -19,6 +21,10 @@ class PromptRow:
     columns: dict = field(default_factory=dict)
     chat: bool = False  # the prompt was chat messages, rendered by the chat template
     messages: list[dict] | None = None  # those messages as the dataset gave them (env=agent's row; None: text)
+    # A vision-language model's prompt images: as given (PIL, for the rollout engine beside `text`) and
+    # encoded by its processor (for the trainer; `ids` then holds each image's visual tokens). docs/vision.md.
+    images: list | None = None
+    vision: VisionInputs | None = None
 
 
 class PromptRenderer(Protocol):
@@ -62,16 +68,36 @@ def _to_rows(
     return kept, len(rows) - len(kept)
 
 
+def _to_vision_rows(processor, rows: list[dict], source: RowSource, max_length: int) -> tuple[list[PromptRow], int]:
+    """`_to_rows` for rows with images (rltrain.data.vision_rows)."""
+    encoded = vision_prompts(processor, rows, source)
+    kept = [
+        PromptRow(p.ids, p.text, {k: v for k, v in row.items() if k != "prompt"}, p.chat,
+                  row["prompt"] if p.chat else None, p.images, p.vision)
+        for row, p in zip(rows, encoded, strict=True)
+        if len(p.ids) <= max_length
+    ]
+    return kept, len(rows) - len(kept)
+
+
 def build_prompt_data(
-    tokenizer, data_cfg: DataConfig, seed: int, renderer: PromptRenderer | None = None
+    tokenizer, data_cfg: DataConfig, seed: int, renderer: PromptRenderer | None = None, processor=None
 ) -> tuple[list[PromptRow], list[PromptRow], int]:
-    """(train prompts, eval prompts, prompts dropped as longer than data.max_length)."""
+    """(train prompts, eval prompts, prompts dropped as longer than data.max_length); `processor`:
+    a vision-language model's (None for a text-only model), for rows with images."""
     if data_cfg.path is None:
         train_p, eval_p = tasks.builtin_split(data_cfg, seed)
         train_rows, eval_rows, where = tasks.prompt_rows(train_p), tasks.prompt_rows(eval_p), "built-in task"
     else:
         train_rows, eval_rows, where = train_and_eval_rows(data_cfg, seed, [("prompt",)])
     max_length = data_cfg.max_length
+    if has_image_column(list(train_rows)):
+        source = source_of(data_cfg.path, where)
+        train, dropped = _to_vision_rows(processor, list(train_rows), source, max_length)
+        evals, _ = _to_vision_rows(processor, list(eval_rows), source, max_length)
+        if not train:
+            raise UserError(f"{where}: no prompts left (all longer than data.max_length={max_length}, visual tokens included).")
+        return train, evals[: eval_limit(data_cfg)], dropped
     train, dropped = _to_rows(tokenizer, list(train_rows), where, max_length, renderer)
     if not train:
         hint = " (env=tools lists the tools in each text prompt: raise data.max_length, or set env.describe_tools=false)" if renderer else ""

@@ -15,6 +15,9 @@ from rltrain.data.tokenize import (
     fit_length,
     render_messages,
 )
+from rltrain.data.vision_inputs import VisionInputs
+from rltrain.data.vision_rows import has_image_column, source_of
+from rltrain.data.vision_sft import vision_eval_items, vision_sft_pairs
 from rltrain.runtime.errors import UserError
 
 
@@ -22,6 +25,7 @@ from rltrain.runtime.errors import UserError
 class EvalItem:
     prompt: list[int]
     reference: str  # the completion text an exact match must reproduce
+    vision: VisionInputs | None = None  # the prompt's images (a vision-language model)
 
 
 @dataclass
@@ -53,8 +57,15 @@ def row_texts(tokenizer, row: dict, where: str) -> tuple[str, str]:
     return prompt, completion
 
 
-def build_sft_data(tokenizer, data_cfg: DataConfig, seed: int) -> SFTData:
+def build_sft_data(tokenizer, data_cfg: DataConfig, seed: int, processor=None) -> SFTData:
+    """`processor`: a vision-language model's (None for a text-only model); rows with images need
+    one (rltrain.data.vision_sft)."""
     train_rows, eval_rows, where = text_rows(data_cfg, seed, tokenizer.eos_token)
+    if has_image_column(train_rows):
+        source = source_of(data_cfg.path, where)
+        pairs, skipped = vision_sft_pairs(processor, train_rows, source, data_cfg)
+        held_out = [EvalItem(*item) for item in vision_eval_items(processor, eval_rows[: eval_limit(data_cfg)], source)]
+        return SFTData(pairs, held_out, skipped)
     stats = OverlongStats()
     eos = tokenizer.eos_token_id
     max_length, overlong = data_cfg.max_length, data_cfg.overlong  # read once: a config lookup per row adds up

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rltrain.data.vision_inputs import VisionInputs
 from rltrain.runtime.errors import UserError
 
 
@@ -16,6 +17,7 @@ from rltrain.runtime.errors import UserError
 class TokenizedPair:
     prompt: list[int]
     completion: list[int]
+    vision: VisionInputs | None = None  # the row's images, when it has any (rltrain.data.vision_rows)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from rltrain.data import tasks
 from rltrain.data.loading import PAIRED, PAIRED_IMPLICIT, UNPAIRED, eval_limit, train_and_eval_rows
 from rltrain.data.preference_data import PreferencePair, SkipCounts, pair_texts, rows_to_pairs
 from rltrain.data.tokenize import check_messages, encode_all, fit_length
+from rltrain.data.vision_rows import has_image_column
 from rltrain.runtime.errors import UserError
 
 
@@ -113,6 +114,11 @@ def build_unpaired_data(tokenizer, data_cfg: DataConfig, seed: int) -> UnpairedD
         answers = [p.answer for p in eval_p]
     else:
         train_rows, eval_rows, where = train_and_eval_rows(data_cfg, seed, [UNPAIRED, PAIRED, PAIRED_IMPLICIT])
+        if has_image_column(train_rows):
+            raise UserError(
+                f"{where} has images (an 'images' or 'image' column), which algo=kto does not take yet. Use algo=dpo, "
+                "simpo or orpo on paired rows with images, or drop the image column (docs/vision.md)."
+            )
         answers = []
         if train_rows and all(k in train_rows[0] for k in UNPAIRED):
             train_texts = [unpaired_texts(tokenizer, row, where) for row in train_rows]

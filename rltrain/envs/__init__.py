@@ -1,5 +1,5 @@
-"""Multi-turn episodes (`env=python`, `env=tools`): the loop on the trainer's side (`episodes`), built
-from config (`build`); a user environment class (`user_env`, hosted and rebuilt by replay in workers by
-`hosted`) or typed functions offered as tools (`tools`); observations as appended token ids
-(`observations`); a built-in example (`retry`). docs/environments.md tells the story.
+"""Multi-turn episodes: the trainer's loop (`episodes`), built from `env` (`build`); a user class in
+workers, rebuilt by replay (`user_env`, `hosted`), tools (`tools`), the user's own agent (`agent/`);
+observations as token ids (`observations`), a replica's shared episodes (`replica`), built-in
+examples (`addition_with_retries`, `calculator`). docs/environments.md, docs/agents.md.
 """

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rltrain.config.schema import Config
-from rltrain.envs.agent import AgentRunner
+from rltrain.envs.agent.runner import AgentRunner
 from rltrain.envs.episodes import EpisodeRunner, EpisodeSteps
 from rltrain.envs.tools import CallTools
 from rltrain.envs.user_env import HostedEnvironments

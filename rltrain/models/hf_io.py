@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from rltrain.models.vision import is_vision_model_dir, load_vision_lm
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
@@ -26,7 +28,9 @@ def load_causal_lm(model_dir: Path, dtype: torch.dtype, on_meta: bool = False) -
     meta device, with no storage, for `load_sharded_weights` to fill after sharding."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if on_meta:
+    if is_vision_model_dir(model_dir):  # AutoModelForImageTextToText (rltrain.models.vision)
+        model = load_vision_lm(model_dir, dtype, on_meta)
+    elif on_meta:
         config = AutoConfig.from_pretrained(str(model_dir))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")

@@ -18,6 +18,7 @@ import torch
 
 from rltrain.config.schema import LoraAdapterConfig
 from rltrain.models.hf_io import fill_parameter
+from rltrain.models.vision import VISION_MODULES_PATTERN, vision_modules
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -29,7 +30,9 @@ MERGED_DIR = "merged"  # final/merged/: the merged model (model.lora.save_merged
 Gather = Callable[[torch.Tensor], torch.Tensor]
 
 
-def peft_config(settings: LoraAdapterConfig) -> Any:
+def peft_config(settings: LoraAdapterConfig, exclude_modules: str | None = None) -> Any:
+    """peft's LoraConfig; `exclude_modules`: a regex of module names left unadapted (a
+    vision-language model's vision tower: LoRA adapts the language model)."""
     from peft import LoraConfig
 
     targets = list(settings.target_modules)
@@ -40,6 +43,7 @@ def peft_config(settings: LoraAdapterConfig) -> Any:
         target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else targets,
         bias="none",
         task_type="CAUSAL_LM",
+        exclude_modules=exclude_modules,
     )
 
 
@@ -48,7 +52,8 @@ def add_adapters(lm: torch.nn.Module, settings: LoraAdapterConfig) -> PeftModel:
     base's dtype) and return peft's wrapper, which owns saving and `disable_adapter`."""
     from peft import get_peft_model
 
-    return get_peft_model(lm, peft_config(settings), autocast_adapter_dtype=False)
+    exclude = VISION_MODULES_PATTERN if vision_modules(lm) else None
+    return get_peft_model(lm, peft_config(settings, exclude), autocast_adapter_dtype=False)
 
 
 def source_name(name: str) -> str | None:

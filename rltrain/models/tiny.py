@@ -65,7 +65,7 @@ def _spec_key(cfg: ModelConfig, seed: int) -> str:
             "tie_word_embeddings attention_bias max_position_embeddings"
         ).split()
     }
-    spec["dtype"] = "float32"  # kept in the key: caches built when the dtype was a setting stay valid
+    spec["dtype"] = "float32"  # a fixed entry of the key, so the key every built cache has stays its key
     spec["seed"] = seed
     spec["format"] = 1
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]

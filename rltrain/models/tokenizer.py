@@ -7,8 +7,10 @@ plain `tokenizer.json`; rltrain reads every tokenizer directory with `load_token
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
+from typing import Any
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
@@ -50,10 +52,6 @@ def padded_vocab_size(tokenizer, multiple: int = 64) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
-def save_tokenizer(tokenizer, directory: str | Path) -> None:
-    tokenizer.save_pretrained(str(directory))
-
-
 # tokenizer_config.json class names that mean "tokenizer.json is the whole tokenizer".
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
@@ -79,3 +77,13 @@ def load_tokenizer(directory: str | Path):
     if declared in GENERIC_TOKENIZER_CLASSES and (Path(directory) / "tokenizer.json").exists():
         return PreTrainedTokenizerFast.from_pretrained(str(directory))
     return AutoTokenizer.from_pretrained(str(directory))
+
+
+def with_chat_template_kwargs(tokenizer, kwargs: dict[str, Any]):
+    """`tokenizer`, every `apply_chat_template` of which gets `kwargs` (`data.chat_template_kwargs`,
+    e.g. enable_thinking=False): the run's data, environments and agents' endpoint all render
+    through it, so none can miss them. A call's own arguments win."""
+    if kwargs:
+        tokenizer.apply_chat_template = functools.partial(tokenizer.apply_chat_template, **dict(kwargs.items()))
+    return tokenizer
+

@@ -15,6 +15,7 @@ import multiprocessing
 from multiprocessing.connection import Connection
 from typing import Any
 
+from rltrain.rewards.thinking import answer_after_thinking, current_end_marker
 from rltrain.runtime.call_pool import receive, send
 
 SAMPLE_TIMEOUT_S = 5.0  # per sample; the whole call is still bounded by reward.timeout_s
@@ -114,4 +115,5 @@ def accuracy(prompts: list[str], completions: list[str], solution: list[str] | N
         )
     if _checker is None:
         _checker = AnswerChecker()
-    return [_checker.score(c, s) for c, s in zip(completions, solution, strict=True)]
+    marker = current_end_marker()  # a reasoning model's answer follows its thinking
+    return [_checker.score(answer_after_thinking(c, marker), s) for c, s in zip(completions, solution, strict=True)]

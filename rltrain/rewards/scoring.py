@@ -19,6 +19,11 @@ from math import isfinite
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from rltrain.config.schema import Config, RewardConfig
+from rltrain.rewards.code import COUNTED as CODE_COUNTED
+from rltrain.rewards.code import METRICS as CODE_METRICS
+from rltrain.rewards.sandbox.settings import check as check_sandbox
+from rltrain.rewards.sandbox.settings import worker_env
+from rltrain.rewards.thinking import DEFAULT_THINKING_END, THINKING_END_ENV
 from rltrain.runtime.call_pool import Call, CallPool, CallResult
 from rltrain.runtime.errors import UserError
 from rltrain.runtime.user_code import load_callable
@@ -28,6 +33,10 @@ if TYPE_CHECKING:
 
     from rltrain.rewards.model_reward import SequenceClassifierReward
     from rltrain.sync.timeshare import HostOffloadable
+
+# Functions whose worker-side twin returns {"rewards": [...], "metrics": {name: [...]}}: the twin's
+# path, the metric names (logged as reward/<name>) and which of them are counts (summed, not averaged).
+REPORTING = {"rltrain.rewards.code:tests_pass": ("rltrain.rewards.code:tests_pass_reported", CODE_METRICS, CODE_COUNTED)}
 
 BUILTIN_FOR_TASK = {
     "addition": "rltrain.rewards.builtin:addition_reward",
@@ -42,6 +51,15 @@ class RewardFn:
     fn: Callable
     weight: float
     device_model: HostOffloadable | None = None  # a model it holds on the training device (time sharing moves it)
+
+    @property
+    def call_path(self) -> str:
+        """What its worker calls: the function, or its twin that also reports metrics."""
+        return REPORTING[self.path][0] if self.path in REPORTING else self.path
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        return REPORTING[self.path][1] if self.path in REPORTING else ()
 
 
 @dataclass
@@ -77,10 +95,18 @@ def build_reward_fns(cfg: Config, device: torch.device) -> list[RewardFn]:
     if len(weights) != len(paths):
         raise UserError(f"reward.weights has {len(weights)} entries but reward.fns has {len(paths)}; give one weight per function.")
     fns = [RewardFn(p.split(":")[-1].split(".")[-1], p, load_callable("reward function", p), float(w)) for p, w in zip(paths, weights)]
+    check_reward_needs(cfg)
     if rm.path is not None:
         model = load_reward_model(cfg, device)
         fns.append(RewardFn("model", f"reward_model.path={rm.path}", model, float(rm.weight), device_model=model))
     return fns
+
+
+def check_reward_needs(cfg: Config) -> None:
+    """What the chosen functions need from this machine, checked at start: the code reward's
+    sandbox (bwrap installed, its settings sane)."""
+    if any(path in REPORTING for path in cfg.reward.fns):
+        check_sandbox(cfg.reward.sandbox)
 
 
 def load_reward_model(cfg: Config, device: torch.device) -> SequenceClassifierReward:
@@ -128,60 +154,92 @@ def checked_values(result: CallResult, n: int, timeout_s: float | None) -> tuple
     return values, "", ""
 
 
+def split_report(result: CallResult, reporting: bool) -> tuple[CallResult, dict[str, Any]]:
+    """A reporting twin's {"rewards", "metrics"} as the rewards' result and the metrics."""
+    if not reporting or result.failure is not None or not isinstance(result.value, dict):
+        return result, {}
+    return CallResult(value=result.value.get("rewards")), result.value.get("metrics") or {}
+
+
 class RewardScorer:
     """The run's reward functions and the worker pool that runs the user ones."""
 
-    def __init__(self, fns: list[RewardFn], reward_cfg: RewardConfig, collective_timeout_s: float, start_workers: bool = True) -> None:
-        self.fns, self.cfg = fns, reward_cfg
+    def __init__(
+        self, fns: list[RewardFn], reward_cfg: RewardConfig, collective_timeout_s: float, start_workers: bool = True,
+        thinking_end: str = DEFAULT_THINKING_END,
+    ) -> None:
+        """`thinking_end`: the marker the answer rewards read after (`thinking_end_marker`)."""
+        self.fns, self.cfg, self.thinking_end = fns, reward_cfg, thinking_end
         self.timeout_s = float(reward_cfg.timeout_s) if reward_cfg.timeout_s else None
         self.budget_s = collective_timeout_s / 2  # a rank's scoring never keeps a peer into the collective timeout
-        pooled = [rf.path for rf in fns if rf.device_model is None]
-        self.pool = CallPool(reward_cfg.workers, pooled, "reward function") if pooled else None
+        pooled = [rf.call_path for rf in fns if rf.device_model is None]
+        env = {THINKING_END_ENV: thinking_end, **(worker_env(reward_cfg) if any(rf.metrics for rf in fns) else {})}
+        self.pool = CallPool(reward_cfg.workers, pooled, "reward function", env=env) if pooled else None
         if self.pool is not None and start_workers:  # else they start on the first call (a replica's peers never score)
             self.pool.start()  # the workers import while the engines are built
+        self.counted = {m for rf in fns if rf.path in REPORTING for m in REPORTING[rf.path][2]}
+
+    def series_names(self) -> list[str]:
+        """The keys of `score`'s first result: each function's, then the metrics they report."""
+        return list(dict.fromkeys([rf.name for rf in self.fns] + [m for rf in self.fns for m in rf.metrics]))
 
     def score(
         self, prompts: list[str], completions: list[str], columns: dict[str, list], groups: list[int]
     ) -> tuple[dict[str, list[float]], Failures]:
-        """Each function's rewards (one float per completion) and the samples that failed."""
+        """Each function's rewards (one float per completion), each reported metric's values, and
+        the samples that failed."""
         failures = Failures()
         if not completions:
-            return {rf.name: [] for rf in self.fns}, failures  # an empty slice: nothing to score, nothing is called
+            return {name: [] for name in self.series_names()}, failures  # an empty slice: nothing is called
         deadline = time.monotonic() + self.budget_s
         bounds = chunk_bounds(groups, self.cfg.chunk_size, self.cfg.chunk_spans_groups)
         pooled = [rf for rf in self.fns if rf.device_model is None]
         calls = [
-            Call(rf.path, {"prompts": prompts[s:e], "completions": completions[s:e], **{k: v[s:e] for k, v in columns.items()}})
+            Call(rf.call_path, {"prompts": prompts[s:e], "completions": completions[s:e], **{k: v[s:e] for k, v in columns.items()}})
             for rf in pooled
             for s, e in bounds
         ]
         results = self.pool.run(calls, self.timeout_s, deadline) if self.pool is not None else []
         out: dict[str, list[float]] = {}
         for i, rf in enumerate(pooled):
-            values: list[float] = []
-            failed, first_problem = 0, ""
-            for (s, e), result in zip(bounds, results[i * len(bounds) : (i + 1) * len(bounds)], strict=True):
-                chunk, kind, problem = checked_values(result, e - s, self.timeout_s)
-                if chunk is None:
-                    chunk = [float(self.cfg.on_failure)] * (e - s)
-                    failed += e - s
-                    first_problem = first_problem or problem
-                    if kind == "timeout":
-                        failures.timeouts += e - s
-                    else:
-                        failures.errors += e - s
-                values += chunk
-            if failed > self.cfg.max_failure_frac * len(completions):
-                raise UserError(
-                    f"reward function {rf.path!r} {first_problem} (on {failed} of the {len(completions)} samples this "
-                    f"rank scored, more than reward.max_failure_frac={self.cfg.max_failure_frac:g}). Fix the function, "
-                    "or raise reward.timeout_s or reward.max_failure_frac."
-                )
-            out[rf.name] = values
+            self._collect(rf, bounds, results[i * len(bounds) : (i + 1) * len(bounds)], len(completions), failures, out)
         for rf in self.fns:
             if rf.device_model is not None:
                 out[rf.name] = in_process(rf, prompts, completions, columns)
-        return {rf.name: out[rf.name] for rf in self.fns}, failures
+        return {name: out[name] for name in self.series_names()}, failures
+
+    def _collect(
+        self, rf: RewardFn, bounds: list[tuple[int, int]], results: list[CallResult], n: int, failures: Failures,
+        out: dict[str, list[float]],
+    ) -> None:
+        """`rf`'s chunks into `out` (its rewards and metrics); a failed chunk scores
+        `reward.on_failure` (metrics 0) and is counted; too many failures stop the rank."""
+        values: list[float] = []
+        metrics: dict[str, list[float]] = {m: [] for m in rf.metrics}
+        failed, first_problem = 0, ""
+        for (s, e), raw in zip(bounds, results, strict=True):
+            result, reported = split_report(raw, bool(rf.metrics))
+            chunk, kind, problem = checked_values(result, e - s, self.timeout_s)
+            if chunk is None:
+                chunk = [float(self.cfg.on_failure)] * (e - s)
+                failed += e - s
+                first_problem = first_problem or problem
+                if kind == "timeout":
+                    failures.timeouts += e - s
+                else:
+                    failures.errors += e - s
+            values += chunk
+            for m in rf.metrics:
+                got = reported.get(m) if not kind else None
+                metrics[m] += [float(v) for v in got] if isinstance(got, list) and len(got) == e - s else [0.0] * (e - s)
+        if failed > self.cfg.max_failure_frac * n:
+            raise UserError(
+                f"reward function {rf.path!r} {first_problem} (on {failed} of the {n} samples this "
+                f"rank scored, more than reward.max_failure_frac={self.cfg.max_failure_frac:g}). Fix the function, "
+                "or raise reward.timeout_s or reward.max_failure_frac."
+            )
+        out[rf.name] = values
+        out.update(metrics)
 
     def close(self) -> None:
         if self.pool is not None:

@@ -1,8 +1,8 @@
-"""Rollout engines behind one protocol (`base.RolloutEngine`): vLLM in the trainer's process (`vllm`)
-or in a child process (`separate`, `separate_child`; step by step, weights in flight: `inflight_*`),
-vLLM's API servers over HTTP (`server`, `server_*`), and transformers' generate (`hf`). The registry
-below is lazy, so `rollout=hf` never imports vLLM; `share` hands a model-parallel replica's
-completions to its peers. docs/internals/rollout.md.
+"""Rollout engines behind one protocol (`base.RolloutEngine`): vLLM in the trainer's process
+(`vllm`) or in a child process (`separate`, `separate_child`; step by step, weights in flight: `inflight_*`),
+vLLM's API servers over HTTP (the `server` subpackage), and transformers' generate (`hf`); prompts with
+images in `images` (and `hf_images`). The registry below is lazy, so `rollout=hf` never imports vLLM;
+`share` hands a model-parallel replica's completions to its peers. docs/internals/rollout.md.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ ROLLOUTS = {
     "vllm": "rltrain.rollout.vllm:build_engine",
     "vllm/separate": "rltrain.rollout.separate:build_engine",  # rollout.process=separate
     "hf": "rltrain.rollout.hf:build_engine",
-    "server": "rltrain.rollout.server:build_engine",  # vLLM API servers over HTTP (docs/rollout-servers.md)
+    "server": "rltrain.rollout.server.fleet:build_engine",  # vLLM API servers over HTTP (docs/rollout-servers.md)
 }
 PROCESSES: tuple[str, ...] = get_args(RolloutProcess)
 

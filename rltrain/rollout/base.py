@@ -9,6 +9,8 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from rltrain.rollout.images import PromptImages
+
 
 @dataclass
 class SamplingSettings:
@@ -30,7 +32,7 @@ class Completion:
     # environment's observations (their logprob is 0). None: every token was sampled.
     sampled: list[bool] | None = None
     # The prompt these tokens continue where it is not the row's (an agent's call rendered its own
-    # messages, rltrain/envs/agent.py). None: the row's prompt.
+    # messages, rltrain/envs/agent/runner.py). None: the row's prompt.
     prompt_ids: list[int] | None = None
     # The policy version that sampled it, as the server reported it (rollout=server); None for an
     # engine beside the trainer, whose weights are the ones the schedule delivered.
@@ -42,8 +44,11 @@ class RolloutEngine(Protocol):
     # sharing then sends them again after every wake.
     weights_survive_sleep: bool
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
-        """`sampling.n` completions per prompt, prompt-major order."""
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingSettings, images: list[PromptImages] | None = None
+    ) -> list[Completion]:
+        """`sampling.n` completions per prompt, prompt-major order. `images`: each prompt's images
+        in placeholder order (rollout/images.py has the prompt forms an engine accepts)."""
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full tensors under Hugging Face names; resets any prefix cache."""

@@ -15,7 +15,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from rltrain.config.group_options import HFRolloutConfig
+from rltrain.config.run_context import RunContext
 from rltrain.rollout.base import Completion, SamplingSettings, exclusive
+from rltrain.rollout.hf_images import ImageInputs
+from rltrain.rollout.images import PromptImages, image_token_id
 from rltrain.runtime.precision import resolve_precision
 
 if TYPE_CHECKING:
@@ -34,20 +37,25 @@ class HFRolloutEngine:
         dtype: str = "float32",
         device: str | torch.device = "cpu",
     ) -> None:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         self._gate = threading.RLock()  # ping() vs the training loop (rollout.base.exclusive)
         self.weights_survive_sleep = True  # sleep() moves the model to host memory and back
         self.cfg = cfg
         self.seed = seed
         self.device = torch.device(device)
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+        token_id = image_token_id(AutoConfig.from_pretrained(str(model_dir)))
+        # A vision-language model generates with its images (rollout/hf_images.py).
+        self.images = ImageInputs(model_dir, token_id) if token_id is not None else None
+        auto = AutoModelForCausalLM if self.images is None else AutoModelForImageTextToText
+        model = auto.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
         model.to(self.device).eval()
         model.requires_grad_(False)
         gen_cfg = model.generation_config
-        eos = gen_cfg.eos_token_id if gen_cfg.eos_token_id is not None else model.config.eos_token_id
+        text_config = model.config.get_text_config()  # a vision-language config keeps them on its text part
+        eos = gen_cfg.eos_token_id if gen_cfg.eos_token_id is not None else text_config.eos_token_id
         self.eos_ids: list[int] = [eos] if isinstance(eos, int) else list(eos or [])
-        pad = model.config.pad_token_id
+        pad = text_config.pad_token_id
         self.pad_id = int(pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0))
         # generate() fills every unset field from the model's generation_config (a checkpoint may
         # ship top_k, repetition_penalty, suppress_tokens, ...): give this private copy a blank one.
@@ -63,7 +71,9 @@ class HFRolloutEngine:
         return self.model
 
     @exclusive
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingSettings, images: list[PromptImages] | None = None
+    ) -> list[Completion]:
         if self.model is None:
             raise RuntimeError("HFRolloutEngine.generate called after close()")
         if self.asleep:
@@ -71,14 +81,22 @@ class HFRolloutEngine:
         if not prompts:
             return []
         stop_ids = sorted(set(self.eos_ids) | set(sampling.stop_token_ids))
+        expanded: list[list[int] | None] = [None] * len(prompts)
+        if images is not None and any(images):
+            if self.images is None:
+                raise ValueError("generate got images but the rollout model is text-only: use a vision-language model")
+            prompts, expanded = self.images.expand(prompts, images)
         rows = [list(p) for p in prompts for _ in range(sampling.n)]  # prompt-major
         input_ids_BT, mask_BT = self._left_pad(rows)
+        row_images = [images[i] if images else [] for i in range(len(prompts)) for _ in range(sampling.n)]
+        image_kwargs = self.images.tensors(row_images, input_ids_BT, mask_BT) if self.images is not None else {}
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(self.seed * 1_000_003 + sampling.seed)
             out = self.model.generate(
                 input_ids=input_ids_BT,
                 attention_mask=mask_BT,
                 generation_config=self._generation_config(sampling, stop_ids),
+                **{k: v.to(self.device) for k, v in image_kwargs.items()},
             )
         assert not isinstance(out, torch.Tensor) and out.logits is not None  # return_dict_in_generate, output_logits
         new_tokens_BN = out.sequences[:, input_ids_BT.shape[1] :].cpu()
@@ -97,6 +115,7 @@ class HFRolloutEngine:
                     token_ids=tokens_N[:length].tolist(),
                     logprobs=logps_BN[row, :length].tolist(),
                     finished=finished,
+                    prompt_ids=expanded[row // sampling.n],
                 )
             )
         return completions
@@ -194,7 +213,7 @@ class HFRolloutEngine:
         self.model = None
 
 
-def build_engine(ctx) -> HFRolloutEngine:
+def build_engine(ctx: RunContext) -> HFRolloutEngine:
     """The run's transformers engine (for a lazy registry `"hf": "rltrain.rollout.hf:build_engine"`)."""
     return HFRolloutEngine(
         ctx.model_dir,

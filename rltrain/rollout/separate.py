@@ -27,6 +27,7 @@ import torch
 from rltrain.config.group_options import VLLMRolloutConfig
 from rltrain.config.run_context import RunContext
 from rltrain.rollout.base import Completion, SamplingSettings
+from rltrain.rollout.images import PromptImages, images_to_json
 from rltrain.runtime.precision import resolve_precision
 from rltrain.runtime.threads import thread_split
 from rltrain.transport.sender import TransportError, WeightSender
@@ -269,8 +270,13 @@ class SeparateVLLMEngine:
 
     # --- RolloutEngine --------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
-        rows = self._call("generate", prompts=[list(map(int, p)) for p in prompts], sampling=asdict(sampling))
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingSettings, images: list[PromptImages] | None = None
+    ) -> list[Completion]:
+        """Images cross the JSON control channel as PNG data URLs (rollout/images.py), never pickled."""
+        rows = self._call(
+            "generate", prompts=[list(map(int, p)) for p in prompts], sampling=asdict(sampling), images=images_to_json(images)
+        )
         return completions_from_json(rows)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

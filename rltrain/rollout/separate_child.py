@@ -26,6 +26,7 @@ IDLE_POLL_S = 1.0  # how often an idle child re-checks that its parent is alive
 
 def _serve(channel: ControlChannel, engine: Any, receiver: Any) -> None:
     from rltrain.rollout.base import SamplingSettings
+    from rltrain.rollout.images import images_from_json
     from rltrain.rollout.separate import completions_to_json
     from rltrain.transport.wire import PeerClosed
 
@@ -44,7 +45,8 @@ def _serve(channel: ControlChannel, engine: Any, receiver: Any) -> None:
         reply: dict[str, Any] = {"op": "reply", "id": request_id, "ok": True}
         try:
             if op == "generate":
-                completions = engine.generate(request["prompts"], SamplingSettings(**request["sampling"]))
+                images = images_from_json(request.get("images"))
+                completions = engine.generate(request["prompts"], SamplingSettings(**request["sampling"]), images=images)
                 reply["result"] = completions_to_json(completions)
             elif op == "update":
                 engine.update_weights(receiver.receive(copy=True))

@@ -39,8 +39,9 @@ def raise_leader_error(message: str | None, group: Any) -> None:
 
 def share_completions(completions: list[Completion] | None, group: Any) -> list[Completion]:
     """The leader's `completions`, on every rank of `group` (collective over it). Non-leaders pass
-    None; the leader passes its list (possibly empty). Multi-turn `sampled` masks and the servers'
-    policy versions (rollout=server) travel too."""
+    None; the leader passes its list (possibly empty). Multi-turn `sampled` masks, the prompts a
+    completion continues where they are not the row's (an agent's, an image row vLLM expanded) and
+    the servers' policy versions (rollout=server) travel too."""
     leader = replica_leader(group)
     ints: list[int] | None = None
     floats: list[float] | None = None
@@ -53,24 +54,30 @@ def share_completions(completions: list[Completion] | None, group: Any) -> list[
         ints = [len(completions)]
         for c in completions:
             ints += [c.prompt_index, len(c.token_ids), int(c.finished), int(c.sampled is not None), -1 if c.version is None else c.version]
+            ints.append(-1 if c.prompt_ids is None else len(c.prompt_ids))
         for c in completions:
-            ints += c.token_ids + [int(f) for f in (c.sampled or [])]
+            ints += c.token_ids + [int(f) for f in (c.sampled or [])] + list(c.prompt_ids or [])
         floats = [lp for c in completions for lp in c.logprobs]
     got_ints, got_floats = share_lists(ints, floats, leader, group)
     if completions is not None:
         return completions
     n = got_ints[0]
-    meta = [got_ints[1 + 5 * i : 6 + 5 * i] for i in range(n)]
-    out, pos, lp_pos = [], 1 + 5 * n, 0
-    for prompt_index, length, finished, has_sampled, version in meta:
+    meta = [got_ints[1 + 6 * i : 7 + 6 * i] for i in range(n)]
+    out, pos, lp_pos = [], 1 + 6 * n, 0
+    for prompt_index, length, finished, has_sampled, version, prompt_len in meta:
         token_ids = got_ints[pos : pos + length]
         pos += length
         sampled = None
         if has_sampled:
             sampled = [bool(f) for f in got_ints[pos : pos + length]]
             pos += length
+        prompt_ids = None
+        if prompt_len >= 0:
+            prompt_ids = got_ints[pos : pos + prompt_len]
+            pos += prompt_len
         out.append(Completion(
-            prompt_index, token_ids, got_floats[lp_pos : lp_pos + length], bool(finished), sampled, version=None if version < 0 else version
+            prompt_index, token_ids, got_floats[lp_pos : lp_pos + length], bool(finished), sampled, prompt_ids,
+            version=None if version < 0 else version,
         ))
         lp_pos += length
     return out

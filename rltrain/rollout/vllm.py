@@ -15,12 +15,14 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from functools import cached_property, partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from rltrain.config.group_options import VLLMRolloutConfig
+from rltrain.config.run_context import RunContext
 from rltrain.rollout.base import Completion, SamplingSettings, exclusive
+from rltrain.rollout.images import PromptImages, check_batch, expanded_prompt, image_token_id, vllm_prompt
 from rltrain.rollout.vllm_args import engine_kwargs, set_vllm_env
 from rltrain.rollout.vllm_reload import SyncPlan, build_plan
 from rltrain.runtime.library_noise import quiet_vllm_import
@@ -129,14 +131,20 @@ class VLLMRolloutEngine:
             self.llm: LLM | None = LLM(**kwargs)
         hf_config = self._live().llm_engine.model_config.hf_config
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.image_token_id = image_token_id(hf_config)
         self.expected_names = _checkpoint_names(self.model_dir)
         if self.tied:
             self.expected_names.discard("lm_head.weight")
+        # How vLLM names a Hugging Face tensor: a vision-language checkpoint on disk and the trainer's
+        # model name the same tensor differently (`model.layers.0...` vs `model.language_model.layers.0...`).
+        self.prefix_renames: dict[str, str | None] = self._live().apply_model(_prefix_renames)[0]
 
     # --- generation -----------------------------------------------------------------------------
 
     @exclusive
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingSettings, images: list[PromptImages] | None = None
+    ) -> list[Completion]:
         if self.asleep:
             raise RuntimeError("VLLMRolloutEngine.generate called while asleep; call wake() first")
         if self.weights_discarded:
@@ -157,7 +165,11 @@ class VLLMRolloutEngine:
             )
             for i in range(len(prompts))
         ]
-        inputs: list[TokensPrompt] = [{"prompt_token_ids": list(p)} for p in prompts]
+        check_batch(prompts, images)
+        inputs = [
+            cast("TokensPrompt", vllm_prompt(i, p, images[i] if images else None, self.image_token_id))
+            for i, p in enumerate(prompts)
+        ]
         waves = [(0, len(prompts))]
         if self.device_type == "cpu":
             scheduler = self._live().llm_engine.vllm_config.scheduler_config
@@ -168,11 +180,17 @@ class VLLMRolloutEngine:
                 outputs += self._live().generate(inputs[lo:hi], params[lo:hi], use_tqdm=False)
         completions: list[Completion] = []
         for i, out in enumerate(outputs):
+            prompt_ids = None
+            if images and images[i]:
+                assert self.image_token_id is not None and out.prompt_token_ids is not None  # vllm_prompt checked
+                prompt_ids = expanded_prompt(i, prompts[i], out.prompt_token_ids, self.image_token_id)
             for c in sorted(out.outputs, key=lambda c: c.index):
                 token_ids = list(c.token_ids)
                 assert c.logprobs is not None  # requested: SamplingParams(logprobs=0)
                 logprobs = [float(c.logprobs[j][tok].logprob) for j, tok in enumerate(token_ids)]
-                completions.append(Completion(i, token_ids, logprobs, finished=c.finish_reason == "stop"))
+                completions.append(
+                    Completion(i, token_ids, logprobs, finished=c.finish_reason == "stop", prompt_ids=prompt_ids)
+                )
         return completions
 
     # --- weights --------------------------------------------------------------------------------
@@ -180,7 +198,8 @@ class VLLMRolloutEngine:
     @exclusive
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Reload every tensor in place (Hugging Face names, full tensors), refresh a tied output
-        head, reset the prefix cache. The iterable must hold the whole checkpoint.
+        head (a vision tower's tensors too), reset the prefix and encoder caches. The iterable must hold the
+        whole checkpoint.
 
         Where the engine's `SyncPlan` applies (vllm_reload.py) it loads the update; an update it
         does not fit, or a model it does not support, goes through vLLM's layerwise reload."""
@@ -201,8 +220,8 @@ class VLLMRolloutEngine:
         self.updated = True
         self.weights_discarded = False
         self._wake_kv_cache()
-        self._live().reset_prefix_cache()
-        missing = self.expected_names - seen
+        self._reset_weight_caches()
+        missing = self._missing_names(seen)
         if missing:
             raise ValueError(
                 f"update_weights received {len(seen)} tensors but not {sorted(missing)[:8]} "
@@ -210,6 +229,20 @@ class VLLMRolloutEngine:
                 "memory, so this engine's weights are now undefined: send the complete set of weights "
                 "in one update_weights call."
             )
+
+    def _missing_names(self, seen: set[str]) -> set[str]:
+        """The checkpoint's tensors no name in `seen` stands for, compared after vLLM's renaming of
+        prefixes (its fusing of q/k/v names is left out: each part must come)."""
+        renamed = {self._renamed(name) for name in seen}
+        return {name for name in self.expected_names - seen if self._renamed(name) not in renamed}
+
+    def _renamed(self, name: str) -> str | None:
+        for prefix, new in self.prefix_renames.items():
+            if name.startswith(prefix):
+                if new is None:
+                    return None
+                name = new + name[len(prefix) :]
+        return name
 
     def _reload_in_place(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """vLLM's own in-place reload, nothing more (the tied head stays stale on CPU)."""
@@ -242,7 +275,14 @@ class VLLMRolloutEngine:
         self._reload_supported(None)
         self.weights_discarded = False
         self._wake_kv_cache()
+        self._reset_weight_caches()
+
+    def _reset_weight_caches(self) -> None:
+        """Drop everything vLLM computed with the old weights: the prefix cache's KV blocks and the
+        encoder cache's image embeddings (the reload empties the worker's encoder cache but not the
+        scheduler's record of it, so the next image it thinks cached fails with "Encoder cache miss")."""
         self._live().reset_prefix_cache()
+        self._live().llm_engine.reset_encoder_cache()
 
     def _wake_kv_cache(self) -> None:
         if self.kv_cache_asleep:
@@ -259,8 +299,11 @@ class VLLMRolloutEngine:
         """Repack the output head from the (already reloaded) shared embedding parameter."""
 
         def refresh(model: torch.nn.Module) -> None:
-            head: Any = model.lm_head  # vLLM's ParallelLMHead (torch types submodules as `Tensor | Module`)
-            head.quant_method.process_weights_after_loading(head)
+            # vLLM's ParallelLMHead: `lm_head` of a causal LM, `language_model.lm_head` of a
+            # vision-language model (torch types submodules as `Tensor | Module`).
+            heads: list[Any] = [m for name, m in model.named_modules() if name.rpartition(".")[2] == "lm_head"]
+            for head in heads:
+                head.quant_method.process_weights_after_loading(head)
 
         self._live().apply_model(refresh)
 
@@ -372,6 +415,13 @@ def _destroy_vllm_world_only() -> None:
     parallel_state._NODE_COUNT = None
 
 
+def _prefix_renames(model: torch.nn.Module) -> dict[str, str | None]:
+    """The prefixes the model class's Hugging Face to vLLM name mapping (vLLM's `WeightsMapper`,
+    where it has one) renames, in its order."""
+    mapper = getattr(type(model), "hf_to_vllm_mapper", None)
+    return dict(mapper.orig_to_new_prefix) if mapper is not None else {}
+
+
 def _pong(worker) -> bool:
     return True
 
@@ -384,7 +434,7 @@ def _record_names(
         yield name, tensor
 
 
-def build_engine(ctx) -> VLLMRolloutEngine:
+def build_engine(ctx: RunContext) -> VLLMRolloutEngine:
     """The run's vLLM engine (for a lazy registry `"vllm": "rltrain.rollout.vllm:build_engine"`).
     Every rank builds one at the same time (vLLM calls `new_group` on the trainer's group)."""
     return VLLMRolloutEngine(

@@ -68,21 +68,7 @@ class SyncPlan:
         if type(model) not in _supported_models():
             raise UnsupportedModel(f"model class {type(model).__name__}")
 
-        fused_as = {
-            part: (fused, index)
-            for fused, parts in model.packed_modules_mapping.items()
-            for index, part in enumerate(parts)
-        }
-        by_module: dict[str, dict[str, list[tuple[int | None, str]]]] = {}
-        for name in sorted(names):
-            path, _, param = name.rpartition(".")
-            parent, _, leaf = path.rpartition(".")
-            index = None
-            if leaf in fused_as:
-                fused, index = fused_as[leaf]
-                path = f"{parent}.{fused}" if parent else fused
-            by_module.setdefault(path, {}).setdefault(param, []).append((index, name))
-
+        by_module = _by_module(model, names)
         shapes: dict[str, torch.Size] = {}
         copies: list[_Copy] = []
         rebuilds: list[_Rebuild] = []
@@ -110,18 +96,7 @@ class SyncPlan:
             if target.shape != shapes[copy.name]:
                 raise UnsupportedModel(f"{copy.name} is {tuple(shapes[copy.name])}, its target {tuple(target.shape)}")
 
-        # Every embedding-method module whose weight is one we copy into repacks it afterwards: the
-        # embedding itself, an untied head, and a tied head (no tensor of its own, a shared weight).
-        copied = {id(getattr(_submodule(model, c.module), c.param)) for c in copies}
-        repacks: list[str] = []
-        for path, module in model.named_modules():
-            if not any(id(p) in copied for p in module.parameters(recurse=False)):
-                continue
-            if _is_embedding(module):
-                repacks.append(path)
-            elif path not in by_module:
-                raise UnsupportedModel(f"{path} ({type(module).__name__}) shares a parameter we update")
-        return cls(shapes, tuple(copies), tuple(rebuilds), tuple(repacks))
+        return cls(shapes, tuple(copies), tuple(rebuilds), tuple(_repacks(model, copies, by_module)))
 
     def load(self, model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]]) -> bool:
         """Load a whole checkpoint into `model`. False, with nothing changed, when `weights` are not
@@ -259,3 +234,38 @@ def _unfused(path: str, entries: list[tuple[int | None, str]]) -> str:
 
 def _length(rows: slice) -> int:
     return rows.stop - rows.start
+
+
+def _by_module(model: VLLMModule, names: Iterable[str]) -> dict[str, dict[str, list[tuple[int | None, str]]]]:
+    """Checkpoint names grouped by the vLLM module that holds them: module path -> parameter ->
+    [(index in a fused module, or None; checkpoint name)]."""
+    fused_as = {
+        part: (fused, index)
+        for fused, parts in model.packed_modules_mapping.items()
+        for index, part in enumerate(parts)
+    }
+    by_module: dict[str, dict[str, list[tuple[int | None, str]]]] = {}
+    for name in sorted(names):
+        path, _, param = name.rpartition(".")
+        parent, _, leaf = path.rpartition(".")
+        index = None
+        if leaf in fused_as:
+            fused, index = fused_as[leaf]
+            path = f"{parent}.{fused}" if parent else fused
+        by_module.setdefault(path, {}).setdefault(param, []).append((index, name))
+    return by_module
+
+
+def _repacks(model: VLLMModule, copies: list[_Copy], by_module: dict[str, Any]) -> list[str]:
+    """Every embedding-method module whose weight is one we copy into repacks it afterwards: the
+    embedding itself, an untied head, and a tied head (no tensor of its own, a shared weight)."""
+    copied = {id(getattr(_submodule(model, c.module), c.param)) for c in copies}
+    repacks: list[str] = []
+    for path, module in model.named_modules():
+        if not any(id(p) in copied for p in module.parameters(recurse=False)):
+            continue
+        if _is_embedding(module):
+            repacks.append(path)
+        elif path not in by_module:
+            raise UnsupportedModel(f"{path} ({type(module).__name__}) shares a parameter we update")
+    return repacks

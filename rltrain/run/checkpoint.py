@@ -146,7 +146,7 @@ def _role_path(cfg: Config, role: str) -> str | None:
 def fingerprint_mismatch(saved: dict[str, Any] | None, current: dict[str, Any], path: Path) -> str:
     """"" when the checkpoint may resume this run, else the error message naming each difference."""
     if not saved:
-        return ""  # written before fingerprints were recorded
+        return ""  # a checkpoint without a fingerprint: nothing to compare
     diffs = [
         f"{key}: checkpoint {saved.get(key)!r}, this run {current.get(key)!r}"
         for key in sorted(set(saved) | set(current))

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from rltrain.data.sharding import rank_slice
+from rltrain.data.vision_inputs import VisionInputs, vision_call_inputs
+from rltrain.models.vision import image_token_id, is_vision_config, vision_auto_class
 from rltrain.run.samples import MAX_SAMPLES, Sample, first_samples
 from rltrain.runtime.distributed import all_reduce_sum
 
@@ -49,8 +51,9 @@ class GreedyEvaluator:
         from transformers import AutoModelForCausalLM
 
         weights = dict(engine.export_weights())  # collective: every rank takes part
+        auto = vision_auto_class() if is_vision_config(self.config) else AutoModelForCausalLM
         with torch.device(self.device):
-            model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype, attn_implementation="sdpa")
+            model = auto.from_config(self.config, dtype=self.dtype, attn_implementation="sdpa")
         model.eval().requires_grad_(False)
         missing, unexpected = model.load_state_dict(weights, strict=False)
         if unexpected or [m for m in missing if m != "lm_head.weight"]:
@@ -65,7 +68,10 @@ class GreedyEvaluator:
             torch.cuda.empty_cache()
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], batch_size: int = 64) -> list[str]:
+    def generate(
+        self, prompts: list[list[int]], batch_size: int = 64, images: list[VisionInputs | None] | None = None
+    ) -> list[str]:
+        """Greedy completions; `images`: each prompt's encoded images (a vision-language model)."""
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         texts: list[str] = []
         for start in range(0, len(prompts), batch_size):
@@ -74,9 +80,11 @@ class GreedyEvaluator:
             ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=self.device)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=self.device)
             assert self.model is not None, "GreedyEvaluator.generate before load"
+            seen = vision_call_inputs(image_token_id(self.config), ids, images[start : start + batch_size] if images else [])
             out = self.model.generate(
                 input_ids=ids,
                 attention_mask=mask,
+                **{k: v.to(self.device) for k, v in seen.items()},
                 max_new_tokens=self.max_new_tokens,
                 do_sample=False,
                 pad_token_id=pad,
@@ -88,14 +96,18 @@ class GreedyEvaluator:
                 texts.append(self.tokenizer.decode(row, skip_special_tokens=True))
         return texts
 
-    def accuracy(self, engine, prompts: list[list[int]], references: list[str]) -> GreedyResult:
-        """Exact-match accuracy over all ranks' slices, and samples of this rank's completions."""
+    def accuracy(
+        self, engine, prompts: list[list[int]], references: list[str], images: list[VisionInputs | None] | None = None
+    ) -> GreedyResult:
+        """Exact-match accuracy over all ranks' slices, and samples of this rank's completions;
+        `images`: each prompt's encoded images, for a vision-language model."""
         self.load(engine)
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         mine = rank_slice(list(range(len(prompts))), rank, world)
         try:
-            outputs = self.generate([prompts[i] for i in mine]) if mine else []
+            mine_images = [images[i] for i in mine] if images else None
+            outputs = self.generate([prompts[i] for i in mine], images=mine_images) if mine else []
         finally:
             self.release()
         hits = [float(out.strip() == references[i].strip()) for out, i in zip(outputs, mine)]

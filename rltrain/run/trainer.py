@@ -4,12 +4,11 @@ The loop is algorithm-agnostic: the algorithm turns `train_step(step)` into one 
 and returns metrics that are already identical on every rank; the loop adds timing, writes rows,
 runs evaluation every `trainer.eval_every` steps and at the end, saves atomic checkpoints every
 `trainer.save_every` steps and writes `final/` as a Hugging Face model directory; rank 0 then draws
-the run's curves into `plots.png` (rltrain.run.plot).
+the run's curves into `plots.png` (rltrain.run.curves).
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import random
 import shutil
@@ -27,22 +26,23 @@ from rltrain.config.run_context import RunContext
 from rltrain.config.schema import Config
 from rltrain.models.lora import MERGED_DIR
 from rltrain.models.model_dir import resolve_model_dir
+from rltrain.models.vision import copy_processor_files
 from rltrain.run.algorithm import Algorithm
 from rltrain.run.checkpoint import CheckpointManager, fingerprint, fsync_path
+from rltrain.run.curves import write_run_plot
 from rltrain.run.metrics_log import MetricsLogger
-from rltrain.run.plot import write_run_plot
+from rltrain.run.safety_services import SafetyServices
 from rltrain.runtime.distributed import DistInfo, barrier, init_distributed
 from rltrain.runtime.errors import UserError, report_user_error
 from rltrain.runtime.library_noise import quiet_transformers_checkpoint_bars
 from rltrain.runtime.process_state import reset_process_state
 from rltrain.runtime.threads import thread_split
-from rltrain.safety.runtime import SafetyRuntime
+from rltrain.safety.faults import FaultInjector, parse_faults
 
 
-def build_algorithm(ctx: RunContext):
-    """The algorithm its declaration names (rltrain.config.algorithms), imported only now."""
-    module_name, cls_name = spec_of(ctx.cfg.algo.name).impl.split(":")
-    return getattr(importlib.import_module(module_name), cls_name)(ctx)
+def build_algorithm(ctx: RunContext) -> Algorithm:
+    """The algorithm its declaration names (rltrain.config.algorithms)."""
+    return spec_of(ctx.cfg.algo.name).impl(ctx)
 
 
 def configure_threads(cfg: Config, dist_info: DistInfo) -> None:
@@ -74,7 +74,7 @@ def prepare_model_dir(cfg: Config, dist_info: DistInfo) -> Path:
 
 
 def run(cfg: Config, run_dir: Path) -> None:
-    from rltrain.models.tokenizer import load_tokenizer
+    from rltrain.models.tokenizer import load_tokenizer, with_chat_template_kwargs
 
     if os.environ.get("RANK", "0") != "0" or cfg.model.path is None:  # a user's model: rank 0 shows its load
         quiet_transformers_checkpoint_bars()
@@ -85,10 +85,11 @@ def run(cfg: Config, run_dir: Path) -> None:
             torch.use_deterministic_algorithms(True, warn_only=True)
         seed_everything(cfg.trainer.seed, dist_info.rank)
         model_dir = prepare_model_dir(cfg, dist_info)
-        tokenizer = load_tokenizer(model_dir)
+        tokenizer = with_chat_template_kwargs(load_tokenizer(model_dir), cfg.data.chat_template_kwargs)
         role_dirs = resolve_role_dirs(cfg, model_dir, tokenizer, dist_info.rank)
         ctx = RunContext(
-            cfg=cfg, run_dir=run_dir, dist=dist_info, model_dir=model_dir, tokenizer=tokenizer, role_dirs=role_dirs
+            cfg=cfg, run_dir=run_dir, dist=dist_info, model_dir=model_dir, tokenizer=tokenizer, role_dirs=role_dirs,
+            faults=FaultInjector(parse_faults(cfg.debug.fault), dist_info.rank),
         )
         algo = build_algorithm(ctx)
         try:
@@ -122,7 +123,7 @@ def train_loop(ctx: RunContext, algo: Algorithm) -> None:
             print(f"rltrain: resumed from {latest} (step {start_step})", flush=True)
     logger = MetricsLogger(cfg, run_dir, dist_info.is_main, start_step)
     # heartbeat, hang watchdog, health server, fault injection (docs/failure-behaviour.md)
-    safety = SafetyRuntime(cfg, run_dir, dist_info.rank, dist_info.world_size, ping=algo.health_ping())
+    safety = SafetyServices(ctx, ping=algo.health_ping())
     safety.start()
     try:
         max_steps = cfg.trainer.max_steps
@@ -179,6 +180,7 @@ def export_final(ctx: RunContext, algo: Algorithm) -> None:
             if not directory.is_dir():
                 continue
             ctx.tokenizer.save_pretrained(str(directory))
+            copy_processor_files(ctx.model_dir, directory)  # a vision-language model's processor
             for path in directory.iterdir():
                 if path.is_file():
                     fsync_path(path)

@@ -3,11 +3,11 @@
 User code may hang, run for minutes or crash the interpreter, and a thread cannot be killed: past
 its deadline a call's worker is SIGKILLed with its process group and replaced, and the call fails.
 Up to `concurrency` calls run at once: one per worker in its main thread (reward functions), or
-several in threads (environment calls). Hung calls that started together die together (N cost one
-timeout); the other calls in flight on a killed worker run again, once, each alone on a worker.
-Workers are `python -m rltrain.runtime.call_worker` processes that import the functions before they
-report ready and die with the trainer; calls and results cross as JSON. docs/environments.md
-("Concurrency") and docs/rewards-and-roles.md tell the story."""
+several in threads (environment calls). Hung calls that started together die together, as does a
+call that blocks its worker's event loop (rltrain/runtime/watched_loop.py); the others on that
+worker run again, uncounted. Calls on a worker that died under them (which one caused it unknown)
+run again once, each alone. Workers are `python -m rltrain.runtime.call_worker` processes; calls
+and results cross as JSON. docs/environments.md ("Concurrency") and docs/agents.md ("Isolation")."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from rltrain.runtime.errors import UserError
+from rltrain.runtime.watched_loop import BLOCKED_S
 
 STARTUP_S = 120.0  # a worker's interpreter start and imports (a loaded machine is slow)
 STOP_S = 5.0
@@ -63,7 +64,7 @@ class Worker:
     """One worker process and the pipes to it (the parent's ends); `tasks` maps the index of each
     call it runs to when it was sent."""
 
-    def __init__(self, paths: list[str], slots: int) -> None:
+    def __init__(self, paths: list[str], slots: int, env: dict[str, str] | None = None) -> None:
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
         self.proc = subprocess.Popen(
@@ -71,6 +72,7 @@ class Worker:
             pass_fds=(to_child_r, from_child_w),
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own process group: a kill reaches what the function started
+            env={**os.environ, **env} if env else None,
         )
         os.close(to_child_r)
         os.close(from_child_w)
@@ -113,16 +115,19 @@ class CallPool:
     """`size` workers that have imported `paths`; `run` spreads calls over them, up to
     `concurrency` at once (default: one per worker), each bounded."""
 
-    def __init__(self, size: int, paths: list[str], label: str, concurrency: int | None = None) -> None:
-        self.size, self.paths, self.label = size, paths, label
+    def __init__(
+        self, size: int, paths: list[str], label: str, concurrency: int | None = None, env: dict[str, str] | None = None
+    ) -> None:
+        self.size, self.paths, self.label, self.env = size, paths, label, env  # env: added to the workers' environment
         self.concurrency = max(1, concurrency if concurrency is not None else size)
         self.slots = -(-self.concurrency // size)  # calls one worker runs at once
         self.workers: list[Worker] = []
+        self.spare: list[Worker] = []  # one ready replacement once a worker was replaced
 
     def start(self) -> None:
         """Start the missing workers (they import while the caller does other work)."""
         while len(self.workers) < self.size:
-            self.workers.append(Worker(self.paths, self.slots))
+            self.workers.append(Worker(self.paths, self.slots, self.env))
 
     def run(self, calls: list[Call], timeout_s: float | None, deadline: float | None = None) -> list[CallResult]:
         """Every call's result, in order. A call past `timeout_s` (None: no limit) costs its worker;
@@ -146,16 +151,16 @@ class CallPool:
                     for i, started in w.tasks.items():
                         if now - started >= timeout_s:
                             results[i] = CallResult(failure="timeout", message=f"no result within {timeout_s:g} s")
-                    self._lose(w, results, pending, reruns, "its worker was killed for another call that ran out of time")
+                    self._lose(w, results, pending, reruns)
                 elif not w.ready and now - w.started > STARTUP_S:
                     self._replace(w)
                     raise UserError(f"a {self.label} worker did not start within {STARTUP_S:g} s (importing {self.paths}).")
         return [r if r is not None else CallResult(failure="timeout", message="not run") for r in results]
 
     def close(self) -> None:
-        for w in self.workers:
+        for w in [*self.workers, *self.spare]:
             w.kill()
-        self.workers = []
+        self.workers, self.spare = [], []
 
     def _dispatch(self, calls: list[Call], pending: deque, reruns: list[int]) -> None:
         """Hand waiting calls to workers with a free slot, up to `concurrency` in flight. A call that
@@ -196,7 +201,7 @@ class CallPool:
             if len(w.tasks) == 1:  # the call that ended it
                 results[next(iter(w.tasks))] = CallResult(failure="died", message=died)
                 self._replace(w)
-            elif w.tasks:  # which of them ended it is unknown: each runs again, once
+            elif w.tasks:  # which of them ended it is unknown: each runs again, once, alone
                 self._lose(w, results, pending, reruns, f"a worker running it with others {died}")
             elif w.ready:  # it died idle (killed from outside, or between a call and the next)
                 self._replace(w)
@@ -209,19 +214,30 @@ class CallPool:
         elif kind == "load_error":
             self._replace(w)
             raise UserError(payload)
+        elif kind == "blocked":  # it stalls every call of the worker's event loop: it is the hung one
+            if index in w.tasks and results[index] is None:
+                results[index] = CallResult(
+                    failure="timeout", message=f"it blocked its worker's event loop for more than {BLOCKED_S:g} s (a "
+                    "synchronous call inside an async def: await it, or run it with asyncio.to_thread)",
+                )
+                self._lose(w, results, pending, reruns)
         elif index in w.tasks:
             results[index] = CallResult(value=payload) if kind == "ok" else CallResult(failure="error", message=payload)
             del w.tasks[index]
             w.alone = False
 
-    def _lose(self, w: Worker, results: list[CallResult | None], pending: deque, reruns: list[int], why: str) -> None:
-        """Kill `w`; its calls without a result run again on a fresh worker (first in line), or fail
-        as "died" once they have used their reruns."""
+    def _lose(self, w: Worker, results: list[CallResult | None], pending: deque, reruns: list[int], why: str | None = None) -> None:
+        """Kill `w`; its calls without a result run again on a fresh worker (first in line). With
+        `why` (the worker died under them, which one caused it unknown) each runs again alone, and
+        fails as "died" once it has used its reruns; without it (killed for a call that failed) the
+        others lost nothing of their own: they run again as any call, uncounted."""
         again = []
         for i in w.tasks:
             if results[i] is not None:
                 continue
-            if reruns[i] < RERUNS:
+            if why is None:
+                again.append(i)
+            elif reruns[i] < RERUNS:
                 reruns[i] += 1
                 again.append(i)
             else:
@@ -230,8 +246,12 @@ class CallPool:
         self._replace(w)
 
     def _replace(self, w: Worker) -> None:
+        """Kill `w`; a spare worker, started at the first replacement and kept ready since (a pool
+        that lost one worker tends to lose more: a hung or loop-blocking function), takes its place."""
         w.kill()
-        self.workers[self.workers.index(w)] = Worker(self.paths, self.slots)
+        fresh = self.spare.pop() if self.spare else Worker(self.paths, self.slots, self.env)
+        self.workers[self.workers.index(w)] = fresh
+        self.spare.append(Worker(self.paths, self.slots, self.env))
 
     def _expire_all(self, results: list[CallResult | None], pending: deque, why: str) -> None:
         for w in list(self.workers):

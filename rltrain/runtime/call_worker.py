@@ -3,12 +3,15 @@
 Reads [sys.path, paths, threaded] first and imports those functions, reports ready, then answers
 calls [index, path, kwargs] with [kind, index, payload]: ["ok", i, value] or ["error", i, "Type:
 message"] (JSON messages). Unthreaded, it runs one call at a time in its main thread; threaded, each
-call in a thread of its own, as many at once as the pool sends (it counts the slots). It never
-decides about time: the pool kills it when a call runs too long.
+call in a thread of its own, as many at once as the pool sends (it counts the slots). A function
+that returns an awaitable has it awaited on the worker's one event loop
+(rltrain/runtime/watched_loop.py), which reports a call that blocks the loop as ["blocked", i,
+null]. It never decides about time: the pool kills it when a call runs too long.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 from multiprocessing.connection import Connection
@@ -19,6 +22,7 @@ def serve(inbox: Connection, outbox: Connection) -> None:
     from rltrain.runtime.call_pool import receive, send
     from rltrain.runtime.errors import UserError
     from rltrain.runtime.user_code import load_callable
+    from rltrain.runtime.watched_loop import CALL_INDEX, WatchedLoop
 
     parent_path, paths, threaded = receive(inbox)
     # The trainer's import path in its own order: an entry it appended last (setuptools adds its
@@ -30,10 +34,24 @@ def serve(inbox: Connection, outbox: Connection) -> None:
         send(outbox, ["load_error", None, str(exc)])
         return
     lock = threading.Lock()  # one message at a time on the pipe
+    loops: list[WatchedLoop] = []  # made at the first awaitable
+    loop_lock = threading.Lock()
+
+    def blocked(index: int) -> None:
+        with lock:
+            send(outbox, ["blocked", index, None])
+
+    def awaited(value: Any) -> Any:
+        with loop_lock:
+            if not loops:
+                loops.append(WatchedLoop(blocked))
+        return loops[0].run(value)
 
     def answer(index: int, path: str, kwargs: dict[str, Any]) -> None:
+        CALL_INDEX.set(index)
         try:
-            message = ["ok", index, fns[path](**kwargs)]
+            value = fns[path](**kwargs)
+            message = ["ok", index, awaited(value) if inspect.isawaitable(value) else value]
         except Exception as exc:  # noqa: BLE001 - reported to the pool, which counts it
             message = ["error", index, f"{type(exc).__name__}: {exc}"]
         with lock:

@@ -43,7 +43,7 @@ class _CheckpointBarFilter:
 
 
 # datasets, reading a Hub dataset's prepared copy offline, says so at WARNING on every load; the
-# launcher's load (rltrain/config/validate.py) shows it once, each rank's reload need not.
+# launcher's load (rltrain/preflight/validate.py) shows it once, each rank's reload need not.
 DATASETS_OFFLINE_NOTES = ("Using the latest cached version of the dataset", "Found the latest cached dataset configuration")
 
 

@@ -1,8 +1,8 @@
 """Process-global state a run leaves behind, reset so the next in-process run starts clean.
 
 A Hydra multirun (`python -m rltrain -m ...`) runs its jobs one after the other in one process, so
-what one job sets in module globals (process groups, megatron-core's state, the fault injector,
-deterministic mode, environment variables) must not leak into the next. The list:
+what one job sets in module globals (process groups, megatron-core's state, deterministic mode,
+environment variables) must not leak into the next. The list:
 docs/internals/runtime.md.
 """
 
@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
 
 
 def reset_process_state() -> None:
     """Undo the module-global state of a finished run (idempotent; cheap when nothing was used)."""
     if "megatron.core.parallel_state" in sys.modules:
         _reset_megatron()
-    faults: Any = sys.modules.get("rltrain.safety.faults")  # reset only if loaded: not imported here
-    if faults is not None:
-        faults._active = faults.FaultInjector()
     import torch
 
     torch.use_deterministic_algorithms(False)
@@ -30,9 +26,6 @@ def _reset_megatron() -> None:
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()  # clears every group global; its gloo groups are destroyed if alive
-    groups: Any = sys.modules.get("rltrain.backends.megatron.groups")
-    if groups is not None:
-        groups._SHARED = None
     if torch.cuda.is_available():
         # The next run seeds megatron's model-parallel RNG states from its own trainer.seed.
         from megatron.core import tensor_parallel

@@ -1,7 +1,8 @@
 """Fault injection, a testing aid: `debug.fault=KIND:RANK:STEP`.
 
 Each safety behaviour of rltrain is proved by making the failure happen on purpose, on one rank,
-at one step, in a real run, and watching the others cope. The kinds and the STEP syntax:
+at one step, in a real run, and watching the others cope. A run holds its `FaultInjector` in its
+`RunContext` and hands it to the engines it builds. The kinds and the STEP syntax:
 docs/internals/safety.md; the fault suite: docs/failure-behaviour.md. Never set this in production.
 """
 
@@ -60,7 +61,8 @@ def parse_faults(spec: str | None) -> list[Fault]:
 
 @dataclass
 class FaultInjector:
-    """The faults meant for this rank, and the step the trainer is on."""
+    """The faults meant for this rank, and the step the trainer is on; with no faults (the default)
+    it injects nothing."""
 
     faults: list[Fault] = field(default_factory=list)
     rank: int = 0
@@ -140,17 +142,3 @@ class FaultInjector:
 
         return faulty_ping
 
-
-_active = FaultInjector()
-
-
-def install(spec: str | None, rank: int) -> FaultInjector:
-    """Make the faults of `spec` meant for `rank` the active ones (one run per process)."""
-    global _active
-    _active = FaultInjector(parse_faults(spec), rank)
-    return _active
-
-
-def active() -> FaultInjector:
-    """The process's injector; without `install` it holds no faults and injects nothing."""
-    return _active

@@ -1,6 +1,6 @@
 """The weight transport's constants and the stats of one sync, in one place: both ends of the
 transport (`sender.WeightSender`, `receiver.WeightReceiver`) and its layers (wire
-framing, bucket layout, shared memory) read them from here, so no module of the transport imports
+framing, buckets, shared memory) read them from here, so no module of the transport imports
 another to learn a number. docs/time-sharing-and-sync.md describes the protocol.
 """
 
@@ -29,7 +29,3 @@ class SyncStats:
     bytes: int
     buckets: int
     seconds: float
-
-    @property
-    def mb_per_s(self) -> float:
-        return self.bytes / 1e6 / max(self.seconds, 1e-9)

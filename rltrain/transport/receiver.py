@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rltrain.transport.layout import BucketUnpacker
+from rltrain.transport.buckets import BucketUnpacker
 from rltrain.transport.protocol import ALIGN_BYTES, NO_BUCKET, NO_SYNC, PROTOCOL_VERSION, SyncStats
 from rltrain.transport.shm import SharedSegment
 from rltrain.transport.wire import (
@@ -72,11 +72,7 @@ class WeightReceiver:
             offer, fds = self._request_offer()
             sync_id, bucket_bytes = offer["sync_id"], offer["bucket_bytes"]
             segments = self._map_segments(fds, bucket_bytes)
-            data = Channel(
-                connect_unix(offer["endpoint"], self._deadline(), "the sync endpoint", retry=False),
-                "sender",
-                self.timeout_s,
-            )
+            data = self._connect(offer["endpoint"])
             data.send({"type": "ready", "sync_id": sync_id, "bucket_id": NO_BUCKET})
             unpacker = BucketUnpacker(bucket_bytes)
             bucket_id = 0
@@ -85,10 +81,8 @@ class WeightReceiver:
                 self._check_in_step(message, sync_id, bucket_id)
                 if message["type"] == "end":
                     break
-                slot = message.get("slot")
-                if type(slot) is not int or not 0 <= slot < len(segments):
-                    raise ProtocolError(f"bucket {bucket_id} of sync {sync_id} names invalid slot {slot!r}")
-                completed = unpacker.unpack(message.get("entries"), segments[slot].bytes_u8, copy)
+                segment = self._segment_of(message, segments, sync_id, bucket_id)
+                completed = unpacker.unpack(message.get("entries"), segment.bytes_u8, copy)
                 if copy:
                     data.send({"type": "ack", "sync_id": sync_id, "bucket_id": bucket_id})
                 yield from completed
@@ -96,15 +90,7 @@ class WeightReceiver:
                 if not copy:
                     data.send({"type": "ack", "sync_id": sync_id, "bucket_id": bucket_id})
                 bucket_id += 1
-            unpacker.check_complete(sync_id)
-            if (
-                message.get("tensors") != unpacker.tensor_count
-                or message.get("bytes") != unpacker.total_bytes
-            ):
-                raise ProtocolError(
-                    f"sync {sync_id} ended with {unpacker.tensor_count} tensors / {unpacker.total_bytes} bytes "
-                    f"received, the sender sent {message.get('tensors')} / {message.get('bytes')}"
-                )
+            self._check_end(message, unpacker, sync_id)
             data.send({"type": "done", "sync_id": sync_id, "bucket_id": bucket_id})
             self.last_stats = SyncStats(
                 sync_id, unpacker.tensor_count, unpacker.total_bytes, bucket_id, time.perf_counter() - started
@@ -124,6 +110,28 @@ class WeightReceiver:
         finally:
             if data is not None:
                 data.close()
+
+    def _connect(self, endpoint: str) -> Channel:
+        """The sync's data connection to the sender's endpoint (named in its offer)."""
+        return Channel(connect_unix(endpoint, self._deadline(), "the sync endpoint", retry=False), "sender", self.timeout_s)
+
+    @staticmethod
+    def _segment_of(message: Message, segments: list[SharedSegment], sync_id: int, bucket_id: int) -> SharedSegment:
+        """The shared-memory segment a bucket message names by its slot."""
+        slot = message.get("slot")
+        if type(slot) is not int or not 0 <= slot < len(segments):
+            raise ProtocolError(f"bucket {bucket_id} of sync {sync_id} names invalid slot {slot!r}")
+        return segments[slot]
+
+    @staticmethod
+    def _check_end(message: Message, unpacker: BucketUnpacker, sync_id: int) -> None:
+        """The sync's end message agrees with what arrived: every tensor complete, counts equal."""
+        unpacker.check_complete(sync_id)
+        if message.get("tensors") != unpacker.tensor_count or message.get("bytes") != unpacker.total_bytes:
+            raise ProtocolError(
+                f"sync {sync_id} ended with {unpacker.tensor_count} tensors / {unpacker.total_bytes} bytes "
+                f"received, the sender sent {message.get('tensors')} / {message.get('bytes')}"
+            )
 
     def receive_into(self, on_tensor: Callable[[str, torch.Tensor], Any], copy: bool = True) -> SyncStats:
         """One sync, calling `on_tensor(name, tensor)` for each tensor; returns its stats."""

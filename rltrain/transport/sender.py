@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from rltrain.transport.layout import BucketPacker, PackedBucket
+from rltrain.transport.buckets import BucketPacker, PackedBucket
 from rltrain.transport.protocol import ALIGN_BYTES, NO_BUCKET, NO_SYNC, PROTOCOL_VERSION, SyncStats
 from rltrain.transport.shm import SharedMemoryFull, SharedSegment, shm_full_error
 from rltrain.transport.wire import (
@@ -185,13 +185,8 @@ class WeightSender:
             packer = BucketPacker([segment.bytes_u8 for segment in self._segments], self.bucket_bytes)
             bucket_count = self._stream_buckets(data, sync_id, packer.buckets(weights))
             bucket_id = bucket_count
-            end = {
-                "type": "end",
-                "sync_id": sync_id,
-                "bucket_id": bucket_count,
-                "tensors": packer.tensor_count,
-                "bytes": packer.total_bytes,
-            }
+            end = {"type": "end", "sync_id": sync_id, "bucket_id": bucket_count,
+                   "tensors": packer.tensor_count, "bytes": packer.total_bytes}
             self._exchange(data, end, reply="done", require_reply=True)
         except BaseException as exc:
             reason = f"{type(exc).__name__}: {exc}"
@@ -209,14 +204,8 @@ class WeightSender:
         stats = SyncStats(
             sync_id, packer.tensor_count, packer.total_bytes, bucket_count, time.perf_counter() - started
         )
-        log.debug(
-            "weight sync %d: %d tensors, %.1f MB, %d buckets, %.3fs",
-            sync_id,
-            stats.tensors,
-            stats.bytes / 1e6,
-            stats.buckets,
-            stats.seconds,
-        )
+        log.debug("weight sync %d: %d tensors, %.1f MB, %d buckets, %.3fs",
+                  sync_id, stats.tensors, stats.bytes / 1e6, stats.buckets, stats.seconds)
         return stats
 
     def _deadline(self) -> float:

@@ -5,7 +5,7 @@ validation (no model is built), a data fault while the data loads (before the en
 a data fault found after the trainer's and the rollout engines are up, whose shutdown must add nothing.
 Other classes have their own tests: a missing data file or column, an empty dataset and an
 overlong row (test_cli_data.py), a broken reward function (test_cli_grpo.py), megatron layouts
-(test_megatron_cli.py). Every enum-like key is checked in tests/unit/config/test_validate_choices.py.
+(test_megatron_cli.py). Every enum-like key is checked in tests/unit/preflight/test_validate_choices.py.
 """
 
 from __future__ import annotations

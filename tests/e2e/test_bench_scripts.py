@@ -127,10 +127,14 @@ def test_bench_gpu_prints_trl_beside_every_workload_when_trl_is_importable():
     assert "warning" not in proc.stdout, proc.stdout  # both sides counted the same tokens
 
 
-def test_bench_rewards_prints_the_direct_call_and_the_pool():
+def test_bench_rewards_prints_the_direct_call_the_pool_and_the_sandboxes():
     proc = python("scripts/bench_rewards.py", "--prompts", "2", "--group", "2", "--workers", "1", "--repeats", "1",
-                  timeout=120)
+                  "--executions", "4", "--sandbox-workers", "2", timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [line.rsplit(None, 1) for line in proc.stdout.splitlines()[2:]]
+    pool, sandboxes = proc.stdout.strip().split("\n\n")
+    rows = [line.rsplit(None, 1) for line in pool.splitlines()[2:]]
     assert [name for name, _ in rows] == ["direct call", "pool, 1 worker(s), a call per group"], proc.stdout
     assert all(float(ms) > 0 for _, ms in rows)
+    rates = [line.split() for line in sandboxes.splitlines()[2:]]
+    assert [(mode, workers) for mode, workers, _ in rates] == [("bwrap", "2"), ("rlimits", "2")], proc.stdout
+    assert all(float(rate) > 0 for _, _, rate in rates)  # every execution passed (the script exits 1 otherwise)

@@ -104,9 +104,13 @@ def test_the_endpoint_serves_from_vllm_in_process_or_in_its_own(template_file, t
         (["reward.fns=[rltrain.rewards.builtin:exact_match]"], "env=agent takes its rewards from what the agent returns"),
         (["env=python", "env.cls=higher_lower:HigherLower"], "env.agent is set but env=python does not use it"),
         (["env.chat_template=/no/such/template.jinja"], "env.chat_template='/no/such/template.jinja' is neither"),
+        (["env.agent=openai_agnt:run"], "env.agent 'openai_agnt:run' could not be loaded (ModuleNotFoundError"),
+        (["env.agent=json:dumps"], "env.agent 'json:dumps' must take two arguments, (client, row)"),
     ],
 )
 def test_what_env_agent_cannot_run_is_refused_by_name(tiny_cache, tmp_path, override, message):
+    """Refused in the launcher, before any rank, model or engine starts (a typo costs seconds)."""
     proc = rltrain(*AGENT_RUN, *override, run_dir=tmp_path / "run", check=False, timeout=200, env=EXAMPLES)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert message in proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

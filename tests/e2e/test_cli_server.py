@@ -8,9 +8,12 @@ from __future__ import annotations
 import math
 import os
 import re
+import socket
 
 import pytest
 from cli import QUICK, ROOT, SMALL_MODEL, python, rltrain, train_rows
+
+from rltrain.rollout.server.process import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("rollout_servers")]
 
@@ -83,11 +86,22 @@ def test_two_trainer_ranks_over_two_servers_one_step_ahead(rollout_servers, tmp_
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
-    [(["rollout=server", "placement.time_sharing=true"], "placement.time_sharing=false"), (["rollout=vllm"], "Add rollout=server")],
+    [(["placement.time_sharing=true"], "placement.time_sharing=false"), (["rollout=vllm"], "rollout=server is implied")],
 )
 def test_serve_refuses_what_the_run_would_refuse(overrides, message):
-    proc = python("-m", "rltrain.serve", "--port", "1", "algo=grpo", *QUICK, *overrides, timeout=120)
+    """rollout=server is implied: time sharing is refused as a rollout=server run refuses it."""
+    proc = python("-m", "rltrain.serve", "--port", str(free_port()), "algo=grpo", *QUICK, *overrides, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.startswith("rltrain: error: ") and "Traceback" not in proc.stderr
+
+
+def test_serve_refuses_a_port_something_listens_on_before_loading_anything():
+    with socket.socket() as holder:
+        holder.bind(("0.0.0.0", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        proc = python("-m", "rltrain.serve", "--port", str(port), "algo=grpo", *QUICK, timeout=120)
+    assert proc.returncode == 2 and f"port {port} on 0.0.0.0 is taken" in proc.stderr and "--port N" in proc.stderr, proc.stderr
     assert proc.stderr.startswith("rltrain: error: ") and "Traceback" not in proc.stderr
 
 
@@ -96,7 +110,7 @@ def test_serve_refuses_what_the_run_would_refuse(overrides, message):
     "overrides",
     [
         pytest.param(["algo=ppo", "backend=megatron"], id="ppo-megatron"),
-        pytest.param(["algo=grpo", "model.lora.rank=8", "env=python", "env.cls=rltrain.envs.retry:AdditionWithRetries",
+        pytest.param(["algo=grpo", "model.lora.rank=8", "env=python", "env.cls=rltrain.envs.addition_with_retries:AdditionWithRetries",
                       "env.max_turns=2"], id="grpo-lora-env"),
     ],
 )

@@ -1,5 +1,5 @@
 """`python -m rltrain --help` (and `-h`) prints rltrain's page and exits 0; Hydra's own flags stay
-Hydra's (`--hydra-help`). What the page holds: tests/unit/config/test_command_help.py."""
+Hydra's (`--hydra-help`). What the page holds: tests/unit/preflight/test_command_help.py."""
 
 from __future__ import annotations
 

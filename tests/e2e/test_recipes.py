@@ -40,12 +40,16 @@ STAND_IN_RUNS = {
     # The built-in task: a short SFT start of the small tiny model stands in for the recipe's.
     "dr_grpo": [*CPU, "trainer.max_steps=2", "algo.prompts_per_step=2", "algo.group_size=2", "data.num_eval=4",
                 "model.sft_steps=10", *SMALL_MODEL, "trainer.log_every=1"],
+    "gspo": [*CPU, "trainer.max_steps=2", "algo.prompts_per_step=2", "algo.group_size=2", "data.num_eval=4",
+             "model.sft_steps=10", *SMALL_MODEL, "trainer.log_every=1"],
     # The built-in tool task: a short SFT start of the small tiny model stands in for the recipe's.
     "grpo_calculator": [*CPU, "trainer.max_steps=2", "algo.prompts_per_step=2", "algo.group_size=2", "data.num_eval=4",
                         "model.sft_steps=10", *SMALL_MODEL, "trainer.log_every=1"],
     "agent_calculator": [*CPU, "trainer.max_steps=2", "algo.prompts_per_step=2", "algo.group_size=2", "data.num_eval=4",
                          "model.sft_steps=10", *SMALL_MODEL, "trainer.log_every=1"],
 }
+# Recipes named by the objective their algorithm runs (`+experiment=gspo` is algo=grpo with GSPO's loss).
+OBJECTIVE_OF = {"gspo": "grpo"}
 # Recipes of a first real run: a Hub model and a Hub dataset (the others run on the built-in tiny model and task).
 HUB_RECIPES = ["dpo_ultrafeedback", "grpo_gsm8k", "kto_unpaired", "simpo_ultrafeedback", "sft_chat"]
 
@@ -100,7 +104,8 @@ def test_every_recipe_composes_names_its_hardware_and_sources_and_is_documented(
             assert "/" in cfg.model.path and "/" in cfg.data.path  # Hub ids, not local paths
         else:
             assert cfg.model.path is None and cfg.data.path is None  # the built-in tiny model and task
-        assert cfg.algo.name in name.split("_") or cfg.env.name in name.split("_")  # named by its algorithm, or its env
+        named_by = {*name.split("_"), OBJECTIVE_OF.get(name)}
+        assert cfg.algo.name in named_by or cfg.env.name in named_by  # named by its algorithm (or objective), or its env
 
 
 @pytest.mark.parametrize("name", sorted(STAND_IN_RUNS))

@@ -72,7 +72,7 @@ def test_optuna_sweep_minimises_the_objective_and_survives_a_failed_trial(tiny_c
     assert (sweep / "1" / "plots.png").exists() and not (sweep / "0" / "plots.png").exists()
     out = tmp_path / "sweep.png"
     plot = subprocess.run(
-        [sys.executable, "-m", "rltrain.run.plot", str(sweep), "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "rltrain.plot", str(sweep), "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert plot.returncode == 0 and "2 runs" in plot.stdout, plot.stderr
     assert Image.open(out).size[0] > 1000

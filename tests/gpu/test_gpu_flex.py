@@ -1,7 +1,7 @@
 """Padding-free packing's CUDA branch, flex_attention, through the FSDP engine in `bf16-mixed`: on
 one rank (autocast over fp32 weights) and on two ranks sharing the GPU over gloo (sharded,
 `MixedPrecisionPolicy`), with and without compiled decoder layers. The model runs
-`rltrain_flex_attention` (rltrain.backends.fsdp.flex_autocast), whose every call gets query, key and
+`rltrain_flex_attention` (rltrain.backends.fsdp.micro_batches.flex_autocast), whose every call gets query, key and
 value in bf16; its log-probabilities and SFT losses equal the padded engine's (sdpa) to bf16
 round-off; training steps stay finite and move the weights. Marked `gpu`."""
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.gpu
 
 def _run(rank: int, world: int, model_dir, compile_layers: bool, device_type: str):
     """(attention dtypes seen, flex engine's results, padded engine's results) on this rank."""
-    from rltrain.backends.fsdp import flex_autocast
+    from rltrain.backends.fsdp.micro_batches import flex_autocast
 
     seen: list[tuple[str, ...]] = []
     real = flex_autocast.flex_attention_forward
@@ -45,7 +45,7 @@ def _run(rank: int, world: int, model_dir, compile_layers: bool, device_type: st
 def _train(rank: int, world: int, model_dir, device: torch.device, padding_free: bool, compile_layers: bool):
     import torch.distributed as dist
 
-    from rltrain.algos.losses import sft_loss
+    from rltrain.algos.sft import sft_loss
     from rltrain.backends.fsdp.engine import FSDPEngine
     from rltrain.config.group_options import FSDPBackendConfig
     from rltrain.config.schema import OptimConfig
@@ -68,7 +68,7 @@ def _train(rank: int, world: int, model_dir, device: torch.device, padding_free:
 
 @pytest.mark.parametrize("nproc, compile_layers", [(1, False), (2, False), (1, True)], ids=["1rank", "2ranks", "compiled"])
 def test_flex_attention_engine_on_cuda_equals_padded_in_bf16_mixed(tiny_cache, nproc, compile_layers):
-    from rltrain.backends.fsdp.flex_autocast import AUTOCAST_FLEX_ATTENTION
+    from rltrain.backends.fsdp.micro_batches.flex_autocast import AUTOCAST_FLEX_ATTENTION
 
     results = run_ranks(_run, cpu_suite._model_dir(), compile_layers, "cuda", nproc=nproc, timeout_s=600, pg_timeout_s=300)
     for seen, (attn, logps, metrics, moved), (p_attn, p_logps, p_metrics, _) in results:

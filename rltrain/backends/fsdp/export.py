@@ -17,18 +17,20 @@ import torch
 from rltrain.backends.fsdp.groups import full_parameter
 from rltrain.backends.sequence_classifier import CRITIC_NOT_EXPORTED, write_sequence_classifier
 from rltrain.models import lora
-from rltrain.safety import faults
 
 if TYPE_CHECKING:
     from peft import PeftModel
     from transformers import PreTrainedModel
 
 
-def hf_weights(lm: PreTrainedModel, adapters: PeftModel | None, tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_weights(
+    lm: PreTrainedModel, adapters: PeftModel | None, tied: bool, with_adapters: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Full tensors under Hugging Face names, a tied output head left out; with LoRA, the adapters
-    merged into the base (docs/lora.md, "Weight sync")."""
+    merged into the base (docs/lora.md, "Weight sync"). `with_adapters=False` leaves them out: the
+    `adapter_dropped` fault (rltrain.safety.faults)."""
     if adapters is not None:
-        weights = lora.merged_weights(lm, full_parameter, with_adapters=not faults.active().adapters_dropped())
+        weights = lora.merged_weights(lm, full_parameter, with_adapters=with_adapters)
     else:
         weights = ((name, full_parameter(tensor).detach()) for name, tensor in lm.state_dict().items())
     for name, tensor in weights:
@@ -45,6 +47,7 @@ def save_pretrained(
     tied: bool,
     model_dir: Path,
     rank: int,
+    with_adapters: bool = True,
 ) -> None:
     """A Hugging Face model directory; with LoRA a PEFT adapter directory, plus the merged
     model in `merged/` when `model.lora.save_merged` (docs/lora.md, "Outputs"). Rank 0 writes."""
@@ -55,7 +58,7 @@ def save_pretrained(
         if not save_merged:
             return
         directory = directory / lora.MERGED_DIR
-    state = dict(hf_weights(lm, adapters, tied))  # collective: every rank takes part
+    state = dict(hf_weights(lm, adapters, tied, with_adapters))  # collective: every rank takes part
     if rank == 0:
         lm.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
 

@@ -15,12 +15,13 @@ import torch
 from torch import nn
 
 from rltrain.backends.chunked_head import chunked_target_logps, use_chunked_head
-from rltrain.backends.fsdp.attention_masks import model_attention_mask
-from rltrain.backends.fsdp.shared_prefix import Rectangle
+from rltrain.backends.fsdp.micro_batches.attention_masks import model_attention_mask
+from rltrain.backends.fsdp.micro_batches.shared_prefix import Rectangle
 from rltrain.backends.value_head import head_values
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
 from rltrain.models import moe
+from rltrain.models.vision import grid_model_inputs, places_by_grid, vision_modules
 
 # What one more model call costs, in tokens of compute, when splitting a micro-batch into length
 # buckets: on CPU a call is cheap next to its matmuls; on an accelerator small calls are
@@ -33,7 +34,7 @@ class _SelectedHidden(nn.Module):
     that predict the scored completion tokens), however the micro-batch is laid out (one plain
     rectangle, length buckets, packed rows that share a prompt, or one padding-free row). The heads
     are the subclasses'. `flex_attention`: the model runs flex_attention, so masks are handed to it
-    as BlockMasks (rltrain.backends.fsdp.attention_masks)."""
+    as BlockMasks (rltrain.backends.fsdp.micro_batches.attention_masks)."""
 
     def __init__(
         self,
@@ -47,6 +48,8 @@ class _SelectedHidden(nn.Module):
         self.moe_info = moe_info
         self.autocast = autocast  # entered around the model and the head (see the module docstring)
         self.flex_attention = flex_attention
+        # A vision-language model's tower and projector (a plain list: not registered twice).
+        self.vision_parts: list[nn.Module] = vision_modules(lm)
 
     def _router(self) -> bool:
         """Whether this pass computes a MoE load-balancing loss (training a MoE model that has one)."""
@@ -57,7 +60,7 @@ class _SelectedHidden(nn.Module):
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """(hidden states [N, H] in ragged order, the router logits of a MoE model or None). Call
         inside `self.autocast()`. One model call per rectangle (several: length buckets or packed
-        rows, see `rltrain.backends.fsdp.layout`); the selected hidden states are concatenated in rectangle
+        rows, see `rltrain.backends.fsdp.micro_batches.layout`); the selected hidden states are concatenated in rectangle
         order and `order_N` puts them back into ragged order."""
         # A plain rectangle is right-padded: causal attention never lets a real token see the
         # padding after it, so it needs no attention mask (and sdpa keeps its fast causal path).
@@ -73,14 +76,31 @@ class _SelectedHidden(nn.Module):
             if router:
                 kwargs["output_router_logits"] = True
             # The decoder stack: torch types a submodule attribute as `Tensor | Module`.
-            out = cast(nn.Module, self.lm.model)(input_ids=rect.input_ids_BT, use_cache=False, **kwargs)
+            inner = cast(nn.Module, self.lm.model)
+            images = rect.model_inputs or {}
+            if places_by_grid(images):  # the prompts' image slots only (rltrain.models.vision)
+                kwargs.update(grid_model_inputs(inner, rect.input_ids_BT, images))
+                out = inner(use_cache=False, **kwargs)
+            else:
+                out = inner(input_ids=rect.input_ids_BT, use_cache=False, **kwargs, **images)
             parts.append(out.last_hidden_state[rect.rows_N, rect.cols_N])
             if router:
                 router_logits = out.router_logits
         hidden_NH = parts[0] if len(parts) == 1 else torch.cat(parts)
         if order_N is not None:
             hidden_NH = hidden_NH[order_N]
-        return hidden_NH, router_logits
+        return self._reach_vision(hidden_NH), router_logits
+
+    def _reach_vision(self, hidden_NH: torch.Tensor) -> torch.Tensor:
+        """With a trainable vision tower, every training pass gives each of its parameters a
+        gradient (zero where no row had an image): FSDP reduce-scatters the parameters that have
+        gradients, and ranks whose micro-batches differ in having images must still agree on them."""
+        if not self.training:
+            return hidden_NH
+        params = [p for part in self.vision_parts for p in part.parameters() if p.requires_grad]
+        if not params:
+            return hidden_NH
+        return hidden_NH + 0.0 * torch.stack([p.sum() for p in params]).sum().to(hidden_NH.dtype)
 
     def _aux_loss(
         self, router_logits: tuple[torch.Tensor, ...] | None, padding_mask_BT: torch.Tensor | None

@@ -19,6 +19,7 @@ from rltrain.backends.value_head import fill_value_head
 from rltrain.config.group_options import FSDPBackendConfig
 from rltrain.models import lora
 from rltrain.models.hf_io import load_sharded_weights
+from rltrain.models.vision import decoder_layers
 from rltrain.runtime.precision import Precision
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ def shard_model(
     mp = MixedPrecisionPolicy()  # compute in the weights' dtype (fp32, or bf16 in pure bf16)
     if precision.mixed:
         mp = MixedPrecisionPolicy(param_dtype=precision.compute_dtype, reduce_dtype=torch.float32)
-    for layer in lm.model.layers:
+    for layer in decoder_layers(lm):
         fully_shard(layer, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=mp)
     fully_shard(scorer, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward, mp_policy=mp)
     groups.attach(scorer)

@@ -1,7 +1,7 @@
 """Weight conversion between Hugging Face (Qwen2/Llama) names and megatron-core GPTModel shards.
 
 Pure tensor code, no process group: the engine gathers tensor-parallel shards and hands them here,
-so the layout facts (fused q/k/v and gate/up, vocabulary padding, stage offsets, tied embeddings)
+so the weight-format facts (fused q/k/v and gate/up, vocabulary padding, stage offsets, tied embeddings)
 live in one place. docs/internals/backends.md lists them.
 """
 
@@ -124,7 +124,7 @@ def hf_to_megatron(
 ) -> dict[str, torch.Tensor]:
     """This rank's megatron shards, read tensor by tensor through `get_hf(hf_name)`; `output=False`
     leaves out the output layer (neither `lm_head.weight` nor the tied copy is read)."""
-    spec.check_layout(tp, pp)
+    spec.check_split(tp, pp)
     offset = spec.stage_layers(pp_rank, pp).start
     out: dict[str, torch.Tensor] = {}
 

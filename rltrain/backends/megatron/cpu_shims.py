@@ -11,6 +11,7 @@ import operator
 from collections.abc import Callable
 from contextlib import nullcontext
 from functools import reduce
+from typing import Any
 
 import torch
 
@@ -76,11 +77,11 @@ def _patch_linear_autocast() -> None:
     for fn in (layers.LinearWithGradAccumulationAndAsyncCommunication, layers.LinearWithFrozenWeight):
         forward, backward = fn.forward, fn.backward
 
-        def fwd(ctx, *args, _forward=forward, **kwargs):
+        def fwd(ctx: Any, *args, _forward=forward, **kwargs):
             ctx.rltrain_cpu_autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
             return _forward(ctx, *args, **kwargs)
 
-        def bwd(ctx, *grads, _backward=backward):
+        def bwd(ctx: Any, *grads, _backward=backward):
             enabled, dtype = ctx.rltrain_cpu_autocast
             with torch.autocast("cpu", dtype=dtype, enabled=enabled):
                 return _backward(ctx, *grads)

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,24 +33,28 @@ from rltrain.backends.megatron.grads import (
     sum_over_data_parallel,
     sync_tied_embedding,
 )
-from rltrain.backends.megatron.groups import Layout, ParallelGroups
+from rltrain.backends.megatron.groups import ParallelCoords, ParallelGroups
 from rltrain.backends.megatron.guarded_losses import GuardedLosses
 from rltrain.backends.megatron.hf_source import checked_spec, hf_reader
 from rltrain.backends.megatron.logprobs import head_logps
 from rltrain.backends.megatron.metrics import reduce_metrics
 from rltrain.backends.megatron.model import build_stage, checkpoint_layers, load_stage_weights
 from rltrain.backends.megatron.schedule import Pipeline, run_pipeline
+from rltrain.backends.megatron.spec import ModelSpec
 from rltrain.backends.megatron.value_model import make_value_stage, value_head_shards
 from rltrain.backends.optimizer_state import move_optimizer_state
 from rltrain.backends.roles import engine_options, role_build
 from rltrain.backends.sequence_classifier import CRITIC_NOT_EXPORTED
 from rltrain.backends.value_head import head_values
 from rltrain.config.group_options import MegatronBackendConfig
+from rltrain.config.run_context import RunContext, SharedObjects
 from rltrain.config.schema import OptimConfig, SafetyConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
+from rltrain.models.vision import refuse_on_megatron
 from rltrain.runtime.distributed import agree_or_raise, control_device
 from rltrain.runtime.precision import Precision, resolve_precision
+from rltrain.safety.faults import FaultInjector
 from rltrain.safety.guard import (
     ErrorBudget,
     fail_fast_enabled,
@@ -71,60 +76,39 @@ class MegatronEngine:
         *,
         collective_timeout_s: float | None = None,
         groups: ParallelGroups | None = None,
+        shared: SharedObjects | None = None,
         safety: SafetyConfig | None = None,
         gradient_checkpointing: bool = False,
         value_head_seed: int | None = None,
         value_head_bias: bool = True,
+        faults: FaultInjector | None = None,
     ) -> None:
-        """`groups=None` joins the process's shared megatron parallel state (created by the first
-        engine), so a policy and its frozen reference share one set of communicators.
+        """`groups`: megatron's parallel state to join (a run's engines share one, so a policy and
+        its frozen reference share one set of communicators); else the one `shared` holds (a run's
+        `RunContext.shared`: the first engine creates it), else one created for this engine.
         `precision`: see `rltrain.runtime.precision` (parameters in its parameter dtype, each stage's
         forward autocast to its compute dtype when they differ); `gradient_checkpointing`: see
         `model.checkpoint_layers`. `value_head_bias=False`: a reward model's head, exported as a
         sequence classifier's score layer (`save_pretrained`)."""
         apply_cpu_shims()
+        self.faults = faults if faults is not None else FaultInjector()
         self.model_dir = Path(model_dir)
         tp, pp = backend_cfg.tp, backend_cfg.pp
         self.spec = checked_spec(self.model_dir, tp, pp)
-        if groups is None:
-            groups = ParallelGroups.shared(tp, pp, timeout_s=collective_timeout_s)
-        elif (groups.tp, groups.pp) != (tp, pp):
-            raise ValueError(f"the given ParallelGroups are tp={groups.tp}, pp={groups.pp}; this engine needs tp={tp}, pp={pp}")
-        self.groups = groups
-        layout = self.layout
-        if not isinstance(precision, Precision):
-            default = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            precision = resolve_precision(precision, device if device is not None else default)
-        self.precision = precision
+        self.groups = self._join_groups(groups, shared, tp, pp, collective_timeout_s)
+        self.precision = self._resolve_precision(precision, device)
         self.scores: Scores = "logps" if value_head_seed is None else "values"
         critic = value_head_seed is not None  # a value model: a critic, or a reward model
         self.reward_model = critic and not value_head_bias
         # A critic's stage is built untied: its last stage holds a value head, no embedding copy.
         build_spec = dataclasses.replace(self.spec, tie_embeddings=False) if critic else self.spec
-        self.model = build_stage(build_spec, tp, pp, layout.pp_rank, precision.param_dtype)
-        last_stage = layout.pp_rank == pp - 1
-        if critic and last_stage:
-            make_value_stage(self.model, self.spec.hidden_size, precision.param_dtype, value_head_bias)
-        if device is not None:
-            self.model.to(device)
-        if gradient_checkpointing:
-            checkpoint_layers(self.model)
-        shards = hf_to_megatron(
-            self.spec, hf_reader(self.model_dir), layout.tp_rank, tp, layout.pp_rank, pp, output=not critic
-        )
-        if critic and last_stage:
-            assert value_head_seed is not None
-            shards |= value_head_shards(self.spec.hidden_size, value_head_seed, value_head_bias)
-        load_stage_weights(self.model, shards)
+        self.model = self._build_stage(build_spec, tp, pp, device, gradient_checkpointing, value_head_bias)
+        self._load_weights(tp, pp, value_head_seed, value_head_bias)
         self.params = list(self.model.parameters())
         # The tied embedding's copy on the last stage of a pipeline (a policy's, never a critic's).
         self.tied_copies = build_spec.tie_embeddings and pp > 1
-        tied_copy_name = OUTPUT if self.tied_copies else None
-        self._norm_params = [
-            p for n, p in self.model.named_parameters() if norm_counted(n, layout.tp_rank, n == tied_copy_name)
-        ]
-        self.optim_cfg = optim_cfg
-        self.max_steps = max_steps
+        self._norm_params = self._norm_counted_params()
+        self.optim_cfg, self.max_steps = optim_cfg, max_steps
         self.optimizer = (
             build_adamw(self.params, optim_cfg, lr=optim_cfg.lr, backend_default="for-loop") if optim_cfg is not None else None
         )
@@ -134,17 +118,70 @@ class MegatronEngine:
         safety = safety or SafetyConfig()
         self.fail_fast = fail_fast_enabled(safety.fail_fast)
         self.error_budget = ErrorBudget(safety.max_consecutive_errors)
-        groups.attach(self.model)
-        self.rank = layout.dp_rank
-        self.world_size = layout.dp
+        self.groups.attach(self.model)
+        self.rank = self.coords.dp_rank
+        self.world_size = self.coords.dp
 
-    # -- layout -----------------------------------------------------------------------------
+    # -- build steps, in the order __init__ takes them ------------------------------------------
+
+    @staticmethod
+    def _resolve_precision(precision: Precision | str, device: torch.device | None) -> Precision:
+        if isinstance(precision, Precision):
+            return precision
+        default = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return resolve_precision(precision, device if device is not None else default)
+
+    @staticmethod
+    def _join_groups(
+        groups: ParallelGroups | None, shared: SharedObjects | None, tp: int, pp: int, timeout_s: float | None
+    ) -> ParallelGroups:
+        create = partial(ParallelGroups.created, tp, pp, timeout_s=timeout_s)
+        if groups is None:
+            groups = create() if shared is None else shared.one(ParallelGroups, create)
+        if (groups.tp, groups.pp) != (tp, pp):
+            raise ValueError(f"the given ParallelGroups are tp={groups.tp}, pp={groups.pp}; this engine needs tp={tp}, pp={pp}")
+        return groups
+
+    def _build_stage(
+        self, build_spec: ModelSpec, tp: int, pp: int, device: torch.device | None, gradient_checkpointing: bool,
+        value_head_bias: bool,
+    ) -> Any:  # megatron's GPTModel (rltrain.backends.megatron.model.build_stage)
+        """This rank's pipeline stage of tp shards, uninitialised; a value model's last stage with its
+        value head in place of the output layer."""
+        coords = self.coords
+        model = build_stage(build_spec, tp, pp, coords.pp_rank, self.precision.param_dtype)
+        if self.scores == "values" and coords.pp_rank == pp - 1:
+            make_value_stage(model, self.spec.hidden_size, self.precision.param_dtype, value_head_bias)
+        if device is not None:
+            model.to(device)
+        if gradient_checkpointing:
+            checkpoint_layers(model)
+        return model
+
+    def _load_weights(self, tp: int, pp: int, value_head_seed: int | None, value_head_bias: bool) -> None:
+        """The stage's shards of the Hugging Face weights; a value model's head drawn from its seed."""
+        coords = self.coords
+        critic = value_head_seed is not None
+        shards = hf_to_megatron(
+            self.spec, hf_reader(self.model_dir), coords.tp_rank, tp, coords.pp_rank, pp, output=not critic
+        )
+        if value_head_seed is not None and coords.pp_rank == pp - 1:
+            shards |= value_head_shards(self.spec.hidden_size, value_head_seed, value_head_bias)
+        load_stage_weights(self.model, shards)
+
+    def _norm_counted_params(self) -> list[torch.nn.Parameter]:
+        """The parameters the gradient norm counts on this rank (`grads.norm_counted`)."""
+        tied_copy_name = OUTPUT if self.tied_copies else None
+        tp_rank = self.coords.tp_rank
+        return [p for n, p in self.model.named_parameters() if norm_counted(n, tp_rank, n == tied_copy_name)]
+
+    # -- coords -----------------------------------------------------------------------------
 
     @property
-    def layout(self) -> Layout:
-        if self.groups.layout is None:
+    def coords(self) -> ParallelCoords:
+        if self.groups.coords is None:
             raise RuntimeError("the engine's process groups are torn down; call recreate_communicators() first")
-        return self.groups.layout
+        return self.groups.coords
 
     @property
     def device(self) -> torch.device:
@@ -157,18 +194,18 @@ class MegatronEngine:
     def replica_group(self) -> dist.ProcessGroup | None:
         """The tp x pp ranks of this rank's data-parallel replica (they must see the same data),
         or None when a replica is a single rank. Re-read each time: time sharing re-creates it."""
-        layout = self.layout
-        return layout.mp_group if layout.tp * layout.pp > 1 else None
+        coords = self.coords
+        return coords.mp_group if coords.tp * coords.pp > 1 else None
 
     def _pipeline(self) -> Pipeline:
-        layout = self.layout
-        ranks = dist.get_process_group_ranks(layout.pp_group) if layout.pp > 1 else [dist.get_rank()]
+        coords = self.coords
+        ranks = dist.get_process_group_ranks(coords.pp_group) if coords.pp > 1 else [dist.get_rank()]
         return Pipeline(
-            group=layout.pp_group,
-            rank=layout.pp_rank,
-            size=layout.pp,
-            prev=ranks[layout.pp_rank - 1] if layout.pp_rank > 0 else None,
-            next=ranks[layout.pp_rank + 1] if layout.pp_rank < layout.pp - 1 else None,
+            group=coords.pp_group,
+            rank=coords.pp_rank,
+            size=coords.pp,
+            prev=ranks[coords.pp_rank - 1] if coords.pp_rank > 0 else None,
+            next=ranks[coords.pp_rank + 1] if coords.pp_rank < coords.pp - 1 else None,
             hidden_size=self.spec.hidden_size,
             dtype=self.precision.param_dtype,  # not params[0]'s: norm weights stay fp32 in pure bf16
             device=self.device,
@@ -177,12 +214,12 @@ class MegatronEngine:
 
     def _check_same_data(self, micro_batches: list[SequenceBatch]) -> None:
         """Every tp x pp rank of a replica must hold the same micro-batches; all ranks agree."""
-        layout = self.layout
-        if layout.tp * layout.pp == 1:
+        coords = self.coords
+        if coords.tp * coords.pp == 1:
             return
         fp = fingerprint(micro_batches).to(control_device())
         both = torch.cat([fp, -fp])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=layout.mp_group)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=coords.mp_group)
         ok = bool(torch.equal(both[:3], -both[3:]))
         agree_or_raise(ok, "micro-batch check (tp/pp ranks of one data-parallel replica were given different data)")
 
@@ -195,10 +232,10 @@ class MegatronEngine:
         if self.scores == "values":
             hidden_NH = stage_out[mb.cols_N, mb.rows_N]
             return head_values(self.model.value_head, hidden_NH), None
-        layout = self.layout
+        coords = self.coords
         hidden_NH = stage_out[mb.rows_N, mb.cols_N]  # the positions that predict completion tokens
         return head_logps(
-            self.model, hidden_NH, mb.targets_N, layout.tp_rank, self.spec.vocab_size, layout.tp_group,
+            self.model, hidden_NH, mb.targets_N, coords.tp_rank, self.spec.vocab_size, coords.tp_group,
             with_entropy, partial(self.precision.autocast, self.device),
         )
 
@@ -262,35 +299,37 @@ class MegatronEngine:
         if with_entropy and self.scores == "values":
             raise ValueError("train_step(with_entropy=True) on a critic engine: a critic has no entropy")
         self._check_same_data(micro_batches)
-        layout = self.layout
+        coords = self.coords
         padded = [pad_micro_batch(mb, self.device) for mb in micro_batches]
         for p in self.params:
             p.grad = None
-        guarded = GuardedLosses(self._score, self.scores, self.layout, self.fail_fast, padded, micro_batches, loss_fn, with_entropy)
+        guarded = GuardedLosses(
+            self._score, self.scores, self.coords, self.fail_fast, padded, micro_batches, loss_fn, self.faults, with_entropy
+        )
         run_pipeline(self.model, self._pipeline(), padded, guarded.on_output, train=True, on_backward=guarded.on_backward)
         recovered, mixed = guarded.errors.recovered, guarded.mixed
-        if layout.tp > 1:  # each error is counted once, by the TP rank that had it
+        if coords.tp > 1:  # each error is counted once, by the TP rank that had it
             both = torch.tensor([float(recovered), float(mixed)], dtype=torch.float64, device=control_device())
-            dist.all_reduce(both, group=layout.tp_group)
+            dist.all_reduce(both, group=coords.tp_group)
             recovered, mixed = int(both[0]), bool(both[1] > 0)
         sums = guarded.sums
         sums["safety/recovered_errors"] = float(recovered)
         guarded.injector.poison_grads(self.params)
-        grad_norm, lr, stepped = self._optimizer_step(layout, force_skip=mixed)
-        metrics = reduce_metrics(sums, layout, partial=recovered > 0)
+        grad_norm, lr, stepped = self._optimizer_step(coords, force_skip=mixed)
+        metrics = reduce_metrics(sums, coords, partial=recovered > 0)
         self.error_budget.update(metrics["safety/recovered_errors"])
         metrics.update({"grad_norm": grad_norm, "lr": lr, "safety/skipped_steps": 0.0 if stepped else 1.0})
         return metrics
 
-    def _optimizer_step(self, layout: Layout, force_skip: bool = False) -> tuple[float, float, bool]:
+    def _optimizer_step(self, coords: ParallelCoords, force_skip: bool = False) -> tuple[float, float, bool]:
         """`force_skip`: this rank's gradients are known to be inconsistent with its TP peers'
         (see `GuardedLosses.mixed`); it votes "not finite", so every rank skips the step together."""
         assert self.optimizer is not None and self.optim_cfg is not None
         fill_missing_grads(self.params)
-        sum_over_data_parallel(self.params, layout.dp_group)
+        sum_over_data_parallel(self.params, coords.dp_group)
         if self.tied_copies:
-            sync_tied_embedding(self.model.shared_embedding_or_output_weight(), layout.embd_group)
-        norm = float(global_grad_norm(self._norm_params, layout.mp_group))
+            sync_tied_embedding(self.model.shared_embedding_or_output_weight(), coords.embd_group)
+        norm = float(global_grad_norm(self._norm_params, coords.mp_group))
         lr = lr_at(self.steps_taken, self.optim_cfg, self.max_steps)
         stepped = all_finite(float("nan") if force_skip else norm)
         if stepped:
@@ -310,16 +349,16 @@ class MegatronEngine:
         yields (saving), and only data-parallel replica 0 communicates.
         """
         self._refuse_critic_export("export_weights")
-        return export.export_weights(self.model, self.spec, self.layout, to_rank0=to_rank0)
+        return export.export_weights(self.model, self.spec, self.coords, to_rank0=to_rank0)
 
     def save_pretrained(self, directory: Path) -> None:
         """A Hugging Face causal LM directory; a reward model's a one-output sequence classifier
         (`export.save_sequence_classifier`); a critic is refused."""
         if self.reward_model:
-            export.save_sequence_classifier(self.model, self.spec, self.layout, self.model_dir, Path(directory))
+            export.save_sequence_classifier(self.model, self.spec, self.coords, self.model_dir, Path(directory))
             return
         self._refuse_critic_export("save_pretrained")
-        export.save_pretrained(self.model, self.spec, self.layout, self.model_dir, Path(directory))
+        export.save_pretrained(self.model, self.spec, self.coords, self.model_dir, Path(directory))
 
     def _refuse_critic_export(self, called: str) -> None:
         if self.scores == "values":
@@ -330,10 +369,10 @@ class MegatronEngine:
             )
 
     def save_checkpoint(self, directory: Path) -> None:
-        checkpoint.save(Path(directory), self.model, self.optimizer, self.layout, self.steps_taken)
+        checkpoint.save(Path(directory), self.model, self.optimizer, self.coords, self.steps_taken)
 
     def load_checkpoint(self, directory: Path) -> None:
-        self.steps_taken = checkpoint.load(Path(directory), self.model, self.optimizer, self.layout)
+        self.steps_taken = checkpoint.load(Path(directory), self.model, self.optimizer, self.coords)
 
     def offload(self) -> None:
         """Free gradients; on CUDA also move parameters and AdamW moments to the host."""
@@ -365,12 +404,13 @@ class MegatronEngine:
         return self.groups.recreate()
 
 
-def build_engine(ctx, role: str, max_steps: int) -> MegatronEngine:
+def build_engine(ctx: RunContext, role: str, max_steps: int) -> MegatronEngine:
     """The backend registry's entry (`backend=megatron`) for one role (rltrain.backends.Role);
-    every role's engine joins the policy's process groups."""
+    every role's engine joins the process groups the run holds (created by the first)."""
     cfg = ctx.cfg
     build = role_build(ctx, role)
+    refuse_on_megatron(build.model_dir)
     return MegatronEngine(
         build.model_dir, cfg.backend, build.optim, max_steps, ctx.dist.device,
-        collective_timeout_s=cfg.safety.collective_timeout_s, **engine_options(ctx, build),
+        collective_timeout_s=cfg.safety.collective_timeout_s, shared=ctx.shared, **engine_options(ctx, build),
     )

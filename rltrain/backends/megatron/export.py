@@ -22,7 +22,7 @@ from rltrain.backends.megatron.convert import (
     split_dim,
     stage_param_names,
 )
-from rltrain.backends.megatron.groups import Layout
+from rltrain.backends.megatron.groups import ParallelCoords
 from rltrain.backends.megatron.spec import ModelSpec
 from rltrain.backends.sequence_classifier import write_sequence_classifier
 from rltrain.runtime import distributed as p2p
@@ -32,69 +32,69 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.j
 
 
 def _owner_items(
-    params: dict[str, torch.nn.Parameter], spec: ModelSpec, name: str, layout: Layout, offset: int
+    params: dict[str, torch.nn.Parameter], spec: ModelSpec, name: str, coords: ParallelCoords, offset: int
 ) -> list[tuple[str, torch.Tensor]]:
     local = params[name].detach()
-    if split_dim(name) is None or layout.tp == 1:
+    if split_dim(name) is None or coords.tp == 1:
         shards = [local]
     else:
         local = local.contiguous()
-        shards = [torch.empty_like(local) for _ in range(layout.tp)]
-        dist.all_gather(shards, local, group=layout.tp_group)
+        shards = [torch.empty_like(local) for _ in range(coords.tp)]
+        dist.all_gather(shards, local, group=coords.tp_group)
     return [(n, t.clone(memory_format=torch.contiguous_format)) for n, t in megatron_to_hf(spec, name, shards, offset)]
 
 
 def _remote_items(
-    spec: ModelSpec, name: str, layout: Layout, offset: int, dtype: torch.dtype, device: torch.device
+    spec: ModelSpec, name: str, coords: ParallelCoords, offset: int, dtype: torch.dtype, device: torch.device
 ) -> list[tuple[str, torch.Tensor]]:
-    meta = [torch.empty(megatron_shape(spec, name, layout.tp), dtype=dtype, device="meta")] * layout.tp
+    meta = [torch.empty(megatron_shape(spec, name, coords.tp), dtype=dtype, device="meta")] * coords.tp
     return [(n, torch.empty(t.shape, dtype=dtype, device=device)) for n, t in megatron_to_hf(spec, name, meta, offset)]
 
 
 def export_weights(
-    model: torch.nn.Module, spec: ModelSpec, layout: Layout, to_rank0: bool = False, output: bool = True
+    model: torch.nn.Module, spec: ModelSpec, coords: ParallelCoords, to_rank0: bool = False, output: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Full HF tensors (see the module docstring); `output=False`: a value model's stages, which
     hold no output layer."""
     params = dict(model.named_parameters())
     first = next(iter(params.values()))
     dtype, device = first.dtype, first.device
-    if to_rank0 and layout.dp_rank != 0:
+    if to_rank0 and coords.dp_rank != 0:
         return
-    pp_ranks = dist.get_process_group_ranks(layout.pp_group) if layout.pp > 1 else [dist.get_rank()]
+    pp_ranks = dist.get_process_group_ranks(coords.pp_group) if coords.pp > 1 else [dist.get_rank()]
     me = dist.get_rank()
-    for stage in range(layout.pp):
-        offset = spec.stage_layers(stage, layout.pp).start
-        owner = stage == layout.pp_rank
-        for name in stage_param_names(spec, stage, layout.pp, output):
+    for stage in range(coords.pp):
+        offset = spec.stage_layers(stage, coords.pp).start
+        owner = stage == coords.pp_rank
+        for name in stage_param_names(spec, stage, coords.pp, output):
             if owner:
-                items = _owner_items(params, spec, name, layout, offset)
+                items = _owner_items(params, spec, name, coords, offset)
             elif not to_rank0:
-                items = _remote_items(spec, name, layout, offset, dtype, device)
+                items = _remote_items(spec, name, coords, offset, dtype, device)
             elif me == 0:
-                items = _remote_items(spec, name, layout, offset, dtype, device)
+                items = _remote_items(spec, name, coords, offset, dtype, device)
             else:
                 continue
             for hf_name, tensor in items:
-                if layout.pp > 1 and not to_rank0:
-                    dist.broadcast(tensor, src=pp_ranks[stage], group=layout.pp_group)
-                elif layout.pp > 1 and stage != 0 and layout.tp_rank == 0:
+                if coords.pp > 1 and not to_rank0:
+                    dist.broadcast(tensor, src=pp_ranks[stage], group=coords.pp_group)
+                elif coords.pp > 1 and stage != 0 and coords.tp_rank == 0:
                     if owner:
-                        p2p.isend(tensor, dst=pp_ranks[0], group=layout.pp_group).wait()
-                    elif layout.pp_rank == 0:
-                        p2p.recv(tensor, src=pp_ranks[stage], group=layout.pp_group)
+                        p2p.isend(tensor, dst=pp_ranks[0], group=coords.pp_group).wait()
+                    elif coords.pp_rank == 0:
+                        p2p.recv(tensor, src=pp_ranks[stage], group=coords.pp_group)
                 if not to_rank0 or me == 0:
                     yield hf_name, tensor
 
 
 def save_pretrained(
-    model: torch.nn.Module, spec: ModelSpec, layout: Layout, source_dir: Path, directory: Path
+    model: torch.nn.Module, spec: ModelSpec, coords: ParallelCoords, source_dir: Path, directory: Path
 ) -> None:
     """Write a HF model directory (rank 0): config and tokenizer files copied from the source
     directory, weights as one safetensors file. Collective; every rank returns after the write."""
     from safetensors.torch import save_file
 
-    state = {name: tensor.cpu() for name, tensor in export_weights(model, spec, layout, to_rank0=True)}
+    state = {name: tensor.cpu() for name, tensor in export_weights(model, spec, coords, to_rank0=True)}
 
     def write() -> None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -107,33 +107,33 @@ def save_pretrained(
 
 
 def save_sequence_classifier(
-    model: torch.nn.Module, spec: ModelSpec, layout: Layout, source_dir: Path, directory: Path
+    model: torch.nn.Module, spec: ModelSpec, coords: ParallelCoords, source_dir: Path, directory: Path
 ) -> None:
     """A reward model's stages as a HF sequence classifier (rltrain.backends.sequence_classifier):
     the trunk's full tensors and the last stage's bias-free head as `score.weight`, written by
     rank 0 (the tokenizer is the trainer's to add). Collective; every rank returns after the write."""
     from transformers import AutoConfig
 
-    trunk = {name: tensor.cpu() for name, tensor in export_weights(model, spec, layout, to_rank0=True, output=False)}
-    score_1H = _value_head_on_first_stage(model, spec, layout)
+    trunk = {name: tensor.cpu() for name, tensor in export_weights(model, spec, coords, to_rank0=True, output=False)}
+    score_1H = _value_head_on_first_stage(model, spec, coords)
     _write_on_rank0(lambda: write_sequence_classifier(directory, AutoConfig.from_pretrained(source_dir), trunk, score_1H),
                     directory)
 
 
-def _value_head_on_first_stage(model: torch.nn.Module, spec: ModelSpec, layout: Layout) -> torch.Tensor:
+def _value_head_on_first_stage(model: torch.nn.Module, spec: ModelSpec, coords: ParallelCoords) -> torch.Tensor:
     """The value head's weight [1, H] (replicated over TP ranks), broadcast from the last pipeline
     stage to every stage. Collective over each pipeline group."""
     params = dict(model.named_parameters())
-    if layout.pp == 1:
+    if coords.pp == 1:
         return params[VALUE_HEAD_WEIGHT].detach().cpu()
-    last = layout.pp_rank == layout.pp - 1
+    last = coords.pp_rank == coords.pp - 1
     first = next(iter(params.values()))
     head_1H = (
         params[VALUE_HEAD_WEIGHT].detach().clone()
         if last
         else torch.empty(1, spec.hidden_size, dtype=first.dtype, device=first.device)
     )
-    dist.broadcast(head_1H, src=dist.get_process_group_ranks(layout.pp_group)[-1], group=layout.pp_group)
+    dist.broadcast(head_1H, src=dist.get_process_group_ranks(coords.pp_group)[-1], group=coords.pp_group)
     return head_1H.cpu()
 
 

@@ -37,7 +37,7 @@ class _Record:
 
 
 @dataclass
-class LayoutSnapshot:
+class GroupsSnapshot:
     """Enough to rebuild the same parallel state: megatron's arguments and the group specs."""
 
     init_kwargs: dict[str, Any]
@@ -45,10 +45,10 @@ class LayoutSnapshot:
 
 
 @dataclass
-class Layout:
+class ParallelCoords:
     """This rank's coordinates and group handles, read from megatron's parallel state.
 
-    Holds handles: re-read it (`Layout.current()`) after the groups are re-created.
+    Holds handles: re-read it (`ParallelCoords.current()`) after the groups are re-created.
     """
 
     tp: int
@@ -64,10 +64,10 @@ class Layout:
     embd_group: Any  # first and last pipeline stage (tied embeddings); None off those stages
 
     @staticmethod
-    def current() -> Layout:
+    def current() -> ParallelCoords:
         from megatron.core import parallel_state as ps
 
-        return Layout(
+        return ParallelCoords(
             tp=ps.get_tensor_model_parallel_world_size(),
             pp=ps.get_pipeline_model_parallel_world_size(),
             dp=ps.get_data_parallel_world_size(),
@@ -82,9 +82,6 @@ class Layout:
         )
 
 
-_SHARED: ParallelGroups | None = None
-
-
 class ParallelGroups:
     """Owns megatron's parallel state for one engine (tp x pp, data parallel over the rest)."""
 
@@ -93,7 +90,7 @@ class ParallelGroups:
         if world % (tp * pp):
             raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
         self.timeout_s = timeout_s
-        self.snapshot = LayoutSnapshot(
+        self.snapshot = GroupsSnapshot(
             init_kwargs=dict(
                 tensor_model_parallel_size=tp,
                 pipeline_model_parallel_size=pp,
@@ -102,7 +99,7 @@ class ParallelGroups:
         )
         self._records: list[_Record] = []
         self._roots: list[Any] = []
-        self.layout: Layout | None = None
+        self.coords: ParallelCoords | None = None
         self.alive = False
 
     @property
@@ -114,20 +111,12 @@ class ParallelGroups:
         return self.snapshot.init_kwargs["pipeline_model_parallel_size"]
 
     @staticmethod
-    def shared(tp: int, pp: int, timeout_s: float | None = None) -> ParallelGroups:
-        """The process's one megatron parallel state (megatron keeps it in module globals, so two
-        engines in a process must share it); created on first use."""
-        global _SHARED
-        if _SHARED is None:
-            groups = ParallelGroups(tp, pp, timeout_s=timeout_s)
-            groups.create()
-            _SHARED = groups
-        elif (_SHARED.tp, _SHARED.pp) != (tp, pp):
-            raise ValueError(
-                f"megatron's parallel state is tp={_SHARED.tp}, pp={_SHARED.pp} in this process; "
-                f"an engine with tp={tp}, pp={pp} cannot join it"
-            )
-        return _SHARED
+    def created(tp: int, pp: int, timeout_s: float | None = None) -> ParallelGroups:
+        """Megatron's parallel state, initialised now under a record. Megatron keeps it in module
+        globals, one per process: the engines of a run share these (`RunContext.shared`)."""
+        groups = ParallelGroups(tp, pp, timeout_s=timeout_s)
+        groups.create()
+        return groups
 
     # -- creation ---------------------------------------------------------------------------
 
@@ -176,7 +165,7 @@ class ParallelGroups:
             ps.create_group = original
         self._records = records
         self.snapshot.specs = [r.spec for r in records]
-        self.layout = Layout.current()
+        self.coords = ParallelCoords.current()
         self.alive = True
         _ensure_cuda_rng_tracker()
 
@@ -203,7 +192,7 @@ class ParallelGroups:
             for handle in self.handles():
                 dist.destroy_process_group(handle)
             ps.destroy_model_parallel()
-            self.layout = None
+            self.coords = None
             self.alive = False
         except Exception as exc:  # noqa: BLE001 - re-raised below after every rank has voted
             error = exc

@@ -10,11 +10,11 @@ import torch.distributed as dist
 
 from rltrain.backends.base import LossFn, Scores, scored_output
 from rltrain.backends.megatron.batching import PaddedMicroBatch
-from rltrain.backends.megatron.groups import Layout
+from rltrain.backends.megatron.groups import ParallelCoords
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
 from rltrain.runtime.distributed import control_device
-from rltrain.safety import faults
+from rltrain.safety.faults import FaultInjector
 from rltrain.safety.guard import (
     MicroBatchGuard,
     Owed,
@@ -49,18 +49,19 @@ class GuardedLosses:
         self,
         score: ScoreFn,
         scores: Scores,
-        layout: Layout,
+        coords: ParallelCoords,
         fail_fast: bool,
         padded: list[PaddedMicroBatch],
         batches: list[SequenceBatch],
         loss_fn: LossFn,
+        injector: FaultInjector,
         with_entropy: bool = False,
     ) -> None:
         self.score, self.scores = score, scores
         self.padded, self.batches, self.loss_fn = padded, batches, loss_fn
         self.with_entropy = with_entropy
-        self.layout = layout
-        self.injector = faults.active()
+        self.coords = coords
+        self.injector = injector
         self.errors = StepErrors(dist.get_rank(), fail_fast)
         self.sums: dict[str, float] = {}
         self.mixed = False
@@ -72,10 +73,10 @@ class GuardedLosses:
         return f"{what} of micro-batch {i} of step {self.injector.step}"
 
     def _any_tp_rank(self, flag: bool) -> bool:
-        if self.layout.tp == 1:
+        if self.coords.tp == 1:
             return flag
         t = torch.tensor([int(flag)], dtype=torch.int32, device=control_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.layout.tp_group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.coords.tp_group)
         return bool(int(t))
 
     def on_output(self, i: int, stage_out: torch.Tensor) -> torch.Tensor:
@@ -141,6 +142,6 @@ class GuardedLosses:
             if self.errors.excuse(exc, guard, self._where("the backward", i)) is Owed.ZERO_BACKWARD:
                 guard.zero_backward()
             self._metrics.pop(i, None)
-            self.mixed = self.mixed or self.layout.tp > 1
+            self.mixed = self.mixed or self.coords.tp > 1
         finally:
             guard.close()

@@ -1,5 +1,5 @@
-"""Reading a Hugging Face model directory for megatron: its spec, checked against the parallel
-layout with a clear error, and its safetensors one tensor at a time (convert.py picks the shards)."""
+"""Reading a Hugging Face model directory for megatron: its spec, checked against the split over
+tp and pp with a clear error, and its safetensors one tensor at a time (convert.py picks the shards)."""
 
 from __future__ import annotations
 
@@ -35,14 +35,14 @@ def hf_reader(model_dir: Path):
 
 
 def checked_spec(model_dir: Path, tp: int, pp: int) -> ModelSpec:
-    """The model's spec, or a UserError naming the key to change. `rltrain.config.validate` catches most
+    """The model's spec, or a UserError naming the key to change. `rltrain.preflight.validate` catches most
     of this before any rank starts; this covers what it cannot read (an unsupported architecture,
     a config.json it could not parse) and callers that bypass it (torchrun, the Python API)."""
     from transformers import AutoConfig
 
     try:
         spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(model_dir))
-        spec.check_layout(tp, pp)
+        spec.check_split(tp, pp)
     except ValueError as exc:
         raise UserError(
             f"backend=megatron cannot run the model in {model_dir}: {exc}. Change backend.tp/backend.pp, or use "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -33,13 +33,13 @@ class _AllReduceSum(torch.autograd.Function):
     """Sum across the group in forward; identity in backward (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group) -> torch.Tensor:
         out = x.clone()
         dist.all_reduce(out, group=group)
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx: Any, grad: torch.Tensor):
         return grad, None
 
 
@@ -128,7 +128,7 @@ def _masked_chunk_logits(hidden_CH, weight_VH, dtype, vocab_start: int, vocab_si
 
 class _ChunkedVocabParallelLogps(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, targets_N, vocab_start, vocab_size, group, chunk, dtype):
+    def forward(ctx: Any, hidden_NH, weight_VH, targets_N, vocab_start, vocab_size, group, chunk, dtype):
         n, local_vocab = hidden_NH.shape[0], weight_VH.shape[0]
         stats = torch.empty(4, n, dtype=torch.float32, device=hidden_NH.device)  # max, sum exp, target, p*logit
         local_target_N = targets_N - vocab_start
@@ -159,7 +159,7 @@ class _ChunkedVocabParallelLogps(torch.autograd.Function):
         return logps_N, entropy_N
 
     @staticmethod
-    def backward(ctx, grad_N, _grad_entropy_N):
+    def backward(ctx: Any, grad_N, _grad_entropy_N):
         hidden_NH, weight_VH, targets_N, lse_N = ctx.saved_tensors
         local_vocab = weight_VH.shape[0]
         local_target_N = targets_N - ctx.vocab_start

@@ -15,7 +15,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from rltrain.backends.megatron.groups import Layout
+from rltrain.backends.megatron.groups import ParallelCoords
 from rltrain.runtime.distributed import control_device
 from rltrain.safety.metrics import reduce_metric_sums
 
@@ -33,19 +33,19 @@ def _broadcast_keys(keys: list[str] | None, src: int, group) -> list[str]:
     return json.loads(bytes(data.tolist()).decode())
 
 
-def reduce_metrics(local: dict[str, float], layout: Layout, partial: bool = False) -> dict[str, float]:
+def reduce_metrics(local: dict[str, float], coords: ParallelCoords, partial: bool = False) -> dict[str, float]:
     """Sum `local` (meaningful on the last stage) over DP ranks; every rank gets the result.
     `partial`: this replica recovered from an error and may lack a failed micro-batch's keys
     (see `reduce_metric_sums`)."""
-    last = layout.pp_rank == layout.pp - 1
+    last = coords.pp_rank == coords.pp - 1
     keys = sorted(local) if last else None
-    if layout.pp > 1:
-        pp_ranks = dist.get_process_group_ranks(layout.pp_group)
-        keys = _broadcast_keys(keys, src=pp_ranks[-1], group=layout.pp_group)
+    if coords.pp > 1:
+        pp_ranks = dist.get_process_group_ranks(coords.pp_group)
+        keys = _broadcast_keys(keys, src=pp_ranks[-1], group=coords.pp_group)
     assert keys is not None
-    reduced = reduce_metric_sums({k: float(local[k]) if last else 0.0 for k in keys}, group=layout.dp_group, partial=partial)
-    if layout.pp > 1 and keys:
+    reduced = reduce_metric_sums({k: float(local[k]) if last else 0.0 for k in keys}, group=coords.dp_group, partial=partial)
+    if coords.pp > 1 and keys:
         values = torch.tensor([reduced[k] for k in keys], dtype=torch.float64, device=control_device())
-        dist.all_reduce(values, group=layout.pp_group)
+        dist.all_reduce(values, group=coords.pp_group)
         reduced = dict(zip(keys, values.tolist()))
     return reduced

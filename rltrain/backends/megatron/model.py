@@ -62,7 +62,7 @@ def build_stage(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torch.dt
 
     from rltrain.backends.megatron.hidden_out import HiddenStatesGPTModel
 
-    spec.check_layout(tp, pp)
+    spec.check_split(tp, pp)
     model = HiddenStatesGPTModel(
         config=transformer_config(spec, tp, pp, dtype),
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),

@@ -48,7 +48,7 @@ class ModelSpec:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         qkv_bias = True if model_type == "qwen2" else bool(getattr(config, "attention_bias", False))
         if model_type == "llama" and qkv_bias:
-            # Llama's attention_bias also puts a bias on o_proj, which this layout does not carry.
+            # Llama's attention_bias also puts a bias on o_proj, which this spec does not carry.
             raise ValueError("llama with attention_bias=true (o_proj bias) is not supported")
         return ModelSpec(
             vocab_size=config.vocab_size,
@@ -69,7 +69,7 @@ class ModelSpec:
         """Megatron's vocab-parallel layers need rows divisible by tp; extra rows are masked out."""
         return (self.vocab_size + tp - 1) // tp * tp
 
-    def check_layout(self, tp: int, pp: int) -> None:
+    def check_split(self, tp: int, pp: int) -> None:
         """Megatron shards heads, query groups and the MLP evenly over tp and layers over pp."""
         if self.num_heads % tp or self.num_kv_heads % tp:
             raise ValueError(

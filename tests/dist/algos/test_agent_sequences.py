@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -30,9 +29,9 @@ def _model_dir():
 
 def _update(rank, world, model_dir, mini_batches, twice):
     from rltrain.algos.experience import BatchLayout, Experience
+    from rltrain.algos.grpo import GRPOConfig
     from rltrain.algos.rl_update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
     from rltrain.backends.fsdp.engine import FSDPEngine
-    from rltrain.config.algorithms import GRPOConfig
     from rltrain.config.group_options import FSDPBackendConfig
     from rltrain.config.schema import OptimConfig
     from rltrain.data.batch import SequenceBatch

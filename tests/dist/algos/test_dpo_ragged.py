@@ -60,7 +60,7 @@ def _engine_step(rank, world, policy_dir, ref_dir, kind, micro_batch_size, backe
         from rltrain.config.group_options import MegatronBackendConfig
 
         policy = MegatronEngine(policy_dir, MegatronBackendConfig(tp=1, pp=2), optim, 10, cpu)
-        reference = MegatronEngine(ref_dir, MegatronBackendConfig(tp=1, pp=2), None, 10, cpu)
+        reference = MegatronEngine(ref_dir, MegatronBackendConfig(tp=1, pp=2), None, 10, cpu, groups=policy.groups)
     else:
         policy = FSDPEngine(policy_dir, FSDPBackendConfig(), optim, 10, cpu)
         reference = FSDPEngine(ref_dir, FSDPBackendConfig(), None, 10, cpu)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -30,14 +29,14 @@ def _model_dir():
 
 def _grpo_update(rank, world, model_dir, backend, fused):
     from rltrain.algos.experience import BatchLayout, Experience
-    from rltrain.rewards.scoring import Failures
+    from rltrain.algos.grpo import GRPOConfig
     from rltrain.algos.rl_update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
-    from rltrain.config.algorithms import GRPOConfig
     from rltrain.config.group_options import FSDPBackendConfig, MegatronBackendConfig
     from rltrain.config.schema import OptimConfig
     from rltrain.data.batch import SequenceBatch
     from rltrain.data.ragged import Ragged
     from rltrain.data.sharding import rank_slice
+    from rltrain.rewards.scoring import Failures
 
     torch.manual_seed(0)
     cpu = torch.device("cpu")

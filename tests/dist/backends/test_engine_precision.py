@@ -47,7 +47,9 @@ def _batches(seed: int):
     return out
 
 
-def _engine(backend: str, model_dir, precision: str, gc: bool, device: torch.device):
+def _engine(backend: str, model_dir, precision: str, gc: bool, device: torch.device, shared):
+    """`shared`: the SharedObjects of this rank's engines (megatron's are built one after another
+    on one parallel state, as a run's roles are)."""
     from rltrain.config.group_options import FSDPBackendConfig, MegatronBackendConfig
     from rltrain.config.schema import OptimConfig
 
@@ -57,7 +59,8 @@ def _engine(backend: str, model_dir, precision: str, gc: bool, device: torch.dev
 
         pp = 2 if backend == "megatron-pp2" else 1
         return MegatronEngine(
-            model_dir, MegatronBackendConfig(tp=1, pp=pp), optim, 10, device, precision=precision, gradient_checkpointing=gc
+            model_dir, MegatronBackendConfig(tp=1, pp=pp), optim, 10, device, precision=precision,
+            gradient_checkpointing=gc, shared=shared,
         )
     from rltrain.backends.fsdp.engine import FSDPEngine
 
@@ -122,10 +125,13 @@ def _run(rank: int, world: int, model_dir, backend: str, device: str = "cpu") ->
     batches = _batches(rank if backend == "fsdp" else 0)
     dp = world if backend == "fsdp" else 1
     n_tokens = dp * sum(b.num_completion_tokens for b in batches)  # same shapes on every rank
+    from rltrain.config.run_context import SharedObjects
+
     out = {}
+    shared = SharedObjects()
     for precision, gc in SETTINGS:
         torch.manual_seed(0)
-        eng = _engine(backend, model_dir, precision, gc, torch.device(device))
+        eng = _engine(backend, model_dir, precision, gc, torch.device(device), shared)
         out[f"{precision}/{gc}"] = _probe(eng, backend, batches, n_tokens)
     return out
 

@@ -64,7 +64,7 @@ def test_benchmark_ablations_change_the_engine_layout(tiny_cache):
     assert plain_calls == [(8, max(c[1] for c in bucketed_calls))]  # one rectangle, padded to the longest
     torch.testing.assert_close(bucketed_logps, plain_logps, rtol=0, atol=1e-5)
     (packed_calls, packed_logps), (unpacked_calls, unpacked_logps) = dpo[True], dpo[False]
-    # Pairs whose prompt is worth sharing (rltrain/backends/fsdp/shared_prefix.py, PackingCost) are
+    # Pairs whose prompt is worth sharing (rltrain/backends/fsdp/micro_batches/shared_prefix.py, PackingCost) are
     # one row; with sharing off every pair is two rows, its prompt computed twice.
     assert sum(rows for rows, _ in packed_calls) < 8
     assert sum(rows for rows, _ in unpacked_calls) == 8

@@ -115,6 +115,6 @@ def test_fused_layouts_match_megatron_conventions() -> None:
 def test_unsupported_layout_is_refused() -> None:
     spec = _spec(tied=True, qkv_bias=True, kv_heads=1)
     with pytest.raises(ValueError, match="num_key_value_heads"):
-        spec.check_layout(tp=2, pp=1)
+        spec.check_split(tp=2, pp=1)
     with pytest.raises(ValueError, match="num_hidden_layers"):
-        spec.check_layout(tp=1, pp=3)
+        spec.check_split(tp=1, pp=3)

@@ -117,7 +117,7 @@ def _timeshare(eng, ckpt: Path, batches, n_tokens) -> dict:
 
     eng.load_checkpoint(ckpt)
     sizes = [_pg_count()]
-    old_tp_group = eng.layout.tp_group
+    old_tp_group = eng.coords.tp_group
     rebound = []
     for _ in range(3):
         eng.teardown_communicators()
@@ -179,7 +179,7 @@ def _frozen_and_nonfinite(eng, model_dir: str, batches, n_tokens: int, initial_l
     from rltrain.backends.megatron.engine import MegatronEngine
     from rltrain.config.group_options import MegatronBackendConfig
 
-    ref = MegatronEngine(model_dir, MegatronBackendConfig(tp=1, pp=1), None)  # joins eng's groups
+    ref = MegatronEngine(model_dir, MegatronBackendConfig(tp=1, pp=1), None, groups=eng.groups)  # joins eng's groups
     ref_logps = [o.logps.values for o in ref.forward_logps(batches)]
     before = dict(eng.export_weights())
     steps = eng.steps_taken

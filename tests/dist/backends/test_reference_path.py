@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import compose_config, direct_completion_logps, run_ranks
 
 pytestmark = pytest.mark.dist
@@ -24,13 +23,12 @@ def _model_dirs(root):
 
 
 def _engine_logps(rank, world, cfg, policy_dir):
-    from rltrain.models.tokenizer import load_tokenizer
-
-    from rltrain.config.run_context import RunContext
     from rltrain.backends import build_engine
-    from rltrain.data.batch import SequenceBatch
-    from rltrain.runtime.distributed import DistInfo
     from rltrain.backends.roles import resolve_role_dirs
+    from rltrain.config.run_context import RunContext
+    from rltrain.data.batch import SequenceBatch
+    from rltrain.models.tokenizer import load_tokenizer
+    from rltrain.runtime.distributed import DistInfo
 
     tokenizer = load_tokenizer(str(policy_dir))
     dist_info = DistInfo(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
@@ -45,7 +43,7 @@ def _engine_logps(rank, world, cfg, policy_dir):
 
 
 def test_a_reference_path_gives_the_kl_transformers_gives(tiny_cache, tmp_path):
-    from rltrain.algos.losses import k3_kl
+    from rltrain.algos.policy_loss import k3_kl
 
     policy_dir, other_dir = _model_dirs(tmp_path)
     cfg = compose_config("algo.beta=0.04", f"reference.path={other_dir}", "trainer.nproc=2")

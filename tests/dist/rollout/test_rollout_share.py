@@ -26,6 +26,8 @@ def _completions():
         Completion(prompt_index=0, token_ids=[], logprobs=[], finished=False),
         # version: the policy version a rollout server reported (rollout=server)
         Completion(prompt_index=3, token_ids=[7], logprobs=[-12.75], finished=False, version=7),
+        # prompt_ids: the prompt it continues where it is not the row's (an image row vLLM expanded)
+        Completion(prompt_index=5, token_ids=[4, 2], logprobs=[-1.5, -0.25], finished=True, prompt_ids=[1, 9, 9, 9, 3]),
         Completion(prompt_index=4, token_ids=[3, 8, 8, 1], logprobs=[-0.5, 0.0, 0.0, -1e-300], finished=True,
                    sampled=[True, False, False, True]),
     ]
@@ -36,13 +38,13 @@ def _episodes():
     from rltrain.rewards.scoring import Failures
 
     return EpisodeResults(
-        completions=_completions(), returns=[1.0, -0.1, 0.0, 2.0 / 3.0], final_texts=["12", "", "héllo\n✓", "done"],
+        completions=_completions(), returns=[1.0, -0.1, 0.0, 0.5, 2.0 / 3.0], final_texts=["12", "", "héllo\n✓", "seen", "done"],
         failures=Failures(timeouts=2, errors=1), turns=7.0, tool_calls=3.0,
     )
 
 
 def _as_rows(completions):
-    return [(c.prompt_index, c.token_ids, c.logprobs, c.finished, c.sampled, c.version) for c in completions]
+    return [(c.prompt_index, c.token_ids, c.logprobs, c.finished, c.sampled, c.prompt_ids, c.version) for c in completions]
 
 
 def _episode_rows(played):

@@ -38,14 +38,14 @@ def empty_batch(global_tokens: int):
     return SequenceBatch.from_lists([], [], global_tokens=global_tokens)
 
 
-def make_engine(model_dir: Path, fail_fast: bool = False, max_consecutive_errors: int = 3):
+def make_engine(model_dir: Path, fail_fast: bool = False, max_consecutive_errors: int = 3, faults=None):
     from rltrain.backends.fsdp.engine import FSDPEngine
     from rltrain.config.group_options import FSDPBackendConfig
     from rltrain.config.schema import OptimConfig, SafetyConfig
 
     optim = OptimConfig(lr=1e-2, warmup_steps=8, schedule="constant")  # warm-up: the LR moves every step
     safety = SafetyConfig(fail_fast=fail_fast, max_consecutive_errors=max_consecutive_errors)
-    return FSDPEngine(model_dir, FSDPBackendConfig(), optim, 10, torch.device("cpu"), safety=safety)
+    return FSDPEngine(model_dir, FSDPBackendConfig(), optim, 10, torch.device("cpu"), safety=safety, faults=faults)
 
 
 def full_params(engine) -> dict[str, torch.Tensor]:

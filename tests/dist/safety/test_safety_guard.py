@@ -30,7 +30,7 @@ def _zero_anchored(rank, world, model_dir, anchor):
     "outputs" (the guard's rule) or "parameter" (one parameter, the tempting shortcut)."""
     from safety_common import make_engine, rank_batch
 
-    from rltrain.algos.losses import sft_loss
+    from rltrain.algos.sft import sft_loss
     from rltrain.safety.guard import zero_loss_from_outputs
 
     engine = make_engine(model_dir)

@@ -51,7 +51,7 @@ def _worker(rank: int, world: int, model_dir: str, tp: int, pp: int, batches, n_
     from rltrain.backends.megatron.engine import MegatronEngine
     from rltrain.config.group_options import MegatronBackendConfig
     from rltrain.config.schema import OptimConfig, SafetyConfig
-    from rltrain.safety import faults
+    from rltrain.safety.faults import FaultInjector, parse_faults
     from rltrain.safety.guard import ErrorBudget, TooManyErrors
 
     optim = OptimConfig(**{**OPTIM, "warmup_steps": 8})  # warm-up: the LR moves with every step taken
@@ -66,8 +66,8 @@ def _worker(rank: int, world: int, model_dir: str, tp: int, pp: int, batches, n_
 
     def step(fault: str | None, zero_micro_batch: int | None = None) -> dict:
         eng.load_checkpoint(ckpt)
-        injector = faults.install(fault, rank)
-        injector.set_step(2)
+        eng.faults = FaultInjector(parse_faults(fault), rank)
+        eng.faults.set_step(2)
         metrics = eng.train_step(batches, _loss_fn(n_tokens, zero_micro_batch))
         adam = [float(s["step"]) for s in eng.optimizer.state.values() if "step" in s]
         return dict(metrics=metrics, weights=dict(eng.export_weights()), steps=eng.steps_taken, adam=adam)
@@ -79,7 +79,8 @@ def _worker(rank: int, world: int, model_dir: str, tp: int, pp: int, batches, n_
     res["nan_grad"] = step("nan_grad:0:2")
     eng.load_checkpoint(ckpt)
     eng.error_budget = ErrorBudget(0)
-    faults.install("loss_error:1:2", rank).set_step(2)
+    eng.faults = FaultInjector(parse_faults("loss_error:1:2"), rank)
+    eng.faults.set_step(2)
     try:
         eng.train_step(batches, _loss_fn(n_tokens))
         res["budget"] = "no error"

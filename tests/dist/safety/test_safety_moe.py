@@ -46,7 +46,7 @@ def _batches():
 
 
 def _rank(rank, world, model_dir):
-    from rltrain.algos.losses import sft_loss
+    from rltrain.algos.sft import sft_loss
     from rltrain.backends.fsdp import engine as fsdp
     from rltrain.config.group_options import FSDPBackendConfig
     from rltrain.config.schema import OptimConfig
@@ -74,10 +74,10 @@ def _rank(rank, world, model_dir):
 
 
 def _reference(model_dir):
-    from rltrain.algos.losses import sft_loss
+    from rltrain.algos.sft import sft_loss
     from rltrain.backends.base import PolicyOutput
     from rltrain.backends.fsdp.hf_scoring import CompletionScorer, completion_positions
-    from rltrain.backends.fsdp.shared_prefix import Rectangle
+    from rltrain.backends.fsdp.micro_batches.shared_prefix import Rectangle
     from rltrain.data.ragged import Ragged
     from rltrain.models.hf_io import load_causal_lm
     from rltrain.models.moe import prepare_moe

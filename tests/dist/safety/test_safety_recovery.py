@@ -25,12 +25,12 @@ FAULTS = "loss_error:1:2,backward_error:1:3,nan_grad:0:5"
 def _session(rank, world, model_dir):
     from safety_common import adam_steps, empty_batch, full_params, make_engine, rank_batch
 
-    from rltrain.algos.losses import sft_loss
-    from rltrain.safety import faults
+    from rltrain.algos.sft import sft_loss
+    from rltrain.safety.faults import FaultInjector, parse_faults
     from rltrain.safety.guard import params_without_grad
 
-    injector = faults.install(FAULTS, rank)
-    a, b = make_engine(model_dir), make_engine(model_dir)
+    injector = FaultInjector(parse_faults(FAULTS), rank)  # one run's injector, shared by its engines
+    a, b = make_engine(model_dir, faults=injector), make_engine(model_dir, faults=injector)
     missing: dict[int, list[str]] = {}
     a.optimizer.register_step_pre_hook(lambda *_: missing.__setitem__(injector.step, params_without_grad(a.scorer)))
     out = {"a": [], "b": [], "metrics": [], "adam": [], "missing": missing}
@@ -55,12 +55,12 @@ def _budget(rank, model_dir):
     """Errors at steps 2, 3 and 4 with max_consecutive_errors=2: the third one stops the run."""
     from safety_common import make_engine, rank_batch
 
-    from rltrain.algos.losses import sft_loss
-    from rltrain.safety import faults
+    from rltrain.algos.sft import sft_loss
+    from rltrain.safety.faults import FaultInjector, parse_faults
     from rltrain.safety.guard import TooManyErrors
 
-    injector = faults.install("loss_error:1:2-4", rank)
-    engine = make_engine(model_dir, max_consecutive_errors=2)
+    injector = FaultInjector(parse_faults("loss_error:1:2-4"), rank)
+    engine = make_engine(model_dir, max_consecutive_errors=2, faults=injector)
     for step in range(1, 6):
         injector.set_step(step)
         try:

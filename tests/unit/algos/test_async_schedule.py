@@ -171,7 +171,7 @@ class AgentEpisodes:
     sequences), each call an engine call of its own, as the endpoint makes them."""
 
     def run(self, rows, copies, sampling, phase, generate):
-        from rltrain.envs.agent import AgentResults
+        from rltrain.envs.agent.runner import AgentResults
         from rltrain.rewards.scoring import Failures
 
         last, first = [], []

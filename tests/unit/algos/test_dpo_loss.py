@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from rltrain.algos.losses import dpo_pair_losses, implicit_rewards
+from rltrain.algos.dpo import dpo_pair_losses
+from rltrain.algos.preference import implicit_rewards
 
 
 def _h():

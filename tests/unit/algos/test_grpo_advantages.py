@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rltrain.algos.advantages import group_advantages
-from rltrain.algos.losses import aggregate, k3_kl
-from rltrain.algos.losses import policy_loss as grpo_loss
+from rltrain.algos.policy_loss import PolicyLossInputs, aggregate, k3_kl
+from rltrain.algos.policy_loss import policy_loss as grpo_loss
 from rltrain.data.ragged import Ragged
 
 
@@ -70,9 +70,9 @@ PG = [-1.28, -0.5, 2.2]
 )
 def test_loss_by_hand(loss_agg, expected):
     logps, old, adv = example()
-    loss, metrics = grpo_loss(
+    loss, metrics = grpo_loss(PolicyLossInputs(
         logps, adv, old_logps=old, loss_agg=loss_agg, global_tokens=3, global_seqs=2, max_len=4
-    )
+    ))
     assert loss.item() == pytest.approx(expected, abs=1e-6)
     assert metrics["policy/pg_loss"].item() == pytest.approx(expected, abs=1e-6)
     assert metrics["policy/clipfrac"].item() == pytest.approx(1 / 3)
@@ -82,7 +82,7 @@ def test_loss_by_hand(loss_agg, expected):
 def test_gradient_by_hand():
     """d/dlogp of -A r is -A r, zero where the clipped bound is active."""
     logps, old, adv = example()
-    loss, _ = grpo_loss(logps, adv, old_logps=old, global_tokens=3, global_seqs=2)
+    loss, _ = grpo_loss(PolicyLossInputs(logps, adv, old_logps=old, global_tokens=3, global_seqs=2))
     loss.backward()
     assert logps.values.grad.tolist() == pytest.approx([0.0, -0.5 / 3, 2 * 1.1 / 3], abs=1e-6)
 
@@ -100,7 +100,7 @@ def test_gradient_by_hand():
 def test_asymmetric_clip(ratio, adv, clipped):
     old = Ragged.from_lengths(torch.tensor([-1.0]), [1])
     logps = old.with_values(old.values + math.log(ratio))
-    loss, metrics = grpo_loss(logps, torch.tensor([adv]), old_logps=old, global_tokens=1, global_seqs=1)
+    loss, metrics = grpo_loss(PolicyLossInputs(logps, torch.tensor([adv]), old_logps=old, global_tokens=1, global_seqs=1))
     bounded = min(max(ratio, 0.8), 1.28)
     assert loss.item() == pytest.approx(max(-adv * ratio, -adv * bounded), abs=1e-6)
     assert metrics["policy/clipfrac"].item() == float(clipped)
@@ -114,15 +114,15 @@ def test_k3_kl_and_beta():
     logps, old, adv = example()
     ref = old.with_values(logps.values.detach() + delta)
     entropy = old.with_values(torch.tensor([1.0, 2.0, 3.0]))
-    loss, metrics = grpo_loss(
+    loss, metrics = grpo_loss(PolicyLossInputs(
         logps, adv, old_logps=old, ref_logps=ref, entropy=entropy, beta=0.1, global_tokens=3, global_seqs=2
-    )
+    ))
     assert loss.item() == pytest.approx((sum(PG) + 3 * 0.1 * k3) / 3, abs=1e-6)
     assert metrics["policy/pg_loss"].item() == pytest.approx(sum(PG) / 3, abs=1e-6)
     assert metrics["policy/kl"].item() == pytest.approx(k3, abs=1e-6)
     assert metrics["policy/entropy"].item() == pytest.approx(2.0)
     # beta = 0: KL reported, not in the loss
-    loss0, metrics0 = grpo_loss(logps, adv, old_logps=old, ref_logps=ref, global_tokens=3, global_seqs=2)
+    loss0, metrics0 = grpo_loss(PolicyLossInputs(logps, adv, old_logps=old, ref_logps=ref, global_tokens=3, global_seqs=2))
     assert loss0.item() == pytest.approx(sum(PG) / 3, abs=1e-6)
     assert metrics0["policy/kl"].item() == pytest.approx(k3, abs=1e-6)
 
@@ -130,7 +130,7 @@ def test_k3_kl_and_beta():
 def test_on_policy_is_reinforce_with_a_baseline():
     """old_logps=None: ratio 1, loss = -mean(A), gradient -A / N per token."""
     logps, _, adv = example()
-    loss, metrics = grpo_loss(logps, adv, global_tokens=3, global_seqs=2)
+    loss, metrics = grpo_loss(PolicyLossInputs(logps, adv, global_tokens=3, global_seqs=2))
     assert loss.item() == pytest.approx((-1 - 1 + 2) / 3, abs=1e-6)
     assert metrics["policy/clipfrac"].item() == 0.0
     loss.backward()
@@ -151,20 +151,20 @@ def test_micro_batches_sum_to_the_full_batch(loss_agg):
     base = (old.values + 0.4 * torch.randn(n, generator=g)).requires_grad_()
     kw = dict(beta=0.05, loss_agg=loss_agg, global_tokens=n, global_seqs=len(lengths), max_len=6)
 
-    full, full_m = grpo_loss(old.with_values(base), adv, old_logps=old, ref_logps=ref, entropy=ent, **kw)
+    full, full_m = grpo_loss(PolicyLossInputs(old.with_values(base), adv, old_logps=old, ref_logps=ref, entropy=ent, **kw))
     (full_grad,) = torch.autograd.grad(full, base)
 
     total, total_m = torch.zeros(()), {k: torch.zeros(()) for k in full_m}
     for idx in ([0, 1], [], [2, 3, 4], [5]):
         logps = old.with_values(base).select(idx)
-        loss, m = grpo_loss(
+        loss, m = grpo_loss(PolicyLossInputs(
             logps,
             adv[idx],
             old_logps=old.select(idx),
             ref_logps=ref.select(idx),
             entropy=ent.select(idx),
             **kw,
-        )
+        ))
         total = total + loss
         total_m = {k: total_m[k] + m[k] for k in total_m}
     (split_grad,) = torch.autograd.grad(total, base)
@@ -188,13 +188,13 @@ def test_errors_name_the_setting():
     logps, old, adv = example()
     kw = dict(global_tokens=3, global_seqs=2)
     with pytest.raises(ValueError, match="loss_agg"):
-        grpo_loss(logps, adv, loss_agg="seq_sum", **kw)
+        grpo_loss(PolicyLossInputs(logps, adv, loss_agg="seq_sum", **kw))
     with pytest.raises(ValueError, match="beta"):
-        grpo_loss(logps, adv, beta=0.1, **kw)
+        grpo_loss(PolicyLossInputs(logps, adv, beta=0.1, **kw))
     with pytest.raises(ValueError, match="max_len"):
-        grpo_loss(logps, adv, loss_agg="seq_mean_token_sum_norm", **kw)
+        grpo_loss(PolicyLossInputs(logps, adv, loss_agg="seq_mean_token_sum_norm", **kw))
     with pytest.raises(ValueError, match="advantages"):
-        grpo_loss(logps, adv[:1], **kw)
+        grpo_loss(PolicyLossInputs(logps, adv[:1], **kw))
 
 
 def test_token_advantages_equal_broadcast_sequence_advantages():
@@ -204,8 +204,8 @@ def test_token_advantages_equal_broadcast_sequence_advantages():
     old = Ragged.from_lengths(torch.tensor([-1.1, -1.9, -0.7]), [2, 1])
     adv = torch.tensor([0.7, -1.3])
     kw = dict(old_logps=old, global_tokens=3, global_seqs=2)
-    per_seq, m_seq = grpo_loss(logps, adv, **kw)
-    per_token, m_tok = grpo_loss(logps, logps.broadcast(adv).detach(), **kw)
+    per_seq, m_seq = grpo_loss(PolicyLossInputs(logps, adv, **kw))
+    per_token, m_tok = grpo_loss(PolicyLossInputs(logps, logps.broadcast(adv).detach(), **kw))
     assert per_token.item() == pytest.approx(per_seq.item())
     assert m_tok["policy/clipfrac"].item() == m_seq["policy/clipfrac"].item()
     # k2 between the new and the old log-probabilities: 0.5 * (0.01 + 0.01 + 0.04) / 3

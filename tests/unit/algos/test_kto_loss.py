@@ -7,8 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rltrain.algos.kto import kto_micro_batches, make_kto_loss, mismatched
-from rltrain.algos.losses import kto_losses, kto_reference_kl
+from rltrain.algos.kto import kto_losses, kto_micro_batches, kto_reference_kl, make_kto_loss, mismatched
 from rltrain.data.ragged import Ragged
 from rltrain.data.unpaired_data import LabelledCompletion, held_out_pairs
 

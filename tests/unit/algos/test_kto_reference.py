@@ -15,8 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rltrain.algos.kto import make_kto_loss
-from rltrain.algos.losses import kto_reference_kl
+from rltrain.algos.kto import kto_reference_kl, make_kto_loss
 from rltrain.data.ragged import Ragged
 
 MAX_LEN = 9

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from rltrain.algos.losses import policy_loss
+from rltrain.algos.policy_loss import PolicyLossInputs, policy_loss
 from rltrain.data.ragged import Ragged
 from rltrain.rewards.overlong import overlong_penalties
 
@@ -27,9 +27,9 @@ def _ragged(rows, requires_grad: bool = False) -> Ragged:
 
 def _loss(adv, **kwargs):
     logps = _ragged(LOGPS, requires_grad=True)
-    loss, metrics = policy_loss(
+    loss, metrics = policy_loss(PolicyLossInputs(
         logps, torch.tensor(adv), old_logps=_ragged(OLD), global_tokens=3.0, global_seqs=2.0, **kwargs
-    )
+    ))
     loss.backward()
     return loss.item(), logps.values.grad.tolist(), metrics
 
@@ -81,9 +81,9 @@ def test_dr_grpo_sums_each_sequence_over_the_generation_budget():
     """On-policy (ratio 1) with loss_agg=seq_mean_token_sum_norm and max_len 4: the loss is
     -(2 * A_0 + 1 * A_1) / (4 * 2) and each token's gradient -A / 8, whatever its sequence's length."""
     logps = _ragged(LOGPS, requires_grad=True)
-    loss, _ = policy_loss(
+    loss, _ = policy_loss(PolicyLossInputs(
         logps, torch.tensor([1.0, -3.0]), loss_agg="seq_mean_token_sum_norm", max_len=4, global_tokens=3.0, global_seqs=2.0
-    )
+    ))
     loss.backward()
     assert loss.item() == pytest.approx(-(2 * 1.0 + 1 * -3.0) / 8)
     assert logps.values.grad.tolist() == pytest.approx([-1 / 8, -1 / 8, 3 / 8])
@@ -123,7 +123,7 @@ def test_distillations_gradient_is_the_reverse_kls_on_policy():
     student_rows, teacher_rows = [[-1.0, -2.0], [-0.5]], [[-1.5, -1.0], [-0.3]]
     logps = _ragged(student_rows, requires_grad=True)
     adv = reverse_kl_advantages(logps.with_values(logps.values.detach()), _ragged(teacher_rows))
-    loss, _ = policy_loss(logps, adv, global_tokens=3.0, global_seqs=2.0)
+    loss, _ = policy_loss(PolicyLossInputs(logps, adv, global_tokens=3.0, global_seqs=2.0))
     loss.backward()
     flat_s = [v for r in student_rows for v in r]
     flat_t = [v for r in teacher_rows for v in r]

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rltrain.algos.losses import policy_loss
+from rltrain.algos.policy_loss import PolicyLossInputs, policy_loss
 from rltrain.data.ragged import Ragged
 
 CLIP_LOW, CLIP_HIGH, MAX_LEN = 0.2, 0.28, 12
@@ -38,10 +38,10 @@ def ours(lengths, logps_N, old_N, adv_B, **kwargs):
     """(loss, d loss / d logps_N) of rltrain's policy_loss."""
     leaf = logps_N.clone().requires_grad_(True)
     logps = Ragged.from_lengths(leaf, lengths)
-    loss, _ = policy_loss(
+    loss, _ = policy_loss(PolicyLossInputs(
         logps, adv_B, old_logps=Ragged.from_lengths(old_N, lengths), clip_low=CLIP_LOW, clip_high=CLIP_HIGH,
         global_tokens=float(lengths.sum()), global_seqs=float(len(lengths)), max_len=MAX_LEN, **kwargs,
-    )
+    ))
     loss.backward()
     return loss.detach(), leaf.grad
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rltrain.algos.losses import policy_loss
+from rltrain.algos.policy_loss import PolicyLossInputs, policy_loss
 from rltrain.algos.rollout_correction import correction, correction_metrics
 from rltrain.data.ragged import Ragged
 
@@ -35,14 +35,14 @@ def test_the_masked_loss_and_its_gradient_equal_the_loss_on_the_sampled_tokens(l
     full = torch.tensor([v for r in LOGPS for v in r], requires_grad=True)
     part = torch.tensor([v for r in only_sampled(LOGPS) for v in r], requires_grad=True)
     common = dict(clip_low=0.2, clip_high=0.28, beta=0.1, loss_agg=loss_agg, global_tokens=5.0, global_seqs=2.0, max_len=8)
-    loss_full, m_full = policy_loss(
+    loss_full, m_full = policy_loss(PolicyLossInputs(
         ragged(LOGPS).with_values(full), ADV_B, old_logps=ragged(OLD), ref_logps=ragged(REF), entropy=ragged(LOGPS),
         sampled=ragged(MASK), **common,
-    )
-    loss_part, m_part = policy_loss(
+    ))
+    loss_part, m_part = policy_loss(PolicyLossInputs(
         ragged(only_sampled(LOGPS)).with_values(part), ADV_B, old_logps=ragged(only_sampled(OLD)),
         ref_logps=ragged(only_sampled(REF)), entropy=ragged(only_sampled(LOGPS)), **common,
-    )
+    ))
     assert loss_full.item() == pytest.approx(loss_part.item(), rel=1e-6)
     for key in m_part:
         assert m_full[key].item() == pytest.approx(m_part[key].item(), rel=1e-6, abs=1e-9), key
@@ -57,7 +57,7 @@ def test_on_policy_token_mean_by_hand():
     """ratio 1: the loss is -(sum of each sampled token's advantage) / sampled tokens =
     -(3 * 1 + 2 * (-2)) / 5 = 0.2; over every token it would be -(5 * 1 + 3 * (-2)) / 8 = 0.125."""
     logps = ragged(LOGPS)
-    loss, _ = policy_loss(logps, ADV_B, sampled=ragged(MASK), global_tokens=5.0, global_seqs=2.0)
+    loss, _ = policy_loss(PolicyLossInputs(logps, ADV_B, sampled=ragged(MASK), global_tokens=5.0, global_seqs=2.0))
     assert loss.item() == pytest.approx(0.2)
 
 

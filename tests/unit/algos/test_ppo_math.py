@@ -14,7 +14,7 @@ from rltrain.algos.advantages import (
     token_rewards,
     whiten,
 )
-from rltrain.algos.losses import value_loss
+from rltrain.algos.ppo import value_loss
 from rltrain.data.ragged import Ragged
 
 
@@ -91,8 +91,7 @@ def test_multi_turn_gae_runs_over_the_sampled_tokens_and_leaves_observations_out
     no share of the value loss, and the whitening moments count sampled tokens only."""
     from types import SimpleNamespace
 
-    from rltrain.algos.ppo import ppo_advantages
-    from rltrain.config.algorithms import PPOConfig
+    from rltrain.algos.ppo import PPOConfig, ppo_advantages
 
     sampled = Ragged.from_lengths(torch.tensor([True, True, False, False, True, True, True]), [5, 2])
     values = _ragged([0.5, 0.6, 9.0, 9.0, 0.7, 1.0, 1.5], [5, 2])

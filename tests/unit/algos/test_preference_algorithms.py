@@ -66,6 +66,7 @@ def built(monkeypatch):
     monkeypatch.setattr(preference, "build_engine", fake_build_engine)
     monkeypatch.setattr(dpo, "build_reference", lambda ctx, policy, steps: (fake_build_engine(ctx, "reference", steps),) * 2)
     monkeypatch.setattr(preference, "build_preference_data", lambda *a: PreferenceData(PAIRS, PAIRS, [], SkipCounts()))
+    monkeypatch.setattr(preference, "load_processor", lambda *a: None)  # no model directory: a text-only model
 
     def build(name: str, *overrides: str):
         cfg = compose_config(f"algo={name}", "trainer.global_batch_size=3", "trainer.micro_batch_size=2", *overrides)

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from rltrain.algos.losses import log1mexp, orpo_log_odds_ratio, orpo_pair_losses, simpo_pair_losses
+from rltrain.algos.orpo import log1mexp, orpo_log_odds_ratio, orpo_pair_losses
+from rltrain.algos.simpo import simpo_pair_losses
 
 
 def sig(x):

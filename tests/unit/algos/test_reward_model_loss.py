@@ -13,8 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rltrain.algos.losses import reward_pair_losses
-from rltrain.algos.rm import last_token_rewards, make_reward_model_loss
+from rltrain.algos.rm import last_token_rewards, make_reward_model_loss, reward_pair_losses
 from rltrain.data.ragged import Ragged
 
 

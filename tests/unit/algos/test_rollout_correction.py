@@ -1,5 +1,5 @@
 """Rollout correction weights and masks against values computed by hand, and their effect on the
-policy loss (rltrain/algos/rollout_correction.py, rltrain/algos/losses.py)."""
+policy loss (rltrain/algos/rollout_correction.py, rltrain/algos/policy_loss.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rltrain.algos.losses import policy_loss
+from rltrain.algos.policy_loss import PolicyLossInputs, policy_loss
 from rltrain.algos.rollout_correction import correction, correction_metrics, resolve_mode
 from rltrain.data.ragged import Ragged
 
@@ -48,13 +48,13 @@ def test_the_loss_applies_weights_per_token_and_masks_per_sequence():
     logps = Ragged.from_lengths(torch.tensor([-1.0, -2.0, -0.5, -3.0], requires_grad=True), [2, 2])
     adv = torch.tensor([1.0, -1.0])
     kw = dict(global_tokens=4.0, global_seqs=2.0)
-    plain, _ = policy_loss(logps, adv, **kw)  # ratio 1: pg = -A per token -> (-1 -1 +1 +1) / 4 = 0
+    plain, _ = policy_loss(PolicyLossInputs(logps, adv, **kw))  # ratio 1: pg = -A per token -> (-1 -1 +1 +1) / 4 = 0
     weights, _ = correction(OLD, ENGINE, "tis", 1.5, 2.0)
-    weighted, _ = policy_loss(logps, adv, is_weights=weights, **kw)
+    weighted, _ = policy_loss(PolicyLossInputs(logps, adv, is_weights=weights, **kw))
     w = weights.values.tolist()
     assert plain.item() == pytest.approx(0.0)
     assert weighted.item() == pytest.approx((-w[0] - w[1] + w[2] + w[3]) / 4)
-    masked, _ = policy_loss(logps, adv, keep_B=torch.tensor([True, False]), **kw)
+    masked, _ = policy_loss(PolicyLossInputs(logps, adv, keep_B=torch.tensor([True, False]), **kw))
     assert masked.item() == pytest.approx(-2.0 / 4)  # the dropped sequence still counts in the denominator
 
 
@@ -82,8 +82,8 @@ def test_decoupled_loss_clips_against_the_proximal_policy_and_weights_the_behavi
     assert keep is None
     # exp(proximal - behaviour): exp(0.3), exp(-0.9); neither reaches the cap
     assert weights.values.tolist() == pytest.approx([math.exp(0.3), math.exp(-0.9)])
-    loss, _ = policy_loss(current, torch.tensor([1.0]), old_logps=proximal, is_weights=weights,
-                          clip_low=0.2, clip_high=0.28, global_tokens=2.0, global_seqs=1.0)
+    loss, _ = policy_loss(PolicyLossInputs(current, torch.tensor([1.0]), old_logps=proximal, is_weights=weights,
+                          clip_low=0.2, clip_high=0.28, global_tokens=2.0, global_seqs=1.0))
     # ratio to the proximal policy: exp(0.7) = 2.01 is clipped at 1.28; exp(-0.1) = 0.905 is inside.
     # (Against the behaviour policy the first ratio would be exp(1.0) and the second exp(-1.0).)
     expected = (-1.28 * math.exp(0.3) - math.exp(-0.1) * math.exp(-0.9)) / 2
@@ -98,6 +98,6 @@ def test_in_sync_auto_leaves_the_loss_exactly_as_without_correction():
     weights, keep = correction(OLD, ENGINE, resolve_mode("auto", 0), 2.0, 2.0)
     assert (weights, keep) == (None, None)
     kw = dict(old_logps=OLD, global_tokens=4.0, global_seqs=2.0)
-    a, _ = policy_loss(logps, torch.tensor([1.0, -1.0]), is_weights=weights, keep_B=keep, **kw)
-    b, _ = policy_loss(logps, torch.tensor([1.0, -1.0]), **kw)
+    a, _ = policy_loss(PolicyLossInputs(logps, torch.tensor([1.0, -1.0]), is_weights=weights, keep_B=keep, **kw))
+    b, _ = policy_loss(PolicyLossInputs(logps, torch.tensor([1.0, -1.0]), **kw))
     assert a.item() == b.item()

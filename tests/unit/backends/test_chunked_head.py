@@ -53,7 +53,7 @@ def test_scorer_with_the_chunked_head_matches_the_plain_scorer(tiny_cache, monke
     from transformers import AutoModelForCausalLM
 
     from rltrain.backends.fsdp.hf_scoring import CompletionScorer, completion_positions
-    from rltrain.backends.fsdp.shared_prefix import Rectangle
+    from rltrain.backends.fsdp.micro_batches.shared_prefix import Rectangle
     from rltrain.config.schema import ModelConfig
     from rltrain.data.batch import SequenceBatch
     from rltrain.models.tiny import build_tiny_model_dir

@@ -13,7 +13,7 @@ import torch
 
 from rltrain.backends.fsdp.compile_layers import compile_decoder_layers
 from rltrain.backends.fsdp.hf_scoring import CompletionScorer, completion_positions
-from rltrain.backends.fsdp.layout import MicroBatchLayout
+from rltrain.backends.fsdp.micro_batches.layout import MicroBatchLayout
 from rltrain.config.schema import ModelConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.models.hf_io import load_causal_lm

@@ -3,7 +3,7 @@ under bf16-mixed autocast (one unsharded rank), as sdpa does, and scores what sd
 autocast nothing is cast, and a call without a mask still gets the model's own causal mask.
 
 Forward only (CPU flex_attention has no backward), on the CPU's autocast: the rotary embedding
-turns query and key fp32 there exactly as on CUDA (rltrain.backends.fsdp.flex_autocast)."""
+turns query and key fp32 there exactly as on CUDA (rltrain.backends.fsdp.micro_batches.flex_autocast)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,13 @@ from functools import partial
 import pytest
 import torch
 
-from rltrain.backends.fsdp import flex_autocast
-from rltrain.backends.fsdp.flex_autocast import AUTOCAST_FLEX_ATTENTION, switch_to_flex_attention
 from rltrain.backends.fsdp.hf_scoring import CompletionScorer, completion_positions
-from rltrain.backends.fsdp.layout import MicroBatchLayout
+from rltrain.backends.fsdp.micro_batches import flex_autocast
+from rltrain.backends.fsdp.micro_batches.flex_autocast import (
+    AUTOCAST_FLEX_ATTENTION,
+    switch_to_flex_attention,
+)
+from rltrain.backends.fsdp.micro_batches.layout import MicroBatchLayout
 from rltrain.data.batch import SequenceBatch
 
 CPU = torch.device("cpu")

@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rltrain.algos.losses import sft_loss
+from rltrain.algos.sft import sft_loss
 from rltrain.backends.base import PolicyOutput
-from rltrain.backends.fsdp.attention_masks import (
+from rltrain.backends.fsdp.hf_scoring import CompletionScorer, completion_positions
+from rltrain.backends.fsdp.micro_batches.attention_masks import (
     block_mask,
     dense_mask_mod,
     document_causal_mask,
@@ -18,11 +19,14 @@ from rltrain.backends.fsdp.attention_masks import (
     model_attention_mask,
     use_flex_attention,
 )
-from rltrain.backends.fsdp.flex_autocast import switch_to_flex_attention
-from rltrain.backends.fsdp.hf_scoring import CompletionScorer, completion_positions
-from rltrain.backends.fsdp.layout import MicroBatchLayout
-from rltrain.backends.fsdp.padding_free import padding_free_rectangle
-from rltrain.backends.fsdp.shared_prefix import PackingCost, packed_rectangles, shared_prompt_groups
+from rltrain.backends.fsdp.micro_batches.flex_autocast import switch_to_flex_attention
+from rltrain.backends.fsdp.micro_batches.layout import MicroBatchLayout
+from rltrain.backends.fsdp.micro_batches.padding_free import padding_free_rectangle
+from rltrain.backends.fsdp.micro_batches.shared_prefix import (
+    PackingCost,
+    packed_rectangles,
+    shared_prompt_groups,
+)
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
 
@@ -206,7 +210,7 @@ def test_the_compiled_block_mask_builder_cuda_uses_equals_the_eager_one():
     for two lengths (the second compiles with a dynamic length), it gives the eager masks."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from rltrain.backends.fsdp.attention_masks import compiled_create_block_mask
+    from rltrain.backends.fsdp.micro_batches.attention_masks import compiled_create_block_mask
 
     for lengths in ([1, 130, 40, 129], [5, 300]):
         doc_BT = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]

@@ -11,10 +11,10 @@ from helpers import compose_config
 
 from rltrain.backends.roles import check_same_tokenizer, resolve_role_dirs
 from rltrain.config.schema import ModelConfig
-from rltrain.config.validate import validate
 from rltrain.models.tiny import build_tiny_model_dir
 from rltrain.models.tiny_reward import build_tiny_reward_model_dir
 from rltrain.models.tokenizer import build_char_tokenizer
+from rltrain.preflight.validate import validate
 from rltrain.runtime.errors import UserError
 
 SMALL = dict(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)

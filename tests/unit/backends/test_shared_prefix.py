@@ -7,7 +7,11 @@ import pytest
 import torch
 
 from rltrain.backends.fsdp.hf_scoring import CompletionScorer, completion_positions
-from rltrain.backends.fsdp.shared_prefix import Rectangle, packed_rectangles, shared_prompt_groups
+from rltrain.backends.fsdp.micro_batches.shared_prefix import (
+    Rectangle,
+    packed_rectangles,
+    shared_prompt_groups,
+)
 from rltrain.data.batch import SequenceBatch
 
 PAD = 0
@@ -85,7 +89,7 @@ def test_padding_never_empties_an_attention_row():
 
 
 def test_groups_are_chunked_where_packing_costs_more_than_it_saves():
-    from rltrain.backends.fsdp.shared_prefix import PackingCost
+    from rltrain.backends.fsdp.micro_batches.shared_prefix import PackingCost
 
     cost = PackingCost(linear=1000.0, attention=1.0, max_row_tokens=64)
     prompt = list(range(1, 21))  # 20 tokens
@@ -102,7 +106,7 @@ def test_groups_are_chunked_where_packing_costs_more_than_it_saves():
 def test_packing_cost_from_a_model_config():
     from transformers import Qwen2Config
 
-    from rltrain.backends.fsdp.shared_prefix import PackingCost
+    from rltrain.backends.fsdp.micro_batches.shared_prefix import PackingCost
 
     config = Qwen2Config(hidden_size=384, num_attention_heads=12, num_key_value_heads=4, intermediate_size=1024)
     cost = PackingCost.from_config(config)

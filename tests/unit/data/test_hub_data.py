@@ -101,7 +101,7 @@ def returns_a_list(row: dict) -> list:
 def test_a_hub_key_with_a_local_file_is_refused(tmp_path):
     from helpers import compose_config
 
-    from rltrain.config.validate import validate
+    from rltrain.preflight.validate import validate
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"prompt": "1+1=", "completion": "2"}\n')

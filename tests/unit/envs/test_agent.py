@@ -1,4 +1,4 @@
-"""env=agent (rltrain/envs/agent*.py): agents with the real `openai` client in real call workers,
+"""env=agent (rltrain/envs/agent/): agents with the real `openai` client in real call workers,
 against the real endpoint; the engine is a scripted stand-in (a function of the ids it is given).
 Every token served is recorded; calls that extend the conversation merge into one sequence, a
 rewritten history starts a new one; a hung, crashing, silent or misbehaving agent fails its episode
@@ -20,10 +20,10 @@ import pytest
 from rltrain.config.group_options import AgentEnvConfig
 from rltrain.config.schema import RewardConfig
 from rltrain.data.prompt_data import PromptRow
-from rltrain.envs.agent import AgentRunner
-from rltrain.envs.agent_endpoint import AgentEndpoint, ApiError, parse_chat_request
-from rltrain.envs.agent_record import EpisodeRecord
-from rltrain.envs.agent_reply import cut_reply
+from rltrain.envs.agent.endpoint import AgentEndpoint, ApiError, parse_chat_request
+from rltrain.envs.agent.record import EpisodeRecord
+from rltrain.envs.agent.reply import cut_reply
+from rltrain.envs.agent.runner import AgentRunner
 from rltrain.envs.episodes import TURN_SEED_STRIDE
 from rltrain.models.tokenizer import build_char_tokenizer
 from rltrain.rollout.base import Completion, SamplingSettings
@@ -109,6 +109,23 @@ AGENTS = textwrap.dedent('''
                 raise TimeoutError("the episodes did not run at once")
             await asyncio.sleep(0.01)
         await openai.AsyncOpenAI().chat.completions.create(model="x", messages=[{"role": "user", "content": row["tag"]}])
+        return 1.0
+
+    async def blocks_its_loop(client, row):
+        """On the rows tagged "block": a synchronous sleep inside async def (the worker's event loop
+        stops for every episode on it); the others talk after a short await."""
+        if row["tag"] == "block":
+            time.sleep(1000)
+        await asyncio.sleep(0.3)
+        await client.chat.completions.create(model="x", messages=[{"role": "user", "content": row["prompt"]}])
+        return 1.0
+
+    def blocks_its_thread(client, row):
+        """The synchronous agent's version: its own thread sleeps on the rows tagged "block"."""
+        if row["tag"] == "block":
+            time.sleep(1000)
+        time.sleep(0.3)
+        client.chat.completions.create(model="x", messages=[{"role": "user", "content": row["prompt"]}])
         return 1.0
 
     def by_tag(client, row):
@@ -401,6 +418,19 @@ def test_a_hung_crashing_silent_or_nonsense_agent_fails_its_episode_only(agents)
     assert silent.prompt_ids is None and silent.token_ids == [EOS] and silent.sampled == [False]
 
 
+@pytest.mark.parametrize("agent", ["blocks_its_loop", "blocks_its_thread"])
+def test_an_agent_blocked_on_one_prompt_in_eight_costs_those_episodes_only(agents, agent):
+    """16 episodes, 8 at once on one worker, two of them blocked for good: those two time out
+    (`env/timeouts`); the episodes that shared the worker (its event loop, for the async agent)
+    run again on a fresh one and score as they would without them."""
+    tags = ["block" if i % 8 == 0 else f"e{i}" for i in range(16)]
+    reward = RewardConfig(on_failure=-1.0, max_failure_frac=1.0)
+    played = play(f"{agents}:{agent}", tags=tags, reward=reward, timeout_s=10.0, workers=1, max_concurrency=8)
+    assert played.returns == [-1.0 if t == "block" else 1.0 for t in tags]
+    assert played.failures.timeouts == 2 and played.failures.errors == 0
+    assert [c.prompt_ids for c in played.completions if c.prompt_ids] == [ids(f"U:{t}|\nA:") for t in tags if t != "block"]
+
+
 def test_too_many_failed_episodes_stop_the_run_naming_the_agent(agents):
     with pytest.raises(UserError, match=r"the agent 'agent_fixtures:by_tag' failed on 2 of this rank's 2 episodes"):
         play(f"{agents}:by_tag", tags=("raise", "silent"))
@@ -421,7 +451,7 @@ def test_an_agent_batch_survives_a_checkpoint_as_json_exactly(agents):
     """An asynchronous run's checkpoint holds played batches (rltrain/algos/async_rollouts.py): every
     sequence of an agent's episodes (prompt ids, masks, log-probabilities, the episode of each), its
     named rewards and counts come back as they were."""
-    from rltrain.envs.agent import AgentResults, played_from_json, played_to_json
+    from rltrain.envs.agent.runner import AgentResults, played_from_json, played_to_json
 
     for agent in ("rewrite", "talk"):
         played = play(f"{agents}:{agent}")

@@ -11,7 +11,7 @@ import pytest
 from hub_cache import lay_model
 
 from rltrain.config.hub import is_hub_id, local_model_dir, model_identity
-from rltrain.config.sources import read_hf_config
+from rltrain.preflight.sources import read_hf_config
 from rltrain.runtime.errors import UserError
 
 
@@ -78,7 +78,7 @@ def test_ids_are_ids():
 def test_a_revision_without_a_hub_id_is_refused(overrides, expected):
     from helpers import compose_config
 
-    from rltrain.config.validate import validate
+    from rltrain.preflight.validate import validate
 
     with pytest.raises(UserError, match=re.escape(expected)):
         validate(compose_config(*overrides))
@@ -88,7 +88,7 @@ def test_every_role_takes_a_hub_id_through_validation(tmp_path):
     """reference.path, critic.path and reward_model.path resolve and validate like model.path."""
     from helpers import compose_config
 
-    from rltrain.config.validate import validate
+    from rltrain.preflight.validate import validate
 
     lay_model("test-org/ref", model_files(tmp_path / "ref", 64), revision="v2")
     rm = model_files(tmp_path / "rm", 64)

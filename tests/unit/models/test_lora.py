@@ -13,8 +13,8 @@ import torch
 from helpers import compose_config
 
 from rltrain.config.schema import LoraAdapterConfig, ModelConfig
-from rltrain.config.validate import validate
 from rltrain.models import lora
+from rltrain.preflight.validate import validate
 from rltrain.runtime.errors import UserError
 
 SMALL = ModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)

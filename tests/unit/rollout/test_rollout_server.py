@@ -1,7 +1,8 @@
 """`rollout=server` against two real vLLM API servers on the CPU (the session's `rollout_servers`):
 completions independent of the fleet, weights pushed to every server with their version on every
 completion, a server SIGKILLed mid-generation and restarted, another model refused, every server
-gone. docs/rollout-servers.md."""
+gone, two URLs of one server refused, a server that fails while the fleet forms survived.
+docs/rollout-servers.md."""
 
 from __future__ import annotations
 
@@ -11,15 +12,16 @@ import shutil
 import signal
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from safetensors.torch import load_file
 
 from rltrain.config.group_options import ServerRolloutConfig, ServersConfig
 from rltrain.rollout.base import SamplingSettings
-from rltrain.rollout.server import FleetDown, ServerFleetEngine
-from rltrain.rollout.server_process import SpawnedServer, free_port
-from rltrain.rollout.server_push import server_device
+from rltrain.rollout.server.fleet import FleetDown, ServerFleetEngine
+from rltrain.rollout.server.process import SpawnedServer, free_port
+from rltrain.rollout.server.push import server_device
 from rltrain.runtime.errors import UserError
 
 pytestmark = [pytest.mark.xdist_group("rollout_servers")]
@@ -28,8 +30,8 @@ PROMPTS = [[1, 5 + i, 7, 9 + (i % 3)] for i in range(8)]
 SAMPLING = SamplingSettings(n=2, temperature=1.0, max_new_tokens=12, seed=3)
 
 
-def fleet(rollout_servers, indices, tmp_path, model_dir=None, timeout_s=60.0, push_backend="auto") -> ServerFleetEngine:
-    urls = [rollout_servers["servers"][i].url for i in indices]
+def fleet(rollout_servers, indices, tmp_path, model_dir=None, timeout_s=60.0, push_backend="auto", urls=()) -> ServerFleetEngine:
+    urls = [rollout_servers["servers"][i].url for i in indices] + list(urls)
     cfg = ServerRolloutConfig(servers=ServersConfig(urls=urls, start_timeout_s=60, push_backend=push_backend), timeout_s=timeout_s)
     return ServerFleetEngine(
         cfg, model_dir or rollout_servers["model_dir"], dtype="float32", rank=0, cuda=False, log_dir=tmp_path
@@ -181,3 +183,60 @@ def test_cpu_servers_are_pushed_over_gloo_and_nccl_is_refused_naming_the_fix(rol
         engine._push_backend(engine.servers[0])
     engine.cfg.servers.push_backend = "auto"
     assert engine._push_backend(engine.servers[0]) == "gloo"
+
+
+def test_two_urls_of_one_server_are_refused_naming_both(rollout_servers, tmp_path):
+    """One URL twice (refused before asking anything), and two names of one server: it reports the
+    same id under both, so the trainer never pushes each version into it twice."""
+    url = rollout_servers["servers"][0].url
+    other_name = url.replace("127.0.0.1", "localhost")
+    for twice in ([url + "/"], [other_name]):
+        with pytest.raises(UserError, match="rollout.servers.urls") as info:
+            fleet(rollout_servers, [0], tmp_path, urls=twice)
+        message = str(info.value)
+        assert f"{url} and {twice[0]}" in message or f"({url}) and 1 ({twice[0]})" in message, message
+
+
+class HandshakeFails(BaseHTTPRequestHandler):
+    """Answers /health and says who it is, then fails the weight push's handshake (HTTP 500)."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self._send(200, {})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if body.get("method") == "rltrain_server_id":
+            self._send(200, {"results": ["handshake-fails"]})
+        else:
+            self._send(500, {"error": "engine died"})
+
+    def _send(self, status, body):
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def failing_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), HandshakeFails)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_server_that_fails_while_the_fleet_forms_is_down_and_the_others_go_on(rollout_servers, tmp_path, failing_server):
+    engine = fleet(rollout_servers, [0], tmp_path, timeout_s=3.0, urls=[failing_server])
+    assert engine.metrics()["rollout/servers_up"] == 1.0 and engine.metrics()["rollout/server_failures"] == 1.0
+    assert "weight push" in engine.servers[1].reasons[-1]
+    assert len(engine.generate(PROMPTS, SAMPLING)) == len(PROMPTS) * 2
+    started = time.monotonic()  # alone, it leaves no server: one paragraph (exit 2) within rollout.timeout_s
+    with pytest.raises(FleetDown, match="every rollout server stayed unreachable") as info:
+        fleet(rollout_servers, [], tmp_path, timeout_s=3.0, urls=[failing_server])
+    assert isinstance(info.value, UserError) and failing_server in str(info.value)
+    assert time.monotonic() - started < 3.0 * 3 + 10

@@ -1,4 +1,4 @@
-"""The weight push's backend per server and its concurrency (rltrain/rollout/server_push.py,
+"""The weight push's backend per server and its concurrency (rltrain/rollout/server/push.py,
 docs/rollout-servers.md): `rollout.servers.push_backend` picks NCCL only where both ends run on
 CUDA and the server is not one the trainer spawned on its own GPU; the fleet pushes to every
 server at once and a failed push is that server's alone."""
@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from rltrain.rollout.server_http import ServerDown
-from rltrain.rollout.server_push import needs_server_device, push_backend, run_each
+from rltrain.rollout.server.client import ServerDown
+from rltrain.rollout.server.push import needs_server_device, push_backend, run_each
 from rltrain.runtime.errors import UserError
 
 URL = "http://nodeB:8000"

@@ -20,7 +20,7 @@ import torch
 from helpers import compose_config
 
 from rltrain.config.group_options import VLLMRolloutConfig
-from rltrain.config.validate import validate
+from rltrain.preflight.validate import validate
 from rltrain.rollout.base import SamplingSettings
 from rltrain.rollout.vllm import VLLMRolloutEngine
 from rltrain.rollout.vllm_args import GIB, engine_kwargs

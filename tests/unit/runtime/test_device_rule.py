@@ -81,7 +81,7 @@ def test_the_static_check_flags_the_bugs_that_crashed_on_cuda():
 OTHER = torch.device("meta")
 RL_KEYS = (
     "clip_low", "clip_high", "beta", "loss_agg", "importance_level", "policy_loss", "max_new_tokens", "rollout_is_cap",
-    "rollout_mask_band",
+    "rollout_mask_band", "rollout_is_floor", "rollout_geo_band", "rollout_icepop_band",
 )
 
 
@@ -98,7 +98,7 @@ def _batch() -> SequenceBatch:
 
 
 def test_sft_loss_runs_where_the_outputs_are():
-    from rltrain.algos.losses import sft_loss
+    from rltrain.algos.sft import sft_loss
 
     batch = _batch()
     batch.extras["global_tokens"] = float(batch.num_completion_tokens)
@@ -131,33 +131,34 @@ def test_kto_loss_runs_where_the_outputs_are_with_host_labels_and_reference_sums
 
 
 def test_grpo_loss_runs_where_the_outputs_are_with_host_advantages_and_engine_logps():
-    from rltrain.algos.rl_update import PolicyLossInputs, make_policy_loss
-    from rltrain.config.algorithms import GRPOConfig
+    from rltrain.algos.grpo import GRPOConfig
+    from rltrain.algos.rl_update import PolicyBatchInputs, make_policy_loss
 
     batch = _batch()
     lengths = batch.completion_lens()
     n = int(lengths.sum())
-    batch.loss_inputs = PolicyLossInputs(
+    batch.loss_inputs = PolicyBatchInputs(
         adv=torch.tensor([1.0, -1.0, 0.5, -0.5], device="cpu"),
         old_logps=None, entropy=None, ref_logps=None,
         engine_logps=Ragged.from_lengths(torch.full((n,), -1.0, device="cpu"), lengths),
         measure_parity=True, global_tokens=float(n), global_seqs=4.0,
     )
-    for correction in ("none", "tis", "mask"):
+    for correction in ("none", "tis", "mask", "seq_tis", "seq_mask", "geo_mask", "icepop"):
         cfg = SimpleNamespace(**{k: getattr(GRPOConfig(), k) for k in RL_KEYS}, rollout_correction=correction)
         loss, metrics = make_policy_loss(cfg)(_output(batch, with_entropy=True), batch)
         assert loss.device == OTHER and metrics["rollout/logprob_diff_mean"].device == OTHER, correction
+        assert metrics["rollout/mismatch_kl"].device == OTHER, correction
 
 
 @pytest.mark.parametrize("reference_on", ["cpu", "meta"])
 def test_grpo_loss_with_reference_log_probs_on_either_device(reference_on):
-    from rltrain.algos.rl_update import PolicyLossInputs, make_policy_loss
-    from rltrain.config.algorithms import GRPOConfig
+    from rltrain.algos.grpo import GRPOConfig
+    from rltrain.algos.rl_update import PolicyBatchInputs, make_policy_loss
 
     batch = _batch()
     lengths = batch.completion_lens()
     n = int(lengths.sum())
-    batch.loss_inputs = PolicyLossInputs(
+    batch.loss_inputs = PolicyBatchInputs(
         adv=torch.tensor([1.0, -1.0, 0.5, -0.5], device="cpu"),
         old_logps=Ragged.from_lengths(torch.full((n,), -1.0, device=reference_on), lengths),
         entropy=Ragged.from_lengths(torch.ones(n, device=reference_on), lengths),

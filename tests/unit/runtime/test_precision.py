@@ -47,7 +47,7 @@ def test_autocast_only_for_mixed_precision():
 def test_precision_is_the_only_dtype_key():
     from rltrain.__main__ import CONF_DIR
     from rltrain.config.schema import ModelConfig, TrainerConfig, register_configs
-    from rltrain.config.validate import CHOICES, validate
+    from rltrain.preflight.validate import CHOICES, validate
     from rltrain.runtime.errors import UserError
 
     assert "dtype" not in {f.name for f in dataclasses.fields(ModelConfig)}

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 
-from rltrain.transport.layout import BucketPacker, Entry
+from rltrain.transport.buckets import BucketPacker, Entry
 from rltrain.transport.protocol import ALIGN_BYTES, MAGIC, SEGMENT_PREFIX
 from rltrain.transport.receiver import WeightReceiver
 from rltrain.transport.sender import (

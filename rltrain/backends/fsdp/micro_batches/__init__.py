@@ -1,0 +1,5 @@
+"""How an FSDP micro-batch meets the model (`layout.MicroBatchLayout` chooses): packed rows of shared
+prompts (`shared_prefix`), one padding-free row (`padding_free`), length buckets or one padded
+rectangle, which rows with images always take (`vision_layout`); the attention masks of packed rows (`attention_masks`) and flex_attention under autocast
+(`flex_autocast`). docs/internals/backends.md.
+"""

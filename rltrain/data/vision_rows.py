@@ -1,0 +1,235 @@
+"""Rows with images (TRL's vision formats) into prompt token ids plus the row's encoded images.
+
+An `images` column (a list) or `image` (one) holds `datasets` Image values, PIL images, bytes, or
+file paths relative to the dataset file. A prompt marks where each image goes: `{"type": "image"}`
+content parts in conversational rows, `<image>` in text rows (verl's layout); the counts must match.
+The model's processor then expands each image into its visual tokens. docs/vision.md.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rltrain.data.vision_inputs import VisionInputs
+from rltrain.runtime.errors import UserError
+
+IMAGE_PLACEHOLDER = "<image>"  # in a text prompt: one image, in order
+IMAGE_COLUMNS = ("images", "image")
+# Processor outputs that are per-token (rebuilt from the padded ids at the model call) or the ids.
+TEXT_OUTPUTS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
+
+
+@dataclass
+class RowSource:
+    """Where a row came from, for error messages and relative image paths."""
+
+    where: str  # e.g. "data.path='shapes.jsonl'"
+    base_dir: Path  # the dataset file's directory
+
+
+def source_of(data_path: str | None, where: str) -> RowSource:
+    path = Path(data_path).expanduser() if data_path else Path.cwd()
+    return RowSource(where, path if path.is_dir() else path.parent)
+
+
+def has_image_column(rows: list[dict]) -> bool:
+    return any(row.get(c) is not None for row in rows[:1] for c in IMAGE_COLUMNS)
+
+
+def row_images(row: dict, index: int, source: RowSource) -> list[Any]:
+    """The row's images as PIL images (none: an empty list)."""
+    value = next((row[c] for c in IMAGE_COLUMNS if row.get(c) is not None), None)
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    return [open_image(v, index, source) for v in values]
+
+
+def open_image(value: Any, index: int, source: RowSource):
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(value, Image.Image):
+        return value.convert("RGB")
+    if isinstance(value, dict):  # the datasets Image feature, undecoded
+        value = value.get("bytes") or value.get("path")
+    try:
+        if isinstance(value, (bytes, bytearray)):
+            return Image.open(io.BytesIO(value)).convert("RGB")
+        if isinstance(value, str):
+            path = Path(value).expanduser()
+            path = path if path.is_absolute() else source.base_dir / path
+            return Image.open(path).convert("RGB")
+    except (OSError, UnidentifiedImageError) as exc:
+        raise UserError(
+            f"{source.where}: row {index} names an image that cannot be read ({value!r:.120}: "
+            f"{type(exc).__name__}: {exc}). Give PIL images, image bytes or paths (relative to the dataset file) "
+            "of existing image files."
+        ) from exc
+    raise UserError(
+        f"{source.where}: row {index} has an image of type {type(value).__name__}; images are PIL images, "
+        "image bytes, datasets Image values or file paths."
+    )
+
+
+def image_parts(messages: list[dict]) -> int:
+    """How many `{"type": "image"}` content parts a conversation holds."""
+    return sum(
+        1
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for part in m["content"]
+        if isinstance(part, dict) and part.get("type") in ("image", "image_url")
+    )
+
+
+def message_text(message: dict) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text") or "" for p in content or [] if isinstance(p, dict) and p.get("type") == "text")
+
+
+def check_placeholders(found: int, images: int, index: int, source: RowSource, marker: str) -> None:
+    if found != images:
+        raise UserError(
+            f"{source.where}: row {index} has {images} image(s) but its prompt marks {found} ({marker}); "
+            "put one marker where each image goes, in the order of the row's images."
+        )
+
+
+class VisionEncoder:
+    """A vision-language model's processor applied to one row's prompt text and images."""
+
+    def __init__(self, processor) -> None:
+        self.processor = processor
+        tokenizer = processor.tokenizer
+        image_token = processor.image_token
+        vocab = tokenizer.get_vocab()
+        # Qwen2-VL's layout wraps the image token; others (LLaVA) use it alone.
+        wrapped = "<|vision_start|>" in vocab and "<|vision_end|>" in vocab
+        self.image_markup = f"<|vision_start|>{image_token}<|vision_end|>" if wrapped else image_token
+
+    def text_prompt(self, prompt: str, images: list, index: int, source: RowSource) -> str:
+        """A text prompt with `<image>` placeholders, in the model's own image markup."""
+        check_placeholders(prompt.count(IMAGE_PLACEHOLDER), len(images), index, source, f"{IMAGE_PLACEHOLDER!r} placeholders")
+        return prompt.replace(IMAGE_PLACEHOLDER, self.image_markup) if self.image_markup != IMAGE_PLACEHOLDER else prompt
+
+    def encode(self, prompt_text: str, images: list) -> tuple[list[int], VisionInputs | None]:
+        """(prompt ids with each image's visual tokens, the row's image tensors or None)."""
+        if not images:
+            ids = self.processor.tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+            return list(ids), None
+        out = self.processor(text=[prompt_text], images=images, return_tensors="pt", add_special_tokens=False)
+        tensors = {k: v for k, v in out.items() if k not in TEXT_OUTPUTS}
+        return out["input_ids"][0].tolist(), VisionInputs(tensors, len(images))
+
+
+def vision_prompt_completion(
+    encoder: VisionEncoder, row: dict, index: int, source: RowSource
+) -> tuple[list[int], str, VisionInputs | None]:
+    """(prompt ids, completion text, images) of an SFT row: `messages` (the last one the
+    assistant's), conversational `prompt`/`completion` lists, or text `prompt`/`completion`."""
+    images = row_images(row, index, source)
+    tokenizer = encoder.processor.tokenizer
+    prompt: Any  # a dataset row's values: checked below
+    completion: Any
+    conversation: Any = row.get("messages") if row.get("prompt") is None else None
+    if conversation is None and isinstance(row.get("prompt"), list):
+        conversation = list(row["prompt"]) + list(row.get("completion") or [])
+    if conversation is not None:
+        if not isinstance(conversation, list) or len(conversation) < 2 or conversation[-1].get("role") != "assistant":
+            raise UserError(
+                f"{source.where}: row {index}'s conversation must end with the assistant's message (the completion) "
+                "after at least one other (the prompt)."
+            )
+        check_placeholders(image_parts(conversation[:-1]), len(images), index, source, '{"type": "image"} content parts')
+        prompt = tokenizer.apply_chat_template(conversation[:-1], tokenize=False, add_generation_prompt=True)
+        completion = message_text(conversation[-1])
+    else:
+        prompt, completion = row.get("prompt"), row.get("completion")
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            raise UserError(f"{source.where}: row {index} needs string 'prompt' and 'completion' values (or 'messages').")
+        prompt = encoder.text_prompt(prompt, images, index, source)
+    ids, vision = encoder.encode(prompt, images)
+    return ids, completion, vision
+
+
+def text_only_refusal(source: RowSource) -> UserError:
+    return UserError(
+        f"{source.where} has images (an 'images' or 'image' column) but the model is text-only. Train a "
+        "vision-language model (model=tiny_vl, or model.path of one that AutoModelForImageTextToText loads), "
+        "or drop the image column."
+    )
+
+
+@dataclass
+class VisionPairRow:
+    """A preference row with images: its prompt ids (visual tokens included), completion texts and images."""
+
+    prompt: list[int]
+    chosen: str
+    rejected: str
+    vision: VisionInputs | None
+
+
+def vision_pair_rows(processor, rows: list[dict], source: RowSource) -> list[VisionPairRow]:
+    """Preference rows (`prompt` text with `<image>` or messages, `chosen`/`rejected` texts or
+    message lists) with their images; `processor` None (a text-only model) is refused."""
+    if processor is None:
+        raise text_only_refusal(source)
+    encoder = VisionEncoder(processor)
+    out = []
+    for index, row in enumerate(rows):
+        images = row_images(row, index, source)
+        prompt: Any = row.get("prompt")  # a dataset row's values: checked below
+        chosen: Any = row.get("chosen")
+        rejected: Any = row.get("rejected")
+        if isinstance(chosen, list) and isinstance(rejected, list) and chosen and rejected:
+            context = prompt if isinstance(prompt, list) else chosen[:-1]
+            check_placeholders(image_parts(context), len(images), index, source, '{"type": "image"} content parts')
+            prompt = processor.tokenizer.apply_chat_template(context, tokenize=False, add_generation_prompt=True)
+            chosen, rejected = message_text(chosen[-1]), message_text(rejected[-1])
+        elif isinstance(prompt, str):
+            prompt = encoder.text_prompt(prompt, images, index, source)
+        if not (isinstance(prompt, str) and isinstance(chosen, str) and isinstance(rejected, str)):
+            raise UserError(f"{source.where}: row {index} needs 'prompt', 'chosen' and 'rejected' as strings or message lists.")
+        ids, vision = encoder.encode(prompt, images)
+        out.append(VisionPairRow(ids, chosen, rejected, vision))
+    return out
+
+
+@dataclass
+class VisionPrompt:
+    """An RL prompt with images: `text` has one image markup per image (what a rollout engine reads
+    beside `images`), `ids` each image's visual tokens expanded (what the trainer scores)."""
+
+    text: str
+    ids: list[int]
+    chat: bool
+    images: list
+    vision: VisionInputs | None
+
+
+def vision_prompts(processor, rows: list[dict], source: RowSource) -> list[VisionPrompt]:
+    """RL prompts (`prompt` text with `<image>`, or messages with image parts) with their images."""
+    if processor is None:
+        raise text_only_refusal(source)
+    encoder = VisionEncoder(processor)
+    out = []
+    for index, row in enumerate(rows):
+        images = row_images(row, index, source)
+        prompt: Any = row.get("prompt")
+        chat = isinstance(prompt, list)
+        if chat:
+            check_placeholders(image_parts(prompt), len(images), index, source, '{"type": "image"} content parts')
+            prompt = processor.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        elif isinstance(prompt, str):
+            prompt = encoder.text_prompt(prompt, images, index, source)
+        if not isinstance(prompt, str) or not prompt:
+            raise UserError(f"{source.where}: row {index} needs a non-empty 'prompt' (text or messages).")
+        ids, vision = encoder.encode(prompt, images)
+        out.append(VisionPrompt(prompt, ids, chat, images, vision))
+    return out

@@ -1,0 +1,154 @@
+"""Vision-language models in the trainer: recognising one, loading it, where its parts live.
+
+A directory whose config has a `vision_config` loads with `AutoModelForImageTextToText` (Qwen2-VL,
+Qwen2.5-VL, LLaVA, ...); every other directory keeps the causal-LM path. The language model's
+decoder layers are what FSDP wraps and LoRA adapts; the vision tower (and its projector) is frozen
+unless `model.freeze_vision=false`. docs/vision.md.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from rltrain.runtime.errors import UserError
+from rltrain.runtime.torchvision_compat import ensure_torchvision
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+# Submodules of `lm.model` that see pixels, by architecture: Qwen2-VL's `visual`, LLaVA's tower and
+# projector, Idefics3's vision model and connector.
+VISION_MODULE_NAMES = ("visual", "vision_tower", "multi_modal_projector", "vision_model", "connector")
+# A regex peft matches against module names: what LoRA must leave alone in a vision-language model.
+VISION_MODULES_PATTERN = r".*\.(" + "|".join(VISION_MODULE_NAMES) + r")\..*"
+
+
+def is_vision_config(config) -> bool:
+    return getattr(config, "vision_config", None) is not None
+
+
+def is_vision_model_dir(model_dir: Path) -> bool:
+    """Whether `model_dir` holds a vision-language model (its config.json has a vision_config)."""
+    try:
+        return "vision_config" in json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def load_vision_lm(model_dir: Path, dtype: torch.dtype, on_meta: bool = False) -> PreTrainedModel:
+    """`load_causal_lm`'s twin for vision-language models (same arguments, same attention)."""
+    ensure_torchvision()
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    if on_meta:
+        config = AutoConfig.from_pretrained(str(model_dir))
+        with torch.device("meta"):
+            return AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
+
+
+def decoder_layers(lm: nn.Module) -> nn.ModuleList:
+    """The language model's decoder layers: `lm.model.layers`, or inside a vision-language model
+    `lm.model.language_model.layers`."""
+    body = lm.model
+    assert isinstance(body, nn.Module)
+    inner = body.language_model if hasattr(body, "language_model") else body
+    assert isinstance(inner, nn.Module)
+    layers = inner.layers
+    assert isinstance(layers, nn.ModuleList)
+    return layers
+
+
+def vision_modules(lm: nn.Module) -> list[nn.Module]:
+    """The submodules that see pixels (none in a text-only model)."""
+    body = lm.model
+    assert isinstance(body, nn.Module)
+    return [m for name in VISION_MODULE_NAMES if isinstance(m := getattr(body, name, None), nn.Module)]
+
+
+def freeze_vision(lm: nn.Module) -> int:
+    """Freeze the vision tower and projector; returns how many parameters that froze."""
+    frozen = 0
+    for module in vision_modules(lm):
+        for param in module.parameters():
+            param.requires_grad_(False)
+            frozen += param.numel()
+    return frozen
+
+
+def image_token_id(config) -> int | None:
+    """The token id that stands for one visual token in the prompt (Qwen2-VL's `image_token_id`,
+    LLaVA's `image_token_index`)."""
+    for key in ("image_token_id", "image_token_index"):
+        if (value := getattr(config, key, None)) is not None:
+            return int(value)
+    return None
+
+
+def grid_model_inputs(inner: PreTrainedModel, input_ids_BT: torch.Tensor, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The language model's call inputs for a Qwen2-VL-family model (image grids): the token
+    embeddings with each image's features placed where `mm_token_type_ids` marks the prompt's
+    placeholders, and the M-RoPE positions those marks give. Transformers' own forward would take
+    every placeholder token in `input_ids` as an image slot, so a completion that sampled the
+    placeholder (the rollout engine takes it as text) would not match its image features."""
+    grid = inputs["image_grid_thw"]
+    marks_BT = inputs["mm_token_type_ids"]
+    embeds_BTH = inner.get_input_embeddings()(input_ids_BT)
+    features = inner.get_image_features(inputs["pixel_values"], grid).pooler_output
+    features_NH = torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
+    slots = marks_BT.bool()[..., None].expand_as(embeds_BTH)
+    embeds_BTH = embeds_BTH.masked_scatter(slots, features_NH.to(embeds_BTH.dtype))
+    position_ids, _ = inner.get_rope_index(input_ids_BT, marks_BT, image_grid_thw=grid)
+    return {"inputs_embeds": embeds_BTH, "position_ids": position_ids}
+
+
+def places_by_grid(inputs: dict[str, torch.Tensor]) -> bool:
+    """Whether a call's image inputs are placed by `grid_model_inputs` (pixels with image grids)."""
+    return "pixel_values" in inputs and "image_grid_thw" in inputs and "mm_token_type_ids" in inputs
+
+
+def load_processor(model_dir: Path, tokenizer):
+    """A vision-language model's processor around the run's `tokenizer` (the one every text path
+    uses); None for a text-only model."""
+    if not is_vision_model_dir(model_dir):
+        return None
+    ensure_torchvision()
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(str(model_dir), tokenizer=tokenizer)
+
+
+# A processor's own files (transformers writes one or several, by version and model).
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
+
+
+def copy_processor_files(model_dir: Path, directory: Path) -> None:
+    """Copy the processor files of the model a run started from into an output directory, so that
+    `final/` loads with AutoProcessor as the start did (nothing for a text-only model)."""
+    for name in PROCESSOR_FILES:
+        if (Path(model_dir) / name).is_file():
+            shutil.copyfile(Path(model_dir) / name, Path(directory) / name)
+
+
+def refuse_on_megatron(model_dir: Path) -> None:
+    """backend=megatron trains text-only models: a vision-language model is refused in one paragraph."""
+    if is_vision_model_dir(model_dir):
+        raise UserError(
+            f"backend=megatron does not train vision-language models ({model_dir} has a vision tower): rltrain "
+            "converts only text decoders to megatron-core. Use backend=fsdp, which trains them on 1 or more "
+            "ranks, with or without LoRA (docs/vision.md)."
+        )
+
+
+def vision_auto_class():
+    """AutoModelForImageTextToText, torchvision made importable first."""
+    ensure_torchvision()
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText

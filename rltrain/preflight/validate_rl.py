@@ -1,0 +1,136 @@
+"""The checks only RL runs need: multi-turn environments (`env`) and generating ahead
+(`placement.max_staleness`). rltrain/preflight/validate.py calls them with the rest before any model
+is built; docs/environments.md and docs/async.md say what each refusal protects.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rltrain.config.algorithms import names_where, spec_of
+from rltrain.config.group_choice import as_option
+from rltrain.config.group_options import ServerRolloutConfig, VLLMRolloutConfig
+from rltrain.config.schema import Config
+from rltrain.runtime.errors import UserError
+
+
+def _algo_list(names: list[str]) -> str:
+    """["grpo", "ppo"] -> "algo=grpo or algo=ppo"."""
+    return " or ".join(f"algo={name}" for name in names)
+
+
+def validate_env(cfg: Config) -> None:
+    """`env=python`, `env=tools` and `env=agent` (docs/environments.md, docs/agents.md): what this release runs multi-turn, and in-range numbers."""
+    env = cfg.env
+    if env.name != "python" and env.cls is not None:
+        raise UserError(f"env.cls={env.cls!r} is set but env={env.name} does not use it: add env=python to use it.")
+    if env.name != "tools" and list(env.tools):
+        raise UserError(f"env.tools={list(env.tools)} is set but env={env.name} does not use it: add env=tools to use them.")
+    if env.name != "agent" and (env.agent is not None or env.chat_template is not None):
+        key = "env.agent" if env.agent is not None else "env.chat_template"
+        raise UserError(f"{key} is set but env={env.name} does not use it: add env=agent to use it.")
+    if env.name == "none":
+        return
+    if env.name == "agent" and (not env.agent or ":" not in env.agent):
+        raise UserError(f"env=agent needs env.agent=package.module:function, your agent (got {env.agent!r}).")
+    template = env.chat_template
+    if template is not None and "{" not in template and not Path(template).expanduser().is_file():
+        raise UserError(f"env.chat_template={template!r} is neither a Jinja template nor a file: give the template or its path.")
+    if env.name == "python" and (not env.cls or ":" not in env.cls):
+        raise UserError(f"env=python needs env.cls=package.module:Class, your environment class (got {env.cls!r}).")
+    if env.name == "tools":
+        if not list(env.tools):
+            raise UserError("env=tools needs env.tools=[package.module:function,...], the functions the model may call.")
+        for path in env.tools:
+            if ":" not in path:
+                raise UserError(f"env.tools entry {path!r} must be package.module:function.")
+    if not spec_of(cfg.algo.name).rewards:
+        raise UserError(
+            f"env={env.name} trains with {_algo_list(names_where(lambda s: s.rewards))}; algo={cfg.algo.name} cannot: "
+            "it scores no episodes."
+        )
+    if cfg.algo.dynamic_sampling:
+        raise UserError(
+            f"algo.dynamic_sampling=true with env={env.name}: dynamic sampling draws more prompts for single-turn "
+            "completions; episodes are not resampled. Set algo.dynamic_sampling=false."
+        )
+    if cfg.algo.overlong_buffer > 0:
+        raise UserError(
+            f"algo.overlong_buffer={cfg.algo.overlong_buffer} with env={env.name}: the overlong penalty measures one "
+            "completion against algo.max_new_tokens, and an episode's completion spans many turns and observations. "
+            "Set algo.overlong_buffer=0, or bound episodes with env.max_total_tokens."
+        )
+    if env.name == "python" and (list(cfg.reward.fns) or cfg.reward_model.name != "none"):
+        raise UserError(
+            "env=python takes its rewards from the environment's step() (summed over the episode); reward.fns and "
+            "reward_model are not called. Remove them, or score inside step()."
+        )
+    if env.name == "agent" and (list(cfg.reward.fns) or cfg.reward_model.name != "none"):
+        raise UserError(
+            "env=agent takes its rewards from what the agent returns; reward.fns and reward_model are not called. "
+            "Remove them, or score inside the agent."
+        )
+    for key in ("max_turns", "max_total_tokens", "workers", "max_concurrency"):
+        if getattr(env, key) < 1:
+            raise UserError(f"env.{key}={getattr(env, key)} must be at least 1.")
+    if env.max_tokens_per_turn is not None and env.max_tokens_per_turn < 1:
+        raise UserError(f"env.max_tokens_per_turn={env.max_tokens_per_turn} must be at least 1 (null: algo.max_new_tokens).")
+    if env.timeout_s is not None and env.timeout_s < 0:
+        raise UserError(f"env.timeout_s={env.timeout_s} must be positive (seconds), or 0 / null for no limit.")
+
+
+def validate_servers(cfg: Config) -> None:
+    """`rollout=server` (docs/rollout-servers.md): its fleet and what it cannot do."""
+    rollout = as_option("rollout", cfg.rollout, ServerRolloutConfig)
+    if rollout is None:
+        return
+    if cfg.placement.time_sharing:
+        raise UserError(
+            "rollout=server with placement.time_sharing=true: the servers are processes of their own (on this machine or "
+            "others) that keep their memory, so there is nothing to take turns on. Set placement.time_sharing=false, or use "
+            "rollout=vllm to share one device between the engine and the trainer."
+        )
+    servers = rollout.servers
+    if servers.spawn < 0 or (servers.spawn == 0 and not servers.urls):
+        raise UserError(
+            f"rollout=server needs servers: rollout.servers.spawn={servers.spawn} and rollout.servers.urls={list(servers.urls)}. "
+            "Set rollout.servers.spawn=N (servers started on this machine) and/or rollout.servers.urls=[http://host:port] "
+            "(servers started with `python -m rltrain.serve <the run's overrides>`)."
+        )
+    bad = [u for u in servers.urls if not str(u).startswith(("http://", "https://"))]
+    if bad:
+        raise UserError(f"rollout.servers.urls has {bad}: each entry is a base URL such as http://10.0.0.2:8000.")
+    for key in ("timeout_s", "bucket_mb", "max_num_seqs", "kv_cache_gib"):
+        if getattr(rollout, key) <= 0:
+            raise UserError(f"rollout.{key}={getattr(rollout, key)} must be positive.")
+
+
+def validate_staleness(cfg: Config) -> None:
+    """`placement.max_staleness` (docs/async.md): the engines and loops that can generate ahead."""
+    k = cfg.placement.max_staleness
+    if k < 0:
+        raise UserError(f"placement.max_staleness={k} must be 0 (synchronous) or a number of policy versions >= 1.")
+    if k == 0:
+        return
+    if not spec_of(cfg.algo.name).generates:
+        raise UserError(
+            f"placement.max_staleness={k} overlaps generation with training; algo={cfg.algo.name} generates nothing. "
+            f"Use {_algo_list(names_where(lambda s: s.generates))}, or placement.max_staleness=0."
+        )
+    if cfg.placement.time_sharing:
+        raise UserError(
+            f"placement.max_staleness={k} with placement.time_sharing=true: time sharing makes the engine and the trainer "
+            "take turns on one device, so nothing can overlap. Set placement.time_sharing=false (the engine keeps its "
+            "memory beside the trainer's), or placement.max_staleness=0."
+        )
+    vllm = as_option("rollout", cfg.rollout, VLLMRolloutConfig)
+    process = vllm.process if vllm is not None else None
+    beside_trainer = cfg.rollout.name == "server" or process == "separate"  # servers run beside it by construction
+    if not beside_trainer:
+        raise UserError(
+            f"placement.max_staleness={k} needs an engine that runs beside the trainer: rollout=vllm "
+            f"rollout.process=separate (the engine in its own process). rollout={cfg.rollout.name}"
+            + (f" rollout.process={process}" if process else "")
+            + " shares the trainer's process and threads, so it cannot overlap. Add rollout=vllm rollout.process=separate, "
+            "or set placement.max_staleness=0."
+        )

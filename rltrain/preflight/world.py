@@ -1,0 +1,93 @@
+"""The world a run will have (its ranks, those that hold distinct data) and the megatron split of
+ranks and model it needs, checked before any rank starts (rltrain.preflight.validate calls
+`validate_megatron_split`)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from rltrain.config.hub import local_model_dir
+from rltrain.config.schema import Config
+from rltrain.runtime.errors import UserError
+
+
+def world_size(cfg: Config) -> int:
+    """The number of ranks the run will have: torchrun's WORLD_SIZE when under torchrun (it, not
+    `trainer.nproc`, decides there), else `trainer.nproc`."""
+    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        return int(os.environ["WORLD_SIZE"])
+    return cfg.trainer.nproc
+
+
+def data_parallel_size(cfg: Config) -> int:
+    """Ranks that hold distinct data: all of them, except that megatron's tp x pp ranks share one."""
+    if cfg.backend.name == "megatron":
+        return max(1, world_size(cfg) // (cfg.backend.tp * cfg.backend.pp))
+    return world_size(cfg)
+
+
+def _model_dims(cfg: Config) -> dict[str, int] | None:
+    """Layer/head/MLP sizes under the config keys that set them (the tiny model's, or those of
+    `model.path`'s config.json); None when they cannot be read here (the engine checks then)."""
+    if cfg.model.path is None:
+        m = cfg.model
+        return {
+            "model.num_layers": m.num_layers,
+            "model.num_heads": m.num_heads,
+            "model.num_kv_heads": m.num_kv_heads,
+            "model.intermediate_size": m.intermediate_size,
+        }
+    try:
+        model_dir = local_model_dir("model.path", cfg.model.path, cfg.model.revision)
+        hf = json.loads((model_dir / "config.json").read_text())
+        heads = int(hf["num_attention_heads"])
+        return {
+            "num_hidden_layers in model.path's config.json": int(hf["num_hidden_layers"]),
+            "num_attention_heads in model.path's config.json": heads,
+            "num_key_value_heads in model.path's config.json": int(hf.get("num_key_value_heads") or heads),
+            "intermediate_size in model.path's config.json": int(hf["intermediate_size"]),
+        }
+    except (OSError, ValueError, KeyError, TypeError, UserError):
+        return None
+
+
+def validate_megatron_split(cfg: Config) -> None:
+    """`backend=megatron` splits ranks into tp x pp x dp and the model into pp stages of tp shards.
+
+    Caught here, before any rank starts, so the user sees one message naming the key instead of a
+    megatron assertion on every rank: ranks divisible by tp*pp; layers divisible by pp; attention
+    heads, key/value heads (megatron shards query groups, it does not replicate them) and the MLP
+    width divisible by tp. The vocabulary needs no check: the engine pads its rows to a multiple of
+    tp and masks the padding out of the log-softmax.
+    """
+    if cfg.backend.name != "megatron":
+        return
+    tp, pp = cfg.backend.tp, cfg.backend.pp
+    for key, value in (("backend.tp", tp), ("backend.pp", pp)):
+        if value < 1:
+            raise UserError(f"{key}={value} must be at least 1.")
+    world = world_size(cfg)
+    if world % (tp * pp):
+        source = "the torchrun world size" if world != cfg.trainer.nproc else "trainer.nproc"
+        raise UserError(
+            f"{source}={world} is not divisible by backend.tp * backend.pp = {tp} * {pp} = {tp * pp}: megatron runs "
+            f"nproc / (tp * pp) data-parallel replicas of tp * pp ranks each. Set trainer.nproc to a multiple of "
+            f"{tp * pp}, or choose backend.tp and backend.pp whose product divides {world}."
+        )
+    dims = _model_dims(cfg)
+    if dims is None:
+        return
+    layers_key, heads_key, kv_key, ffn_key = dims
+    if dims[layers_key] % pp:
+        raise UserError(
+            f"backend.pp={pp} does not divide {layers_key}={dims[layers_key]}: every pipeline stage holds the same "
+            f"number of decoder layers. Choose a backend.pp that divides {dims[layers_key]}."
+        )
+    for key in (heads_key, kv_key, ffn_key):
+        if dims[key] % tp:
+            raise UserError(
+                f"backend.tp={tp} does not divide {key}={dims[key]}: tensor parallelism shards attention heads, "
+                f"key/value heads and the MLP evenly over tp ranks. Choose a backend.tp that divides "
+                f"{heads_key}, {kv_key} and {ffn_key} ({dims[heads_key]}, {dims[kv_key]}, {dims[ffn_key]})."
+            )

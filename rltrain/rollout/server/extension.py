@@ -1,0 +1,138 @@
+"""The trainer's end inside a vLLM API server: a worker extension (`--worker-extension-cls
+rltrain.rollout.server.extension.WeightPushExtension`) that vLLM mixes into its worker class.
+
+vLLM 0.32's own weight-transfer engines need CUDA (NCCL, IPC); this extension is the path that
+also runs on the CPU build. The trainer calls its methods through vLLM's `/collective_rpc` (the
+server runs with `VLLM_SERVER_DEV_MODE=1`), which carries only JSON strings: `rltrain_server_id`
+says which server this is, `rltrain_device` where the model lives, `rltrain_join` opens a two-member torch.distributed group with the trainer
+(gloo, or NCCL where both ends run on CUDA), `rltrain_receive` takes one version's buckets from it
+(raw bytes, never pickle) and loads them in place as the in-process engine does.
+docs/rollout-servers.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rltrain.transport.buckets import DTYPES
+
+FINGERPRINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+SERVER_ID_ENV = "RLTRAIN_SERVER_ID"
+# The server's identity: what `python -m rltrain.serve` (or a trainer spawning it) put in its
+# environment, else one of its own (a server started by hand with this extension).
+SERVER_ID = os.environ.get(SERVER_ID_ENV) or uuid.uuid4().hex
+
+
+def model_fingerprint(model_dir: str | Path) -> dict[str, str]:
+    """What must match between the trainer and a server: a digest per file that defines the
+    model's shapes and its tokens (file missing: "absent")."""
+    out: dict[str, str] = {}
+    for name in FINGERPRINT_FILES:
+        path = Path(model_dir) / name
+        out[name] = hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.is_file() else "absent"
+    return out
+
+
+def open_pair_group(host: str, port: int, rank: int, backend: str, timeout_s: float) -> Any:
+    """A two-member process group outside the default one (the trainer has its own world):
+    rank 0 is the trainer (it hosts the store), rank 1 the server's worker."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, port, 2, rank == 0, timedelta(seconds=timeout_s), wait_for_workers=False)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=timeout_s))
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timedelta(seconds=timeout_s)
+    return dist.ProcessGroupNCCL(store, rank, 2, options)
+
+
+def unpack_bucket(bucket_u8: torch.Tensor, entries: list[list[Any]]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of one received bucket: `entries` rows are [name, dtype, shape, byte offset]."""
+    out = []
+    for name, dtype_name, shape, offset in entries:
+        dtype = DTYPES[dtype_name]
+        nbytes = math.prod(int(d) for d in shape) * dtype.itemsize
+        raw = bucket_u8[int(offset): int(offset) + nbytes]
+        out.append((name, raw.view(dtype).reshape([int(d) for d in shape])))
+    return out
+
+
+class WeightPushExtension:
+    """Mixed into vLLM's worker: `self` is the worker (its `model_runner`, `device`)."""
+
+    rltrain_group: Any = None
+    rltrain_version: int = 0
+    # Provided by vLLM's worker class this is mixed into.
+    model_runner: Any
+    device_config: Any
+    device: Any
+
+    def rltrain_join(self, spec_json: str) -> dict[str, Any]:
+        """Join the trainer's pair group; answers this server's model fingerprint and version."""
+        import torch.distributed as dist
+
+        spec = json.loads(spec_json)
+        if self.rltrain_group is not None:
+            self.rltrain_group = None  # a trainer that rejoins (it restarted, or we were down)
+        self.rltrain_group = open_pair_group(spec["host"], int(spec["port"]), 1, spec["backend"], float(spec["timeout_s"]))
+        # The first collective proves both ends are in.
+        probe = torch.zeros(1, device=self._rltrain_device())
+        self.rltrain_group.broadcast([probe], dist.BroadcastOptions()).wait()
+        return {"fingerprint": model_fingerprint(self.model_runner.model_config.model), "version": self.rltrain_version}
+
+    def rltrain_receive(self, manifest_json: str) -> dict[str, Any]:
+        """One version: every bucket of the manifest broadcast by the trainer, then loaded."""
+        import torch.distributed as dist
+
+        if self.rltrain_group is None:
+            raise RuntimeError("rltrain_receive before rltrain_join: the trainer must join first")
+        manifest = json.loads(manifest_json)
+        device = self._rltrain_device()
+        weights: list[tuple[str, torch.Tensor]] = []
+        for bucket in manifest["buckets"]:
+            bucket_u8 = torch.empty(int(bucket["nbytes"]), dtype=torch.uint8, device=device)
+            self.rltrain_group.broadcast([bucket_u8], dist.BroadcastOptions()).wait()
+            weights += unpack_bucket(bucket_u8, bucket["entries"])
+        self._rltrain_load(weights)
+        self.rltrain_version = int(manifest["version"])
+        return {"version": self.rltrain_version}
+
+    def rltrain_server_id(self) -> str:
+        """Who this server is (`SERVER_ID`): the fleet refuses two URLs that reach one server."""
+        return SERVER_ID
+
+    def rltrain_device(self) -> str:
+        """"cpu" or "cuda": where this worker holds the model and receives the buckets, asked
+        before the pair group opens (the trainer picks gloo or NCCL from it)."""
+        return self._rltrain_device().type
+
+    def _rltrain_device(self) -> torch.device:
+        return torch.device("cpu") if self.device_config.device_type == "cpu" else torch.device(self.device)
+
+    def _rltrain_load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """As the in-process engine (rltrain/rollout/vllm.py): the fast plan where it applies, else
+        vLLM's own in-place reload, and a tied output head repacked from the embedding."""
+        from rltrain.rollout.vllm_reload import build_plan
+
+        model = self.model_runner.model
+        if self.device_config.device_type != "cpu":
+            self.model_runner.reload_weights(weights_iterator=iter(weights))
+            return
+        plan = build_plan(model, [name for name, _ in weights])
+        if plan is None or not plan.load(model, weights):
+            self.model_runner.reload_weights(weights_iterator=iter(weights))
+            hf_config = self.model_runner.model_config.hf_config
+            if getattr(hf_config, "tie_word_embeddings", False):
+                # `lm_head`, or `language_model.lm_head` in a vision-language model.
+                for name, head in model.named_modules():
+                    if name.rpartition(".")[2] == "lm_head":
+                        head.quant_method.process_weights_after_loading(head)

@@ -1,0 +1,415 @@
+"""`rollout=server`: the rollout engine is a fleet of vLLM's own API servers reached over HTTP.
+
+Each prompt (a GRPO group: its `n` samples) is one request to one server (its prefix cache),
+chosen client-side by least outstanding requests, and seeded by its index in the batch, so a
+completion does not depend on which server produced it. Trainer rank 0 pushes every new version
+to every server at once (rltrain/rollout/server/push.py: gloo, or NCCL between GPUs) and keeps it
+as a host copy, so a server that comes back gets the current weights before it serves again.
+Every completion carries the vLLM weight version that sampled it; one from another version than
+the engine's stops the run. docs/rollout-servers.md.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rltrain.config.group_options import ServerRolloutConfig
+from rltrain.rollout.base import Completion, SamplingSettings
+from rltrain.rollout.images import PromptImages, check_batch
+from rltrain.rollout.server.client import ServerDown, call, is_up
+from rltrain.rollout.server.extension import model_fingerprint
+from rltrain.rollout.server.images import answered_prompt, generate_fields, model_image_token
+from rltrain.rollout.server.process import stop_servers
+from rltrain.rollout.server.push import (
+    WeightPusher,
+    buckets_of,
+    checkpoint_weights,
+    needs_server_device,
+    push_backend,
+    run_each,
+    server_device,
+)
+from rltrain.rollout.server.roster import (
+    Server,
+    given_servers,
+    identify,
+    not_answering,
+    refuse_duplicates,
+    share_urls,
+    spawn_servers,
+)
+from rltrain.rollout.vllm import _request_seed
+from rltrain.runtime.errors import UserError
+
+MAX_IN_FLIGHT = 64  # concurrent requests from one trainer rank
+
+
+class FleetDown(UserError):
+    """Every server stayed unreachable for `rollout.timeout_s`: one paragraph naming each (exit 2)."""
+
+
+class ServerFleetEngine:
+    """`RolloutEngine` over vLLM API servers (see the module doc)."""
+
+    weights_survive_sleep = True  # the servers never sleep: time sharing is refused with rollout=server
+
+    def __init__(
+        self, cfg: ServerRolloutConfig, model_dir: str | Path, *, dtype: str, rank: int, cuda: bool,
+        log_dir: Path, urls_from_rank0: Any = None, loads_group: Any = None,
+    ) -> None:
+        self.cfg = cfg
+        # Generating ahead on several trainer ranks: a process group of the engine's worker threads,
+        # so that no rank's push of a version lands while another rank still samples the batch of an
+        # earlier one on the same servers (`update_weights`).
+        self.loads_group = loads_group
+        self.rank = rank
+        self.cuda = cuda
+        # The trainer's GPU, taken here on the main thread: NCCL pushes run on threads of their own.
+        self.cuda_device = torch.device("cuda", torch.cuda.current_device()) if cuda else None
+        self.model_dir = Path(model_dir)
+        self.image_token = model_image_token(self.model_dir)  # None: a text-only model
+        self.version = 0
+        self.failures = 0
+        self.observed: list[int] = []  # versions of the completions since the last `metrics()`
+        self.current: list[tuple[torch.Tensor, list[list[Any]]]] | None = None  # rank 0: the pushed version
+        self._lock = threading.Lock()
+        self.servers: list[Server] = []
+        try:
+            if rank == 0:
+                self.servers = self._start_servers(dtype, log_dir)
+            urls = [s.url for s in self.servers]
+            if urls_from_rank0 is not None:  # every rank uses the servers rank 0 spawned
+                urls = urls_from_rank0(urls)
+                if rank != 0:
+                    self.servers = [Server(u) for u in urls]
+            if not self.servers:
+                raise UserError(
+                    "rollout=server has no servers: set rollout.servers.spawn=N (servers started on this machine) "
+                    "and/or rollout.servers.urls=[http://host:port,...] (servers started with `python -m rltrain.serve`)."
+                )
+            self._form()
+        except BaseException:
+            self.close()
+            raise
+
+    # --- forming the fleet ----------------------------------------------------------------------
+
+    def _start_servers(self, dtype: str, log_dir: Path) -> list[Server]:
+        """Rank 0: the URL-given servers (each given once) and the ones this trainer spawns; a spawned
+        one that fails to start is a server down (the others go on)."""
+        servers = given_servers(list(self.cfg.servers.urls))
+        for server, error in spawn_servers(self.cfg, self.model_dir, dtype, self.cuda, log_dir):
+            servers.append(server)
+            if error is not None:
+                self._mark_down(server, error)
+        return servers
+
+    def _form(self) -> None:
+        """Every rank: wait for the servers to answer. Rank 0: tell them apart (two URLs of one
+        server are refused), join each and give it the checkpoint. A server that fails any of it is
+        down, as one that dies mid-run: the others go on; none left, the fleet waits for one up to
+        `rollout.timeout_s` (docs/rollout-servers.md, "Failure behaviour")."""
+        wait_s = self.cfg.servers.start_timeout_s
+        for server in not_answering([s for s in self.servers if s.up], wait_s):
+            self._mark_down(server, f"no answer to /health within rollout.servers.start_timeout_s={wait_s:g}s")
+            print(f"rltrain: rollout server {server.url} does not answer, going on without it for now", flush=True)
+        if self.rank == 0:
+            up = [s for s in self.servers if s.up]
+            errors = run_each([partial(identify, server, self.cfg.timeout_s) for server in up])
+            self._down_or_raise(up, errors)
+            refuse_duplicates(self.servers)
+            up = [s for s in self.servers if s.up]
+            expected, buckets = model_fingerprint(self.model_dir), self._current_buckets()
+            self._down_or_raise(up, run_each([partial(self._join, server, expected, buckets) for server in up]))
+        if not any(s.up for s in self.servers):
+            self._await_any(time.monotonic() + self.cfg.timeout_s)
+
+    def _down_or_raise(self, servers: list[Server], errors: list[BaseException | None]) -> None:
+        """A server's failure (`ServerDown`) marks it down; any other error is raised."""
+        for server, error in zip(servers, errors, strict=True):
+            if isinstance(error, ServerDown):
+                self._mark_down(server, str(error))
+                print(f"rltrain: rollout server {server.url} failed while the fleet formed, going on without it for now: "
+                      f"{str(error)[:300]}", flush=True)
+        for error in errors:
+            if error is not None and not isinstance(error, ServerDown):
+                raise error
+
+    def _await_any(self, deadline: float) -> None:
+        """No server is up: ask the down ones again until one is, or raise FleetDown at `deadline`."""
+        while not any(s.up for s in self.servers):
+            if time.monotonic() > deadline:
+                raise FleetDown(self._all_down_message())
+            time.sleep(1.0)
+            with self._lock:
+                self._revive()
+
+    # --- servers --------------------------------------------------------------------------------
+
+    def _current_buckets(self) -> list[tuple[torch.Tensor, list[list[Any]]]]:
+        """The version servers that (re)join get: the pushed one, else the checkpoint (version 0),
+        read once for all the servers that join together."""
+        if self.current is not None:
+            return self.current
+        return list(buckets_of(checkpoint_weights(self.model_dir), self.cfg.bucket_mb << 20))
+
+    def _join(self, server: Server, expected: dict[str, str], buckets: list[tuple[torch.Tensor, list[list[Any]]]]) -> None:
+        """Rank 0: open the weight push to `server`, refuse another model, reset it to `buckets`:
+        the checkpoint (a server may hold an earlier run's weights) or the current version."""
+        server.pusher = WeightPusher(
+            server.url, self.cfg.servers.trainer_address, self.cfg.timeout_s, self._push_backend(server), self.cuda_device
+        )
+        answer = server.pusher.join()
+        got = answer["fingerprint"]
+        differ = [name for name in expected if got.get(name) != expected[name]]
+        if differ:
+            raise UserError(
+                f"rollout=server: {server.url} serves another model than the trainer's {self.model_dir}: its "
+                f"{', '.join(differ)} differ{'s' if len(differ) == 1 else ''}. Start that server on the same model "
+                "directory (`python -m rltrain.serve` with the run's model overrides) or remove it from rollout.servers.urls."
+            )
+        server.pusher.push(buckets, self.version)
+
+    def _push_backend(self, server: Server) -> str:
+        """gloo or NCCL for this server (`rollout.servers.push_backend`); the server's device is asked
+        only where NCCL is possible."""
+        setting, spawned = self.cfg.servers.push_backend, server.spawned is not None
+        device = server_device(server.url, self.cfg.timeout_s) if needs_server_device(setting, self.cuda, spawned) else None
+        return push_backend(setting, trainer_cuda=self.cuda, server_device=device, spawned=spawned, url=server.url)
+
+    def _mark_down(self, server: Server, reason: str) -> None:
+        with self._lock:
+            if server.up:
+                server.up = False
+                server.down_since = time.monotonic()
+                self.failures += 1
+            server.reasons.append(reason)
+
+    def _revive(self) -> None:
+        """Down servers that answer again: rank 0 re-joins them and pushes the current version
+        before they serve (several at once); other ranks take them back once they report that version."""
+        back = [server for server in self.servers if not server.up and is_up(server.url)]
+        if self.rank != 0:
+            for server in back:
+                try:
+                    server.up = self._server_version(server) == self.version
+                except ServerDown as exc:
+                    server.reasons.append(str(exc))
+            return
+        if not back:
+            return
+        identified = self._still_up(back, run_each([partial(identify, server, self.cfg.timeout_s) for server in back]))
+        refuse_duplicates(self.servers)
+        if not identified:
+            return
+        expected, buckets = model_fingerprint(self.model_dir), self._current_buckets()
+        joined = self._still_up(identified, run_each([partial(self._join, server, expected, buckets) for server in identified]))
+        for server in joined:
+            server.up = True
+
+    def _still_up(self, servers: list[Server], errors: list[BaseException | None]) -> list[Server]:
+        """The down `servers` whose step went through; a `ServerDown` is kept as a reason, any other error raised."""
+        for error in errors:
+            if error is not None and not isinstance(error, ServerDown):
+                raise error
+        for server, error in zip(servers, errors, strict=True):
+            if error is not None:
+                server.reasons.append(str(error))
+        return [server for server, error in zip(servers, errors, strict=True) if error is None]
+
+    def _server_version(self, server: Server) -> int:
+        answer = call(server.url, "/weight_info", None, self.cfg.timeout_s)
+        try:
+            return int(answer["weight_version"])
+        except (TypeError, ValueError):
+            return -1
+
+    def _pick(self, deadline: float) -> Server:
+        while True:
+            with self._lock:
+                up = [s for s in self.servers if s.up]
+                if up:
+                    server = min(up, key=lambda s: s.outstanding)
+                    server.outstanding += 1
+                    return server
+            if time.monotonic() > deadline:
+                raise FleetDown(self._all_down_message())
+            time.sleep(1.0)
+            with self._lock:
+                self._revive()
+
+    def _all_down_message(self) -> str:
+        names = "; ".join(f"{s.url} ({(s.reasons or ['no answer'])[-1][:200]})" for s in self.servers)
+        return (
+            f"rollout=server: every rollout server stayed unreachable for rollout.timeout_s={self.cfg.timeout_s:g}s: {names}. "
+            "Restart them (`python -m rltrain.serve <the run's overrides>` for a URL-given one; a spawned one's log is in the "
+            "run directory) or raise rollout.timeout_s; the run resumes from its last checkpoint."
+        )
+
+    # --- RolloutEngine --------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingSettings, images: list[PromptImages] | None = None
+    ) -> list[Completion]:
+        check_batch(prompts, images)
+        with self._lock:
+            self._revive()
+        if self.rank != 0:  # rank 0's push may still be under way: wait for the version
+            self._await_version()
+        deadline = time.monotonic() + self.cfg.timeout_s
+        with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), MAX_IN_FLIGHT))) as pool:
+            results = list(pool.map(
+                lambda i: self._request(i, prompts[i], sampling, deadline, images[i] if images else None), range(len(prompts))
+            ))
+        return [c for group in results for c in group]
+
+    def _await_version(self) -> None:
+        deadline = time.monotonic() + self.cfg.timeout_s
+        for server in self.servers:
+            while server.up:
+                try:
+                    if self._server_version(server) >= self.version:
+                        break
+                except ServerDown as exc:
+                    self._mark_down(server, str(exc))
+                    break
+                if time.monotonic() > deadline:
+                    self._mark_down(server, f"still not at version {self.version} after {self.cfg.timeout_s:g}s")
+                    break
+                time.sleep(0.05)
+
+    def _request(
+        self, index: int, prompt: list[int], sampling: SamplingSettings, deadline: float, images: PromptImages | None
+    ) -> list[Completion]:
+        body = {
+            **generate_fields(index, prompt, images, self.image_token),  # images: rollout/server/images.py
+            "sampling_params": {
+                "n": sampling.n, "temperature": sampling.temperature, "top_p": sampling.top_p,
+                "max_tokens": sampling.max_new_tokens, "seed": _request_seed(sampling.seed, index, sampling.n),
+                "stop_token_ids": sorted(set(sampling.stop_token_ids)) or None,
+                "logprobs": 0, "detokenize": False,
+            },
+        }
+        while True:
+            server = self._pick(deadline)
+            try:
+                answer = call(server.url, "/inference/v1/generate", body, self.cfg.timeout_s)
+            except ServerDown as exc:
+                self._mark_down(server, str(exc))
+                continue
+            finally:
+                with self._lock:
+                    server.outstanding -= 1
+            server.served += 1
+            return self._completions(index, answer, server, answered_prompt(index, prompt, answer, self.image_token))
+
+    def _completions(
+        self, index: int, answer: dict[str, Any], server: Server, prompt_ids: list[int] | None = None
+    ) -> list[Completion]:
+        out = []
+        for choice in sorted(answer["choices"], key=lambda c: c["index"]):
+            versions = {span["version"] for span in choice.get("weight_versions") or []}
+            if versions != {str(self.version)}:
+                raise UserError(
+                    f"rollout=server: {server.url} sampled a completion with weight version {sorted(versions)} where the "
+                    f"schedule names version {self.version}: another trainer pushes weights into it, or it restarted "
+                    "without them. Give each run its own servers (rollout.servers.urls)."
+                )
+            with self._lock:
+                self.observed.append(self.version)
+            token_ids = [int(t) for t in choice["token_ids"]]
+            logprobs = [float(entry["logprob"]) for entry in choice["logprobs"]["content"]]
+            out.append(Completion(
+                index, token_ids, logprobs, finished=choice["finish_reason"] == "stop", prompt_ids=prompt_ids,
+                version=int(versions.pop()),
+            ))
+        return out
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Rank 0 pushes the version to every server that is up, all at once (a failed push marks
+        that server down; it gets this version when it comes back); other ranks count the version."""
+        self.version += 1
+        if self.rank != 0:
+            deque(weights, maxlen=0)  # the export is a collective: every rank consumes it
+            self._every_rank_loads()
+            return
+        self.current = list(buckets_of(weights, self.cfg.bucket_mb << 20))
+        self._every_rank_loads()
+        targets = [(server, server.pusher) for server in self.servers if server.up and server.pusher is not None]
+        errors = run_each([partial(pusher.push, self.current, self.version) for _, pusher in targets])
+        for (server, _), error in zip(targets, errors, strict=True):
+            if isinstance(error, ServerDown):
+                self._mark_down(server, str(error))
+        for error in errors:
+            if error is not None and not isinstance(error, ServerDown):
+                raise error
+
+    def _every_rank_loads(self) -> None:
+        """Generating ahead, each rank's load of a version runs on its engine's worker thread after
+        the batches queued before it: a barrier of those threads holds rank 0's push until every
+        rank sampled its batches of the earlier version (a multi-turn batch may take a whole step)."""
+        if self.loads_group is not None:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.loads_group)
+
+    def metrics(self) -> dict[str, float]:
+        """The fleet now, and the versions of the completions sampled since the last call (a
+        multi-turn episode's completion is assembled from several; a single-turn batch generated
+        ahead is measured from its own completions instead: rltrain/algos/rl.py)."""
+        with self._lock:
+            observed, self.observed = self.observed, []
+        return {
+            # Nothing sampled here (a model-parallel replica's follower): neutral for the reduction.
+            "rollout/version_min": float(min(observed, default=float("inf"))),
+            "rollout/version_max": float(max(observed, default=float("-inf"))),
+            "rollout/servers_up": float(sum(s.up for s in self.servers)),
+            "rollout/server_failures": float(self.failures),
+        }
+
+    def sleep(self) -> None:
+        raise RuntimeError("rollout=server never sleeps: time sharing is refused for it at config time")
+
+    def wake(self) -> None:
+        raise RuntimeError("rollout=server never sleeps: time sharing is refused for it at config time")
+
+    def ping(self) -> bool:
+        """True when at least one server answers `/health`."""
+        if not any(is_up(s.url) for s in self.servers):
+            raise FleetDown(self._all_down_message())
+        return True
+
+    def close(self) -> None:
+        """Stop the servers this trainer spawned; URL-given servers are never stopped."""
+        stop_servers([server.spawned for server in self.servers if server.spawned is not None])
+        for server in self.servers:
+            server.spawned = None
+
+
+def build_engine(ctx: Any) -> ServerFleetEngine:
+    """The run's fleet (registry key `server`)."""
+    import torch.distributed as dist
+
+    from rltrain.runtime.precision import resolve_precision
+
+    cfg: ServerRolloutConfig = ctx.cfg.rollout
+    several = dist.is_initialized() and dist.get_world_size() > 1
+    share = share_urls if several else None
+    loads_group = None
+    if several and ctx.cfg.placement.max_staleness >= 1:  # every rank builds the engine: new_group is collective
+        loads_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=ctx.cfg.safety.collective_timeout_s))
+    return ServerFleetEngine(
+        cfg, ctx.model_dir, dtype=resolve_precision(ctx.cfg.trainer.precision, ctx.dist.device).compute_dtype_name,
+        rank=ctx.dist.rank, cuda=ctx.dist.device.type == "cuda", log_dir=Path(ctx.run_dir), urls_from_rank0=share,
+        loads_group=loads_group,
+    )

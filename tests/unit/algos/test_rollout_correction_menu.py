@@ -1,0 +1,132 @@
+"""The sequence-level and masking rollout corrections (`seq_tis`, `seq_mask`, `geo_mask`, `icepop`)
+against values by hand, and against an independent padded implementation written from the papers'
+formulas (TRL's `vllm_importance_sampling_mode` and verl's rollout-correction definitions) on
+random ragged batches; the mismatch metrics by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rltrain.algos.rollout_correction import (
+    CorrectionBands,
+    correction,
+    correction_metrics,
+    mismatch_kl_sum,
+    ratio_max,
+)
+from rltrain.data.ragged import Ragged
+
+
+def _ragged(values, lengths):
+    return Ragged.from_lengths(torch.tensor(values, dtype=torch.float32), lengths)
+
+
+OLD = _ragged([-1.0, -2.0, -0.5, -3.0], [2, 2])
+ENGINE = _ragged([-1.5, -1.0, -0.5, -0.2], [2, 2])  # old - engine = [0.5, -1.0 | 0.0, -2.8]
+SEQ_LOG = [-0.5, -2.8]  # per-sequence sums
+
+
+def test_seq_tis_broadcasts_each_sequences_truncated_ratio():
+    weights, keep = correction(OLD, ENGINE, "seq_tis", 0.5, 2.0)
+    assert keep is None
+    # exp(-0.5) = 0.607 -> 0.5 (truncated); exp(-2.8) = 0.061 stays
+    assert weights.values.tolist() == pytest.approx([0.5, 0.5, math.exp(-2.8), math.exp(-2.8)])
+
+
+def test_seq_mask_keeps_the_ratio_inside_its_bounds_and_zeroes_the_rest():
+    weights, keep = correction(OLD, ENGINE, "seq_mask", 2.0, 2.0, bands=CorrectionBands(is_floor=0.1))
+    assert keep.tolist() == [True, False]  # exp(-2.8) = 0.061 < 0.1
+    assert weights.values.tolist() == pytest.approx([math.exp(-0.5)] * 2 + [0.0, 0.0])
+    m = correction_metrics(weights, keep, 4, global_tokens=4.0, global_seqs=2.0)
+    assert float(m["rollout/masked_frac"]) == 0.5 and float(m["rollout/masked_token_frac"]) == 0.5
+
+
+def test_geo_mask_keeps_a_sequence_whose_geometric_mean_ratio_is_in_the_band():
+    # geometric means: exp(-0.25) = 0.78 and exp(-1.4) = 0.25
+    _, keep = correction(OLD, ENGINE, "geo_mask", 2.0, 2.0, bands=CorrectionBands(geo_low=0.7, geo_high=1.2))
+    assert keep.tolist() == [True, False]
+    weights, keep_tight = correction(OLD, ENGINE, "geo_mask", 2.0, 2.0)  # the default band [0.999, 1.001]
+    assert weights is None and keep_tight.tolist() == [False, False]
+
+
+def test_icepop_zeroes_each_token_whose_ratio_leaves_the_band():
+    # token ratios: e^0.5 = 1.65, e^-1 = 0.37, 1, e^-2.8 = 0.06; band [0.5, 5]
+    weights, keep = correction(OLD, ENGINE, "icepop", 2.0, 2.0)
+    assert keep is None
+    assert weights.values.tolist() == pytest.approx([math.exp(0.5), 0.0, 1.0, 0.0])
+    m = correction_metrics(weights, None, 4, global_tokens=4.0, global_seqs=2.0)
+    assert float(m["rollout/masked_token_frac"]) == 0.5 and float(m["rollout/masked_frac"]) == 0.0
+
+
+def test_mismatch_kl_and_the_largest_ratio_by_hand():
+    log_rho = [0.5, -1.0, 0.0, -2.8]
+    k3 = sum(math.exp(x) - 1 - x for x in log_rho)
+    assert float(mismatch_kl_sum(OLD, ENGINE)) == pytest.approx(k3, rel=1e-6)
+    assert ratio_max(OLD, ENGINE, "tis") == pytest.approx(math.exp(0.5))
+    assert ratio_max(OLD, ENGINE, "seq_tis") == pytest.approx(math.exp(-0.5))
+    assert ratio_max(OLD, ENGINE, "geo_mask") == pytest.approx(math.exp(-0.25))
+    assert ratio_max(OLD.like_empty(), ENGINE.like_empty(), "tis") == 0.0
+
+
+def test_observation_tokens_are_left_out_of_the_sequence_ratio():
+    sampled = Ragged.from_lengths(torch.tensor([1.0, 0.0, 1.0, 1.0]), [2, 2])
+    weights, _ = correction(OLD, ENGINE, "seq_tis", 5.0, 2.0, sampled=sampled)
+    assert weights.values.tolist() == pytest.approx([math.exp(0.5)] * 2 + [math.exp(-2.8)] * 2)
+    _, keep = correction(OLD, ENGINE, "geo_mask", 2.0, 2.0, sampled=sampled, bands=CorrectionBands(geo_low=0.2, geo_high=1.7))
+    assert keep.tolist() == [True, True]  # geometric means e^0.5 (one sampled token) and e^-1.4
+
+
+@pytest.mark.parametrize("bad", [
+    ("seq_mask", 2.0, CorrectionBands(is_floor=3.0), "rollout_is_floor"),
+    ("geo_mask", 2.0, CorrectionBands(geo_low=1.1), "rollout_geo_band"),
+    ("icepop", 2.0, CorrectionBands(icepop_high=0.9), "rollout_icepop_band"),
+    ("seq_tis", 0.0, CorrectionBands(), "rollout_is_cap"),
+])
+def test_bounds_that_would_drop_an_exact_match_are_errors(bad):
+    mode, cap, bands, key = bad
+    with pytest.raises(ValueError, match=key):
+        correction(OLD, ENGINE, mode, cap, 2.0, bands=bands)
+
+
+# --- against an independent padded implementation ----------------------------------------------
+
+
+def _padded_reference(old_BT, engine_BT, mask_BT, mode, cap, floor, low, high):
+    """[B, T] weights written from the definitions, on padded tensors with a mask (TRL's layout):
+    sequence modes sum the masked log-ratios, token modes use them one by one."""
+    diff_BT = (old_BT - engine_BT) * mask_BT
+    if mode == "seq_tis":
+        return torch.exp(diff_BT.sum(-1, keepdim=True)).clamp(max=cap).expand_as(diff_BT)
+    if mode == "seq_mask":
+        rho = torch.exp(diff_BT.sum(-1, keepdim=True))
+        return rho.masked_fill((rho < floor) | (rho > cap), 0.0).expand_as(diff_BT)
+    if mode == "geo_mask":
+        geo = torch.exp(diff_BT.sum(-1, keepdim=True) / mask_BT.sum(-1, keepdim=True).clamp(min=1))
+        return ((geo >= low) & (geo <= high)).float().expand_as(diff_BT)
+    rho = torch.exp(diff_BT)  # icepop
+    return rho.masked_fill((rho < low) | (rho > high), 0.0)
+
+
+@pytest.mark.parametrize("mode", ["seq_tis", "seq_mask", "geo_mask", "icepop"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_each_mode_equals_the_padded_reference_on_random_ragged_batches(mode, seed):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 9, (6,), generator=gen).tolist()
+    n = sum(lengths)
+    old = Ragged.from_lengths(-torch.rand(n, generator=gen) * 3, lengths)
+    engine = Ragged.from_lengths(old.values + torch.randn(n, generator=gen) * 0.3, lengths)
+    cap, floor, low, high = 1.5, 0.4, 0.8, 1.25
+    bands = CorrectionBands(is_floor=floor, geo_low=low, geo_high=high, icepop_low=low, icepop_high=high)
+    weights, keep = correction(old, engine, mode, cap, 2.0, bands=bands)
+    old_BT, mask_BT = old.to_padded()
+    engine_BT, _ = engine.to_padded()
+    want_BT = _padded_reference(old_BT, engine_BT, mask_BT.float(), mode, cap, floor, low, high)
+    if mode == "geo_mask":
+        assert weights is None
+        torch.testing.assert_close(keep.float(), want_BT[:, 0])
+    else:
+        got_BT, _ = weights.to_padded()
+        torch.testing.assert_close(got_BT * mask_BT, want_BT * mask_BT)
