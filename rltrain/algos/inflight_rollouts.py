@@ -21,6 +21,7 @@ from rltrain.algos.experience import Experience, ExperienceCollector
 from rltrain.config.schema import PlacementConfig
 from rltrain.rollout.base import Completion
 from rltrain.rollout.inflight_schedule import version_stats
+from rltrain.runtime.errors import UserError
 
 
 class StreamingEngine(Protocol):
@@ -67,6 +68,11 @@ class InFlightRollouts:
             self.untrained += index
             seed = self.collector.sampling(step).seed
             for position, (i, row) in enumerate(zip(index, self.collector.my_rows(index), strict=True)):
+                if row.images:
+                    raise UserError(
+                        "placement.weight_update=in_flight submits token ids only, and this data's prompts carry images "
+                        "(docs/vision.md). Set placement.weight_update=between_batches (generating ahead carries images)."
+                    )
                 groups.append({
                     "index": i, "step": step, "position": position, "prompt_ids": row.ids,
                     "seed": seed,
