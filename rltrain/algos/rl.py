@@ -51,7 +51,7 @@ class RLAlgorithm:
             raise
         self.spec, self.policy, self.reference, self.critic = parts.spec, parts.policy, parts.reference, parts.critic
         self.rollout, self.weights, self.timeshare = parts.rollout, parts.weights, parts.timeshare
-        self.collector, self.ahead, self.learner = parts.collector, parts.ahead, parts.learner
+        self.collector, self.ahead, self.inflight, self.learner = parts.collector, parts.ahead, parts.inflight, parts.learner
         self.parity_limit = parts.parity_limit
 
     # --- what a subclass decides ---------------------------------------------------------------
@@ -80,7 +80,9 @@ class RLAlgorithm:
         # 1. Generate. With time sharing this is the engine's turn, and it begins by delivering the
         #    weights published at the end of the last step (the `sync` phase: WeightSync.deliver).
         waits: dict[str, float] = {}
-        if self.ahead is not None:
+        if self.inflight is not None:
+            exp, waits = self.inflight.next_experience(step)
+        elif self.ahead is not None:
             exp, waits["time/wait_rollout"] = self.ahead.next_experience(step)
         else:
             exp = self.collector.collect(step)
@@ -167,6 +169,8 @@ class RLAlgorithm:
             parts["critic"] = self.critic
         if self.ahead is not None:
             parts["rollouts"] = self.ahead
+        if self.inflight is not None:
+            parts["rollouts"] = self.inflight
         return parts
 
     def export_engine(self) -> Any:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from dataclasses import dataclass
+from typing import cast
 
 from rltrain.algos.async_rollouts import AsyncRollouts
 from rltrain.algos.experience import ExperienceCollector
+from rltrain.algos.inflight_rollouts import InFlightRollouts, StreamingEngine, evaluated_versions
 from rltrain.algos.rl_update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
 from rltrain.backends import build_engine, build_reference
 from rltrain.backends.base import LogProbScorer, TrainEngine
@@ -45,6 +47,7 @@ class RLParts:
     timeshare: TimeSharing
     collector: ExperienceCollector
     ahead: AsyncRollouts | None  # the schedule generating ahead (placement.max_staleness >= 1)
+    inflight: InFlightRollouts | None  # weights loaded between decoding steps (placement.weight_update=in_flight)
     learner: Learner
     parity_limit: float | None  # None: no limit (safety.max_logprob_diff)
 
@@ -81,7 +84,8 @@ class RLBuilder:
         precision = resolve_precision(self.cfg.trainer.precision, self.ctx.dist.device).name
         return RLParts(
             self.spec, engines.policy, engines.reference, engines.critic, engines.rollout, weights, timeshare,
-            collector, self.generating_ahead(collector, engines.rollout), self.learner(engines, collector),
+            collector, self.generating_ahead(collector, engines.rollout), self.in_flight(collector, engines.rollout),
+            self.learner(engines, collector),
             parity_limit(self.cfg.safety.max_logprob_diff, precision),
         )
 
@@ -108,7 +112,8 @@ class RLBuilder:
         reward_fns = build_reward_fns(cfg, self.ctx.dist.device) if cfg.env.name not in ("python", "agent") else []
         frozen = [rf.device_model for rf in reward_fns if rf.device_model is not None]
         # k >= 1: the engine runs beside the trainer, driven by its own thread (docs/async.md).
-        self.worker = RolloutWorker() if self.staleness >= 1 else None
+        # In flight the engine's own loop takes versions as they come (rltrain/algos/inflight_rollouts.py).
+        self.worker = RolloutWorker() if self.staleness >= 1 and cfg.placement.weight_update != "in_flight" else None
         trained = [e for e in (engines.policy, engines.reference_engine, engines.critic) if e is not None]
         weights = WeightSync(engines.rollout, deferred=cfg.placement.time_sharing, worker=self.worker)
         timeshare = TimeSharing(trained, engines.rollout, self.ctx.dist.device, cfg.placement.time_sharing, weights, frozen)
@@ -135,6 +140,15 @@ class RLBuilder:
             return None
         k, cfg = self.staleness, self.cfg
         return AsyncRollouts(collector, rollout, self.worker, k, cfg.trainer.max_steps, cfg.rollout.timeout_s * (k + 2), self.ctx.dist.rank)
+
+    def in_flight(self, collector: ExperienceCollector, rollout: RolloutEngine) -> InFlightRollouts | None:
+        """The trainer's side of an engine that loads versions between decoding steps (the separate
+        engine: validation refuses any other)."""
+        cfg = self.cfg
+        if cfg.placement.weight_update != "in_flight":
+            return None
+        evaluated = evaluated_versions(cfg.trainer.eval_every, cfg.trainer.max_steps) if collector.eval_prompts else []
+        return InFlightRollouts(collector, cast(StreamingEngine, rollout), cfg.placement, cfg.trainer.max_steps, evaluated)
 
     def learner(self, engines: _Engines, collector: ExperienceCollector) -> Learner:
         a, trainer = self.cfg.algo, self.cfg.trainer

@@ -271,10 +271,18 @@ class HealthConfig:
     hang_timeout_s: float = 0.0  # 0 = no watchdog
 
 
+WeightUpdate = Literal["between_batches", "in_flight"]
+
+
 @dataclass
 class PlacementConfig:
     time_sharing: bool = False
     max_staleness: int = 0  # >= 1: generate up to this many steps ahead of the trainer (docs/async.md)
+    # in_flight: the separate engine takes each new version between two decoding steps (docs/async.md)
+    weight_update: str = choice("between_batches", WeightUpdate)
+    stream: bool = False  # in_flight: a batch is the first algo.prompts_per_step groups to complete
+    deterministic: bool = False  # in_flight: versions applied at scheduled decode steps, not when they arrive
+    update_lag_steps: int = 8  # deterministic: decode steps between a batch's completion and its version's load
 
 
 @dataclass

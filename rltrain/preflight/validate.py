@@ -24,6 +24,7 @@ from rltrain.preflight.sources import (
     validate_data_sources,
     validate_model_source,
 )
+from rltrain.preflight.validate_inflight import validate_in_flight
 from rltrain.preflight.validate_rl import validate_env, validate_servers, validate_staleness
 from rltrain.preflight.world import data_parallel_size, validate_megatron_split
 from rltrain.runtime.errors import UserError
@@ -37,11 +38,13 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("data", schema.DataConfig), ("logger.wandb", schema.WandbConfig), ("sweep", schema.SweepConfig),
     *(("algo", spec.config) for spec in SPECS), ("rollout", group_options.VLLMRolloutConfig),
     ("rollout.servers", group_options.ServersConfig), ("reward.sandbox", schema.SandboxConfig),
+    ("placement", schema.PlacementConfig),
 )
 CHOICES: dict[str, tuple[str, ...]] = {
     f"{prefix}.{name}": values for prefix, cls in SECTIONS for name, values in choices_of(cls).items()
 }
 CHOICE_HINTS = {
+    "placement.weight_update": " (the engine loads a new version between batches, or between two decoding steps: docs/async.md)",
     "rollout.process": " (the vLLM engine in the trainer's process, or in a child process of its own)",
     "algo.rollout_correction": " (auto: none in sync and tis with placement.max_staleness >= 1; trust the samples, truncated importance weights per token, drop sequences whose train/rollout ratio leaves a band, or the sequence-level and masking variants: docs/algorithms.md#rollout-correction)",
     "rollout.servers.push_backend": " (auto: NCCL where the trainer and a server it did not spawn both run on CUDA, gloo otherwise)",
@@ -87,6 +90,7 @@ def validate(cfg: Config) -> None:
     validate_roles(cfg)
     validate_env(cfg)
     validate_staleness(cfg)
+    validate_in_flight(cfg)
     validate_servers(cfg)
     validate_safety(cfg)
     if cfg.rollout is not None and cfg.rollout.name == "vllm":

@@ -33,7 +33,7 @@ from rltrain.runtime.threads import thread_split
 from rltrain.transport.sender import TransportError, WeightSender
 from rltrain.transport.wire import Channel, Message, ProtocolError, make_private_dir
 
-OPS = frozenset({"ready", "reply", "generate", "update", "sleep", "wake", "ping", "close"})
+OPS = frozenset({"ready", "reply", "generate", "update", "sleep", "wake", "ping", "close", "stream_open", "submit", "take"})
 # torch.distributed / elastic variables the child must not inherit (vLLM would read them).
 _DIST_ENV = (
     "RANK",
@@ -262,6 +262,11 @@ class SeparateVLLMEngine:
         with self._lock:
             request_id = self._send(op, **fields)
             return self._recv(request_id, f"{op!r}").get("result")
+
+    def request(self, op: str, **fields: Any) -> Any:
+        """One request of the in-flight mode's ops (`stream_open`, `submit`, `take`:
+        rltrain/rollout/inflight_child.py), answered like every other."""
+        return self._call(op, **fields)
 
     # --- RolloutEngine --------------------------------------------------------------------------
 

@@ -59,6 +59,11 @@ def _serve(channel: ControlChannel, engine: Any, receiver: Any) -> None:
             elif op == "close":
                 channel.send(reply)
                 return
+            elif op == "stream_open":  # placement.weight_update=in_flight: the step loop from here on
+                from rltrain.rollout.inflight_child import serve_stream
+
+                serve_stream(channel, engine, receiver, request)
+                return
             else:
                 raise ValueError(f"unknown request {op!r}")
         except Exception:  # noqa: BLE001 - reported to the parent, which raises it

@@ -37,6 +37,7 @@ SCHEMA_PREFIX = {
     "SafetyConfig": "safety",
     "HealthConfig": "health",
     "SweepConfig": "sweep",
+    "PlacementConfig": "placement",
     "RLConfig": "algo",
     **{spec.config.__name__: "algo" for spec in ALGORITHMS.values()},
 }

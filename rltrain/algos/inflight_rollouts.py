@@ -1,0 +1,139 @@
+"""Batches from an engine that takes new weights between its decoding steps (`placement.weight_update=in_flight`).
+
+The rollout process runs vLLM step by step (rltrain/rollout/inflight_child.py): the trainer submits
+prompts ahead (those of steps up to t + 2 + 2k before it asks for step t's batch: more than the
+engine can start before the trainer's next version, so it never waits for prompts), asks for step t's
+batch, and publishes each new version as usual (`update_weights`, loaded between two decode steps
+while the requests in flight go on). Without `placement.stream` step t's batch is its own prompts,
+admitted once version t - 1 - k is loaded; with it, the first `algo.prompts_per_step` groups to
+complete, and a group holding a token older than the bound allows is generated again. Every token
+carries the version that sampled it. docs/async.md, "Weights in flight".
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from rltrain.algos.experience import Experience, ExperienceCollector
+from rltrain.config.schema import PlacementConfig
+from rltrain.rollout.base import Completion
+from rltrain.rollout.inflight_schedule import version_stats
+from rltrain.runtime.errors import UserError
+
+
+class StreamingEngine(Protocol):
+    def request(self, op: str, **fields: Any) -> Any:
+        """One request to the rollout process, its result (rltrain/rollout/separate.py)."""
+
+
+class InFlightRollouts:
+    """The trainer's side of the in-flight mode (see the module doc)."""
+
+    def __init__(
+        self, collector: ExperienceCollector, engine: StreamingEngine, placement: PlacementConfig, max_steps: int,
+        eval_versions: list[int],
+    ) -> None:
+        self.collector, self.engine, self.placement = collector, engine, placement
+        self.k, self.max_steps, self.eval_versions = placement.max_staleness, max_steps, eval_versions
+        self.per_step = collector.algo_cfg.prompts_per_step
+        self.opened = False
+        self.submitted_through = 0  # the last step whose prompts the engine has
+        self.untrained: list[int] = []  # prompts submitted and not trained yet, in submission order
+        self.restored: list[list[int]] = []  # a checkpoint's untrained prompts, a step's worth each
+
+    def _open(self, step: int) -> None:
+        a = self.collector.algo_cfg
+        sampling = self.collector.sampling(step)
+        options = {
+            "stream": self.placement.stream, "deterministic": self.placement.deterministic, "max_staleness": self.k,
+            "per_step": self.per_step, "group_size": a.group_size, "lag_steps": self.placement.update_lag_steps,
+            "version": step - 1, "first_step": step, "expected_groups": self.per_step * (self.max_steps - step + 1),
+            "eval_versions": self.eval_versions,
+            "sampling": {
+                "temperature": sampling.temperature, "top_p": sampling.top_p, "max_new_tokens": sampling.max_new_tokens,
+                "stop_token_ids": sampling.stop_token_ids,
+            },
+        }
+        self.engine.request("stream_open", options=options)
+        self.opened, self.submitted_through = True, step - 1
+
+    def _submit_through(self, last: int) -> None:
+        """Hand the engine the prompts of the steps up to `last` (the data stream's, in step order)."""
+        groups = []
+        for step in range(self.submitted_through + 1, min(last, self.max_steps) + 1):
+            index = self.restored.pop(0) if self.restored else self.collector.take_prompts()
+            self.untrained += index
+            seed = self.collector.sampling(step).seed
+            for position, (i, row) in enumerate(zip(index, self.collector.my_rows(index), strict=True)):
+                if row.images:
+                    raise UserError(
+                        "placement.weight_update=in_flight submits token ids only, and this data's prompts carry images "
+                        "(docs/vision.md). Set placement.weight_update=between_batches (generating ahead carries images)."
+                    )
+                groups.append({
+                    "index": i, "step": step, "position": position, "prompt_ids": row.ids,
+                    "seed": seed,
+                })
+            self.submitted_through = step
+        if groups:
+            self.engine.request("submit", groups=groups)
+
+    def next_experience(self, step: int) -> tuple[Experience, dict[str, float]]:
+        """Step `step`'s experience and its metrics (waits, versions, idle share, regenerated groups)."""
+        if not self.opened:
+            self._open(step)
+        self._submit_through(step + 2 + 2 * self.k)
+        started = time.perf_counter()
+        taken = self.engine.request("take", step=step)
+        wait_s = time.perf_counter() - started
+        groups = taken["groups"]
+        for g in groups:
+            self.untrained.remove(int(g["index"]))
+        completions: list[Completion] = []
+        versions: list[list[int]] = []
+        for position, g in enumerate(groups):
+            for tokens, logps, vs, finished in zip(g["token_ids"], g["logprobs"], g["versions"], g["finished"], strict=True):
+                completions.append(Completion(position, [int(t) for t in tokens], [float(x) for x in logps], bool(finished)))
+                versions.append([int(v) for v in vs])
+        stats = version_stats(versions)
+        oldest = int(stats["rollout/token_version_min"]) if any(versions) else step - 1
+        tokens = [step - 1 - v for seq in versions for v in seq]
+        busy, idle = float(taken["busy_s"]), float(taken["idle_s"])
+        exp = self.collector.assemble(step, [int(g["index"]) for g in groups], completions, busy, staleness=step - 1 - oldest)
+        return exp, {
+            **stats,
+            "rollout/staleness_mean": sum(tokens) / max(len(tokens), 1),
+            "rollout/staleness_max": float(step - 1 - oldest),
+            "rollout/engine_idle_frac": idle / max(idle + busy, 1e-9),
+            "rollout/regenerated": float(taken["dropped"]),
+            "time/wait_rollout": wait_s,
+        }
+
+
+    # --- checkpoint part (rltrain/run/checkpoint.py; the file generating ahead writes and reads) --
+
+    def save_checkpoint(self, directory: Path) -> None:
+        """The prompts submitted and not trained, a step's worth per row as `AsyncRollouts` writes
+        them with nothing generated: a resumed run (in flight or between batches) generates them
+        first, from the checkpoint's weights, so no prompt of the stream is skipped."""
+        step = self.submitted_through - len(self.untrained) // self.per_step
+        rows = [
+            {"step": step + 1 + i, "global_index": self.untrained[i * self.per_step : (i + 1) * self.per_step],
+             "version": max(0, step - self.k + i), "completions": None, "generate_s": 0.0}
+            for i in range(len(self.untrained) // self.per_step)
+        ]
+        (directory / "rank0.json").write_text(json.dumps({"max_staleness": self.k, "pending": rows}))
+
+    def load_checkpoint(self, directory: Path) -> None:
+        rows = json.loads((directory / "rank0.json").read_text())["pending"]
+        self.restored = [[int(i) for i in row["global_index"]] for row in sorted(rows, key=lambda r: int(r["step"]))]
+
+
+def evaluated_versions(eval_every: int, max_steps: int) -> list[int]:
+    """The versions an evaluation follows (rltrain/run/trainer.py: every `eval_every` steps and after
+    the last): a deterministic engine runs each evaluation right after loading its version."""
+    every = [s for s in range(eval_every, max_steps + 1, eval_every)] if eval_every > 0 else []
+    return sorted({*every, max_steps})

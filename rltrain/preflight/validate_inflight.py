@@ -1,0 +1,58 @@
+"""Checks of `placement.weight_update`, `placement.stream` and `placement.deterministic` (docs/async.md,
+"Weights in flight"): each combination that cannot work is refused before anything is built, with
+the fix named. rltrain/preflight/validate.py calls `validate_in_flight` after `validate_staleness`.
+"""
+
+from __future__ import annotations
+
+from rltrain.algos.rl_config import RLConfig
+from rltrain.config.group_choice import as_option
+from rltrain.config.group_options import VLLMRolloutConfig
+from rltrain.config.schema import Config
+from rltrain.runtime.errors import UserError
+
+
+def validate_in_flight(cfg: Config) -> None:
+    p = cfg.placement
+    if p.weight_update == "between_batches":
+        if p.stream:
+            raise UserError(
+                "placement.stream=true hands the trainer the first groups to complete while the engine keeps generating, "
+                "which needs an engine that takes new weights between its decoding steps. Add placement.weight_update=in_flight "
+                "(with rollout=vllm rollout.process=separate and placement.max_staleness >= 1), or set placement.stream=false."
+            )
+        return  # between batches the schedule is deterministic already, with or without placement.deterministic
+    vllm = as_option("rollout", cfg.rollout, VLLMRolloutConfig)
+    if vllm is None or vllm.process != "separate":
+        raise UserError(
+            f"placement.weight_update=in_flight needs the engine in its own process, driven step by step: rollout=vllm "
+            f"rollout.process=separate (rollout={cfg.rollout.name} does not load weights between decoding steps here). "
+            "Add rollout=vllm rollout.process=separate, or set placement.weight_update=between_batches."
+        )
+    if p.max_staleness < 1:
+        raise UserError(
+            f"placement.weight_update=in_flight with placement.max_staleness={p.max_staleness}: a version can only arrive while "
+            "the engine generates if it generates ahead of the trainer, and the bound on every token's staleness is "
+            "placement.max_staleness. Set placement.max_staleness=1 (or more), or placement.weight_update=between_batches."
+        )
+    _refuse_unsupported(cfg)
+    if p.update_lag_steps < 0:
+        raise UserError(f"placement.update_lag_steps={p.update_lag_steps} must be a number of decode steps >= 0.")
+
+
+def _refuse_unsupported(cfg: Config) -> None:
+    """What the in-flight loop does not drive: each named with the way out."""
+    fix = "or set placement.weight_update=between_batches (generating ahead supports it)."
+    if cfg.env.name != "none":
+        raise UserError(
+            f"placement.weight_update=in_flight generates single-turn groups; env={cfg.env.name} plays multi-turn episodes. "
+            f"Use env=none, {fix}"
+        )
+    rl = as_option("algo", cfg.algo, RLConfig)
+    if rl is not None and rl.dynamic_sampling:
+        raise UserError(f"placement.weight_update=in_flight does not resample groups (algo.dynamic_sampling=true). Set algo.dynamic_sampling=false, {fix}")
+    if cfg.trainer.nproc != 1:
+        raise UserError(
+            f"placement.weight_update=in_flight drives one engine, for one trainer rank; trainer.nproc={cfg.trainer.nproc}. "
+            f"Set trainer.nproc=1, {fix}"
+        )

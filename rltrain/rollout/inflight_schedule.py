@@ -1,0 +1,123 @@
+"""The pure bookkeeping of in-flight generation (`placement.weight_update=in_flight`).
+
+Which completed group trains at which step, which group is too stale to train, when a new policy
+version is due, how many prompts may enter the engine now. No engine here: the rollout process
+(rltrain/rollout/inflight_child.py) drives vLLM step by step with it, so that every decision is a
+function of counts (groups completed, decode steps taken), which is what makes
+`placement.deterministic=true` possible. docs/async.md, "Weights in flight", has the story.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Group:
+    """The `n` samples of one prompt, generated together (one attempt: an over-stale group is
+    generated again as a new attempt). `step`: the step whose prompts it was taken with;
+    `position`: its place in that step's prompts; `seed`: the first sample's (sample j: seed + j)."""
+
+    key: int
+    index: int
+    step: int
+    position: int
+    prompt_ids: list[int]
+    seed: int
+    n: int
+    attempt: int = 0
+    token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    versions: list[list[int]] = field(default_factory=list)
+    finished: list[bool] = field(default_factory=list)
+    done: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = [[] for _ in range(self.n)]
+            self.logprobs = [[] for _ in range(self.n)]
+            self.versions = [[] for _ in range(self.n)]
+            self.finished = [False] * self.n
+
+    def oldest_version(self, current: int) -> int:
+        """The oldest version among its tokens (`current` where it has none: an empty completion)."""
+        return min((v for vs in self.versions for v in vs), default=current)
+
+    def again(self, key: int) -> Group:
+        """A fresh attempt at the same prompt, with its own seeds."""
+        return Group(key, self.index, self.step, self.position, self.prompt_ids, _next_seed(self.seed), self.n, self.attempt + 1)
+
+
+def _next_seed(seed: int) -> int:
+    return (seed * 7_919 + 104_729) % (2**31 - 1)
+
+
+def too_stale(oldest_version: int, train_step: int, max_staleness: int) -> bool:
+    """True when a token of `oldest_version` would be more than `max_staleness` versions behind the
+    trainer of step `train_step` (which holds version `train_step - 1`)."""
+    return (train_step - 1) - oldest_version > max_staleness
+
+
+def admit_count(running: int, prompt_lens: list[int], n: int, max_num_seqs: int, token_budget: int) -> int:
+    """How many groups from the head of `prompt_lens` may enter the engine now: every one of their
+    `n` requests must fit `max_num_seqs` beside the `running` ones, and all their prompts must
+    prefill whole in the next step's token budget beside one decode token per running request
+    (vLLM's CPU build cannot prefill a seeded request in chunks, rltrain/rollout/vllm.py)."""
+    count, seqs, tokens = 0, running, running
+    for length in prompt_lens:
+        if seqs + n > max_num_seqs or tokens + n * length > token_budget:
+            break
+        count, seqs, tokens = count + 1, seqs + n, tokens + n * length
+    return count
+
+
+class TakeBook:
+    """Completed groups assigned to the steps that train them.
+
+    `stream`: a group goes to the step being filled (the first one with fewer than `per_step`
+    groups), in completion order; otherwise to its own step, in prompt order. A group that would
+    break the per-token bound there is refused (`place` returns False) and the caller generates it
+    again. `filled_at[s]` is the decode step at which step s's batch became complete."""
+
+    def __init__(self, per_step: int, max_staleness: int, stream: bool, first_step: int) -> None:
+        self.per_step, self.k, self.stream = per_step, max_staleness, stream
+        self.filling = first_step
+        self.assigned: dict[int, list[Group]] = {}
+        self.filled_at: dict[int, int] = {}
+
+    def place(self, group: Group, current_version: int, decode_step: int) -> bool:
+        target = self.filling if self.stream else group.step
+        if too_stale(group.oldest_version(current_version), target, self.k):
+            return False
+        batch = self.assigned.setdefault(target, [])
+        batch.append(group)
+        if len(batch) == self.per_step:
+            self.filled_at[target] = decode_step
+            if not self.stream:
+                batch.sort(key=lambda g: g.position)
+        while self.stream and len(self.assigned.get(self.filling, ())) >= self.per_step:
+            self.filling += 1
+        return True
+
+    def full(self, step: int) -> bool:
+        return step in self.filled_at
+
+    def pop(self, step: int) -> list[Group]:
+        return self.assigned.pop(step)
+
+
+def due_step(filled_at: dict[int, int], version: int, lag_steps: int) -> int | None:
+    """The decode step before which version `version` is applied in a deterministic run: `lag_steps`
+    after the batch that trains into it (step `version`'s) became complete; None while it is not."""
+    filled = filled_at.get(version)
+    return None if filled is None else filled + lag_steps
+
+
+def version_stats(versions_by_sequence: list[list[int]]) -> dict[str, float]:
+    """`rollout/token_version_min`/`_max` over every token, `rollout/versions_per_sequence_max`."""
+    tokens = [v for seq in versions_by_sequence for v in seq]
+    return {
+        "rollout/token_version_min": float(min(tokens, default=0)),
+        "rollout/token_version_max": float(max(tokens, default=0)),
+        "rollout/versions_per_sequence_max": float(max((len(set(seq)) for seq in versions_by_sequence), default=0)),
+    }
