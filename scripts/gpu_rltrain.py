@@ -127,7 +127,8 @@ class Workload:
             return make_dpo_loss(DPO_BETA, "sigmoid", 0.0, 0.0)
         cfg = SimpleNamespace(clip_low=CLIP_LOW, clip_high=CLIP_HIGH, beta=0.0, loss_agg="token_mean",
                               importance_level="token", policy_loss="clip", max_new_tokens=max_completion(self.args),
-                              rollout_correction="none", rollout_is_cap=2.0, rollout_mask_band=2.0)
+                              rollout_correction="none", rollout_is_cap=2.0, rollout_mask_band=2.0, rollout_is_floor=0.0,
+                              rollout_geo_band=[0.999, 1.001], rollout_icepop_band=[0.5, 5.0])
         return make_policy_loss(cfg)
 
     def step(self, k: int) -> tuple[float, float, int]:

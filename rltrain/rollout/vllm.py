@@ -137,7 +137,8 @@ class VLLMRolloutEngine:
             self.expected_names.discard("lm_head.weight")
         # How vLLM names a Hugging Face tensor: a vision-language checkpoint on disk and the trainer's
         # model name the same tensor differently (`model.layers.0...` vs `model.language_model.layers.0...`).
-        self.prefix_renames: dict[str, str | None] = self._live().apply_model(_prefix_renames)[0]
+        # Asked of the worker's model only when names differ (`_missing_names`).
+        self._prefix_renames: dict[str, str | None] | None = None
 
     # --- generation -----------------------------------------------------------------------------
 
@@ -233,11 +234,31 @@ class VLLMRolloutEngine:
     def _missing_names(self, seen: set[str]) -> set[str]:
         """The checkpoint's tensors no name in `seen` stands for, compared after vLLM's renaming of
         prefixes (its fusing of q/k/v names is left out: each part must come)."""
+        unseen = self.expected_names - seen
+        if not unseen:
+            return set()
+        if self._prefix_renames is None:
+            self._prefix_renames = self._model_prefix_renames()
         renamed = {self._renamed(name) for name in seen}
-        return {name for name in self.expected_names - seen if self._renamed(name) not in renamed}
+        return {name for name in unseen if self._renamed(name) not in renamed}
+
+    def _model_prefix_renames(self) -> dict[str, str | None]:
+        """The prefixes the model class's Hugging Face to vLLM name mapping (vLLM's `WeightsMapper`,
+        where it has one) renames, in its order: read from the class vLLM's registry resolves, so
+        no worker is asked (on CUDA the workers are other processes)."""
+        from vllm.model_executor.models.registry import ModelRegistry
+
+        model_config = self._live().llm_engine.model_config
+        try:
+            model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architectures, model_config)
+        except (ValueError, AttributeError):  # a class vLLM resolves otherwise: no renaming known
+            return {}
+        mapper = getattr(model_cls, "hf_to_vllm_mapper", None)
+        return dict(mapper.orig_to_new_prefix) if mapper is not None else {}
 
     def _renamed(self, name: str) -> str | None:
-        for prefix, new in self.prefix_renames.items():
+        assert self._prefix_renames is not None
+        for prefix, new in self._prefix_renames.items():
             if name.startswith(prefix):
                 if new is None:
                     return None
@@ -415,11 +436,6 @@ def _destroy_vllm_world_only() -> None:
     parallel_state._NODE_COUNT = None
 
 
-def _prefix_renames(model: torch.nn.Module) -> dict[str, str | None]:
-    """The prefixes the model class's Hugging Face to vLLM name mapping (vLLM's `WeightsMapper`,
-    where it has one) renames, in its order."""
-    mapper = getattr(type(model), "hf_to_vllm_mapper", None)
-    return dict(mapper.orig_to_new_prefix) if mapper is not None else {}
 
 
 def _pong(worker) -> bool:

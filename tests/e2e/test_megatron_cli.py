@@ -70,9 +70,10 @@ def test_pp2_sft_equals_fsdp(fsdp_sft, tmp_path):
 @pytest.mark.parametrize("backend", [[], ["backend=megatron"]], ids=["fsdp", "megatron"])
 def test_fused_adamw_trains_like_each_backends_own_kernels(fsdp_sft, tmp_path, backend):
     """`optim.implementation=fused` (rltrain/backends/adamw.py) takes each backend's steps up to
-    round-off, and megatron checkpoints its state. The fused kernel rounds differently from the
-    backend's own (FSDP foreach, megatron for-loop), so some number differs in its last bits: the
-    key reached the optimizer."""
+    round-off, and megatron checkpoints its state. The fused kernel rounds differently from
+    megatron's per-tensor loop, so there some number differs in its last bits: the key reached the
+    optimizer. FSDP's foreach kernel and the fused one round alike on some CPUs (this machine's
+    kind among them), so for FSDP the kernel built is held by tests/unit/backends/test_adamw.py."""
     own = fsdp_sft
     if backend:
         own = tmp_path / "own"
@@ -81,7 +82,8 @@ def test_fused_adamw_trains_like_each_backends_own_kernels(fsdp_sft, tmp_path, b
     rltrain(*SMALL_SFT, *backend, "optim.implementation=fused", "trainer.save_every=2", run_dir=run_dir)
     rows, reference = train_rows(run_dir), train_rows(own)
     _assert_same_training(rows, reference)
-    assert any(row[key] != ref[key] for row, ref in zip(rows, reference, strict=True) for key in COMPARED)
+    if backend:
+        assert any(row[key] != ref[key] for row, ref in zip(rows, reference, strict=True) for key in COMPARED)
 
 
 def test_final_is_a_hugging_face_model_with_fsdps_weights(fsdp_sft, megatron_tp2_sft):

@@ -27,7 +27,7 @@ class VersionEngine:
     def __init__(self, version: int = 0, generate_s: float = 0.0) -> None:
         self.version, self.generate_s = version, generate_s
 
-    def generate(self, prompts, sampling):
+    def generate(self, prompts, sampling, images=None):
         time.sleep(self.generate_s)
         return [Completion(i, [1], [float(self.version)], True) for i in range(len(prompts))]
 
@@ -50,7 +50,7 @@ class Collector:
         return self.stream.take(self.prompts_per_step)
 
     def my_rows(self, index):
-        return [SimpleNamespace(ids=[i]) for i in index]
+        return [SimpleNamespace(ids=[i], images=None) for i in index]
 
     def sampling(self, step):
         return SamplingSettings(seed=step)

@@ -11,7 +11,7 @@ from vl_stand_in import logprobs_of, max_logprob_diff, tiny_qwen2_vl_dir, vision
 
 from rltrain.config.group_options import ServerRolloutConfig, ServersConfig
 from rltrain.rollout.base import SamplingSettings
-from rltrain.rollout.server import ServerFleetEngine
+from rltrain.rollout.server.fleet import ServerFleetEngine
 
 pytestmark = [pytest.mark.xdist_group("rollout_servers")]
 SAMPLING = SamplingSettings(n=2, max_new_tokens=6, seed=5)

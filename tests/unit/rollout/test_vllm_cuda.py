@@ -114,7 +114,10 @@ class FakeLLM:
         class _Cfg:
             hf_config = type("HF", (), {"tie_word_embeddings": False})()
 
-        self.llm_engine = type("E", (), {"model_config": _Cfg()})()
+        calls = self.calls
+        self.llm_engine = type(
+            "E", (), {"model_config": _Cfg(), "reset_encoder_cache": lambda _self: calls.append(("reset_encoder_cache",))}
+        )()
 
     def collective_rpc(self, method, kwargs=None, **_):
         kwargs = kwargs or {}
@@ -171,7 +174,7 @@ def test_cuda_engine_gets_cuda_kwargs_and_syncs_through_reload_weights(cuda_engi
     engine = cuda_engine(gpu_memory_utilization=0.7)
     assert engine.llm.kwargs["enable_sleep_mode"] is True and engine.llm.kwargs["gpu_memory_utilization"] == 0.7
     engine.update_weights(iter(WEIGHTS))
-    assert engine.llm.calls == [("collective_rpc", "reload_weights", "generator"), ("reset_prefix_cache",)]
+    assert engine.llm.calls == [("collective_rpc", "reload_weights", "generator"), ("reset_prefix_cache",), ("reset_encoder_cache",)]
     assert torch.equal(engine.llm.loaded[0]["b.weight"], torch.full((2,), 4.0))
     with pytest.raises(ValueError, match="b.weight"):  # a partial update is still refused
         engine.update_weights(WEIGHTS[:1])
@@ -207,6 +210,7 @@ def test_sleep_level_2_wakes_weights_then_loads_then_wakes_the_kv_cache(cuda_eng
         ("collective_rpc", "reload_weights", None),  # from disk
         ("wake_up", ("kv_cache",)),
         ("reset_prefix_cache",),
+        ("reset_encoder_cache",),
         ("generate",),
     ]
     # The usual turn: wake the weights, load the trainer's, then the KV cache.
@@ -221,6 +225,7 @@ def test_sleep_level_2_wakes_weights_then_loads_then_wakes_the_kv_cache(cuda_eng
         ("collective_rpc", "reload_weights", "generator"),
         ("wake_up", ("kv_cache",)),
         ("reset_prefix_cache",),
+        ("reset_encoder_cache",),
         ("generate",),
     ]
     # After an update, a wake without one would generate from discarded memory: refused.
