@@ -99,7 +99,7 @@ class Workload:
             prompts, completions = sft_rows(self.tok, rows, k, a.batch)
             batch = SequenceBatch.from_lists(prompts, completions, global_tokens=float(sum(map(len, completions))))
         else:
-            from rltrain.algos.rl_update import PolicyBatchInputs
+            from rltrain.algos.rl.update import PolicyBatchInputs
             from rltrain.data.ragged import Ragged
 
             rollouts = fixed_rollouts(self.tok, rows, k, a.batch, a.group, a.row_length)
@@ -118,7 +118,7 @@ class Workload:
         from types import SimpleNamespace
 
         from rltrain.algos.dpo import make_dpo_loss
-        from rltrain.algos.rl_update import make_policy_loss
+        from rltrain.algos.rl.update import make_policy_loss
         from rltrain.algos.sft import sft_loss
 
         if self.name == "sft":

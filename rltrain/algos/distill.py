@@ -3,7 +3,7 @@
 
 The reverse KL's single-sample estimate `log p_student(y_t) - log p_teacher(y_t)` on the student's
 own tokens is used as a negative per-token reward with no discount (`reverse_kl_advantages`), through
-the shared RL step and policy loss (rltrain/algos/rl.py), so the rollout engines, LoRA, both backends
+the shared RL step and policy loss (rltrain/algos/rl/algorithm.py), so the rollout engines, LoRA, both backends
 and generating ahead work as for GRPO. Simplified: no rewards (reward.fns still score the samples,
 as a metric only), no baseline. docs/algorithms.md ("On-policy distillation").
 
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from rltrain.algos.advantages import reverse_kl_advantages
-from rltrain.algos.experience import Experience
-from rltrain.algos.rl import Advantages, RLAlgorithm
-from rltrain.algos.rl_config import RLConfig, check_rl
+from rltrain.algos.rl.algorithm import Advantages, RLAlgorithm
+from rltrain.algos.rl.config import RLConfig, check_rl
+from rltrain.algos.rl.experience import Experience
 from rltrain.config.algorithms import AlgorithmSpec
 from rltrain.data.sharding import sum_over_replicas
 from rltrain.runtime.errors import UserError

@@ -1,4 +1,4 @@
-"""Group Relative Policy Optimisation: the shared RL step (rltrain/algos/rl.py) with group-relative
+"""Group Relative Policy Optimisation: the shared RL step (rltrain/algos/rl/algorithm.py) with group-relative
 advantages (rltrain/algos/advantages.py) and the policy loss (rltrain/algos/policy_loss.py).
 
 It needs no critic: each completion's baseline is its group's mean reward, so a step costs only
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from rltrain.algos.advantages import ScaleRewards, group_advantages
-from rltrain.algos.experience import Experience
-from rltrain.algos.rl import Advantages, RLAlgorithm
-from rltrain.algos.rl_config import RLConfig, check_rl
+from rltrain.algos.rl.algorithm import Advantages, RLAlgorithm
+from rltrain.algos.rl.config import RLConfig, check_rl
+from rltrain.algos.rl.experience import Experience
 from rltrain.config.algorithms import AlgorithmSpec
 from rltrain.config.choices import choice
 

@@ -14,7 +14,7 @@ from typing import get_args
 
 import torch
 
-from rltrain.algos.rl_config import LossAgg
+from rltrain.algos.rl.config import LossAgg
 from rltrain.data.ragged import Ragged
 
 LOSS_AGGS: tuple[str, ...] = get_args(LossAgg)

@@ -1,4 +1,4 @@
-"""Proximal Policy Optimisation with a critic: the shared RL step (rltrain/algos/rl.py) with
+"""Proximal Policy Optimisation with a critic: the shared RL step (rltrain/algos/rl/algorithm.py) with
 per-token advantages from GAE (rltrain/algos/advantages.py) and a value model trained alongside.
 
 The critic gives credit per token instead of per completion; this module only adds what that
@@ -26,10 +26,10 @@ from rltrain.algos.advantages import (
     token_rewards,
     whiten,
 )
-from rltrain.algos.experience import Experience, sequence_scores
-from rltrain.algos.rl import Advantages, RLAlgorithm
-from rltrain.algos.rl_config import RLConfig, check_rl
-from rltrain.algos.rl_update import ValueLossInputs
+from rltrain.algos.rl.algorithm import Advantages, RLAlgorithm
+from rltrain.algos.rl.config import RLConfig, check_rl
+from rltrain.algos.rl.experience import Experience, sequence_scores
+from rltrain.algos.rl.update import ValueLossInputs
 from rltrain.backends.base import PolicyOutput
 from rltrain.config.algorithms import AlgorithmSpec
 from rltrain.config.run_context import RunContext

@@ -4,7 +4,7 @@ A `SequenceBatch` is a ragged set of token sequences, each a prompt followed by 
 Backends score only completion tokens: the log-probability of completion token j is taken from
 the logits at the position before it, so a sequence with prompt length P and total length L
 yields L - P log-probabilities. What else a loss needs rides along, sliced to this batch's
-sequences: a typed `loss_inputs` (rltrain/algos/rl_update.py), the string-keyed `extras` (SFT's
+sequences: a typed `loss_inputs` (rltrain/algos/rl/update.py), the string-keyed `extras` (SFT's
 and DPO's counts), and `sampled`: which completion tokens the policy sampled, where a multi-turn
 episode interleaves observations (docs/environments.md).
 """

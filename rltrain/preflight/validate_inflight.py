@@ -5,7 +5,7 @@ the fix named. rltrain/preflight/validate.py calls `validate_in_flight` after `v
 
 from __future__ import annotations
 
-from rltrain.algos.rl_config import RLConfig
+from rltrain.algos.rl.config import RLConfig
 from rltrain.config.group_choice import as_option
 from rltrain.config.group_options import VLLMRolloutConfig
 from rltrain.config.schema import Config

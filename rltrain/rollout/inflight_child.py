@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class StreamOptions:
-    """What `stream_open` carries (rltrain/algos/inflight_rollouts.py sends it)."""
+    """What `stream_open` carries (rltrain/algos/rl/inflight_rollouts.py sends it)."""
 
     stream: bool
     deterministic: bool

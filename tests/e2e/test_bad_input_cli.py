@@ -118,7 +118,7 @@ SEPARATE_ENGINE = pytest.mark.xdist_group("separate_engine")  # its cleanup is c
 def test_a_user_error_after_the_engines_are_up_is_one_paragraph(tiny_cache, tmp_path, rollout, backend):
     """Every rollout engine kind (vLLM in process, vLLM in its own process, HF) on both backends, one
     rank: the prompts, read after the engines are built, are all longer than data.max_length. The
-    algorithm closes what it built before the process group goes (rltrain/algos/rl.py), so no
+    algorithm closes what it built before the process group goes (rltrain/algos/rl/algorithm.py), so no
     engine's exit-time shutdown prints a traceback (vLLM's destroyed a group already gone) and a
     separate engine leaves no socket directory behind."""
     sockets_before = set(Path(tempfile.gettempdir()).glob("rlsep-*"))

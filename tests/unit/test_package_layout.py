@@ -219,7 +219,7 @@ def test_the_layer_check_finds_an_upward_import():
     assert upward_imports({"rltrain.runtime.errors": {"rltrain.config.schema"}}) == [
         ("rltrain.runtime.errors", "rltrain.config.schema")
     ]
-    assert upward_imports({"rltrain.algos.rl": {"rltrain.runtime.errors"}, "rltrain.__main__": {"rltrain.algos"}}) == []
+    assert upward_imports({"rltrain.algos.rl.algorithm": {"rltrain.runtime.errors"}, "rltrain.__main__": {"rltrain.algos"}}) == []
 
 
 def test_every_package_has_a_layer():

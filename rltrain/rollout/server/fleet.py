@@ -366,7 +366,7 @@ class ServerFleetEngine:
     def metrics(self) -> dict[str, float]:
         """The fleet now, and the versions of the completions sampled since the last call (a
         multi-turn episode's completion is assembled from several; a single-turn batch generated
-        ahead is measured from its own completions instead: rltrain/algos/rl.py)."""
+        ahead is measured from its own completions instead: rltrain/algos/rl/algorithm.py)."""
         with self._lock:
             observed, self.observed = self.observed, []
         return {

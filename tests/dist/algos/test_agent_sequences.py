@@ -28,9 +28,9 @@ def _model_dir():
 
 
 def _update(rank, world, model_dir, mini_batches, twice):
-    from rltrain.algos.experience import BatchLayout, Experience
+    from rltrain.algos.rl.experience import BatchLayout, Experience
     from rltrain.algos.grpo import GRPOConfig
-    from rltrain.algos.rl_update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
+    from rltrain.algos.rl.update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
     from rltrain.backends.fsdp.engine import FSDPEngine
     from rltrain.config.group_options import FSDPBackendConfig
     from rltrain.config.schema import OptimConfig

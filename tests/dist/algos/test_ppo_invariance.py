@@ -30,10 +30,10 @@ def _ppo_step(rank, world, model_dir, mb_size, overrides):
     from pathlib import Path
 
     from rltrain.config.run_context import RunContext
-    from rltrain.algos.experience import BatchLayout, Experience
+    from rltrain.algos.rl.experience import BatchLayout, Experience
     from rltrain.rewards.scoring import Failures
     from rltrain.algos.ppo import make_value_loss, ppo_advantages
-    from rltrain.algos.rl_update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
+    from rltrain.algos.rl.update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
     from rltrain.backends import build_engine
     from rltrain.data.batch import SequenceBatch
     from rltrain.data.sharding import rank_slice

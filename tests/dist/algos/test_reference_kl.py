@@ -28,9 +28,9 @@ def _learner_kl(rank, world, policy_dir, reference_dir):
     from pathlib import Path
 
     from rltrain.config.run_context import RunContext
-    from rltrain.algos.experience import BatchLayout, Experience
+    from rltrain.algos.rl.experience import BatchLayout, Experience
     from rltrain.rewards.scoring import Failures
-    from rltrain.algos.rl_update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
+    from rltrain.algos.rl.update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
     from rltrain.backends import build_engine
     from rltrain.data.batch import SequenceBatch
     from rltrain.runtime.distributed import DistInfo

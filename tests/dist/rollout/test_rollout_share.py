@@ -55,7 +55,7 @@ def _episode_rows(played):
 def _share(rank: int, world: int) -> list:
     import torch.distributed as dist
 
-    from rltrain.algos.experience import share_scores
+    from rltrain.algos.rl.experience import share_scores
     from rltrain.envs.replica import share_results
     from rltrain.rewards.scoring import Failures
     from rltrain.rollout.share import raise_leader_error, replica_leader, share_completions

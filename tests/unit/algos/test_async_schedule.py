@@ -1,4 +1,4 @@
-"""The asynchronous schedule (rltrain/algos/async_rollouts.py, rltrain/rollout/ahead.py): which
+"""The asynchronous schedule (rltrain/algos/rl/async_rollouts.py, rltrain/rollout/ahead.py): which
 policy version samples which step's batch, whatever the timing, and a checkpoint's batches in flight.
 
 The engine here is a stand-in that reports the version it holds in every log-probability, so a
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rltrain.algos.async_rollouts import AsyncRollouts, sample_version
+from rltrain.algos.rl.async_rollouts import AsyncRollouts, sample_version
 from rltrain.data.sampler import IndexStream
 from rltrain.rollout.ahead import RolloutWorker
 from rltrain.rollout.base import Completion, SamplingSettings

@@ -1,12 +1,12 @@
 """DAPO's dynamic sampling, the bookkeeping: which groups carry signal and which one rank trains on
-(rltrain/algos/dynamic_sampling.py). The rounds in real runs, resumed and generating ahead:
+(rltrain/algos/rl/dynamic_sampling.py). The rounds in real runs, resumed and generating ahead:
 tests/e2e/test_cli_dynamic_sampling.py."""
 
 from __future__ import annotations
 
 import torch
 
-from rltrain.algos.dynamic_sampling import SignalGroups, groups_with_signal
+from rltrain.algos.rl.dynamic_sampling import SignalGroups, groups_with_signal
 from rltrain.data.prompt_data import PromptRow
 from rltrain.rewards.scoring import Failures, Scored
 from rltrain.rollout.base import Completion

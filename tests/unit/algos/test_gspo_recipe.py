@@ -1,6 +1,6 @@
 """`+experiment=gspo` is GSPO as its paper defines it (Zheng et al. 2025, eq. 5-7): the composed
 config asks for the sequence ratio *and* the mean over sequences, and the loss the run's config
-builds (rltrain.algos.rl_update.make_policy_loss) is the paper's objective, value and gradient,
+builds (rltrain.algos.rl.update.make_policy_loss) is the paper's objective, value and gradient,
 written here at the sequence level. The recipe's run on CPU: tests/e2e/test_recipes.py."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import compose_config
 
-from rltrain.algos.rl_update import PolicyBatchInputs, make_policy_loss
+from rltrain.algos.rl.update import PolicyBatchInputs, make_policy_loss
 from rltrain.backends.base import PolicyOutput
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged

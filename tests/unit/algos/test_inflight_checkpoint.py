@@ -1,4 +1,4 @@
-"""`InFlightRollouts`' checkpoint part (rltrain/algos/inflight_rollouts.py): the prompts submitted and
+"""`InFlightRollouts`' checkpoint part (rltrain/algos/rl/inflight_rollouts.py): the prompts submitted and
 not trained are written a step's worth per row, in the format generating ahead reads, and read back
 in step order. The engine and the collector are stand-ins: only the bookkeeping runs here; a killed
 and resumed run is tests/e2e/test_cli_inflight.py."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from rltrain.algos.async_rollouts import AsyncRollouts
-from rltrain.algos.inflight_rollouts import InFlightRollouts
+from rltrain.algos.rl.async_rollouts import AsyncRollouts
+from rltrain.algos.rl.inflight_rollouts import InFlightRollouts
 from rltrain.config.schema import PlacementConfig
 
 

@@ -448,7 +448,7 @@ def test_an_episode_that_forks_trains_each_fork(agents, tmp_path):
 
 
 def test_an_agent_batch_survives_a_checkpoint_as_json_exactly(agents):
-    """An asynchronous run's checkpoint holds played batches (rltrain/algos/async_rollouts.py): every
+    """An asynchronous run's checkpoint holds played batches (rltrain/algos/rl/async_rollouts.py): every
     sequence of an agent's episodes (prompt ids, masks, log-probabilities, the episode of each), its
     named rewards and counts come back as they were."""
     from rltrain.envs.agent.runner import AgentResults, played_from_json, played_to_json

@@ -213,7 +213,7 @@ def test_every_turn_shares_one_deadline_so_slow_steps_never_outlast_half_the_col
 
 
 def test_a_played_batch_survives_a_checkpoint_as_json_exactly(envs_module):
-    """An asynchronous run's checkpoint holds played batches (rltrain/algos/async_rollouts.py): the
+    """An asynchronous run's checkpoint holds played batches (rltrain/algos/rl/async_rollouts.py): the
     sampled masks, log-probabilities, returns, replies and counts come back as they were."""
     import json
 

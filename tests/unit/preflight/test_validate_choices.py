@@ -1,7 +1,7 @@
 """Every enum-like key is checked at composition, with the allowed values named.
 
 The allowed values are declared once, as `Literal`s in rltrain/config/schema.py,
-rltrain/config/group_options.py and each algorithm's module (rltrain/algos/<name>.py, rl_config.py); `CHOICES` (validate) and the constants of the code that reads each
+rltrain/config/group_options.py and each algorithm's module (rltrain/algos/<name>.py, rl/config.py); `CHOICES` (validate) and the constants of the code that reads each
 key are derived from them. These tests keep them equal and find every enum-like key of the schema in CHOICES, so a new one cannot be added without its check. The CLI side (one paragraph, exit 2) is
 tests/e2e/test_bad_input_cli.py.
 """
@@ -15,7 +15,7 @@ import re
 import pytest
 from helpers import compose_config
 
-from rltrain.algos import rl_config
+from rltrain.algos.rl import config as rl_config
 from rltrain.config import group_options, schema
 from rltrain.config.algorithms import ALGORITHMS
 from rltrain.config.choices import choices_of

@@ -5,7 +5,7 @@ end to end in tests/e2e/test_cli_inflight.py."""
 
 from __future__ import annotations
 
-from rltrain.algos.inflight_rollouts import evaluated_versions
+from rltrain.algos.rl.inflight_rollouts import evaluated_versions
 from rltrain.rollout.inflight_schedule import Group, TakeBook, admit_count, due_step, too_stale, version_stats
 
 

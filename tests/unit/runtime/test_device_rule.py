@@ -132,7 +132,7 @@ def test_kto_loss_runs_where_the_outputs_are_with_host_labels_and_reference_sums
 
 def test_grpo_loss_runs_where_the_outputs_are_with_host_advantages_and_engine_logps():
     from rltrain.algos.grpo import GRPOConfig
-    from rltrain.algos.rl_update import PolicyBatchInputs, make_policy_loss
+    from rltrain.algos.rl.update import PolicyBatchInputs, make_policy_loss
 
     batch = _batch()
     lengths = batch.completion_lens()
@@ -153,7 +153,7 @@ def test_grpo_loss_runs_where_the_outputs_are_with_host_advantages_and_engine_lo
 @pytest.mark.parametrize("reference_on", ["cpu", "meta"])
 def test_grpo_loss_with_reference_log_probs_on_either_device(reference_on):
     from rltrain.algos.grpo import GRPOConfig
-    from rltrain.algos.rl_update import PolicyBatchInputs, make_policy_loss
+    from rltrain.algos.rl.update import PolicyBatchInputs, make_policy_loss
 
     batch = _batch()
     lengths = batch.completion_lens()
@@ -173,7 +173,7 @@ def test_grpo_loss_with_reference_log_probs_on_either_device(reference_on):
 
 def test_ppo_value_loss_runs_where_the_outputs_are_with_host_targets():
     from rltrain.algos.ppo import make_value_loss
-    from rltrain.algos.rl_update import ValueLossInputs
+    from rltrain.algos.rl.update import ValueLossInputs
 
     batch = _batch()
     lengths = batch.completion_lens()

@@ -1,9 +1,9 @@
 """One RL step, collect then update, for every RL algorithm (GRPO, PPO, distillation).
 
-What the step runs on is built by rltrain/algos/rl_builder.py from the algorithm's declaration (a
+What the step runs on is built by rltrain/algos/rl/builder.py from the algorithm's declaration (a
 reference, a critic, a teacher); an algorithm implements `advantages` (and `needs_old_logps_first`
 where its advantages read them). Generating ahead (`placement.max_staleness`), the batch comes
-from the schedule of rltrain/algos/async_rollouts.py instead. The step in order: docs/internals/algos.md.
+from the schedule of rltrain/algos/rl/async_rollouts.py instead. The step in order: docs/internals/algos.md.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from rltrain.algos.experience import Experience
-from rltrain.algos.rl_builder import RLBuilder
-from rltrain.algos.rl_evaluation import evaluate
+from rltrain.algos.rl.builder import RLBuilder
+from rltrain.algos.rl.evaluation import evaluate
+from rltrain.algos.rl.experience import Experience
 from rltrain.config.run_context import RunContext
 from rltrain.data.ragged import Ragged
 from rltrain.data.sharding import sum_over_replicas

@@ -4,7 +4,7 @@ Three things decide where an engine call runs: time sharing (the call happens in
 `TimeSharing.rollout_turn`), a model-parallel replica (only its first rank samples or plays and
 shares the result with its peers) and generating ahead (the call queues on the engine's worker
 thread behind the batches already submitted). `RolloutTurns` keeps those rules in one place for
-the experience collector (rltrain/algos/experience.py). docs/agents.md has env=agent's rules.
+the experience collector (rltrain/algos/rl/experience.py). docs/agents.md has env=agent's rules.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class RolloutTurns:
         self, rollout: RolloutEngine, timeshare: TimeSharing, policy, episodes: EpisodeRunner | AgentRunner | None
     ) -> None:
         self.rollout, self.timeshare, self.policy, self.episodes = rollout, timeshare, policy, episodes
-        self.worker: RolloutWorker | None = None  # placement.max_staleness >= 1 (rltrain/algos/async_rollouts.py)
+        self.worker: RolloutWorker | None = None  # placement.max_staleness >= 1 (rltrain/algos/rl/async_rollouts.py)
         self.worker_wait_s = 0.0
 
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings, images: list | None = None) -> list[Completion]:

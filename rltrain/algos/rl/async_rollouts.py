@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from rltrain.algos.experience import Experience, ExperienceCollector
-from rltrain.algos.rollout_turns import refuse_agent_replica
+from rltrain.algos.rl.experience import Experience, ExperienceCollector
+from rltrain.algos.rl.rollout_turns import refuse_agent_replica
 from rltrain.envs.agent.runner import AgentRunner, played_from_json, played_to_json
 from rltrain.envs.episodes import EpisodeResults
 from rltrain.envs.replica import share_results

@@ -2,11 +2,11 @@
 
 `ExperienceCollector.collect(step)` samples `algo.prompts_per_step` prompts (global), has this
 rank's engine generate `algo.group_size` completions each or play the episodes
-(rltrain/algos/rollout_turns.py), scores them with every reward function (under Megatron tp/pp the
+(rltrain/algos/rl/rollout_turns.py), scores them with every reward function (under Megatron tp/pp the
 replica's first rank scores and shares) and returns an `Experience`: this rank's sequences in
 prompt-major order plus the *global* reward vector every rank agrees on. What happens next
-(scoring by the trainer, advantages, losses) belongs to the algorithm (rltrain/algos/rl.py);
-dynamic sampling's rounds: rltrain/algos/dynamic_sampling.py; evaluation: rltrain/algos/rl_evaluation.py.
+(scoring by the trainer, advantages, losses) belongs to the algorithm (rltrain/algos/rl/algorithm.py);
+dynamic sampling's rounds: rltrain/algos/rl/dynamic_sampling.py; evaluation: rltrain/algos/rl/evaluation.py.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rltrain.algos.dynamic_sampling import SamplingRounds, SignalGroups, run_rounds
-from rltrain.algos.rollout_turns import RolloutTurns, played_sequences
+from rltrain.algos.rl.dynamic_sampling import SamplingRounds, SignalGroups, run_rounds
+from rltrain.algos.rl.rollout_turns import RolloutTurns, played_sequences
 from rltrain.config.run_context import RunContext
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.prompt_data import PromptRow, build_prompt_data
@@ -254,7 +254,7 @@ class ExperienceCollector:
         time_rollout: float, staleness: int = 0, more: Callable[[int], tuple[list[int], list[Completion]]] | None = None,
     ) -> Experience:
         """DAPO's dynamic sampling from a first round (`rows`, `completions`); `run_rounds`
-        (rltrain/algos/dynamic_sampling.py) runs the rounds. A short batch is filled with the first
+        (rltrain/algos/rl/dynamic_sampling.py) runs the rounds. A short batch is filled with the first
         groups dropped (zero advantage), so its shape never changes. `more(round)` gives round
         `round`'s prompts and completions (default: the next prompts from the stream, sampled now);
         `global_index` becomes every round's prompts. docs/algorithms.md ("Dynamic sampling")."""

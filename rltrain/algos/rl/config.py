@@ -25,7 +25,7 @@ PolicyLossKind = Literal["clip", "cispo"]
 @dataclass
 class RLConfig(AlgoConfig):
     """What every RL algorithm shares: the experience pipeline, the policy loss and the rollout
-    correction (rltrain/algos/rl.py)."""
+    correction (rltrain/algos/rl/algorithm.py)."""
 
     group_size: int = 8
     prompts_per_step: int = 16

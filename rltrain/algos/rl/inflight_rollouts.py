@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from rltrain.algos.experience import Experience, ExperienceCollector
+from rltrain.algos.rl.experience import Experience, ExperienceCollector
 from rltrain.config.schema import PlacementConfig
 from rltrain.rollout.base import Completion
 from rltrain.rollout.inflight_schedule import version_stats

@@ -2,7 +2,7 @@
 
 Sampling is greedy so a step's evaluation depends on the weights only; the rewards are the
 training rewards (`reward.fns`, or the environment's return), and a failed reward call scores
-`reward.on_failure` uncounted, as in training. The collector (rltrain/algos/experience.py) owns
+`reward.on_failure` uncounted, as in training. The collector (rltrain/algos/rl/experience.py) owns
 the prompts, the engine and the reward functions; docs/environments.md describes the `eval/*` metrics.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rltrain.algos.experience import ExperienceCollector
+from rltrain.algos.rl.experience import ExperienceCollector
 from rltrain.data.prompt_data import PromptRow
 from rltrain.data.sharding import rank_slice, sum_over_replicas
 from rltrain.run.samples import first_samples

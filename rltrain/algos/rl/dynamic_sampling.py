@@ -1,6 +1,6 @@
 """DAPO's dynamic sampling: which groups carry signal (rewards not all equal), which of them one
 rank trains on, and the rounds that sample more until it has enough (`run_rounds`; the collector,
-rltrain/algos/experience.py `collect_signal`, supplies the sampling and assembles the batch).
+rltrain/algos/rl/experience.py `collect_signal`, supplies the sampling and assembles the batch).
 docs/algorithms.md ("Dynamic sampling") has the rule and why a short batch is filled.
 """
 

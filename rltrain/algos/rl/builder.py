@@ -2,7 +2,7 @@
 sharing, reward scoring, episodes, the experience collector, the schedule that generates ahead, the
 learner), built in one fixed order from the run's config and the algorithm's declaration. Each
 part that must be shut down is registered on the caller's `ExitStack` as it is built, so a
-failure part-way closes what exists (docs/failure-behaviour.md). The step itself: rltrain/algos/rl.py.
+failure part-way closes what exists (docs/failure-behaviour.md). The step itself: rltrain/algos/rl/algorithm.py.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import cast
 
-from rltrain.algos.async_rollouts import AsyncRollouts
-from rltrain.algos.experience import ExperienceCollector
-from rltrain.algos.inflight_rollouts import InFlightRollouts, StreamingEngine, evaluated_versions
-from rltrain.algos.rl_update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
+from rltrain.algos.rl.async_rollouts import AsyncRollouts
+from rltrain.algos.rl.experience import ExperienceCollector
+from rltrain.algos.rl.inflight_rollouts import InFlightRollouts, StreamingEngine, evaluated_versions
+from rltrain.algos.rl.update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
 from rltrain.backends import build_engine, build_reference
 from rltrain.backends.base import LogProbScorer, TrainEngine
 from rltrain.config.algorithms import AlgorithmSpec, spec_of
@@ -112,7 +112,7 @@ class RLBuilder:
         reward_fns = build_reward_fns(cfg, self.ctx.dist.device) if cfg.env.name not in ("python", "agent") else []
         frozen = [rf.device_model for rf in reward_fns if rf.device_model is not None]
         # k >= 1: the engine runs beside the trainer, driven by its own thread (docs/async.md).
-        # In flight the engine's own loop takes versions as they come (rltrain/algos/inflight_rollouts.py).
+        # In flight the engine's own loop takes versions as they come (rltrain/algos/rl/inflight_rollouts.py).
         self.worker = RolloutWorker() if self.staleness >= 1 and cfg.placement.weight_update != "in_flight" else None
         trained = [e for e in (engines.policy, engines.reference_engine, engines.critic) if e is not None]
         weights = WeightSync(engines.rollout, deferred=cfg.placement.time_sharing, worker=self.worker)

@@ -1,7 +1,7 @@
 """The update half of an RL step: mini-batches x iterations of optimizer steps on one engine, and
 the policy's loss function (shared by GRPO and PPO; the critic's update runs through the same loop).
 
-Mini-batches split the *global* batch by position (rltrain.algos.experience.BatchLayout), so the
+Mini-batches split the *global* batch by position (rltrain.algos.rl.experience.BatchLayout), so the
 split does not depend on the number of ranks; each rank trains on its sequences that fall in the
 mini-batch, in as many micro-batches as the rank holding the most of them needs. What the losses
 read besides the model's output (`PolicyBatchInputs`, `ValueLossInputs`) travels with the
@@ -15,9 +15,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from rltrain.algos.experience import BatchLayout, Experience
 from rltrain.algos.policy_loss import PolicyLossInputs, policy_loss
-from rltrain.algos.rl_config import RLConfig
+from rltrain.algos.rl.config import RLConfig
+from rltrain.algos.rl.experience import BatchLayout, Experience
 from rltrain.algos.rollout_correction import (
     CorrectionBands,
     correction,
