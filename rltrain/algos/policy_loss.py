@@ -1,6 +1,6 @@
 """The policy loss every RL algorithm shares (GRPO, PPO, distillation), as pure torch functions: an
 importance ratio from `IMPORTANCE_RATIOS` (per token, or GSPO's per sequence), a surrogate from
-`SURROGATES` (PPO's clip, CISPO's clipped weight), the k3 KL to the reference, and the aggregation
+`SURROGATES` (PPO's clip, CISPO's clipped weight, GSPO's clip on the sequence ratio), the k3 KL to the reference, and the aggregation
 of per-token values into a loss already divided by a *global* count, so micro-batch size,
 accumulation and the rank count do not change it. docs/internals/algos.md says what each computes
 and its sources; adding a surrogate: docs/adding-an-algorithm.md.
@@ -86,8 +86,22 @@ def cispo_surrogate(t: SurrogateTerms) -> tuple[torch.Tensor, torch.Tensor]:
     return -t.adv_N * weight_N * t.logps_N, (t.ratio_N.detach() > 1.0 + t.clip_high).float()
 
 
-# Keyed by `algo.policy_loss`, whose allowed values (`PolicyLossKind`) are these keys.
-SURROGATES: dict[str, Surrogate] = {"clip": clipped_surrogate, "cispo": cispo_surrogate}
+@dataclass(frozen=True)
+class SurrogateKind:
+    """One `algo.policy_loss`: the importance ratio it is defined on (a key of `IMPORTANCE_RATIOS`)
+    and its per-token loss."""
+
+    ratio: str
+    loss: Surrogate
+
+
+# Keyed by `algo.policy_loss`, whose allowed values (`PolicyLossKind`) are these keys. `gspo` is
+# PPO's clip on GSPO's sequence ratio; `algo.importance_level=sequence` puts any kind on it.
+SURROGATES: dict[str, SurrogateKind] = {
+    "clip": SurrogateKind("token", clipped_surrogate),
+    "cispo": SurrogateKind("token", cispo_surrogate),
+    "gspo": SurrogateKind("sequence", clipped_surrogate),
+}
 POLICY_LOSSES: tuple[str, ...] = tuple(SURROGATES)
 
 
@@ -140,6 +154,8 @@ def check_policy_loss_inputs(x: PolicyLossInputs) -> None:
     """A ValueError naming what is inconsistent (the config's values are checked before a run)."""
     if x.kind not in SURROGATES:
         raise ValueError(f"algo.policy_loss={x.kind!r}: choose one of {', '.join(SURROGATES)}")
+    if x.importance_level not in IMPORTANCE_RATIOS:
+        raise ValueError(f"algo.importance_level={x.importance_level!r}: choose one of {', '.join(IMPORTANCE_LEVELS)}")
     if x.loss_agg not in LOSS_AGGS:
         raise ValueError(f"algo.loss_agg={x.loss_agg!r}: choose one of {', '.join(LOSS_AGGS)}")
     if not (0.0 <= x.clip_low < 1.0 and x.clip_high >= 0.0):
@@ -160,7 +176,7 @@ def check_policy_loss_inputs(x: PolicyLossInputs) -> None:
 
 def policy_loss(x: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss of this micro-batch divided by the global count, metric contributions): the surrogate
-    `SURROGATES[x.kind]` on the ratio `importance_log_ratio` picks by `x.importance_level`, plus
+    `SURROGATES[x.kind]` on its ratio (the sequence's with `x.importance_level="sequence"`), plus
     `beta` times the k3 KL, aggregated by `x.loss_agg`."""
     check_policy_loss_inputs(x)
     global_tokens, global_seqs = max(float(x.global_tokens), 1.0), max(float(x.global_seqs), 1.0)
@@ -172,8 +188,10 @@ def policy_loss(x: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tens
     else:
         adv_N = logps.broadcast(x.adv.float().detach().to(device)).values
     keep_N = torch.ones_like(logps_N) if x.sampled is None else x.sampled.values.to(device=device, dtype=logps_N.dtype)
-    ratio_N = torch.exp(importance_log_ratio(logps, old_N, keep_N, x.importance_level))
-    surrogate_N, clipped_frac_N = SURROGATES[x.kind](SurrogateTerms(ratio_N, logps_N, adv_N, x.clip_low, x.clip_high))
+    kind = SURROGATES[x.kind]
+    level = "sequence" if x.importance_level == "sequence" else kind.ratio
+    ratio_N = torch.exp(importance_log_ratio(logps, old_N, keep_N, level))
+    surrogate_N, clipped_frac_N = kind.loss(SurrogateTerms(ratio_N, logps_N, adv_N, x.clip_low, x.clip_high))
     pg_N = surrogate_N * keep_N
     if x.is_weights is not None:
         pg_N = pg_N * x.is_weights.values.float().detach().to(device)

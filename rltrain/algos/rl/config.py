@@ -18,8 +18,9 @@ LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"
 RolloutCorrection = Literal["auto", "none", "tis", "mask", "seq_tis", "seq_mask", "geo_mask", "icepop"]
 # The keys of rltrain.algos.policy_loss.IMPORTANCE_RATIOS. sequence: GSPO's length-normalised sequence ratio
 ImportanceLevel = Literal["token", "sequence"]
-# The keys of rltrain.algos.policy_loss.SURROGATES. cispo: the clipped, stop-gradient weight times the log-probability
-PolicyLossKind = Literal["clip", "cispo"]
+# The keys of rltrain.algos.policy_loss.SURROGATES. cispo: the clipped, stop-gradient weight times the log-probability;
+# gspo: PPO's clip on GSPO's sequence ratio
+PolicyLossKind = Literal["clip", "cispo", "gspo"]
 
 
 @dataclass

@@ -29,8 +29,8 @@ def gspo_algo():
 
 
 def test_the_recipe_composes_the_sequence_ratio_and_the_sequence_mean(gspo_algo):
-    assert gspo_algo.name == "grpo" and gspo_algo.policy_loss == "clip"
-    assert gspo_algo.importance_level == "sequence"
+    assert gspo_algo.name == "grpo" and gspo_algo.policy_loss == "gspo"  # the surrogate table's sequence-ratio entry
+    assert gspo_algo.importance_level == "token"  # the kind alone puts the clip on the sequence ratio
     assert gspo_algo.loss_agg == "seq_mean_token_mean"
     assert (gspo_algo.clip_low, gspo_algo.clip_high) == (3e-4, 4e-4)
 
@@ -72,3 +72,18 @@ def test_the_recipes_loss_is_the_papers_objective(gspo_algo):
     # Each of sequence 0's three tokens gets a third of its sequence's gradient: with the token mean
     # (importance_level=sequence alone) they would get a quarter each, the long completion weighing 3x.
     assert ours_N.grad[:3].tolist() == pytest.approx([-0.5 * s0 / 3 / 2] * 3, rel=1e-5)
+
+
+def test_the_gspo_kind_is_the_clip_on_the_sequence_ratio_bitwise(gspo_algo):
+    """`algo.policy_loss=gspo` and `algo.policy_loss=clip algo.importance_level=sequence` are one
+    objective: the same loss and gradient to the bit."""
+    from omegaconf import OmegaConf
+
+    logps_N = torch.tensor([v + d for row, deltas in zip(OLD, LOG_RATIOS) for v, d in zip(row, deltas)])
+    grads = []
+    for algo in (gspo_algo, OmegaConf.merge(gspo_algo, {"policy_loss": "clip", "importance_level": "sequence"})):
+        x = logps_N.clone().requires_grad_()
+        loss = _recipe_loss(algo, x)
+        loss.backward()
+        grads.append((loss.detach(), x.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])

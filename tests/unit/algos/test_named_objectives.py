@@ -92,8 +92,8 @@ def test_dr_grpo_sums_each_sequence_over_the_generation_budget():
 def test_unknown_objective_names_are_errors_naming_the_key():
     with pytest.raises(ValueError, match="algo.importance_level='seq'"):
         _loss([1.0, 1.0], importance_level="seq")
-    with pytest.raises(ValueError, match="algo.policy_loss='gspo'"):
-        _loss([1.0, 1.0], kind="gspo")
+    with pytest.raises(ValueError, match="algo.policy_loss='gpo'"):
+        _loss([1.0, 1.0], kind="gpo")
 
 
 def test_overlong_penalty_by_hand():
