@@ -22,7 +22,7 @@ ROLLOUTS = {
     "vllm": "rltrain.rollout.vllm:build_engine",
     "vllm/separate": "rltrain.rollout.separate:build_engine",  # rollout.process=separate
     "hf": "rltrain.rollout.hf:build_engine",
-    "server": "rltrain.rollout.server.fleet:build_engine",  # vLLM API servers over HTTP (docs/rollout-servers.md)
+    "server": "rltrain.rollout.server.build:build_engine",  # vLLM API servers over HTTP (docs/rollout-servers.md)
 }
 PROCESSES: tuple[str, ...] = get_args(RolloutProcess)
 

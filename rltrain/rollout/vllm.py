@@ -9,10 +9,9 @@ state) is explained in docs/internals/rollout.md.
 from __future__ import annotations
 
 import gc
-import random
 import threading
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterable
+from contextlib import nullcontext
 from functools import cached_property, partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -24,7 +23,12 @@ from rltrain.config.run_context import RunContext
 from rltrain.rollout.base import Completion, SamplingSettings, exclusive
 from rltrain.rollout.images import PromptImages, check_batch, expanded_prompt, image_token_id, vllm_prompt
 from rltrain.rollout.vllm_args import engine_kwargs, set_vllm_env
-from rltrain.rollout.vllm_reload import SyncPlan, build_plan
+from rltrain.rollout.vllm_process_state import (
+    ProcessStateGuard,
+    collections_deferred,
+    destroy_vllm_world_only,
+)
+from rltrain.rollout.vllm_reload import SyncPlan, build_plan, checkpoint_names, record_names
 from rltrain.runtime.library_noise import quiet_vllm_import
 from rltrain.runtime.precision import resolve_precision
 
@@ -61,41 +65,6 @@ def _request_seed(call_seed: int, prompt_index: int, n: int) -> int:
     return (call_seed * 1_000_003 + prompt_index * max(n, 1)) % (2**31 - 1)
 
 
-class _ProcessStateGuard:
-    """Restores what an in-process vLLM changes globally: the Python, NumPy and torch RNG states
-    (construction seeds them; even seeded generation draws from torch's), and torch threading."""
-
-    def __enter__(self) -> _ProcessStateGuard:
-        import numpy as np
-
-        self.states = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
-        self.set_num_threads = torch.set_num_threads
-        self.num_threads = torch.get_num_threads()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        import numpy as np
-
-        py_state, np_state, torch_state = self.states
-        random.setstate(py_state)
-        np.random.set_state(np_state)
-        torch.random.set_rng_state(torch_state)
-        torch.set_num_threads = self.set_num_threads
-        if torch.get_num_threads() != self.num_threads:
-            torch.set_num_threads(self.num_threads)
-
-
-def _checkpoint_names(model_dir: Path) -> set[str]:
-    """Tensor names stored in the model directory's safetensors files (headers only)."""
-    from safetensors import safe_open
-
-    names: set[str] = set()
-    for file in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            names.update(f.keys())
-    return names
-
-
 class VLLMRolloutEngine:
     """`RolloutEngine` backed by an in-process `vllm.LLM`."""
 
@@ -127,12 +96,12 @@ class VLLMRolloutEngine:
         # vLLM adopts an existing default process group as its world (and calls new_group on it,
         # a collective: every trainer rank must build its engine at the same time).
         self.owns_default_group = not torch.distributed.is_initialized()
-        with _ProcessStateGuard():
+        with ProcessStateGuard():
             self.llm: LLM | None = LLM(**kwargs)
         hf_config = self._live().llm_engine.model_config.hf_config
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.image_token_id = image_token_id(hf_config)
-        self.expected_names = _checkpoint_names(self.model_dir)
+        self.expected_names = checkpoint_names(self.model_dir)
         if self.tied:
             self.expected_names.discard("lm_head.weight")
         # How vLLM names a Hugging Face tensor: a vision-language checkpoint on disk and the trainer's
@@ -176,7 +145,7 @@ class VLLMRolloutEngine:
             scheduler = self._live().llm_engine.vllm_config.scheduler_config
             waves = prefill_waves([len(p) for p in prompts], sampling.n, scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
         outputs = []
-        with _ProcessStateGuard():
+        with ProcessStateGuard():
             for lo, hi in waves:
                 outputs += self._live().generate(inputs[lo:hi], params[lo:hi], use_tqdm=False)
         completions: list[Completion] = []
@@ -207,7 +176,7 @@ class VLLMRolloutEngine:
         if self.asleep and self.has_sleep_mode:  # the weights' memory is offloaded or gone
             raise RuntimeError("VLLMRolloutEngine.update_weights called while asleep; call wake() first")
         seen: set[str] = set()
-        named: Iterable[tuple[str, torch.Tensor]] = _record_names(weights, seen)
+        named: Iterable[tuple[str, torch.Tensor]] = record_names(weights, seen)
         if self.device_type != "cpu":
             self._reload_supported(named)
         else:
@@ -396,9 +365,9 @@ class VLLMRolloutEngine:
 
         destroy_all = parallel_state.destroy_distributed_environment
         if not self.owns_default_group:
-            parallel_state.destroy_distributed_environment = _destroy_vllm_world_only
+            parallel_state.destroy_distributed_environment = destroy_vllm_world_only
         try:
-            with _collections_deferred() if self.device_type == "cpu" else nullcontext():
+            with collections_deferred() if self.device_type == "cpu" else nullcontext():
                 llm.llm_engine.engine_core.shutdown()
         finally:
             parallel_state.destroy_distributed_environment = destroy_all
@@ -406,48 +375,8 @@ class VLLMRolloutEngine:
             gc.collect()
 
 
-@contextmanager
-def _collections_deferred() -> Iterator[None]:
-    """vLLM's shutdown unfreezes the heap and collects all of it three times (the model runner,
-    the engine core, the distributed teardown), each a walk over every object of a process that
-    holds torch, transformers and vLLM. On the CPU build nothing runs between those collections
-    that needs the memory back (emptying the CUDA cache is a no-op), so they are skipped and
-    `close` collects once, after the engine is dropped. Process-wide while it lasts, like the
-    teardown it wraps."""
-    collect = gc.collect
-    gc.collect = _no_collection
-    try:
-        yield
-    finally:
-        gc.collect = collect
-
-
-def _no_collection(generation: int = 2) -> int:
-    return 0
-
-
-def _destroy_vllm_world_only() -> None:
-    """vLLM's `destroy_distributed_environment` minus destroying the default process group."""
-    from vllm.distributed import parallel_state
-
-    if parallel_state._WORLD is not None:
-        parallel_state._WORLD.destroy()
-    parallel_state._WORLD = None
-    parallel_state._NODE_COUNT = None
-
-
-
-
 def _pong(worker) -> bool:
     return True
-
-
-def _record_names(
-    weights: Iterable[tuple[str, torch.Tensor]], seen: set[str]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in weights:
-        seen.add(name)
-        yield name, tensor
 
 
 def build_engine(ctx: RunContext) -> VLLMRolloutEngine:

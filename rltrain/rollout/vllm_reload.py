@@ -2,16 +2,18 @@
 
 vLLM's generic layerwise reload spends most of a small model's sync on bookkeeping; a `SyncPlan`
 does only the repacks and copies, bit-identical, for Qwen2/Llama on CPU, and anything it does not
-fit falls back to vLLM's reload. docs/internals/sync.md has what it handles, what it does not, its
+fit falls back to vLLM's reload; and the names a checkpoint stores, for checking an update whole
+(`checkpoint_names`, `record_names`). docs/internals/sync.md has what it handles, what it does not, its
 memory cost and the measured timings.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import accumulate
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -269,3 +271,23 @@ def _repacks(model: VLLMModule, copies: list[_Copy], by_module: dict[str, Any]) 
         elif path not in by_module:
             raise UnsupportedModel(f"{path} ({type(module).__name__}) shares a parameter we update")
     return repacks
+
+
+def checkpoint_names(model_dir: Path) -> set[str]:
+    """Tensor names stored in the model directory's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
+def record_names(
+    weights: Iterable[tuple[str, torch.Tensor]], seen: set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`weights`, each name added to `seen` as it passes (what an update sent, to check it whole)."""
+    for name, tensor in weights:
+        seen.add(name)
+        yield name, tensor

@@ -1,5 +1,5 @@
 """`rollout=server`: vLLM's API servers over HTTP. `fleet` (the engine: forming, routing, a server down
-and back), `roster` (its servers: given, spawned, identified), `client` (bounded JSON over HTTP),
+and back; `build` makes it from config), `roster` (its servers: given, spawned, identified), `client` (bounded JSON over HTTP),
 `process` and `api_server` (a server's command line, rltrain imported first), `guard` (it dies with
 its trainer), `images` (image_url parts), `push` and `extension` (the weight push, both ends).
 docs/rollout-servers.md.

@@ -16,7 +16,6 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,6 @@ from rltrain.rollout.server.roster import (
     identify,
     not_answering,
     refuse_duplicates,
-    share_urls,
     spawn_servers,
 )
 from rltrain.rollout.vllm import _request_seed
@@ -394,22 +392,3 @@ class ServerFleetEngine:
         stop_servers([server.spawned for server in self.servers if server.spawned is not None])
         for server in self.servers:
             server.spawned = None
-
-
-def build_engine(ctx: Any) -> ServerFleetEngine:
-    """The run's fleet (registry key `server`)."""
-    import torch.distributed as dist
-
-    from rltrain.runtime.precision import resolve_precision
-
-    cfg: ServerRolloutConfig = ctx.cfg.rollout
-    several = dist.is_initialized() and dist.get_world_size() > 1
-    share = share_urls if several else None
-    loads_group = None
-    if several and ctx.cfg.placement.max_staleness >= 1:  # every rank builds the engine: new_group is collective
-        loads_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=ctx.cfg.safety.collective_timeout_s))
-    return ServerFleetEngine(
-        cfg, ctx.model_dir, dtype=resolve_precision(ctx.cfg.trainer.precision, ctx.dist.device).compute_dtype_name,
-        rank=ctx.dist.rank, cuda=ctx.dist.device.type == "cuda", log_dir=Path(ctx.run_dir), urls_from_rank0=share,
-        loads_group=loads_group,
-    )

@@ -1,0 +1,68 @@
+"""What an in-process vLLM changes for its whole process, and how rltrain's engine keeps it: the
+RNG states and torch's threads its construction touches (`ProcessStateGuard`), the full-heap
+collections its shutdown runs (`collections_deferred`) and its teardown of the default process
+group when a trainer owns it (`destroy_vllm_world_only`). docs/internals/rollout.md.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+
+class ProcessStateGuard:
+    """Restores what an in-process vLLM changes globally: the Python, NumPy and torch RNG states
+    (construction seeds them; even seeded generation draws from torch's), and torch threading."""
+
+    def __enter__(self) -> ProcessStateGuard:
+        import numpy as np
+
+        self.states = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
+        self.set_num_threads = torch.set_num_threads
+        self.num_threads = torch.get_num_threads()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import numpy as np
+
+        py_state, np_state, torch_state = self.states
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.random.set_rng_state(torch_state)
+        torch.set_num_threads = self.set_num_threads
+        if torch.get_num_threads() != self.num_threads:
+            torch.set_num_threads(self.num_threads)
+
+
+@contextmanager
+def collections_deferred() -> Iterator[None]:
+    """vLLM's shutdown unfreezes the heap and collects all of it three times (the model runner,
+    the engine core, the distributed teardown), each a walk over every object of a process that
+    holds torch, transformers and vLLM. On the CPU build nothing runs between those collections
+    that needs the memory back (emptying the CUDA cache is a no-op), so they are skipped and
+    `close` collects once, after the engine is dropped. Process-wide while it lasts, like the
+    teardown it wraps."""
+    collect = gc.collect
+    gc.collect = _no_collection
+    try:
+        yield
+    finally:
+        gc.collect = collect
+
+
+def _no_collection(generation: int = 2) -> int:
+    return 0
+
+
+def destroy_vllm_world_only() -> None:
+    """vLLM's `destroy_distributed_environment` minus destroying the default process group."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state._WORLD is not None:
+        parallel_state._WORLD.destroy()
+    parallel_state._WORLD = None
+    parallel_state._NODE_COUNT = None
