@@ -320,6 +320,8 @@ def validate_reward_model(rm, algo_name: str) -> None:
         if not math.isfinite(rm.weight):
             raise UserError(f"reward_model.weight={rm.weight} must be a finite number (its factor in the total reward).")
         check_revision("reward_model", rm)
+        if rm.path is not None:  # a causal LM the run serves: its directory must be a model's
+            read_hf_config("reward_model.path", rm.path, "give reward_model.url for an endpoint instead", rm.revision)
         return
     if rm.path is None:
         raise UserError(

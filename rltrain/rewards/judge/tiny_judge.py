@@ -16,10 +16,12 @@ import sys
 from pathlib import Path
 
 from rltrain.data.tasks import Problem, addition_split, one_digit_changed
+from rltrain.rewards.judge.prompts import compile_template, render_requests
 
 # The judge's prompt (reward_model.template of the recipe, with reward_model.reference_column=answer):
-# the sum, the candidate answer and the task's reference answer; the verdict is its next token.
-TEMPLATE = "{{ prompt }}{{ completion | trim }} ref {{ reference }} Score: "
+# the sum, then the candidate answer and the reference right-aligned in fields of one width, so that
+# each digit is compared with the digit a fixed distance before it; the verdict is its next token.
+TEMPLATE = "{{ prompt }}{{ '%6s' | format((completion | trim)[:6]) }} ref {{ '%6s' | format(reference) }} Score: "
 NUM_EVAL, EVAL_SEED = 1000, 0  # GRPO's held-out problems in the recipe
 SFT_SETTINGS = ["algo=sft", "model=tiny", "optim.lr=1e-3", "trainer.max_steps=600", "trainer.eval_every=200"]
 
@@ -37,14 +39,14 @@ def wrong_answer(problem: Problem, rng: random.Random) -> str:
 
 
 def verdict_rows(problems: list[Problem], seed: int) -> list[dict[str, str]]:
-    """Per problem, the right answer (`1`) and one wrong one (`0`), rendered as the judge sees them."""
+    """Per problem, the right answer (`1`) and one wrong one (`0`), rendered by `TEMPLATE` as the
+    judge will see them in the recipe."""
     rng = random.Random(seed + 7)
-    rows = []
-    for p in problems:
-        for candidate, verdict in ((p.answer, "1"), (wrong_answer(p, rng), "0")):
-            rows.append({"prompt": f"{p.prompt}{candidate} ref {p.answer} Score: ", "completion": verdict})
-    rng.shuffle(rows)
-    return rows
+    cases = [(p, candidate, verdict) for p in problems for candidate, verdict in ((p.answer, "1"), (wrong_answer(p, rng), "0"))]
+    rng.shuffle(cases)
+    texts = render_requests(compile_template(TEMPLATE), [p.prompt for p, _, _ in cases], [c for _, c, _ in cases],
+                            {"answer": [p.answer for p, _, _ in cases]}, "answer")
+    return [{"prompt": text, "completion": verdict} for text, (_, _, verdict) in zip(texts, cases, strict=True)]
 
 
 def write_rows(directory: Path, seed: int) -> tuple[Path, Path]:
