@@ -23,7 +23,7 @@ from rltrain.rewards.judge.prompts import compile_template, render_requests
 # each digit is compared with the digit a fixed distance before it; the verdict is its next token.
 TEMPLATE = "{{ prompt }}{{ '%6s' | format((completion | trim)[:6]) }} ref {{ '%6s' | format(reference) }} Score: "
 NUM_EVAL, EVAL_SEED = 1000, 0  # GRPO's held-out problems in the recipe
-SFT_SETTINGS = ["algo=sft", "model=tiny", "optim.lr=1e-3", "trainer.max_steps=600", "trainer.eval_every=200"]
+SFT_SETTINGS = ["algo=sft", "model=tiny", "optim.lr=1e-3", "trainer.max_steps=1500", "trainer.eval_every=500"]
 
 
 def wrong_answer(problem: Problem, rng: random.Random) -> str:
