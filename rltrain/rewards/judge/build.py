@@ -83,5 +83,6 @@ def build_judge(cfg: Config, dtype: str, cuda: bool, run_dir: Path, rank: int) -
         url, model = served.url, served.model_name  # what vLLM serves it as
     assert url is not None and model is not None  # check_judge
     yes = rm.score == "yes_probability"
-    endpoint = Endpoint(url, model, rm.api, api_key(rm), 1 if yes else rm.max_tokens, rm.temperature, top_tokens=yes)
+    endpoint = Endpoint(url, model, rm.api, api_key(rm), 1 if yes else rm.max_tokens, rm.temperature, top_tokens=yes,
+                        encode=served.encode if served is not None else None)
     return LLMJudge(rm, endpoint, cfg.reward.max_failure_frac, cfg.safety.collective_timeout_s / 2, served)

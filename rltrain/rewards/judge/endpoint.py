@@ -13,6 +13,7 @@ import json
 import socket
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,9 @@ class Endpoint:
     max_tokens: int
     temperature: float
     top_tokens: bool  # ask for the first verdict token's top log-probabilities
+    # api=completions: the prompts' token ids, sent in place of the texts (a served judge: its
+    # server's own tokenizer loading may not read a text as rltrain's tokenizer does)
+    encode: Callable[[list[str]], list[list[int]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,7 @@ def ask(endpoint: Endpoint, texts: list[str], timeout_s: float) -> list[Verdict]
     """The verdicts on `texts` (several only with api=completions, in one request)."""
     body: dict[str, Any] = {"model": endpoint.model, "max_tokens": endpoint.max_tokens, "temperature": endpoint.temperature}
     if endpoint.api == "completions":
-        body["prompt"] = texts
+        body["prompt"] = endpoint.encode(texts) if endpoint.encode is not None else texts
         if endpoint.top_tokens:
             body["logprobs"] = TOP_TOKENS
         answer = post_json(endpoint.url.rstrip("/") + "/completions", body, endpoint.api_key, timeout_s)

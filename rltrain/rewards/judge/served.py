@@ -5,8 +5,8 @@ judge that wedges is a request that times out, never a hung trainer.
 
 Under `placement.time_sharing=true` on CUDA it is started in sleep mode and sleeps (level 1: the
 weights kept in host memory) except while it scores, so it holds no accelerator memory while the
-trainer trains or the rollout engine generates. On a CPU there is no sleep mode; it stays up.
-docs/rewards-and-roles.md, "The LLM judge".
+trainer trains or the rollout engine generates (on a CPU it stays up). Its completions requests
+carry token ids from rltrain's tokenizer loader. docs/rewards-and-roles.md, "The LLM judge".
 """
 
 from __future__ import annotations
@@ -38,6 +38,15 @@ class ServedJudge:
         self.url = self.server.url + "/v1"
         self.start_timeout_s = rm.start_timeout_s
         self.ready = False
+        from rltrain.models.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(model_dir)
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        """The judge prompts as token ids, read by the judge's tokenizer as rltrain reads it (what a
+        judge trained by rltrain saw): vLLM's own loading of a tokenizer may differ (it drops the
+        tiny model's spaces), and the engine takes ids as they are."""
+        return [list(ids) for ids in self.tokenizer(texts)["input_ids"]]
 
     def wait_ready(self) -> None:
         """Blocks until the server answers (once); it started loading when this object was made,

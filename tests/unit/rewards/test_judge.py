@@ -18,6 +18,8 @@ import torch
 from helpers import compose_config
 
 from rltrain.rewards.judge.build import check_judge
+from rltrain.rewards.judge.endpoint import Endpoint
+from rltrain.rewards.judge.judge import LLMJudge
 from rltrain.rewards.judge.prompts import compile_template, render_requests
 from rltrain.rewards.judge.verdicts import score_from_text, score_from_top_tokens
 from rltrain.rewards.scoring import RewardScorer, build_reward_fns
@@ -85,6 +87,7 @@ class StandInJudge:
         self.batch_sizes: list[int] = []
         self.seen: dict[str, int] = {}
         self.requests = 0
+        self.id_prompts = 0
         judge = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -131,6 +134,9 @@ class StandInJudge:
         if self.key is not None and authorization != f"Bearer {self.key}":
             return 401, {"error": {"message": "invalid api key"}}
         texts = body["prompt"] if path.endswith("/completions") and "messages" not in body else [body["messages"][0]["content"]]
+        if texts and isinstance(texts[0], list):  # token ids (a served judge's): the stand-in's ids are code points
+            self.id_prompts += len(texts)
+            texts = ["".join(map(chr, ids)) for ids in texts]
         with self.lock:
             self.batch_sizes.append(len(texts))
             first_try = any(t not in self.seen for t in texts)
@@ -203,6 +209,18 @@ def test_completions_judge_batches_prompts_and_reads_the_yes_probability(stand_i
     assert sum(per_fn["judge_unparsed"]) == 0
     assert sorted(stand_in.batch_sizes) == [2, 4, 4]  # batch_size prompts per request
     assert stand_in.max_in_flight <= 2
+
+
+def test_a_judge_with_its_own_tokenizer_sends_token_ids(stand_in):
+    """A served judge's requests carry the ids of rltrain's tokenizer, not text its server would
+    tokenize its own way (the stand-in reads ids as code points)."""
+    rm = compose_config("reward_model=judge", f"reward_model.url={stand_in.url}", "reward_model.model=m",
+                        "reward_model.api=completions", TEMPLATE).reward_model
+    encode = lambda texts: [[ord(c) for c in text] for text in texts]  # noqa: E731
+    endpoint = Endpoint(stand_in.url, "m", "completions", "sk-test-123", 16, 0.0, top_tokens=False, encode=encode)
+    out = LLMJudge(rm, endpoint, max_failure_frac=0.25, budget_s=60.0)(["1+1=", "1+1="], ["7", "4"], tag=["", ""])
+    assert out["rewards"] == pytest.approx([0.7, 0.4])
+    assert stand_in.id_prompts == 2
 
 
 def test_a_wrong_key_stops_the_rank_naming_the_endpoint(stand_in, monkeypatch):
