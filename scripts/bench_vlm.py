@@ -48,6 +48,7 @@ import rltrain  # noqa: F401  (first: it makes torchvision importable before tra
 from bench_common import THREADS_HELP, Timing, paired_ratio, print_table, quiet_transformers, run_interleaved, summarise
 
 LR, CLIP_LOW, CLIP_HIGH = 1e-3, 0.2, 0.28
+ROLLOUTS = {"vllm": "rollout=vllm", "hf": "rollout=hf"}  # rltrain rows: the engine each samples with
 QUESTION = "Which colour is the square? "
 COLOURS = {"red": (220, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 220), "yellow": (230, 220, 30),
            "black": (0, 0, 0), "white": (250, 250, 250)}
@@ -72,7 +73,8 @@ class Setup:
     total_steps: int
     threads: int
     rollout: str
-    model_dir: Path | None = None  # model=tiny_vl's directory, as rltrain's side built it
+    models: Path  # model=tiny_vl is built here (model.cache_dir)
+    model_dir: Path | None = None  # its directory, as rltrain's side built it
 
 
 def write_image_data(data_dir: Path, rows: int, image_size: int) -> Path:
@@ -109,7 +111,7 @@ def peak_memory_gib() -> float:
 
 def rltrain_overrides(s: Setup) -> list[str]:
     return [
-        "algo=grpo", "model=tiny_vl", f"model.cache_dir={s.run_dir.parent / 'models'}", f"data.path={s.data_dir / 'prompts.jsonl'}",
+        "algo=grpo", "model=tiny_vl", f"model.cache_dir={s.models}", f"data.path={s.data_dir / 'prompts.jsonl'}",
         f"reward.fns=[{REWARD_MODULE}:colour_letters]", f"rollout={s.rollout}", "data.eval_fraction=0",
         f"trainer.max_steps={s.total_steps}", "trainer.eval_every=0", "trainer.save_every=0", "trainer.seed=0",
         f"trainer.num_threads={s.threads}", "logger.wandb.mode=disabled",
@@ -225,16 +227,16 @@ def trl_process(conn, s: Setup) -> None:
     from bench_common import require_activations_kept, silence_trainer
     from bench_vlm_reward import colour_letters  # type: ignore[import-not-found]
 
-    work = {"tokens": 0, "rollout_s": 0.0, "t0": 0.0}
+    work = {"tokens": 0, "completion_tokens": 0, "rollout_s": 0.0, "t0": 0.0}
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
             require_activations_kept(kw["model"])
-            work.update(tokens=0, rollout_s=0.0, t0=time.perf_counter())
+            work.update(tokens=0, completion_tokens=0, rollout_s=0.0, t0=time.perf_counter())
 
         def on_step_end(self, args, state, control, **kw):
             seconds = time.perf_counter() - work["t0"]
-            conn.send((seconds, work["tokens"], work["rollout_s"]))
+            conn.send((seconds, work["tokens"], work["rollout_s"], work["completion_tokens"] / batch))
             conn.recv()  # the parent ran rltrain's step meanwhile
 
     batch = s.prompts * s.group
@@ -264,6 +266,7 @@ def trl_process(conn, s: Setup) -> None:
     def counted_score(*args, **kwargs):
         out = score(*args, **kwargs)
         work["tokens"] += int(out["prompt_mask"].sum() + out["completion_mask"].sum())
+        work["completion_tokens"] += int(out["completion_mask"].sum())
         return out
 
     trainer._generate_single_turn = timed_generate
@@ -289,9 +292,9 @@ def run_trl(s: Setup, after_step: Callable[[int], None], trl_rows: list[dict[str
         if msg[0] == "done":
             trl_rows.append({"peak_gib": msg[1]})
             break
-        seconds, tokens, rollout_s = msg
+        seconds, tokens, rollout_s, length = msg
         timings.append((seconds, tokens))
-        trl_rows.append({"time/rollout": rollout_s})
+        trl_rows.append({"time/rollout": rollout_s, "rollout/response_length_mean": length})
         after_step(len(timings) - 1)
         conn.send("go")
     proc.join(60)
@@ -301,26 +304,24 @@ def run_trl(s: Setup, after_step: Callable[[int], None], trl_rows: list[dict[str
 # --- the table -----------------------------------------------------------------------------------
 
 
-def table_rows(ours: list[Timing], metrics: list[dict[str, float]], peak: float, theirs: list[Timing],
-               trl_rows: list[dict[str, float]], warmup: int) -> tuple[list[list[str]], list[str]]:
+def rltrain_row(name: str, ours: list[Timing], side: RltrainSide, trl_tps: float | None) -> list[str]:
     tps, step_s = summarise(ours)
-    trl_tps = summarise(theirs)[0] if theirs else None
-    rollout = statistics.median(m["time/rollout"] for m in metrics)
-    train = statistics.median(m["time/train"] for m in metrics)
-    rows = [["rltrain GRPO", f"{tps:.0f}", f"{step_s:.3f}", f"{rollout:.3f}", f"{train:.3f}", f"{peak:.2f}",
-             f"{tps / trl_tps:.2f}x" if trl_tps else "-"]]
-    notes = []
-    if theirs:
-        trl_steps = [r for r in trl_rows if "time/rollout" in r][warmup:]
-        trl_rollout = statistics.median(r["time/rollout"] for r in trl_steps)
-        trl_train = statistics.median(t - r["time/rollout"] for (t, _), r in zip(theirs, trl_steps))
-        trl_peak = next(r["peak_gib"] for r in trl_rows if "peak_gib" in r)
-        rows.append(["TRL GRPOTrainer (use_vllm=False)", f"{trl_tps:.0f}", f"{summarise(theirs)[1]:.3f}",
-                     f"{trl_rollout:.3f}", f"{trl_train:.3f}", f"{trl_peak:.2f}", "1.00x"])
-        notes.append(f"paired per-step speed-up (TRL step s / rltrain step s, step by step): {paired_ratio(ours, theirs)}")
-        notes.append("TRL uses transformers generate (use_vllm=False): its colocated vLLM path fails on vLLM's CPU build. "
-                     "TRL's 'train s' is its step minus generation (rewards, log-probs, backward, optimizer).")
-    return rows, notes
+    rollout = statistics.median(m["time/rollout"] for m in side.metrics)
+    train = statistics.median(m["time/train"] for m in side.metrics)
+    length = statistics.mean(m["rollout/response_length_mean"] for m in side.metrics)
+    return [name, f"{tps:.0f}", f"{step_s:.3f}", f"{rollout:.3f}", f"{train:.3f}", f"{length:.1f}", f"{side.peak_gib:.2f}",
+            f"{tps / trl_tps:.2f}x" if trl_tps else "-"]
+
+
+def trl_row(theirs: list[Timing], trl_rows: list[dict[str, float]], warmup: int) -> list[str]:
+    steps = [r for r in trl_rows if "time/rollout" in r][warmup:]
+    tps, step_s = summarise(theirs)
+    rollout = statistics.median(r["time/rollout"] for r in steps)
+    train = statistics.median(t - r["time/rollout"] for (t, _), r in zip(theirs, steps))
+    length = statistics.mean(r["rollout/response_length_mean"] for r in steps)
+    peak = next(r["peak_gib"] for r in trl_rows if "peak_gib" in r)
+    return ["TRL GRPOTrainer (use_vllm=False)", f"{tps:.0f}", f"{step_s:.3f}", f"{rollout:.3f}", f"{train:.3f}",
+            f"{length:.1f}", f"{peak:.2f}", "1.00x"]
 
 
 def main() -> None:
@@ -331,32 +332,46 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8, help="completions per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--image-size", type=int, default=56, help="square images of this many pixels (56: 4 visual tokens)")
-    parser.add_argument("--rollout", choices=("vllm", "hf"), default="vllm", help="rltrain's rollout engine (hf: no vLLM)")
+    parser.add_argument("--rollout", default="vllm,hf", help="rltrain's rollout engines, one row (and process) each: vllm, hf")
     parser.add_argument("--threads", type=int, default=1, help=THREADS_HELP)
     args = parser.parse_args()
+    rollouts = args.rollout.split(",")
+    if not rollouts or any(r not in ROLLOUTS for r in rollouts):
+        parser.error(f"--rollout {args.rollout}: choose from {','.join(ROLLOUTS)}, comma-separated")
     total = args.steps + args.warmup
     quiet_transformers()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_image_data(root / "data", total * args.prompts, args.image_size)
-        s = Setup(root / "data", root / "run", args.prompts, args.group, args.max_new_tokens, total, args.threads,
-                  args.rollout)
-        ours_side = RltrainSide(s)
-        s.model_dir = ours_side.model_dir
+        sides: dict[str, RltrainSide] = {}
+        for rollout in rollouts:
+            s = Setup(root / "data", root / f"run-{rollout}", args.prompts, args.group, args.max_new_tokens, total,
+                      args.threads, rollout, root / "models")
+            sides[f"rltrain GRPO ({ROLLOUTS[rollout]})"] = RltrainSide(s)
+        s.model_dir = next(iter(sides.values())).model_dir
         trl_rows: list[dict[str, float]] = []
-        ours, theirs = run_interleaved({"rltrain": ours_side}, total, lambda after: run_trl(s, after, trl_rows))
-        ours_side.close()
-    rows, notes = table_rows(ours["rltrain"][args.warmup:], ours_side.metrics[args.warmup:], ours_side.peak_gib,
-                             theirs[args.warmup:], trl_rows, args.warmup)
+        ours, theirs = run_interleaved(sides, total, lambda after: run_trl(s, after, trl_rows))
+        for side in sides.values():
+            side.close()
+    theirs = theirs[args.warmup:]
+    trl_tps = summarise(theirs)[0] if theirs else None
+    rows = [rltrain_row(name, ours[name][args.warmup:], side, trl_tps) for name, side in sides.items()]
+    notes = []
+    if theirs:
+        rows.append(trl_row(theirs, trl_rows, args.warmup))
+        for name in sides:
+            notes.append(f"paired per-step speed-up of {name} (TRL step s / its step s): {paired_ratio(ours[name][args.warmup:], theirs)}")
+        notes.append("TRL uses transformers generate (use_vllm=False): its colocated vLLM path fails on vLLM's CPU build. "
+                     "TRL's 'train s' is its step minus generation (rewards, log-probs, backward, optimizer).")
     device = "CUDA" if torch.cuda.is_available() else "CPU"
-    memory = "torch.cuda.max_memory_allocated" if device == "CUDA" else "peak resident set of the process"
-    notes.append(f"peak GiB: each side's own process, {memory}. rltrain's rollout: {args.rollout}.")
-    notes.append("Machine shared with other jobs: timings are noisy; steps are interleaved so both see the same load.")
+    memory = "torch.cuda.max_memory_allocated" if device == "CUDA" else "peak resident set (VmHWM)"
+    notes.append(f"peak GiB: each side's own process, {memory}; completion len: mean sampled tokens per completion.")
+    notes.append("Machine shared with other jobs: timings are noisy; steps are interleaved so all see the same load.")
     print_table(
         f"GRPO, tiny_vl (Qwen2-VL), {args.prompts} prompts x {args.group} completions, one {args.image_size}x"
         f"{args.image_size} image each, max {args.max_new_tokens} new tokens, {args.steps} timed steps "
         f"(+{args.warmup} warm-up), {args.threads} threads, {device} fp32",
-        ["system", "tokens/s", "step s", "rollout s", "train s", "peak GiB", "tokens/s vs TRL"], rows, notes,
+        ["system", "tokens/s", "step s", "rollout s", "train s", "completion len", "peak GiB", "tokens/s vs TRL"], rows, notes,
     )
 
 
