@@ -70,4 +70,18 @@ class ImageInputs:
         if not flat:
             return {}
         mm_BT = ((ids_BT == self.image_token_id) & mask_BT.bool()).long()
-        return {**self.pixels(flat), "mm_token_type_ids": mm_BT}
+        return {**self.repeated_pixels(flat), "mm_token_type_ids": mm_BT}
+
+    def repeated_pixels(self, images: Sequence[Any]) -> dict[str, torch.Tensor]:
+        """`pixels(images)`, each distinct image object processed once: a prompt's `n` sampled rows
+        repeat its images, and the processor's resizing costs as much as the model's tower here."""
+        first: dict[int, int] = {}
+        source = [first.setdefault(id(image), len(first)) for image in images]
+        distinct = list({id(image): image for image in images}.values())
+        out = self.pixels(distinct)
+        if len(distinct) == len(images):
+            return out
+        if set(out) != {"pixel_values", "image_grid_thw"}:  # not a patch-grid layout: rows by image
+            return self.pixels(images)
+        patches = torch.split(out["pixel_values"], out["image_grid_thw"].prod(-1).tolist())
+        return {"pixel_values": torch.cat([patches[i] for i in source]), "image_grid_thw": out["image_grid_thw"][source]}
