@@ -43,9 +43,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from bench_common import (
+    THREADS_HELP,
+    Timing,
+    paired_ratio,
+    print_table,
+    quiet_transformers,
+    run_interleaved,
+    summarise,
+)
 
-import rltrain  # noqa: F401  (first: it makes torchvision importable before transformers looks; docs/vision.md)
-from bench_common import THREADS_HELP, Timing, paired_ratio, print_table, quiet_transformers, run_interleaved, summarise
+import rltrain  # noqa: F401  (before transformers: it makes torchvision importable; docs/vision.md)
 
 LR, CLIP_LOW, CLIP_HIGH = 1e-3, 0.2, 0.28
 ROLLOUTS = {"vllm": "rollout=vllm", "hf": "rollout=hf"}  # rltrain rows: the engine each samples with
@@ -127,9 +135,9 @@ def build_rltrain_grpo(s: Setup):
     its steps can be called one at a time."""
     from hydra import compose, initialize_config_dir
 
+    from rltrain.backends.roles import resolve_role_dirs
     from rltrain.config.run_context import RunContext
     from rltrain.config.schema import CONF_DIR, register_configs
-    from rltrain.backends.roles import resolve_role_dirs
     from rltrain.models.tokenizer import load_tokenizer, with_chat_template_kwargs
     from rltrain.preflight.validate import validate
     from rltrain.run.trainer import build_algorithm, configure_threads, prepare_model_dir, seed_everything
@@ -221,11 +229,10 @@ def trl_process(conn, s: Setup) -> None:
     sys.path.insert(0, str(s.data_dir))
     torch.set_num_threads(s.threads)
     quiet_transformers()
-    from transformers import AutoModelForImageTextToText, AutoProcessor, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
     from bench_common import require_activations_kept, silence_trainer
     from bench_vlm_reward import colour_letters  # type: ignore[import-not-found]
+    from transformers import AutoModelForImageTextToText, AutoProcessor, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
 
     work = {"tokens": 0, "completion_tokens": 0, "rollout_s": 0.0, "t0": 0.0}
 
