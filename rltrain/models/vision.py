@@ -104,7 +104,11 @@ def grid_model_inputs(inner: PreTrainedModel, input_ids_BT: torch.Tensor, inputs
     # The tower sees each distinct image once: a group's completions (a pair's two sides) carry the
     # same prompt images, and the features are then shared, gradients included (docs/vision.md).
     pixels, distinct_grid, source = distinct_images(inputs["pixel_values"], grid)
-    features = list(inner.get_image_features(pixels, distinct_grid).pooler_output)
+    output = inner.get_image_features(pixels, distinct_grid).pooler_output
+    if isinstance(output, torch.Tensor):  # one tensor over every image's visual tokens: split per image
+        merge = int(inner.config.vision_config.spatial_merge_size)
+        output = torch.split(output, (distinct_grid.prod(-1) // merge**2).tolist())
+    features = list(output)
     features_NH = torch.cat([features[i] for i in source])
     slots = marks_BT.bool()[..., None].expand_as(embeds_BTH)
     embeds_BTH = embeds_BTH.masked_scatter(slots, features_NH.to(embeds_BTH.dtype))
