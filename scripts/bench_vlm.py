@@ -315,9 +315,10 @@ def rltrain_row(name: str, ours: list[Timing], side: RltrainSide, trl_tps: float
     tps, step_s = summarise(ours)
     rollout = statistics.median(m["time/rollout"] for m in side.metrics)
     train = statistics.median(m["time/train"] for m in side.metrics)
+    sync = statistics.median(m["time/sync"] for m in side.metrics)
     length = statistics.mean(m["rollout/response_length_mean"] for m in side.metrics)
-    return [name, f"{tps:.0f}", f"{step_s:.3f}", f"{rollout:.3f}", f"{train:.3f}", f"{length:.1f}", f"{side.peak_gib:.2f}",
-            f"{tps / trl_tps:.2f}x" if trl_tps else "-"]
+    return [name, f"{tps:.0f}", f"{step_s:.3f}", f"{rollout:.3f}", f"{train:.3f}", f"{sync:.3f}", f"{length:.1f}",
+            f"{side.peak_gib:.2f}", f"{tps / trl_tps:.2f}x" if trl_tps else "-"]
 
 
 def trl_row(theirs: list[Timing], trl_rows: list[dict[str, float]], warmup: int) -> list[str]:
@@ -327,7 +328,7 @@ def trl_row(theirs: list[Timing], trl_rows: list[dict[str, float]], warmup: int)
     train = statistics.median(t - r["time/rollout"] for (t, _), r in zip(theirs, steps))
     length = statistics.mean(r["rollout/response_length_mean"] for r in steps)
     peak = next(r["peak_gib"] for r in trl_rows if "peak_gib" in r)
-    return ["TRL GRPOTrainer (use_vllm=False)", f"{tps:.0f}", f"{step_s:.3f}", f"{rollout:.3f}", f"{train:.3f}",
+    return ["TRL GRPOTrainer (use_vllm=False)", f"{tps:.0f}", f"{step_s:.3f}", f"{rollout:.3f}", f"{train:.3f}", "-",
             f"{length:.1f}", f"{peak:.2f}", "1.00x"]
 
 
@@ -369,7 +370,8 @@ def main() -> None:
         for name in sides:
             notes.append(f"paired per-step speed-up of {name} (TRL step s / its step s): {paired_ratio(ours[name][args.warmup:], theirs)}")
         notes.append("TRL uses transformers generate (use_vllm=False): its colocated vLLM path fails on vLLM's CPU build. "
-                     "TRL's 'train s' is its step minus generation (rewards, log-probs, backward, optimizer).")
+                     "TRL's 'train s' is its step minus generation (rewards, log-probs, backward, optimizer); "
+                     "rltrain's 'sync s' is the weight load into its rollout engine.")
     device = "CUDA" if torch.cuda.is_available() else "CPU"
     memory = "torch.cuda.max_memory_allocated" if device == "CUDA" else "peak resident set (VmHWM)"
     notes.append(f"peak GiB: each side's own process, {memory}; completion len: mean sampled tokens per completion.")
@@ -378,7 +380,7 @@ def main() -> None:
         f"GRPO, tiny_vl (Qwen2-VL), {args.prompts} prompts x {args.group} completions, one {args.image_size}x"
         f"{args.image_size} image each, max {args.max_new_tokens} new tokens, {args.steps} timed steps "
         f"(+{args.warmup} warm-up), {args.threads} threads, {device} fp32",
-        ["system", "tokens/s", "step s", "rollout s", "train s", "completion len", "peak GiB", "tokens/s vs TRL"], rows, notes,
+        ["system", "tokens/s", "step s", "rollout s", "train s", "sync s", "completion len", "peak GiB", "tokens/s vs TRL"], rows, notes,
     )
 
 
