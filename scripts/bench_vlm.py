@@ -311,12 +311,13 @@ def run_trl(s: Setup, after_step: Callable[[int], None], trl_rows: list[dict[str
 # --- the table -----------------------------------------------------------------------------------
 
 
-def rltrain_row(name: str, ours: list[Timing], side: RltrainSide, trl_tps: float | None) -> list[str]:
-    tps, step_s = summarise(ours)
-    rollout = statistics.median(m["time/rollout"] for m in side.metrics)
-    train = statistics.median(m["time/train"] for m in side.metrics)
-    sync = statistics.median(m["time/sync"] for m in side.metrics)
-    length = statistics.mean(m["rollout/response_length_mean"] for m in side.metrics)
+def rltrain_row(name: str, ours: list[Timing], side: RltrainSide, warmup: int, trl_tps: float | None) -> list[str]:
+    tps, step_s = summarise(ours[warmup:])
+    steps = side.metrics[warmup:]
+    rollout = statistics.median(m["time/rollout"] for m in steps)
+    train = statistics.median(m["time/train"] for m in steps)
+    sync = statistics.median(m["time/sync"] for m in steps)
+    length = statistics.mean(m["rollout/response_length_mean"] for m in steps)
     return [name, f"{tps:.0f}", f"{step_s:.3f}", f"{rollout:.3f}", f"{train:.3f}", f"{sync:.3f}", f"{length:.1f}",
             f"{side.peak_gib:.2f}", f"{tps / trl_tps:.2f}x" if trl_tps else "-"]
 
@@ -363,7 +364,7 @@ def main() -> None:
             side.close()
     theirs = theirs[args.warmup:]
     trl_tps = summarise(theirs)[0] if theirs else None
-    rows = [rltrain_row(name, ours[name][args.warmup:], side, trl_tps) for name, side in sides.items()]
+    rows = [rltrain_row(name, ours[name], side, args.warmup, trl_tps) for name, side in sides.items()]
     notes = []
     if theirs:
         rows.append(trl_row(theirs, trl_rows, args.warmup))
