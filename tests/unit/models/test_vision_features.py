@@ -58,7 +58,13 @@ def test_rollout_hf_processes_each_repeated_image_object_once(tiny_vl_dir):
     inputs = ImageInputs(tiny_vl_dir, image_token_id=0)
     red, blue, wide = Image.new("RGB", (56, 56), (200, 0, 0)), Image.new("RGB", (56, 56), (0, 0, 200)), Image.new("RGB", (84, 56))
     rows = [red, blue, red, wide, red, blue]
-    got, want = inputs.repeated_pixels(rows), inputs.pixels(rows)
+    calls = []
+    pixels = inputs.pixels
+    inputs.pixels = lambda images: calls.append(len(images)) or pixels(images)  # type: ignore[method-assign]
+    expanded, _ = inputs.expand([[1, 0, 2], [0, 5, 0], [0]], [[red], [blue, red], [wide]])  # one placeholder per image
+    assert [len(row) for row in expanded] == [6, 9, 6]  # 56x56: 4 visual tokens, 84x56: 6
+    got, want = inputs.repeated_pixels(rows), pixels(rows)
+    assert calls == [3]  # the three objects once, for expand and repeated_pixels both
     assert got.keys() == want.keys()
     for key in want:
         assert torch.equal(got[key], want[key]), key
