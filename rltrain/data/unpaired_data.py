@@ -1,16 +1,12 @@
 """Unpaired preference data for KTO: each example is one completion with a boolean label (TRL's
 unpaired format: `prompt`, `completion`, `label`, standard or conversational). Paired rows
 (`prompt`/`chosen`/`rejected`, or an implicit prompt) are unpaired as TRL does: chosen -> true,
-rejected -> false; the built-in task's pairs are unpaired the same way.
+rejected -> false; the built-in task's pairs the same way. Rows with images carry them with each
+example (rltrain.data.vision_rows).
 
-Rows with images (an `images` or `image` column) go through the vision-language model's processor
-(rltrain.data.vision_rows): each example carries its prompt's images, a paired row's two examples
-the same ones.
-
-Held-out data is kept as pairs, for the preference accuracy every preference objective reports
-(`eval/dpo_accuracy`): the built-in task's and a paired dataset's pairs as they are; an unpaired
-dataset's by matching, per prompt, its i-th desirable with its i-th undesirable completion.
-docs/algorithms.md, "KTO".
+Held-out data is kept as pairs for `eval/dpo_accuracy`: the built-in task's and a paired dataset's
+as they are; an unpaired dataset's by matching, per prompt (and its images), its i-th desirable
+with its i-th undesirable completion. docs/algorithms.md, "KTO"; docs/vision.md.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ def test_prompts_with_images_are_refused_before_anything_is_submitted():
     )
     requests = []
     engine = SimpleNamespace(request=lambda op, **fields: requests.append(op))
-    inflight = InFlightRollouts(collector, engine, PlacementConfig(max_staleness=1, weight_update="in_flight"),  # type: ignore[arg-type]
+    inflight = InFlightRollouts(collector, engine, PlacementConfig(max_staleness=1, weight_update="in_flight"),
                                 max_steps=4, eval_versions=[])
     with pytest.raises(UserError, match="placement.weight_update=in_flight submits token ids only") as err:
         inflight._submit_through(1)
