@@ -174,6 +174,16 @@ def test_kto_image_rows_for_a_text_only_model_are_refused(tmp_path):
         build_unpaired_data(build_char_tokenizer(), DataConfig(path=path, eval_fraction=0.0), 0)
 
 
+def test_a_kto_image_row_without_a_boolean_label_is_named(processor, tmp_path):
+    from rltrain.data.unpaired_data import build_unpaired_data
+
+    (tmp_path / "ok.png").write_bytes(png())
+    rows = [{"image": "ok.png", "prompt": "<image>?", "completion": "x", "label": True},
+            {"image": "ok.png", "prompt": "<image>?", "completion": "y", "label": "yes"}]
+    with pytest.raises(UserError, match="row 1 needs 'prompt' and 'completion' .* and a boolean 'label'"):
+        build_unpaired_data(processor.tokenizer, DataConfig(path=jsonl(tmp_path, rows), eval_fraction=0.0), 0, processor)
+
+
 def test_preference_pairs_carry_their_prompts_images(processor, tmp_path):
     from rltrain.algos.preference import pairs_to_batch
     from rltrain.data.preference_data import build_preference_data
