@@ -15,6 +15,8 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from rltrain.config.schema import DataConfig
 from rltrain.data import tasks
 from rltrain.data.loading import PAIRED, PAIRED_IMPLICIT, UNPAIRED, eval_limit, train_and_eval_rows
@@ -107,8 +109,9 @@ def texts_to_examples(
 ) -> list[LabelledCompletion]:
     usable = [t for t in texts if t.completion]
     skipped.empty += len(texts) - len(usable)
-    text_prompts = encode_all(tokenizer, [t.prompt for t in usable if isinstance(t.prompt, str)])[::-1]
-    prompts_ids = [t.prompt if isinstance(t.prompt, list) else text_prompts.pop() for t in usable]
+    # one tokenizer call for the text prompts; a prompt with images comes encoded (its visual tokens)
+    text_prompts = iter(encode_all(tokenizer, [t.prompt for t in usable if isinstance(t.prompt, str)]))
+    prompts_ids = [t.prompt if isinstance(t.prompt, list) else next(text_prompts) for t in usable]
     completions_ids = encode_all(tokenizer, [t.completion for t in usable])
     eos = tokenizer.eos_token_id
     examples = []
@@ -127,7 +130,8 @@ def images_key(vision: VisionInputs | None) -> str:
         return ""
     digest = hashlib.sha256()
     for name in sorted(vision.tensors):
-        digest.update(name.encode() + vision.tensors[name].contiguous().cpu().numpy().tobytes())
+        raw = vision.tensors[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # any dtype's bytes
+        digest.update(name.encode() + raw.numpy().tobytes())
     return digest.hexdigest()
 
 
