@@ -302,7 +302,7 @@ class ServerFleetEngine:
             },
         }
         if self.stream is not None:  # prefix caches outlive versions while requests are held (stream.py)
-            body["cache_salt"] = f"rltrain-v{self.version}"
+            body["cache_salt"] = self.stream.salt(self.version)
         while True:
             server = self._pick(deadline)
             try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,7 @@ class FleetStream:
         self.idle_s = self.busy_s = 0.0
         self.since = time.perf_counter()
         self.progress = time.monotonic()
+        self.nonce = uuid.uuid4().hex[:12]  # this stream's: a server may hold the prompt KV of a killed run's
         self._relabel(opts.version)
         self.dispatcher = threading.Thread(target=self._dispatch, name="rltrain-fleet-stream", daemon=True)
         self.dispatcher.start()
@@ -82,6 +84,12 @@ class FleetStream:
             self.close()
             return None
         raise RuntimeError(f"{op!r} is not served by the fleet's stream")
+
+    def salt(self, version: int) -> str:
+        """A prompt's cache salt: a server cannot reset its prefix cache while requests are held
+        (push.py), so no prompt KV cached under one version (or by another run) is reused by a
+        request that entered under another."""
+        return f"rltrain-{self.nonce}-v{version}"
 
     def loaded(self, version: int) -> None:
         """The trainer's thread: every server that is up holds `version` now (groups may enter)."""
@@ -159,7 +167,7 @@ class FleetStream:
     def _run(self, group: Group, version: int) -> None:
         """One group's request, on its own thread; its outcome is booked under the lock."""
         try:
-            fill(group, self._generate(group, version), self.version)
+            fill(group, self._generate(group, version), self.fleet.version)  # counted before its push starts
         except BaseException as exc:  # noqa: BLE001 - raised on the trainer's thread by `take`
             with self.cond:
                 self.error = self.error or exc
@@ -177,13 +185,11 @@ class FleetStream:
             self.cond.notify_all()
 
     def _generate(self, group: Group, version: int) -> list[dict[str, Any]]:
-        """The group's `n` samples from one server; a server that fails is marked down and the
-        request goes whole to another. The prompt is salted with the version it enters under: a
-        server cannot reset its prefix cache while requests are held (push.py), and no prompt KV
-        cached under one version is reused by a request that entered under another."""
+        """The group's `n` samples from one server, the prompt salted with the version it enters
+        under (`salt`); a server that fails is marked down and the request goes whole to another."""
         s = self.opts.sampling
         body = {
-            "token_ids": group.prompt_ids, "cache_salt": f"rltrain-v{version}",
+            "token_ids": group.prompt_ids, "cache_salt": self.salt(version),
             "sampling_params": {
                 "n": group.n, "temperature": s["temperature"], "top_p": s["top_p"], "max_tokens": s["max_new_tokens"],
                 "seed": group.seed, "stop_token_ids": sorted(set(s["stop_token_ids"])) or None, "logprobs": 0,
