@@ -111,6 +111,7 @@ class FleetStream:
         with self.fleet._lock:
             self.fleet._revive()
         with self.cond:
+            self.progress = time.monotonic()  # the bound counts from here: the trainer may have been away long
             while not self.book.full(step):
                 self._check(step)
                 self.cond.wait(PROGRESS_TICK_S)
@@ -129,7 +130,8 @@ class FleetStream:
 
     def _check(self, step: int) -> None:
         """Raise what a request thread met, or a stream that cannot progress (a bound: a request
-        is bounded by `rollout.timeout_s`, so a batch that gets nothing for twice that is stuck)."""
+        is bounded by `rollout.timeout_s`, so a batch that sees no request start or end for twice
+        that is stuck)."""
         if self.error is not None:
             raise self.error
         bound = 2 * self.fleet.cfg.timeout_s
@@ -158,6 +160,7 @@ class FleetStream:
                     group = self.backlog.popleft()
                     self._account()
                     self.running.add(group.key)
+                    self.progress = time.monotonic()
                     threading.Thread(target=self._run, args=(group, self.version), daemon=True).start()
                 self.cond.wait()
 
