@@ -1,14 +1,12 @@
 """In-flight updates over the server fleet (`placement.weight_update=in_flight` with `rollout=server`).
 
-The trainer's side is the separate engine's (rltrain/algos/rl/inflight_rollouts.py: `stream_open`,
-`submit`, `take`); here the fleet serves those ops itself. Groups enter as the shared admission rule
-allows (rltrain/rollout/inflight_schedule.py), each one request of its `n` samples to the server
-with the fewest in flight, on a thread of its own; a new version is pushed while they run, each
-server holding its requests between two decoding steps for the load (push.py, `hold_requests`),
-and every token comes back labelled with the version that sampled it (vLLM's weight-version spans).
-A completed group goes to the batch that trains it, or, holding a token too old for it, is
-generated again. A server that fails costs its requests only: they are sent again, whole, to the
-others. What a server decodes when depends on timing: docs/async.md, "Weights in flight".
+The fleet serves the separate engine's stream ops (`stream_open`, `submit`, `take`:
+rltrain/algos/rl/inflight_rollouts.py). Groups enter as the shared admission rule allows
+(rltrain/rollout/inflight_schedule.py), each one request of its `n` samples on a thread of its own;
+a version is pushed while they run, each server holding its requests between two decoding steps
+for the load (push.py, `hold_requests`), and every token comes back labelled with the version that
+sampled it. A group holding a token too old for its batch is generated again; a failed server costs
+its requests only (sent whole to another). docs/async.md, "Over servers".
 """
 
 from __future__ import annotations
@@ -17,22 +15,45 @@ import threading
 import time
 import uuid
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from rltrain.config.group_options import ServerRolloutConfig
 from rltrain.rollout.inflight_schedule import Group, StreamOptions, TakeBook, may_enter, submitted_group
 from rltrain.rollout.server.client import ServerDown, call
+from rltrain.rollout.server.roster import Server
 from rltrain.runtime.errors import UserError
 
-if TYPE_CHECKING:
-    from rltrain.rollout.server.fleet import ServerFleetEngine
-
 PROGRESS_TICK_S = 1.0  # how often a waiting `take` looks at the fleet
+
+
+class Fleet(Protocol):
+    """What the stream uses of its fleet (rltrain/rollout/server/fleet.py, `ServerFleetEngine`)."""
+
+    version: int
+    servers: list[Server]
+    cfg: ServerRolloutConfig
+    _lock: threading.Lock
+
+    def _revive(self) -> None:
+        """Down servers that answer again rejoin with the current version (call under `_lock`)."""
+
+    def _pick(self, deadline: float) -> Server:
+        """The up server with the fewest requests out, its count raised; waits for one until `deadline`."""
+
+    def _mark_down(self, server: Server, reason: str) -> None:
+        """`server` failed: down, counted, `reason` kept for the all-down message."""
+
+    def ping(self) -> bool:
+        """True when a server answers."""
+
+    def observe(self, versions: list[int]) -> None:
+        """The token versions `metrics()` reports for the step."""
 
 
 class FleetStream:
     """The in-flight loop of a fleet (see the module doc); `request` is its ops."""
 
-    def __init__(self, fleet: ServerFleetEngine, opts: StreamOptions) -> None:
+    def __init__(self, fleet: Fleet, opts: StreamOptions) -> None:
         self.fleet, self.opts = fleet, opts
         self.cond = threading.Condition()
         self.book = TakeBook(opts.per_step, opts.max_staleness, opts.stream, opts.first_step)
