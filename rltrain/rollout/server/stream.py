@@ -158,7 +158,7 @@ class FleetStream:
         bound = 2 * self.fleet.cfg.timeout_s
         if time.monotonic() - self.progress > bound:
             raise RuntimeError(
-                f"rollout=server, in flight: step {step}'s batch got no completed group in {bound:g}s "
+                f"rollout=server, in flight: step {step}'s batch saw no request start or end in {bound:g}s "
                 f"({len(self.running)} requests out, {len(self.backlog)} groups waiting, version {self.version})"
             )
 
