@@ -146,7 +146,8 @@ class FleetStream:
                 "idle_s": self.idle_s, "busy_s": self.busy_s, "dropped": self.dropped.pop(step, 0),
             }
             self.idle_s = self.busy_s = 0.0
-        self.fleet.observe([v for g in groups for vs in g.versions for v in vs])
+        # a batch of empty completions only: the version it was taken under (never an infinite min)
+        self.fleet.observe([v for g in groups for vs in g.versions for v in vs] or [self.version])
         return result
 
     def _check(self, step: int) -> None:
