@@ -143,7 +143,7 @@ class RLBuilder:
 
     def in_flight(self, collector: ExperienceCollector, rollout: RolloutEngine) -> InFlightRollouts | None:
         """The trainer's side of an engine that loads versions between decoding steps (the separate
-        engine: validation refuses any other)."""
+        engine, or the server fleet: rltrain/rollout/server/stream.py; validation refuses any other)."""
         cfg = self.cfg
         if cfg.placement.weight_update != "in_flight":
             return None
