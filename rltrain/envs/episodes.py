@@ -174,7 +174,7 @@ class EpisodeRunner:
             turn_sampling = replace(
                 sampling, n=1, max_new_tokens=min(self.turn_tokens, most_room), seed=sampling.seed + TURN_SEED_STRIDE * turn
             )
-            replies = generate([e.context for e in live], turn_sampling, [e.images for e in live])
+            replies = generate([e.context for e in live], turn_sampling, [list(e.images) for e in live])
             for e, reply in zip(live, replies, strict=True):
                 room = self.cfg.max_total_tokens - len(e.tokens)
                 ids, logprobs = before_placeholder(reply.token_ids[:room], reply.logprobs[:room], self.image_token)

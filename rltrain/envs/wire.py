@@ -48,13 +48,14 @@ def from_wire(value: Any, where: str) -> Any:
     if isinstance(value, dict) and set(value) == {WIRE_KEY}:
         from PIL import Image, UnidentifiedImageError
 
+        data = base64.b64decode(value[WIRE_KEY])
         try:
-            image = Image.open(io.BytesIO(base64.b64decode(value[WIRE_KEY])))
-            return image.convert("RGB")
+            return Image.open(io.BytesIO(data)).convert("RGB")
         except (OSError, UnidentifiedImageError, ValueError) as exc:
+            problem = "no image format PIL knows" if isinstance(exc, UnidentifiedImageError) else f"{type(exc).__name__}: {exc}"
             raise UserError(
-                f"{where} returned an image that cannot be read ({type(exc).__name__}: {exc}). Return a PIL image, or the "
-                "bytes of a PNG, JPEG or WEBP file."
+                f"{where} returned an image that cannot be read ({len(data)} bytes starting {data[:12]!r}: {problem}). Return "
+                "a PIL image, or the bytes of a PNG, JPEG or WEBP file."
             ) from None
     if isinstance(value, list):
         return [from_wire(v, where) for v in value]
