@@ -7,8 +7,7 @@ it: a new instance, `reset(**row)`, then the earlier actions replayed. A worker 
 only the newest action. This is what lets a hung step be killed without losing the other episodes,
 and it asks one thing of an environment: the same actions from the same row reach the same state
 (docs/environments.md, "Timeouts and rebuilt episodes"). Calls of different episodes run at once,
-in threads of the worker (`env.max_concurrency`); one episode's calls never overlap. Images cross
-the pipe as markers (rltrain/envs/images.py): the row's to the environment, the observations' back.
+in threads (`env.max_concurrency`); one episode's calls never overlap. Images: rltrain/envs/wire.py.
 """
 
 from __future__ import annotations

@@ -6,9 +6,8 @@ continues that sequence (or forks it there): its prompt ids are the sequence's i
 *as sampled* followed by the rest of the text, tokenized on its own. The model's tokens are never
 re-tokenized, so the trainer scores exactly the ids the engine saw. A call whose messages do not
 extend any sequence (the agent dropped, edited or summarised its history) starts a new sequence: a
-history rewrite. A vision-language model's chain also keeps its images: a call continues it only
-if its first images are the chain's (the same pixels), and its text is compared with each image's
-visual tokens as one placeholder, as a rendering writes it. docs/agents.md, "Every token recorded".
+history rewrite. A chain keeps its images too: a call continues it only with the chain's first
+images (the same pixels). docs/agents.md, "Every token recorded"; docs/vision.md.
 """
 
 from __future__ import annotations

@@ -7,9 +7,7 @@ thread that owns the engine takes the queued requests in batches, renders their 
 chat template, samples them in one engine call per distinct sampling setting and answers each; every
 token served is recorded (rltrain/envs/agent/record.py). An episode trains on every sequence it made,
 with what its agent returned; one that timed out, raised, returned no number or never called the
-endpoint scores `reward.on_failure`. A vision-language model's requests may carry `image_url`
-parts: decoded, marked by the template, expanded by the processor, given to the engine with the
-prompt and to the trainer with the sequence. docs/agents.md tells the story; docs/vision.md.
+endpoint scores `reward.on_failure`. docs/agents.md tells the story (images: docs/vision.md).
 """
 
 from __future__ import annotations
