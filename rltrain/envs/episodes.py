@@ -156,8 +156,9 @@ class EpisodeRunner:
     ) -> EpisodeResults:
         """`copies` episodes per row (GRPO's group), prompt-major. `phase` names the step (e.g.
         "train-12"): the workers drop the episodes of an earlier phase."""
+        wired = [to_wire(environment_row(row)) for row in rows]  # what reset(**row) gets, ready for the pipe
         episodes = [
-            Episode(i, f"{phase}:{i * copies + k}", to_wire(environment_row(row)), list(row.ids), row.chat, images=list(row.images or []))
+            Episode(i, f"{phase}:{i * copies + k}", wired[i], list(row.ids), row.chat, images=list(row.images or []))
             for i, row in enumerate(rows)
             for k in range(copies)
         ]

@@ -70,6 +70,18 @@ class Looks:
         return None, sum(map(ord, action)) % 5 / 4, True
 '''
 
+TOOL = '''
+from PIL import Image
+
+def look() -> object:
+    """Show the square."""
+    return Image.new("RGB", (56, 56), (200, 20, 20))
+
+def score(prompts, completions, **_):
+    return [sum(map(ord, c)) % 5 / 4 for c in completions]
+'''
+CALL = '<tool_call>{"name": "look"}</tool_call>'
+
 GRPO = [
     "algo=grpo", "algo.prompts_per_step=2", "algo.group_size=2", "algo.max_new_tokens=4", "trainer.max_steps=2",
     "trainer.eval_every=0", "data.num_eval=2", "logger.wandb.mode=disabled", "optim.lr=1e-2", "trainer.progress=lines",
@@ -84,6 +96,10 @@ def seeing(image_data):  # noqa: F811 - pytest's fixture by name
     (image_data / "chat_prompts.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     (image_data / "seeing_agent.py").write_text(AGENT)
     (image_data / "seeing_env.py").write_text(ENV)
+    (image_data / "seeing_tool.py").write_text(TOOL)
+    calls = [{"images": [f"imgs/{i}.png"], "prompt": "<image>Colour? ", "completion": CALL} for i in range(8)]
+    (image_data / "calls.jsonl").write_text("\n".join(json.dumps(r) for r in calls))
+    (image_data / "text_prompts.jsonl").write_text("\n".join(json.dumps({k: r[k] for k in ("images", "prompt")}) for r in calls))
     return image_data
 
 
@@ -111,6 +127,21 @@ def test_a_python_environment_that_answers_with_images_trains_at_fp32_parity(tin
             run_dir=tmp_path / "run", env={"PYTHONPATH": str(seeing)}, timeout=600)
     for r in check_parity(tmp_path / "run"):
         assert r["env/turns_mean"] == 3.0, r
+
+
+def test_a_tool_that_returns_an_image_trains_at_fp32_parity(tiny_cache, seeing, tmp_path):
+    # A random model writes no tool call: 50 SFT steps teach it this one (most samples then call it).
+    rltrain("algo=sft", "model=tiny_vl", f"data.path={seeing / 'calls.jsonl'}", "trainer.max_steps=50", "trainer.global_batch_size=8",
+            "trainer.micro_batch_size=8", "optim.lr=1e-2", "trainer.eval_every=0", "logger.wandb.mode=disabled",
+            run_dir=tmp_path / "sft", timeout=600)
+    rltrain(*GRPO, f"model.path={tmp_path / 'sft' / 'final'}", "env=tools", "env.tools=[seeing_tool:look]", "env.describe_tools=false",
+            "env.max_turns=2", "reward.fns=[seeing_tool:score]", "algo.max_new_tokens=48", f"data.path={seeing / 'text_prompts.jsonl'}",
+            run_dir=tmp_path / "run", env={"PYTHONPATH": str(seeing)}, timeout=600)
+    rows = train_rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:  # the replies after the tool's image are scored with it, as the engine sampled them
+        assert r["rollout/logprob_diff_max"] < 1e-3 and r["env/errors"] == 0.0, r
+    assert sum(r["env/tool_calls_mean"] for r in rows) > 0, rows
 
 
 @pytest.mark.parametrize(
