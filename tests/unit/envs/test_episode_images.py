@@ -300,3 +300,37 @@ def test_the_trainer_marks_the_image_tokens_the_policy_did_not_sample():
     sampled_BT = torch.tensor([[False, False, False, True, True, False, False, False]])
     marks = vision_call_inputs(PAD, ids_BT, [vision], sampled_BT)["mm_token_type_ids"]
     assert marks.tolist() == [[0, 1, 0, 0, 0, 0, 1, 0]]
+
+
+@dataclass
+class AgentCfg:
+    agent: str = "seeing_agent:run"
+    chat_template: str | None = None
+    max_tokens_per_turn: int | None = None
+    max_total_tokens: int = 64
+    timeout_s: float = 30
+    workers: int = 1
+    max_concurrency: int = 4
+
+
+@pytest.mark.parametrize(
+    ("part", "message"),
+    [
+        ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, "messages[0].content[0]: an image must be a data URL"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"junk").decode()}},
+         "does not hold a PNG image"),
+        ({"type": "text", "text": "<|image_pad|>"}, "the messages hold 0 image(s) but their rendering has 1 image placeholder(s)"),
+    ],
+)
+def test_an_agents_image_the_endpoint_cannot_take_is_a_400_naming_it(part, message):
+    from rltrain.envs.agent.endpoint import Pending, parse_chat_request
+    from rltrain.envs.agent.runner import AgentRunner
+
+    runner = AgentRunner(AgentCfg(), RewardCfg(), TOKENIZER, 8, 64, 600, False, ObservationRenderer(TOKENIZER, PROCESSOR))
+    try:
+        request = parse_chat_request({"messages": [{"role": "user", "content": [part]}]})
+        with pytest.raises(ApiError) as caught:
+            runner._rendered(Pending(0, request))
+        assert caught.value.status == 400 and message in caught.value.message
+    finally:
+        runner.close()
