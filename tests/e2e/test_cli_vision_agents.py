@@ -13,7 +13,6 @@ import json
 
 import pytest
 from cli import rltrain, train_rows
-from test_cli_vision import image_data  # noqa: F401 - the shared fixture: colour squares on disk
 
 pytestmark = pytest.mark.e2e
 
@@ -89,18 +88,21 @@ GRPO = [
 
 
 @pytest.fixture(scope="module")
-def seeing(image_data):  # noqa: F811 - pytest's fixture by name
-    """Conversational prompts with an image part each, the agent and the environment beside them."""
-    rows = [{"images": [f"imgs/{i}.png"], "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}]}
+def seeing(image_data, tmp_path_factory):
+    """Prompts with an image each (the session's colour squares, tests/vision_data.py), the agent,
+    the environment and the tool beside them."""
+    root = tmp_path_factory.mktemp("seeing")
+    squares = [str(image_data / "imgs" / f"{i}.png") for i in range(8)]
+    rows = [{"images": [squares[i]], "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}]}
             for i in range(6)]
-    (image_data / "chat_prompts.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    (image_data / "seeing_agent.py").write_text(AGENT)
-    (image_data / "seeing_env.py").write_text(ENV)
-    (image_data / "seeing_tool.py").write_text(TOOL)
-    calls = [{"images": [f"imgs/{i}.png"], "prompt": "<image>Colour? ", "completion": CALL} for i in range(8)]
-    (image_data / "calls.jsonl").write_text("\n".join(json.dumps(r) for r in calls))
-    (image_data / "text_prompts.jsonl").write_text("\n".join(json.dumps({k: r[k] for k in ("images", "prompt")}) for r in calls))
-    return image_data
+    (root / "chat_prompts.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (root / "seeing_agent.py").write_text(AGENT)
+    (root / "seeing_env.py").write_text(ENV)
+    (root / "seeing_tool.py").write_text(TOOL)
+    calls = [{"images": [square], "prompt": "<image>Colour? ", "completion": CALL} for square in squares]
+    (root / "calls.jsonl").write_text("\n".join(json.dumps(r) for r in calls))
+    (root / "text_prompts.jsonl").write_text("\n".join(json.dumps({k: r[k] for k in ("images", "prompt")}) for r in calls))
+    return root
 
 
 def check_parity(run_dir) -> list[dict]:
