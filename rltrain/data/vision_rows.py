@@ -137,6 +137,11 @@ class VisionEncoder:
         tensors = {k: v for k, v in out.items() if k not in TEXT_OUTPUTS}
         return out["input_ids"][0].tolist(), VisionInputs(tensors, len(images))
 
+    def images_only(self, images: list) -> VisionInputs | None:
+        """`images` encoded as `encode` encodes them beside a prompt (None: no image): an episode's
+        images, whose placeholders its ids already hold (rltrain/envs)."""
+        return self.encode(self.image_markup * len(images), images)[1] if images else None
+
 
 def vision_prompt_completion(
     encoder: VisionEncoder, row: dict, index: int, source: RowSource
