@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -83,12 +83,17 @@ def freeze_vision(lm: nn.Module) -> int:
     return frozen
 
 
-def image_token_id(config) -> int | None:
-    """The token id that stands for one visual token in the prompt (Qwen2-VL's `image_token_id`,
-    LLaVA's `image_token_index`)."""
-    for key in ("image_token_id", "image_token_index"):
-        if (value := getattr(config, key, None)) is not None:
-            return int(value)
+IMAGE_TOKEN_KEYS = ("image_token_id", "image_token_index")
+
+
+def image_token_id(config: Any) -> int | None:
+    """The token id that stands for one visual token in the prompt, of a transformers config or
+    config.json's dict (Qwen2-VL: `image_token_id`, LLaVA and Gemma 3: `image_token_index`); None
+    for a text-only model. The trainer and every rollout engine read it here."""
+    for key in IMAGE_TOKEN_KEYS:
+        value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+        if isinstance(value, int):
+            return value
     return None
 
 
@@ -217,6 +222,19 @@ def refuse_on_megatron(model_dir: Path) -> None:
             f"backend=megatron does not train vision-language models ({model_dir} has a vision tower): rltrain "
             "converts only text decoders to megatron-core. Use backend=fsdp, which trains them on 1 or more "
             "ranks, with or without LoRA (docs/vision.md)."
+        )
+
+
+def refuse_reward_model(model_dir: Path) -> None:
+    """algo=rm trains text-only models: its `final/` is a Hugging Face sequence classifier, and
+    transformers has none that sees images for the families rltrain trains (docs/vision.md)."""
+    if is_vision_model_dir(model_dir):
+        raise UserError(
+            f"algo=rm does not train vision-language models ({model_dir} has a vision tower): a reward model's final/ "
+            "is a Hugging Face sequence classifier, which transformers has for text models only (no Qwen2-VL or LLaVA "
+            "one), and reward_model=hf scores the decoded text without its images. Train the reward model from a "
+            "text-only model.path, or score the images in GRPO or PPO with reward.fns (a function that reads the "
+            "row's image column) (docs/vision.md)."
         )
 
 
