@@ -19,7 +19,13 @@ from rltrain.backends.sequence_classifier import read_score_head
 from rltrain.data.vision_inputs import VisionInputs, vision_call_inputs
 from rltrain.data.vision_rows import VisionEncoder
 from rltrain.models.tokenizer import load_tokenizer
-from rltrain.models.vision import grid_model_inputs, image_token_id, load_processor, load_vision_lm, places_by_grid
+from rltrain.models.vision import (
+    grid_model_inputs,
+    image_token_id,
+    load_processor,
+    load_vision_lm,
+    places_by_grid,
+)
 
 
 class VisionSequenceReward:

@@ -15,7 +15,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from rltrain.backends.fsdp.groups import full_parameter
-from rltrain.backends.sequence_classifier import CRITIC_NOT_EXPORTED, write_score_head, write_sequence_classifier
+from rltrain.backends.sequence_classifier import (
+    CRITIC_NOT_EXPORTED,
+    write_score_head,
+    write_sequence_classifier,
+)
 from rltrain.models import lora
 from rltrain.models.vision import is_vision_config
 
