@@ -93,3 +93,28 @@ def test_the_launcher_takes_a_vision_reward_model_and_names_one_without_its_head
     with pytest.raises(UserError, match="vision-language model without a reward head") as err:
         validate_reward_model(cfg.reward_model, "grpo")
     assert "algo=rm" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_an_rl_step_hands_each_completion_its_prompts_images(vision_reward_dir, tmp_path):
+    """The RL experience path (`ExperienceCollector._score`) gives the reward model each
+    completion's own prompt images (PromptRow.images), whichever prompt of the step it continues."""
+    from rltrain.algos.rl.experience import ExperienceCollector
+    from rltrain.data.prompt_data import PromptRow
+    from rltrain.rollout.base import Completion
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "<image>Colour? ", "images": ["a.png"]}\n')
+    cfg = compose_config(f"data.path={data}", "reward_model=hf", f"reward_model.path={vision_reward_dir}")
+    fns = build_reward_fns(cfg, torch.device("cpu"))
+    prompts, images = _rows(vision_reward_dir)
+    rows = [PromptRow([], p, {"images": [f"{i}.png"]}, images=im) for i, (p, im) in enumerate(zip(prompts, images))]
+    completions = [Completion(i, [], [], True) for i in (1, 0, 1)]
+    collector = ExperienceCollector.__new__(ExperienceCollector)  # only its scoring: no engines
+    collector.scorer = RewardScorer(fns, cfg.reward, cfg.safety.collective_timeout_s)
+    try:
+        per_fn, _ = collector._score(rows, completions, ["red", "blue", "green"])
+    finally:
+        collector.scorer.close()
+    expected = fns[0].fn([prompts[1], prompts[0], prompts[1]], ["red", "blue", "green"],
+                         prompt_images=[images[1], images[0], images[1]])
+    assert per_fn["model"] == pytest.approx(expected, abs=1e-5)
