@@ -81,7 +81,7 @@ class VisionSequenceReward:
             out = self.trunk(use_cache=False, **grid_model_inputs(self.trunk, ids_BT, images))
         else:
             out = self.trunk(input_ids=ids_BT, use_cache=False, **images)
-        hidden_BH = out.last_hidden_state[torch.arange(len(rows)), lengths_B.to(self.device) - 1]
+        hidden_BH = out.last_hidden_state[torch.arange(len(rows), device=self.device), lengths_B.to(self.device) - 1]
         return (hidden_BH.float() @ self.score_H).cpu().tolist()
 
     def __call__(
