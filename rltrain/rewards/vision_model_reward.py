@@ -73,8 +73,9 @@ class VisionSequenceReward:
         ids_BT = torch.full((len(rows), int(lengths_B.max())), self.pad_id, dtype=torch.long)
         for b, (ids, _, _) in enumerate(rows):
             ids_BT[b, : len(ids)] = torch.tensor(ids)
-        prompt_lens_B = torch.tensor([p for _, p, _ in rows])
-        host_images = vision_call_inputs(self.image_token, ids_BT, [v for _, _, v in rows], prompt_lens_B)
+        # Only the prompts' placeholders are images: a completion may hold the placeholder token as text.
+        completion_BT = torch.arange(ids_BT.shape[1])[None, :] >= torch.tensor([p for _, p, _ in rows])[:, None]
+        host_images = vision_call_inputs(self.image_token, ids_BT, [v for _, _, v in rows], completion_BT)
         images = {k: v.to(self.device) for k, v in host_images.items()}
         ids_BT = ids_BT.to(self.device)
         if places_by_grid(images):  # the prompts' image slots only, as the trainer places them
