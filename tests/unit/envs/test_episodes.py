@@ -91,7 +91,7 @@ def scripted_generate(calls: list[list[list[int]]]):
     """The engine stand-in: replies SCRIPT[tag][turn] + EOS, the turn read from the ids so far
     (how many model replies they hold); logprob of the j-th reply token -(j + 1) / 10."""
 
-    def generate(prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+    def generate(prompts: list[list[int]], sampling: SamplingSettings, images: list | None = None) -> list[Completion]:
         assert sampling.n == 1
         calls.append([list(p) for p in prompts])
         out = []
