@@ -5,7 +5,11 @@ replies go to the other side, `EpisodeSteps` (a user environment's `step`, or th
 calls), whose observations are tokenized and appended. An episode ends when that side says `done`,
 after `env.max_turns` replies, or when `env.max_total_tokens` is spent. Its `Completion` holds exactly
 the ids the engine saw and sampled, `sampled` marking the model's tokens: only those get policy
-gradient (docs/environments.md).
+gradient (docs/environments.md). Where the chat template renders an earlier reply differently
+once a message follows it (Qwen3 drops its thinking), the next turn sees the reply as the template
+renders it (not trained), and the sequence as it was sampled, up to that reply, trains as an extra
+sequence of the episode: every trained token is one sampled from exactly the ids before it
+(docs/rewards-and-roles.md, "Thinking").
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any, Protocol
 from rltrain.config.group_options import EnvConfig
 from rltrain.config.schema import RewardConfig
 from rltrain.data.prompt_data import PromptRenderer, PromptRow
+from rltrain.envs.observations import is_messages, observation_ids, rewritten_reply
 from rltrain.rewards.scoring import Failures
 from rltrain.rollout.base import Completion, SamplingSettings
 from rltrain.rollout.separate import completions_from_json, completions_to_json
@@ -43,15 +48,44 @@ class Episode:
     timeouts: int = 0  # user calls of this episode that ran out of time (a reset/step, or a tool call)
     errors: int = 0  # ... that raised or returned nonsense
     tool_calls: int = 0
+    reply_at: int = 0  # where in `tokens` the last reply starts
+    # Each reply the chat template rewrote: the sequence up to it as sampled, only that reply trained.
+    rewritten: list[Completion] = field(default_factory=list)
 
     def append(self, ids: list[int], logprobs: list[float] | None) -> None:
+        if logprobs is not None:
+            self.reply_at = len(self.tokens)
         self.tokens += ids
         self.context += ids
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
         self.sampled += [logprobs is not None] * len(ids)
 
-    def completion(self) -> Completion:
-        return Completion(self.prompt_index, self.tokens, self.logprobs, self.ended_by_env, list(self.sampled))
+    def observe(self, tokenizer: Any, observation: Any, where: str, max_total_tokens: int) -> None:
+        """Append the environment's `observation` (text or chat messages, rltrain.envs.observations)
+        after the reply it answers; where the chat template renders that reply differently once the
+        messages follow it, the template's rendering of both replaces the reply, whose sampled
+        sequence is kept in `rewritten`."""
+        messages = [observation] if isinstance(observation, dict) else observation
+        ends_in_reply = bool(self.sampled) and self.sampled[-1]
+        rewritten = rewritten_reply(tokenizer, self.actions[-1], messages) if ends_in_reply and self.actions and is_messages(messages) else None
+        if rewritten is None:
+            ids = observation_ids(tokenizer, observation, where)
+        else:
+            self.rewritten.append(self.completion(trained_from=self.reply_at))
+            cut = len(self.tokens) - self.reply_at
+            del self.tokens[self.reply_at :], self.logprobs[self.reply_at :], self.sampled[self.reply_at :], self.context[len(self.context) - cut :]
+            ids = list(tokenizer(rewritten, add_special_tokens=False)["input_ids"])
+        self.append(ids[: max_total_tokens - len(self.tokens)], None)
+
+    def completion(self, trained_from: int = 0) -> Completion:
+        """Its sequence; only its sampled tokens from `trained_from` on trained (the others were, elsewhere)."""
+        if not trained_from:
+            return Completion(self.prompt_index, self.tokens, self.logprobs, self.ended_by_env, list(self.sampled))
+        keep = [i >= trained_from for i in range(len(self.tokens))]
+        return Completion(
+            self.prompt_index, list(self.tokens), [lp if k else 0.0 for lp, k in zip(self.logprobs, keep, strict=True)], True,
+            [s and k for s, k in zip(self.sampled, keep, strict=True)],
+        )
 
 
 class EpisodeSteps(Protocol):
@@ -77,6 +111,15 @@ class EpisodeResults:
     failures: Failures  # user calls that failed: a reset or step (the episode ends), or a tool call
     turns: float  # the model's turns, summed over episodes
     tool_calls: float  # tool calls, summed over episodes
+    # Sequences beyond one per episode, and the episode (an index into `completions`) of each: replies
+    # the chat template rewrote, trained where they were sampled; env=agent's history rewrites and
+    # forks. Each trains with its episode's reward and advantage.
+    extra: list[Completion] = field(default_factory=list)
+    extra_episode: list[int] = field(default_factory=list)
+
+    def sequences(self) -> tuple[list[Completion], list[int]]:
+        """Every sequence to train, and the episode of each."""
+        return self.completions + self.extra, list(range(len(self.completions))) + self.extra_episode
 
 
 def results_to_json(played: EpisodeResults) -> dict[str, Any]:
@@ -84,6 +127,7 @@ def results_to_json(played: EpisodeResults) -> dict[str, Any]:
     return {
         "completions": completions_to_json(played.completions), "returns": played.returns, "final_texts": played.final_texts,
         "failures": [played.failures.timeouts, played.failures.errors], "turns": played.turns, "tool_calls": played.tool_calls,
+        "extra": completions_to_json(played.extra), "extra_episode": played.extra_episode,
     }
 
 
@@ -91,6 +135,7 @@ def results_from_json(row: dict[str, Any]) -> EpisodeResults:
     return EpisodeResults(
         completions_from_json(row["completions"]), [float(r) for r in row["returns"]], [str(t) for t in row["final_texts"]],
         Failures(int(row["failures"][0]), int(row["failures"][1])), float(row["turns"]), float(row["tool_calls"]),
+        completions_from_json(row.get("extra", [])), [int(i) for i in row.get("extra_episode", [])],
     )
 
 
@@ -148,6 +193,7 @@ class EpisodeRunner:
             [e.completion() for e in episodes], [e.reward for e in episodes], [e.actions[-1] if e.actions else "" for e in episodes],
             Failures(sum(e.timeouts for e in episodes), sum(e.errors for e in episodes)), float(turns),
             float(sum(e.tool_calls for e in episodes)),
+            [c for e in episodes for c in e.rewritten], [i for i, e in enumerate(episodes) for _ in e.rewritten],
         )
 
     def _text(self, ids: list[int], stop_ids: list[int]) -> str:

@@ -7,6 +7,11 @@ template applied to a fixed two-message conversation, then to the same conversat
 messages (with the generation prompt), and the difference is the observation. A template whose
 rendering of the longer conversation does not start with the shorter one cannot be continued that
 way and is refused by name (docs/environments.md, "Observations").
+
+A template with a rule for earlier turns (Qwen3's drops an earlier reply's thinking block once a
+user message follows it) is followed: where the conversation with the reply and the new messages
+renders the reply differently than it was sampled, the reply is replaced by that rendering (not
+trained), so the next turn sees what the template shows (docs/rewards-and-roles.md, "Thinking").
 """
 
 from __future__ import annotations
@@ -24,12 +29,32 @@ def observation_ids(tokenizer: Any, observation: Any, where: str) -> list[int]:
         return list(tokenizer(observation, add_special_tokens=False)["input_ids"])
     if isinstance(observation, dict):
         observation = [observation]
-    if isinstance(observation, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in observation):
+    if is_messages(observation):
         return list(tokenizer(continuation_text(tokenizer, observation, where), add_special_tokens=False)["input_ids"])
     raise UserError(
         f"{where} returned the observation {observation!r:.200}: an observation is text, or a list of chat "
         "messages ({'role': ..., 'content': ...}), or None to end the episode."
     )
+
+
+def is_messages(observation: Any) -> bool:
+    return isinstance(observation, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in observation)
+
+
+def rewritten_reply(tokenizer: Any, reply: str, messages: list[dict[str, Any]]) -> str | None:
+    """What replaces an episode's last `reply` and the observation `messages` after it when the
+    chat template renders that reply differently once they follow it (e.g. without its thinking
+    block): the template's text from the reply on, through the next generation prompt. None where
+    the template keeps the reply as sampled, or renders the turn before it differently too."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return None
+    turn = [_ANCHOR[0], {"role": "assistant", "content": reply}]
+    said = tokenizer.apply_chat_template(turn, tokenize=False)
+    full = tokenizer.apply_chat_template(turn + messages, tokenize=False, add_generation_prompt=True)
+    if full.startswith(said):
+        return None
+    asked = tokenizer.apply_chat_template(turn[:1], tokenize=False, add_generation_prompt=True)
+    return full[len(asked) :] if full.startswith(asked) else None
 
 
 def continuation_text(tokenizer: Any, messages: list[dict[str, Any]], where: str) -> str:

@@ -17,7 +17,6 @@ from typing import Any
 
 from rltrain.config.group_options import EnvConfig
 from rltrain.envs.episodes import Episode
-from rltrain.envs.observations import observation_ids
 from rltrain.runtime.call_pool import Call, CallPool, CallResult
 from rltrain.runtime.errors import UserError
 from rltrain.runtime.user_code import load_callable
@@ -184,8 +183,7 @@ class CallTools:
                     e.timeouts += result.failure == "timeout"
                     e.errors += result.failure is not None and result.failure != "timeout"
                     answers.append((c.name, result_text(result, c.name, self.timeout_s)))
-            ids = observation_ids(self.tokenizer, self._observation(e, answers), "a tool result")
-            e.append(ids[: self.cfg.max_total_tokens - len(e.tokens)], None)
+            e.observe(self.tokenizer, self._observation(e, answers), "a tool result", self.cfg.max_total_tokens)
 
     def check(self, episodes: list[Episode]) -> None:
         """A failed tool call is the model's feedback (an error observation), never a reason to stop."""

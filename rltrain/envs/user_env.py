@@ -12,7 +12,6 @@ from __future__ import annotations
 from rltrain.config.group_options import EnvConfig
 from rltrain.config.schema import RewardConfig
 from rltrain.envs.episodes import Episode
-from rltrain.envs.observations import observation_ids
 from rltrain.runtime.call_pool import Call, CallPool, CallResult
 from rltrain.runtime.errors import UserError
 
@@ -74,5 +73,4 @@ class HostedEnvironments:
             e.done, e.ended_by_env = True, True
             return
         if observation is not None:
-            ids = observation_ids(self.tokenizer, observation, f"{self.cfg.cls}.{what}()")
-            e.append(ids[: self.cfg.max_total_tokens - len(e.tokens)], None)
+            e.observe(self.tokenizer, observation, f"{self.cfg.cls}.{what}()", self.cfg.max_total_tokens)

@@ -32,8 +32,9 @@ def refuse_agent_replica(group: object | None) -> None:
 
 def played_sequences(played: EpisodeResults) -> tuple[list[Completion], list[int] | None]:
     """The sequences the episodes train on and the episode of each: an agent's episode may make
-    several (`Experience.episode_of`); any other episode is one sequence (None)."""
-    if isinstance(played, AgentResults):
+    several (`Experience.episode_of`), as may an episode whose replies the chat template rewrote;
+    otherwise each episode is one sequence (None)."""
+    if isinstance(played, AgentResults) or played.extra:
         return played.sequences()
     return played.completions, None
 
