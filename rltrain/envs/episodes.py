@@ -71,20 +71,21 @@ class Episode:
         if rewritten is None:
             ids = observation_ids(tokenizer, observation, where)
         else:
-            self.rewritten.append(self.completion(trained_from=self.reply_at))
+            self.rewritten.append(self.last_reply_sequence())
             cut = len(self.tokens) - self.reply_at
             del self.tokens[self.reply_at :], self.logprobs[self.reply_at :], self.sampled[self.reply_at :], self.context[len(self.context) - cut :]
             ids = list(tokenizer(rewritten, add_special_tokens=False)["input_ids"])
         self.append(ids[: max_total_tokens - len(self.tokens)], None)
 
-    def completion(self, trained_from: int = 0) -> Completion:
-        """Its sequence; only its sampled tokens from `trained_from` on trained (the others were, elsewhere)."""
-        if not trained_from:
-            return Completion(self.prompt_index, self.tokens, self.logprobs, self.ended_by_env, list(self.sampled))
-        keep = [i >= trained_from for i in range(len(self.tokens))]
+    def completion(self) -> Completion:
+        return Completion(self.prompt_index, list(self.tokens), list(self.logprobs), self.ended_by_env, list(self.sampled))
+
+    def last_reply_sequence(self) -> Completion:
+        """Its sequence so far, only the last reply trained (the sampled tokens before it train in
+        the episode's own sequence, which keeps them)."""
+        at = self.reply_at
         return Completion(
-            self.prompt_index, list(self.tokens), [lp if k else 0.0 for lp, k in zip(self.logprobs, keep, strict=True)], True,
-            [s and k for s, k in zip(self.sampled, keep, strict=True)],
+            self.prompt_index, list(self.tokens), [0.0] * at + self.logprobs[at:], True, [False] * at + self.sampled[at:]
         )
 
 
