@@ -1,16 +1,12 @@
 """Built-in synthetic tasks: generated locally, deterministic from the seed, with exact answers.
 
-`addition`: `a+b=` -> the sum, a and b in 0..99; a held-out split that never appears in training
-(drawn with `data.eval_seed`, or the run's seed when that is null);
-`data.max_carry_problems` keeps that many training sums that carry and `data.forgotten_carries`
-demonstrates that share of those carrying out of the units with that carry forgotten
-(docs/algorithms.md, "RL that learns"). `multiplication`: `a*b*c=` -> the product, a and b in
-10..99, c in 2..9, beyond the tiny model's reach without the `multiply` tool; its SFT demonstrations
-call the tool twice for TOOL_DEMO_FRACTION of the problems and answer directly for the rest
-(docs/environments.md). `code`: `f(0)=B;f(10)=V` -> a Python line defining `f`, the affine
-function through both points (`f=lambda x:A*x+B`), scored by hidden cases in the sandbox; its SFT
-demonstrations slip on a fixed share of the odd intercepts (docs/rewards-and-roles.md, "The
-built-in code task").
+`addition`: `a+b=` -> the sum, a and b in 0..99; a held-out split never seen in training (drawn
+with `data.eval_seed`, or the run's seed when that is null); `data.max_carry_problems` keeps that
+many training sums that carry, `data.forgotten_carries` shows that share of them with the units
+carry forgotten (docs/algorithms.md, "RL that learns"). `multiplication`: `a*b*c=` -> the product,
+beyond the tiny model without the `multiply` tool; TOOL_DEMO_FRACTION of its SFT demonstrations
+call it (docs/environments.md). `code`: `f(0)=B;f(10)=V` -> `f=lambda x:A*x+B`, scored by hidden
+asserts in the sandbox; its SFT demonstrations slip on a share of the odd B (docs/rewards-and-roles.md).
 """
 
 from __future__ import annotations

@@ -5,11 +5,8 @@ replies go to the other side, `EpisodeSteps` (a user environment's `step`, or th
 calls), whose observations are tokenized and appended. An episode ends when that side says `done`,
 after `env.max_turns` replies, or when `env.max_total_tokens` is spent. Its `Completion` holds exactly
 the ids the engine saw and sampled, `sampled` marking the model's tokens: only those get policy
-gradient (docs/environments.md). Where the chat template renders an earlier reply differently
-once a message follows it (Qwen3 drops its thinking), the next turn sees the reply as the template
-renders it (not trained), and the sequence as it was sampled, up to that reply, trains as an extra
-sequence of the episode: every trained token is one sampled from exactly the ids before it
-(docs/rewards-and-roles.md, "Thinking").
+gradient (docs/environments.md). A reply the chat template re-renders once followed (Qwen3 drops
+its thinking) is seen so next turn and trains as sampled in an extra sequence (`Episode.observe`).
 """
 
 from __future__ import annotations

@@ -6,12 +6,8 @@ Text is tokenized as it is. Chat messages are rendered by the chat template as a
 template applied to a fixed two-message conversation, then to the same conversation plus the new
 messages (with the generation prompt), and the difference is the observation. A template whose
 rendering of the longer conversation does not start with the shorter one cannot be continued that
-way and is refused by name (docs/environments.md, "Observations").
-
-A template with a rule for earlier turns (Qwen3's drops an earlier reply's thinking block once a
-user message follows it) is followed: where the conversation with the reply and the new messages
-renders the reply differently than it was sampled, the reply is replaced by that rendering (not
-trained), so the next turn sees what the template shows (docs/rewards-and-roles.md, "Thinking").
+way and is refused by name (docs/environments.md, "Observations"). A template that re-renders the
+reply before the messages (drops its thinking) is followed: `rewritten_reply`.
 """
 
 from __future__ import annotations
