@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -243,4 +244,5 @@ def prompt_rows(problems: list[BuiltinProblem]) -> list[dict]:
     return [p.rl_row for p in problems]
 
 
-TASKS = {"addition": addition_split, "multiplication": multiplication_split, "code": code_split}
+Split = Callable[..., tuple[Sequence[BuiltinProblem], Sequence[BuiltinProblem]]]
+TASKS: dict[str, Split] = {"addition": addition_split, "multiplication": multiplication_split, "code": code_split}
