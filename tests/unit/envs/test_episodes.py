@@ -53,6 +53,12 @@ ENVS = textwrap.dedent('''
         def step(self, text):
             observation, reward, done = super().step(text)
             return ([{"role": "user", "content": observation}] if observation else None), reward, done
+
+    class SilentMessages(Messages):
+        """No first observation: the first reply opens the episode."""
+        def reset(self, **row):
+            super().reset(**row)
+            return None
 ''')
 
 # What the scripted model replies to each prompt (by its tag), turn by turn.
@@ -245,10 +251,10 @@ def by_call(replies: list[str], calls: list):
     return generate
 
 
-def play_with_template(envs_module: str, template: str, replies: list[str], calls: list):
+def play_with_template(envs_module: str, template: str, replies: list[str], calls: list, cls: str = "Messages"):
     tokenizer = build_char_tokenizer()
     tokenizer.chat_template = template
-    env_cfg, reward_cfg = EnvCfg(f"{envs_module}:Messages"), RewardCfg()
+    env_cfg, reward_cfg = EnvCfg(f"{envs_module}:{cls}"), RewardCfg()
     runner = EpisodeRunner(env_cfg, reward_cfg, tokenizer, 32, 600, HostedEnvironments(env_cfg, reward_cfg, tokenizer))
     try:
         return runner.run(rows("p0"), 1, SamplingSettings(stop_token_ids=[EOS]), "train-0", by_call(replies, calls))
@@ -286,3 +292,15 @@ def test_a_reply_the_template_keeps_as_written_stays_sampled_and_trained(envs_mo
     assert c.token_ids == ids(" go:") + first + ids("U: n1:\nA:") + ids("a") + [EOS]
     assert [t for t, s in zip(c.token_ids, c.sampled, strict=True) if s] == first + ids("a") + [EOS]
     assert played.extra == []
+
+
+def test_a_rewritten_first_reply_keeps_its_own_sequence_whole(envs_module):
+    """The reply at the episode's start (no first observation) is cut from the episode's ids while
+    its extra sequence keeps every one of them."""
+    calls: list = []
+    played = play_with_template(envs_module, DROPS_THINKING, ["<think>hm</think>aa", "a"], calls, cls="SilentMessages")
+    (c,), (extra,) = played.completions, played.extra
+    first = ids("<think>hm</think>aa") + [EOS]
+    assert extra.token_ids == first and extra.sampled == [True] * len(first)
+    assert c.token_ids == ids("aa") + [EOS] + ids("\nU: n1:\nA:") + ids("a") + [EOS]
+    assert len(c.sampled) == len(c.token_ids) == len(c.logprobs)
