@@ -279,7 +279,7 @@ def test_grpo_code_raises_the_heldout_pass_rate(tiny_cache, tmp_path, seed):
     """`+experiment=grpo_code` (docs/rewards-and-roles.md, "The built-in code task"): the held-out
     pass rate (`eval/reward`: greedy, the fraction of hidden asserts passed in the sandbox) rises by
     at least 0.15 over its SFT start's (step 0) by step 30, as measured with one thread per rank
-    (measured: 0.46 -> 1.0 and 0.455 -> 1.0 on seeds 0 and 1, seed 1 flat until step 10)."""
+    (measured: 0.46 -> 1.0 and 0.455 -> 0.995 on seeds 0 and 1, seed 1 flat until step 10)."""
     run_dir = tmp_path / "run"
     rltrain("+experiment=grpo_code", f"trainer.seed={seed}", "trainer.num_threads=1", "logger.wandb.mode=disabled",
             "trainer.save_every=0", "trainer.progress=lines", run_dir=run_dir, timeout=3600)
