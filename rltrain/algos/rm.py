@@ -22,6 +22,7 @@ from rltrain.config.algorithms import AlgoConfig, AlgorithmSpec
 from rltrain.config.run_context import RunContext
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
+from rltrain.models.vision import refuse_reward_model
 from rltrain.runtime.errors import UserError
 
 
@@ -104,6 +105,7 @@ class RewardModel(PairwisePreference):
     samples_greedy = False  # a reward model generates nothing
 
     def __init__(self, ctx: RunContext) -> None:
+        refuse_reward_model(ctx.model_dir)  # its final/ would be a sequence classifier that sees images: none exists
         self.loss_fn = make_reward_model_loss(ctx.cfg.algo.center_rewards_coefficient)
         super().__init__(ctx)
 

@@ -25,7 +25,8 @@ from rltrain.data.prompt_data import PromptRow, build_prompt_data
 from rltrain.data.ragged import Ragged
 from rltrain.data.sampler import IndexStream
 from rltrain.data.sharding import rank_slice, sum_over_replicas
-from rltrain.data.vision_inputs import vision_extras
+from rltrain.data.vision_inputs import VisionInputs, vision_extras
+from rltrain.data.vision_rows import VisionEncoder
 from rltrain.envs.agent.runner import AgentResults, AgentRunner, named_on_every_rank
 from rltrain.envs.episodes import EpisodeResults, EpisodeRunner
 from rltrain.models.vision import load_processor
@@ -155,10 +156,11 @@ class ExperienceCollector:
     ) -> None:
         cfg = ctx.cfg
         self.ctx, self.algo_cfg = ctx, cfg.algo
+        processor = load_processor(ctx.model_dir, ctx.tokenizer)
         self.train_prompts, self.eval_prompts, self.dropped = build_prompt_data(
-            ctx.tokenizer, cfg.data, cfg.trainer.seed, episodes.renderer if episodes is not None else None,
-            load_processor(ctx.model_dir, ctx.tokenizer),
+            ctx.tokenizer, cfg.data, cfg.trainer.seed, episodes.renderer if episodes is not None else None, processor,
         )
+        self.images = VisionEncoder(processor) if processor is not None else None  # an episode's own images (rltrain/envs)
         self.scorer = scorer
         self.reward_fns = scorer.fns
         self.stream = IndexStream(len(self.train_prompts), cfg.trainer.seed)
@@ -324,7 +326,7 @@ class ExperienceCollector:
         global_scores = sum_over_replicas(global_scores, dp_size)
         batch = SequenceBatch.from_lists(
             [c.prompt_ids if c.prompt_ids is not None else rows[c.prompt_index].ids for c in completions], [c.token_ids for c in completions],
-            **vision_extras([rows[c.prompt_index].vision for c in completions]),  # each sequence carries its prompt's images
+            **vision_extras([self.sequence_vision(rows[c.prompt_index], c) for c in completions]),  # each sequence carries its images
         )
         batch.sampled = sampled_mask(completions)
         thinking = sum(thinking_tokens(c.token_ids, self.decode, self.scorer.thinking_end) for c in completions)
@@ -343,6 +345,14 @@ class ExperienceCollector:
             time_rollout=time_rollout, env_failures=env_failures, turns=episode_counts[0], tool_calls=episode_counts[1],
             env_counts=env_counts, staleness=staleness, global_index=global_index,
         )
+
+    def sequence_vision(self, row: PromptRow, completion: Completion) -> VisionInputs | None:
+        """A sequence's images for the trainer: its prompt's, or an episode's own (its observations'
+        or its agent's images, `Completion.images`)."""
+        if completion.images is None:
+            return row.vision
+        assert self.images is not None or not completion.images, "images reach episodes of vision-language models only"
+        return self.images.images_only(completion.images) if self.images is not None else None
 
     def reward_metrics(self, exp: Experience) -> dict[str, float]:
         """`reward/mean`, `reward/std` and `reward/<fn>` over the global batch; `reward/timeouts` and

@@ -163,7 +163,7 @@ def scripted_generate(calls: list):
     """The engine stand-in: "ab" + EOS, or a tool call where the prompt asks for one; logprob of
     reply token j is -(j + 1) / 10. Records each engine call's prompts and settings."""
 
-    def generate(prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+    def generate(prompts: list[list[int]], sampling: SamplingSettings, images: list | None = None) -> list[Completion]:
         calls.append(([list(p) for p in prompts], sampling))
         out = []
         for i, prompt in enumerate(prompts):
@@ -352,7 +352,7 @@ DROPS_THINKING = TEMPLATE.replace("{{ m['content'] }}", "{{ m['content'].split('
 
 
 def test_a_template_that_drops_earlier_thinking_renders_the_next_call_so_and_both_replies_train_as_sampled(agents):
-    def thinks(prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+    def thinks(prompts: list[list[int]], sampling: SamplingSettings, images: list | None = None) -> list[Completion]:
         reply = ids("<think>hm</think>ab") + [EOS]
         return [Completion(i, reply, [-(j + 1) / 10 for j in range(len(reply))], True) for i in range(len(prompts))]
 
@@ -494,7 +494,7 @@ def test_a_phase_samples_with_seeds_of_its_own_calls_only_and_replies_keep_their
     scripted = scripted_generate([])
     seeds: list[list[int]] = []
 
-    def generate(prompts, sampling):
+    def generate(prompts, sampling, images=None):
         seeds[-1].append(sampling.seed)
         return [replace(c, version=7) for c in scripted(prompts, sampling)]
 

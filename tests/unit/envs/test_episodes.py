@@ -97,7 +97,7 @@ def scripted_generate(calls: list[list[list[int]]]):
     """The engine stand-in: replies SCRIPT[tag][turn] + EOS, the turn read from the ids so far
     (how many model replies they hold); logprob of the j-th reply token -(j + 1) / 10."""
 
-    def generate(prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+    def generate(prompts: list[list[int]], sampling: SamplingSettings, images: list | None = None) -> list[Completion]:
         assert sampling.n == 1
         calls.append([list(p) for p in prompts])
         out = []
@@ -243,7 +243,7 @@ DROPS_THINKING = (
 def by_call(replies: list[str], calls: list):
     """The engine stand-in for one episode: reply i of `replies` on call i, logprob -(j + 1) / 10."""
 
-    def generate(prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+    def generate(prompts: list[list[int]], sampling: SamplingSettings, images: list | None = None) -> list[Completion]:
         calls.append([list(p) for p in prompts])
         reply_ids = ids(replies[len(calls) - 1]) + [EOS]
         return [Completion(0, reply_ids, [-(j + 1) / 10 for j in range(len(reply_ids))], True)]
