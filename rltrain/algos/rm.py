@@ -3,8 +3,8 @@
 The model is the policy's with a bias-free scalar head for its LM head (a value engine). A
 sequence's reward is the head on the state predicting its last completion token (the EOS), i.e.
 the last text token's, where the sequence classifier in `final/` reads it when `reward_model=hf`
-scores decoded text. Pairs and held-out accuracy: rltrain/algos/preference.py; docs/algorithms.md,
-"Reward model".
+scores decoded text (a vision-language model's, with each row's images: docs/vision.md). Pairs
+and held-out accuracy: rltrain/algos/preference.py; docs/algorithms.md, "Reward model".
 
     python -m rltrain algo=rm
 """
@@ -22,7 +22,6 @@ from rltrain.config.algorithms import AlgoConfig, AlgorithmSpec
 from rltrain.config.run_context import RunContext
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
-from rltrain.models.vision import refuse_reward_model
 from rltrain.runtime.errors import UserError
 
 
@@ -105,7 +104,6 @@ class RewardModel(PairwisePreference):
     samples_greedy = False  # a reward model generates nothing
 
     def __init__(self, ctx: RunContext) -> None:
-        refuse_reward_model(ctx.model_dir)  # its final/ would be a sequence classifier that sees images: none exists
         self.loss_fn = make_reward_model_loss(ctx.cfg.algo.center_rewards_coefficient)
         super().__init__(ctx)
 

@@ -225,19 +225,6 @@ def refuse_on_megatron(model_dir: Path) -> None:
         )
 
 
-def refuse_reward_model(model_dir: Path) -> None:
-    """algo=rm trains text-only models: its `final/` is a Hugging Face sequence classifier, and
-    transformers has none that sees images for the families rltrain trains (docs/vision.md)."""
-    if is_vision_model_dir(model_dir):
-        raise UserError(
-            f"algo=rm does not train vision-language models ({model_dir} has a vision tower): a reward model's final/ "
-            "is a Hugging Face sequence classifier, which transformers has for text models only (no Qwen2-VL or LLaVA "
-            "one), and reward_model=hf scores the decoded text without its images. Train the reward model from a "
-            "text-only model.path, or score the images in GRPO or PPO with reward.fns (a function that reads the "
-            "row's image column) (docs/vision.md)."
-        )
-
-
 def vision_auto_class():
     """AutoModelForImageTextToText, torchvision made importable first."""
     ensure_torchvision()

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     import torch
 
     from rltrain.rewards.model_reward import SequenceClassifierReward
+    from rltrain.rewards.vision_model_reward import VisionSequenceReward
     from rltrain.sync.timeshare import HostOffloadable
 
 # Functions whose worker-side twin returns {"rewards": [...], "metrics": {name: [...]}}: the twin's
@@ -53,6 +54,7 @@ class RewardFn:
     fn: Callable
     weight: float
     device_model: HostOffloadable | None = None  # a model it holds on the training device (time sharing moves it)
+    reads_images: bool = False  # called with each row's prompt images (`prompt_images`, a vision reward model)
 
     @property
     def call_path(self) -> str:
@@ -98,7 +100,8 @@ def build_reward_fns(cfg: Config, device: torch.device) -> list[RewardFn]:
     check_reward_needs(cfg)
     if rm.path is not None:
         model = load_reward_model(cfg, device)
-        fns.append(RewardFn("model", f"reward_model.path={rm.path}", model, float(rm.weight), device_model=model))
+        fns.append(RewardFn("model", f"reward_model.path={rm.path}", model, float(rm.weight), device_model=model,
+                            reads_images=model.reads_images))
     return fns
 
 
@@ -116,15 +119,23 @@ def check_reward_needs(cfg: Config) -> None:
         check_sandbox(cfg.reward.sandbox)
 
 
-def load_reward_model(cfg: Config, device: torch.device) -> SequenceClassifierReward:
-    """The reward model of `reward_model.path` in the run's compute dtype (rewards/model_reward.py)."""
+def load_reward_model(cfg: Config, device: torch.device) -> SequenceClassifierReward | VisionSequenceReward:
+    """The reward model of `reward_model.path` in the run's compute dtype: a sequence classifier
+    (rewards/model_reward.py), or a vision-language model's with its head's file, which reads
+    each row's images (rewards/vision_model_reward.py)."""
+    import json
+
+    from rltrain.backends.sequence_classifier import is_vision_reward_config
     from rltrain.config.hub import local_model_dir
     from rltrain.rewards.model_reward import SequenceClassifierReward
+    from rltrain.rewards.vision_model_reward import VisionSequenceReward
     from rltrain.runtime.precision import resolve_precision
 
     rm = cfg.reward_model
     dtype = resolve_precision(cfg.trainer.precision, device).compute_dtype
     directory = local_model_dir("reward_model.path", rm.path, rm.revision)
+    if is_vision_reward_config(json.loads((directory / "config.json").read_text())):
+        return VisionSequenceReward(directory, device, dtype, rm.batch_size, rm.max_length)
     return SequenceClassifierReward(directory, device, dtype, rm.batch_size, rm.max_length)
 
 
@@ -191,10 +202,12 @@ class RewardScorer:
         return list(dict.fromkeys([rf.name for rf in self.fns] + [m for rf in self.fns for m in rf.metrics]))
 
     def score(
-        self, prompts: list[str], completions: list[str], columns: dict[str, list], groups: list[int]
+        self, prompts: list[str], completions: list[str], columns: dict[str, list], groups: list[int],
+        images: list[list] | None = None,
     ) -> tuple[dict[str, list[float]], Failures]:
         """Each function's rewards (one float per completion), each reported metric's values, and
-        the samples that failed."""
+        the samples that failed. `images`: each completion's prompt images (PIL, as the rollout
+        engine saw them), for a reward model that reads them; user functions get the columns only."""
         failures = Failures()
         if not completions:
             return {name: [] for name in self.series_names()}, failures  # an empty slice: nothing is called
@@ -212,7 +225,7 @@ class RewardScorer:
             self._collect(rf, bounds, results[i * len(bounds) : (i + 1) * len(bounds)], len(completions), failures, out)
         for rf in self.fns:
             if rf.device_model is not None:
-                out[rf.name] = in_process(rf, prompts, completions, columns)
+                out[rf.name] = in_process(rf, prompts, completions, columns, images)
         return {name: out[name] for name in self.series_names()}, failures
 
     def _collect(
@@ -253,9 +266,13 @@ class RewardScorer:
             self.pool.close()
 
 
-def in_process(rf: RewardFn, prompts: list[str], completions: list[str], columns: dict[str, list]) -> list[float]:
-    """The reward model (our code, on the training device): called directly, its output checked."""
-    values: Any = rf.fn(prompts=prompts, completions=completions, **columns)
+def in_process(
+    rf: RewardFn, prompts: list[str], completions: list[str], columns: dict[str, list], images: list[list] | None = None
+) -> list[float]:
+    """The reward model (our code, on the training device): called directly, its output checked;
+    one that reads images gets each completion's prompt images as `prompt_images`."""
+    seen = {"prompt_images": images} if rf.reads_images else {}
+    values: Any = rf.fn(prompts=prompts, completions=completions, **{**columns, **seen})
     checked, _, problem = checked_values(CallResult(value=values), len(completions), None)
     if checked is None:
         raise UserError(f"reward function {rf.path!r} {problem}.")

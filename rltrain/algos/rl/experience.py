@@ -215,7 +215,10 @@ class ExperienceCollector:
         owners = [rows[c.prompt_index] for c in completions]
         columns = {key: [r.columns[key] for r in owners] for key in (owners[0].columns if owners else {})}
         groups = [c.prompt_index for c in completions]
-        return self.scorer.score([r.text for r in owners], texts if texts is not None else self.texts(completions), columns, groups)
+        images = [r.images or [] for r in owners] if any(r.images for r in owners) else None  # a vision reward model reads them
+        return self.scorer.score(
+            [r.text for r in owners], texts if texts is not None else self.texts(completions), columns, groups, images
+        )
 
     def weighted(self, per_fn: dict[str, list[float]], n: int) -> torch.Tensor:
         scores_B = torch.zeros(n, dtype=torch.float64, device="cpu")

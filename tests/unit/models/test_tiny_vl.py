@@ -52,13 +52,3 @@ def test_megatron_refuses_a_vision_language_model_in_one_paragraph(tiny_vl_dir):
         refuse_on_megatron(tiny_vl_dir)
     assert "backend=fsdp" in str(err.value) and "\n" not in str(err.value)
 
-
-def test_a_reward_model_of_a_vision_language_model_is_refused_in_one_paragraph(tiny_vl_dir, tmp_path):
-    from rltrain.models.vision import refuse_reward_model
-    from rltrain.runtime.errors import UserError
-
-    with pytest.raises(UserError, match="algo=rm does not train vision-language models") as err:
-        refuse_reward_model(tiny_vl_dir)
-    assert "sequence classifier" in str(err.value) and "\n" not in str(err.value)
-    (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
-    refuse_reward_model(tmp_path)  # a text model trains as before
