@@ -155,7 +155,7 @@ def build_unpaired_data(tokenizer, data_cfg: DataConfig, seed: int, processor=No
     skipped = SkipCounts()
     limit = eval_limit(data_cfg)
     if data_cfg.path is None:
-        train_p, eval_p = tasks.builtin_split(data_cfg, seed)
+        train_p, eval_p = tasks.answer_split(data_cfg, seed)
         where = f"built-in task {data_cfg.task!r}"
         share = data_cfg.same_length_rejected
         train_texts = unpair(tokenizer, tasks.preference_rows(train_p, seed, share), where)

@@ -5,8 +5,9 @@ replies go to the other side, `EpisodeSteps` (a user environment's `step`, or th
 calls), whose observations are tokenized and appended. An episode ends when that side says `done`,
 after `env.max_turns` replies, or when `env.max_total_tokens` is spent. Its `Completion` holds exactly
 the ids the engine saw and sampled, `sampled` marking the model's tokens: only those get policy
-gradient (docs/environments.md). A vision-language model's episode carries its images (the prompt's,
-then the observations') to the engine every turn and to the trainer with its sequence.
+gradient (docs/environments.md). A reply the chat template re-renders once followed (Qwen3 drops
+its thinking) is seen so next turn and trains as sampled in an extra sequence (`Episode.observe`).
+Images (the prompt's, then the observations') go to the engine and the trainer (docs/vision.md).
 """
 
 from __future__ import annotations
@@ -52,16 +53,33 @@ class Episode:
     tool_calls: int = 0
     images: list = field(default_factory=list)  # the images in `context`, in placeholder order (the prompt's first)
     seen_images: bool = False  # an observation brought images: the sequence's images are not its row's
+    reply_at: int = 0  # where in `tokens` the last reply starts
+    # Each reply the chat template rewrote: the sequence up to it as sampled, only that reply trained.
+    rewritten: list[Completion] = field(default_factory=list)
 
     def append(self, ids: list[int], logprobs: list[float] | None) -> None:
+        if logprobs is not None:
+            self.reply_at = len(self.tokens)
         self.tokens += ids
         self.context += ids
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
         self.sampled += [logprobs is not None] * len(ids)
 
+    def open_reply(self) -> str | None:
+        """The last reply where the episode's ids end with it (what a chat template may re-render
+        once an observation follows it: rltrain.envs.observations.rewritten_reply)."""
+        return self.actions[-1] if self.actions and self.reply_at < len(self.tokens) and self.sampled[-1] else None
+
     def observe(self, observation: Observation, room: int, image_token: int | None) -> None:
-        """Append an observation, cut to `room` tokens (never through an image's visual tokens)."""
+        """Append an observation, cut to `room` tokens (never through an image's visual tokens). One
+        that rewrites the last reply (the chat template's rendering of it and the messages after it)
+        replaces that reply, whose sequence as sampled is kept in `rewritten`."""
         ids, images = observation.ids, observation.images
+        if observation.rewrites_reply:
+            self.rewritten.append(self.last_reply_sequence())
+            cut = len(self.tokens) - self.reply_at
+            del self.tokens[self.reply_at :], self.logprobs[self.reply_at :], self.sampled[self.reply_at :], self.context[len(self.context) - cut :]
+            room += cut
         if len(ids) > room:
             ids, images = cut_observation(ids, images, room, image_token)
         self.append(ids, None)
@@ -69,8 +87,22 @@ class Episode:
         self.seen_images = self.seen_images or bool(images)
 
     def completion(self) -> Completion:
-        images = list(self.images) if self.seen_images else None
-        return Completion(self.prompt_index, self.tokens, self.logprobs, self.ended_by_env, list(self.sampled), images=images)
+        return Completion(
+            self.prompt_index, list(self.tokens), list(self.logprobs), self.ended_by_env, list(self.sampled), images=self._images()
+        )
+
+    def last_reply_sequence(self) -> Completion:
+        """Its sequence so far, only the last reply trained (the sampled tokens before it train in
+        the episode's own sequence, which keeps them), with the images its ids hold so far."""
+        at = self.reply_at
+        return Completion(
+            self.prompt_index, list(self.tokens), [0.0] * at + self.logprobs[at:], True, [False] * at + self.sampled[at:],
+            images=self._images(),
+        )
+
+    def _images(self) -> list | None:
+        """The images of its ids so far where an observation brought some (None: the row's)."""
+        return list(self.images) if self.seen_images else None
 
 
 def cut_observation(ids: list[int], images: list, room: int, image_token: int | None) -> tuple[list[int], list]:
@@ -119,6 +151,15 @@ class EpisodeResults:
     failures: Failures  # user calls that failed: a reset or step (the episode ends), or a tool call
     turns: float  # the model's turns, summed over episodes
     tool_calls: float  # tool calls, summed over episodes
+    # Sequences beyond one per episode, and the episode (an index into `completions`) of each: replies
+    # the chat template rewrote, trained where they were sampled; env=agent's history rewrites and
+    # forks. Each trains with its episode's reward and advantage.
+    extra: list[Completion] = field(default_factory=list)
+    extra_episode: list[int] = field(default_factory=list)
+
+    def sequences(self) -> tuple[list[Completion], list[int]]:
+        """Every sequence to train, and the episode of each."""
+        return self.completions + self.extra, list(range(len(self.completions))) + self.extra_episode
 
 
 def results_to_json(played: EpisodeResults) -> dict[str, Any]:
@@ -126,6 +167,7 @@ def results_to_json(played: EpisodeResults) -> dict[str, Any]:
     return {
         "completions": completions_to_json(played.completions), "returns": played.returns, "final_texts": played.final_texts,
         "failures": [played.failures.timeouts, played.failures.errors], "turns": played.turns, "tool_calls": played.tool_calls,
+        "extra": completions_to_json(played.extra), "extra_episode": played.extra_episode,
     }
 
 
@@ -133,6 +175,7 @@ def results_from_json(row: dict[str, Any]) -> EpisodeResults:
     return EpisodeResults(
         completions_from_json(row["completions"]), [float(r) for r in row["returns"]], [str(t) for t in row["final_texts"]],
         Failures(int(row["failures"][0]), int(row["failures"][1])), float(row["turns"]), float(row["tool_calls"]),
+        completions_from_json(row.get("extra", [])), [int(i) for i in row.get("extra_episode", [])],
     )
 
 
@@ -193,6 +236,7 @@ class EpisodeRunner:
             [e.completion() for e in episodes], [e.reward for e in episodes], [e.actions[-1] if e.actions else "" for e in episodes],
             Failures(sum(e.timeouts for e in episodes), sum(e.errors for e in episodes)), float(turns),
             float(sum(e.tool_calls for e in episodes)),
+            [c for e in episodes for c in e.rewritten], [i for i, e in enumerate(episodes) for _ in e.rewritten],
         )
 
     def _text(self, ids: list[int], stop_ids: list[int]) -> str:

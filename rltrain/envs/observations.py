@@ -4,14 +4,15 @@ The model's sampled ids are never re-tokenized or re-templated: an observation i
 own and appended after them, so the ids the trainer scores are exactly the ids the engine saw.
 Text is tokenized as it is. Chat messages are rendered by the chat template as a continuation: the
 template applied to a fixed two-message conversation, then to the same conversation plus the new
-messages (with the generation prompt), and the difference is the observation. Images (a
-vision-language model's) become image parts the template marks, expanded to their visual tokens by
-the processor. docs/environments.md, "Observations"; docs/vision.md.
+messages (with the generation prompt), and the difference is the observation. A template that
+re-renders the reply before the messages (drops its thinking) is followed: `rewritten_reply`.
+Images (a vision-language model's) become image parts the template marks, expanded to their visual
+tokens by the processor. docs/environments.md, "Observations"; docs/vision.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rltrain.data.vision_rows import VisionEncoder
@@ -25,6 +26,9 @@ _ANCHOR = [{"role": "user", "content": "."}, {"role": "assistant", "content": ".
 class Observation:
     ids: list[int]
     images: list = field(default_factory=list)  # PIL images, in the order of their placeholders in `ids`
+    # `ids` start with the episode's last reply as the chat template re-renders it once messages
+    # follow it (e.g. without its thinking): they replace that reply (`Episode.observe`).
+    rewrites_reply: bool = False
 
 
 def observation_ids(tokenizer: Any, observation: Any, where: str) -> list[int]:
@@ -47,11 +51,12 @@ class ObservationRenderer:
             return None
         return int(self.tokenizer.convert_tokens_to_ids(self.encoder.processor.image_token))
 
-    def render(self, observation: Any, where: str, chat: bool) -> Observation:
+    def render(self, observation: Any, where: str, chat: bool, reply: str | None = None) -> Observation:
         """`observation`: text, an image, a list of text and images, or chat messages (content text
         or parts: text, `{"type": "image", "image": PIL}`, `{"type": "image_url", ...}` with a data
         URL). `chat`: the episode's prompt was chat messages (a bare image then comes as a user
-        message; in a text episode as the model's image markup)."""
+        message; in a text episode as the model's image markup). `reply`: the episode's last reply
+        where the observation follows it directly (`Episode.open_reply`), for `rewritten_reply`."""
         if isinstance(observation, dict) and "role" in observation:
             observation = [observation]
         if is_image(observation):
@@ -65,10 +70,13 @@ class ObservationRenderer:
                 return self._encode(text, images, where)
         if isinstance(observation, str):
             return Observation(list(self.tokenizer(observation, add_special_tokens=False)["input_ids"]))
-        if isinstance(observation, list) and observation and all(isinstance(m, dict) and "role" in m and "content" in m for m in observation):
+        if is_messages(observation):
             messages, images = template_parts(observation, where)
             if images:
                 self._markup(where)  # a text-only model refuses images before its template sees them
+            rewritten = rewritten_reply(self.tokenizer, reply, messages) if reply is not None else None
+            if rewritten is not None:
+                return replace(self._encode(rewritten, images, where), rewrites_reply=True)
             return self._encode(continuation_text(self.tokenizer, messages, where), images, where)
         raise UserError(
             f"{where} returned the observation {observation!r:.200}: an observation is text, an image, a list of text "
@@ -129,6 +137,26 @@ def template_parts(messages: list[dict[str, Any]], where: str) -> tuple[list[dic
             m = {**m, "content": parts}
         out.append(m)
     return out, images
+
+
+def is_messages(observation: Any) -> bool:
+    return isinstance(observation, list) and bool(observation) and all(isinstance(m, dict) and "role" in m and "content" in m for m in observation)
+
+
+def rewritten_reply(tokenizer: Any, reply: str, messages: list[dict[str, Any]]) -> str | None:
+    """What replaces an episode's last `reply` and the observation `messages` after it when the
+    chat template renders that reply differently once they follow it (e.g. without its thinking
+    block): the template's text from the reply on, through the next generation prompt. None where
+    the template keeps the reply as sampled, or renders the turn before it differently too."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return None
+    turn = [_ANCHOR[0], {"role": "assistant", "content": reply}]
+    said = tokenizer.apply_chat_template(turn, tokenize=False)
+    full = tokenizer.apply_chat_template(turn + messages, tokenize=False, add_generation_prompt=True)
+    if full.startswith(said):
+        return None
+    asked = tokenizer.apply_chat_template(turn[:1], tokenize=False, add_generation_prompt=True)
+    return full[len(asked) :] if full.startswith(asked) else None
 
 
 def continuation_text(tokenizer: Any, messages: list[dict[str, Any]], where: str) -> str:

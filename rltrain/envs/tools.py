@@ -201,7 +201,7 @@ class CallTools:
                     e.timeouts += result.failure == "timeout"
                     e.errors += result.failure is not None and result.failure != "timeout"
                     answers.append((c.name, result_content(result, c.name, self.timeout_s)))
-            seen = self.observations.render(self._observation(e, answers), "a tool result", e.chat)
+            seen = self.observations.render(self._observation(e, answers), "a tool result", e.chat, e.open_reply())
             e.observe(seen, self.cfg.max_total_tokens - len(e.tokens), self.observations.image_token_id)
 
     def check(self, episodes: list[Episode]) -> None:

@@ -81,5 +81,5 @@ class HostedEnvironments:
             return
         if observation is not None:
             where = f"{self.cfg.cls}.{what}()"
-            seen = self.observations.render(from_wire(observation, where), where, e.chat)
+            seen = self.observations.render(from_wire(observation, where), where, e.chat, e.open_reply())
             e.observe(seen, self.cfg.max_total_tokens - len(e.tokens), self.observations.image_token_id)

@@ -18,6 +18,7 @@ from rltrain.config.algorithms import SPECS, AlgoConfig, names_where, spec_of
 from rltrain.config.choices import choices_of
 from rltrain.config.group_options import VLLMRolloutConfig
 from rltrain.config.schema import Config, ModelConfig
+from rltrain.data.tasks import NO_CODE_PAIRS
 from rltrain.preflight.compose_errors import added_keys
 from rltrain.preflight.sources import (
     check_revision,
@@ -225,12 +226,14 @@ def validate_data(cfg: Config) -> None:
             f"data.same_length_rejected={data.same_length_rejected} must be between 0 and 1 (the share of the built-in "
             "task's rejected answers that have the right answer's length, one digit changed)."
         )
-    size = {"addition": 10_000, "multiplication": 64_800}[data.task]
+    size = {"addition": 10_000, "multiplication": 64_800, "code": 990}[data.task]
     if data.path is None and not 1 <= data.num_eval < size:
         raise UserError(
             f"data.num_eval={data.num_eval} must be between 1 and {size - 1}: the built-in {data.task!r} task has "
             f"{size:,} problems and holds that many out for evaluation."
         )
+    if data.path is None and data.task == "code" and spec_of(cfg.algo.name).data in ("preferences", "unpaired"):
+        raise UserError(NO_CODE_PAIRS.format(task=data.task))
     carry_keys: dict[str, tuple[Any, str]] = {
         "data.max_carry_problems": (data.max_carry_problems, "null"),
         "model.sft_carry_problems": (cfg.model.sft_carry_problems, "null"),

@@ -19,6 +19,7 @@ from math import isfinite
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from rltrain.config.algorithms import spec_of
 from rltrain.config.schema import Config, RewardConfig
 from rltrain.rewards.code import COUNTED as CODE_COUNTED
 from rltrain.rewards.code import METRICS as CODE_METRICS
@@ -45,6 +46,7 @@ REPORTING = {"rltrain.rewards.code:tests_pass": ("rltrain.rewards.code:tests_pas
 BUILTIN_FOR_TASK = {
     "addition": "rltrain.rewards.builtin:addition_reward",
     "multiplication": "rltrain.rewards.builtin:exact_match",  # the tool task: the product, exactly
+    "code": "rltrain.rewards.code:tests_pass",  # the code task: its hidden cases, in the sandbox
 }
 
 
@@ -93,9 +95,7 @@ def build_reward_fns(cfg: Config, device: torch.device, run_dir: Path | None = N
     is built in), plus the reward model named `model` when `reward_model=hf`, loaded on `device`, or
     the LLM judge named `judge` when `reward_model=judge` (its server's log in `run_dir`)."""
     reward_cfg, rm = cfg.reward, cfg.reward_model
-    paths = list(reward_cfg.fns)
-    if not paths and cfg.data.path is None:
-        paths = [BUILTIN_FOR_TASK[cfg.data.task]]
+    paths = reward_paths(cfg)
     if not paths and rm.name == "none":
         raise UserError(
             "GRPO on a user dataset needs reward functions: set reward.fns=[package.module:function] "
@@ -128,10 +128,17 @@ def build_judge(cfg: Config, device: torch.device, run_dir: Path, rank: int) -> 
     return build(cfg, dtype, device.type == "cuda", run_dir, rank)
 
 
+def reward_paths(cfg: Config) -> list[str]:
+    """The run's reward functions' paths: `reward.fns`, or the built-in task's reward when that is
+    empty and the data is built in."""
+    paths = list(cfg.reward.fns)
+    return paths if paths or cfg.data.path is not None else [BUILTIN_FOR_TASK[cfg.data.task]]
+
+
 def check_reward_needs(cfg: Config) -> None:
     """What the chosen functions need from this machine, checked at start: the code reward's
-    sandbox (bwrap installed, its settings sane)."""
-    if any(path in REPORTING for path in cfg.reward.fns):
+    sandbox (bwrap installed, its settings sane). Only for an algorithm that scores samples."""
+    if spec_of(cfg.algo.name).rewards and any(path in REPORTING for path in reward_paths(cfg)):
         check_sandbox(cfg.reward.sandbox)
 
 

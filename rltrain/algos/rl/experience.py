@@ -286,9 +286,9 @@ class ExperienceCollector:
         """The rewards of `completions` of `rows`: per reward function, the failures and the weighted
         total (with DAPO's overlong term, `reward/overlong`, where `algo.overlong_buffer` is set)."""
         if played is not None:
-            if self.reward_fns:  # env=tools: the episode's answer (its last reply) is scored
-                per_fn, failures = self.rewards(rows, completions, played.final_texts)
-                scores_B = self.weighted(per_fn, len(completions))
+            if self.reward_fns:  # env=tools: the episode's answer (its last reply) is scored, once per episode
+                per_fn, failures = self.rewards(rows, played.completions, played.final_texts)
+                scores_B = self.weighted(per_fn, len(played.completions))
             else:
                 per_fn, failures = {"env": played.returns}, Failures()
                 if isinstance(played, AgentResults):
@@ -318,7 +318,7 @@ class ExperienceCollector:
         env_failures, episode_counts = Failures(), (0.0, 0.0)
         if played is not None:
             env_failures, episode_counts = played.failures, (played.turns, played.tool_calls)
-        env_counts = played.counts if isinstance(played, AgentResults) else {}
+        env_counts = played.counts if isinstance(played, AgentResults) else {"history_rewrites": float(len(played.extra))} if played else {}
         per_fn, failures, scores_B = scored if scored is not None else self.score(rows, completions, played)
         if self.sample_every and step % self.sample_every == 0:  # (an agent's episodes: the first sequence of each)
             self.recorded = first_samples([rows[c.prompt_index].text for c in completions], self.texts(completions), scores_B.tolist())
@@ -379,7 +379,7 @@ class ExperienceCollector:
             out["env/tool_calls_mean"], out["env/success"] = float(means[-8]), float(means[-9])
         for i, name in enumerate(exp.rewards_by_fn):  # a reported count (reward/code_timeouts) is summed
             out[f"reward/{name}"] = float(totals[i] if name in self.scorer.counted else means[i])
-        if isinstance(self.episodes, AgentRunner):  # env/history_rewrites, env/no_calls (every rank has the same names)
+        if self.episodes is not None:  # env/history_rewrites (and env=agent's env/no_calls): every rank has the same names
             names = sorted(exp.env_counts)
             counted = sum_over_replicas(torch.tensor([exp.env_counts[n] for n in names], dtype=torch.float64, device="cpu"), self.policy.world_size)
             out.update({f"env/{n}": float(v) for n, v in zip(names, counted.tolist(), strict=True)})

@@ -38,7 +38,6 @@ from rltrain.envs.images import agent_row
 from rltrain.envs.observations import ObservationRenderer
 from rltrain.rewards.scoring import Failures
 from rltrain.rollout.base import Completion, SamplingSettings
-from rltrain.rollout.separate import completions_from_json, completions_to_json
 from rltrain.rollout.server.images import message_images
 from rltrain.runtime.call_pool import Call, CallPool, CallResult
 from rltrain.runtime.distributed import broadcast_str
@@ -57,12 +56,6 @@ class AgentResults(EpisodeResults):
 
     named: dict[str, list[float]] = field(default_factory=dict)  # the agents' named rewards (reward/<name>), per episode
     counts: dict[str, float] = field(default_factory=dict)  # env/history_rewrites, env/no_calls: summed over episodes
-    extra: list[Completion] = field(default_factory=list)
-    extra_episode: list[int] = field(default_factory=list)
-
-    def sequences(self) -> tuple[list[Completion], list[int]]:
-        """Every sequence to train, and the episode of each."""
-        return self.completions + self.extra, list(range(len(self.completions))) + self.extra_episode
 
 
 def played_to_json(played: EpisodeResults) -> dict[str, Any]:
@@ -70,10 +63,7 @@ def played_to_json(played: EpisodeResults) -> dict[str, Any]:
     batch keeps every sequence its episodes made, the episode of each and its named rewards."""
     row = results_to_json(played)
     if isinstance(played, AgentResults):
-        row["agent"] = {
-            "named": played.named, "counts": played.counts, "extra": completions_to_json(played.extra),
-            "extra_episode": played.extra_episode,
-        }
+        row["agent"] = {"named": played.named, "counts": played.counts}
     return row
 
 
@@ -86,7 +76,7 @@ def played_from_json(row: dict[str, Any]) -> EpisodeResults:
         played.completions, played.returns, played.final_texts, played.failures, played.turns, played.tool_calls,
         named={str(k): [float(x) for x in v] for k, v in agent["named"].items()},
         counts={str(k): float(v) for k, v in agent["counts"].items()},
-        extra=completions_from_json(agent["extra"]), extra_episode=[int(i) for i in agent["extra_episode"]],
+        extra=played.extra, extra_episode=played.extra_episode,
     )
 
 

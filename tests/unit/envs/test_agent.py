@@ -347,6 +347,31 @@ def test_an_agent_that_talks_twice_trains_one_sequence_of_exactly_the_served_ids
     assert {s.temperature for _, s in calls} == {1.0, 0.5}  # the agent's own temperature, the run's where it set none
 
 
+# TEMPLATE with a Qwen3-like rule: an assistant turn followed by more messages loses its thinking block.
+DROPS_THINKING = TEMPLATE.replace("{{ m['content'] }}", "{{ m['content'].split('</think>')[-1] if not loop.last else m['content'] }}")
+
+
+def test_a_template_that_drops_earlier_thinking_renders_the_next_call_so_and_both_replies_train_as_sampled(agents):
+    def thinks(prompts: list[list[int]], sampling: SamplingSettings, images: list | None = None) -> list[Completion]:
+        reply = ids("<think>hm</think>ab") + [EOS]
+        return [Completion(i, reply, [-(j + 1) / 10 for j in range(len(reply))], True) for i in range(len(prompts))]
+
+    runner = AgentRunner(AgentEnvConfig(agent=f"{agents}:talk", chat_template=DROPS_THINKING), RewardConfig(), TOKENIZER, 64, 64, 600)
+    try:
+        played = runner.run(rows("p0"), 1, SamplingSettings(stop_token_ids=[EOS]), "train-0", thinks)
+    finally:
+        runner.close()
+    reply = ids("<think>hm</think>ab") + [EOS]
+    (last,), (first,) = played.completions, played.extra
+    # The second call's prompt is the template's: the first reply without its thinking, not as sampled.
+    assert last.prompt_ids == ids("U:p0|\nA:ab") + [EOS] + ids("\nU:again\nA:")
+    assert last.token_ids == reply and last.sampled == [True] * len(reply)
+    # The first reply trains where it was sampled: its own sequence, with the episode's reward.
+    assert first.prompt_ids == ids("U:p0|\nA:") and first.token_ids == reply and first.sampled == [True] * len(reply)
+    assert first.logprobs == [-(j + 1) / 10 for j in range(len(reply))]
+    assert played.extra_episode == [0] and played.counts["history_rewrites"] == 1.0
+
+
 def test_a_conversational_row_reaches_the_agent_as_its_messages(agents):
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
     row = PromptRow(ids("ignored"), "ignored", {"tag": "c"}, True, messages)

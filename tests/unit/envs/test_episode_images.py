@@ -23,13 +23,13 @@ from rltrain.data.vision_rows import VisionEncoder
 from rltrain.envs.agent.endpoint import ApiError
 from rltrain.envs.agent.record import EpisodeRecord
 from rltrain.envs.agent.reply import render
-from rltrain.envs.episodes import EpisodeRunner, before_placeholder, cut_observation
+from rltrain.envs.episodes import Episode, EpisodeRunner, before_placeholder, cut_observation
 from rltrain.envs.images import agent_row, environment_row
-from rltrain.envs.observations import ObservationRenderer
+from rltrain.envs.observations import Observation, ObservationRenderer
 from rltrain.envs.tools import CallTools
 from rltrain.envs.user_env import HostedEnvironments
 from rltrain.envs.wire import from_wire, to_wire
-from rltrain.models.tiny_vl import IMAGE_MARKUP, build_processor, build_vl_tokenizer
+from rltrain.models.tiny_vl import CHAT_TEMPLATE, IMAGE_MARKUP, build_processor, build_vl_tokenizer
 from rltrain.models.tokenizer import build_char_tokenizer
 from rltrain.rollout.base import Completion, SamplingSettings
 from rltrain.rollout.images import to_data_url
@@ -150,6 +150,16 @@ ENV = textwrap.dedent('''
             buf = io.BytesIO()
             Image.new("RGB", (28, 28), (20, 200, 20)).save(buf, format="PNG")
             return buf.getvalue(), 1.0, False
+
+    class ShowsInMessages:
+        """Answers every reply but the third with a user message holding the green square."""
+        def reset(self, **_):
+            self.turns = 0
+
+        def step(self, action):
+            self.turns += 1
+            green = Image.new("RGB", (28, 28), (20, 200, 20))
+            return [{"role": "user", "content": [{"type": "image", "image": green}]}], 1.0, self.turns >= 3
 ''')
 
 
@@ -189,7 +199,7 @@ def scripted(replies: list[str], seen: list):
     """The engine stand-in: reply `replies[turn]` + EOS, recording each call's prompts and images."""
 
     def generate(prompts: list[list[int]], sampling: SamplingSettings, images: list | None = None) -> list[Completion]:
-        seen.append((prompts, images))
+        seen.append(([list(p) for p in prompts], images))  # copies: an episode's ids grow in place
         reply = ids(replies[len(seen) - 1]) + [EOS]
         return [Completion(i, reply, [-0.5] * len(reply), True) for i in range(len(prompts))]
 
@@ -240,6 +250,62 @@ def test_an_environment_gets_its_rows_image_and_answers_with_image_bytes(user_co
         assert done.token_ids == ids("a") + [EOS, START, PAD, END] + ids("b") + [EOS]
         assert done.images is not None and len(done.images) == 2 and same(done.images[1], GREEN)
     assert [len(images[0]) for _, images in seen] == [1, 2]
+
+
+# The tiny template with a Qwen3-like rule: an assistant turn followed by more messages is
+# rendered without its thinking block (what precedes '</think>').
+DROPS_THINKING = CHAT_TEMPLATE.replace(
+    "{% if m['content'] is string %}{{ m['content'] }}",
+    "{% if m['content'] is string %}{{ m['content'].split('</think>')[-1] if m['role'] == 'assistant' and not loop.last else m['content'] }}",
+)
+
+
+def test_replies_the_template_rewrites_train_where_sampled_with_the_images_their_ids_hold(user_code):
+    tokenizer = build_vl_tokenizer()
+    tokenizer.chat_template = DROPS_THINKING
+    env_cfg = EnvCfg(cls="seeing_envs:ShowsInMessages", max_turns=3)
+    renderer = ObservationRenderer(tokenizer, build_processor(tokenizer))
+    runner = EpisodeRunner(env_cfg, RewardCfg(), tokenizer, 40, 600, HostedEnvironments(env_cfg, RewardCfg(), tokenizer, True, renderer), None, PAD)
+    seen: list = []
+    replies = ["<think>hm</think>a", "<think>so</think>b", "c"]
+    try:
+        played = runner.run([row_with_red()], 1, SamplingSettings(stop_token_ids=[EOS]), "train-0", scripted(replies, seen))
+    finally:
+        runner.close()
+    # Each next prompt holds the template's rendering of the reply (no thinking) and the green square, whole.
+    history = [ids(f"{r}\nU:") + [START, PAD, END] + ids("\nA:") for r in "ab"]
+    assert seen[2][0][0] == row_with_red().ids + history[0] + history[1]
+    assert [len(images[0]) for _, images in seen] == [1, 2, 3] and same(seen[2][1][0][2], GREEN)
+    (done,) = played.completions
+    assert done.token_ids == history[0] + history[1] + ids("c") + [EOS] and sum(done.sampled) == 2
+    assert done.images is not None and [im.size for im in done.images] == [(56, 56), (28, 28), (28, 28)]
+    # Each rewritten reply trains after the ids it was sampled after, with the images those ids hold:
+    # the first the row's (None), the second the row's and the first observation's.
+    first, second = played.extra
+    assert played.extra_episode == [0, 0]
+    assert first.token_ids == ids(replies[0]) + [EOS] and all(first.sampled) and first.images is None
+    assert second.token_ids == history[0] + ids(replies[1]) + [EOS]
+    assert second.sampled == [False] * len(history[0]) + [True] * (len(ids(replies[1])) + 1)
+    assert second.images is not None and [im.size for im in second.images] == [(56, 56), (28, 28)]
+    assert second.token_ids.count(PAD) == 1  # its own ids hold the green square's one visual token, the prompt the red's
+
+
+def test_a_rewritten_reply_frees_its_room_for_the_observation_and_the_cut_keeps_images_whole():
+    rewritten = ids("a\nU:") + [START] + [PAD] * 4 + [END] + ids("\nA:")  # the reply re-rendered, then the red square
+
+    def played(max_total_tokens: int) -> Episode:
+        e = Episode(0, "train-0:0", {}, [7, 8], images=[GREEN])
+        e.append([1, 2, 3], [-0.1, -0.2, -0.3])
+        e.actions.append("<t>a")
+        e.observe(Observation(rewritten, [RED], rewrites_reply=True), max_total_tokens - len(e.tokens), PAD)
+        return e
+
+    cut = played(7)  # room 7 ends inside the red square's visual tokens: the cut moves back to its start
+    assert cut.tokens == rewritten[:5] and cut.context == [7, 8] + rewritten[:5] and cut.images == [GREEN] and not cut.seen_images
+    assert cut.rewritten[0].token_ids == [1, 2, 3] and cut.rewritten[0].images is None
+    whole = played(10)
+    assert whole.tokens == rewritten[:10] and whole.images == [GREEN, RED] and whole.completion().images == [GREEN, RED]
+    assert whole.sampled == [False] * 10 and whole.open_reply() is None
 
 
 def test_episodes_without_new_images_keep_their_rows_and_rows_reach_user_code_as_it_reads_them():
