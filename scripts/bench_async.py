@@ -15,11 +15,14 @@ workload's modes side by side, and the median of their medians reported: a slow 
 machine then hits every row). `alone` is max(rollout, train) of the synchronous run with the same
 threads, where each half runs with the other idle: the best an overlapped step can do.
 
-The long-tail workload (`LONG_TAIL`) is the default command with a completion budget of 48 tokens
-and sampling at temperature 2: the SFT start answers a sum in a few tokens and ends, and at that
-temperature most completions still end within a few tokens while a few wander on, up to the
-budget, so a step's batch waits for its slowest few sequences (the shape in-flight updates and
-streaming are for). The table prints each row's mean completion length.
+The long-tail workload is the default command on a model whose completions end at random
+lengths, most within a few tokens and a few running to the budget (`algo.max_new_tokens=48`), so
+a step's batch waits for its slowest few sequences (the shape in-flight updates and streaming are
+for): the default's tiny model before its SFT, with the output row of its end-of-sequence token
+set so that its logit sits ~2.7 above the log-sum of the others' at the mean final hidden state
+(`long_tail_model`: a ~10% chance to stop at each token on average, more in some contexts, less
+in others; built once, cached beside the tiny model). Its rewards are ~0: it measures speed, not
+learning. The table prints each row's mean completion length.
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LONG_TAIL = ["algo.max_new_tokens=48", "algo.temperature=2.0"]
-WORKLOADS = {"default": [], "long-tail": LONG_TAIL}
+STOP_CHANCE = 0.1  # the long-tail model's mean chance to end at a token (module doc)
+WORKLOADS = {"default": [], "long-tail": ["model.sft_steps=0", "algo.max_new_tokens=48"]}
 MODES = {
     "sync": ["placement.max_staleness=0"],
     "k=1": ["placement.max_staleness=1"],
@@ -57,6 +60,41 @@ def run(run_dir: Path, steps: int, overrides: list[str], trainer_threads: int, e
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [r for r in rows if "loss" in r]
+
+
+def long_tail_model() -> Path:
+    """The long-tail workload's model (module doc): the default's tiny model before SFT, whose
+    end-of-sequence row (tied: input and output) is set along the mean final hidden state of
+    random prompts so that stopping has odds STOP_CHANCE : 1 - STOP_CHANCE there."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rltrain.models.model_dir import resolve_model_dir
+    from rltrain.serve import compose_run_config
+
+    cfg = compose_run_config(["model.sft_steps=0"])
+    base = Path(resolve_model_dir(cfg.model, cfg.data, cfg.trainer))
+    out = base.with_name(f"{base.name}-longtail-{STOP_CHANCE:g}")
+    if (out / "model.safetensors").exists():
+        return out
+    model = AutoModelForCausalLM.from_pretrained(base).eval()
+    eos = model.config.eos_token_id
+    with torch.no_grad():
+        prompts_BT = torch.randint(3, model.config.vocab_size, (32, 12), generator=torch.Generator().manual_seed(0))
+        hidden_NH = model.model(prompts_BT).last_hidden_state.flatten(0, 1)
+        logits_NV = hidden_NH @ model.get_input_embeddings().weight.T
+        others = torch.logsumexp(torch.cat([logits_NV[:, :eos], logits_NV[:, eos + 1 :]], dim=1), dim=1).mean()
+        mean_H = hidden_NH.mean(0)
+        odds = torch.log(torch.tensor(STOP_CHANCE / (1 - STOP_CHANCE)))
+        model.get_input_embeddings().weight[eos] = (others + odds) * mean_H / mean_H.dot(mean_H)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(base, tmp)
+    model.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
 
 
 def medians(rows: list[dict], warmup: int) -> dict[str, float]:
@@ -121,6 +159,8 @@ def main() -> None:
         unknown = [name for name in given.split(",") if name not in known]
         if unknown:
             parser.error(f"{flag}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
+    if "long-tail" in args.workloads.split(","):
+        WORKLOADS["long-tail"].append(f"model.path={long_tail_model()}")
     print_tables(measure(args, args.extra), args, cores)
 
 
