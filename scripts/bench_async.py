@@ -21,8 +21,9 @@ a step's batch waits for its slowest few sequences (the shape in-flight updates 
 for): the default's tiny model before its SFT, with the output row of its end-of-sequence token
 set so that its logit sits ~2.7 above the log-sum of the others' at the mean final hidden state
 (`long_tail_model`: a ~10% chance to stop at each token on average, more in some contexts, less
-in others; built once, cached beside the tiny model). Its rewards are ~0: it measures speed, not
-learning. The table prints each row's mean completion length.
+in others; built once, cached beside the tiny model), trained at `optim.lr=1e-12` so that the
+lengths stay long-tailed over the run (GRPO shortens them within a few steps otherwise). It
+measures speed, not learning. The table prints each row's mean completion length.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STOP_CHANCE = 0.1  # the long-tail model's mean chance to end at a token (module doc)
-WORKLOADS = {"default": [], "long-tail": ["model.sft_steps=0", "algo.max_new_tokens=48"]}
+# optim.lr=1e-12: every step trains as usual, but the model (so its length distribution) stays put;
+# at the default rate GRPO shortens this model's completions within a few steps.
+WORKLOADS = {"default": [], "long-tail": ["model.sft_steps=0", "algo.max_new_tokens=48", "optim.lr=1e-12"]}
 MODES = {
     "sync": ["placement.max_staleness=0"],
     "k=1": ["placement.max_staleness=1"],
