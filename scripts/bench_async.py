@@ -19,9 +19,8 @@ The long-tail workload is the default command on a model whose completions end a
 lengths, most within a few tokens and a few running to the budget (`algo.max_new_tokens=48`), so
 a step's batch waits for its slowest few sequences (the shape in-flight updates and streaming are
 for): the default's tiny model before its SFT, with the output row of its end-of-sequence token
-set so that its logit sits ~2.7 above the log-sum of the others' at the mean final hidden state
-(`long_tail_model`: a ~10% chance to stop at each token on average, more in some contexts, less
-in others; built once, cached beside the tiny model), trained at `optim.lr=1e-12` so that the
+set so that at the mean final hidden state the odds of stopping are 1 : 9 (`long_tail_model`: a
+~10% chance to stop at each token on average, more in some contexts, less in others; built once, cached beside the tiny model), trained at `optim.lr=1e-12` so that the
 lengths stay long-tailed over the run (GRPO shortens them within a few steps otherwise). It
 measures speed, not learning. The table prints each row's mean completion length.
 """
