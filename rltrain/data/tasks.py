@@ -7,7 +7,7 @@ demonstrates that share of those carrying out of the units with that carry forgo
 (docs/algorithms.md, "RL that learns"). `multiplication`: `a*b*c=` -> the product, a and b in
 10..99, c in 2..9, beyond the tiny model's reach without the `multiply` tool; its SFT demonstrations
 call the tool twice for TOOL_DEMO_FRACTION of the problems and answer directly for the rest
-(docs/environments.md).
+(docs/environments.md). `colours`: a picture and a question only it answers (rltrain/data/colour_task.py).
 """
 
 from __future__ import annotations
@@ -15,10 +15,13 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
+from typing import TypeVar
 
 from rltrain.config.schema import DataConfig
+from rltrain.data.colour_task import NUM_PICTURES, ColourProblem, colour_problems
 
 TOOL_DEMO_FRACTION = 0.3  # multiplication: SFT demonstrations that call the tool
+P = TypeVar("P")
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,7 @@ class Problem:
         return share > 0 and self.carries_from_units and random.Random(f"{self.a}+{self.b}").random() < share
 
 
-def held_out(problems: list[Problem], seed: int, num_eval: int, eval_seed: int | None) -> tuple[list[Problem], list[Problem]]:
+def held_out(problems: list[P], seed: int, num_eval: int, eval_seed: int | None) -> tuple[list[P], list[P]]:
     """(eval, train): the first `num_eval` of a shuffle by `eval_seed` (a held-out set that is the same
     for every run seed), the rest in the run seed's order; with `eval_seed` null one shuffle by
     `seed` draws both."""
@@ -119,7 +122,23 @@ def multiplication_split(
     return (train_set[:num_train] if num_train else train_set), eval_set
 
 
-def builtin_split(data_cfg: DataConfig, seed: int) -> tuple[list[Problem], list[Problem]]:
+def colours_split(
+    seed: int, num_eval: int, num_train: int = 0, max_carry: int | None = None, eval_seed: int | None = None
+) -> tuple[list[ColourProblem], list[ColourProblem]]:
+    """(train, eval) pictures; disjoint (`max_carry` is addition's: refused by the config check)."""
+    eval_set, train_set = held_out(colour_problems(), seed, num_eval, eval_seed)
+    return (train_set[:num_train] if num_train else train_set), eval_set
+
+
+AnyProblem = Problem | ColourProblem
+
+
+def image_column(problem: AnyProblem) -> dict[str, list]:
+    """The row's `images` column: a visual task's picture, nothing for the text tasks."""
+    return {"images": problem.images} if isinstance(problem, ColourProblem) else {}
+
+
+def builtin_split(data_cfg: DataConfig, seed: int) -> tuple[list[AnyProblem], list[AnyProblem]]:
     """The built-in task's (train, eval) problems as `data.*` selects them."""
     return TASKS[data_cfg.task](seed, data_cfg.num_eval, data_cfg.num_train, data_cfg.max_carry_problems, data_cfg.eval_seed)
 
@@ -147,24 +166,30 @@ def one_digit_changed(answer: str, rng: random.Random) -> str:
 
 
 def sft_rows(
-    problems: list[Problem], eos: str, demonstrations: bool = True, forgotten_carries: float = 0.0
-) -> list[dict[str, str]]:
+    problems: list[AnyProblem], eos: str, demonstrations: bool = True, forgotten_carries: float = 0.0
+) -> list[dict]:
     """Prompt / completion rows: the demonstrations (training), or the bare answers (held out: what
     SFT's exact-match evaluation compares a greedy reply with)."""
     return [
-        {"prompt": p.prompt, "completion": p.demonstration(eos, forgotten_carries) if demonstrations else p.answer}
+        {"prompt": p.prompt, "completion": p.demonstration(eos, forgotten_carries) if demonstrations else p.answer,
+         **image_column(p)}
         for p in problems
     ]
 
 
-def preference_rows(problems: list[Problem], seed: int, same_length: float = 0.0) -> list[dict[str, str]]:
+def preference_rows(problems: list[AnyProblem], seed: int, same_length: float = 0.0) -> list[dict]:
     rng = random.Random(seed + 1)
-    return [{"prompt": p.prompt, "chosen": p.answer, "rejected": wrong_answer(p, rng, same_length)} for p in problems]
+    return [
+        {"prompt": p.prompt, "chosen": p.answer, **image_column(p),
+         "rejected": p.wrong_answer(rng) if isinstance(p, ColourProblem) else wrong_answer(p, rng, same_length)}
+        for p in problems
+    ]
 
 
-def prompt_rows(problems: list[Problem]) -> list[dict[str, str]]:
+def prompt_rows(problems: list[AnyProblem]) -> list[dict]:
     """Rows for online RL: the prompt and the column the built-in reward checks against."""
-    return [{"prompt": p.prompt, "answer": p.answer} for p in problems]
+    return [{"prompt": p.prompt, "answer": p.answer, **image_column(p)} for p in problems]
 
 
-TASKS = {"addition": addition_split, "multiplication": multiplication_split}
+TASKS = {"addition": addition_split, "multiplication": multiplication_split, "colours": colours_split}
+TASK_SIZES = {"addition": 10_000, "multiplication": 64_800, "colours": NUM_PICTURES}

@@ -41,6 +41,7 @@ REPORTING = {"rltrain.rewards.code:tests_pass": ("rltrain.rewards.code:tests_pas
 BUILTIN_FOR_TASK = {
     "addition": "rltrain.rewards.builtin:addition_reward",
     "multiplication": "rltrain.rewards.builtin:exact_match",  # the tool task: the product, exactly
+    "colours": "rltrain.rewards.builtin:exact_match",  # the visual task: the colour's name, exactly
 }
 
 
