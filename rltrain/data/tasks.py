@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -140,7 +141,8 @@ def image_column(problem: AnyProblem) -> dict[str, list]:
 
 def builtin_split(data_cfg: DataConfig, seed: int) -> tuple[list[AnyProblem], list[AnyProblem]]:
     """The built-in task's (train, eval) problems as `data.*` selects them."""
-    return TASKS[data_cfg.task](seed, data_cfg.num_eval, data_cfg.num_train, data_cfg.max_carry_problems, data_cfg.eval_seed)
+    train, held = TASKS[data_cfg.task](seed, data_cfg.num_eval, data_cfg.num_train, data_cfg.max_carry_problems, data_cfg.eval_seed)
+    return list(train), list(held)
 
 
 def wrong_answer(problem: Problem, rng: random.Random, same_length: float = 0.0) -> str:
@@ -191,5 +193,6 @@ def prompt_rows(problems: list[AnyProblem]) -> list[dict]:
     return [{"prompt": p.prompt, "answer": p.answer, **image_column(p)} for p in problems]
 
 
-TASKS = {"addition": addition_split, "multiplication": multiplication_split, "colours": colours_split}
+Split = Callable[..., tuple[Sequence[AnyProblem], Sequence[AnyProblem]]]
+TASKS: dict[str, Split] = {"addition": addition_split, "multiplication": multiplication_split, "colours": colours_split}
 TASK_SIZES = {"addition": 10_000, "multiplication": 64_800, "colours": NUM_PICTURES}

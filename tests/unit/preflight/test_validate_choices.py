@@ -167,6 +167,7 @@ def test_a_key_of_another_algorithm_is_not_checked_where_it_does_not_exist():
         ("data.same_length_rejected=1.5", "data.same_length_rejected=1.5"),
         ("data.forgotten_carries=0.5 data.task=multiplication", "only data.task=addition"),
         ("data.max_carry_problems=0 data.task=multiplication", "Set data.max_carry_problems=null "),
+        ("algo=sft data.task=colours", "data.task=colours is a visual task"),  # the text-only tiny model
         ("algo.group_size=0", "algo.group_size=0"),
         ("algo.top_p=0", "algo.top_p=0"),
         ("sweep.last_n=0", "sweep.last_n=0"),
@@ -186,6 +187,11 @@ def test_every_carry_key_of_the_sft_start_is_named_in_one_message_on_another_tas
     assert "model.sft_carry_problems=1000, model.sft_forgotten_carries=0.8" in message
     assert "Set model.sft_carry_problems=null model.sft_forgotten_carries=0." in message
     validate(_cfg("algo=grpo", "data.task=multiplication", "model=tiny"))  # no SFT start: nothing to refuse
+
+
+def test_the_visual_recipe_and_the_visual_task_on_a_vision_language_model_pass():
+    validate(_cfg("+experiment=grpo_vision"))
+    validate(_cfg("algo=sft", "model=tiny_vl", "data.task=colours"))
 
 
 def test_dpo_values_are_refused_naming_the_key():
