@@ -8,7 +8,9 @@ receiver process killed in the middle of a sync, and a sync whose bucket message
 `env=agent` (scripts/fault_suite_agents.py): agents blocked on one prompt in eight (their event loop,
 their thread, the CPU, an await that never returns); then `rollout=server`
 (scripts/fault_suite_servers.py): a server killed, restarted, all gone, of another model, two URLs
-of one server, and a SIGKILLed trainer's spawned server.
+of one server, and a SIGKILLed trainer's spawned server; then in-flight updates with streaming
+(scripts/fault_suite_inflight.py): the trainer SIGKILLed mid-stream and resumed, over the separate
+engine and over a server, and a server SIGKILLed mid-stream.
 
 One row per fault:
 
@@ -345,7 +347,7 @@ def table(rows: list[Row]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", nargs="*", help="case names: KIND@BACKEND, rollout_child@BACKEND, async_sigkill@BACKEND, async_sigstop@BACKEND, receiver, lost, agent_loop_sleep, agent_spins, agent_never_returns, agent_thread_sleep, server_killed, server_restarted, server_other_model, server_twice, server_handshake_fails, servers_gone, trainer_killed")
+    parser.add_argument("--only", nargs="*", help="case names: KIND@BACKEND, rollout_child@BACKEND, async_sigkill@BACKEND, async_sigstop@BACKEND, receiver, lost, agent_loop_sleep, agent_spins, agent_never_returns, agent_thread_sleep, server_killed, server_restarted, server_other_model, server_twice, server_handshake_fails, servers_gone, trainer_killed, inflight_trainer_killed@separate, inflight_trainer_killed@server, inflight_server_killed")
     parser.add_argument("--out", type=Path, help="also write the table here")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -359,10 +361,12 @@ def main() -> int:
     cases += [
               ("receiver", lambda base: transport_case("killed")), ("lost", lambda base: transport_case("lost"))]
     from fault_suite_agents import agent_cases  # env=agent (docs/agents.md)
+    from fault_suite_inflight import inflight_cases  # placement.weight_update=in_flight (docs/async.md)
     from fault_suite_servers import server_cases  # rollout=server (docs/rollout-servers.md)
 
     cases += agent_cases()
     cases += server_cases()
+    cases += inflight_cases()
     rows = []
     with tempfile.TemporaryDirectory(prefix="rltrain-fault-suite-") as tmp:
         for name, fn in cases:

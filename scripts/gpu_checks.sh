@@ -6,6 +6,7 @@
 #   bash .gpu/on-device.sh bash scripts/gpu_checks.sh bench        # like-for-like: plain loop, rltrain, TRL (needs its wheel)
 #   bash .gpu/on-device.sh bash scripts/gpu_checks.sh bench-fast   # padding-free, token budget, compile
 #   bash .gpu/on-device.sh bash scripts/gpu_checks.sh fleet        # rollout=server: tests and bench_fleet.py on CUDA vLLM
+#   bash .gpu/on-device.sh bash scripts/gpu_checks.sh vlm          # bench_vlm.py: GRPO on model=tiny_vl beside TRL (needs its wheel)
 #
 # Every test uses a tiny model (or the 0.494B one for a few steps) and most of a test's time is
 # process start-up and Python, so four pytest processes share the one GPU and its 16 cores, each
@@ -13,7 +14,7 @@
 # tool's output folder, which returns at most 8 files), else ./gpu-checks/. The exit status is the
 # first failing stream's. The streams are balanced by the last run's durations (docs/gpus.md).
 set -uo pipefail
-part=${1:?usage: gpu_checks.sh suite|bench|bench-fast|fleet}
+part=${1:?usage: gpu_checks.sh suite|bench|bench-fast|fleet|vlm}
 out=${OUT:-gpu-checks}
 mkdir -p "$out"
 py=${PYTHON:-python3}
@@ -72,8 +73,20 @@ case $part in
     { $py -m pytest -q -rfE -p no:randomly -n 0 tests/unit/rollout/test_rollout_server.py tests/e2e/test_cli_server.py &&
       $py scripts/bench_fleet.py --steps 10 --warmup 2 --extra rollout.gpu_memory_utilization=0.3; } 2>&1 | tee "$out/fleet.log"
     ;;
+  vlm)
+    # Issue 63's vision benchmark (docs/benchmarks.md, "Vision-language GRPO"; prepared on CPU, not yet
+    # run on a GPU): rltrain's GRPO on model=tiny_vl beside TRL's GRPOTrainer, each in its own process,
+    # steps interleaved, tokens/s and torch.cuda.max_memory_allocated per side. rltrain samples with
+    # rollout=hf (CUDA vLLM cannot be carried there), TRL with transformers generate (use_vllm=False).
+    # The first run is a size that surely fits; the second the CPU default's shape scaled up.
+    {
+      timeout 200 $py scripts/bench_vlm.py --rollout hf --steps 4 --warmup 1 --threads 4
+      timeout 300 $py scripts/bench_vlm.py --rollout hf --steps 5 --warmup 2 --prompts 32 --group 8 \
+        --max-new-tokens 64 --image-size 112 --threads 4
+    } 2>&1 | tee "$out/vlm.log"
+    ;;
   *)
-    echo "gpu_checks.sh: unknown part '$part'; choose suite, bench, bench-fast or fleet" >&2
+    echo "gpu_checks.sh: unknown part '$part'; choose suite, bench, bench-fast, fleet or vlm" >&2
     exit 2
     ;;
 esac

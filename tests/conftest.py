@@ -136,3 +136,12 @@ def tiny_vl_dir(tiny_cache) -> Path:
     cfg = ModelConfig(arch="qwen2_vl", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                       intermediate_size=128, max_position_embeddings=1024)
     return build_tiny_vl_model_dir(cfg, seed=0)
+
+
+@pytest.fixture(scope="session")
+def image_data(tmp_path_factory) -> Path:
+    """The image dataset of the vision-language end-to-end tests (tests/vision_data.py), written
+    once for the session (every pytest-xdist worker reads the same files)."""
+    from vision_data import write_image_data
+
+    return write_image_data(session_dir(tmp_path_factory, "vision_data"))

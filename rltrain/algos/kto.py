@@ -26,6 +26,8 @@ from rltrain.data.batch import SequenceBatch
 from rltrain.data.sampler import IndexStream
 from rltrain.data.sharding import micro_batch_count, rank_slice, split_micro_batches, sum_over_replicas
 from rltrain.data.unpaired_data import LabelledCompletion, build_unpaired_data
+from rltrain.data.vision_inputs import vision_extras
+from rltrain.models.vision import load_processor
 from rltrain.runtime.errors import UserError
 
 
@@ -79,18 +81,19 @@ def kto_losses(
 
 
 def examples_to_batch(examples: list[LabelledCompletion], **extras) -> SequenceBatch:
-    batch = SequenceBatch.from_lists([e.prompt for e in examples], [e.completion for e in examples], **extras)
+    images = vision_extras([e.vision for e in examples])  # each example carries its prompt's images
+    batch = SequenceBatch.from_lists([e.prompt for e in examples], [e.completion for e in examples], **extras, **images)
     batch.extras["desirable"] = torch.tensor([e.desirable for e in examples], dtype=torch.bool, device="cpu")
     return batch
 
 
 def mismatched(examples: list[LabelledCompletion], max_length: int) -> list[LabelledCompletion]:
-    """KTO's mismatched pairs: example i's prompt with example i-1's completion (the first with the
-    last's), cut to `data.max_length` tokens."""
+    """KTO's mismatched pairs: example i's prompt (with its images) with example i-1's completion
+    (the first with the last's), cut to `data.max_length` tokens."""
     out = []
     for i, ex in enumerate(examples):
         room = max(1, max_length - len(ex.prompt))
-        out.append(LabelledCompletion(ex.prompt, examples[i - 1].completion[:room], ex.desirable))
+        out.append(LabelledCompletion(ex.prompt, examples[i - 1].completion[:room], ex.desirable, ex.vision))
     return out
 
 
@@ -158,7 +161,7 @@ class KTO(PolicyStreamAlgorithm):
         self.ctx, self.algo_cfg = ctx, cfg.algo
         a = cfg.algo
         self.loss_fn = make_kto_loss(a.beta, a.desirable_weight, a.undesirable_weight)
-        self.data = build_unpaired_data(ctx.tokenizer, cfg.data, cfg.trainer.seed)
+        self.data = build_unpaired_data(ctx.tokenizer, cfg.data, cfg.trainer.seed, load_processor(ctx.model_dir, ctx.tokenizer))
         self.stream = IndexStream(len(self.data.train), cfg.trainer.seed)
         self.policy = build_engine(ctx, "policy", cfg.trainer.max_steps)
         self.reference: LogProbScorer

@@ -3,8 +3,8 @@
 The model is the policy's with a bias-free scalar head for its LM head (a value engine). A
 sequence's reward is the head on the state predicting its last completion token (the EOS), i.e.
 the last text token's, where the sequence classifier in `final/` reads it when `reward_model=hf`
-scores decoded text. Pairs and held-out accuracy: rltrain/algos/preference.py; docs/algorithms.md,
-"Reward model".
+scores decoded text (a vision-language model's, with each row's images: docs/vision.md). Pairs
+and held-out accuracy: rltrain/algos/preference.py; docs/algorithms.md, "Reward model".
 
     python -m rltrain algo=rm
 """

@@ -138,18 +138,20 @@ def mismatch_kl_sum(old_logps: Ragged, engine_logps: Ragged, sampled: Ragged | N
     return (torch.exp(log_ratio_N) - 1.0 - log_ratio_N).sum()
 
 
-def ratio_max(old_logps: Ragged, engine_logps: Ragged, mode: str, sampled: Ragged | None = None) -> float:
+def ratio_max(old_logps: Ragged, engine_logps: Ragged, mode: str, sampled: Ragged | None = None) -> torch.Tensor:
     """The largest importance ratio the mode looks at, before truncation or masking: a sequence's
     (`seq_tis`, `seq_mask`), a sequence's geometric mean (`mask`, `geo_mask`) or a token's (the
-    others); 0 with no tokens. `rollout/is_ratio_max` is its maximum over the step's ranks."""
+    others); 0 with no tokens. A 0-dim tensor where the log-probabilities are: the loss calls this
+    per micro-batch, and the step reads the running maximum once (`ParityProbe`), so no micro-batch
+    waits on the device. `rollout/is_ratio_max` is its maximum over the step's ranks."""
     if old_logps.num_tokens == 0:
-        return 0.0
+        return torch.zeros((), dtype=old_logps.values.dtype, device=old_logps.values.device)
     log_ratio_N = log_ratios(old_logps, engine_logps, sampled)
     per_seq = old_logps.with_values(log_ratio_N)
     if mode in ("seq_tis", "seq_mask"):
-        return float(torch.exp(per_seq.sum_per_seq()).max())
+        return torch.exp(per_seq.sum_per_seq()).max()
     if mode in ("mask", "geo_mask"):
-        return float(torch.exp(per_seq.sum_per_seq() / _sampled_counts(per_seq, sampled)).max())
+        return torch.exp(per_seq.sum_per_seq() / _sampled_counts(per_seq, sampled)).max()
     if sampled is not None:
         log_ratio_N = log_ratio_N.masked_fill(~sampled.values.to(log_ratio_N.device).bool(), -math.inf)
-    return float(torch.exp(log_ratio_N.max()))
+    return torch.exp(log_ratio_N.max())

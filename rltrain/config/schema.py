@@ -42,7 +42,7 @@ from rltrain.runtime.precision import PrecisionName as Precision
 Resume = Literal["auto", "never"]
 Progress = Literal["auto", "bar", "lines"]
 Overlong = Literal["drop", "truncate", "error"]
-Task = Literal["addition", "multiplication", "colours"]  # the built-in tasks (rltrain/data/tasks.py)
+Task = Literal["addition", "multiplication", "code", "colours"]  # the built-in tasks (rltrain/data/tasks.py)
 SandboxMode = Literal["bwrap", "rlimits", "remote"]  # rltrain/rewards/sandbox (docs/rewards-and-roles.md)
 WandbMode = Literal["auto", "online", "offline", "disabled"]  # auto: online with an API key, else offline
 Schedule = Literal["cosine", "linear", "constant"]

@@ -50,6 +50,11 @@ class ColourProblem:
         return [draw_picture(self.index, self.colour)]
 
     @property
+    def rl_row(self) -> dict:
+        """Its row for online RL: the prompt, the colour the built-in reward checks and the picture."""
+        return {"prompt": self.prompt, "answer": self.answer, "images": self.images}
+
+    @property
     def misnamed(self) -> bool:
         """Whether its SFT demonstration names the colour wrongly: a fixed draw per picture."""
         return self.colour in MISNAMED_AS and random.Random(f"misnamed-{self.index}").random() < MISNAMED_SHARE

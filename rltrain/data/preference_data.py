@@ -129,7 +129,7 @@ def build_preference_data(tokenizer, data_cfg: DataConfig, seed: int, processor=
     """`processor`: a vision-language model's (None for a text-only model), for rows with images."""
     skipped = SkipCounts()
     if data_cfg.path is None:
-        train_p, eval_p = tasks.builtin_split(data_cfg, seed)
+        train_p, eval_p = tasks.answer_split(data_cfg, seed)
         where = f"built-in task {data_cfg.task!r}"
         share = data_cfg.same_length_rejected
         train_rows, eval_rows = tasks.preference_rows(train_p, seed, share), tasks.preference_rows(eval_p, seed + 7, share)

@@ -1,13 +1,13 @@
 """Built-in synthetic tasks: generated locally, deterministic from the seed, with exact answers.
 
-`addition`: `a+b=` -> the sum, a and b in 0..99; a held-out split that never appears in training
-(drawn with `data.eval_seed`, or the run's seed when that is null);
-`data.max_carry_problems` keeps that many training sums that carry and `data.forgotten_carries`
-demonstrates that share of those carrying out of the units with that carry forgotten
-(docs/algorithms.md, "RL that learns"). `multiplication`: `a*b*c=` -> the product, a and b in
-10..99, c in 2..9, beyond the tiny model's reach without the `multiply` tool; its SFT demonstrations
-call the tool twice for TOOL_DEMO_FRACTION of the problems and answer directly for the rest
-(docs/environments.md). `colours`: a picture and a question only it answers (rltrain/data/colour_task.py).
+`addition`: `a+b=` -> the sum, a and b in 0..99; a held-out split never seen in training (drawn
+with `data.eval_seed`, or the run's seed when that is null); `data.max_carry_problems` keeps that
+many training sums that carry, `data.forgotten_carries` shows that share of them with the units
+carry forgotten (docs/algorithms.md, "RL that learns"). `multiplication`: `a*b*c=` -> the product,
+beyond the tiny model without the `multiply` tool; TOOL_DEMO_FRACTION of its SFT demonstrations
+call it (docs/environments.md). `code`: `f(0)=B;f(10)=V` -> `f=lambda x:A*x+B`, scored by hidden
+asserts in the sandbox; its SFT demonstrations slip on a share of the odd B (docs/rewards-and-roles.md).
+`colours`: a picture and a question only it answers (rltrain/data/colour_task.py).
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ from typing import TypeVar
 
 from rltrain.config.schema import DataConfig
 from rltrain.data.colour_task import NUM_PICTURES, ColourProblem, colour_problems
+from rltrain.runtime.errors import UserError
 
 TOOL_DEMO_FRACTION = 0.3  # multiplication: SFT demonstrations that call the tool
-P = TypeVar("P")
+CODE_SLIP_SHARE = 0.8  # code: SFT demonstrations of an odd intercept that subtract it instead
+CODE_HIDDEN_XS = (3, 7, -2)  # code: the hidden cases, f(x) at each
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,11 @@ class Problem:
     def calls_tool(self) -> bool:
         """Whether its SFT demonstration calls the `multiply` tool (a fixed share of the products)."""
         return self.op == "*" and (self.a * 7919 + self.b * 104729 + self.c * 15485863) % 1000 < TOOL_DEMO_FRACTION * 1000
+
+    @property
+    def rl_row(self) -> dict:
+        """Its row for online RL: the prompt and the column the built-in reward checks against."""
+        return {"prompt": self.prompt, "answer": self.answer}
 
     def demonstration(self, eos: str, forgotten_carries: float = 0.0) -> str:
         """The SFT completion: the answer, or two tool calls (a*b, then that times c), each followed
@@ -83,6 +90,50 @@ class Problem:
         demonstration forgets that carry: a fixed pseudo-random draw per sum (the same on every run
         and seed, and no pattern of a and b that a model could learn instead of the carry)."""
         return share > 0 and self.carries_from_units and random.Random(f"{self.a}+{self.b}").random() < share
+
+
+@dataclass(frozen=True)
+class CodeProblem:
+    """Write `f` from two of its values: `f(0)=7;f(10)=237` -> `f=lambda x:23*x+7` (slope 1..99,
+    intercept 0..9, so f(10) spells both). Hidden cases, never in the prompt: f(x) at CODE_HIDDEN_XS."""
+
+    slope: int
+    intercept: int
+
+    @property
+    def prompt(self) -> str:
+        return f"f(0)={self.intercept};f(10)={10 * self.slope + self.intercept}\n"
+
+    @property
+    def answer(self) -> str:
+        """The reference solution (what SFT's exact-match evaluation compares a greedy reply with)."""
+        return f"f=lambda x:{self.slope}*x+{self.intercept}"
+
+    @property
+    def slips(self) -> bool:
+        """Whether its SFT demonstration subtracts the intercept: CODE_SLIP_SHARE of the odd
+        intercepts, a fixed pseudo-random draw per problem (the same on every run and seed)."""
+        odd = self.intercept % 2 == 1
+        return odd and random.Random(f"code {self.slope} {self.intercept}").random() < CODE_SLIP_SHARE
+
+    def demonstration(self, eos: str, forgotten_carries: float = 0.0) -> str:
+        """The SFT completion: the reference, or with the slip `-B` (`forgotten_carries` is addition's)."""
+        return self.answer.replace("+", "-") if self.slips else self.answer
+
+    @property
+    def tests(self) -> list[str]:
+        """The hidden cases, one assert each (the `test` layout of rltrain.rewards.code:tests_pass)."""
+        return [f"assert f({x}) == {self.slope * x + self.intercept}" for x in CODE_HIDDEN_XS]
+
+    @property
+    def rl_row(self) -> dict:
+        """Its row for online RL: the prompt and its hidden cases (no `answer`: any right code passes)."""
+        return {"prompt": self.prompt, "test": self.tests}
+
+
+BuiltinProblem = Problem | CodeProblem | ColourProblem
+PairedProblem = Problem | ColourProblem  # the tasks with preference pairs: a wrong answer to reject
+P = TypeVar("P", Problem, CodeProblem, ColourProblem)
 
 
 def held_out(problems: list[P], seed: int, num_eval: int, eval_seed: int | None) -> tuple[list[P], list[P]]:
@@ -131,18 +182,39 @@ def colours_split(
     return (train_set[:num_train] if num_train else train_set), eval_set
 
 
-AnyProblem = Problem | ColourProblem
+def code_split(
+    seed: int, num_eval: int, num_train: int = 0, max_carry: int | None = None, eval_seed: int | None = None
+) -> tuple[list[CodeProblem], list[CodeProblem]]:
+    """(train, eval) functions to write; disjoint (`max_carry` is addition's: refused by the config check)."""
+    problems = [CodeProblem(a, b) for a in range(1, 100) for b in range(10)]
+    eval_set, train_set = held_out(problems, seed, num_eval, eval_seed)
+    return (train_set[:num_train] if num_train else train_set), eval_set
 
 
-def image_column(problem: AnyProblem) -> dict[str, list]:
+def image_column(problem: BuiltinProblem) -> dict[str, list]:
     """The row's `images` column: a visual task's picture, nothing for the text tasks."""
     return {"images": problem.images} if isinstance(problem, ColourProblem) else {}
 
 
-def builtin_split(data_cfg: DataConfig, seed: int) -> tuple[list[AnyProblem], list[AnyProblem]]:
+def builtin_split(data_cfg: DataConfig, seed: int) -> tuple[list[BuiltinProblem], list[BuiltinProblem]]:
     """The built-in task's (train, eval) problems as `data.*` selects them."""
     train, held = TASKS[data_cfg.task](seed, data_cfg.num_eval, data_cfg.num_train, data_cfg.max_carry_problems, data_cfg.eval_seed)
     return list(train), list(held)
+
+
+def answer_split(data_cfg: DataConfig, seed: int) -> tuple[list[PairedProblem], list[PairedProblem]]:
+    """`builtin_split` for the tasks with a wrong answer to reject (numbers, colours): the preference pairs."""
+    train, held = builtin_split(data_cfg, seed)
+    paired = [p for p in train + held if isinstance(p, Problem | ColourProblem)]
+    if len(paired) != len(train) + len(held):
+        raise UserError(NO_CODE_PAIRS.format(task=data_cfg.task))
+    return paired[: len(train)], paired[len(train) :]
+
+
+NO_CODE_PAIRS = (
+    "data.task={task!r} has no preference pairs or labelled completions (its answers are code, checked by running "
+    "them): use it with algo=sft, grpo or ppo, or pick data.task=addition, multiplication or colours."
+)
 
 
 def wrong_answer(problem: Problem, rng: random.Random, same_length: float = 0.0) -> str:
@@ -168,7 +240,7 @@ def one_digit_changed(answer: str, rng: random.Random) -> str:
 
 
 def sft_rows(
-    problems: list[AnyProblem], eos: str, demonstrations: bool = True, forgotten_carries: float = 0.0
+    problems: list[BuiltinProblem], eos: str, demonstrations: bool = True, forgotten_carries: float = 0.0
 ) -> list[dict]:
     """Prompt / completion rows: the demonstrations (training), or the bare answers (held out: what
     SFT's exact-match evaluation compares a greedy reply with)."""
@@ -179,7 +251,7 @@ def sft_rows(
     ]
 
 
-def preference_rows(problems: list[AnyProblem], seed: int, same_length: float = 0.0) -> list[dict]:
+def preference_rows(problems: list[PairedProblem], seed: int, same_length: float = 0.0) -> list[dict]:
     rng = random.Random(seed + 1)
     return [
         {"prompt": p.prompt, "chosen": p.answer, **image_column(p),
@@ -188,11 +260,12 @@ def preference_rows(problems: list[AnyProblem], seed: int, same_length: float = 
     ]
 
 
-def prompt_rows(problems: list[AnyProblem]) -> list[dict]:
-    """Rows for online RL: the prompt and the column the built-in reward checks against."""
-    return [{"prompt": p.prompt, "answer": p.answer, **image_column(p)} for p in problems]
+def prompt_rows(problems: list[BuiltinProblem]) -> list[dict]:
+    """Rows for online RL: the prompt and the columns the built-in reward reads."""
+    return [p.rl_row for p in problems]
 
 
-Split = Callable[..., tuple[Sequence[AnyProblem], Sequence[AnyProblem]]]
-TASKS: dict[str, Split] = {"addition": addition_split, "multiplication": multiplication_split, "colours": colours_split}
-TASK_SIZES = {"addition": 10_000, "multiplication": 64_800, "colours": NUM_PICTURES}
+Split = Callable[..., tuple[Sequence[BuiltinProblem], Sequence[BuiltinProblem]]]
+TASKS: dict[str, Split] = {"addition": addition_split, "multiplication": multiplication_split, "code": code_split,
+                         "colours": colours_split}
+TASK_SIZES = {"addition": 10_000, "multiplication": 64_800, "code": 990, "colours": NUM_PICTURES}

@@ -50,17 +50,18 @@ def vision_extras(rows: list[VisionInputs | None]) -> dict[str, list[VisionInput
 
 
 def vision_call_inputs(
-    image_token: int | None, ids_BT: torch.Tensor, rows: list[VisionInputs | None], prompt_lens_B: torch.Tensor | None = None
+    image_token: int | None, ids_BT: torch.Tensor, rows: list[VisionInputs | None], sampled_BT: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
     """The image inputs of a model call over `ids_BT` (its rows' ids, padded) from the rows' images:
     concatenated in row order, plus `mm_token_type_ids` (1 on image tokens) for models that place
-    visual tokens by image grids (the Qwen2-VL family). {} when no row has an image. With
-    `prompt_lens_B` only the prompts' placeholders are image tokens: a completion may sample the
-    placeholder token, and the rollout engine took it as text."""
+    visual tokens by image grids (the Qwen2-VL family). {} when no row has an image. `sampled_BT`
+    (True on the tokens the policy sampled): those are never image tokens, since a completion may
+    sample the placeholder token and the rollout engine took it as text; the prompts' and the
+    observations' placeholders are the images'."""
     inputs = concatenate(rows)
     if "image_grid_thw" in inputs and image_token is not None:
         image_BT = ids_BT == image_token
-        if prompt_lens_B is not None:
-            image_BT &= torch.arange(ids_BT.shape[1])[None, :] < prompt_lens_B.to(ids_BT.device)[:, None]
+        if sampled_BT is not None:
+            image_BT &= ~sampled_BT.to(ids_BT.device)
         inputs["mm_token_type_ids"] = image_BT.to(torch.int32)
     return inputs

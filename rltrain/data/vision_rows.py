@@ -117,6 +117,17 @@ class VisionEncoder:
         check_placeholders(prompt.count(IMAGE_PLACEHOLDER), len(images), index, source, f"{IMAGE_PLACEHOLDER!r} placeholders")
         return prompt.replace(IMAGE_PLACEHOLDER, self.image_markup) if self.image_markup != IMAGE_PLACEHOLDER else prompt
 
+    def prompt_text(self, prompt: Any, images: list, index: int, source: RowSource) -> Any:
+        """A row's prompt in the model's text: messages with `{"type": "image"}` parts through the
+        chat template, text with `<image>` placeholders in the model's markup; any other value is
+        returned as it is, for the caller's own error."""
+        if isinstance(prompt, list):
+            check_placeholders(image_parts(prompt), len(images), index, source, '{"type": "image"} content parts')
+            return self.processor.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        if isinstance(prompt, str):
+            return self.text_prompt(prompt, images, index, source)
+        return prompt
+
     def encode(self, prompt_text: str, images: list) -> tuple[list[int], VisionInputs | None]:
         """(prompt ids with each image's visual tokens, the row's image tensors or None)."""
         if not images:
@@ -125,6 +136,11 @@ class VisionEncoder:
         out = self.processor(text=[prompt_text], images=images, return_tensors="pt", add_special_tokens=False)
         tensors = {k: v for k, v in out.items() if k not in TEXT_OUTPUTS}
         return out["input_ids"][0].tolist(), VisionInputs(tensors, len(images))
+
+    def images_only(self, images: list) -> VisionInputs | None:
+        """`images` encoded as `encode` encodes them beside a prompt (None: no image): an episode's
+        images, whose placeholders its ids already hold (rltrain/envs)."""
+        return self.encode(self.image_markup * len(images), images)[1] if images else None
 
 
 def vision_prompt_completion(
@@ -188,16 +204,49 @@ def vision_pair_rows(processor, rows: list[dict], source: RowSource) -> list[Vis
         chosen: Any = row.get("chosen")
         rejected: Any = row.get("rejected")
         if isinstance(chosen, list) and isinstance(rejected, list) and chosen and rejected:
-            context = prompt if isinstance(prompt, list) else chosen[:-1]
-            check_placeholders(image_parts(context), len(images), index, source, '{"type": "image"} content parts')
-            prompt = processor.tokenizer.apply_chat_template(context, tokenize=False, add_generation_prompt=True)
+            prompt = encoder.prompt_text(prompt if isinstance(prompt, list) else chosen[:-1], images, index, source)
             chosen, rejected = message_text(chosen[-1]), message_text(rejected[-1])
-        elif isinstance(prompt, str):
-            prompt = encoder.text_prompt(prompt, images, index, source)
+        else:
+            prompt = encoder.prompt_text(prompt, images, index, source)
         if not (isinstance(prompt, str) and isinstance(chosen, str) and isinstance(rejected, str)):
             raise UserError(f"{source.where}: row {index} needs 'prompt', 'chosen' and 'rejected' as strings or message lists.")
         ids, vision = encoder.encode(prompt, images)
         out.append(VisionPairRow(ids, chosen, rejected, vision))
+    return out
+
+
+@dataclass
+class VisionLabelledRow:
+    """An unpaired row with images (KTO): its prompt ids (visual tokens included), completion text,
+    label and images."""
+
+    prompt: list[int]
+    completion: str
+    desirable: bool
+    vision: VisionInputs | None
+
+
+def vision_unpaired_rows(processor, rows: list[dict], source: RowSource) -> list[VisionLabelledRow]:
+    """TRL's unpaired rows (`prompt` text with `<image>` or messages, `completion` text or message
+    list, boolean `label`) with their images; `processor` None (a text-only model) is refused."""
+    if processor is None:
+        raise text_only_refusal(source)
+    encoder = VisionEncoder(processor)
+    out = []
+    for index, row in enumerate(rows):
+        images = row_images(row, index, source)
+        prompt = encoder.prompt_text(row.get("prompt"), images, index, source)
+        completion: Any = row.get("completion")  # a dataset row's values: checked below
+        label: Any = row.get("label")
+        if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
+            completion = message_text(completion[-1])
+        if not (isinstance(prompt, str) and isinstance(completion, str) and isinstance(label, bool)):
+            raise UserError(
+                f"{source.where}: row {index} needs 'prompt' and 'completion' as strings or message lists and a "
+                "boolean 'label' (TRL's unpaired preference format)."
+            )
+        ids, vision = encoder.encode(prompt, images)
+        out.append(VisionLabelledRow(ids, completion, label, vision))
     return out
 
 
@@ -221,13 +270,8 @@ def vision_prompts(processor, rows: list[dict], source: RowSource) -> list[Visio
     out = []
     for index, row in enumerate(rows):
         images = row_images(row, index, source)
-        prompt: Any = row.get("prompt")
-        chat = isinstance(prompt, list)
-        if chat:
-            check_placeholders(image_parts(prompt), len(images), index, source, '{"type": "image"} content parts')
-            prompt = processor.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        elif isinstance(prompt, str):
-            prompt = encoder.text_prompt(prompt, images, index, source)
+        chat = isinstance(row.get("prompt"), list)
+        prompt = encoder.prompt_text(row.get("prompt"), images, index, source)
         if not isinstance(prompt, str) or not prompt:
             raise UserError(f"{source.where}: row {index} needs a non-empty 'prompt' (text or messages).")
         ids, vision = encoder.encode(prompt, images)

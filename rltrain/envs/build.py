@@ -2,26 +2,35 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from rltrain.config.schema import Config
 from rltrain.envs.agent.runner import AgentRunner
 from rltrain.envs.episodes import EpisodeRunner, EpisodeSteps
+from rltrain.envs.observations import ObservationRenderer
 from rltrain.envs.tools import CallTools
 from rltrain.envs.user_env import HostedEnvironments
 
 
-def build_episode_runner(cfg: Config, tokenizer, start_workers: bool = True) -> EpisodeRunner | AgentRunner | None:
+def build_episode_runner(cfg: Config, tokenizer, start_workers: bool = True, processor: Any = None) -> EpisodeRunner | AgentRunner | None:
     """None for `env=none` (single-turn RL). `start_workers=False`: the user-code workers start on
-    their first call (a rank that never plays: a tensor/pipeline-parallel replica's peers)."""
+    their first call (a rank that never plays: a tensor/pipeline-parallel replica's peers).
+    `processor`: a vision-language model's (None: text-only), which puts images into episodes."""
     if cfg.env.name == "none":
         return None
+    observations = ObservationRenderer(tokenizer, processor)
     if cfg.env.name == "agent":
         return AgentRunner(
-            cfg.env, cfg.reward, tokenizer, cfg.algo.max_new_tokens, cfg.data.max_length, cfg.safety.collective_timeout_s, start_workers
+            cfg.env, cfg.reward, tokenizer, cfg.algo.max_new_tokens, cfg.data.max_length, cfg.safety.collective_timeout_s, start_workers,
+            observations,
         )
     steps: EpisodeSteps
     if cfg.env.name == "tools":
-        steps = CallTools(cfg.env, tokenizer, start_workers)
+        steps = CallTools(cfg.env, tokenizer, start_workers, observations)
         renderer = steps.prompts
     else:
-        steps, renderer = HostedEnvironments(cfg.env, cfg.reward, tokenizer, start_workers), None
-    return EpisodeRunner(cfg.env, cfg.reward, tokenizer, cfg.algo.max_new_tokens, cfg.safety.collective_timeout_s, steps, renderer)
+        steps, renderer = HostedEnvironments(cfg.env, cfg.reward, tokenizer, start_workers, observations), None
+    return EpisodeRunner(
+        cfg.env, cfg.reward, tokenizer, cfg.algo.max_new_tokens, cfg.safety.collective_timeout_s, steps, renderer,
+        observations.image_token_id,
+    )

@@ -7,7 +7,7 @@ it: a new instance, `reset(**row)`, then the earlier actions replayed. A worker 
 only the newest action. This is what lets a hung step be killed without losing the other episodes,
 and it asks one thing of an environment: the same actions from the same row reach the same state
 (docs/environments.md, "Timeouts and rebuilt episodes"). Calls of different episodes run at once,
-in threads of the worker (`env.max_concurrency`); one episode's calls never overlap.
+in threads (`env.max_concurrency`); one episode's calls never overlap. Images: rltrain/envs/wire.py.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from __future__ import annotations
 import importlib
 import threading
 from typing import Any
+
+from rltrain.envs.wire import from_wire, to_wire
 
 # episode key -> (environment, number of actions it has applied). Keys are "phase:index"; a call from
 # another phase (the next step, an evaluation) drops the episodes of the last one (an episode cut at
@@ -34,7 +36,7 @@ def _result(value: Any) -> dict[str, Any]:
     if not (isinstance(value, tuple | list) and len(value) == 3):
         raise TypeError(f"step() must return (observation, reward, done); got {value!r:.200}")
     observation, reward, done = value
-    return {"observation": observation, "reward": float(reward), "done": bool(done)}
+    return {"observation": to_wire(observation), "reward": float(reward), "done": bool(done)}
 
 
 def advance(cls: str, episode: str, row: dict[str, Any], actions: list[str]) -> dict[str, Any]:
@@ -48,10 +50,10 @@ def advance(cls: str, episode: str, row: dict[str, Any], actions: list[str]) -> 
     held = _LIVE.get(episode)
     if not actions or held is None or held[1] != len(actions) - 1:
         env = _environment_class(cls)()
-        first = env.reset(**row)
+        first = env.reset(**from_wire(row, f"the row of {episode}"))
         if not actions:
             _LIVE[episode] = (env, 0)
-            return {"observation": first, "reward": 0.0, "done": False}
+            return {"observation": to_wire(first), "reward": 0.0, "done": False}
         for earlier in actions[:-1]:
             env.step(earlier)
         held = (env, len(actions) - 1)

@@ -4,8 +4,8 @@ Schemas come from type hints and docstrings (transformers' `get_json_schema`). A
 template renders tools gets them that way; any other prompt a plain-text listing. Calls are read
 with the tokenizer's `response_template` where it has one, else in the Hermes format most templates
 use (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`). Each result, or an error text, is
-the next observation; a reply that calls no tool is the answer `reward.fns` score.
-docs/environments.md, "Tools".
+the next observation (an image, or a list of text and images, as image parts: docs/vision.md); a
+reply that calls no tool is the answer `reward.fns` score. docs/environments.md, "Tools".
 """
 
 from __future__ import annotations
@@ -17,13 +17,18 @@ from typing import Any
 
 from rltrain.config.group_options import EnvConfig
 from rltrain.envs.episodes import Episode
-from rltrain.envs.observations import observation_ids
+from rltrain.envs.images import is_image
+from rltrain.envs.observations import ObservationRenderer, segment_part
+from rltrain.envs.wire import from_wire
 from rltrain.runtime.call_pool import Call, CallPool, CallResult
 from rltrain.runtime.errors import UserError
 from rltrain.runtime.user_code import load_callable
 
 CALL_RE = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+CALL_TOOL = "rltrain.envs.wire:call_tool"
+# What the model reads back from one call: text, or text and images in order.
+Content = str | list
 
 
 def tool_schemas(paths: list[str]) -> tuple[dict[str, str], list[dict[str, Any]]]:
@@ -134,26 +139,38 @@ def parse_tool_calls(text: str, tokenizer: Any = None, schemas: list[dict[str, A
     return calls
 
 
-def result_text(result: CallResult, name: str, timeout_s: float | None) -> str:
-    """What the model reads back from one call: the value (text as is, anything else as JSON), or an error."""
+def result_content(result: CallResult, name: str, timeout_s: float | None) -> Content:
+    """What the model reads back from one call: the value (text as is, an image or a list of text
+    and images as they are, anything else as JSON), or an error."""
     if result.failure == "timeout":
         limit = f" within env.timeout_s={timeout_s:g} s" if timeout_s else ""
         return f"error: {name} did not return{limit}"
     if result.failure is not None:
         return f"error: {result.message}"
-    return result.value if isinstance(result.value, str) else json.dumps(result.value)
+    value = from_wire(result.value, f"the tool {name!r}")
+    if is_image(value):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(v, str) or is_image(v) for v in value) and any(map(is_image, value)):
+        return value
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value)
+    except TypeError:
+        return f"error: {name} returned {type(value).__name__} with images inside; return an image, or a list of text and images"
 
 
 class CallTools:
     """`EpisodeSteps` for `env=tools`: each reply's tool calls run in call workers; a reply without one ends the episode."""
 
-    def __init__(self, env_cfg: EnvConfig, tokenizer, start_workers: bool = True) -> None:
+    def __init__(self, env_cfg: EnvConfig, tokenizer, start_workers: bool = True, observations: ObservationRenderer | None = None) -> None:
         self.cfg, self.tokenizer = env_cfg, tokenizer
+        self.observations = observations if observations is not None else ObservationRenderer(tokenizer)
         self.paths, self.schemas = tool_schemas(list(env_cfg.tools))
         self.prompts = ToolPrompts(tokenizer, self.schemas, env_cfg.describe_tools)
         self.native = template_renders_tools(tokenizer)
         self.timeout_s = float(env_cfg.timeout_s) if env_cfg.timeout_s else None
-        self.pool = CallPool(env_cfg.workers, list(self.paths.values()), "tool", env_cfg.max_concurrency)
+        self.pool = CallPool(env_cfg.workers, [CALL_TOOL, *self.paths.values()], "tool", env_cfg.max_concurrency)
         if start_workers:  # else on the first call
             self.pool.start()
 
@@ -166,13 +183,13 @@ class CallTools:
         for tool_calls in parsed:
             for c in tool_calls:
                 if c.arguments is not None and c.name in self.paths:
-                    calls.append(Call(self.paths[c.name], c.arguments))
+                    calls.append(Call(CALL_TOOL, {"tool": self.paths[c.name], "arguments": c.arguments}))
         results = iter(self.pool.run(calls, self.timeout_s, deadline) if calls else [])
         for e, tool_calls in zip(episodes, parsed, strict=True):
             if not tool_calls:
                 e.done, e.ended_by_env = True, True
                 continue
-            answers = []
+            answers: list[tuple[str, Content]] = []
             for c in tool_calls:
                 e.tool_calls += 1
                 if c.arguments is None:
@@ -183,9 +200,9 @@ class CallTools:
                     result = next(results)
                     e.timeouts += result.failure == "timeout"
                     e.errors += result.failure is not None and result.failure != "timeout"
-                    answers.append((c.name, result_text(result, c.name, self.timeout_s)))
-            ids = observation_ids(self.tokenizer, self._observation(e, answers), "a tool result")
-            e.append(ids[: self.cfg.max_total_tokens - len(e.tokens)], None)
+                    answers.append((c.name, result_content(result, c.name, self.timeout_s)))
+            seen = self.observations.render(self._observation(e, answers), "a tool result", e.chat, e.open_reply())
+            e.observe(seen, self.cfg.max_total_tokens - len(e.tokens), self.observations.image_token_id)
 
     def check(self, episodes: list[Episode]) -> None:
         """A failed tool call is the model's feedback (an error observation), never a reason to stop."""
@@ -193,8 +210,20 @@ class CallTools:
     def close(self) -> None:
         self.pool.close()
 
-    def _observation(self, e: Episode, answers: list[tuple[str, str]]) -> str | list[dict[str, str]]:
+    def _observation(self, e: Episode, answers: list[tuple[str, Content]]) -> Any:
+        """The results as the template's tool messages (a chat prompt whose template renders tools),
+        else `<tool_response>` blocks: in a user message (a chat prompt) or as text."""
         if e.chat and self.native:
-            return [{"role": "tool", "name": name, "content": content} for name, content in answers]
-        text = "".join(f"{RESPONSE_OPEN}{content}{RESPONSE_CLOSE}" for _, content in answers)
-        return [{"role": "user", "content": text}] if e.chat else text
+            return [{"role": "tool", "name": name, "content": parts(content)} for name, content in answers]
+        segments: list = []
+        for _, content in answers:
+            segments += [RESPONSE_OPEN, *(content if isinstance(content, list) else [content]), RESPONSE_CLOSE]
+        if not any(map(is_image, segments)):
+            text = "".join(segments)
+            return [{"role": "user", "content": text}] if e.chat else text
+        return [{"role": "user", "content": [segment_part(v) for v in segments]}] if e.chat else segments
+
+
+def parts(content: Content) -> str | list[dict[str, Any]]:
+    """A tool message's content: its text, or content parts where it holds images."""
+    return [segment_part(v) for v in content] if isinstance(content, list) else content

@@ -4,7 +4,8 @@ The environment objects live in call workers (rltrain/envs/hosted.py holds them)
 carries the episode's actions so far, so a worker that lost an episode (killed on a timeout) rebuilds
 it by replay. A failed call ends its episode, which scores `reward.on_failure`; more than
 `reward.max_failure_frac` of a phase's episodes failing stops the run with a UserError naming the
-class (docs/environments.md, "Timeouts and rebuilt episodes").
+class (docs/environments.md, "Timeouts and rebuilt episodes"). Observations may hold images
+(docs/vision.md).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 from rltrain.config.group_options import EnvConfig
 from rltrain.config.schema import RewardConfig
 from rltrain.envs.episodes import Episode
-from rltrain.envs.observations import observation_ids
+from rltrain.envs.observations import ObservationRenderer
+from rltrain.envs.wire import from_wire
 from rltrain.runtime.call_pool import Call, CallPool, CallResult
 from rltrain.runtime.errors import UserError
 
@@ -22,10 +24,14 @@ ADVANCE = "rltrain.envs.hosted:advance"
 class HostedEnvironments:
     """`EpisodeSteps` for a user environment class (`env.cls`)."""
 
-    def __init__(self, env_cfg: EnvConfig, reward_cfg: RewardConfig, tokenizer, start_workers: bool = True) -> None:
+    def __init__(
+        self, env_cfg: EnvConfig, reward_cfg: RewardConfig, tokenizer, start_workers: bool = True,
+        observations: ObservationRenderer | None = None,
+    ) -> None:
         if not env_cfg.cls or ":" not in env_cfg.cls:
             raise UserError(f"env=python needs env.cls=package.module:Class (got {env_cfg.cls!r}).")
         self.cfg, self.reward_cfg, self.tokenizer = env_cfg, reward_cfg, tokenizer
+        self.observations = observations if observations is not None else ObservationRenderer(tokenizer)
         self.timeout_s = float(env_cfg.timeout_s) if env_cfg.timeout_s else None
         self.pool = CallPool(env_cfg.workers, [ADVANCE, env_cfg.cls], "environment", env_cfg.max_concurrency)
         if start_workers:  # else on the first call
@@ -74,5 +80,6 @@ class HostedEnvironments:
             e.done, e.ended_by_env = True, True
             return
         if observation is not None:
-            ids = observation_ids(self.tokenizer, observation, f"{self.cfg.cls}.{what}()")
-            e.append(ids[: self.cfg.max_total_tokens - len(e.tokens)], None)
+            where = f"{self.cfg.cls}.{what}()"
+            seen = self.observations.render(from_wire(observation, where), where, e.chat, e.open_reply())
+            e.observe(seen, self.cfg.max_total_tokens - len(e.tokens), self.observations.image_token_id)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 VISION_MODULE_NAMES = ("visual", "vision_tower", "multi_modal_projector", "vision_model", "connector")
 # A regex peft matches against module names: what LoRA must leave alone in a vision-language model.
 VISION_MODULES_PATTERN = r".*\.(" + "|".join(VISION_MODULE_NAMES) + r")\..*"
+PROBE_VALUES = 16  # values of an image's first, middle and last patch that bucket repeated images
 
 
 def is_vision_config(config) -> bool:
@@ -82,12 +83,17 @@ def freeze_vision(lm: nn.Module) -> int:
     return frozen
 
 
-def image_token_id(config) -> int | None:
-    """The token id that stands for one visual token in the prompt (Qwen2-VL's `image_token_id`,
-    LLaVA's `image_token_index`)."""
-    for key in ("image_token_id", "image_token_index"):
-        if (value := getattr(config, key, None)) is not None:
-            return int(value)
+IMAGE_TOKEN_KEYS = ("image_token_id", "image_token_index")
+
+
+def image_token_id(config: Any) -> int | None:
+    """The token id that stands for one visual token in the prompt, of a transformers config or
+    config.json's dict (Qwen2-VL: `image_token_id`, LLaVA and Gemma 3: `image_token_index`); None
+    for a text-only model. The trainer and every rollout engine read it here."""
+    for key in IMAGE_TOKEN_KEYS:
+        value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+        if isinstance(value, int):
+            return value
     return None
 
 
@@ -100,12 +106,85 @@ def grid_model_inputs(inner: PreTrainedModel, input_ids_BT: torch.Tensor, inputs
     grid = inputs["image_grid_thw"]
     marks_BT = inputs["mm_token_type_ids"]
     embeds_BTH = inner.get_input_embeddings()(input_ids_BT)
-    features = inner.get_image_features(inputs["pixel_values"], grid).pooler_output
-    features_NH = torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
+    # The tower sees each distinct image once: a group's completions (a pair's two sides) carry the
+    # same prompt images, and the features are then shared, gradients included (docs/vision.md).
+    pixels, distinct_grid, source = distinct_images(inputs["pixel_values"], grid)
+    output = inner.get_image_features(pixels, distinct_grid).pooler_output
+    if isinstance(output, torch.Tensor):  # one tensor over every image's visual tokens: split per image
+        merge = int(inner.config.vision_config.spatial_merge_size)
+        output = torch.split(output, (distinct_grid.prod(-1) // merge**2).tolist())
+    features = list(output)
+    features_NH = torch.cat([features[i] for i in source])
     slots = marks_BT.bool()[..., None].expand_as(embeds_BTH)
     embeds_BTH = embeds_BTH.masked_scatter(slots, features_NH.to(embeds_BTH.dtype))
-    position_ids, _ = inner.get_rope_index(input_ids_BT, marks_BT, image_grid_thw=grid)
-    return {"inputs_embeds": embeds_BTH, "position_ids": position_ids}
+    return {"inputs_embeds": embeds_BTH, "position_ids": grid_positions(inner, marks_BT, grid)}
+
+
+def grid_positions(inner: PreTrainedModel, marks_BT: torch.Tensor, grid_I3: torch.Tensor) -> torch.Tensor:
+    """M-RoPE positions [3, B, T], as the model's `get_rope_index` gives them, computed once per
+    distinct layout of images: a row's positions depend only on where its images sit and on their
+    grids, and after its last image they rise by one per token. A group's completions share their
+    prompt's layout, so the per-row Python of `get_rope_index` runs once per prompt."""
+    rows, width = marks_BT.shape
+    marked_BT = marks_BT.bool().cpu()
+    images_B = (marked_BT & ~torch.nn.functional.pad(marked_BT[:, :-1], (1, 0))).sum(1).tolist()  # runs = images
+    last_B = torch.where(marked_BT.any(1), width - 1 - marked_BT.flip(1).int().argmax(1), -1).tolist()
+    grids = torch.split(grid_I3, images_B)
+    layouts: dict[tuple, int] = {}
+    kept: list[int] = []  # the first row of each distinct layout
+    layout_B: list[int] = []  # each row's layout, -1 for a row without images
+    for row, last in enumerate(last_B):
+        if last < 0:
+            layout_B.append(-1)
+            continue
+        key = (marked_BT[row, : last + 1].numpy().tobytes(), tuple(grids[row].flatten().tolist()))
+        if key not in layouts:
+            layouts[key] = len(kept)
+            kept.append(row)
+        layout_B.append(layouts[key])
+    out_3BT = torch.arange(width, device=marks_BT.device).expand(3, rows, width).clone()
+    if not kept:
+        return out_3BT
+    # Each layout up to one token past its last image: that token's position starts the text run.
+    span = min(width, max(last_B[r] for r in kept) + 2)
+    marks_UL = marks_BT[kept, :span]
+    grid_U3 = torch.cat([grids[r] for r in kept])
+    positions_3UL = inner.get_rope_index(torch.zeros_like(marks_UL, dtype=torch.long), marks_UL, image_grid_thw=grid_U3)[0]
+    for row, (last, u) in enumerate(zip(last_B, layout_B)):
+        if u < 0:
+            continue
+        out_3BT[:, row, : last + 1] = positions_3UL[:, u, : last + 1]
+        if last + 1 < width:
+            out_3BT[:, row, last + 1 :] += positions_3UL[0, u, last + 1] - (last + 1)
+    return out_3BT
+
+
+def distinct_images(
+    pixel_values_PC: torch.Tensor, grid_I3: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """(the distinct images' patches, their grids, for each image the index of its distinct image).
+    Images come as consecutive runs of patches (`grid.prod()` rows each, Qwen2-VL's layout); two are
+    the same when their grids and patches are exactly equal. A few values of each image's first,
+    middle and last patch bucket the candidates, so only likely duplicates are compared in full."""
+    sizes_I = grid_I3.prod(-1)
+    ends_I = sizes_I.cumsum(0)
+    probes_3I = torch.stack([ends_I - sizes_I, ends_I - (sizes_I + 1) // 2, ends_I - 1])
+    keys = pixel_values_PC[probes_3I.T.reshape(-1), :PROBE_VALUES].reshape(len(sizes_I), -1)
+    images = torch.split(pixel_values_PC, sizes_I.tolist())
+    buckets: dict[tuple, list[int]] = {}
+    kept: list[int] = []  # image index of each distinct image
+    source: list[int] = []
+    for i, key in enumerate(zip(grid_I3.tolist(), keys.tolist())):
+        bucket = buckets.setdefault((*key[0], *key[1]), [])
+        same = next((d for d in bucket if torch.equal(images[kept[d]], images[i])), None)
+        if same is None:
+            same = len(kept)
+            kept.append(i)
+            bucket.append(same)
+        source.append(same)
+    if len(kept) == len(sizes_I):
+        return pixel_values_PC, grid_I3, source
+    return torch.cat([images[i] for i in kept]), grid_I3[kept], source
 
 
 def places_by_grid(inputs: dict[str, torch.Tensor]) -> bool:

@@ -39,8 +39,7 @@ EXAMPLES = [
     ("python -m rltrain algo=sft trainer.nproc=2", "SFT on two local ranks"),
     ("python -m rltrain algo=dpo backend=megatron", "DPO on megatron-core"),
     ("python -m rltrain model.path=DIR data.path=FILE", "your model and data"),
-    ("python -m rltrain algo=sft model=tiny_vl", "a model that sees: docs/vision.md"),
-    ("python -m rltrain +experiment=grpo_vision", "GRPO that must read the picture (2 CPU cores)"),
+    ("python -m rltrain +experiment=NAME", "a recipe above, e.g. grpo_code or grpo_vision"),
     ("python -m rltrain -m optim.lr=1e-3,3e-3", "a sweep: one job per value"),
     ("python -m rltrain algo=dpo --cfg job", "print the composed config (every key); no run"),
 ]

@@ -12,12 +12,13 @@ import shutil
 import sys
 from typing import Any
 
+from rltrain.backends.sequence_classifier import REWARD_HEAD_KEY, is_vision_reward_config
 from rltrain.config import group_options, schema
 from rltrain.config.algorithms import SPECS, AlgoConfig, names_where, spec_of
 from rltrain.config.choices import choices_of
 from rltrain.config.group_options import VLLMRolloutConfig
 from rltrain.config.schema import Config, ModelConfig
-from rltrain.data.tasks import TASK_SIZES
+from rltrain.data.tasks import NO_CODE_PAIRS, TASK_SIZES
 from rltrain.preflight.compose_errors import added_keys
 from rltrain.preflight.sources import (
     check_revision,
@@ -236,6 +237,8 @@ def validate_data(cfg: Config) -> None:
             f"data.num_eval={data.num_eval} must be between 1 and {size - 1}: the built-in {data.task!r} task has "
             f"{size:,} problems and holds that many out for evaluation."
         )
+    if data.path is None and data.task == "code" and spec_of(cfg.algo.name).data in ("preferences", "unpaired"):
+        raise UserError(NO_CODE_PAIRS.format(task=data.task))
     carry_keys: dict[str, tuple[Any, str]] = {
         "data.max_carry_problems": (data.max_carry_problems, "null"),
         "model.sft_carry_problems": (cfg.model.sft_carry_problems, "null"),
@@ -327,24 +330,38 @@ def validate_reward_model(rm, algo_name: str) -> None:
         )
     check_revision("reward_model", rm)
     hf_config = read_hf_config("reward_model.path", rm.path, "use reward_model=none", rm.revision)
-    architectures = hf_config.get("architectures") or []
-    if not any(str(name).endswith("ForSequenceClassification") for name in architectures):
-        raise UserError(
-            f"reward_model.path={rm.path!r} is not a sequence classifier (its config.json lists architectures "
-            f"{architectures}): loaded as one, its score head would be freshly random. Give a model saved from "
-            "AutoModelForSequenceClassification with num_labels=1."
-        )
-    labels = len(hf_config.get("id2label") or {}) or int(hf_config.get("num_labels", 2))
-    if labels != 1:
-        raise UserError(
-            f"reward_model.path={rm.path!r} has {labels} output labels; a reward model gives one score per text "
-            "(num_labels=1). Use a reward model, not a multi-class classifier."
-        )
+    check_reward_model_config(rm.path, hf_config)
     if not math.isfinite(rm.weight):
         raise UserError(f"reward_model.weight={rm.weight} must be a finite number (its factor in the total reward).")
     for key in ("batch_size", "max_length"):
         if getattr(rm, key) < 1:
             raise UserError(f"reward_model.{key}={getattr(rm, key)} must be at least 1.")
+
+
+def check_reward_model_config(path: str, hf_config: dict) -> None:
+    """A one-output sequence classifier, or a vision-language reward model (algo=rm's final/: the
+    model plus `score.safetensors`, docs/vision.md)."""
+    if is_vision_reward_config(hf_config):
+        return
+    architectures = hf_config.get("architectures") or []
+    if "vision_config" in hf_config:
+        raise UserError(
+            f"reward_model.path={path!r} is a vision-language model without a reward head (its config.json has no "
+            f"{REWARD_HEAD_KEY!r}): loaded as a reward model, its head would be freshly random. Give the final/ of an "
+            "algo=rm run on that model (the model plus score.safetensors) (docs/vision.md)."
+        )
+    if not any(str(name).endswith("ForSequenceClassification") for name in architectures):
+        raise UserError(
+            f"reward_model.path={path!r} is not a sequence classifier (its config.json lists architectures "
+            f"{architectures}): loaded as one, its score head would be freshly random. Give a model saved from "
+            "AutoModelForSequenceClassification with num_labels=1, or a vision-language reward model (algo=rm's final/)."
+        )
+    labels = len(hf_config.get("id2label") or {}) or int(hf_config.get("num_labels", 2))
+    if labels != 1:
+        raise UserError(
+            f"reward_model.path={path!r} has {labels} output labels; a reward model gives one score per text "
+            "(num_labels=1). Use a reward model, not a multi-class classifier."
+        )
 
 
 def validate_vllm(rollout: VLLMRolloutConfig) -> None:

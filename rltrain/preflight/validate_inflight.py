@@ -19,15 +19,24 @@ def validate_in_flight(cfg: Config) -> None:
             raise UserError(
                 "placement.stream=true hands the trainer the first groups to complete while the engine keeps generating, "
                 "which needs an engine that takes new weights between its decoding steps. Add placement.weight_update=in_flight "
-                "(with rollout=vllm rollout.process=separate and placement.max_staleness >= 1), or set placement.stream=false."
+                "(with rollout=vllm rollout.process=separate or rollout=server, and placement.max_staleness >= 1), or set "
+                "placement.stream=false."
             )
         return  # between batches the schedule is deterministic already, with or without placement.deterministic
     vllm = as_option("rollout", cfg.rollout, VLLMRolloutConfig)
-    if vllm is None or vllm.process != "separate":
+    servers = cfg.rollout.name == "server"
+    if not servers and (vllm is None or vllm.process != "separate"):
         raise UserError(
-            f"placement.weight_update=in_flight needs the engine in its own process, driven step by step: rollout=vllm "
-            f"rollout.process=separate (rollout={cfg.rollout.name} does not load weights between decoding steps here). "
-            "Add rollout=vllm rollout.process=separate, or set placement.weight_update=between_batches."
+            f"placement.weight_update=in_flight needs an engine beside the trainer that loads weights between its decoding "
+            f"steps: rollout=vllm rollout.process=separate, or rollout=server (rollout={cfg.rollout.name} shares the "
+            "trainer's process). Add one of them, or set placement.weight_update=between_batches."
+        )
+    if servers and p.deterministic:
+        raise UserError(
+            "placement.deterministic=true loads each version at a decoding step fixed by counts, which only the separate "
+            "engine's own step loop can do: vLLM's API servers (rollout=server) schedule their own steps, so which tokens a "
+            "version samples there depends on timing (docs/async.md). Set placement.deterministic=false (the per-token "
+            "staleness bound holds either way), or use rollout=vllm rollout.process=separate."
         )
     if p.max_staleness < 1:
         raise UserError(
@@ -53,6 +62,8 @@ def _refuse_unsupported(cfg: Config) -> None:
         raise UserError(f"placement.weight_update=in_flight does not resample groups (algo.dynamic_sampling=true). Set algo.dynamic_sampling=false, {fix}")
     if cfg.trainer.nproc != 1:
         raise UserError(
-            f"placement.weight_update=in_flight drives one engine, for one trainer rank; trainer.nproc={cfg.trainer.nproc}. "
+            f"placement.weight_update=in_flight streams one trainer rank's groups; trainer.nproc={cfg.trainer.nproc}. With "
+            "several ranks each would fill its own batches in completion order, and a version pushed mid-generation "
+            "would have to reach every rank's requests at one decoding step, which is not built (docs/async.md). "
             f"Set trainer.nproc=1, {fix}"
         )

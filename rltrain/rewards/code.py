@@ -126,25 +126,34 @@ def cases_of(code: str, row: dict[str, Any]) -> list[Case]:
 
 
 def run_tests(completions: list[str], columns: dict[str, list], settings: CodeSettings) -> list[Tally]:
-    """Every completion's cases, `reward.sandbox.workers` executions at once. A completion with a
-    case past its time skips its cases not yet started (they fail): looping code costs one timeout."""
+    """Every completion's cases, `reward.sandbox.workers` executions at once; identical executions
+    (a group's identical completions on one case) run once, each copy getting its outcome. A
+    completion with a case past its time skips its cases not yet started (they fail): looping code
+    costs one timeout."""
     sandbox = sandbox_for(settings.sandbox)
     rows = [{k: v[i] for k, v in columns.items()} for i in range(len(completions))]
     marker = current_end_marker()
     all_cases = [cases_of(extract_code(c, marker), row) for c, row in zip(completions, rows, strict=True)]
+    owners = [i for i, cases in enumerate(all_cases) for _ in cases]
+    executions = [case.execution for cases in all_cases for case in cases]
+    copies: dict[tuple[str, str, bool], list[int]] = {}  # one execution -> the indices of its copies
+    for i, e in enumerate(executions):
+        copies.setdefault((e.program, e.stdin, e.exit_ends), []).append(i)
     timed_out: set[int] = set()
 
-    def run(owner: int, execution: Execution) -> Outcome:
-        if owner in timed_out:
+    def run(indices: list[int]) -> Outcome:
+        whose = {owners[i] for i in indices}
+        if whose <= timed_out:
             return Outcome("timeout", "", "skipped: an earlier case of this completion ran out of time")
-        outcome = sandbox.run(execution)
+        outcome = sandbox.run(executions[indices[0]])
         if outcome.status == "timeout":
-            timed_out.add(owner)
+            timed_out.update(whose)
         return outcome
 
-    owners = [i for i, cases in enumerate(all_cases) for _ in cases]
     with ThreadPoolExecutor(settings.sandbox.workers, thread_name_prefix="rltrain-sandbox") as pool:
-        flat = list(pool.map(run, owners, [case.execution for cases in all_cases for case in cases]))
+        ran = list(pool.map(run, copies.values()))
+    outcome_of = {i: outcome for indices, outcome in zip(copies.values(), ran, strict=True) for i in indices}
+    flat = [outcome_of[i] for i in range(len(executions))]
     scored, start = [], 0
     for cases in all_cases:
         outcomes = flat[start : start + len(cases)]

@@ -17,6 +17,8 @@ import torch
 class SequenceClassifierReward:
     """`fn(prompts, completions, **columns) -> list[float]`: one score per prompt + completion."""
 
+    reads_images = False  # a text classifier (a vision-language one: rewards/vision_model_reward.py)
+
     def __init__(self, path: str | Path, device: torch.device, dtype: torch.dtype, batch_size: int, max_length: int) -> None:
         from transformers import AutoModelForSequenceClassification
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from math import isfinite
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from rltrain.config.algorithms import spec_of
 from rltrain.config.schema import Config, RewardConfig
 from rltrain.rewards.code import COUNTED as CODE_COUNTED
 from rltrain.rewards.code import METRICS as CODE_METRICS
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     import torch
 
     from rltrain.rewards.model_reward import SequenceClassifierReward
+    from rltrain.rewards.vision_model_reward import VisionSequenceReward
     from rltrain.sync.timeshare import HostOffloadable
 
 # Functions whose worker-side twin returns {"rewards": [...], "metrics": {name: [...]}}: the twin's
@@ -41,6 +43,7 @@ REPORTING = {"rltrain.rewards.code:tests_pass": ("rltrain.rewards.code:tests_pas
 BUILTIN_FOR_TASK = {
     "addition": "rltrain.rewards.builtin:addition_reward",
     "multiplication": "rltrain.rewards.builtin:exact_match",  # the tool task: the product, exactly
+    "code": "rltrain.rewards.code:tests_pass",  # the code task: its hidden cases, in the sandbox
     "colours": "rltrain.rewards.builtin:exact_match",  # the visual task: the colour's name, exactly
 }
 
@@ -52,6 +55,7 @@ class RewardFn:
     fn: Callable
     weight: float
     device_model: HostOffloadable | None = None  # a model it holds on the training device (time sharing moves it)
+    reads_images: bool = False  # called with each row's prompt images (`prompt_images`, a vision reward model)
 
     @property
     def call_path(self) -> str:
@@ -83,9 +87,7 @@ def build_reward_fns(cfg: Config, device: torch.device) -> list[RewardFn]:
     """The run's reward functions: `reward.fns` (the built-in task's reward when empty and the data
     is built in), plus the reward model named `model` when `reward_model=hf`, loaded on `device`."""
     reward_cfg, rm = cfg.reward, cfg.reward_model
-    paths = list(reward_cfg.fns)
-    if not paths and cfg.data.path is None:
-        paths = [BUILTIN_FOR_TASK[cfg.data.task]]
+    paths = reward_paths(cfg)
     if not paths and rm.path is None:
         raise UserError(
             "GRPO on a user dataset needs reward functions: set reward.fns=[package.module:function] "
@@ -99,26 +101,42 @@ def build_reward_fns(cfg: Config, device: torch.device) -> list[RewardFn]:
     check_reward_needs(cfg)
     if rm.path is not None:
         model = load_reward_model(cfg, device)
-        fns.append(RewardFn("model", f"reward_model.path={rm.path}", model, float(rm.weight), device_model=model))
+        fns.append(RewardFn("model", f"reward_model.path={rm.path}", model, float(rm.weight), device_model=model,
+                            reads_images=model.reads_images))
     return fns
+
+
+def reward_paths(cfg: Config) -> list[str]:
+    """The run's reward functions' paths: `reward.fns`, or the built-in task's reward when that is
+    empty and the data is built in."""
+    paths = list(cfg.reward.fns)
+    return paths if paths or cfg.data.path is not None else [BUILTIN_FOR_TASK[cfg.data.task]]
 
 
 def check_reward_needs(cfg: Config) -> None:
     """What the chosen functions need from this machine, checked at start: the code reward's
-    sandbox (bwrap installed, its settings sane)."""
-    if any(path in REPORTING for path in cfg.reward.fns):
+    sandbox (bwrap installed, its settings sane). Only for an algorithm that scores samples."""
+    if spec_of(cfg.algo.name).rewards and any(path in REPORTING for path in reward_paths(cfg)):
         check_sandbox(cfg.reward.sandbox)
 
 
-def load_reward_model(cfg: Config, device: torch.device) -> SequenceClassifierReward:
-    """The reward model of `reward_model.path` in the run's compute dtype (rewards/model_reward.py)."""
+def load_reward_model(cfg: Config, device: torch.device) -> SequenceClassifierReward | VisionSequenceReward:
+    """The reward model of `reward_model.path` in the run's compute dtype: a sequence classifier
+    (rewards/model_reward.py), or a vision-language model's with its head's file, which reads
+    each row's images (rewards/vision_model_reward.py)."""
+    import json
+
+    from rltrain.backends.sequence_classifier import is_vision_reward_config
     from rltrain.config.hub import local_model_dir
     from rltrain.rewards.model_reward import SequenceClassifierReward
+    from rltrain.rewards.vision_model_reward import VisionSequenceReward
     from rltrain.runtime.precision import resolve_precision
 
     rm = cfg.reward_model
     dtype = resolve_precision(cfg.trainer.precision, device).compute_dtype
     directory = local_model_dir("reward_model.path", rm.path, rm.revision)
+    if is_vision_reward_config(json.loads((directory / "config.json").read_text())):
+        return VisionSequenceReward(directory, device, dtype, rm.batch_size, rm.max_length)
     return SequenceClassifierReward(directory, device, dtype, rm.batch_size, rm.max_length)
 
 
@@ -185,10 +203,12 @@ class RewardScorer:
         return list(dict.fromkeys([rf.name for rf in self.fns] + [m for rf in self.fns for m in rf.metrics]))
 
     def score(
-        self, prompts: list[str], completions: list[str], columns: dict[str, list], groups: list[int]
+        self, prompts: list[str], completions: list[str], columns: dict[str, list], groups: list[int],
+        images: list[list] | None = None,
     ) -> tuple[dict[str, list[float]], Failures]:
         """Each function's rewards (one float per completion), each reported metric's values, and
-        the samples that failed."""
+        the samples that failed. `images`: each completion's prompt images (PIL, as the rollout
+        engine saw them), for a reward model that reads them; user functions get the columns only."""
         failures = Failures()
         if not completions:
             return {name: [] for name in self.series_names()}, failures  # an empty slice: nothing is called
@@ -206,7 +226,7 @@ class RewardScorer:
             self._collect(rf, bounds, results[i * len(bounds) : (i + 1) * len(bounds)], len(completions), failures, out)
         for rf in self.fns:
             if rf.device_model is not None:
-                out[rf.name] = in_process(rf, prompts, completions, columns)
+                out[rf.name] = in_process(rf, prompts, completions, columns, images)
         return {name: out[name] for name in self.series_names()}, failures
 
     def _collect(
@@ -247,9 +267,13 @@ class RewardScorer:
             self.pool.close()
 
 
-def in_process(rf: RewardFn, prompts: list[str], completions: list[str], columns: dict[str, list]) -> list[float]:
-    """The reward model (our code, on the training device): called directly, its output checked."""
-    values: Any = rf.fn(prompts=prompts, completions=completions, **columns)
+def in_process(
+    rf: RewardFn, prompts: list[str], completions: list[str], columns: dict[str, list], images: list[list] | None = None
+) -> list[float]:
+    """The reward model (our code, on the training device): called directly, its output checked;
+    one that reads images gets each completion's prompt images as `prompt_images`."""
+    seen = {"prompt_images": images} if rf.reads_images else {}
+    values: Any = rf.fn(prompts=prompts, completions=completions, **{**columns, **seen})
     checked, _, problem = checked_values(CallResult(value=values), len(completions), None)
     if checked is None:
         raise UserError(f"reward function {rf.path!r} {problem}.")

@@ -37,6 +37,9 @@ class Completion:
     # The policy version that sampled it, as the server reported it (rollout=server); None for an
     # engine beside the trainer, whose weights are the ones the schedule delivered.
     version: int | None = None
+    # The images of the sequence, in placeholder order, where they are not the row's (an episode
+    # whose observations or agent messages carried images; rltrain/envs). None: the row's.
+    images: list | None = None
 
 
 class RolloutEngine(Protocol):

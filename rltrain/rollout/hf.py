@@ -16,9 +16,10 @@ import torch
 
 from rltrain.config.group_options import HFRolloutConfig
 from rltrain.config.run_context import RunContext
+from rltrain.models.vision import image_token_id
 from rltrain.rollout.base import Completion, SamplingSettings, exclusive
 from rltrain.rollout.hf_images import ImageInputs
-from rltrain.rollout.images import PromptImages, image_token_id
+from rltrain.rollout.images import PromptImages
 from rltrain.runtime.precision import resolve_precision
 
 if TYPE_CHECKING:

@@ -27,10 +27,25 @@ class ImageInputs:
         self.processor: Any = AutoImageProcessor.from_pretrained(str(model_dir))
         self.image_token_id = image_token_id
         self.merge = int(self.processor.merge_size)  # visual tokens are merge x merge patches
+        # The last call's distinct image objects and their tensors: `expand` and `tensors` of one
+        # generate see the same images. Holding the objects keeps their ids from being reused.
+        self._last: tuple[list[Any], dict[str, torch.Tensor]] = ([], {})
 
     def pixels(self, images: Sequence[Any]) -> dict[str, torch.Tensor]:
         """`pixel_values` and `image_grid_thw` of `images`, in order."""
         return dict(self.processor(images=list(images), return_tensors="pt"))
+
+    def distinct_pixels(self, images: Sequence[Any]) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """(for each image the index of its distinct object, `pixels` of the distinct objects): a
+        prompt's `n` sampled rows repeat its images, and resizing costs as much as the tower here."""
+        first: dict[int, int] = {}
+        source = [first.setdefault(id(image), len(first)) for image in images]
+        distinct = list({id(image): image for image in images}.values())
+        seen, out = self._last
+        if len(seen) != len(distinct) or any(a is not b for a, b in zip(seen, distinct)):
+            out = self.pixels(distinct)
+            self._last = (distinct, out)
+        return source, out
 
     def expand(
         self, prompts: Sequence[Sequence[int]], images: Sequence[PromptImages] | None
@@ -38,18 +53,20 @@ class ImageInputs:
         """Each prompt with its placeholders expanded, and per prompt the expanded ids where they
         differ from the prompt given (else None)."""
         check_batch(prompts, images)
+        flat = [image for mine in images or [] for image in mine]
+        source, out = self.distinct_pixels(flat) if flat else ([], {})
+        grids = iter(out["image_grid_thw"][source]) if flat else iter(())
         rows, expanded = [], []
         for i, ids in enumerate(prompts):
             row = [int(t) for t in ids]
             mine = images[i] if images else []
             if mine:
-                row = self._expand_row(i, row, mine)
+                row = self._expand_row(i, row, mine, [next(grids) for _ in mine])
             rows.append(row)
             expanded.append(row if row != list(ids) else None)
         return rows, expanded
 
-    def _expand_row(self, index: int, ids: list[int], images: PromptImages) -> list[int]:
-        grid = self.pixels(images)["image_grid_thw"]
+    def _expand_row(self, index: int, ids: list[int], images: PromptImages, grid: list[torch.Tensor]) -> list[int]:
         per_image = [int(g.prod()) // self.merge**2 for g in grid]
         given = sum(t == self.image_token_id for t in ids)
         runs = placeholder_runs(ids, self.image_token_id)
@@ -70,4 +87,14 @@ class ImageInputs:
         if not flat:
             return {}
         mm_BT = ((ids_BT == self.image_token_id) & mask_BT.bool()).long()
-        return {**self.pixels(flat), "mm_token_type_ids": mm_BT}
+        return {**self.repeated_pixels(flat), "mm_token_type_ids": mm_BT}
+
+    def repeated_pixels(self, images: Sequence[Any]) -> dict[str, torch.Tensor]:
+        """`pixels(images)`, each distinct image object processed once (`distinct_pixels`)."""
+        source, out = self.distinct_pixels(images)
+        if source == list(range(len(images))):  # nothing repeated
+            return out
+        if set(out) != {"pixel_values", "image_grid_thw"}:  # not a patch-grid layout: rows by image
+            return self.pixels(images)
+        patches = torch.split(out["pixel_values"], out["image_grid_thw"].prod(-1).tolist())
+        return {"pixel_values": torch.cat([patches[i] for i in source]), "image_grid_thw": out["image_grid_thw"][source]}

@@ -18,26 +18,16 @@ import io
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from rltrain.models.vision import (
+    image_token_id as image_token_id,  # defined once there; rollout/server/images.py reads it from here
+)
+
 if TYPE_CHECKING:
     from PIL.Image import Image
 
 # One prompt's images, in the order of its placeholders; a batch has one entry per prompt.
 PromptImages = Sequence["Image"]
 DATA_URL_PREFIX = "data:image/png;base64,"
-
-
-IMAGE_TOKEN_KEYS = ("image_token_id", "image_token_index")
-
-
-def image_token_id(hf_config: Any) -> int | None:
-    """The placeholder token of a vision-language config, a transformers config or config.json's
-    dict (Qwen2-VL: `image_token_id`, LLaVA and Gemma 3: `image_token_index`); None for a
-    text-only model."""
-    for key in IMAGE_TOKEN_KEYS:
-        value = hf_config.get(key) if isinstance(hf_config, dict) else getattr(hf_config, key, None)
-        if isinstance(value, int):
-            return value
-    return None
 
 
 def check_batch(prompts: Sequence[Sequence[int]], images: Sequence[PromptImages] | None) -> None:

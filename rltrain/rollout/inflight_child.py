@@ -15,33 +15,23 @@ from __future__ import annotations
 import select
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rltrain.rollout.inflight_schedule import Group, TakeBook, admit_count, due_step
+from rltrain.rollout.inflight_schedule import (
+    Group,
+    StreamOptions,
+    TakeBook,
+    admit_count,
+    due_step,
+    may_enter,
+    submitted_group,
+)
 from rltrain.transport.wire import PeerClosed
 
 if TYPE_CHECKING:
     from rltrain.rollout.separate import ControlChannel
     from rltrain.rollout.vllm import VLLMRolloutEngine
     from rltrain.transport.receiver import WeightReceiver
-
-
-@dataclass
-class StreamOptions:
-    """What `stream_open` carries (rltrain/algos/rl/inflight_rollouts.py sends it)."""
-
-    stream: bool
-    deterministic: bool
-    max_staleness: int
-    per_step: int
-    group_size: int
-    lag_steps: int
-    version: int  # the version the engine holds now (the trainer's at the first step of this process)
-    first_step: int
-    expected_groups: int  # prompts the trainer will submit in all (a deterministic run waits for them)
-    eval_versions: list[int] = field(default_factory=list)  # versions after which an evaluation follows
-    sampling: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, max_new_tokens, stop_token_ids
 
 
 class StreamLoop:
@@ -116,12 +106,7 @@ class StreamLoop:
         return self.opts.per_step * (self.opts.max_staleness + 1)
 
     def _open_for(self, step: int) -> bool:
-        """Whether a group may enter now: without streaming, step s's prompts enter once version
-        s - 1 - k is loaded (the bound then holds by construction); streaming, any prompt enters
-        while a group started now could still train in the batch being filled (else it would only
-        be generated to be dropped: the engine waits for the next version instead)."""
-        target = self.book.filling if self.opts.stream else step
-        return self.version >= target - 1 - self.opts.max_staleness
+        return may_enter(self.version, step, self.book.filling, self.opts.stream, self.opts.max_staleness)
 
     # --- messages -------------------------------------------------------------------------------
 
@@ -147,15 +132,10 @@ class StreamLoop:
             self.weights[self.version + 1 + len(self.weights)] = list(self.receiver.receive(copy=True))
             if not self.opts.deterministic:
                 self._apply_versions(idle=True)  # between two decode steps: the requests in flight go on
-        elif op == "submit":  # seeded as the batch generate seeds the same prompt of the same step
-            from rltrain.rollout.vllm import _request_seed
-
+        elif op == "submit":
             for row in message["groups"]:
                 self.keys += 1
-                self.backlog.append(Group(
-                    self.keys, int(row["index"]), int(row["step"]), int(row["position"]), [int(t) for t in row["prompt_ids"]],
-                    _request_seed(int(row["seed"]), int(row["position"]), self.opts.group_size), self.opts.group_size,
-                ))
+                self.backlog.append(submitted_group(row, self.keys, self.opts.group_size))
             self.submitted += len(message["groups"])
         elif op == "take":
             self.take, reply = (request_id, int(message["step"])), None

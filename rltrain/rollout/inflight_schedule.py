@@ -10,6 +10,25 @@ function of counts (groups completed, decode steps taken), which is what makes
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class StreamOptions:
+    """What `stream_open` carries (rltrain/algos/rl/inflight_rollouts.py sends it; the separate engine's
+    loop and the server fleet's stream read it)."""
+
+    stream: bool
+    deterministic: bool
+    max_staleness: int
+    per_step: int
+    group_size: int
+    lag_steps: int
+    version: int  # the version the engine holds now (the trainer's at the first step of this process)
+    first_step: int
+    expected_groups: int  # prompts the trainer will submit in all (a deterministic run waits for them)
+    eval_versions: list[int] = field(default_factory=list)  # versions after which an evaluation follows
+    sampling: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, max_new_tokens, stop_token_ids
 
 
 @dataclass
@@ -50,6 +69,26 @@ class Group:
 
 def _next_seed(seed: int) -> int:
     return (seed * 7_919 + 104_729) % (2**31 - 1)
+
+
+def submitted_group(row: dict[str, Any], key: int, group_size: int) -> Group:
+    """One `submit` row as a group, seeded as the batch `generate` seeds the same prompt of the same
+    step (rltrain/rollout/vllm.py)."""
+    from rltrain.rollout.vllm import _request_seed
+
+    return Group(
+        key, int(row["index"]), int(row["step"]), int(row["position"]), [int(t) for t in row["prompt_ids"]],
+        _request_seed(int(row["seed"]), int(row["position"]), group_size), group_size,
+    )
+
+
+def may_enter(version: int, step: int, filling: int, stream: bool, max_staleness: int) -> bool:
+    """Whether a group of step `step`'s prompts may start under `version`: without streaming once
+    version step - 1 - k is loaded (the bound then holds by construction); streaming, while a group
+    started now could still train in the batch being filled (`filling`), else it would only be
+    generated to be dropped and the engine waits for the next version instead."""
+    target = filling if stream else step
+    return version >= target - 1 - max_staleness
 
 
 def too_stale(oldest_version: int, train_step: int, max_staleness: int) -> bool:

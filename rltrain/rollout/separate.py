@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -27,7 +27,7 @@ import torch
 from rltrain.config.group_options import VLLMRolloutConfig
 from rltrain.config.run_context import RunContext
 from rltrain.rollout.base import Completion, SamplingSettings
-from rltrain.rollout.images import PromptImages, images_to_json
+from rltrain.rollout.images import PromptImages, from_data_url, images_to_json, to_data_url
 from rltrain.runtime.precision import resolve_precision
 from rltrain.runtime.threads import thread_split
 from rltrain.transport.sender import TransportError, WeightSender
@@ -80,7 +80,12 @@ def _config_dict(cfg: VLLMRolloutConfig) -> dict[str, Any]:
 
 
 def completions_to_json(completions: list[Completion]) -> list[dict[str, Any]]:
-    return [asdict(c) for c in completions]
+    """Completions as plain data (an episode's own images as PNG data URLs)."""
+    return [
+        {**{f.name: getattr(c, f.name) for f in fields(c) if f.name != "images"},
+         "images": [to_data_url(im) for im in c.images] if c.images is not None else None}
+        for c in completions
+    ]
 
 
 def completions_from_json(rows: list[dict[str, Any]]) -> list[Completion]:
@@ -93,6 +98,7 @@ def completions_from_json(rows: list[dict[str, Any]]) -> list[Completion]:
             [bool(x) for x in r["sampled"]] if r.get("sampled") is not None else None,
             [int(t) for t in r["prompt_ids"]] if r.get("prompt_ids") is not None else None,
             int(r["version"]) if r.get("version") is not None else None,
+            [from_data_url(url) for url in r["images"]] if r.get("images") is not None else None,
         )
         for r in rows
     ]

@@ -20,8 +20,9 @@ import torch
 
 from rltrain.config.group_options import VLLMRolloutConfig
 from rltrain.config.run_context import RunContext
+from rltrain.models.vision import image_token_id
 from rltrain.rollout.base import Completion, SamplingSettings, exclusive
-from rltrain.rollout.images import PromptImages, check_batch, expanded_prompt, image_token_id, vllm_prompt
+from rltrain.rollout.images import PromptImages, check_batch, expanded_prompt, vllm_prompt
 from rltrain.rollout.vllm_args import engine_kwargs, set_vllm_env
 from rltrain.rollout.vllm_process_state import (
     ProcessStateGuard,

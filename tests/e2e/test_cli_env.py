@@ -9,6 +9,7 @@ uninterrupted result. A configuration this release cannot run multi-turn is refu
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 
 import pytest
@@ -141,3 +142,53 @@ def test_tools_are_called_in_workers_and_a_hung_tool_is_counted_while_the_run_go
     assert sum(r["env/timeouts"] for r in rows) >= 1.0  # the hung calls, counted; the run went on
     evals = [r for r in read_metrics(tmp_path / "run") if "eval/accuracy" in r]
     assert evals and {"eval/reward", "eval/success"} <= set(evals[0])
+
+
+# A chat template with a Qwen3-like rule for earlier turns: an assistant turn followed by more
+# messages is rendered without its thinking block. The random tiny model never writes `</think>`,
+# so this block ends at `~`, which it writes in about one reply in six.
+DROPS_THINKING = (
+    "{% for m in messages %}{{ m['role'][0] | upper }}:{% if m['role'] == 'assistant' and not loop.last %}"
+    "{{ m['content'].split('~')[-1] }}{% else %}{{ m['content'] }}{% endif %}"
+    "{% if m['role'] == 'assistant' %}<eos>{% endif %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+)
+AGAIN = """
+class Again:
+    \"\"\"Three replies, each but the last answered by a user message; reward: their length.\"\"\"
+    def reset(self, **row):
+        self.turns = 0
+
+    def step(self, text):
+        self.turns += 1
+        done = self.turns >= 3
+        return (None if done else [{"role": "user", "content": "again"}]), len(text) / 10, done
+"""
+
+
+def test_a_template_that_drops_earlier_thinking_is_followed_and_every_trained_token_was_sampled_where_trained(tiny_cache, tmp_path):
+    """Each reply the template rewrites is replaced in the next turn's prompt by the template's
+    rendering and trains as its own sequence: train/rollout parity over every sequence proves each
+    trained token is scored on exactly the ids it was sampled after (tests/unit/envs/test_episodes.py
+    has the sequences token for token)."""
+    from rltrain.config.schema import ModelConfig
+    from rltrain.models.tiny import build_tiny_model_dir
+
+    small = {k.split(".")[1]: int(v) for k, v in (a.split("=") for a in SMALL_MODEL)}
+    model = tmp_path / "model"
+    shutil.copytree(build_tiny_model_dir(ModelConfig(**small), seed=0), model)
+    (model / "chat_template.jinja").write_text(DROPS_THINKING)
+    (tmp_path / "again_env.py").write_text(AGAIN)
+    rows = [{"prompt": [{"role": "user", "content": f"{i}?"}]} for i in range(40)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rltrain(
+        "algo=grpo", *QUICK, f"model.path={model}", "rollout=hf", f"data.path={tmp_path / 'chat.jsonl'}", "data.eval_fraction=0",
+        "env=python", "env.cls=again_env:Again", "env.max_turns=3", "env.max_tokens_per_turn=12", "algo.prompts_per_step=8",
+        "algo.group_size=4", "trainer.max_steps=2", "trainer.log_every=1", run_dir=tmp_path / "run", timeout=400,
+        env={"PYTHONPATH": str(tmp_path)},
+    )
+    steps = train_rows(tmp_path / "run")
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["env/turns_mean"] == 3.0 and r["env/errors"] == 0.0, r
+        assert r["rollout/logprob_diff_max"] < 1e-3, r  # the episodes' sequences and the rewritten replies' own
+    assert sum(r["env/history_rewrites"] for r in steps) > 0  # some replies wrote `~`: their thinking was dropped

@@ -1,46 +1,18 @@
 """Vision-language models end to end (`python -m rltrain`): SFT on a local image dataset on one
 rank (its final/ loads with AutoModelForImageTextToText and AutoProcessor), DPO with LoRA on two
 ranks, GRPO sampling with images on vLLM at fp32 parity, and images for a text-only model refused
-(megatron's refusal: tests/unit/models/test_tiny_vl.py)."""
+(megatron's refusal: tests/unit/models/test_tiny_vl.py). KTO, PPO, generating ahead, time sharing
+and resume with images: test_cli_vision_rl.py; the shared image dataset: tests/vision_data.py."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from cli import read_metrics, rltrain, train_rows
+from vision_data import grpo_vision_run, reward_env
 
 pytestmark = pytest.mark.e2e
 
-COLOURS = {"red": (220, 20, 20), "blue": (20, 20, 220), "green": (20, 200, 20)}
-# A reward that differs between samples, so the policy's weights move every step and each step's
-# parity is measured against new weights.
-SPREAD_REWARD = "def spread(prompts, completions, **_):\n    return [len(set(c)) / 8 for c in completions]\n"
 SHORT = ["trainer.max_steps=2", "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "logger.wandb.mode=disabled"]
-
-
-@pytest.fixture(scope="module")
-def image_data(tmp_path_factory):
-    """Colour squares (28 and 56 pixels) as files beside an SFT and a preference jsonl."""
-    from PIL import Image
-
-    root = tmp_path_factory.mktemp("vision_data")
-    (root / "imgs").mkdir()
-    sft, pref = [], []
-    names = list(COLOURS)
-    for i in range(8):
-        name = names[i % 3]
-        Image.new("RGB", (28, 28) if i % 2 else (56, 56), COLOURS[name]).save(root / "imgs" / f"{i}.png")
-        sft.append({"images": [f"imgs/{i}.png"], "prompt": "<image>Colour? ", "completion": name})
-        pref.append({"images": [f"imgs/{i}.png"], "prompt": "<image>Colour? ", "chosen": name, "rejected": names[(i + 1) % 3]})
-    # GRPO's prompts: one image, or two of different sizes
-    prompts = [{"images": [f"imgs/{i}.png"] + ([f"imgs/{i + 1}.png"] if i % 2 else []),
-                "prompt": "<image>" * (1 + i % 2) + "Colour? "} for i in range(7)]
-    (root / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in prompts))
-    (root / "spread_reward.py").write_text(SPREAD_REWARD)
-    (root / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in sft))
-    (root / "pref.jsonl").write_text("\n".join(json.dumps(r) for r in pref))
-    return root
 
 
 def test_sft_on_images_writes_a_model_transformers_loads_with_its_processor(tiny_cache, image_data, tmp_path):
@@ -67,11 +39,8 @@ def test_dpo_with_lora_on_two_ranks(tiny_cache, image_data, tmp_path):
     assert any("dpo/accuracy" in r for r in read_metrics(run_dir))
 
 
-def test_grpo_samples_with_each_prompts_images_on_vllm_at_fp32_parity(tiny_cache, image_data, tmp_path):
-    run_dir = tmp_path / "run"
-    rltrain("algo=grpo", "model=tiny_vl", f"data.path={image_data / 'prompts.jsonl'}", "reward.fns=[spread_reward:spread]",
-            "algo.prompts_per_step=4", "algo.group_size=2", "trainer.max_steps=2", "trainer.eval_every=0", "data.num_eval=2",
-            "logger.wandb.mode=disabled", "optim.lr=1e-2", run_dir=run_dir, env={"PYTHONPATH": str(image_data)}, timeout=600)
+def test_grpo_samples_with_each_prompts_images_on_vllm_at_fp32_parity(shared_runs, image_data):
+    run_dir = shared_runs.get(*grpo_vision_run(image_data), env=reward_env(image_data), timeout=600)
     rows = train_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:  # the engine's log-probabilities of its own samples, given the same images, are the trainer's

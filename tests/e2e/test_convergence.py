@@ -274,6 +274,23 @@ def test_grpo_calculator_learns_to_call_its_tool(tiny_cache, tmp_path, seed):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
+def test_grpo_code_raises_the_heldout_pass_rate(tiny_cache, tmp_path, seed):
+    """`+experiment=grpo_code` (docs/rewards-and-roles.md, "The built-in code task"): the held-out
+    pass rate (`eval/reward`: greedy, the fraction of hidden asserts passed in the sandbox) rises by
+    at least 0.15 over its SFT start's (step 0) by step 30, as measured with one thread per rank
+    (measured: 0.46 -> 1.0 and 0.455 -> 0.995 on seeds 0 and 1, seed 1 flat until step 10)."""
+    run_dir = tmp_path / "run"
+    rltrain("+experiment=grpo_code", f"trainer.seed={seed}", "trainer.num_threads=1", "logger.wandb.mode=disabled",
+            "trainer.save_every=0", "trainer.progress=lines", run_dir=run_dir, timeout=3600)
+    rows = read_metrics(run_dir)
+    evals = [r for r in rows if "eval/reward" in r]
+    assert [r["step"] for r in evals] == [0, 10, 20, 30], evals
+    assert evals[-1]["eval/reward"] - evals[0]["eval/reward"] >= 0.15, evals
+    assert all(r["reward/timeouts"] == r["reward/errors"] == 0.0 for r in rows if "reward/timeouts" in r)  # the reward calls never failed
+
+
+@pytest.mark.slow
 def test_agent_calculator_learns_as_grpo_calculator_does(tiny_cache, tmp_path):
     """The same task, start and settings as above, the episodes played by an OpenAI-client agent
     behind the run's endpoint (env=agent): it reaches what grpo_calculator reaches (docs/agents.md)."""

@@ -22,6 +22,7 @@ from rltrain.config.run_context import RunContext
 from rltrain.envs.agent.runner import AgentRunner
 from rltrain.envs.build import build_episode_runner
 from rltrain.envs.episodes import EpisodeRunner
+from rltrain.models.vision import load_processor
 from rltrain.rewards.scoring import RewardScorer, build_reward_fns
 from rltrain.rewards.thinking import thinking_end_marker
 from rltrain.rollout import build_rollout
@@ -126,7 +127,8 @@ class RLBuilder:
     def episodes(self) -> EpisodeRunner | AgentRunner | None:
         """The environment's episodes (None without one); the worker is registered after them so it
         closes first: a call it runs may use the episodes' workers."""
-        episodes = build_episode_runner(self.cfg, self.ctx.tokenizer, start_workers=self.plays)
+        processor = load_processor(self.ctx.model_dir, self.ctx.tokenizer)  # images in episodes (None: text-only)
+        episodes = build_episode_runner(self.cfg, self.ctx.tokenizer, start_workers=self.plays, processor=processor)
         if episodes is not None:
             self.built.callback(episodes.close)
         if self.worker is not None:
@@ -143,7 +145,7 @@ class RLBuilder:
 
     def in_flight(self, collector: ExperienceCollector, rollout: RolloutEngine) -> InFlightRollouts | None:
         """The trainer's side of an engine that loads versions between decoding steps (the separate
-        engine: validation refuses any other)."""
+        engine, or the server fleet: rltrain/rollout/server/stream.py; validation refuses any other)."""
         cfg = self.cfg
         if cfg.placement.weight_update != "in_flight":
             return None

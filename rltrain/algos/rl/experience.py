@@ -25,7 +25,8 @@ from rltrain.data.prompt_data import PromptRow, build_prompt_data
 from rltrain.data.ragged import Ragged
 from rltrain.data.sampler import IndexStream
 from rltrain.data.sharding import rank_slice, sum_over_replicas
-from rltrain.data.vision_inputs import vision_extras
+from rltrain.data.vision_inputs import VisionInputs, vision_extras
+from rltrain.data.vision_rows import VisionEncoder
 from rltrain.envs.agent.runner import AgentResults, AgentRunner, named_on_every_rank
 from rltrain.envs.episodes import EpisodeResults, EpisodeRunner
 from rltrain.models.vision import load_processor
@@ -155,10 +156,11 @@ class ExperienceCollector:
     ) -> None:
         cfg = ctx.cfg
         self.ctx, self.algo_cfg = ctx, cfg.algo
+        processor = load_processor(ctx.model_dir, ctx.tokenizer)
         self.train_prompts, self.eval_prompts, self.dropped = build_prompt_data(
-            ctx.tokenizer, cfg.data, cfg.trainer.seed, episodes.renderer if episodes is not None else None,
-            load_processor(ctx.model_dir, ctx.tokenizer),
+            ctx.tokenizer, cfg.data, cfg.trainer.seed, episodes.renderer if episodes is not None else None, processor,
         )
+        self.images = VisionEncoder(processor) if processor is not None else None  # an episode's own images (rltrain/envs)
         self.scorer = scorer
         self.reward_fns = scorer.fns
         self.stream = IndexStream(len(self.train_prompts), cfg.trainer.seed)
@@ -213,7 +215,10 @@ class ExperienceCollector:
         owners = [rows[c.prompt_index] for c in completions]
         columns = {key: [r.columns[key] for r in owners] for key in (owners[0].columns if owners else {})}
         groups = [c.prompt_index for c in completions]
-        return self.scorer.score([r.text for r in owners], texts if texts is not None else self.texts(completions), columns, groups)
+        images = [r.images or [] for r in owners] if any(r.images for r in owners) else None  # a vision reward model reads them
+        return self.scorer.score(
+            [r.text for r in owners], texts if texts is not None else self.texts(completions), columns, groups, images
+        )
 
     def weighted(self, per_fn: dict[str, list[float]], n: int) -> torch.Tensor:
         scores_B = torch.zeros(n, dtype=torch.float64, device="cpu")
@@ -281,9 +286,9 @@ class ExperienceCollector:
         """The rewards of `completions` of `rows`: per reward function, the failures and the weighted
         total (with DAPO's overlong term, `reward/overlong`, where `algo.overlong_buffer` is set)."""
         if played is not None:
-            if self.reward_fns:  # env=tools: the episode's answer (its last reply) is scored
-                per_fn, failures = self.rewards(rows, completions, played.final_texts)
-                scores_B = self.weighted(per_fn, len(completions))
+            if self.reward_fns:  # env=tools: the episode's answer (its last reply) is scored, once per episode
+                per_fn, failures = self.rewards(rows, played.completions, played.final_texts)
+                scores_B = self.weighted(per_fn, len(played.completions))
             else:
                 per_fn, failures = {"env": played.returns}, Failures()
                 if isinstance(played, AgentResults):
@@ -313,7 +318,7 @@ class ExperienceCollector:
         env_failures, episode_counts = Failures(), (0.0, 0.0)
         if played is not None:
             env_failures, episode_counts = played.failures, (played.turns, played.tool_calls)
-        env_counts = played.counts if isinstance(played, AgentResults) else {}
+        env_counts = played.counts if isinstance(played, AgentResults) else {"history_rewrites": float(len(played.extra))} if played else {}
         per_fn, failures, scores_B = scored if scored is not None else self.score(rows, completions, played)
         if self.sample_every and step % self.sample_every == 0:  # (an agent's episodes: the first sequence of each)
             self.recorded = first_samples([rows[c.prompt_index].text for c in completions], self.texts(completions), scores_B.tolist())
@@ -324,7 +329,7 @@ class ExperienceCollector:
         global_scores = sum_over_replicas(global_scores, dp_size)
         batch = SequenceBatch.from_lists(
             [c.prompt_ids if c.prompt_ids is not None else rows[c.prompt_index].ids for c in completions], [c.token_ids for c in completions],
-            **vision_extras([rows[c.prompt_index].vision for c in completions]),  # each sequence carries its prompt's images
+            **vision_extras([self.sequence_vision(rows[c.prompt_index], c) for c in completions]),  # each sequence carries its images
         )
         batch.sampled = sampled_mask(completions)
         thinking = sum(thinking_tokens(c.token_ids, self.decode, self.scorer.thinking_end) for c in completions)
@@ -343,6 +348,14 @@ class ExperienceCollector:
             time_rollout=time_rollout, env_failures=env_failures, turns=episode_counts[0], tool_calls=episode_counts[1],
             env_counts=env_counts, staleness=staleness, global_index=global_index,
         )
+
+    def sequence_vision(self, row: PromptRow, completion: Completion) -> VisionInputs | None:
+        """A sequence's images for the trainer: its prompt's, or an episode's own (its observations'
+        or its agent's images, `Completion.images`)."""
+        if completion.images is None:
+            return row.vision
+        assert self.images is not None or not completion.images, "images reach episodes of vision-language models only"
+        return self.images.images_only(completion.images) if self.images is not None else None
 
     def reward_metrics(self, exp: Experience) -> dict[str, float]:
         """`reward/mean`, `reward/std` and `reward/<fn>` over the global batch; `reward/timeouts` and
@@ -366,7 +379,7 @@ class ExperienceCollector:
             out["env/tool_calls_mean"], out["env/success"] = float(means[-8]), float(means[-9])
         for i, name in enumerate(exp.rewards_by_fn):  # a reported count (reward/code_timeouts) is summed
             out[f"reward/{name}"] = float(totals[i] if name in self.scorer.counted else means[i])
-        if isinstance(self.episodes, AgentRunner):  # env/history_rewrites, env/no_calls (every rank has the same names)
+        if self.episodes is not None:  # env/history_rewrites (and env=agent's env/no_calls): every rank has the same names
             names = sorted(exp.env_counts)
             counted = sum_over_replicas(torch.tensor([exp.env_counts[n] for n in names], dtype=torch.float64, device="cpu"), self.policy.world_size)
             out.update({f"env/{n}": float(v) for n, v in zip(names, counted.tolist(), strict=True)})

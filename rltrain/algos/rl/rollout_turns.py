@@ -10,7 +10,7 @@ the experience collector (rltrain/algos/rl/experience.py). docs/agents.md has en
 from __future__ import annotations
 
 from rltrain.data.prompt_data import PromptRow
-from rltrain.envs.agent.runner import AgentResults, AgentRunner
+from rltrain.envs.agent.runner import AgentRunner
 from rltrain.envs.episodes import EpisodeResults, EpisodeRunner
 from rltrain.envs.replica import share_results
 from rltrain.rollout.ahead import RolloutWorker
@@ -31,11 +31,11 @@ def refuse_agent_replica(group: object | None) -> None:
 
 
 def played_sequences(played: EpisodeResults) -> tuple[list[Completion], list[int] | None]:
-    """The sequences the episodes train on and the episode of each: an agent's episode may make
-    several (`Experience.episode_of`); any other episode is one sequence (None)."""
-    if isinstance(played, AgentResults):
-        return played.sequences()
-    return played.completions, None
+    """The sequences the episodes train on and the episode of each (`Experience.episode_of`): an
+    agent's episode may make several, as may an episode whose replies the chat template rewrote.
+    Always a list, on every rank: whether a rank's episodes made extra sequences differs by rank,
+    and the update agrees on its micro-batch counts by a collective where it is set (update.py)."""
+    return played.sequences()
 
 
 class RolloutTurns:

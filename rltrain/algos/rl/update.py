@@ -101,21 +101,35 @@ class ParityProbe:
     """The largest |engine - trainer| log-probability gap and the largest importance ratio seen by
     the loss function this step. A max cannot travel with the summed metrics of `train_step`, so
     the loss reports it here and the step reduces it over ranks (MAX); under pipeline parallelism
-    only the last stage sees any."""
+    only the last stage sees any. The running maxima stay device tensors, read once per step
+    (`max_diff`, `max_ratio`): a read per micro-batch would wait on the device each time."""
 
     def __init__(self) -> None:
-        self.max_diff = 0.0
-        self.max_ratio = 0.0
+        self._diff: torch.Tensor | None = None
+        self._ratio: torch.Tensor | None = None
 
     def reset(self) -> None:
-        self.max_diff = self.max_ratio = 0.0
+        self._diff = self._ratio = None
 
     def observe(self, diffs_N: torch.Tensor) -> None:
         if diffs_N.numel():
-            self.max_diff = max(self.max_diff, float(diffs_N.max()))
+            self._diff = _running_max(self._diff, diffs_N.max())
 
-    def observe_ratio(self, ratio: float) -> None:
-        self.max_ratio = max(self.max_ratio, ratio)
+    def observe_ratio(self, ratio: torch.Tensor) -> None:
+        self._ratio = _running_max(self._ratio, ratio)
+
+    @property
+    def max_diff(self) -> float:
+        return 0.0 if self._diff is None else max(0.0, float(self._diff))
+
+    @property
+    def max_ratio(self) -> float:
+        return 0.0 if self._ratio is None else max(0.0, float(self._ratio))
+
+
+def _running_max(running: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    value = value.detach()
+    return value if running is None else torch.fmax(running, value.to(running.device))  # a NaN is skipped, as max() skipped it
 
 
 def correction_bands(algo_cfg: RLConfig) -> CorrectionBands:

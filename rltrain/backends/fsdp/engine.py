@@ -325,10 +325,11 @@ class FSDPEngine:
     def save_pretrained(self, directory: Path) -> None:
         """A Hugging Face model directory; with LoRA a PEFT adapter directory, plus the merged
         model in `merged/` when `model.lora.save_merged` (docs/lora.md, "Outputs"). A reward model
-        is written as a sequence classifier with one output, with LoRA its adapters merged; a
-        critic is refused (`export.save_sequence_classifier`)."""
+        is written as a sequence classifier with one output (a vision-language one as its model
+        plus the head's file), with LoRA its adapters merged; a critic is refused
+        (`export.save_sequence_classifier`)."""
         if isinstance(self.scorer, CompletionValuer):
-            export.save_sequence_classifier(directory, self.lm, self.adapters, self.scorer.value_head, self.rank)
+            export.save_sequence_classifier(directory, self.lm, self.adapters, self.scorer.value_head, self.rank, self.tied)
             return
         export.save_pretrained(
             directory, self.lm, self.adapters, self.save_merged, self.tied, self.model_dir, self.rank,

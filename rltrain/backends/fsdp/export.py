@@ -3,7 +3,7 @@
 Each parameter is gathered from its shards on every rank (`full_parameter`, a collective), so
 every rank must exhaust `hf_weights`. With LoRA the adapters are merged into the base, or saved as
 a PEFT adapter directory (docs/lora.md). A reward model is written as a sequence classifier,
-with LoRA its adapters merged.
+with LoRA its adapters merged; a vision-language one as its model directory plus the head's file.
 """
 
 from __future__ import annotations
@@ -15,8 +15,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from rltrain.backends.fsdp.groups import full_parameter
-from rltrain.backends.sequence_classifier import CRITIC_NOT_EXPORTED, write_sequence_classifier
+from rltrain.backends.sequence_classifier import (
+    CRITIC_NOT_EXPORTED,
+    write_score_head,
+    write_sequence_classifier,
+)
 from rltrain.models import lora
+from rltrain.models.vision import is_vision_config
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -64,14 +69,22 @@ def save_pretrained(
 
 
 def save_sequence_classifier(
-    directory: Path, lm: PreTrainedModel, adapters: PeftModel | None, value_head: torch.nn.Linear, rank: int
+    directory: Path, lm: PreTrainedModel, adapters: PeftModel | None, value_head: torch.nn.Linear, rank: int, tied: bool
 ) -> None:
     """A value model as a Hugging Face sequence classifier (rltrain.backends.sequence_classifier);
     with LoRA, the adapters merged into the trunk (a plain classifier, no adapter directory). Only
     a reward model's head is bias-free; a critic's bias has no place in the classifier, so a
-    critic is refused. Collective (every rank gathers); rank 0 writes."""
+    critic is refused. A vision-language model, which has no classifier class, is written as its
+    own model directory (merged) plus the head's file. Collective (every rank gathers); rank 0 writes."""
     if value_head.bias is not None:
         raise TypeError(f"save_pretrained: {CRITIC_NOT_EXPORTED}")
+    if is_vision_config(lm.config):
+        state = dict(hf_weights(lm, adapters, tied))  # collective
+        head_1H = full_parameter(value_head.state_dict()["weight"]).detach()
+        if rank == 0:
+            lm.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
+            write_score_head(directory, head_1H)
+        return
     if adapters is not None:
         weights = lora.merged_weights(lm, full_parameter)
     else:

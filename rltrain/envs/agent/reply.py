@@ -1,6 +1,7 @@
 """Between OpenAI's chat format and the model's tokens (env=agent): the messages a chat template
-renders, a reply cut at the request's `stop` strings, and the reply as an OpenAI choice with
-`tool_calls` read by env=tools' parser (rltrain/envs/tools.py). docs/agents.md, "The endpoint".
+renders (a vision-language model's `image_url` parts as image parts), a reply cut at the request's
+`stop` strings, and the reply as an OpenAI choice with `tool_calls` read by env=tools' parser
+(rltrain/envs/tools.py). docs/agents.md, "The endpoint".
 """
 
 from __future__ import annotations
@@ -14,17 +15,32 @@ from rltrain.envs.agent.endpoint import SERVED_MODEL, ApiError
 from rltrain.envs.tools import CALL_RE, parse_tool_calls
 
 
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def template_content(content: list[Any], sees: bool) -> str | list[dict[str, Any]]:
+    """A message's content parts as chat templates read them: text parts joined; where the model
+    `sees` and the message has `image_url` parts, a list of text parts and `{"type": "image"}`."""
+    kinds = [p.get("type") if isinstance(p, dict) else None for p in content]
+    if any(kind not in ("text", "image_url") for kind in kinds):
+        raise ApiError(400, "only text and image_url content parts are supported (no audio or files)")
+    if "image_url" not in kinds:
+        return "".join(str(p.get("text", "")) for p in content)
+    if not sees:
+        raise ApiError(
+            400, "this run's model is text-only: it cannot read image_url content parts. Train a vision-language model "
+            "(model=tiny_vl, or a model.path that AutoModelForImageTextToText loads), or send text."
+        )
+    return [{"type": "text", "text": str(p.get("text", ""))} if p["type"] == "text" else {"type": "image"} for p in content]
+
+
+def template_messages(messages: list[dict[str, Any]], sees: bool = False) -> list[dict[str, Any]]:
     """OpenAI messages as chat templates read them: content as text ("" for none, text parts
-    joined), and tool-call arguments as objects (templates write them with `tojson`)."""
+    joined; image parts kept where the model `sees`), and tool-call arguments as objects
+    (templates write them with `tojson`)."""
     out = []
     for m in messages:
         m = dict(m)
         content = m.get("content")
         if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise ApiError(400, "only text content parts are supported (no images, audio or files)")
-            content = "".join(str(p.get("text", "")) for p in content)
+            content = template_content(content, sees)
         m["content"] = "" if content is None else content
         if m.get("tool_calls"):
             calls = []
@@ -42,14 +58,16 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, chat_template: str | None) -> str:
+def render(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, chat_template: str | None, sees: bool = False,
+) -> str:
     """The text the model reads for a request: its chat template (or `env.chat_template`) with the
     tools, ending in the generation prompt."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "the model's tokenizer has no chat template to render messages with (set env.chat_template)")
     try:
         return tokenizer.apply_chat_template(
-            template_messages(messages), tools=tools, tokenize=False, add_generation_prompt=True, chat_template=chat_template
+            template_messages(messages, sees), tools=tools, tokenize=False, add_generation_prompt=True, chat_template=chat_template
         )
     except ApiError:
         raise

@@ -7,7 +7,7 @@ thread that owns the engine takes the queued requests in batches, renders their 
 chat template, samples them in one engine call per distinct sampling setting and answers each; every
 token served is recorded (rltrain/envs/agent/record.py). An episode trains on every sequence it made,
 with what its agent returned; one that timed out, raised, returned no number or never called the
-endpoint scores `reward.on_failure`. docs/agents.md tells the story.
+endpoint scores `reward.on_failure`. docs/agents.md tells the story (images: docs/vision.md).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,10 +27,18 @@ from rltrain.data.prompt_data import PromptRow
 from rltrain.envs.agent.endpoint import AgentEndpoint, ApiError, Pending
 from rltrain.envs.agent.record import Chain, Continuation, EpisodeRecord
 from rltrain.envs.agent.reply import choice, completion_body, cut_reply, render
-from rltrain.envs.episodes import TURN_SEED_STRIDE, EpisodeResults, results_from_json, results_to_json
+from rltrain.envs.episodes import (
+    TURN_SEED_STRIDE,
+    EpisodeResults,
+    Generate,
+    results_from_json,
+    results_to_json,
+)
+from rltrain.envs.images import agent_row
+from rltrain.envs.observations import ObservationRenderer
 from rltrain.rewards.scoring import Failures
 from rltrain.rollout.base import Completion, SamplingSettings
-from rltrain.rollout.separate import completions_from_json, completions_to_json
+from rltrain.rollout.server.images import message_images
 from rltrain.runtime.call_pool import Call, CallPool, CallResult
 from rltrain.runtime.distributed import broadcast_str
 from rltrain.runtime.errors import UserError
@@ -49,12 +56,6 @@ class AgentResults(EpisodeResults):
 
     named: dict[str, list[float]] = field(default_factory=dict)  # the agents' named rewards (reward/<name>), per episode
     counts: dict[str, float] = field(default_factory=dict)  # env/history_rewrites, env/no_calls: summed over episodes
-    extra: list[Completion] = field(default_factory=list)
-    extra_episode: list[int] = field(default_factory=list)
-
-    def sequences(self) -> tuple[list[Completion], list[int]]:
-        """Every sequence to train, and the episode of each."""
-        return self.completions + self.extra, list(range(len(self.completions))) + self.extra_episode
 
 
 def played_to_json(played: EpisodeResults) -> dict[str, Any]:
@@ -62,10 +63,7 @@ def played_to_json(played: EpisodeResults) -> dict[str, Any]:
     batch keeps every sequence its episodes made, the episode of each and its named rewards."""
     row = results_to_json(played)
     if isinstance(played, AgentResults):
-        row["agent"] = {
-            "named": played.named, "counts": played.counts, "extra": completions_to_json(played.extra),
-            "extra_episode": played.extra_episode,
-        }
+        row["agent"] = {"named": played.named, "counts": played.counts}
     return row
 
 
@@ -78,7 +76,7 @@ def played_from_json(row: dict[str, Any]) -> EpisodeResults:
         played.completions, played.returns, played.final_texts, played.failures, played.turns, played.tool_calls,
         named={str(k): [float(x) for x in v] for k, v in agent["named"].items()},
         counts={str(k): float(v) for k, v in agent["counts"].items()},
-        extra=completions_from_json(agent["extra"]), extra_episode=[int(i) for i in agent["extra_episode"]],
+        extra=played.extra, extra_episode=played.extra_episode,
     )
 
 
@@ -105,9 +103,6 @@ def named_on_every_rank(results: AgentResults) -> dict[str, list[float]]:
     return {name: results.named.get(name, [0.0] * size) for name in names}
 
 
-Generate = Callable[[list[list[int]], SamplingSettings], list[Completion]]
-
-
 class AgentRunner:
     """Plays a step's agent episodes for one rank: `run(rows, copies, sampling, phase, generate)` as
     rltrain/envs/episodes.py's EpisodeRunner, with `generate` the engine's call on this rank alone."""
@@ -116,11 +111,13 @@ class AgentRunner:
 
     def __init__(
         self, env_cfg: EnvConfig, reward_cfg: RewardConfig, tokenizer: Any, max_new_tokens: int, max_prompt_tokens: int,
-        collective_timeout_s: float, start_workers: bool = True,
+        collective_timeout_s: float, start_workers: bool = True, observations: ObservationRenderer | None = None,
     ) -> None:
         if not env_cfg.agent or ":" not in env_cfg.agent:
             raise UserError(f"env=agent needs env.agent=package.module:function, your agent (got {env_cfg.agent!r}).")
         self.cfg, self.reward_cfg, self.tokenizer = env_cfg, reward_cfg, tokenizer
+        vision = observations if observations is not None else ObservationRenderer(tokenizer)
+        self.encoder, self.image_token = vision.encoder, vision.image_token_id  # a vision-language model's (None: text-only)
         self.turn_tokens = env_cfg.max_tokens_per_turn or max_new_tokens
         self.max_context = max_prompt_tokens + env_cfg.max_total_tokens  # a call's prompt ids at most
         self.timeout_s = float(env_cfg.timeout_s) if env_cfg.timeout_s else None
@@ -141,11 +138,12 @@ class AgentRunner:
         owners = [i for i in range(len(rows)) for _ in range(copies)]
         deadline = time.monotonic() + self.budget_s
         keys = endpoint.open_phase(len(owners), deadline)
-        records = [EpisodeRecord(self.tokenizer) for _ in owners]
+        records = [self._record() for _ in owners]
+        agent_rows = [agent_row(row) for row in rows]
         calls = [
             Call(RUN_EPISODE, {
-                "agent": self.cfg.agent, "base_url": endpoint.base_url(key), "api_key": key,
-                "row": {"prompt": rows[i].messages or rows[i].text, **rows[i].columns}, "timeout_s": self.timeout_s,
+                "agent": self.cfg.agent, "base_url": endpoint.base_url(key), "api_key": key, "row": agent_rows[i],
+                "timeout_s": self.timeout_s,
             })
             for i, key in zip(owners, keys, strict=True)
         ]
@@ -171,6 +169,9 @@ class AgentRunner:
             raise outcome["error"]
         return self._results(rows, owners, records, outcome["results"], sampling)
 
+    def _record(self, attempt: int = 1) -> EpisodeRecord:
+        return EpisodeRecord(self.tokenizer, attempt, self.encoder, self.image_token)
+
     def close(self) -> None:
         if self.endpoint is not None:
             self.endpoint.close()
@@ -188,8 +189,8 @@ class AgentRunner:
                 if refusal is not None:
                     raise refusal
                 if records[p.episode].attempt != p.attempt:  # played again: what the lost attempt was served goes
-                    records[p.episode] = EpisodeRecord(self.tokenizer, p.attempt)
-                at = records[p.episode].continuation(render(self.tokenizer, p.request.messages, p.request.tools, self.chat_template))
+                    records[p.episode] = self._record(p.attempt)
+                at = records[p.episode].continuation(*self._rendered(p))
                 if len(at.prompt_ids) > self.max_context:
                     raise ApiError(
                         400, f"the conversation is {len(at.prompt_ids)} tokens; this run serves at most {self.max_context} "
@@ -207,7 +208,7 @@ class AgentRunner:
                     seed=sampling.seed + TURN_SEED_STRIDE * self.batches, stop_token_ids=list(sampling.stop_token_ids),
                 )
                 self.batches += 1
-                completions = generate([at.prompt_ids for _, at in items], settings)
+                completions = generate([at.prompt_ids for _, at in items], settings, [at.images for _, at in items])
                 for j, (p, at) in enumerate(items):
                     self._answer(p, at, completions[j * n : (j + 1) * n], records[p.episode], sampling.stop_token_ids)
                     answered.add(id(p))
@@ -216,6 +217,26 @@ class AgentRunner:
                 for p, _ in items:
                     if id(p) not in answered:
                         p.answer(500, ApiError(500, "the rollout engine failed").body())
+
+    def _rendered(self, p: Pending) -> tuple[str, list]:
+        """A request's messages as the model reads them, and their images (ApiError 400: an image
+        that is no data URL of a PNG, JPEG or WEBP, or a template that does not mark each image once)."""
+        sees = self.encoder is not None
+        text = render(self.tokenizer, p.request.messages, p.request.tools, self.chat_template, sees)
+        if not sees:
+            return text, []
+        assert self.encoder is not None
+        try:
+            images = [image.convert("RGB") for image in message_images(p.request.messages)]
+        except ValueError as exc:
+            raise ApiError(400, f"{exc}; send images inline as base64 data URLs (remote URLs are not fetched)") from None
+        marks = text.count(self.encoder.processor.image_token)
+        if marks != len(images):
+            raise ApiError(
+                400, f"the messages hold {len(images)} image(s) but their rendering has {marks} image placeholder(s): "
+                "the chat template must write one per image_url part (and message text must not write the image token)",
+            )
+        return text, images
 
     def _settings(self, p: Pending, sampling: SamplingSettings) -> tuple[float, float, int, int]:
         """(temperature, top_p, max new tokens, n) for a request: the agent's, within the run's
@@ -293,5 +314,6 @@ class AgentRunner:
 
 def _completion(prompt_index: int, chain: Chain) -> Completion:
     return Completion(
-        prompt_index, list(chain.tokens), list(chain.logprobs), chain.finished, list(chain.sampled), list(chain.prompt_ids), chain.version
+        prompt_index, list(chain.tokens), list(chain.logprobs), chain.finished, list(chain.sampled), list(chain.prompt_ids), chain.version,
+        list(chain.images),
     )

@@ -1,6 +1,5 @@
-"""`rollout=server`: vLLM's API servers over HTTP. `fleet` (the engine: forming, routing, a server down
-and back; `build` makes it from config), `roster` (its servers: given, spawned, identified), `client` (bounded JSON over HTTP),
-`process` and `api_server` (a server's command line, rltrain imported first), `guard` (it dies with
-its trainer), `images` (image_url parts), `push` and `extension` (the weight push, both ends).
-docs/rollout-servers.md.
-"""
+"""`rollout=server`: vLLM's API servers over HTTP. `fleet` (forming, routing, a server down and back;
+`build` makes it from config), `roster` (given, spawned, identified servers), `client` (bounded JSON),
+`process`/`api_server` (a server's command line, rltrain first), `guard` (dies with its trainer),
+`images` (image_url parts), `push`/`extension` (the weight push), `stream` (in-flight updates).
+docs/rollout-servers.md."""

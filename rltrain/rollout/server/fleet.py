@@ -25,6 +25,7 @@ import torch
 from rltrain.config.group_options import ServerRolloutConfig
 from rltrain.rollout.base import Completion, SamplingSettings
 from rltrain.rollout.images import PromptImages, check_batch
+from rltrain.rollout.inflight_schedule import StreamOptions
 from rltrain.rollout.server.client import ServerDown, call, is_up
 from rltrain.rollout.server.extension import model_fingerprint
 from rltrain.rollout.server.images import answered_prompt, generate_fields, model_image_token
@@ -46,6 +47,7 @@ from rltrain.rollout.server.roster import (
     refuse_duplicates,
     spawn_servers,
 )
+from rltrain.rollout.server.stream import FleetStream
 from rltrain.rollout.vllm import _request_seed
 from rltrain.runtime.errors import UserError
 
@@ -81,6 +83,7 @@ class ServerFleetEngine:
         self.observed: list[int] = []  # versions of the completions since the last `metrics()`
         self.current: list[tuple[torch.Tensor, list[list[Any]]]] | None = None  # rank 0: the pushed version
         self._lock = threading.Lock()
+        self.stream: FleetStream | None = None  # in-flight updates (`request("stream_open")`)
         self.servers: list[Server] = []
         try:
             if rank == 0:
@@ -298,6 +301,8 @@ class ServerFleetEngine:
                 "logprobs": 0, "detokenize": False,
             },
         }
+        if self.stream is not None:  # prefix caches outlive versions while requests are held (stream.py)
+            body["cache_salt"] = self.stream.salt(self.version)
         while True:
             server = self._pick(deadline)
             try:
@@ -344,13 +349,33 @@ class ServerFleetEngine:
         self.current = list(buckets_of(weights, self.cfg.bucket_mb << 20))
         self._every_rank_loads()
         targets = [(server, server.pusher) for server in self.servers if server.up and server.pusher is not None]
-        errors = run_each([partial(pusher.push, self.current, self.version) for _, pusher in targets])
+        hold = self.stream is not None  # in flight: requests held between two decoding steps for the load
+        errors = run_each([partial(pusher.push, self.current, self.version, hold) for _, pusher in targets])
         for (server, _), error in zip(targets, errors, strict=True):
             if isinstance(error, ServerDown):
                 self._mark_down(server, str(error))
         for error in errors:
             if error is not None and not isinstance(error, ServerDown):
                 raise error
+        if self.stream is not None:
+            self.stream.loaded(self.version)
+
+    # --- in-flight updates (rltrain/rollout/server/stream.py) ------------------------------------
+
+    def request(self, op: str, **fields: Any) -> Any:
+        """The in-flight mode's ops (`stream_open`, `submit`, `take`: rltrain/algos/rl/inflight_rollouts.py),
+        served by the fleet's stream; `stream_open` labels the servers' weights with the trainer's version."""
+        if op == "stream_open":
+            self.stream = FleetStream(self, StreamOptions(**fields["options"]))
+            return None
+        if self.stream is None:
+            raise RuntimeError(f"{op!r} before stream_open")
+        return self.stream.request(op, **fields)
+
+    def observe(self, versions: list[int]) -> None:
+        """The versions `metrics()` reports for the step: its batch's tokens (in flight)."""
+        with self._lock:
+            self.observed = list(versions)
 
     def _every_rank_loads(self) -> None:
         """Generating ahead, each rank's load of a version runs on its engine's worker thread after
@@ -389,6 +414,8 @@ class ServerFleetEngine:
 
     def close(self) -> None:
         """Stop the servers this trainer spawned; URL-given servers are never stopped."""
+        if self.stream is not None:
+            self.stream.close()
         stop_servers([server.spawned for server in self.servers if server.spawned is not None])
         for server in self.servers:
             server.spawned = None

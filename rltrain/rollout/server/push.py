@@ -172,8 +172,23 @@ class WeightPusher:
     def _hint(self) -> str:
         return f" over NCCL ({NCCL_HINT})" if self.backend == "nccl" else ""
 
-    def push(self, buckets: list[tuple[torch.Tensor, list[list[Any]]]], version: int) -> None:
-        """One version into the server; returns once it has loaded it and labels new completions."""
+    def push(self, buckets: list[tuple[torch.Tensor, list[list[Any]]]], version: int, hold_requests: bool = False) -> None:
+        """One version into the server; returns once it has loaded it and labels new completions.
+
+        `hold_requests` (in-flight updates, docs/async.md): the server's requests in flight are held
+        between two decoding steps (vLLM's `/pause?mode=keep`, their KV cache kept) while the
+        version loads and its label is set, then go on under it: every token carries the version
+        that sampled it."""
+        if not hold_requests:
+            self._load(buckets, version)
+            return
+        call(self.url, "/pause?mode=keep&clear_cache=false", {}, self.timeout_s)
+        try:
+            self._load(buckets, version)
+        finally:
+            call(self.url, "/resume", {}, self.timeout_s)
+
+    def _load(self, buckets: list[tuple[torch.Tensor, list[list[Any]]]], version: int) -> None:
         import torch.distributed as dist
 
         manifest = {"version": version, "buckets": [{"nbytes": int(b.numel()), "entries": e} for b, e in buckets]}
@@ -201,6 +216,8 @@ class WeightPusher:
             self.group = None
             error = errors[0]
             raise error if isinstance(error, (ServerDown, ServerRefused)) else ServerDown(str(error))
+        # Requests held in flight keep their blocks, so the reset then fails (answered, not raised):
+        # their prompts were salted with the version they entered under (FleetStream).
         call(self.url, "/reset_prefix_cache", {}, self.timeout_s)
         call(self.url, "/reset_encoder_cache", {}, self.timeout_s)  # image embeddings of the old weights
         call(self.url, "/update_weight_version", {"new_version": str(version)}, self.timeout_s)

@@ -152,6 +152,10 @@ def _engine_run(rank, world, model_dir, micro_batch_size, lora_rank, freeze_visi
     micro = [_batch([rows[i] for i in part], total) for part in split_micro_batches(mine, count, micro_batch_size)]
     per_row = [float(v) for mb, out in zip(micro, engine.forward_logps(micro)) for v in out.logps.sum_per_seq()]
     trainable = [n for n, p in engine.lm.named_parameters() if p.requires_grad]
+    # time sharing's offload moves the scorer module (parameters, buffers, optimizer state) to host
+    # memory: the tower, frozen or not, must be inside it to move with the rest
+    moved = {id(t) for t in [*engine.scorer.parameters(), *engine.scorer.buffers()]}
+    tower = [t for n, t in [*engine.lm.named_parameters(), *engine.lm.named_buffers()] if any(f".{m}." in f".{n}" for m in VISION_MODULE_NAMES)]
     evaluator = GreedyEvaluator(model_dir, load_tokenizer(model_dir), torch.float32, GREEDY_TOKENS)
     evaluator.load(engine)  # the held-out path of SFT: left-padded batched generation, each row its images
     greedy = evaluator.generate([r[0] for r in rows], images=[r[2] for r in rows])
@@ -161,7 +165,7 @@ def _engine_run(rank, world, model_dir, micro_batch_size, lora_rank, freeze_visi
     values = critic.forward_values(micro)
     values_fit = all(torch.equal(v.lengths(), mb.completion_lens()) and bool(torch.isfinite(v.values).all()) for v, mb in zip(values, micro))
     return {"values_fit": values_fit, "greedy": greedy, "rows": mine, "per_row": per_row, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
-            "trainable": trainable}
+            "trainable": trainable, "tower_moves": bool(tower) and all(id(t) in moved for t in tower)}
 
 
 def _plain(model_dir, frozen_tower=True):
@@ -214,6 +218,7 @@ def test_engine_scores_and_trains_each_row_with_its_own_images(sharp_vl_dir, npr
         assert r["loss"] == pytest.approx(expected_loss, rel=1e-5)
         assert r["grad_norm"] == pytest.approx(expected_norm, rel=1e-4)
         assert r["trainable"] and not any(".visual." in n for n in r["trainable"])  # the tower is frozen
+        assert r["tower_moves"]  # time sharing offloads and onloads it with the language model
         assert r["values_fit"]  # a critic on the same backbone values each completion token, images and all
         assert r["greedy"] == expected_greedy  # held-out generation sees each prompt's own images
     assert [got[i] for i in range(5)] == pytest.approx(expected_rows, rel=1e-5)

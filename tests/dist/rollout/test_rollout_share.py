@@ -40,6 +40,7 @@ def _episodes():
     return EpisodeResults(
         completions=_completions(), returns=[1.0, -0.1, 0.0, 0.5, 2.0 / 3.0], final_texts=["12", "", "héllo\n✓", "seen", "done"],
         failures=Failures(timeouts=2, errors=1), turns=7.0, tool_calls=3.0,
+        extra=[_completions()[0], _completions()[2]], extra_episode=[0, 3],  # replies a chat template rewrote
     )
 
 
@@ -49,7 +50,8 @@ def _as_rows(completions):
 
 def _episode_rows(played):
     return [_as_rows(played.completions), played.returns, played.final_texts,
-            [played.failures.timeouts, played.failures.errors], played.turns, played.tool_calls]
+            [played.failures.timeouts, played.failures.errors], played.turns, played.tool_calls,
+            _as_rows(played.extra), played.extra_episode]
 
 
 def _share(rank: int, world: int) -> list:

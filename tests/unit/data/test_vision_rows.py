@@ -9,6 +9,7 @@ import io
 import json
 
 import pytest
+import torch
 from PIL import Image
 
 from rltrain.config.schema import DataColumns, DataConfig
@@ -134,14 +135,53 @@ def test_rl_prompts_keep_their_images_for_the_rollout_and_the_trainer(processor,
     assert train[0].columns["answer"] == "red"  # reward functions still read the other columns
 
 
-def test_kto_refuses_image_rows_until_it_takes_them(tmp_path):
+def test_kto_examples_carry_their_prompts_images_unpaired_and_paired(processor, tmp_path):
+    from rltrain.algos.kto import examples_to_batch, mismatched
+    from rltrain.data.unpaired_data import build_unpaired_data
+    from rltrain.data.vision_inputs import VISION
+
+    (tmp_path / "a.png").write_bytes(png((56, 56)))
+    (tmp_path / "b.png").write_bytes(png((56, 56), (0, 0, 200)))
+    user = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}]
+    unpaired = [{"image": "a.png", "prompt": "<image>colour? ", "completion": "red", "label": True},
+                {"image": "b.png", "prompt": user, "completion": [{"role": "assistant", "content": "blue"}], "label": True},
+                {"image": "b.png", "prompt": "<image>colour? ", "completion": "green", "label": False},
+                {"image": "a.png", "prompt": "<image>colour? ", "completion": "blue", "label": False}]
+    held_out = jsonl(tmp_path, unpaired, "held_out.jsonl")
+    cfg = DataConfig(path=jsonl(tmp_path, unpaired), eval_path=held_out)
+    data = build_unpaired_data(processor.tokenizer, cfg, 0, processor)
+    assert [e.vision.num_images for e in data.train] == [1, 1, 1, 1]
+    assert [image_tokens(processor, e.prompt) for e in data.train] == [4, 4, 4, 4]  # 56 pixels: 4 visual tokens
+    # held out: per prompt and image, "red" against "blue" for image a; rows 0, 2 and 3 share their
+    # prompt ids, but row 2's image is another, so its "green" is not a's undesirable completion
+    assert len(data.eval) == 1 and processor.tokenizer.decode(data.eval[0].rejected[:-1]) == "blue"
+    assert torch.equal(data.eval[0].vision.tensors["pixel_values"], data.train[0].vision.tensors["pixel_values"])
+    batch = examples_to_batch(mismatched(data.train, 512))
+    assert [v.num_images for v in batch.extras[VISION]] == [1, 1, 1, 1]
+    assert batch.extras[VISION][1] is data.train[1].vision  # a mismatched pair keeps its prompt's images
+    paired = [{"image": "a.png", "prompt": "<image>colour? ", "chosen": "red", "rejected": "blue"}]
+    data = build_unpaired_data(processor.tokenizer, DataConfig(path=jsonl(tmp_path, paired), eval_fraction=0.0), 0, processor)
+    assert [e.desirable for e in data.train] == [True, False] and data.train[0].vision is data.train[1].vision
+
+
+def test_kto_image_rows_for_a_text_only_model_are_refused(tmp_path):
     from rltrain.data.unpaired_data import build_unpaired_data
     from rltrain.models.tokenizer import build_char_tokenizer
 
     (tmp_path / "ok.png").write_bytes(png())
     path = jsonl(tmp_path, [{"images": ["ok.png"], "prompt": "<image>?", "completion": "x", "label": True}])
-    with pytest.raises(UserError, match="algo=kto does not take yet"):
+    with pytest.raises(UserError, match="but the model is text-only"):
         build_unpaired_data(build_char_tokenizer(), DataConfig(path=path, eval_fraction=0.0), 0)
+
+
+def test_a_kto_image_row_without_a_boolean_label_is_named(processor, tmp_path):
+    from rltrain.data.unpaired_data import build_unpaired_data
+
+    (tmp_path / "ok.png").write_bytes(png())
+    rows = [{"image": "ok.png", "prompt": "<image>?", "completion": "x", "label": True},
+            {"image": "ok.png", "prompt": "<image>?", "completion": "y", "label": "yes"}]
+    with pytest.raises(UserError, match="row 1 needs 'prompt' and 'completion' .* and a boolean 'label'"):
+        build_unpaired_data(processor.tokenizer, DataConfig(path=jsonl(tmp_path, rows), eval_fraction=0.0), 0, processor)
 
 
 def test_preference_pairs_carry_their_prompts_images(processor, tmp_path):

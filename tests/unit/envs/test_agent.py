@@ -163,7 +163,7 @@ def scripted_generate(calls: list):
     """The engine stand-in: "ab" + EOS, or a tool call where the prompt asks for one; logprob of
     reply token j is -(j + 1) / 10. Records each engine call's prompts and settings."""
 
-    def generate(prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+    def generate(prompts: list[list[int]], sampling: SamplingSettings, images: list | None = None) -> list[Completion]:
         calls.append(([list(p) for p in prompts], sampling))
         out = []
         for i, prompt in enumerate(prompts):
@@ -347,6 +347,31 @@ def test_an_agent_that_talks_twice_trains_one_sequence_of_exactly_the_served_ids
     assert {s.temperature for _, s in calls} == {1.0, 0.5}  # the agent's own temperature, the run's where it set none
 
 
+# TEMPLATE with a Qwen3-like rule: an assistant turn followed by more messages loses its thinking block.
+DROPS_THINKING = TEMPLATE.replace("{{ m['content'] }}", "{{ m['content'].split('</think>')[-1] if not loop.last else m['content'] }}")
+
+
+def test_a_template_that_drops_earlier_thinking_renders_the_next_call_so_and_both_replies_train_as_sampled(agents):
+    def thinks(prompts: list[list[int]], sampling: SamplingSettings, images: list | None = None) -> list[Completion]:
+        reply = ids("<think>hm</think>ab") + [EOS]
+        return [Completion(i, reply, [-(j + 1) / 10 for j in range(len(reply))], True) for i in range(len(prompts))]
+
+    runner = AgentRunner(AgentEnvConfig(agent=f"{agents}:talk", chat_template=DROPS_THINKING), RewardConfig(), TOKENIZER, 64, 64, 600)
+    try:
+        played = runner.run(rows("p0"), 1, SamplingSettings(stop_token_ids=[EOS]), "train-0", thinks)
+    finally:
+        runner.close()
+    reply = ids("<think>hm</think>ab") + [EOS]
+    (last,), (first,) = played.completions, played.extra
+    # The second call's prompt is the template's: the first reply without its thinking, not as sampled.
+    assert last.prompt_ids == ids("U:p0|\nA:ab") + [EOS] + ids("\nU:again\nA:")
+    assert last.token_ids == reply and last.sampled == [True] * len(reply)
+    # The first reply trains where it was sampled: its own sequence, with the episode's reward.
+    assert first.prompt_ids == ids("U:p0|\nA:") and first.token_ids == reply and first.sampled == [True] * len(reply)
+    assert first.logprobs == [-(j + 1) / 10 for j in range(len(reply))]
+    assert played.extra_episode == [0] and played.counts["history_rewrites"] == 1.0
+
+
 def test_a_conversational_row_reaches_the_agent_as_its_messages(agents):
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
     row = PromptRow(ids("ignored"), "ignored", {"tag": "c"}, True, messages)
@@ -469,7 +494,7 @@ def test_a_phase_samples_with_seeds_of_its_own_calls_only_and_replies_keep_their
     scripted = scripted_generate([])
     seeds: list[list[int]] = []
 
-    def generate(prompts, sampling):
+    def generate(prompts, sampling, images=None):
         seeds[-1].append(sampling.seed)
         return [replace(c, version=7) for c in scripted(prompts, sampling)]
 

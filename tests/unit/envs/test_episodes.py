@@ -53,6 +53,12 @@ ENVS = textwrap.dedent('''
         def step(self, text):
             observation, reward, done = super().step(text)
             return ([{"role": "user", "content": observation}] if observation else None), reward, done
+
+    class SilentMessages(Messages):
+        """No first observation: the first reply opens the episode."""
+        def reset(self, **row):
+            super().reset(**row)
+            return None
 ''')
 
 # What the scripted model replies to each prompt (by its tag), turn by turn.
@@ -91,7 +97,7 @@ def scripted_generate(calls: list[list[list[int]]]):
     """The engine stand-in: replies SCRIPT[tag][turn] + EOS, the turn read from the ids so far
     (how many model replies they hold); logprob of the j-th reply token -(j + 1) / 10."""
 
-    def generate(prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+    def generate(prompts: list[list[int]], sampling: SamplingSettings, images: list | None = None) -> list[Completion]:
         assert sampling.n == 1
         calls.append([list(p) for p in prompts])
         out = []
@@ -223,3 +229,78 @@ def test_a_played_batch_survives_a_checkpoint_as_json_exactly(envs_module):
     back = results_from_json(json.loads(json.dumps(results_to_json(played))))
     assert back == played
     assert back.completions[0].sampled is not None and not all(back.completions[0].sampled)
+
+
+# A Qwen3-like rule in a tiny template: an assistant turn followed by more messages is rendered
+# without its thinking block (what precedes '</think>'); the last one as written.
+DROPS_THINKING = (
+    "{% for m in messages %}{{ m['role'][0] | upper }}:{% if m['role'] == 'assistant' and not loop.last %}"
+    "{{ m['content'].split('</think>')[-1] }}{% else %}{{ m['content'] }}{% endif %}"
+    "{% if m['role'] == 'assistant' %}<eos>{% endif %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+)
+
+
+def by_call(replies: list[str], calls: list):
+    """The engine stand-in for one episode: reply i of `replies` on call i, logprob -(j + 1) / 10."""
+
+    def generate(prompts: list[list[int]], sampling: SamplingSettings, images: list | None = None) -> list[Completion]:
+        calls.append([list(p) for p in prompts])
+        reply_ids = ids(replies[len(calls) - 1]) + [EOS]
+        return [Completion(0, reply_ids, [-(j + 1) / 10 for j in range(len(reply_ids))], True)]
+
+    return generate
+
+
+def play_with_template(envs_module: str, template: str, replies: list[str], calls: list, cls: str = "Messages"):
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = template
+    env_cfg, reward_cfg = EnvCfg(f"{envs_module}:{cls}"), RewardCfg()
+    runner = EpisodeRunner(env_cfg, reward_cfg, tokenizer, 32, 600, HostedEnvironments(env_cfg, reward_cfg, tokenizer))
+    try:
+        return runner.run(rows("p0"), 1, SamplingSettings(stop_token_ids=[EOS]), "train-0", by_call(replies, calls))
+    finally:
+        runner.close()
+
+
+def test_the_next_turn_sees_an_earlier_reply_as_the_template_renders_it_and_only_sampled_ids_train(envs_module):
+    calls: list = []
+    played = play_with_template(envs_module, DROPS_THINKING, ["<think>hm</think>aa", "a"], calls)
+    (c,) = played.completions
+    # Turn 2's prompt: the first reply as the template renders it once a message follows (no thinking),
+    # then the observation and the generation prompt; not the ids sampled in turn 1.
+    history = ids(" go:") + ids("aa") + [EOS] + ids("\nU: n1:\nA:")
+    assert calls[1][0] == ids("p0|") + history
+    assert c.token_ids == history + ids("a") + [EOS]
+    # Trained in the episode's sequence: the second reply exactly as sampled, with its logprobs.
+    assert c.sampled == [False] * len(history) + [True, True]
+    assert c.logprobs == [0.0] * len(history) + [-0.1, -0.2]
+    # The first reply trains in the sequence it was sampled in, an extra sequence of the same episode.
+    first = ids("<think>hm</think>aa") + [EOS]
+    (extra,) = played.extra
+    assert played.extra_episode == [0] and played.sequences()[1] == [0, 0]
+    assert extra.token_ids == ids(" go:") + first and calls[0][0] == ids("p0|") + ids(" go:")
+    assert extra.sampled == [False] * 4 + [True] * len(first)
+    assert extra.logprobs == [0.0] * 4 + [-(j + 1) / 10 for j in range(len(first))]
+    assert played.returns == [3.0]  # the environment scored the replies as sampled (2 + 1 'a')
+
+
+def test_a_reply_the_template_keeps_as_written_stays_sampled_and_trained(envs_module):
+    calls: list = []
+    played = play_with_template(envs_module, DROPS_THINKING, ["aa", "a"], calls)
+    (c,) = played.completions
+    first = ids("aa") + [EOS]
+    assert c.token_ids == ids(" go:") + first + ids("U: n1:\nA:") + ids("a") + [EOS]
+    assert [t for t, s in zip(c.token_ids, c.sampled, strict=True) if s] == first + ids("a") + [EOS]
+    assert played.extra == []
+
+
+def test_a_rewritten_first_reply_keeps_its_own_sequence_whole(envs_module):
+    """The reply at the episode's start (no first observation) is cut from the episode's ids while
+    its extra sequence keeps every one of them."""
+    calls: list = []
+    played = play_with_template(envs_module, DROPS_THINKING, ["<think>hm</think>aa", "a"], calls, cls="SilentMessages")
+    (c,), (extra,) = played.completions, played.extra
+    first = ids("<think>hm</think>aa") + [EOS]
+    assert extra.token_ids == first and extra.sampled == [True] * len(first)
+    assert c.token_ids == ids("aa") + [EOS] + ids("\nU: n1:\nA:") + ids("a") + [EOS]
+    assert len(c.sampled) == len(c.token_ids) == len(c.logprobs)

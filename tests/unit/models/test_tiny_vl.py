@@ -51,3 +51,4 @@ def test_megatron_refuses_a_vision_language_model_in_one_paragraph(tiny_vl_dir):
     with pytest.raises(UserError, match="backend=megatron does not train vision-language models") as err:
         refuse_on_megatron(tiny_vl_dir)
     assert "backend=fsdp" in str(err.value) and "\n" not in str(err.value)
+

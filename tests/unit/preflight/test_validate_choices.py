@@ -168,6 +168,8 @@ def test_a_key_of_another_algorithm_is_not_checked_where_it_does_not_exist():
         ("data.forgotten_carries=0.5 data.task=multiplication", "only data.task=addition"),
         ("data.max_carry_problems=0 data.task=multiplication", "Set data.max_carry_problems=null "),
         ("algo=sft data.task=colours", "data.task=colours is a visual task"),  # the text-only tiny model
+        ("algo=dpo model=tiny data.task=code", "data.task='code' has no preference pairs"),
+        ("algo=kto model=tiny data.task=code data.num_eval=200", "use it with algo=sft, grpo or ppo"),
         ("algo.group_size=0", "algo.group_size=0"),
         ("algo.top_p=0", "algo.top_p=0"),
         ("sweep.last_n=0", "sweep.last_n=0"),

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vl_stand_in import (
+from vl_parity import (
     expand,
     logprobs_of,
     max_logprob_diff,
     picture,
-    tiny_qwen2_vl_dir,
     vision_rows,
     vision_tower_update,
 )
@@ -24,12 +23,12 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def hf_vl(tiny_cache):
+def hf_vl(tiny_vl_dir):
     from transformers import Qwen2VLForConditionalGeneration
 
     from rltrain.rollout.hf import HFRolloutEngine
 
-    model_dir = tiny_qwen2_vl_dir(tiny_cache / "models")
+    model_dir = tiny_vl_dir
     prompts, images, processor, pad = vision_rows(model_dir)
     trainer = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
     return HFRolloutEngine(model_dir, HFRolloutConfig(), seed=0), trainer, processor, prompts, images, pad

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vl_stand_in import logprobs_of, max_logprob_diff, tiny_qwen2_vl_dir, vision_rows, vision_tower_update
+from vl_parity import logprobs_of, max_logprob_diff, vision_rows, vision_tower_update
 
 from rltrain.rollout.base import SamplingSettings
 
@@ -16,13 +16,13 @@ SAMPLING = SamplingSettings(n=2, max_new_tokens=6, seed=5)
 TOL = 1e-3
 
 
-def test_separate_engine_with_images(tiny_cache):
+def test_separate_engine_with_images(tiny_vl_dir):
     from transformers import Qwen2VLForConditionalGeneration
 
     from rltrain.config.group_options import VLLMRolloutConfig
     from rltrain.rollout.separate import SeparateVLLMEngine
 
-    model_dir = tiny_qwen2_vl_dir(tiny_cache / "models")
+    model_dir = tiny_vl_dir
     prompts, images, processor, pad = vision_rows(model_dir)
     trainer = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
     cfg = VLLMRolloutConfig(kv_cache_gib=1, timeout_s=60, bucket_mb=1, max_model_len=512)

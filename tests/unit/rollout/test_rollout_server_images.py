@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vl_stand_in import logprobs_of, max_logprob_diff, tiny_qwen2_vl_dir, vision_rows, vision_tower_update
+from vl_parity import logprobs_of, max_logprob_diff, vision_rows, vision_tower_update
 
 from rltrain.config.group_options import ServerRolloutConfig, ServersConfig
 from rltrain.rollout.base import SamplingSettings
@@ -18,10 +18,10 @@ SAMPLING = SamplingSettings(n=2, max_new_tokens=6, seed=5)
 TOL = 1e-3
 
 
-def test_server_fleet_with_images(tiny_cache, tmp_path):
+def test_server_fleet_with_images(tiny_vl_dir, tmp_path):
     from transformers import Qwen2VLForConditionalGeneration
 
-    model_dir = tiny_qwen2_vl_dir(tiny_cache / "models")
+    model_dir = tiny_vl_dir
     prompts, images, processor, pad = vision_rows(model_dir)
     trainer = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
     cfg = ServerRolloutConfig(servers=ServersConfig(spawn=1, start_timeout_s=180), timeout_s=60, max_model_len=512)

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vl_stand_in import (
+from vl_parity import (
     expand,
     logprobs_of,
     max_logprob_diff,
     picture,
-    tiny_qwen2_vl_dir,
     vision_rows,
     vision_tower_update,
 )
@@ -30,13 +29,13 @@ SAMPLING = SamplingSettings(n=2, max_new_tokens=8, seed=5)
 
 
 @pytest.fixture(scope="module")
-def vl(tiny_cache):
+def vl(tiny_vl_dir):
     """(engine, HF model, image processor, prompts, images, placeholder id): the module's one engine."""
     from transformers import Qwen2VLForConditionalGeneration
 
     from rltrain.rollout.vllm import VLLMRolloutEngine
 
-    model_dir = tiny_qwen2_vl_dir(tiny_cache / "models")
+    model_dir = tiny_vl_dir
     prompts, images, processor, pad = vision_rows(model_dir)
     hf = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
     engine = VLLMRolloutEngine(model_dir, VLLMRolloutConfig(kv_cache_gib=1, max_num_seqs=16, max_model_len=512), seed=0)

@@ -1,69 +1,13 @@
-"""A tiny Qwen2-VL for the rollout tests with images (issue 63), built once per test session.
-
-It mirrors `model=tiny_vl` (the character tokenizer plus Qwen2-VL's vision tokens, a 64-wide text
-decoder with head size 32, a two-block vision tower, tied embeddings, images resized into
-[28*28, 112*112] pixels) with the PIL image processor, so that building it needs no torchvision.
-Once `model=tiny_vl` is on this branch, its builder (`tiny_vl_dir`) replaces this one.
-"""
+"""Parity on images for the rollout tests (issue 63): rows with one, two and no images on the tiny
+vision-language model (`model=tiny_vl`, the session's `tiny_vl_dir` fixture), and the forward a
+trainer must run to score an engine's samples (each row with its own images, the placeholders of
+its prompt only)."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
-
-VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-
-
-def write_tiny_qwen2_vl(directory: Path, seed: int = 0) -> None:
-    from tokenizers import AddedToken
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from rltrain.models.tokenizer import build_char_tokenizer, padded_vocab_size
-
-    tokenizer = build_char_tokenizer()
-    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS], special_tokens=True)
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
-    special = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id)
-    text = dict(
-        vocab_size=padded_vocab_size(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 4, 4]}, **special,
-    )
-    vision = dict(depth=2, embed_dim=64, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2,
-                  temporal_patch_size=2, hidden_size=64, in_channels=3)
-    config = Qwen2VLConfig(
-        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=True, torch_dtype="float32", **special,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2VLForConditionalGeneration._from_config(config, dtype=torch.float32)
-    model.save_pretrained(directory, safe_serialization=True)
-    tokenizer.save_pretrained(directory)
-    Qwen2VLImageProcessorPil(size={"shortest_edge": 28 * 28, "longest_edge": 112 * 112}).save_pretrained(directory)
-
-
-def tiny_qwen2_vl_dir(cache: Path) -> Path:
-    """The model's directory under `cache`, built there once (renamed into place whole)."""
-    cache.mkdir(parents=True, exist_ok=True)
-    target = cache / "tiny-qwen2-vl"
-    if not (target / "config.json").exists():
-        tmp = Path(tempfile.mkdtemp(prefix="build-", dir=cache))
-        try:
-            write_tiny_qwen2_vl(tmp)
-            try:
-                tmp.rename(target)
-            except OSError:  # another test process published it first
-                if not (target / "config.json").exists():
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def picture(seed: int, height: int, width: int):
