@@ -24,7 +24,6 @@ COLOURS = {"red": (205, 35, 35), "green": (35, 165, 55), "blue": (40, 70, 215), 
 MISNAMED_AS = {"yellow": "green", "blue": "red"}
 MISNAMED_SHARE = 0.75
 SHAPES = ("square", "circle", "triangle")
-BLANK_GREY = 128  # a blank image: this grey all over, no shape
 
 
 @dataclass(frozen=True)
@@ -88,13 +87,6 @@ def draw_picture(index: int, colour: str) -> Any:
     else:
         draw.polygon([(x + size // 2, y), (x, y + size - 1), (x + size - 1, y + size - 1)], fill=fill)
     return image
-
-
-def blank_picture() -> Any:
-    """A picture with no shape: what a model that ignores the image sees as much as any other."""
-    from PIL import Image
-
-    return Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (BLANK_GREY,) * 3)
 
 
 def colour_problems() -> list[ColourProblem]:

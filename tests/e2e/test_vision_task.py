@@ -1,22 +1,19 @@
 """The built-in visual task (docs/vision.md, "The built-in visual task"): the image carries the answer.
 
 The cheap test runs a short real SFT of the tiny vision-language model on `data.task=colours` and
-reads its greedy answers: right on the held-out pictures, at chance on blank pictures, and following
-the picture when the pictures are swapped between rows (the question text is the same on every row,
-so a model that ignored the picture could do no better than the largest colour's share). The slow
-test is the recipe's claim: `+experiment=grpo_vision` raises held-out accuracy by at least 0.15 over
-its SFT start on seeds 0 and 1, and its final model is still at chance on blank pictures.
+reads its greedy answers: on the held-out pictures as rltrain's evaluation measured, and, given each
+row the next row's picture (the question text is the same on every row), following the picture
+and not the row. The slow test is the recipe's claim: `+experiment=grpo_vision` raises held-out
+accuracy by at least 0.15 over its SFT start on seeds 0 and 1.
 """
 
 from __future__ import annotations
-
-import collections
 
 import pytest
 from cli import read_metrics, rltrain
 
 from rltrain.data import tasks
-from rltrain.data.colour_task import MISNAMED_AS, ColourProblem, blank_picture
+from rltrain.data.colour_task import MISNAMED_AS, ColourProblem
 
 pytestmark = pytest.mark.e2e
 
@@ -46,9 +43,10 @@ def accuracy(replies: list[str], answers: list[str]) -> float:
     return sum(r == a for r, a in zip(replies, answers, strict=True)) / len(answers)
 
 
-def largest_share(problems: list[ColourProblem]) -> float:
-    """Text-only chance: always naming the commonest colour of these problems."""
-    return max(collections.Counter(p.answer for p in problems).values()) / len(problems)
+def named(problem: ColourProblem) -> set[str]:
+    """What a model taught by the demonstrations may call the problem's colour: the colour, or the
+    one its demonstrations misname it as (yellow: green, blue: red)."""
+    return {problem.answer, MISNAMED_AS.get(problem.answer, problem.answer)}
 
 
 def test_a_short_sft_on_colours_reads_the_picture(tiny_cache, tmp_path):
@@ -62,12 +60,18 @@ def test_a_short_sft_on_colours_reads_the_picture(tiny_cache, tmp_path):
     sft_accuracy = [r for r in read_metrics(run_dir) if "eval/accuracy" in r][-1]["eval/accuracy"]
     assert abs(accuracy(on_pictures, answers) - sft_accuracy) < 1e-9  # rltrain's evaluation reads the pictures the same
     assert sft_accuracy >= 0.4  # red and green named, yellow and blue mostly misnamed as demonstrated
-    on_blank = greedy_answers(run_dir / "final", held, [blank_picture()] * len(held))
-    assert accuracy(on_blank, answers) <= largest_share(held)
-    # Each row given the next row's picture: the replies follow the pictures, not the rows.
+    # Each row given the next row's picture (the question text is the same on every row): the replies
+    # follow the pictures, not the rows. A model blind to the picture gives every row one reply, which
+    # fits at most half the pictures (a colour and the one misnamed as it: a quarter each).
     swapped = held[1:] + held[:1]
     on_swapped = greedy_answers(run_dir / "final", held, [p.images[0] for p in swapped])
-    assert sum(r == s.answer or r == MISNAMED_AS.get(s.answer) for r, s in zip(on_swapped, swapped, strict=True)) >= 0.8 * len(held)
+    follows_picture = sum(r in named(s) for r, s in zip(on_swapped, swapped, strict=True))
+    assert follows_picture >= 0.8 * len(held), (follows_picture, on_swapped)
+    # Where the row's own colour cannot be read off the picture it was given, the replies name the row's
+    # colour no more often than a reply drawn at random would (a quarter): what they say comes from the picture.
+    unlike = [i for i, (p, s) in enumerate(zip(held, swapped, strict=True)) if not named(p) & named(s)]
+    follows_row = sum(on_swapped[i] in named(held[i]) for i in unlike)
+    assert len(unlike) >= len(held) // 4 and follows_row <= 0.25 * len(unlike), (follows_row, len(unlike))
 
 
 @pytest.mark.slow
@@ -79,6 +83,3 @@ def test_grpo_vision_raises_heldout_accuracy_over_its_sft_start(tiny_cache, tmp_
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 40, evals
     start, end = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
     assert end - start >= 0.15, evals
-    _, held = tasks.colours_split(seed, 200)
-    on_blank = greedy_answers(run_dir / "final", held, [blank_picture()] * len(held))
-    assert accuracy(on_blank, [p.answer for p in held]) <= largest_share(held)

@@ -12,7 +12,7 @@ import pytest
 
 from rltrain.config.schema import DataConfig
 from rltrain.data import colour_task, tasks
-from rltrain.data.colour_task import COLOURS, MISNAMED_AS, ColourProblem, blank_picture
+from rltrain.data.colour_task import COLOURS, MISNAMED_AS, ColourProblem
 
 
 def colour_in_pixels(image) -> str:
@@ -31,7 +31,6 @@ def test_each_answer_is_in_the_picture_and_the_text_is_the_same_on_every_row():
     for p in problems[:400]:
         (image,) = p.images
         assert image.size == (28, 28) and colour_in_pixels(image) == p.answer
-    assert len(np.unique(np.asarray(blank_picture()).reshape(-1, 3), axis=0)) == 1  # blank: one grey, no shape
 
 
 def test_pictures_are_deterministic_and_vary():
@@ -61,8 +60,10 @@ def test_demonstrations_misname_a_share_of_yellow_and_blue_only():
 
 
 def test_builtin_rows_carry_the_picture_and_the_true_answer(tiny_vl_dir):
+    from rltrain.data.preference_data import build_preference_data
     from rltrain.data.prompt_data import build_prompt_data
     from rltrain.data.sft_data import build_sft_data
+    from rltrain.data.unpaired_data import build_unpaired_data
     from rltrain.models.tokenizer import load_tokenizer
     from rltrain.models.vision import load_processor
 
@@ -76,3 +77,9 @@ def test_builtin_rows_carry_the_picture_and_the_true_answer(tiny_vl_dir):
     sft = build_sft_data(processor.tokenizer, data_cfg, 0, processor)
     assert [item.reference for item in sft.eval] == [r.columns["answer"] for r in evals]
     assert all(pair.vision is not None for pair in sft.train)
+    prefs = build_preference_data(processor.tokenizer, data_cfg, 0, processor)  # DPO's pairs: another colour rejected
+    assert len(prefs.train) == 16 and prefs.eval_answers == [r.columns["answer"] for r in evals]
+    assert all(pair.vision is not None and pair.chosen != pair.rejected for pair in prefs.train + prefs.eval)
+    unpaired = build_unpaired_data(processor.tokenizer, data_cfg, 0, processor)  # KTO: each completion with its picture
+    assert len(unpaired.train) == 32 and all(e.vision is not None for e in unpaired.train)
+    assert all(pair.vision is not None for pair in unpaired.eval)

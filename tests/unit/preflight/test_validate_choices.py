@@ -194,6 +194,8 @@ def test_every_carry_key_of_the_sft_start_is_named_in_one_message_on_another_tas
 def test_the_visual_recipe_and_the_visual_task_on_a_vision_language_model_pass():
     validate(_cfg("+experiment=grpo_vision"))
     validate(_cfg("algo=sft", "model=tiny_vl", "data.task=colours"))
+    validate(_cfg("algo=dpo", "model=tiny_vl", "data.task=colours", "trainer.max_steps=2"))  # pairs: another colour rejected
+    validate(_cfg("algo=kto", "model=tiny_vl", "data.task=colours", "trainer.max_steps=2"))
 
 
 def test_dpo_values_are_refused_naming_the_key():
