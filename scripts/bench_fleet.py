@@ -44,7 +44,8 @@ CPU_PARTS = ("api server", "engine", "trainer")
 
 def part_of(comm: str, cmdline: str) -> str:
     """Which part of a run a process is (see the module doc)."""
-    if "vllm.entrypoints.openai.api_server" in cmdline and "rltrain.rollout.server.guard" not in cmdline:
+    api = ("vllm.entrypoints.openai.api_server", "rltrain.rollout.server.api_server")
+    if any(name in cmdline for name in api) and "rltrain.rollout.server.guard" not in cmdline:
         return "api server"
     if "EngineCore" in comm or "EngineCore" in cmdline or "rltrain.rollout.separate_child" in cmdline:
         return "engine"

@@ -20,6 +20,15 @@ EnvName = Literal["none", "python", "tools"]  # rltrain/envs
 # The weight push's pair group (rltrain/rollout/server/push.py `push_backend`): auto picks NCCL where
 # the trainer and a server it did not spawn both run on CUDA, gloo otherwise.
 PushBackend = Literal["auto", "gloo", "nccl"]
+JudgeApi = Literal["chat", "completions"]  # reward_model=judge: the endpoint it asks (rltrain/rewards/judge)
+JudgeScore = Literal["pattern", "yes_probability"]  # reward_model=judge: how a verdict becomes a score
+# reward_model=judge's default prompt: a chat judge with a 0-10 scale ending in `Score: N`.
+DEFAULT_JUDGE_TEMPLATE = (
+    "Rate the answer to the question below from 0 (wrong or useless) to 10 (correct and complete).\n"
+    "Question: {{ prompt }}\nAnswer: {{ completion }}\n"
+    "{% if reference %}Reference answer: {{ reference }}\n{% endif %}"
+    "Reply with one line: Score: N"
+)
 
 
 @dataclass
@@ -155,6 +164,33 @@ class NoRewardModelConfig(RewardModelConfig):
 @dataclass
 class HFRewardModelConfig(RewardModelConfig):
     name: str = "hf"
+
+
+@dataclass
+class JudgeRewardModelConfig(RewardModelConfig):
+    """A generative judge asked through a Jinja prompt (rltrain/rewards/judge): `path` served by a vLLM
+    API server of the run, or `url`, any OpenAI-compatible endpoint. `batch_size`: prompts per request
+    (api=completions); `max_length`: the served engine's longest prompt + verdict. docs/rewards-and-roles.md."""
+
+    name: str = "judge"
+    url: str | None = None  # an OpenAI-compatible endpoint's base, e.g. http://host:8000/v1; null: path, served here
+    model: str | None = None  # the model name sent in each request; null: the served path (required with url)
+    api_key_env: str | None = None  # the NAME of the environment variable holding the endpoint's key
+    api: str = choice("chat", JudgeApi)  # chat: /chat/completions, the prompt as one user message; completions: raw text
+    template: str = DEFAULT_JUDGE_TEMPLATE  # Jinja over the row's columns, prompt, completion, reference
+    reference_column: str = "solution"  # the column the template sees as `reference` (null where a row lacks it)
+    score: str = choice("pattern", JudgeScore)
+    pattern: str = r"Score:\s*(-?\d+(?:\.\d+)?)"  # score=pattern: its last match's first group, divided by max_score
+    max_score: float = 10.0  # score=pattern: the scale's top; scores are clipped to [0, 1]
+    yes_token: str = "Yes"  # score=yes_probability: the first verdict token's probability of this token
+    max_tokens: int = 256  # verdict tokens per request (score=yes_probability asks for one)
+    temperature: float = 0.0
+    concurrency: int = 16  # requests in flight at once per rank
+    timeout_s: float = 60.0  # bound on one request; past it (after the retries) the sample scores 0, counted
+    retries: int = 2  # more tries of a request that timed out, could not connect or got a 5xx (counted)
+    start_timeout_s: float = 600.0  # path: bound on the served engine's start
+    kv_cache_gib: float = 0.5  # path, CPU: the served engine's KV-cache budget
+    gpu_memory_utilization: float = 0.3  # path, CUDA: the fraction of the GPU the served engine takes
 
 
 @dataclass

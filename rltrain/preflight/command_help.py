@@ -40,6 +40,7 @@ EXAMPLES = [
     ("python -m rltrain algo=dpo backend=megatron", "DPO on megatron-core"),
     ("python -m rltrain model.path=DIR data.path=FILE", "your model and data"),
     ("python -m rltrain +experiment=NAME", "a recipe above, e.g. grpo_code or grpo_vision"),
+    ("python -m rltrain reward_model=judge", "an LLM judge scores: reward_model.url or .path"),
     ("python -m rltrain -m optim.lr=1e-3,3e-3", "a sweep: one job per value"),
     ("python -m rltrain algo=dpo --cfg job", "print the composed config (every key); no run"),
 ]

@@ -317,16 +317,26 @@ def validate_reward_model(rm, algo_name: str) -> None:
                 "to the command line to use it, or remove reward_model.path."
             )
         return
+    if not spec_of(algo_name).rewards:
+        scored = " and ".join(n.upper() for n in names_where(lambda s: s.rewards))
+        raise UserError(
+            f"reward_model={rm.name} is set but algo={algo_name} uses no rewards ({scored} do). Remove reward_model={rm.name}."
+        )
+    if rm.name == "judge":
+        from rltrain.rewards.judge.build import check_judge
+
+        check_judge(rm)
+        if not math.isfinite(rm.weight):
+            raise UserError(f"reward_model.weight={rm.weight} must be a finite number (its factor in the total reward).")
+        check_revision("reward_model", rm)
+        if rm.path is not None:  # a causal LM the run serves: its directory must be a model's
+            read_hf_config("reward_model.path", rm.path, "give reward_model.url for an endpoint instead", rm.revision)
+        return
     if rm.path is None:
         raise UserError(
             "reward_model=hf needs reward_model.path: a Hugging Face AutoModelForSequenceClassification directory "
             "with one output (num_labels=1) and its tokenizer, e.g. reward_model.path=/models/my-reward-model. "
             "Or drop reward_model=hf to score with reward.fns alone."
-        )
-    if not spec_of(algo_name).rewards:
-        scored = " and ".join(n.upper() for n in names_where(lambda s: s.rewards))
-        raise UserError(
-            f"reward_model=hf is set but algo={algo_name} uses no rewards ({scored} do). Remove reward_model=hf."
         )
     check_revision("reward_model", rm)
     hf_config = read_hf_config("reward_model.path", rm.path, "use reward_model=none", rm.revision)

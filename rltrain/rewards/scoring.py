@@ -16,12 +16,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from math import isfinite
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from rltrain.config.algorithms import spec_of
 from rltrain.config.schema import Config, RewardConfig
 from rltrain.rewards.code import COUNTED as CODE_COUNTED
 from rltrain.rewards.code import METRICS as CODE_METRICS
+from rltrain.rewards.judge.judge import METRICS as JUDGE_METRICS
+from rltrain.rewards.judge.judge import LLMJudge
 from rltrain.rewards.sandbox.settings import check as check_sandbox
 from rltrain.rewards.sandbox.settings import worker_env
 from rltrain.rewards.thinking import DEFAULT_THINKING_END, THINKING_END_ENV
@@ -55,6 +58,11 @@ class RewardFn:
     fn: Callable
     weight: float
     device_model: HostOffloadable | None = None  # a model it holds on the training device (time sharing moves it)
+    # Ours, called in the trainer's process (the reward model, the judge); returns {"rewards", "metrics"}
+    # when `reports` names its metrics, and `close` releases what it holds (the judge's server).
+    in_process: bool = False
+    reports: tuple[str, ...] = ()
+    close: Callable[[], None] | None = None
     reads_images: bool = False  # called with each row's prompt images (`prompt_images`, a vision reward model)
 
     @property
@@ -64,7 +72,7 @@ class RewardFn:
 
     @property
     def metrics(self) -> tuple[str, ...]:
-        return REPORTING[self.path][1] if self.path in REPORTING else ()
+        return REPORTING[self.path][1] if self.path in REPORTING else self.reports
 
 
 @dataclass
@@ -83,12 +91,13 @@ class Scored(NamedTuple):
     scores_B: torch.Tensor  # float64, host
 
 
-def build_reward_fns(cfg: Config, device: torch.device) -> list[RewardFn]:
+def build_reward_fns(cfg: Config, device: torch.device, run_dir: Path | None = None, rank: int = 0) -> list[RewardFn]:
     """The run's reward functions: `reward.fns` (the built-in task's reward when empty and the data
-    is built in), plus the reward model named `model` when `reward_model=hf`, loaded on `device`."""
+    is built in), plus the reward model named `model` when `reward_model=hf`, loaded on `device`, or
+    the LLM judge named `judge` when `reward_model=judge` (its server's log in `run_dir`)."""
     reward_cfg, rm = cfg.reward, cfg.reward_model
     paths = reward_paths(cfg)
-    if not paths and rm.path is None:
+    if not paths and rm.name == "none":
         raise UserError(
             "GRPO on a user dataset needs reward functions: set reward.fns=[package.module:function] "
             "(signature: fn(prompts, completions, **columns) -> list[float]), or a reward model "
@@ -99,11 +108,25 @@ def build_reward_fns(cfg: Config, device: torch.device) -> list[RewardFn]:
         raise UserError(f"reward.weights has {len(weights)} entries but reward.fns has {len(paths)}; give one weight per function.")
     fns = [RewardFn(p.split(":")[-1].split(".")[-1], p, load_callable("reward function", p), float(w)) for p, w in zip(paths, weights)]
     check_reward_needs(cfg)
-    if rm.path is not None:
+    if rm.name == "judge":
+        judge = build_judge(cfg, device, Path(run_dir or "."), rank)
+        source = f"reward_model.path={rm.path}" if rm.path is not None else f"reward_model.url={rm.url}"
+        fns.append(RewardFn("judge", f"judge {source}", judge, float(rm.weight), in_process=True, reports=JUDGE_METRICS,
+                            close=judge.close))
+    elif rm.path is not None:
         model = load_reward_model(cfg, device)
         fns.append(RewardFn("model", f"reward_model.path={rm.path}", model, float(rm.weight), device_model=model,
-                            reads_images=model.reads_images))
+                            in_process=True, reads_images=model.reads_images))
     return fns
+
+
+def build_judge(cfg: Config, device: torch.device, run_dir: Path, rank: int) -> LLMJudge:
+    """The LLM judge of `reward_model=judge` (rltrain/rewards/judge)."""
+    from rltrain.rewards.judge.build import build_judge as build
+    from rltrain.runtime.precision import resolve_precision
+
+    dtype = resolve_precision(cfg.trainer.precision, device).compute_dtype_name
+    return build(cfg, dtype, device.type == "cuda", run_dir, rank)
 
 
 def reward_paths(cfg: Config) -> list[str]:
@@ -191,12 +214,12 @@ class RewardScorer:
         self.fns, self.cfg, self.thinking_end = fns, reward_cfg, thinking_end
         self.timeout_s = float(reward_cfg.timeout_s) if reward_cfg.timeout_s else None
         self.budget_s = collective_timeout_s / 2  # a rank's scoring never keeps a peer into the collective timeout
-        pooled = [rf.call_path for rf in fns if rf.device_model is None]
+        pooled = [rf.call_path for rf in fns if not rf.in_process]
         env = {THINKING_END_ENV: thinking_end, **(worker_env(reward_cfg) if any(rf.metrics for rf in fns) else {})}
         self.pool = CallPool(reward_cfg.workers, pooled, "reward function", env=env) if pooled else None
         if self.pool is not None and start_workers:  # else they start on the first call (a replica's peers never score)
             self.pool.start()  # the workers import while the engines are built
-        self.counted = {m for rf in fns if rf.path in REPORTING for m in REPORTING[rf.path][2]}
+        self.counted = {m for rf in fns if rf.path in REPORTING for m in REPORTING[rf.path][2]} | {m for rf in fns for m in rf.reports}
 
     def series_names(self) -> list[str]:
         """The keys of `score`'s first result: each function's, then the metrics they report."""
@@ -214,7 +237,7 @@ class RewardScorer:
             return {name: [] for name in self.series_names()}, failures  # an empty slice: nothing is called
         deadline = time.monotonic() + self.budget_s
         bounds = chunk_bounds(groups, self.cfg.chunk_size, self.cfg.chunk_spans_groups)
-        pooled = [rf for rf in self.fns if rf.device_model is None]
+        pooled = [rf for rf in self.fns if not rf.in_process]
         calls = [
             Call(rf.call_path, {"prompts": prompts[s:e], "completions": completions[s:e], **{k: v[s:e] for k, v in columns.items()}})
             for rf in pooled
@@ -225,8 +248,8 @@ class RewardScorer:
         for i, rf in enumerate(pooled):
             self._collect(rf, bounds, results[i * len(bounds) : (i + 1) * len(bounds)], len(completions), failures, out)
         for rf in self.fns:
-            if rf.device_model is not None:
-                out[rf.name] = in_process(rf, prompts, completions, columns, images)
+            if rf.in_process:
+                out.update(in_process(rf, prompts, completions, columns, images))
         return {name: out[name] for name in self.series_names()}, failures
 
     def _collect(
@@ -265,16 +288,21 @@ class RewardScorer:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+        for rf in self.fns:
+            if rf.close is not None:
+                rf.close()
 
 
 def in_process(
     rf: RewardFn, prompts: list[str], completions: list[str], columns: dict[str, list], images: list[list] | None = None
-) -> list[float]:
-    """The reward model (our code, on the training device): called directly, its output checked;
-    one that reads images gets each completion's prompt images as `prompt_images`."""
+) -> dict[str, list[float]]:
+    """The reward model or the judge (our code): called directly, its output checked; its rewards
+    under its name and the metrics it reports. One that reads images gets each completion's prompt
+    images as `prompt_images`."""
     seen = {"prompt_images": images} if rf.reads_images else {}
     values: Any = rf.fn(prompts=prompts, completions=completions, **{**columns, **seen})
-    checked, _, problem = checked_values(CallResult(value=values), len(completions), None)
+    result, reported = split_report(CallResult(value=values), bool(rf.reports))
+    checked, _, problem = checked_values(result, len(completions), None)
     if checked is None:
         raise UserError(f"reward function {rf.path!r} {problem}.")
-    return checked
+    return {rf.name: checked, **{m: [float(v) for v in reported.get(m, [0.0] * len(completions))] for m in rf.reports}}

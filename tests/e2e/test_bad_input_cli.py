@@ -64,6 +64,9 @@ CASES = [
     ("precision", None, ["trainer.precision=fp16"], ["trainer.precision='fp16'", "auto, fp32, bf16-mixed, bf16"]),
     ("rollout_process", None, ["algo=grpo", "rollout.process=forked"], ["rollout.process='forked'", "colocated, separate"]),
     ("schedule", None, ["optim.schedule=step"], ["optim.schedule='step'", "cosine, linear, constant"]),
+    ("judge_key_unset", None, ["algo=grpo", "reward_model=judge", "reward_model.url=http://127.0.0.1:9/v1", "reward_model.model=m",
+                               "reward_model.api_key_env=RLTRAIN_TEST_UNSET_JUDGE_KEY"],
+     ["reward_model.api_key_env='RLTRAIN_TEST_UNSET_JUDGE_KEY'", "not set"]),
 ]
 
 

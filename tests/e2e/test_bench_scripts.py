@@ -138,3 +138,20 @@ def test_bench_rewards_prints_the_direct_call_the_pool_and_the_sandboxes():
     rates = [line.split() for line in sandboxes.splitlines()[2:]]
     assert [(mode, workers) for mode, workers, _ in rates] == [("bwrap", "2"), ("rlimits", "2")], proc.stdout
     assert all(float(rate) > 0 for _, _, rate in rates)  # every execution passed (the script exits 1 otherwise)
+
+
+def test_bench_async_names_an_unknown_workload_or_mode_before_running_anything():
+    proc = python("scripts/bench_async.py", "--workloads", "long-tail,short", "--modes", "sync,k=3", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "--workloads: unknown short; choose from default, long-tail" in proc.stderr, proc.stderr
+
+
+def test_bench_async_table_puts_each_mode_beside_sync_and_k1_of_its_workload(capsys):
+    bench = _script("bench_async")
+    row = {"time/rollout": 0.5, "time/train": 0.25, "rollout/response_length_mean": 9.0, "idle": 0.1}
+    results = {("long-tail", "1/1", mode): {**row, "time/step": step}
+               for mode, step in (("sync", 1.0), ("k=1", 0.8), ("in-flight+stream", 0.6))}
+    bench.print_tables(results, bench.argparse.Namespace(steps=4, warmup=1, repeat=2, extra=[]), cores=2)
+    lines = {line.split()[2]: line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("long-tail")}
+    assert lines["in-flight+stream"][-3:] == ["0.60x", "0.75x", "1.20x"], lines  # vs sync, vs k=1, vs alone (0.5 s)
+    assert lines["sync"][-3:] == ["1.00x", "1.25x", "2.00x"], lines

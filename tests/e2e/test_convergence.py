@@ -15,7 +15,7 @@ import math
 import statistics
 
 import pytest
-from cli import SFT_RUN, read_metrics, rltrain, train_rows
+from cli import SFT_RUN, python, read_metrics, rltrain, train_rows
 
 pytestmark = pytest.mark.e2e
 
@@ -220,6 +220,28 @@ def test_ppo_scored_by_a_trained_reward_model_raises_heldout_accuracy(tiny_cache
             "logger.wandb.mode=disabled", "trainer.save_every=0", "trainer.progress=lines", run_dir=run_dir, timeout=2400)
     rows = read_metrics(run_dir)
     assert all(r["reward/model"] == r["reward/mean"] for r in rows if "reward/mean" in r)  # the checkable reward: weight 0
+    evals = [r for r in rows if "eval/accuracy" in r]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 100, evals
+    assert evals[-1]["eval/accuracy"] - evals[0]["eval/accuracy"] >= 0.1, evals
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
+def test_grpo_scored_by_a_trained_judge_alone_raises_heldout_accuracy(tiny_cache, tmp_path, seed):
+    """`+experiment=judge_then_grpo`'s two commands: a tiny judge trained on the task's verdicts, then
+    GRPO from the SFT start scored by that judge alone (served by vLLM in the run; the task's reward
+    weighted 0) raises held-out exact-match accuracy by at least 0.1 (docs/rewards-and-roles.md,
+    "A tiny judge, then GRPO scored by it alone")."""
+    judge_dir, run_dir = tmp_path / "judge", tmp_path / "run"
+    made = python("-m", "rltrain.rewards.judge.tiny_judge", f"trainer.seed={seed}", *SAME_TRAINING,
+                  f"hydra.run.dir={judge_dir}", timeout=2400, warm=False)
+    assert made.returncode == 0, made.stderr[-3000:]
+    rltrain("+experiment=judge_then_grpo", f"reward_model.path={judge_dir / 'final'}", f"trainer.seed={seed}",
+            "logger.wandb.mode=disabled", "trainer.progress=lines", run_dir=run_dir, timeout=3600)
+    rows = read_metrics(run_dir)
+    scored = [r for r in rows if "reward/mean" in r]
+    assert scored and all(r["reward/judge"] == r["reward/mean"] for r in scored)  # the checkable reward: weight 0
+    assert sum(r["reward/judge_timeouts"] + r["reward/judge_errors"] for r in scored) == 0
     evals = [r for r in rows if "eval/accuracy" in r]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 100, evals
     assert evals[-1]["eval/accuracy"] - evals[0]["eval/accuracy"] >= 0.1, evals

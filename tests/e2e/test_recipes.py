@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from cli import ROOT, SMALL_MODEL, read_metrics, rltrain
+from cli import ROOT, SMALL_MODEL, python, read_metrics, rltrain
 from helpers import compose_config
 from hub_cache import lay_dataset, lay_model
 
@@ -35,6 +35,10 @@ STAND_IN_RUNS = {
     # test) scores PPO from a short SFT start of the small tiny model.
     "rm_then_ppo": [*CPU, "trainer.max_steps=2", "algo.prompts_per_step=2", "algo.group_size=2", "data.num_eval=4",
                     "model.sft_steps=10", *SMALL_MODEL, "trainer.log_every=1"],
+    # Step 2 of two commands: a judge trained by step 1 (python -m rltrain.rewards.judge.tiny_judge, the
+    # small tiny model, in the test) served by a vLLM API server of the run, scores GRPO from a short SFT start.
+    "judge_then_grpo": [*CPU, "trainer.max_steps=2", "algo.prompts_per_step=2", "algo.group_size=2", "data.num_eval=4",
+                        "model.sft_steps=10", *SMALL_MODEL, "trainer.log_every=1"],
     "sft_chat": [*CPU, "trainer.max_steps=2", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
                  "trainer.log_every=1"],
     # The built-in task: a short SFT start of the small tiny model stands in for the recipe's.
@@ -122,6 +126,11 @@ def test_each_recipe_runs_offline_on_its_stand_ins(stand_ins, tmp_path, name):
         rltrain("algo=rm", "model=tiny", *SMALL_MODEL, *CPU, "trainer.max_steps=2", "trainer.global_batch_size=4",
                 "data.num_eval=4", run_dir=tmp_path / "rm")
         first = [f"reward_model.path={tmp_path / 'rm' / 'final'}"]
+    if name == "judge_then_grpo":  # the first of the recipe's two commands: rows written, then an SFT
+        made = python("-m", "rltrain.rewards.judge.tiny_judge", *SMALL_MODEL, *CPU, "trainer.max_steps=2",
+                      "data.max_eval_samples=8", f"hydra.run.dir={tmp_path / 'judge'}", warm=False)
+        assert made.returncode == 0, made.stderr[-3000:]
+        first = [f"reward_model.path={tmp_path / 'judge' / 'final'}"]
     proc = rltrain(f"+experiment={name}", *STAND_IN_RUNS[name], *first, run_dir=run_dir)
     steps = int(next(a for a in STAND_IN_RUNS[name] if a.startswith("trainer.max_steps=")).split("=")[1])
     rows = [r for r in read_metrics(run_dir) if "loss" in r]
@@ -133,6 +142,10 @@ def test_each_recipe_runs_offline_on_its_stand_ins(stand_ins, tmp_path, name):
         assert all(0.0 <= r["reward/accuracy"] <= 1.0 for r in rows)
     if name == "rm_then_ppo":  # trained on the reward model's score; the task's reward logged beside it, weight 0
         assert all(math.isfinite(r["reward/model"]) and 0.0 <= r["reward/addition_reward"] <= 1.0 for r in rows)
+    if name == "judge_then_grpo":  # scored by the served judge alone: its verdicts all read, none lost
+        assert all(r["reward/judge"] == r["reward/mean"] and 0.0 <= r["reward/judge"] <= 1.0 for r in rows)
+        assert all(r["reward/judge_timeouts"] == r["reward/judge_errors"] == r["reward/judge_unparsed"] == 0.0 for r in rows)
+        assert "judge-server-rank0.log" in {p.name for p in run_dir.iterdir()}
     if name == "grpo_calculator":  # episodes with the built-in tool, scored by exact match on the product
         assert all("env/tool_calls_mean" in r and 0.0 <= r["reward/exact_match"] <= 1.0 for r in rows)
     if name == "grpo_vision":  # the pictures' questions, scored by exact match on the colour

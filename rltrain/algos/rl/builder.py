@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
 from typing import cast
 
 from rltrain.algos.rl.async_rollouts import AsyncRollouts
@@ -110,7 +111,8 @@ class RLBuilder:
         functions' own models aside for the engine's turn) and the reward scorer."""
         cfg = self.cfg
         # env=python and env=agent: the environment (agent) gives the reward; reward.fns are not called.
-        reward_fns = build_reward_fns(cfg, self.ctx.dist.device) if cfg.env.name not in ("python", "agent") else []
+        scored_here = cfg.env.name not in ("python", "agent")
+        reward_fns = build_reward_fns(cfg, self.ctx.dist.device, Path(self.ctx.run_dir), self.ctx.dist.rank) if scored_here else []
         frozen = [rf.device_model for rf in reward_fns if rf.device_model is not None]
         # k >= 1: the engine runs beside the trainer, driven by its own thread (docs/async.md).
         # In flight the engine's own loop takes versions as they come (rltrain/algos/rl/inflight_rollouts.py).

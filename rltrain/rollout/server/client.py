@@ -11,6 +11,9 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+# A batch's prompts for one server in one request: our route in the server (rollout/server/batch_route.py).
+BATCH_PATH = "/rltrain/generate"
+
 
 class ServerDown(ConnectionError):
     """The server did not answer (refused, reset, timed out) or failed the request (HTTP 5xx)."""

@@ -1,8 +1,9 @@
 """`rollout=server`: the rollout engine is a fleet of vLLM's own API servers reached over HTTP.
 
-Each prompt (a GRPO group: its `n` samples) is one request to one server (its prefix cache),
-chosen client-side by least outstanding requests, and seeded by its index in the batch, so a
-completion does not depend on which server produced it. Trainer rank 0 pushes every new version
+A batch's prompts (each a GRPO group: its `n` samples) are split into one contiguous run per
+server that is up, each run one request to one server (`/rltrain/generate`, chosen client-side by
+least outstanding requests; a group stays on one server, its prefix cache), and every prompt is
+seeded by its index in the batch, so a completion does not depend on which server produced it. Trainer rank 0 pushes every new version
 to every server at once (rltrain/rollout/server/push.py: gloo, or NCCL between GPUs) and keeps it
 as a host copy, so a server that comes back gets the current weights before it serves again.
 Every completion carries the vLLM weight version that sampled it; one from another version than
@@ -26,7 +27,7 @@ from rltrain.config.group_options import ServerRolloutConfig
 from rltrain.rollout.base import Completion, SamplingSettings
 from rltrain.rollout.images import PromptImages, check_batch
 from rltrain.rollout.inflight_schedule import StreamOptions
-from rltrain.rollout.server.client import ServerDown, call, is_up
+from rltrain.rollout.server.client import BATCH_PATH, ServerDown, call, is_up
 from rltrain.rollout.server.extension import model_fingerprint
 from rltrain.rollout.server.images import answered_prompt, generate_fields, model_image_token
 from rltrain.rollout.server.process import stop_servers
@@ -51,7 +52,13 @@ from rltrain.rollout.server.stream import FleetStream
 from rltrain.rollout.vllm import _request_seed
 from rltrain.runtime.errors import UserError
 
-MAX_IN_FLIGHT = 64  # concurrent requests from one trainer rank
+
+def batch_chunks(n_prompts: int, n_servers: int) -> list[range]:
+    """A batch's prompts as contiguous runs, one request each: as many as servers are up (at least
+    one), so each server gets one request per batch and a failed server costs only its run."""
+    parts = max(1, min(n_prompts, n_servers))
+    bounds = [n_prompts * k // parts for k in range(parts + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 class FleetDown(UserError):
@@ -268,10 +275,9 @@ class ServerFleetEngine:
         if self.rank != 0:  # rank 0's push may still be under way: wait for the version
             self._await_version()
         deadline = time.monotonic() + self.cfg.timeout_s
-        with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), MAX_IN_FLIGHT))) as pool:
-            results = list(pool.map(
-                lambda i: self._request(i, prompts[i], sampling, deadline, images[i] if images else None), range(len(prompts))
-            ))
+        chunks = batch_chunks(len(prompts), sum(s.up for s in self.servers))
+        with ThreadPoolExecutor(max_workers=max(1, len(chunks))) as pool:
+            results = list(pool.map(lambda chunk: self._request(chunk, prompts, sampling, deadline, images), chunks))
         return [c for group in results for c in group]
 
     def _await_version(self) -> None:
@@ -290,8 +296,30 @@ class ServerFleetEngine:
                 time.sleep(0.05)
 
     def _request(
-        self, index: int, prompt: list[int], sampling: SamplingSettings, deadline: float, images: PromptImages | None
+        self, indices: range, prompts: list[list[int]], sampling: SamplingSettings, deadline: float,
+        images: list[PromptImages] | None,
     ) -> list[Completion]:
+        """The prompts `indices` in one request to one server (rltrain/rollout/server/batch_route.py),
+        each with its own seed; a server that fails it is marked down and the request goes to another."""
+        bodies = [self._body(i, prompts[i], sampling, images[i] if images else None) for i in indices]
+        while True:
+            server = self._pick(deadline)
+            try:
+                answer = call(server.url, BATCH_PATH, {"requests": bodies}, self.cfg.timeout_s)
+            except ServerDown as exc:
+                self._mark_down(server, str(exc))
+                continue
+            finally:
+                with self._lock:
+                    server.outstanding -= 1
+            server.served += 1
+            return [
+                c for i, one in zip(indices, answer["answers"], strict=True)
+                for c in self._completions(i, one, server, answered_prompt(i, prompts[i], one, self.image_token))
+            ]
+
+    def _body(self, index: int, prompt: list[int], sampling: SamplingSettings, images: PromptImages | None) -> dict[str, Any]:
+        """One prompt's `/inference/v1/generate` body: its `n` samples, seeded by its index in the batch."""
         body = {
             **generate_fields(index, prompt, images, self.image_token),  # images: rollout/server/images.py
             "sampling_params": {
@@ -303,18 +331,7 @@ class ServerFleetEngine:
         }
         if self.stream is not None:  # prefix caches outlive versions while requests are held (stream.py)
             body["cache_salt"] = self.stream.salt(self.version)
-        while True:
-            server = self._pick(deadline)
-            try:
-                answer = call(server.url, "/inference/v1/generate", body, self.cfg.timeout_s)
-            except ServerDown as exc:
-                self._mark_down(server, str(exc))
-                continue
-            finally:
-                with self._lock:
-                    server.outstanding -= 1
-            server.served += 1
-            return self._completions(index, answer, server, answered_prompt(index, prompt, answer, self.image_token))
+        return body
 
     def _completions(
         self, index: int, answer: dict[str, Any], server: Server, prompt_ids: list[int] | None = None
@@ -331,7 +348,7 @@ class ServerFleetEngine:
             with self._lock:
                 self.observed.append(self.version)
             token_ids = [int(t) for t in choice["token_ids"]]
-            logprobs = [float(entry["logprob"]) for entry in choice["logprobs"]["content"]]
+            logprobs = [float(lp) for lp in choice["logprobs"]]
             out.append(Completion(
                 index, token_ids, logprobs, finished=choice["finish_reason"] == "stop", prompt_ids=prompt_ids,
                 version=int(versions.pop()),

@@ -102,8 +102,10 @@ class SpawnedServer:
     """One API server this trainer started; `stop()` ends it and its engine process."""
 
     def __init__(
-        self, cfg: ServerRolloutConfig, model_dir: str | Path, dtype: str, cuda: bool, log_path: Path, port: int | None = None
+        self, cfg: ServerRolloutConfig, model_dir: str | Path, dtype: str, cuda: bool, log_path: Path, port: int | None = None,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
+        """`extra_args`: more `vllm serve` flags (the judge's sleep mode, rltrain/rewards/judge/served.py)."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server_id = uuid.uuid4().hex
@@ -113,7 +115,7 @@ class SpawnedServer:
             # server and vLLM's engine processes go when the trainer goes, however it goes.
             guard = [sys.executable, "-m", "rltrain.rollout.server.guard", str(os.getpid())]
             self.proc = subprocess.Popen(
-                guard + server_command(cfg, model_dir, dtype, "127.0.0.1", self.port, cuda),
+                guard + server_command(cfg, model_dir, dtype, "127.0.0.1", self.port, cuda) + list(extra_args),
                 env=server_env(cfg, cuda, self.server_id), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )

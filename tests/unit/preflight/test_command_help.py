@@ -9,7 +9,7 @@ import pytest
 from rltrain.config.schema import CONF_DIR, register_configs
 from rltrain.preflight.command_help import COMMON_KEYS, command_help, group_options
 
-MAX_LINES = 45
+MAX_LINES = 47  # under a 50-line screen, with the recipes list wrapped to three lines
 MAX_WIDTH = 100
 
 
