@@ -40,7 +40,7 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("data", schema.DataConfig), ("logger.wandb", schema.WandbConfig), ("sweep", schema.SweepConfig),
     *(("algo", spec.config) for spec in SPECS), ("rollout", group_options.VLLMRolloutConfig),
     ("rollout.servers", group_options.ServersConfig), ("reward.sandbox", schema.SandboxConfig),
-    ("placement", schema.PlacementConfig),
+    ("placement", schema.PlacementConfig), ("reward_model", group_options.JudgeRewardModelConfig),
 )
 CHOICES: dict[str, tuple[str, ...]] = {
     f"{prefix}.{name}": values for prefix, cls in SECTIONS for name, values in choices_of(cls).items()

@@ -39,10 +39,12 @@ SCHEMA_PREFIX = {
     "SweepConfig": "sweep",
     "PlacementConfig": "placement",
     "RLConfig": "algo",
+    "JudgeRewardModelConfig": "reward_model",
     **{spec.config.__name__: "algo" for spec in ALGORITHMS.values()},
 }
 # The group option a key exists under; others use the default composition (algo=grpo, rollout=vllm).
-OPTION_OF = {"algo.loss": "algo=dpo", "rollout.servers.push_backend": "rollout=server"}
+OPTION_OF = {"algo.loss": "algo=dpo", "rollout.servers.push_backend": "rollout=server",
+             "reward_model.api": "reward_model=judge", "reward_model.score": "reward_model=judge"}
 
 
 @pytest.fixture(autouse=True)
