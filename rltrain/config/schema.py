@@ -43,7 +43,7 @@ from rltrain.runtime.precision import PrecisionName as Precision
 Resume = Literal["auto", "never"]
 Progress = Literal["auto", "bar", "lines"]
 Overlong = Literal["drop", "truncate", "error"]
-Task = Literal["addition", "multiplication", "code"]  # the built-in tasks (rltrain/data/tasks.py)
+Task = Literal["addition", "multiplication", "code", "colours"]  # the built-in tasks (rltrain/data/tasks.py)
 SandboxMode = Literal["bwrap", "rlimits", "remote"]  # rltrain/rewards/sandbox (docs/rewards-and-roles.md)
 WandbMode = Literal["auto", "online", "offline", "disabled"]  # auto: online with an API key, else offline
 Schedule = Literal["cosine", "linear", "constant"]
@@ -318,7 +318,7 @@ GROUP_SCHEMAS: dict[str, Mapping[str, type]] = {
     "algo": ALGORITHM_CONFIGS,  # declared by the algorithms themselves, read when first asked
     "backend": {"fsdp": FSDPBackendConfig, "megatron": MegatronBackendConfig},
     "rollout": {"vllm": VLLMRolloutConfig, "hf": HFRolloutConfig, "server": ServerRolloutConfig},
-    "model": {"tiny": ModelConfig, "tiny_sft": ModelConfig, "tiny_vl": ModelConfig},
+    "model": {"tiny": ModelConfig, "tiny_sft": ModelConfig, "tiny_vl": ModelConfig, "tiny_vl_sft": ModelConfig},
     "reference": {"default": ReferenceConfig},
     "critic": {"default": CriticConfig},
     "teacher": {"default": TeacherConfig},

@@ -10,7 +10,7 @@ from rltrain.data import tasks
 from rltrain.data.loading import eval_limit, train_and_eval_rows
 from rltrain.data.tokenize import check_messages, encode_all
 from rltrain.data.vision_inputs import VisionInputs
-from rltrain.data.vision_rows import RowSource, has_image_column, source_of, vision_prompts
+from rltrain.data.vision_rows import IMAGE_COLUMNS, RowSource, has_image_column, source_of, vision_prompts
 from rltrain.runtime.errors import UserError
 
 
@@ -69,10 +69,11 @@ def _to_rows(
 
 
 def _to_vision_rows(processor, rows: list[dict], source: RowSource, max_length: int) -> tuple[list[PromptRow], int]:
-    """`_to_rows` for rows with images (rltrain.data.vision_rows)."""
+    """`_to_rows` for rows with images (rltrain.data.vision_rows). The images travel in `images`, not
+    among the columns the reward functions get (their workers take plain data; a PIL image is not)."""
     encoded = vision_prompts(processor, rows, source)
     kept = [
-        PromptRow(p.ids, p.text, {k: v for k, v in row.items() if k != "prompt"}, p.chat,
+        PromptRow(p.ids, p.text, {k: v for k, v in row.items() if k != "prompt" and k not in IMAGE_COLUMNS}, p.chat,
                   row["prompt"] if p.chat else None, p.images, p.vision)
         for row, p in zip(rows, encoded, strict=True)
         if len(p.ids) <= max_length

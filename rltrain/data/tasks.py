@@ -7,6 +7,7 @@ carry forgotten (docs/algorithms.md, "RL that learns"). `multiplication`: `a*b*c
 beyond the tiny model without the `multiply` tool; TOOL_DEMO_FRACTION of its SFT demonstrations
 call it (docs/environments.md). `code`: `f(0)=B;f(10)=V` -> `f=lambda x:A*x+B`, scored by hidden
 asserts in the sandbox; its SFT demonstrations slip on a share of the odd B (docs/rewards-and-roles.md).
+`colours`: a picture and a question only it answers (rltrain/data/colour_task.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from rltrain.config.schema import DataConfig
+from rltrain.data.colour_task import NUM_PICTURES, ColourProblem, colour_problems
 from rltrain.runtime.errors import UserError
 
 TOOL_DEMO_FRACTION = 0.3  # multiplication: SFT demonstrations that call the tool
@@ -129,8 +131,9 @@ class CodeProblem:
         return {"prompt": self.prompt, "test": self.tests}
 
 
-BuiltinProblem = Problem | CodeProblem
-P = TypeVar("P", Problem, CodeProblem)
+BuiltinProblem = Problem | CodeProblem | ColourProblem
+PairedProblem = Problem | ColourProblem  # the tasks with preference pairs: a wrong answer to reject
+P = TypeVar("P", Problem, CodeProblem, ColourProblem)
 
 
 def held_out(problems: list[P], seed: int, num_eval: int, eval_seed: int | None) -> tuple[list[P], list[P]]:
@@ -171,6 +174,14 @@ def multiplication_split(
     return (train_set[:num_train] if num_train else train_set), eval_set
 
 
+def colours_split(
+    seed: int, num_eval: int, num_train: int = 0, max_carry: int | None = None, eval_seed: int | None = None
+) -> tuple[list[ColourProblem], list[ColourProblem]]:
+    """(train, eval) pictures; disjoint (`max_carry` is addition's: refused by the config check)."""
+    eval_set, train_set = held_out(colour_problems(), seed, num_eval, eval_seed)
+    return (train_set[:num_train] if num_train else train_set), eval_set
+
+
 def code_split(
     seed: int, num_eval: int, num_train: int = 0, max_carry: int | None = None, eval_seed: int | None = None
 ) -> tuple[list[CodeProblem], list[CodeProblem]]:
@@ -180,24 +191,29 @@ def code_split(
     return (train_set[:num_train] if num_train else train_set), eval_set
 
 
+def image_column(problem: BuiltinProblem) -> dict[str, list]:
+    """The row's `images` column: a visual task's picture, nothing for the text tasks."""
+    return {"images": problem.images} if isinstance(problem, ColourProblem) else {}
+
+
 def builtin_split(data_cfg: DataConfig, seed: int) -> tuple[list[BuiltinProblem], list[BuiltinProblem]]:
     """The built-in task's (train, eval) problems as `data.*` selects them."""
     train, held = TASKS[data_cfg.task](seed, data_cfg.num_eval, data_cfg.num_train, data_cfg.max_carry_problems, data_cfg.eval_seed)
     return list(train), list(held)
 
 
-def answer_split(data_cfg: DataConfig, seed: int) -> tuple[list[Problem], list[Problem]]:
-    """`builtin_split` for the tasks whose answers are numbers (the preference pairs' wrong answers)."""
+def answer_split(data_cfg: DataConfig, seed: int) -> tuple[list[PairedProblem], list[PairedProblem]]:
+    """`builtin_split` for the tasks with a wrong answer to reject (numbers, colours): the preference pairs."""
     train, held = builtin_split(data_cfg, seed)
-    arithmetic = [p for p in train + held if isinstance(p, Problem)]
-    if len(arithmetic) != len(train) + len(held):
+    paired = [p for p in train + held if isinstance(p, Problem | ColourProblem)]
+    if len(paired) != len(train) + len(held):
         raise UserError(NO_CODE_PAIRS.format(task=data_cfg.task))
-    return arithmetic[: len(train)], arithmetic[len(train) :]
+    return paired[: len(train)], paired[len(train) :]
 
 
 NO_CODE_PAIRS = (
     "data.task={task!r} has no preference pairs or labelled completions (its answers are code, checked by running "
-    "them): use it with algo=sft, grpo or ppo, or pick data.task=addition or multiplication."
+    "them): use it with algo=sft, grpo or ppo, or pick data.task=addition, multiplication or colours."
 )
 
 
@@ -225,18 +241,23 @@ def one_digit_changed(answer: str, rng: random.Random) -> str:
 
 def sft_rows(
     problems: list[BuiltinProblem], eos: str, demonstrations: bool = True, forgotten_carries: float = 0.0
-) -> list[dict[str, str]]:
+) -> list[dict]:
     """Prompt / completion rows: the demonstrations (training), or the bare answers (held out: what
     SFT's exact-match evaluation compares a greedy reply with)."""
     return [
-        {"prompt": p.prompt, "completion": p.demonstration(eos, forgotten_carries) if demonstrations else p.answer}
+        {"prompt": p.prompt, "completion": p.demonstration(eos, forgotten_carries) if demonstrations else p.answer,
+         **image_column(p)}
         for p in problems
     ]
 
 
-def preference_rows(problems: list[Problem], seed: int, same_length: float = 0.0) -> list[dict[str, str]]:
+def preference_rows(problems: list[PairedProblem], seed: int, same_length: float = 0.0) -> list[dict]:
     rng = random.Random(seed + 1)
-    return [{"prompt": p.prompt, "chosen": p.answer, "rejected": wrong_answer(p, rng, same_length)} for p in problems]
+    return [
+        {"prompt": p.prompt, "chosen": p.answer, **image_column(p),
+         "rejected": p.wrong_answer(rng) if isinstance(p, ColourProblem) else wrong_answer(p, rng, same_length)}
+        for p in problems
+    ]
 
 
 def prompt_rows(problems: list[BuiltinProblem]) -> list[dict]:
@@ -245,4 +266,6 @@ def prompt_rows(problems: list[BuiltinProblem]) -> list[dict]:
 
 
 Split = Callable[..., tuple[Sequence[BuiltinProblem], Sequence[BuiltinProblem]]]
-TASKS: dict[str, Split] = {"addition": addition_split, "multiplication": multiplication_split, "code": code_split}
+TASKS: dict[str, Split] = {"addition": addition_split, "multiplication": multiplication_split, "code": code_split,
+                         "colours": colours_split}
+TASK_SIZES = {"addition": 10_000, "multiplication": 64_800, "code": 990, "colours": NUM_PICTURES}

@@ -158,8 +158,8 @@ def build_unpaired_data(tokenizer, data_cfg: DataConfig, seed: int, processor=No
         train_p, eval_p = tasks.answer_split(data_cfg, seed)
         where = f"built-in task {data_cfg.task!r}"
         share = data_cfg.same_length_rejected
-        train_texts = unpair(tokenizer, tasks.preference_rows(train_p, seed, share), where)
-        evals = rows_to_pairs(tokenizer, tasks.preference_rows(eval_p, seed + 7, share), data_cfg, where, SkipCounts())
+        train_texts = labelled_texts(tokenizer, tasks.preference_rows(train_p, seed, share), where, processor)
+        evals = rows_to_pairs(tokenizer, tasks.preference_rows(eval_p, seed + 7, share), data_cfg, where, SkipCounts(), processor)
         answers = [p.answer for p in eval_p]
     else:
         train_rows, eval_rows, where = train_and_eval_rows(data_cfg, seed, [UNPAIRED, PAIRED, PAIRED_IMPLICIT])

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 from rltrain.data.prompt_data import PromptRow
-from rltrain.data.vision_rows import IMAGE_COLUMNS
 from rltrain.rollout.images import from_data_url, to_data_url
 from rltrain.runtime.errors import UserError
 
@@ -34,15 +33,13 @@ def with_image_urls(messages: list[dict[str, Any]], urls: list[str]) -> list[dic
 
 
 def agent_row(row: PromptRow) -> dict[str, Any]:
-    """The row an agent receives: `prompt` (its messages, image parts as data URLs, or its text)
-    and every other column, the image column's images as PNG data URLs."""
+    """The row an agent receives: `prompt` (its messages, image parts as data URLs, or its text),
+    every other column, and `images`: the row's images as PNG data URLs."""
     columns = dict(row.columns)
     if not row.images:
         return {"prompt": row.messages or row.text, **columns}
     urls = [to_data_url(im) for im in row.images]
-    for name in IMAGE_COLUMNS:
-        if columns.get(name) is not None:
-            columns[name] = urls if isinstance(columns[name], list) else urls[0]
+    columns["images"] = urls  # the dataset's image column stays out of a row's columns (rltrain.data.prompt_data)
     prompt = with_image_urls(row.messages, urls) if row.messages else row.text
     return {"prompt": prompt, **columns}
 
@@ -50,9 +47,8 @@ def agent_row(row: PromptRow) -> dict[str, Any]:
 def environment_row(row: PromptRow) -> dict[str, Any]:
     """The row an environment's `reset` receives (after `to_wire`, the image column as PIL images)."""
     columns = dict(row.columns)
-    for name in IMAGE_COLUMNS:
-        if row.images and columns.get(name) is not None:
-            columns[name] = list(row.images) if isinstance(columns[name], list) else row.images[0]
+    if row.images:
+        columns["images"] = list(row.images)  # whatever the dataset's image column was called
     return {"prompt": row.text, **columns}
 
 

@@ -18,12 +18,12 @@ from rltrain.models.tiny_vl import build_tiny_vl_model_dir
 
 def resolve_model_dir(model_cfg: ModelConfig, data_cfg: DataConfig, trainer_cfg: TrainerConfig) -> Path:
     """`model.path` (a Hub id resolved to its snapshot; the tiny model's keys, SFT included, are unused then); else the tiny
-    model, after its short SFT when `model.sft_steps > 0` (model=tiny_sft)."""
+    model (or tiny vision-language model), after its short SFT when `model.sft_steps > 0` (model=tiny_sft, tiny_vl_sft)."""
     if model_cfg.path is None:
+        if model_cfg.sft_steps:  # model=tiny_sft, or model=tiny_vl_sft (arch qwen2_vl)
+            return build_sft_model_dir(model_cfg, data_cfg, trainer_cfg)
         if model_cfg.arch == "qwen2_vl":
             return build_tiny_vl_model_dir(model_cfg, trainer_cfg.seed)
-        if model_cfg.sft_steps:
-            return build_sft_model_dir(model_cfg, data_cfg, trainer_cfg)
         return build_tiny_model_dir(model_cfg, trainer_cfg.seed)
     path = local_model_dir("model.path", model_cfg.path, model_cfg.revision)
     if not (path / "config.json").exists():

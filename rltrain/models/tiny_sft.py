@@ -23,6 +23,7 @@ from pathlib import Path
 
 from rltrain.config.schema import DataConfig, ModelConfig, TrainerConfig
 from rltrain.models.tiny import build_tiny_model_dir, publish_directory
+from rltrain.models.tiny_vl import build_tiny_vl_model_dir
 from rltrain.runtime.errors import UserError
 from rltrain.runtime.parent_death import DIE_WITH_PARENT_ENV
 
@@ -76,7 +77,7 @@ def sft_command(
     return [
         sys.executable, "-m", "rltrain",
         "algo=sft",
-        "model=tiny",
+        "model=tiny_vl" if model_cfg.arch == "qwen2_vl" else "model=tiny",
         f"model.path={base_dir}",
         f"trainer.seed={trainer_cfg.seed}",
         f"trainer.num_threads={trainer_cfg.num_threads}",
@@ -117,7 +118,8 @@ def build_sft_model_dir(model_cfg: ModelConfig, data_cfg: DataConfig, trainer_cf
     check_sft_data(data_cfg)
     if model_cfg.sft_steps < 1:
         raise UserError(f"model.sft_steps={model_cfg.sft_steps} must be at least 1 for an SFT start (0: model=tiny).")
-    base_dir = build_tiny_model_dir(model_cfg, trainer_cfg.seed)
+    vl = model_cfg.arch == "qwen2_vl"  # model=tiny_vl_sft: the tiny vision-language model's SFT start
+    base_dir = (build_tiny_vl_model_dir if vl else build_tiny_model_dir)(model_cfg, trainer_cfg.seed)
     carry = "" if model_cfg.sft_carry_problems is None else f", {model_cfg.sft_carry_problems} of its sums that carry"
     if model_cfg.sft_forgotten_carries:
         carry += f" (the carry out of the units forgotten in {model_cfg.sft_forgotten_carries:.0%} of those)"

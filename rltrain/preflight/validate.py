@@ -18,7 +18,7 @@ from rltrain.config.algorithms import SPECS, AlgoConfig, names_where, spec_of
 from rltrain.config.choices import choices_of
 from rltrain.config.group_options import VLLMRolloutConfig
 from rltrain.config.schema import Config, ModelConfig
-from rltrain.data.tasks import NO_CODE_PAIRS
+from rltrain.data.tasks import NO_CODE_PAIRS, TASK_SIZES
 from rltrain.preflight.compose_errors import added_keys
 from rltrain.preflight.sources import (
     check_revision,
@@ -40,7 +40,7 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("data", schema.DataConfig), ("logger.wandb", schema.WandbConfig), ("sweep", schema.SweepConfig),
     *(("algo", spec.config) for spec in SPECS), ("rollout", group_options.VLLMRolloutConfig),
     ("rollout.servers", group_options.ServersConfig), ("reward.sandbox", schema.SandboxConfig),
-    ("placement", schema.PlacementConfig),
+    ("placement", schema.PlacementConfig), ("reward_model", group_options.JudgeRewardModelConfig),
 )
 CHOICES: dict[str, tuple[str, ...]] = {
     f"{prefix}.{name}": values for prefix, cls in SECTIONS for name, values in choices_of(cls).items()
@@ -226,7 +226,12 @@ def validate_data(cfg: Config) -> None:
             f"data.same_length_rejected={data.same_length_rejected} must be between 0 and 1 (the share of the built-in "
             "task's rejected answers that have the right answer's length, one digit changed)."
         )
-    size = {"addition": 10_000, "multiplication": 64_800, "code": 990}[data.task]
+    if data.path is None and data.task == "colours" and cfg.model.path is None and cfg.model.arch != "qwen2_vl":
+        raise UserError(
+            "data.task=colours is a visual task (a picture and a question only the picture answers) but the model is "
+            "the text-only tiny model. Use model=tiny_vl_sft (its SFT start) or model=tiny_vl, or +experiment=grpo_vision."
+        )
+    size = TASK_SIZES[data.task]
     if data.path is None and not 1 <= data.num_eval < size:
         raise UserError(
             f"data.num_eval={data.num_eval} must be between 1 and {size - 1}: the built-in {data.task!r} task has "

@@ -47,6 +47,7 @@ BUILTIN_FOR_TASK = {
     "addition": "rltrain.rewards.builtin:addition_reward",
     "multiplication": "rltrain.rewards.builtin:exact_match",  # the tool task: the product, exactly
     "code": "rltrain.rewards.code:tests_pass",  # the code task: its hidden cases, in the sandbox
+    "colours": "rltrain.rewards.builtin:exact_match",  # the visual task: the colour's name, exactly
 }
 
 

@@ -69,12 +69,14 @@ class VisionSequenceReward:
 
     def score_rows(self, rows: list[tuple[list[int], int, VisionInputs | None]]) -> list[float]:
         """The head on each row's last hidden state, rows right-padded into one call."""
-        lengths_B = torch.tensor([len(ids) for ids, _, _ in rows])
-        ids_BT = torch.full((len(rows), int(lengths_B.max())), self.pad_id, dtype=torch.long)
+        host = torch.device("cpu")  # assembled on the host, moved once
+        lengths_B = torch.tensor([len(ids) for ids, _, _ in rows], device=host)
+        ids_BT = torch.full((len(rows), int(lengths_B.max())), self.pad_id, dtype=torch.long, device=host)
         for b, (ids, _, _) in enumerate(rows):
-            ids_BT[b, : len(ids)] = torch.tensor(ids)
+            ids_BT[b, : len(ids)] = torch.tensor(ids, device=host)
         # Only the prompts' placeholders are images: a completion may hold the placeholder token as text.
-        completion_BT = torch.arange(ids_BT.shape[1])[None, :] >= torch.tensor([p for _, p, _ in rows])[:, None]
+        starts_B = torch.tensor([p for _, p, _ in rows], device=host)
+        completion_BT = torch.arange(ids_BT.shape[1], device=host)[None, :] >= starts_B[:, None]
         host_images = vision_call_inputs(self.image_token, ids_BT, [v for _, _, v in rows], completion_BT)
         images = {k: v.to(self.device) for k, v in host_images.items()}
         ids_BT = ids_BT.to(self.device)

@@ -49,6 +49,9 @@ STAND_IN_RUNS = {
     # The built-in tool task: a short SFT start of the small tiny model stands in for the recipe's.
     "grpo_calculator": [*CPU, "trainer.max_steps=2", "algo.prompts_per_step=2", "algo.group_size=2", "data.num_eval=4",
                         "model.sft_steps=10", *SMALL_MODEL, "trainer.log_every=1"],
+    # The built-in visual task: a 10-step SFT start of the tiny vision-language model stands in for the recipe's.
+    "grpo_vision": [*CPU, "trainer.max_steps=2", "algo.prompts_per_step=2", "algo.group_size=2", "data.num_eval=4",
+                    "model.sft_steps=10", "trainer.log_every=1"],
     # The built-in code task: a short SFT start of the small tiny model, scored in the bubblewrap sandbox.
     "grpo_code": [*CPU, "trainer.max_steps=2", "algo.prompts_per_step=2", "algo.group_size=2", "data.num_eval=4",
                   "model.sft_steps=10", *SMALL_MODEL, "trainer.log_every=1"],
@@ -145,6 +148,8 @@ def test_each_recipe_runs_offline_on_its_stand_ins(stand_ins, tmp_path, name):
         assert "judge-server-rank0.log" in {p.name for p in run_dir.iterdir()}
     if name == "grpo_calculator":  # episodes with the built-in tool, scored by exact match on the product
         assert all("env/tool_calls_mean" in r and 0.0 <= r["reward/exact_match"] <= 1.0 for r in rows)
+    if name == "grpo_vision":  # the pictures' questions, scored by exact match on the colour
+        assert all(0.0 <= r["reward/exact_match"] <= 1.0 and r["rollout/logprob_diff_max"] < 1e-3 for r in rows)
     if name == "grpo_code":  # the functions run against their hidden asserts in the sandbox
         assert all(r["reward/code_pass_rate"] == r["reward/tests_pass"] and r["reward/timeouts"] == 0.0 for r in rows)
     if name == "agent_calculator":  # episodes played by the OpenAI-client agent, scored by what it returns

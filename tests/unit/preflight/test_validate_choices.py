@@ -39,10 +39,12 @@ SCHEMA_PREFIX = {
     "SweepConfig": "sweep",
     "PlacementConfig": "placement",
     "RLConfig": "algo",
+    "JudgeRewardModelConfig": "reward_model",
     **{spec.config.__name__: "algo" for spec in ALGORITHMS.values()},
 }
 # The group option a key exists under; others use the default composition (algo=grpo, rollout=vllm).
-OPTION_OF = {"algo.loss": "algo=dpo", "rollout.servers.push_backend": "rollout=server"}
+OPTION_OF = {"algo.loss": "algo=dpo", "rollout.servers.push_backend": "rollout=server",
+             "reward_model.api": "reward_model=judge", "reward_model.score": "reward_model=judge"}
 
 
 @pytest.fixture(autouse=True)
@@ -167,6 +169,7 @@ def test_a_key_of_another_algorithm_is_not_checked_where_it_does_not_exist():
         ("data.same_length_rejected=1.5", "data.same_length_rejected=1.5"),
         ("data.forgotten_carries=0.5 data.task=multiplication", "only data.task=addition"),
         ("data.max_carry_problems=0 data.task=multiplication", "Set data.max_carry_problems=null "),
+        ("algo=sft data.task=colours", "data.task=colours is a visual task"),  # the text-only tiny model
         ("algo=dpo model=tiny data.task=code", "data.task='code' has no preference pairs"),
         ("algo=kto model=tiny data.task=code data.num_eval=200", "use it with algo=sft, grpo or ppo"),
         ("algo.group_size=0", "algo.group_size=0"),
@@ -188,6 +191,13 @@ def test_every_carry_key_of_the_sft_start_is_named_in_one_message_on_another_tas
     assert "model.sft_carry_problems=1000, model.sft_forgotten_carries=0.8" in message
     assert "Set model.sft_carry_problems=null model.sft_forgotten_carries=0." in message
     validate(_cfg("algo=grpo", "data.task=multiplication", "model=tiny"))  # no SFT start: nothing to refuse
+
+
+def test_the_visual_recipe_and_the_visual_task_on_a_vision_language_model_pass():
+    validate(_cfg("+experiment=grpo_vision"))
+    validate(_cfg("algo=sft", "model=tiny_vl", "data.task=colours"))
+    validate(_cfg("algo=dpo", "model=tiny_vl", "data.task=colours", "trainer.max_steps=2"))  # pairs: another colour rejected
+    validate(_cfg("algo=kto", "model=tiny_vl", "data.task=colours", "trainer.max_steps=2"))
 
 
 def test_dpo_values_are_refused_naming_the_key():
