@@ -5,15 +5,32 @@ Importing rltrain prepares what a vision-language model needs before transformer
 for it (a torchvision beside the CPU torch), in the server's process and in the engine-core process
 vLLM spawns from it, which re-imports this module as its main module. Started as vLLM's own
 `python -m vllm.entrypoints.openai.api_server`, both would import transformers first and miss it
-(docs/vision.md). The app vLLM builds gets one route of ours, rollout/server/batch_route.py.
+(docs/vision.md). The app vLLM builds gets two routes of ours: batched generation
+(rollout/server/batch_route.py) and the weight push's load (rollout/server/load_route.py).
 """
 
+from collections.abc import Callable
+from typing import Any
+
 import rltrain  # noqa: F401  (first: see the module doc)
+
+
+def with_routes(build_app: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM's `build_app` with rltrain's routes added."""
+
+    def build(*args: Any, **kwargs: Any) -> Any:
+        from rltrain.rollout.server import batch_route, load_route
+
+        app = build_app(*args, **kwargs)
+        app.include_router(batch_route.router)
+        app.include_router(load_route.router)
+        return app
+
+    return build
+
 
 if __name__ == "__main__":
     from vllm.entrypoints.launchers.api_server import entry
 
-    from rltrain.rollout.server.batch_route import with_batch_route
-
-    entry.build_app = with_batch_route(entry.build_app)
+    entry.build_app = with_routes(entry.build_app)
     entry.main()

@@ -1,69 +1,119 @@
 """`POST /rltrain/generate`: a trainer's share of one batch for one server in one HTTP request.
 
 The body is `{"requests": [...]}`, each entry the body of one vLLM `/inference/v1/generate`
-request (token ids, its own sampling parameters and seed, images as content parts). The route
-hands every entry to vLLM's own token-in/token-out handler at once, so each prompt is sampled
-exactly as its own request would be (the same defaults, seed and checks), and they all reach the
-engine's scheduler together, one prefill wave as in the in-process engine. The answer keeps what
-the trainer reads per choice (token ids, raw log-probabilities as plain floats, finish reason,
-weight-version spans) and the expanded prompt where asked: one request and one JSON document
-per server and batch instead of one per prompt. docs/rollout-servers.md, "Batched requests".
+request (token ids, its own sampling parameters and seed, images as content parts). Every entry
+goes through vLLM's own token-in/token-out handler at once, so each prompt is parsed, checked,
+defaulted, seeded and scheduled exactly as its own request would be, and they all reach the
+engine's scheduler together, one prefill wave as in the in-process engine. Only the answer is
+ours: per choice the token ids, the sampled tokens' raw log-probabilities as plain floats, the
+finish reason and the weight-version spans (and the expanded prompt where asked), read straight
+from vLLM's `RequestOutput`: one JSON document per server and batch, without the per-token
+response objects vLLM's handler would build for the trainer to throw away. The log-probabilities
+are kept in vLLM's flat container (`flat_logprobs`) and each request's parameters are not deep-copied
+again (`skip_clone`: they serve that request alone), which changes no sample. The API server's
+CPU is what this saves: docs/rollout-servers.md, "Batched requests".
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import math
+from collections.abc import AsyncGenerator, Sequence
 from http import HTTPStatus
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.encoders import jsonable_encoder
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
+from vllm.entrypoints.scale_out.token_in_token_out.serving import ServingTokens
+from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+from vllm.logprobs import FlatLogprobs
+from vllm.outputs import CompletionOutput, RequestOutput
 
 from rltrain.rollout.server.client import BATCH_PATH as PATH
 
 router = APIRouter()
+# vLLM's floor for a log-probability in its answers (-inf and NaN become this).
+LOGPROB_FLOOR = -9999.0
 
 
-def compact(answer: Any) -> dict[str, Any]:
-    """One `/inference/v1/generate` answer (vLLM's response object), reduced to what the fleet
-    reads (rollout/server/fleet.py): no per-token log-probability objects, no usage."""
-    choices = []
-    for choice in answer.choices:
-        content = choice.logprobs.content if choice.logprobs is not None else []
-        choices.append({
-            "index": choice.index, "token_ids": choice.token_ids, "finish_reason": choice.finish_reason,
-            "logprobs": [entry.logprob for entry in content], "weight_versions": jsonable_encoder(choice.weight_versions),
-        })
-    return {"choices": choices, "prompt_token_ids": answer.prompt_token_ids}
+def sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> list[float]:
+    """The log-probability of each sampled token, as vLLM's generate answer states it: clamped at
+    `LOGPROB_FLOOR` (NaN too), the floor itself where the engine reported none for the token."""
+    out = []
+    for i, token in enumerate(token_ids):
+        if isinstance(logprobs, FlatLogprobs):
+            rows = range(logprobs.start_indices[i], logprobs.end_indices[i])
+            value = next((logprobs.logprobs[j] for j in rows if logprobs.token_ids[j] == token), None)
+        else:
+            entry = (logprobs[i] or {}).get(token)
+            value = None if entry is None else entry.logprob
+        out.append(LOGPROB_FLOOR if value is None or math.isnan(value) else max(value, LOGPROB_FLOOR))
+    return out
+
+
+def compact_choice(output: CompletionOutput, with_logprobs: bool) -> dict[str, Any]:
+    """One choice as the fleet reads it (rollout/server/fleet.py)."""
+    spans = output.weight_versions
+    return {
+        "index": output.index, "token_ids": list(output.token_ids),
+        "finish_reason": output.finish_reason or "stop",  # as vLLM's handler answers
+        "logprobs": sampled_logprobs(output.token_ids, output.logprobs) if with_logprobs else [],
+        "weight_versions": None if spans is None else [{"version": s.version, "start": s.start, "end": s.end} for s in spans],
+    }
+
+
+class CompactServingTokens(ServingTokens):
+    """vLLM's token-in/token-out handler, sharing the server's (`compact_handler`), whose answer to
+    a non-streamed request is the compact dict instead of vLLM's response objects."""
+
+    async def serve_tokens_full_generator(  # type: ignore[override]
+        self, request: GenerateRequest, result_generator: AsyncGenerator[RequestOutput, None], request_id: str,
+        model_name: str, request_metadata: Any,
+    ) -> ErrorResponse | dict[str, Any]:
+        final = None
+        try:
+            async for output in result_generator:
+                final = output
+        except asyncio.CancelledError:
+            return self.create_error_response("Client disconnected")
+        assert final is not None
+        choices = []
+        for output in final.outputs:
+            self._raise_if_error(output.finish_reason, request_id)
+            choices.append(compact_choice(output, request.sampling_params.logprobs is not None))
+        return {"choices": choices, "prompt_token_ids": final.prompt_token_ids if request.return_token_ids else None}
+
+
+def compact_handler(app: FastAPI) -> CompactServingTokens:
+    """The server's own handler (`app.state.serving_tokens`, built when the server starts) as a
+    `CompactServingTokens`: the same state, so the same model, renderer and engine client."""
+    try:
+        return app.state.rltrain_serving_tokens  # type: ignore[no-any-return]
+    except AttributeError:
+        handler = CompactServingTokens.__new__(CompactServingTokens)
+        handler.__dict__.update(app.state.serving_tokens.__dict__)
+        app.state.rltrain_serving_tokens = handler
+        return handler
 
 
 @router.post(PATH)
-async def generate_batch(raw_request: Request) -> JSONResponse:
-    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest, GenerateResponseBase
-
-    handler = raw_request.app.state.serving_tokens
-    bodies = (await raw_request.json())["requests"]
+async def generate_batch(raw_request: Request) -> Response:
+    handler = compact_handler(raw_request.app)
     try:
+        bodies = msgspec.json.decode(await raw_request.body())["requests"]
         requests = [GenerateRequest.model_validate(body) for body in bodies]
-    except ValueError as exc:
-        return JSONResponse({"error": f"{PATH}: {exc}"}, status_code=HTTPStatus.BAD_REQUEST)
+    except (ValueError, KeyError, TypeError) as exc:  # msgspec.DecodeError and pydantic's ValidationError are ValueErrors
+        return JSONResponse({"error": f"{PATH}: {exc!r}"}, status_code=HTTPStatus.BAD_REQUEST)
+    for request in requests:  # each entry's own parameters: neither changes a sample
+        request.sampling_params.flat_logprobs = True  # logprobs in flat lists, read by sampled_logprobs
+        request.sampling_params.skip_clone = True  # no deep copy in the engine: this object serves one request
     answers = await asyncio.gather(*(handler.serve_tokens(request, raw_request) for request in requests))
-    out = []
     for answer in answers:
-        if not isinstance(answer, GenerateResponseBase):  # an ErrorResponse: the first one decides
-            return JSONResponse(answer.model_dump(), status_code=answer.error.code)
-        out.append(compact(answer))
-    return JSONResponse({"answers": out})
+        if not isinstance(answer, dict):  # an ErrorResponse (or a stream, asked of a batch): the first one decides
+            if isinstance(answer, ErrorResponse):
+                return JSONResponse(answer.model_dump(), status_code=answer.error.code)
+            return JSONResponse({"error": f"{PATH}: streamed requests are not batched"}, status_code=HTTPStatus.BAD_REQUEST)
+    return Response(msgspec.json.encode({"answers": answers}), media_type="application/json")
 
-
-def with_batch_route(build_app: Callable[..., FastAPI]) -> Callable[..., FastAPI]:
-    """vLLM's `build_app` with this route added (rltrain/rollout/server/api_server.py)."""
-
-    def build(*args: Any, **kwargs: Any) -> FastAPI:
-        app = build_app(*args, **kwargs)
-        app.include_router(router)
-        return app
-
-    return build

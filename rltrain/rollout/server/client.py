@@ -13,6 +13,8 @@ from typing import Any
 
 # A batch's prompts for one server in one request: our route in the server (rollout/server/batch_route.py).
 BATCH_PATH = "/rltrain/generate"
+# One weight version's load, cache resets and label in one request (rollout/server/load_route.py).
+LOAD_PATH = "/rltrain/load"
 
 
 class ServerDown(ConnectionError):

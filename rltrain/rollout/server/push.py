@@ -1,9 +1,10 @@
 """The weight push to one vLLM API server: a two-member torch.distributed group (gloo on CPU, NCCL
 on GPU: `push_backend`) opened through the server's `/collective_rpc`, then per version a JSON
 manifest (names, dtypes, shapes, offsets: never pickle) and the buckets' raw bytes as broadcasts,
-and finally the server's prefix- and encoder-cache resets and its vLLM weight version, which every completion
-then reports. The fleet pushes to its servers at once (`run_each`). The worker's end is
-rltrain/rollout/server/extension.py; docs/rollout-servers.md.
+and with them, in the same request (rollout/server/load_route.py), the server's prefix- and
+encoder-cache resets and its vLLM weight version, which every completion then reports. The fleet
+pushes to its servers at once (`run_each`). The worker's end is rltrain/rollout/server/extension.py;
+docs/rollout-servers.md.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, get_args
 import torch
 
 from rltrain.config.group_options import PushBackend
-from rltrain.rollout.server.client import ServerDown, ServerRefused, call, collective_rpc
+from rltrain.rollout.server.client import LOAD_PATH, ServerDown, ServerRefused, call, collective_rpc
 from rltrain.rollout.server.extension import open_pair_group
 from rltrain.rollout.server.process import free_port
 from rltrain.runtime.errors import UserError
@@ -194,9 +195,13 @@ class WeightPusher:
         manifest = {"version": version, "buckets": [{"nbytes": int(b.numel()), "entries": e} for b, e in buckets]}
         errors: list[BaseException] = []
 
+        # The load, the cache resets and the label in one request (rollout/server/load_route.py). Requests
+        # held in flight keep their blocks, so the prefix-cache reset then fails (answered, not raised):
+        # their prompts were salted with the version they entered under (FleetStream).
         def remote() -> None:
             try:
-                collective_rpc(self.url, "rltrain_receive", [json.dumps(manifest)], self.timeout_s)
+                body = {"manifest": json.dumps(manifest), "version": str(version), "timeout": self.timeout_s}
+                call(self.url, LOAD_PATH, body, self.timeout_s + 5)
             except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
                 errors.append(exc)
 
@@ -216,11 +221,6 @@ class WeightPusher:
             self.group = None
             error = errors[0]
             raise error if isinstance(error, (ServerDown, ServerRefused)) else ServerDown(str(error))
-        # Requests held in flight keep their blocks, so the reset then fails (answered, not raised):
-        # their prompts were salted with the version they entered under (FleetStream).
-        call(self.url, "/reset_prefix_cache", {}, self.timeout_s)
-        call(self.url, "/reset_encoder_cache", {}, self.timeout_s)  # image embeddings of the old weights
-        call(self.url, "/update_weight_version", {"new_version": str(version)}, self.timeout_s)
 
     def _device(self) -> torch.device:
         """Where a bucket is sent from: host memory over gloo, the trainer's GPU over NCCL (each

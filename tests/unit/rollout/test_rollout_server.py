@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from rltrain.config.group_options import ServerRolloutConfig, ServersConfig
 from rltrain.rollout.base import SamplingSettings
+from rltrain.rollout.server.client import BATCH_PATH, LOAD_PATH, ServerRefused, call
 from rltrain.rollout.server.fleet import FleetDown, ServerFleetEngine
 from rltrain.rollout.server.process import SpawnedServer, free_port
 from rltrain.rollout.server.push import server_device
@@ -67,6 +68,33 @@ def test_completions_do_not_depend_on_which_server_served_them(rollout_servers, 
     assert one.metrics()["rollout/servers_up"] == 1.0 and two.metrics()["rollout/servers_up"] == 2.0
     assert {c.version for c in spread} == {0}
 
+
+def test_the_batch_route_answers_as_vllms_own_generate_does_per_prompt(rollout_servers):
+    """The batch route reads vLLM's outputs itself (rollout/server/batch_route.py): each entry's
+    choices are those vLLM's own `/inference/v1/generate` answers for the same body (the same
+    seeds, defaults and stops); a malformed batch or load is refused (HTTP 400), naming what is wrong."""
+    url = rollout_servers["servers"][0].url
+    bodies = [
+        {"token_ids": prompt, "sampling_params": {"n": 2, "temperature": 1.0, "top_p": 1.0, "max_tokens": 12, "seed": 40 + i,
+                                                  "stop_token_ids": [9, 11], "logprobs": 0, "detokenize": False}}
+        for i, prompt in enumerate(PROMPTS[:4])
+    ]
+    answers = call(url, BATCH_PATH, {"requests": bodies}, 60)["answers"]
+    assert len(answers) == len(bodies)
+    for body, answer in zip(bodies, answers, strict=True):
+        own = call(url, "/inference/v1/generate", body, 60)
+        ours = sorted(answer["choices"], key=lambda c: c["index"])
+        theirs = sorted(own["choices"], key=lambda c: c["index"])
+        assert [(c["index"], c["token_ids"], c["finish_reason"], c["weight_versions"]) for c in ours] == [
+            (c["index"], c["token_ids"], c["finish_reason"], c["weight_versions"]) for c in theirs
+        ]
+        for mine, vllms in zip(ours, theirs, strict=True):
+            expected = [entry["logprob"] for entry in vllms["logprobs"]["content"]]
+            assert len(mine["logprobs"]) == len(expected) and all(abs(a - b) < 1e-5 for a, b in zip(mine["logprobs"], expected))
+    with pytest.raises(ServerRefused, match="HTTP 400.*token_ids"):
+        call(url, BATCH_PATH, {"requests": [{"token_ids": [], "sampling_params": {}}]}, 60)
+    with pytest.raises(ServerRefused, match="HTTP 400.*manifest"):
+        call(url, LOAD_PATH, {"version": "1"}, 60)
 
 def test_a_burst_beyond_one_engine_step_is_sampled_without_chunked_prefills(rollout_servers, tmp_path):
     """More prompt tokens at once than one engine step takes (64 prompts x 8 samples x 41 tokens):
