@@ -71,6 +71,9 @@ class WeightPushExtension:
 
     rltrain_group: Any = None
     rltrain_version: int = 0
+    # The fast plan per set of pushed names (None: it does not apply), built on the first push as
+    # the in-process engine builds its own once: every version after reuses it.
+    rltrain_plans: dict[tuple[str, ...], Any] | None = None
     # Provided by vLLM's worker class this is mixed into.
     model_runner: Any
     device_config: Any
@@ -127,7 +130,12 @@ class WeightPushExtension:
         if self.device_config.device_type != "cpu":
             self.model_runner.reload_weights(weights_iterator=iter(weights))
             return
-        plan = build_plan(model, [name for name, _ in weights])
+        names = tuple(name for name, _ in weights)
+        if self.rltrain_plans is None:
+            self.rltrain_plans = {}
+        if names not in self.rltrain_plans:
+            self.rltrain_plans[names] = build_plan(model, names)
+        plan = self.rltrain_plans[names]
         if plan is None or not plan.load(model, weights):
             self.model_runner.reload_weights(weights_iterator=iter(weights))
             hf_config = self.model_runner.model_config.hf_config

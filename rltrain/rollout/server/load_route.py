@@ -11,6 +11,7 @@ are held in flight, docs/async.md). docs/rollout-servers.md, "Weights pushed, ve
 
 from __future__ import annotations
 
+import asyncio
 from http import HTTPStatus
 
 from fastapi import APIRouter, Request
@@ -30,7 +31,11 @@ async def load_version(raw_request: Request) -> JSONResponse:
         return JSONResponse({"error": f"{LOAD_PATH}: {exc!r}"}, status_code=HTTPStatus.BAD_REQUEST)
     engine = raw_request.app.state.engine_client
     results = await engine.collective_rpc("rltrain_receive", timeout=timeout_s, args=(manifest,))
-    reset = await engine.reset_prefix_cache()
-    await engine.reset_encoder_cache()  # image embeddings of the old weights
-    await engine.update_weight_version(version)
+    # Loaded: the rest at once (the engine core takes them in turn; no request is scheduled between:
+    # the trainer sends none during a push, and requests held in flight stay held until /resume).
+    reset, _, _ = await asyncio.gather(
+        engine.reset_prefix_cache(),
+        engine.reset_encoder_cache(),  # image embeddings of the old weights
+        engine.update_weight_version(version),
+    )
     return JSONResponse({"results": results, "prefix_cache_reset": bool(reset)})
