@@ -1,17 +1,12 @@
 """`POST /rltrain/generate`: a trainer's share of one batch for one server in one HTTP request.
 
 The body is `{"requests": [...]}`, each entry the body of one vLLM `/inference/v1/generate`
-request (token ids, its own sampling parameters and seed, images as content parts). Every entry
-goes through vLLM's own token-in/token-out handler at once, so each prompt is parsed, checked,
-defaulted, seeded and scheduled exactly as its own request would be, and they all reach the
-engine's scheduler together, one prefill wave as in the in-process engine. Only the answer is
-ours: per choice the token ids, the sampled tokens' raw log-probabilities as plain floats, the
-finish reason and the weight-version spans (and the expanded prompt where asked), read straight
-from vLLM's `RequestOutput`: one JSON document per server and batch, without the per-token
-response objects vLLM's handler would build for the trainer to throw away. The log-probabilities
-are kept in vLLM's flat container (`flat_logprobs`) and each request's parameters are not deep-copied
-again (`skip_clone`: they serve that request alone), which changes no sample. The API server's
-CPU is what this saves: docs/rollout-servers.md, "Batched requests".
+request. Every entry goes through vLLM's own token-in/token-out handler at once, so each prompt is
+parsed, checked, defaulted, seeded and scheduled as its own request would be, and they all reach
+the scheduler together (one prefill wave). Only the answer is ours: per choice the token ids, the
+sampled tokens' log-probabilities as floats, the finish reason and the version spans, read straight
+from vLLM's `RequestOutput` (no response object per token for the trainer to throw away): the API
+server's CPU is what this saves. docs/rollout-servers.md, "Batched requests".
 """
 
 from __future__ import annotations
@@ -68,14 +63,14 @@ class CompactServingTokens(ServingTokens):
     """vLLM's token-in/token-out handler, sharing the server's (`compact_handler`), whose answer to
     a non-streamed request is the compact dict instead of vLLM's response objects."""
 
-    async def serve_tokens_full_generator(  # type: ignore[override]
+    async def serve_tokens_full_generator(
         self, request: GenerateRequest, result_generator: AsyncGenerator[RequestOutput, None], request_id: str,
         model_name: str, request_metadata: Any,
     ) -> ErrorResponse | dict[str, Any]:
         final = None
         try:
-            async for output in result_generator:
-                final = output
+            async for result in result_generator:
+                final = result
         except asyncio.CancelledError:
             return self.create_error_response("Client disconnected")
         assert final is not None
@@ -90,7 +85,7 @@ def compact_handler(app: FastAPI) -> CompactServingTokens:
     """The server's own handler (`app.state.serving_tokens`, built when the server starts) as a
     `CompactServingTokens`: the same state, so the same model, renderer and engine client."""
     try:
-        return app.state.rltrain_serving_tokens  # type: ignore[no-any-return]
+        return app.state.rltrain_serving_tokens
     except AttributeError:
         handler = CompactServingTokens.__new__(CompactServingTokens)
         handler.__dict__.update(app.state.serving_tokens.__dict__)

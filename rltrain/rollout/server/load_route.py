@@ -4,9 +4,10 @@ The body is `{"manifest": ..., "version": ..., "timeout": ...}`. The route runs 
 extension's `rltrain_receive` with the manifest (the buckets then arrive over the pair group,
 rollout/server/extension.py), then resets the prefix and encoder caches (entries computed by the
 old weights) and labels the server's weights with `version`, which every completion then reports:
-what took four requests through the API server per push (`/collective_rpc` and one per step after
-it). The answer: the workers' results, and whether the prefix cache was reset (not while requests
-are held in flight, docs/async.md). docs/rollout-servers.md, "Weights pushed, versions proven".
+one trip through the API server per push rather than one per step (each costs its CPU, which the
+engine shares on a small machine). The answer: the workers' results, and whether the prefix cache
+was reset (not while requests are held in flight, docs/async.md). docs/rollout-servers.md,
+"Weights pushed, versions proven".
 """
 
 from __future__ import annotations
