@@ -43,6 +43,8 @@ class InFlightRollouts:
         self.submitted_through = 0  # the last step whose prompts the engine has
         self.untrained: list[int] = []  # prompts submitted and not trained yet, in submission order
         self.restored: list[list[int]] = []  # a checkpoint's untrained prompts, a step's worth each
+        # Since the stream opened: the tokens of the batches taken, the engine's busy seconds.
+        self.taken_tokens, self.busy_s = 0.0, 0.0
 
     def _open(self, step: int) -> None:
         a = self.collector.algo_cfg
@@ -104,6 +106,7 @@ class InFlightRollouts:
         busy, idle = float(taken["busy_s"]), float(taken["idle_s"])
         exp = self.collector.assemble(step, [int(g["index"]) for g in groups], completions, busy, staleness=step - 1 - oldest)
         return exp, {
+            "rollout/tokens_per_s": self._tokens_per_busy_s(float(exp.counts[0]), busy),
             **stats,
             "rollout/staleness_mean": sum(tokens) / max(len(tokens), 1),
             "rollout/staleness_max": float(step - 1 - oldest),
@@ -112,6 +115,14 @@ class InFlightRollouts:
             "time/wait_rollout": wait_s,
         }
 
+    def _tokens_per_busy_s(self, tokens: float, busy_s: float) -> float:
+        """`rollout/tokens_per_s`: the batches' tokens over the engine's busy seconds, both summed
+        since the stream opened. A batch is sampled across several takes' windows (the engine works
+        ahead), so one window's busy time can be a sliver of its batch's; the sums cover the same
+        work but the groups in flight and the regenerated ones (docs/async.md, "Weights in flight")."""
+        self.taken_tokens += tokens
+        self.busy_s += busy_s
+        return self.taken_tokens / self.busy_s if self.busy_s > 0 else 0.0
 
     # --- checkpoint part (rltrain/run/checkpoint.py; the file generating ahead writes and reads) --
 
