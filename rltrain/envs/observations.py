@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rltrain.data.vision_rows import VisionEncoder
-from rltrain.envs.images import decode_data_url, is_image
+from rltrain.envs.images import decode_data_url
+from rltrain.envs.wire import is_image
 from rltrain.runtime.errors import UserError
 
 _ANCHOR = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
