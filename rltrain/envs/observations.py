@@ -32,11 +32,6 @@ class Observation:
     rewrites_reply: bool = False
 
 
-def observation_ids(tokenizer: Any, observation: Any, where: str) -> list[int]:
-    """The token ids of a text-only `observation` (text, or a list of chat messages) to append to an episode."""
-    return ObservationRenderer(tokenizer).render(observation, where, chat=False).ids
-
-
 class ObservationRenderer:
     """Observations as ids for one model: `processor` (a vision-language model's; None for a
     text-only model, which refuses images) expands each image into its visual tokens."""
