@@ -18,12 +18,13 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from rltrain.rollout.inflight_schedule import (
+    Admission,
     Group,
     StreamOptions,
     TakeBook,
     admit_count,
     due_step,
-    may_enter,
+    entry_room,
     submitted_group,
 )
 from rltrain.transport.wire import PeerClosed
@@ -98,15 +99,13 @@ class StreamLoop:
         return self.version in self.opts.eval_versions and self.version not in self.evaluated
 
     def _would_admit_next(self) -> bool:
-        if len(self.live_groups) >= self._group_cap():
-            return False
-        return self._open_for(self.opts.first_step + self.submitted // self.opts.per_step)
+        return self._room(self.opts.first_step + self.submitted // self.opts.per_step) > 0
 
-    def _group_cap(self) -> int:
-        return self.opts.per_step * (self.opts.max_staleness + 1)
-
-    def _open_for(self, step: int) -> bool:
-        return may_enter(self.version, step, self.book.filling, self.opts.stream, self.opts.max_staleness)
+    def _room(self, step: int) -> int:
+        """How many more groups may start now, the next of step `step`'s prompts (the shared rule)."""
+        o, book = self.opts, self.book
+        state = Admission(self.version, book.filling, book.taken(book.filling), len(self.live_groups), o.per_step, o.max_staleness, o.stream)
+        return entry_room(state, step)
 
     # --- messages -------------------------------------------------------------------------------
 
@@ -179,7 +178,7 @@ class StreamLoop:
                 return  # no training prompt enters during an evaluation: its start and end are counts, the prompts' arrival is not
         heads: list[Group] = []
         for group in self.backlog:
-            if len(self.live_groups) + len(heads) >= self._group_cap() or not self._open_for(group.step):
+            if len(heads) >= self._room(group.step):
                 break
             heads.append(group)
         count = admit_count(len(self.live), [len(g.prompt_ids) for g in heads], self.opts.group_size, self.max_num_seqs, self.token_budget)

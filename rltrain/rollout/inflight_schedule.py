@@ -82,13 +82,34 @@ def submitted_group(row: dict[str, Any], key: int, group_size: int) -> Group:
     )
 
 
-def may_enter(version: int, step: int, filling: int, stream: bool, max_staleness: int) -> bool:
-    """Whether a group of step `step`'s prompts may start under `version`: without streaming once
-    version step - 1 - k is loaded (the bound then holds by construction); streaming, while a group
-    started now could still train in the batch being filled (`filling`), else it would only be
-    generated to be dropped and the engine waits for the next version instead."""
-    target = filling if stream else step
-    return version >= target - 1 - max_staleness
+@dataclass(frozen=True)
+class Admission:
+    """What decides how many groups may start now: the version the engine holds, the batch being
+    filled (`filling`, holding `taken` groups already) and the groups `running` (started, not complete)."""
+
+    version: int
+    filling: int
+    taken: int
+    running: int
+    per_step: int
+    max_staleness: int
+    stream: bool
+
+
+def entry_room(a: Admission, step: int) -> int:
+    """How many more groups may start now, the next being one of step `step`'s prompts.
+
+    Without streaming: up to `per_step` * (k + 1) running, once version step - 1 - k is loaded (the
+    bound then holds by construction). Streaming: a group started under version v trains at the
+    latest in step v + 1 + k, so only as many may start as the batches from the one being filled
+    to that step still have room for, less those already running (which complete first, or hold
+    older tokens). More would complete too stale for any batch and be generated again; fewer would
+    leave the engine idle with room left. docs/async.md, "The per-token bound"."""
+    if not a.stream:
+        open_ = a.version >= step - 1 - a.max_staleness
+        return max(0, a.per_step * (a.max_staleness + 1) - a.running) if open_ else 0
+    last_step = a.version + 1 + a.max_staleness
+    return max(0, a.per_step * (last_step - a.filling + 1) - a.taken - a.running)
 
 
 def too_stale(oldest_version: int, train_step: int, max_staleness: int) -> bool:
@@ -137,6 +158,10 @@ class TakeBook:
         while self.stream and len(self.assigned.get(self.filling, ())) >= self.per_step:
             self.filling += 1
         return True
+
+    def taken(self, step: int) -> int:
+        """Groups placed in step `step`'s batch so far."""
+        return len(self.assigned.get(step, ()))
 
     def full(self, step: int) -> bool:
         return step in self.filled_at

@@ -18,7 +18,14 @@ from collections import deque
 from typing import Any, Protocol
 
 from rltrain.config.group_options import ServerRolloutConfig
-from rltrain.rollout.inflight_schedule import Group, StreamOptions, TakeBook, may_enter, submitted_group
+from rltrain.rollout.inflight_schedule import (
+    Admission,
+    Group,
+    StreamOptions,
+    TakeBook,
+    entry_room,
+    submitted_group,
+)
 from rltrain.rollout.server.client import ServerDown, call
 from rltrain.rollout.server.roster import Server
 from rltrain.runtime.errors import UserError
@@ -177,8 +184,7 @@ class FleetStream:
     def _dispatch(self) -> None:
         with self.cond:
             while not self.closed and self.error is None:
-                cap = self.opts.per_step * (self.opts.max_staleness + 1)
-                while self.backlog and len(self.running) < cap and self._may_enter(self.backlog[0]):
+                while self.backlog and self._room(self.backlog[0]) > 0:
                     group = self.backlog.popleft()
                     self._account()
                     self.running.add(group.key)
@@ -186,8 +192,11 @@ class FleetStream:
                     threading.Thread(target=self._run, args=(group, self.version), daemon=True).start()
                 self.cond.wait()
 
-    def _may_enter(self, group: Group) -> bool:
-        return may_enter(self.version, group.step, self.book.filling, self.opts.stream, self.opts.max_staleness)
+    def _room(self, group: Group) -> int:
+        """How many more groups may start now, `group` the next (the shared rule)."""
+        o, book = self.opts, self.book
+        state = Admission(self.version, book.filling, book.taken(book.filling), len(self.running), o.per_step, o.max_staleness, o.stream)
+        return entry_room(state, group.step)
 
     def _run(self, group: Group, version: int) -> None:
         """One group's request, on its own thread; its outcome is booked under the lock."""

@@ -5,8 +5,19 @@ end to end in tests/e2e/test_cli_inflight.py."""
 
 from __future__ import annotations
 
+from collections import deque
+
 from rltrain.algos.rl.inflight_rollouts import evaluated_versions
-from rltrain.rollout.inflight_schedule import Group, TakeBook, admit_count, due_step, too_stale, version_stats
+from rltrain.rollout.inflight_schedule import (
+    Admission,
+    Group,
+    TakeBook,
+    admit_count,
+    due_step,
+    entry_room,
+    too_stale,
+    version_stats,
+)
 
 
 def _group(key: int, step: int, position: int, versions: list[list[int]]) -> Group:
@@ -29,6 +40,55 @@ def test_admission_fits_sequences_and_a_whole_prefill_beside_the_running_decodes
     assert admit_count(2, [10, 10, 30], 2, max_num_seqs=5, token_budget=1000) == 1  # 2 + 2 + 2 > 5 sequences
     assert admit_count(0, [60], 2, max_num_seqs=8, token_budget=100) == 0  # 120 tokens never prefill in one step
     assert admit_count(0, [], 2, max_num_seqs=8, token_budget=100) == 0
+
+
+def _state(version: int, filling: int, taken: int, running: int, k: int = 1, stream: bool = True) -> Admission:
+    return Admission(version, filling, taken, running, per_step=4, max_staleness=k, stream=stream)
+
+
+def test_streaming_admits_only_what_the_batches_a_group_can_still_join_have_room_for():
+    # k = 1, 4 per step, step 5 being filled with 1 group: version 3 tokens train in step 5 at the latest
+    assert entry_room(_state(3, 5, taken=1, running=0), step=9) == 3  # 4 - 1, not 4 * 2
+    assert entry_room(_state(3, 5, taken=1, running=3), step=9) == 0
+    # version 4 tokens may train in steps 5 and 6: 8 slots, 1 taken, 3 running
+    assert entry_room(_state(4, 5, taken=1, running=3), step=9) == 4
+    assert entry_room(_state(2, 5, taken=0, running=0), step=9) == 0  # too old for step 5 already
+    assert entry_room(_state(4, 5, taken=2, running=1, k=0), step=9) == 1  # on-policy: step 5 only
+
+
+def test_without_streaming_a_step_opens_once_its_oldest_allowed_version_is_loaded():
+    # step 5 with k = 1 needs version 3; up to 4 * 2 groups running, whatever the book holds
+    assert entry_room(_state(3, 5, taken=3, running=5, stream=False), step=5) == 3
+    assert entry_room(_state(3, 5, taken=0, running=5, stream=False), step=6) == 0
+    assert entry_room(_state(3, 5, taken=0, running=9, stream=False), step=5) == 0
+
+
+def _simulate_stream(per_step: int, k: int, steps: int, lag: int) -> tuple[int, int]:
+    """Groups complete in the order they started; version v is loaded `lag` completions after
+    step v's batch is complete. Returns (groups generated again, most groups running at once)."""
+    book = TakeBook(per_step, k, stream=True, first_step=1)
+    version, running, keys, regenerated, most = 0, deque[Group](), 0, 0, 0
+    since_full: dict[int, int] = {}
+    while book.filling <= steps:
+        room = entry_room(Admission(version, book.filling, book.taken(book.filling), len(running), per_step, k, True), step=1)
+        for _ in range(room):
+            keys += 1
+            running.append(_group(keys, 1, 0, [[version]]))
+        most = max(most, len(running))
+        if not book.place(running.popleft(), version, decode_step=keys):
+            regenerated += 1
+        for step in list(book.filled_at):
+            since_full[step] = since_full.get(step, -1) + 1
+        if book.full(version + 1) and since_full[version + 1] >= lag:
+            version += 1
+    return regenerated, most
+
+
+def test_streaming_admission_generates_nothing_to_drop_when_groups_complete_in_order():
+    for k, lag in [(0, 0), (1, 0), (1, 3), (2, 5)]:
+        regenerated, most = _simulate_stream(per_step=4, k=k, steps=8, lag=lag)
+        assert regenerated == 0
+        assert most == 4 * (k + 1) if lag == 0 else most >= 4  # fresh weights: the whole bound is used
 
 
 def test_streaming_fills_batches_in_completion_order_and_refuses_over_stale_groups():
