@@ -28,7 +28,7 @@ router = APIRouter()
 
 def compact(answer: Any) -> dict[str, Any]:
     """One `/inference/v1/generate` answer (vLLM's response object), reduced to what the fleet
-    reads (rollout/server/fleet.py): no per-token log-probability objects, no usage."""
+    reads (rollout/server/batch_requests.py): no per-token log-probability objects, no usage."""
     choices = []
     for choice in answer.choices:
         content = choice.logprobs.content if choice.logprobs is not None else []

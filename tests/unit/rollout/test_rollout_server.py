@@ -22,6 +22,7 @@ from rltrain.rollout.base import SamplingSettings
 from rltrain.rollout.server.fleet import FleetDown, ServerFleetEngine
 from rltrain.rollout.server.process import SpawnedServer, free_port
 from rltrain.rollout.server.push import server_device
+from rltrain.rollout.server.roster import server_push_backend
 from rltrain.runtime.errors import UserError
 
 pytestmark = [pytest.mark.xdist_group("rollout_servers")]
@@ -179,11 +180,11 @@ def test_cpu_servers_are_pushed_over_gloo_and_nccl_is_refused_naming_the_fix(rol
     with pytest.raises(UserError, match=r"the trainer runs on the CPU.*rollout\.servers\.push_backend=gloo") as info:
         fleet(rollout_servers, [0], tmp_path, push_backend="nccl")
     assert url in str(info.value)
-    engine.cuda, engine.cfg.servers.push_backend = True, "nccl"  # what a CUDA trainer asks of this CPU server
+    engine.cfg.servers.push_backend = "nccl"  # what a CUDA trainer asks of this CPU server
     with pytest.raises(UserError, match=rf"{url} runs its model on cpu.*rollout\.servers\.push_backend=gloo"):
-        engine._push_backend(engine.servers[0])
+        server_push_backend(engine.servers[0], engine.cfg, cuda=True)
     engine.cfg.servers.push_backend = "auto"
-    assert engine._push_backend(engine.servers[0]) == "gloo"
+    assert server_push_backend(engine.servers[0], engine.cfg, cuda=True) == "gloo"
 
 
 def test_two_urls_of_one_server_are_refused_naming_both(rollout_servers, tmp_path):

@@ -11,8 +11,8 @@ from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
 )
 from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
+from rltrain.rollout.server.batch_requests import batch_chunks
 from rltrain.rollout.server.batch_route import compact
-from rltrain.rollout.server.fleet import batch_chunks
 
 
 def test_a_batch_is_one_contiguous_run_per_server_up():
