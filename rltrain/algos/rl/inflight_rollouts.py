@@ -62,9 +62,10 @@ class InFlightRollouts:
         self.engine.request("stream_open", options=options)
         self.opened, self.submitted_through = True, step - 1
 
-    def _submit_through(self, last: int) -> None:
-        """Hand the engine the prompts of the steps up to `last` (the data stream's, in step order)."""
-        groups = []
+    def _prompts_through(self, last: int) -> list[dict[str, Any]]:
+        """The prompts of the steps up to `last` not yet handed to the engine (the data stream's, in
+        step order). They travel with the next `take`: one round trip per step, not two."""
+        groups: list[dict[str, Any]] = []
         for step in range(self.submitted_through + 1, min(last, self.max_steps) + 1):
             index = self.restored.pop(0) if self.restored else self.collector.take_prompts()
             self.untrained += index
@@ -80,16 +81,15 @@ class InFlightRollouts:
                     "seed": seed,
                 })
             self.submitted_through = step
-        if groups:
-            self.engine.request("submit", groups=groups)
+        return groups
 
     def next_experience(self, step: int) -> tuple[Experience, dict[str, float]]:
         """Step `step`'s experience and its metrics (waits, versions, idle share, regenerated groups)."""
         if not self.opened:
             self._open(step)
-        self._submit_through(step + 2 + 2 * self.k)
+        groups_ahead = self._prompts_through(step + 2 + 2 * self.k)
         started = time.perf_counter()
-        taken = self.engine.request("take", step=step)
+        taken = self.engine.request("take", step=step, groups=groups_ahead)
         wait_s = time.perf_counter() - started
         groups = taken["groups"]
         for g in groups:

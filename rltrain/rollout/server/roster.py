@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from rltrain.config.group_options import ServerRolloutConfig
-from rltrain.rollout.server.client import ServerRefused, is_up, server_identity
+from rltrain.rollout.server.client import ServerRefused, call, is_up, server_identity
 from rltrain.rollout.server.process import SpawnedServer
 from rltrain.rollout.server.push import WeightPusher, needs_server_device, push_backend, server_device
 from rltrain.runtime.errors import UserError
@@ -126,6 +126,9 @@ def join(
             f"{', '.join(differ)} differ{'s' if len(differ) == 1 else ''}. Start that server on the same model "
             "directory (`python -m rltrain.serve` with the run's model overrides) or remove it from rollout.servers.urls."
         )
+    # A trainer killed between an in-flight push's pause and resume (push.py) leaves the server
+    # holding its requests, and every later one with them; resuming a server that runs is a no-op.
+    call(server.url, "/resume", {}, cfg.timeout_s)
     server.pusher.push(buckets, version)
 
 

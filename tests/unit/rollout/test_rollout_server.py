@@ -102,6 +102,19 @@ def test_pushed_weights_reach_every_server_with_their_version(rollout_servers, t
     assert rows(restored) == rows(before) and {c.version for c in restored} == {2}
 
 
+def test_a_server_left_paused_by_a_killed_trainer_serves_the_next_fleet(rollout_servers, tmp_path):
+    """An in-flight push pauses the server (push.py); a trainer SIGKILLed before its resume left it
+    holding every request, so the resumed run's first batch waited forever. Joining resumes it."""
+    from rltrain.rollout.server.client import call
+
+    url = rollout_servers["servers"][0].url
+    call(url, "/pause?mode=keep&clear_cache=false", {}, 30)
+    assert call(url, "/is_paused", None, 30)["is_paused"] is True
+    engine = fleet(rollout_servers, [0], tmp_path, timeout_s=30.0)
+    assert call(url, "/is_paused", None, 30)["is_paused"] is False
+    assert len(engine.generate(PROMPTS[:2], SAMPLING)) == 4
+
+
 def test_a_server_killed_mid_generation_is_survived_and_gets_the_weights_back(rollout_servers, tmp_path):
     engine = fleet(rollout_servers, [0, 1], tmp_path)
     weights = [(n, t * 0.5 if "embed" in n else t) for n, t in checkpoint(rollout_servers["model_dir"])]
