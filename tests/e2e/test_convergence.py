@@ -229,9 +229,10 @@ IN_FLIGHT_STREAMING = ["rollout.process=separate", "placement.max_staleness=1", 
 @SHARES_THE_SYNCHRONOUS_RUN
 @pytest.mark.parametrize("seed", [0, 1])
 def test_inflight_streaming_grpo_default_learns_as_the_synchronous_one(synchronous_grpo, tmp_path, seed):
-    """Issue 64 point 5 (docs/async.md, "Measured"): the default with weights in flight and
-    streaming ends within 0.02 of the synchronous run's held-out accuracy, from the same start,
-    every token trained within the bound of one version."""
+    """Issue 64 point 5 (docs/async.md, "Learning in flight with streaming"): the default with
+    weights in flight and streaming ends within 0.02 of the synchronous run's held-out accuracy,
+    from the same start, every token trained within the bound of one version. The mode is
+    timing-dependent: measured, 7 of 8 runs within 0.02 (seed 0's five ends spread over 0.033)."""
     sync = heldout_start_and_end(synchronous_grpo(seed))
     rows = default_grpo_rows(tmp_path / "inflight", seed, *IN_FLIGHT_STREAMING)
     streamed = heldout_start_and_end(rows)
