@@ -3,8 +3,9 @@
 verdict rows (`TEMPLATE` over a sum, a candidate answer and the reference; `1` right, `0` wrong) into
 `<run dir>/rows/`, then becomes (exec) `python -m rltrain algo=sft` on them. Training rows come from
 the task's training split; the eval rows are GRPO's held-out problems, so the SFT's `eval/accuracy`
-is the judge's verdict accuracy on sums it never saw. Wrong answers are a policy's mistakes from the
-SFT start: mostly the units carry forgotten. docs/rewards-and-roles.md, "The LLM judge".
+is the judge's verdict accuracy on sums it never saw. Wrong answers are the SFT start's mistakes (the
+units carry forgotten, a digit off) and what a policy drifts to (longer, shorter, extra characters,
+empty). docs/rewards-and-roles.md, "The LLM judge".
 """
 
 from __future__ import annotations
