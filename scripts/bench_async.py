@@ -4,7 +4,7 @@ synchronous, with k = 1 and k = 2 (between batches), and in flight with streamin
 workload and on a long-tail one, for each split of this machine's cores between the trainer and
 the engine.
 
-    .venv/bin/python scripts/bench_async.py                      # ~30 min on 2 cores
+    .venv/bin/python scripts/bench_async.py                      # every workload, mode and split
     .venv/bin/python scripts/bench_async.py --steps 20 --splits 1/1 --repeat 2
     .venv/bin/python scripts/bench_async.py --workloads long-tail --modes sync,k=1,in-flight+stream
 

@@ -9,6 +9,7 @@ The model's processor then expands each image into its visual tokens. docs/visio
 from __future__ import annotations
 
 import io
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -173,12 +174,23 @@ def vision_prompt_completion(
     return ids, completion, vision
 
 
-def text_only_refusal(source: RowSource) -> UserError:
-    return UserError(
-        f"{source.where} has images (an 'images' or 'image' column) but the model is text-only. Train a "
-        "vision-language model (model=tiny_vl, or model.path of one that AutoModelForImageTextToText loads), "
-        "or drop the image column."
-    )
+def vision_encoder(processor, source: RowSource) -> VisionEncoder:
+    """The encoder of rows with images from `source`; `processor` None (a text-only model) is refused."""
+    if processor is None:
+        raise UserError(
+            f"{source.where} has images (an 'images' or 'image' column) but the model is text-only. Train a "
+            "vision-language model (model=tiny_vl, or model.path of one that AutoModelForImageTextToText loads), "
+            "or drop the image column."
+        )
+    return VisionEncoder(processor)
+
+
+def rows_with_images(processor, rows: list[dict], source: RowSource) -> Iterator[tuple[VisionEncoder, int, dict, list[Any]]]:
+    """(the processor's encoder, index, row, the row's images) for each row; `processor` None (a
+    text-only model) is refused before the first."""
+    encoder = vision_encoder(processor, source)
+    for index, row in enumerate(rows):
+        yield encoder, index, row, row_images(row, index, source)
 
 
 @dataclass
@@ -194,12 +206,8 @@ class VisionPairRow:
 def vision_pair_rows(processor, rows: list[dict], source: RowSource) -> list[VisionPairRow]:
     """Preference rows (`prompt` text with `<image>` or messages, `chosen`/`rejected` texts or
     message lists) with their images; `processor` None (a text-only model) is refused."""
-    if processor is None:
-        raise text_only_refusal(source)
-    encoder = VisionEncoder(processor)
     out = []
-    for index, row in enumerate(rows):
-        images = row_images(row, index, source)
+    for encoder, index, row, images in rows_with_images(processor, rows, source):
         prompt: Any = row.get("prompt")  # a dataset row's values: checked below
         chosen: Any = row.get("chosen")
         rejected: Any = row.get("rejected")
@@ -229,12 +237,8 @@ class VisionLabelledRow:
 def vision_unpaired_rows(processor, rows: list[dict], source: RowSource) -> list[VisionLabelledRow]:
     """TRL's unpaired rows (`prompt` text with `<image>` or messages, `completion` text or message
     list, boolean `label`) with their images; `processor` None (a text-only model) is refused."""
-    if processor is None:
-        raise text_only_refusal(source)
-    encoder = VisionEncoder(processor)
     out = []
-    for index, row in enumerate(rows):
-        images = row_images(row, index, source)
+    for encoder, index, row, images in rows_with_images(processor, rows, source):
         prompt = encoder.prompt_text(row.get("prompt"), images, index, source)
         completion: Any = row.get("completion")  # a dataset row's values: checked below
         label: Any = row.get("label")
@@ -264,12 +268,8 @@ class VisionPrompt:
 
 def vision_prompts(processor, rows: list[dict], source: RowSource) -> list[VisionPrompt]:
     """RL prompts (`prompt` text with `<image>`, or messages with image parts) with their images."""
-    if processor is None:
-        raise text_only_refusal(source)
-    encoder = VisionEncoder(processor)
     out = []
-    for index, row in enumerate(rows):
-        images = row_images(row, index, source)
+    for encoder, index, row, images in rows_with_images(processor, rows, source):
         chat = isinstance(row.get("prompt"), list)
         prompt = encoder.prompt_text(row.get("prompt"), images, index, source)
         if not isinstance(prompt, str) or not prompt:

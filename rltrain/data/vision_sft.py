@@ -7,7 +7,7 @@ from __future__ import annotations
 from rltrain.config.schema import DataConfig
 from rltrain.data.tokenize import OverlongStats, TokenizedPair, encode_all, fit_length
 from rltrain.data.vision_inputs import VisionInputs
-from rltrain.data.vision_rows import RowSource, VisionEncoder, text_only_refusal, vision_prompt_completion
+from rltrain.data.vision_rows import RowSource, vision_encoder, vision_prompt_completion
 from rltrain.runtime.errors import UserError
 
 
@@ -15,9 +15,7 @@ def vision_sft_pairs(
     processor, rows: list[dict], source: RowSource, data_cfg: DataConfig
 ) -> tuple[list[TokenizedPair], OverlongStats]:
     """(training pairs with their images, overlong counts); `processor` None: a text-only model."""
-    if processor is None:
-        raise text_only_refusal(source)
-    encoder = VisionEncoder(processor)
+    encoder = vision_encoder(processor, source)
     tokenizer = processor.tokenizer
     encoded = [vision_prompt_completion(encoder, row, i, source) for i, row in enumerate(rows)]
     completions = encode_all(tokenizer, [completion for _, completion, _ in encoded])
@@ -37,7 +35,5 @@ def vision_eval_items(processor, rows: list[dict], source: RowSource) -> list[tu
     """(prompt ids, reference completion, images) of held-out rows."""
     if not rows:
         return []
-    if processor is None:
-        raise text_only_refusal(source)
-    encoder = VisionEncoder(processor)
+    encoder = vision_encoder(processor, source)
     return [vision_prompt_completion(encoder, row, i, source) for i, row in enumerate(rows)]

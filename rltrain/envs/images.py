@@ -52,12 +52,6 @@ def environment_row(row: PromptRow) -> dict[str, Any]:
     return {"prompt": row.text, **columns}
 
 
-def is_image(value: Any) -> bool:
-    from PIL import Image
-
-    return isinstance(value, Image.Image)
-
-
 def decode_data_url(url: Any, where: str) -> Any:
     """An image part's data URL as a PIL image (RGB); a remote URL or another format is a UserError."""
     try:

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rltrain.data.vision_rows import VisionEncoder
-from rltrain.envs.images import decode_data_url, is_image
+from rltrain.envs.images import decode_data_url
+from rltrain.envs.wire import is_image
 from rltrain.runtime.errors import UserError
 
 _ANCHOR = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
@@ -29,11 +30,6 @@ class Observation:
     # `ids` start with the episode's last reply as the chat template re-renders it once messages
     # follow it (e.g. without its thinking): they replace that reply (`Episode.observe`).
     rewrites_reply: bool = False
-
-
-def observation_ids(tokenizer: Any, observation: Any, where: str) -> list[int]:
-    """The token ids of a text-only `observation` (text, or a list of chat messages) to append to an episode."""
-    return ObservationRenderer(tokenizer).render(observation, where, chat=False).ids
 
 
 class ObservationRenderer:

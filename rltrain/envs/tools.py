@@ -17,9 +17,8 @@ from typing import Any
 
 from rltrain.config.group_options import EnvConfig
 from rltrain.envs.episodes import Episode
-from rltrain.envs.images import is_image
 from rltrain.envs.observations import ObservationRenderer, segment_part
-from rltrain.envs.wire import from_wire
+from rltrain.envs.wire import from_wire, is_image
 from rltrain.runtime.call_pool import Call, CallPool, CallResult
 from rltrain.runtime.errors import UserError
 from rltrain.runtime.user_code import load_callable

@@ -20,7 +20,8 @@ from rltrain.runtime.user_code import load_callable
 WIRE_KEY = "rltrain_image"
 
 
-def _is_image(value: Any) -> bool:
+def is_image(value: Any) -> bool:
+    """Whether `value` is a PIL image (PIL imported only when asked)."""
     from PIL import Image
 
     return isinstance(value, Image.Image)
@@ -31,7 +32,7 @@ def to_wire(value: Any) -> Any:
     worker's side: the pipe carries JSON only)."""
     if isinstance(value, (bytes, bytearray)):
         return {WIRE_KEY: base64.b64encode(bytes(value)).decode("ascii")}
-    if _is_image(value):
+    if is_image(value):
         buf = io.BytesIO()
         value.convert("RGB").save(buf, format="PNG")
         return {WIRE_KEY: base64.b64encode(buf.getvalue()).decode("ascii")}

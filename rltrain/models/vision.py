@@ -99,25 +99,26 @@ def image_token_id(config: Any) -> int | None:
 
 def grid_model_inputs(inner: PreTrainedModel, input_ids_BT: torch.Tensor, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The language model's call inputs for a Qwen2-VL-family model (image grids): the token
-    embeddings with each image's features placed where `mm_token_type_ids` marks the prompt's
-    placeholders, and the M-RoPE positions those marks give. Transformers' own forward would take
-    every placeholder token in `input_ids` as an image slot, so a completion that sampled the
-    placeholder (the rollout engine takes it as text) would not match its image features."""
-    grid = inputs["image_grid_thw"]
+    embeddings with each image's features placed where `mm_token_type_ids` marks the placeholders
+    the policy did not sample (the prompts' and observations'), and the M-RoPE positions those
+    marks give. Transformers' own forward would take every placeholder token in `input_ids` as an
+    image slot, so a completion that sampled the placeholder (the rollout engine takes it as text)
+    would not match its image features."""
+    grid_I3 = inputs["image_grid_thw"]
     marks_BT = inputs["mm_token_type_ids"]
     embeds_BTH = inner.get_input_embeddings()(input_ids_BT)
     # The tower sees each distinct image once: a group's completions (a pair's two sides) carry the
     # same prompt images, and the features are then shared, gradients included (docs/vision.md).
-    pixels, distinct_grid, source = distinct_images(inputs["pixel_values"], grid)
-    output = inner.get_image_features(pixels, distinct_grid).pooler_output
+    pixels_PC, grid_U3, source_I = distinct_images(inputs["pixel_values"], grid_I3)
+    output = inner.get_image_features(pixels_PC, grid_U3).pooler_output
     if isinstance(output, torch.Tensor):  # one tensor over every image's visual tokens: split per image
         merge = int(inner.config.vision_config.spatial_merge_size)
-        output = torch.split(output, (distinct_grid.prod(-1) // merge**2).tolist())
-    features = list(output)
-    features_NH = torch.cat([features[i] for i in source])
-    slots = marks_BT.bool()[..., None].expand_as(embeds_BTH)
-    embeds_BTH = embeds_BTH.masked_scatter(slots, features_NH.to(embeds_BTH.dtype))
-    return {"inputs_embeds": embeds_BTH, "position_ids": grid_positions(inner, marks_BT, grid)}
+        output = torch.split(output, (grid_U3.prod(-1) // merge**2).tolist())
+    features_U = list(output)  # each distinct image's [tokens, H]
+    features_NH = torch.cat([features_U[i] for i in source_I])
+    slots_BTH = marks_BT.bool()[..., None].expand_as(embeds_BTH)
+    embeds_BTH = embeds_BTH.masked_scatter(slots_BTH, features_NH.to(embeds_BTH.dtype))
+    return {"inputs_embeds": embeds_BTH, "position_ids": grid_positions(inner, marks_BT, grid_I3)}
 
 
 def grid_positions(inner: PreTrainedModel, marks_BT: torch.Tensor, grid_I3: torch.Tensor) -> torch.Tensor:

@@ -57,6 +57,11 @@ def _refuse_unsupported(cfg: Config) -> None:
             f"placement.weight_update=in_flight generates single-turn groups; env={cfg.env.name} plays multi-turn episodes. "
             f"Use env=none, {fix}"
         )
+    if cfg.data.path is None and cfg.data.task == "colours":  # a dataset's images are found when its prompts are submitted
+        raise UserError(
+            "placement.weight_update=in_flight submits token ids only, and data.task=colours prompts with pictures "
+            "(docs/vision.md). Set placement.weight_update=between_batches (generating ahead carries images)."
+        )
     rl = as_option("algo", cfg.algo, RLConfig)
     if rl is not None and rl.dynamic_sampling:
         raise UserError(f"placement.weight_update=in_flight does not resample groups (algo.dynamic_sampling=true). Set algo.dynamic_sampling=false, {fix}")

@@ -18,10 +18,6 @@ import io
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from rltrain.models.vision import (
-    image_token_id as image_token_id,  # defined once there; rollout/server/images.py reads it from here
-)
-
 if TYPE_CHECKING:
     from PIL.Image import Image
 

@@ -132,11 +132,9 @@ class StreamLoop:
             if not self.opts.deterministic:
                 self._apply_versions(idle=True)  # between two decode steps: the requests in flight go on
         elif op == "submit":
-            for row in message["groups"]:
-                self.keys += 1
-                self.backlog.append(submitted_group(row, self.keys, self.opts.group_size))
-            self.submitted += len(message["groups"])
-        elif op == "take":
+            self._enqueue(message["groups"])
+        elif op == "take":  # the prompts that travel with it are queued first
+            self._enqueue(message.get("groups", []))
             self.take, reply = (request_id, int(message["step"])), None
             self._answer_take()
         elif op == "generate":  # an evaluation: started at once, or (deterministic) once its version is loaded
@@ -149,6 +147,12 @@ class StreamLoop:
             reply = {"op": "reply", "id": request_id, "ok": False, "error": f"{op!r} is not served while streaming"}
         if reply is not None:
             self.channel.send(reply)
+
+    def _enqueue(self, rows: list[dict[str, Any]]) -> None:
+        for row in rows:
+            self.keys += 1
+            self.backlog.append(submitted_group(row, self.keys, self.opts.group_size))
+        self.submitted += len(rows)
 
     # --- versions, admission, steps -------------------------------------------------------------
 

@@ -41,7 +41,14 @@ def share_completions(completions: list[Completion] | None, group: Any) -> list[
     """The leader's `completions`, on every rank of `group` (collective over it). Non-leaders pass
     None; the leader passes its list (possibly empty). Multi-turn `sampled` masks, the prompts a
     completion continues where they are not the row's (an agent's, an image row vLLM expanded) and
-    the servers' policy versions (rollout=server) travel too."""
+    the servers' policy versions (rollout=server) travel too. An episode's own images
+    (`Completion.images`) do not: replica groups exist only under Megatron tp/pp, which refuses
+    vision-language models, so a leader holding some is refused here rather than losing them."""
+    if completions is not None and any(c.images for c in completions):
+        raise ValueError(
+            "share_completions does not carry Completion.images: a replica spanning several ranks (Megatron "
+            "tp/pp) trains text-only models; its peers would train the sequences without their images"
+        )
     leader = replica_leader(group)
     ints: list[int] | None = None
     floats: list[float] | None = None

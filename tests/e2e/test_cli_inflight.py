@@ -24,9 +24,9 @@ from cli import SMALL_MODEL, comparable, kill_when, read_metrics, rltrain, train
 # One xdist worker runs every separate-engine test: their cleanup checks count rlsep-* directories.
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("separate_engine")]
 
-STEPS, K, PER_STEP = 4, 1, 4
+STEPS, K, PER_STEP, GROUP = 4, 1, 4, 2
 STREAM = [
-    "algo=grpo", "model=tiny", *SMALL_MODEL, f"algo.prompts_per_step={PER_STEP}", "algo.group_size=2", "algo.max_new_tokens=12",
+    "algo=grpo", "model=tiny", *SMALL_MODEL, f"algo.prompts_per_step={PER_STEP}", f"algo.group_size={GROUP}", "algo.max_new_tokens=12",
     "data.num_eval=4", "data.eval_seed=0", f"trainer.max_steps={STEPS}", "trainer.save_every=0", "trainer.eval_every=2",
     "trainer.progress=lines", "logger.wandb.mode=disabled", "rollout=vllm", "rollout.process=separate",
     f"placement.max_staleness={K}", "placement.weight_update=in_flight", "placement.stream=true",
@@ -56,6 +56,11 @@ def test_streamed_batches_keep_every_token_within_the_bound(shared_runs):
         assert 1 <= r["rollout/versions_per_sequence_max"] <= high - low + 1, r
         assert 0.0 <= r["rollout/engine_idle_frac"] <= 1.0 and r["rollout/regenerated"] >= 0, r
         assert r["time/wait_rollout"] >= 0 and 0 < r["rollout/is_weight_mean"] <= 2.0, r  # tis, the default with k >= 1
+    # rollout/tokens_per_s: the batches' tokens over the engine's busy seconds (time/rollout), both summed so far
+    tokens = busy = 0.0
+    for r in rows:
+        tokens, busy = tokens + r["rollout/response_length_mean"] * PER_STEP * GROUP, busy + r["time/rollout"]
+        assert r["rollout/tokens_per_s"] == pytest.approx(tokens / busy, rel=1e-9), r
     ledger = batches(run_dir)
     assert [(b["step"], b["sampled_by"]) for b in ledger] == [(r["step"], r["rollout/token_version_min"]) for r in rows]
     prompts = [p for b in ledger for p in b["prompts"]]

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from cli import SFT_RUN, python, read_metrics, rltrain, train_rows
@@ -161,35 +163,83 @@ def assert_the_documented_story(evals: list[dict], gain: float) -> None:
     assert abs(start - SFT_START) <= 0.05, evals
 
 
+def default_grpo_rows(run_dir: Path, seed: int, *extra: str) -> list[dict]:
+    """`python -m rltrain trainer.seed=S *extra` run to its end, evaluations on (step 0 is the SFT
+    start's accuracy): its metric rows."""
+    rltrain(f"trainer.seed={seed}", *extra, "logger.wandb.mode=disabled", "trainer.save_every=0", "trainer.progress=lines",
+            run_dir=run_dir, timeout=2400)
+    return read_metrics(run_dir)
+
+
+def heldout_start_and_end(rows: list[dict]) -> tuple[float, float]:
+    evals = [r for r in rows if "eval/accuracy" in r]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 300, evals
+    return evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
+
+
+@pytest.fixture(scope="module")
+def synchronous_grpo(tiny_cache, tmp_path_factory) -> Callable[[int], list[dict]]:
+    """The synchronous default GRPO run of a seed, run once per module and worker: the tests below
+    share it (the same command; they run in one xdist group, so on one worker)."""
+    runs: dict[int, list[dict]] = {}
+
+    def rows(seed: int) -> list[dict]:
+        if seed not in runs:
+            runs[seed] = default_grpo_rows(tmp_path_factory.mktemp(f"sync_grpo_seed{seed}"), seed)
+        return runs[seed]
+
+    return rows
+
+
+# The tests that read `synchronous_grpo` run on one worker, so each seed's synchronous run is made once.
+SHARES_THE_SYNCHRONOUS_RUN = pytest.mark.xdist_group("synchronous_grpo")
+
+
 @pytest.mark.slow
+@SHARES_THE_SYNCHRONOUS_RUN
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_grpo_default_raises_heldout_accuracy(tiny_cache, tmp_path, seed):
+def test_grpo_default_raises_heldout_accuracy(synchronous_grpo, seed):
     """`python -m rltrain trainer.seed=S`: from the SFT start (model=tiny_sft, built here once per
     seed and test cache), GRPO raises held-out exact-match accuracy as the README says. Evaluations
     stay on (step 0 is the SFT start's accuracy)."""
-    run_dir = tmp_path / "run"
-    rltrain(f"trainer.seed={seed}", "logger.wandb.mode=disabled", "trainer.save_every=0", "trainer.progress=lines",
-            run_dir=run_dir, timeout=2400)
-    assert_the_documented_story([r for r in read_metrics(run_dir) if "eval/accuracy" in r], GRPO_GAIN)
+    assert_the_documented_story([r for r in synchronous_grpo(seed) if "eval/accuracy" in r], GRPO_GAIN)
 
 
 @pytest.mark.slow
+@SHARES_THE_SYNCHRONOUS_RUN
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_async_grpo_default_learns_as_the_synchronous_one(tiny_cache, tmp_path, seed):
+def test_async_grpo_default_learns_as_the_synchronous_one(synchronous_grpo, tmp_path, seed):
     """docs/async.md, "Measured": the default generating one step ahead (vLLM in its own process)
     raises held-out accuracy by at least 0.1 from the same SFT start and ends within 0.03 of the
     synchronous run (within 0.005 on all three seeds here)."""
-    ends = {}
-    for name, extra in (("sync", []), ("async", ["rollout.process=separate", "placement.max_staleness=1"])):
-        run_dir = tmp_path / name
-        rltrain(f"trainer.seed={seed}", *extra, "logger.wandb.mode=disabled", "trainer.save_every=0",
-                "trainer.progress=lines", run_dir=run_dir, timeout=2400)
-        evals = [r for r in read_metrics(run_dir) if "eval/accuracy" in r]
-        assert evals[-1]["step"] == 300, evals
-        ends[name] = (evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"])
-    assert ends["sync"][0] == ends["async"][0], ends  # the same start
-    assert ends["async"][1] - ends["async"][0] >= 0.1, ends
-    assert abs(ends["async"][1] - ends["sync"][1]) <= 0.03, ends
+    sync = heldout_start_and_end(synchronous_grpo(seed))
+    ahead = heldout_start_and_end(default_grpo_rows(tmp_path / "async", seed, "rollout.process=separate", "placement.max_staleness=1"))
+    assert sync[0] == ahead[0], (sync, ahead)  # the same start
+    assert ahead[1] - ahead[0] >= 0.1, (sync, ahead)
+    assert abs(ahead[1] - sync[1]) <= 0.03, (sync, ahead)
+
+
+# docs/async.md, "Weights in flight": k = 1, each version loaded between two decoding steps, each
+# batch the first groups to complete; as a user runs it (timing-dependent, not placement.deterministic).
+IN_FLIGHT_STREAMING = ["rollout.process=separate", "placement.max_staleness=1", "placement.weight_update=in_flight",
+                       "placement.stream=true"]
+
+
+@pytest.mark.slow
+@SHARES_THE_SYNCHRONOUS_RUN
+@pytest.mark.parametrize("seed", [0, 1])
+def test_inflight_streaming_grpo_default_learns_as_the_synchronous_one(synchronous_grpo, tmp_path, seed):
+    """Issue 64 point 5 (docs/async.md, "Learning in flight with streaming"): the default with
+    weights in flight and streaming ends within 0.02 of the synchronous run's held-out accuracy,
+    from the same start, every token trained within the bound of one version. The mode is
+    timing-dependent: measured, 7 of 8 runs within 0.02 (seed 0's five ends spread over 0.033)."""
+    sync = heldout_start_and_end(synchronous_grpo(seed))
+    rows = default_grpo_rows(tmp_path / "inflight", seed, *IN_FLIGHT_STREAMING)
+    streamed = heldout_start_and_end(rows)
+    assert sync[0] == streamed[0], (sync, streamed)  # the same start
+    assert abs(streamed[1] - sync[1]) <= 0.02, (sync, streamed)
+    trained = [r for r in rows if "loss" in r]
+    assert len(trained) == 300 and all(r["rollout/staleness_max"] <= 1 for r in trained)
 
 
 @pytest.mark.slow
@@ -228,19 +278,23 @@ def test_ppo_scored_by_a_trained_reward_model_raises_heldout_accuracy(tiny_cache
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_grpo_scored_by_a_trained_judge_alone_raises_heldout_accuracy(tiny_cache, tmp_path, seed):
-    """`+experiment=judge_then_grpo`'s two commands: a tiny judge trained on the task's verdicts, then
-    GRPO from the SFT start scored by that judge alone (served by vLLM in the run; the task's reward
-    weighted 0) raises held-out exact-match accuracy by at least 0.1 (docs/rewards-and-roles.md,
-    "A tiny judge, then GRPO scored by it alone")."""
+    """`+experiment=judge_then_grpo`'s two commands: a tiny judge trained on the task's verdicts (its
+    held-out verdict accuracy at least 0.95), then GRPO from the SFT start scored by that judge alone
+    (served by vLLM in the run; the task's reward weighted 0) raises held-out exact-match accuracy by
+    at least 0.1 (docs/rewards-and-roles.md, "A tiny judge, then GRPO scored by it alone")."""
     judge_dir, run_dir = tmp_path / "judge", tmp_path / "run"
-    made = python("-m", "rltrain.rewards.judge.tiny_judge", f"trainer.seed={seed}", *SAME_TRAINING,
-                  f"hydra.run.dir={judge_dir}", timeout=2400, warm=False)
+    evaluated = [a for a in SAME_TRAINING if not a.startswith("trainer.eval_every=")]  # the judge's own evaluations
+    made = python("-m", "rltrain.rewards.judge.tiny_judge", f"trainer.seed={seed}", *evaluated,
+                  f"hydra.run.dir={judge_dir}", timeout=3600, warm=False)
     assert made.returncode == 0, made.stderr[-3000:]
+    verdicts = [r for r in read_metrics(judge_dir) if "eval/accuracy" in r]
+    assert verdicts[-1]["step"] == 2000 and verdicts[-1]["eval/accuracy"] >= 0.95, verdicts
     rltrain("+experiment=judge_then_grpo", f"reward_model.path={judge_dir / 'final'}", f"trainer.seed={seed}",
             "logger.wandb.mode=disabled", "trainer.progress=lines", run_dir=run_dir, timeout=3600)
     rows = read_metrics(run_dir)
     scored = [r for r in rows if "reward/mean" in r]
-    assert scored and all(r["reward/judge"] == r["reward/mean"] for r in scored)  # the checkable reward: weight 0
+    # the checkable reward: weight 0 (the mean of the weighted sum, rounded apart only in the last bits)
+    assert scored and all(r["reward/judge"] == pytest.approx(r["reward/mean"], abs=1e-9) for r in scored)
     assert sum(r["reward/judge_timeouts"] + r["reward/judge_errors"] for r in scored) == 0
     evals = [r for r in rows if "eval/accuracy" in r]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 100, evals

@@ -3,7 +3,7 @@
 The cheap test runs a short real SFT of the tiny vision-language model on `data.task=colours` and
 reads its greedy answers: on the held-out pictures as rltrain's evaluation measured, and, given each
 row the next row's picture (the question text is the same on every row), following the picture
-and not the row. The slow test is the recipe's claim: `+experiment=grpo_vision` raises held-out
+and not the row; given a blank picture, at chance. The slow test is the recipe's claim: `+experiment=grpo_vision` raises held-out
 accuracy by at least 0.15 over its SFT start on seeds 0 and 1.
 """
 
@@ -72,6 +72,14 @@ def test_a_short_sft_on_colours_reads_the_picture(tiny_cache, tmp_path):
     unlike = [i for i, (p, s) in enumerate(zip(held, swapped, strict=True)) if not named(p) & named(s)]
     follows_row = sum(on_swapped[i] in named(held[i]) for i in unlike)
     assert len(unlike) >= len(held) // 4 and follows_row <= 0.25 * len(unlike), (follows_row, len(unlike))
+    # Given a blank picture (the grey background alone), nothing in a row tells the rows apart: one
+    # reply for all of them, so held-out accuracy falls to one colour's share (chance, a quarter).
+    from PIL import Image
+
+    blank = Image.new("RGB", held[0].images[0].size, (128, 128, 128))
+    on_blank = greedy_answers(run_dir / "final", held, [blank] * len(held))
+    assert len(set(on_blank)) == 1, set(on_blank)
+    assert accuracy(on_blank, answers) <= 0.35, (accuracy(on_blank, answers), on_blank[0])
 
 
 @pytest.mark.slow

@@ -181,7 +181,7 @@ LAYERS = [
     "launch",  # starts ranks by command line, never by import
     "models",
     "data",
-    "transport",  # weights across a process boundary
+    "transport",  # weights, and bounded JSON requests over HTTP, across a process boundary
     "backends",
     "rollout",
     "sync",  # when weights move between the two above

@@ -123,6 +123,7 @@ class RLAlgorithm:
             "rollout/response_length_mean": float(exp.counts[0] / n_global),
             "rollout/truncated_fraction": float(exp.counts[2] / n_global),
             "rollout/thinking_tokens_mean": float(exp.counts[4] / n_global),  # inside a thinking block
+            # in flight, `waits` replaces it (InFlightRollouts: over the engine's busy time since the stream opened)
             "rollout/tokens_per_s": float(exp.counts[0]) / max(global_max(exp.time_rollout), 1e-9),
             "time/rollout": exp.time_rollout,
             "time/train": time_train,

@@ -43,6 +43,8 @@ class InFlightRollouts:
         self.submitted_through = 0  # the last step whose prompts the engine has
         self.untrained: list[int] = []  # prompts submitted and not trained yet, in submission order
         self.restored: list[list[int]] = []  # a checkpoint's untrained prompts, a step's worth each
+        # Since the stream opened: the tokens of the batches taken, the engine's busy seconds.
+        self.taken_tokens, self.busy_s = 0.0, 0.0
 
     def _open(self, step: int) -> None:
         a = self.collector.algo_cfg
@@ -60,9 +62,10 @@ class InFlightRollouts:
         self.engine.request("stream_open", options=options)
         self.opened, self.submitted_through = True, step - 1
 
-    def _submit_through(self, last: int) -> None:
-        """Hand the engine the prompts of the steps up to `last` (the data stream's, in step order)."""
-        groups = []
+    def _prompts_through(self, last: int) -> list[dict[str, Any]]:
+        """The prompts of the steps up to `last` not yet handed to the engine (the data stream's, in
+        step order). They travel with the next `take`: one round trip per step, not two."""
+        groups: list[dict[str, Any]] = []
         for step in range(self.submitted_through + 1, min(last, self.max_steps) + 1):
             index = self.restored.pop(0) if self.restored else self.collector.take_prompts()
             self.untrained += index
@@ -78,16 +81,15 @@ class InFlightRollouts:
                     "seed": seed,
                 })
             self.submitted_through = step
-        if groups:
-            self.engine.request("submit", groups=groups)
+        return groups
 
     def next_experience(self, step: int) -> tuple[Experience, dict[str, float]]:
         """Step `step`'s experience and its metrics (waits, versions, idle share, regenerated groups)."""
         if not self.opened:
             self._open(step)
-        self._submit_through(step + 2 + 2 * self.k)
+        groups_ahead = self._prompts_through(step + 2 + 2 * self.k)
         started = time.perf_counter()
-        taken = self.engine.request("take", step=step)
+        taken = self.engine.request("take", step=step, groups=groups_ahead)
         wait_s = time.perf_counter() - started
         groups = taken["groups"]
         for g in groups:
@@ -104,6 +106,7 @@ class InFlightRollouts:
         busy, idle = float(taken["busy_s"]), float(taken["idle_s"])
         exp = self.collector.assemble(step, [int(g["index"]) for g in groups], completions, busy, staleness=step - 1 - oldest)
         return exp, {
+            "rollout/tokens_per_s": self._tokens_per_busy_s(float(exp.counts[0]), busy),
             **stats,
             "rollout/staleness_mean": sum(tokens) / max(len(tokens), 1),
             "rollout/staleness_max": float(step - 1 - oldest),
@@ -112,6 +115,14 @@ class InFlightRollouts:
             "time/wait_rollout": wait_s,
         }
 
+    def _tokens_per_busy_s(self, tokens: float, busy_s: float) -> float:
+        """`rollout/tokens_per_s`: the batches' tokens over the engine's busy seconds, both summed
+        since the stream opened. A batch is sampled across several takes' windows (the engine works
+        ahead), so one window's busy time can be a sliver of its batch's; the sums cover the same
+        work but the groups in flight and the regenerated ones (docs/async.md, "Weights in flight")."""
+        self.taken_tokens += tokens
+        self.busy_s += busy_s
+        return self.taken_tokens / self.busy_s if self.busy_s > 0 else 0.0
 
     # --- checkpoint part (rltrain/run/checkpoint.py; the file generating ahead writes and reads) --
 

@@ -6,6 +6,7 @@ travels between stages). Under the causal mask real tokens never see the padding
 logits rows of completion tokens are ever read: row (b, p - 1) scores token (b, p). An empty
 micro-batch becomes one dummy two-token sequence, so that every rank still runs the same
 forward/backward (and the same collectives); its output is zero-weighted and never returned.
+`check_same_data` proves, by a cheap fingerprint, that every rank of a replica holds the same batches.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
+from rltrain.backends.megatron.groups import ParallelCoords
 from rltrain.data.batch import SequenceBatch
+from rltrain.runtime.distributed import agree_or_raise, control_device
 
 
 @dataclass
@@ -78,3 +82,14 @@ def fingerprint(batches: list[SequenceBatch]) -> torch.Tensor:
             checksum += int((ids * torch.arange(1, ids.numel() + 1)).remainder(1_000_003).sum())
         checksum += int(b.prompt_lens.sum())
     return torch.tensor([len(batches), tokens, checksum], dtype=torch.long)
+
+
+def check_same_data(micro_batches: list[SequenceBatch], coords: ParallelCoords) -> None:
+    """Every tp x pp rank of a replica must hold the same micro-batches; all ranks agree."""
+    if coords.tp * coords.pp == 1:
+        return
+    fp = fingerprint(micro_batches).to(control_device())
+    both = torch.cat([fp, -fp])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=coords.mp_group)
+    ok = bool(torch.equal(both[:3], -both[3:]))
+    agree_or_raise(ok, "micro-batch check (tp/pp ranks of one data-parallel replica were given different data)")

@@ -1,9 +1,9 @@
 """MegatronEngine: the TrainEngine protocol on a megatron-core GPTModel with TP x PP x DP.
 
-The engine ties together the modules of this package (batching, schedule, logprobs, grads, optim,
-convert, export, checkpoint, groups) behind the same protocol as the FSDP engine, policy or critic.
-docs/internals/backends.md says what one call does, where each piece lives and the contract that
-every rank of a replica receives the same micro-batches.
+The engine ties together the modules of this package (stage_build, batching, schedule, logprobs,
+grads, optim, convert, export, checkpoint, groups) behind the same protocol as the FSDP engine,
+policy or critic. docs/internals/backends.md says what one call does, where each piece lives and
+the contract that every rank of a replica receives the same micro-batches.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import dataclasses
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,8 +20,8 @@ from rltrain.backends.adamw import build_adamw
 from rltrain.backends.base import LossFn, PolicyOutput, Scores, wrong_scores_error
 from rltrain.backends.lr_schedule import lr_at
 from rltrain.backends.megatron import checkpoint, export
-from rltrain.backends.megatron.batching import PaddedMicroBatch, fingerprint, pad_micro_batch
-from rltrain.backends.megatron.convert import OUTPUT, hf_to_megatron
+from rltrain.backends.megatron.batching import PaddedMicroBatch, check_same_data, pad_micro_batch
+from rltrain.backends.megatron.convert import OUTPUT
 from rltrain.backends.megatron.cpu_shims import apply_cpu_shims
 from rltrain.backends.megatron.grads import (
     all_finite,
@@ -35,13 +34,11 @@ from rltrain.backends.megatron.grads import (
 )
 from rltrain.backends.megatron.groups import ParallelCoords, ParallelGroups
 from rltrain.backends.megatron.guarded_losses import GuardedLosses
-from rltrain.backends.megatron.hf_source import checked_spec, hf_reader
+from rltrain.backends.megatron.hf_source import checked_spec
 from rltrain.backends.megatron.logprobs import head_logps
 from rltrain.backends.megatron.metrics import reduce_metrics
-from rltrain.backends.megatron.model import build_stage, checkpoint_layers, load_stage_weights
-from rltrain.backends.megatron.schedule import Pipeline, run_pipeline
-from rltrain.backends.megatron.spec import ModelSpec
-from rltrain.backends.megatron.value_model import make_value_stage, value_head_shards
+from rltrain.backends.megatron.schedule import Pipeline, run_pipeline, stage_pipeline
+from rltrain.backends.megatron.stage_build import built_stage, engine_precision, join_groups, load_hf_weights
 from rltrain.backends.optimizer_state import move_optimizer_state
 from rltrain.backends.roles import engine_options, role_build
 from rltrain.backends.sequence_classifier import CRITIC_NOT_EXPORTED
@@ -52,13 +49,10 @@ from rltrain.config.schema import OptimConfig, SafetyConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
 from rltrain.models.vision import refuse_on_megatron
-from rltrain.runtime.distributed import agree_or_raise, control_device
-from rltrain.runtime.precision import Precision, resolve_precision
+from rltrain.runtime.distributed import control_device
+from rltrain.runtime.precision import Precision
 from rltrain.safety.faults import FaultInjector
-from rltrain.safety.guard import (
-    ErrorBudget,
-    fail_fast_enabled,
-)
+from rltrain.safety.guard import ErrorBudget, fail_fast_enabled
 
 
 class MegatronEngine:
@@ -95,15 +89,18 @@ class MegatronEngine:
         self.model_dir = Path(model_dir)
         tp, pp = backend_cfg.tp, backend_cfg.pp
         self.spec = checked_spec(self.model_dir, tp, pp)
-        self.groups = self._join_groups(groups, shared, tp, pp, collective_timeout_s)
-        self.precision = self._resolve_precision(precision, device)
+        self.groups = join_groups(groups, shared, tp, pp, collective_timeout_s)
+        self.precision = engine_precision(precision, device)
         self.scores: Scores = "logps" if value_head_seed is None else "values"
         critic = value_head_seed is not None  # a value model: a critic, or a reward model
         self.reward_model = critic and not value_head_bias
         # A critic's stage is built untied: its last stage holds a value head, no embedding copy.
         build_spec = dataclasses.replace(self.spec, tie_embeddings=False) if critic else self.spec
-        self.model = self._build_stage(build_spec, tp, pp, device, gradient_checkpointing, value_head_bias)
-        self._load_weights(tp, pp, value_head_seed, value_head_bias)
+        self.model = built_stage(
+            build_spec, self.coords, self.precision, value_model=critic, device=device,
+            gradient_checkpointing=gradient_checkpointing, value_head_bias=value_head_bias,
+        )
+        load_hf_weights(self.model, self.spec, self.model_dir, self.coords, value_head_seed, value_head_bias)
         self.params = list(self.model.parameters())
         # The tied embedding's copy on the last stage of a pipeline (a policy's, never a critic's).
         self.tied_copies = build_spec.tie_embeddings and pp > 1
@@ -121,53 +118,6 @@ class MegatronEngine:
         self.groups.attach(self.model)
         self.rank = self.coords.dp_rank
         self.world_size = self.coords.dp
-
-    # -- build steps, in the order __init__ takes them ------------------------------------------
-
-    @staticmethod
-    def _resolve_precision(precision: Precision | str, device: torch.device | None) -> Precision:
-        if isinstance(precision, Precision):
-            return precision
-        default = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return resolve_precision(precision, device if device is not None else default)
-
-    @staticmethod
-    def _join_groups(
-        groups: ParallelGroups | None, shared: SharedObjects | None, tp: int, pp: int, timeout_s: float | None
-    ) -> ParallelGroups:
-        create = partial(ParallelGroups.created, tp, pp, timeout_s=timeout_s)
-        if groups is None:
-            groups = create() if shared is None else shared.one(ParallelGroups, create)
-        if (groups.tp, groups.pp) != (tp, pp):
-            raise ValueError(f"the given ParallelGroups are tp={groups.tp}, pp={groups.pp}; this engine needs tp={tp}, pp={pp}")
-        return groups
-
-    def _build_stage(
-        self, build_spec: ModelSpec, tp: int, pp: int, device: torch.device | None, gradient_checkpointing: bool,
-        value_head_bias: bool,
-    ) -> Any:  # megatron's GPTModel (rltrain.backends.megatron.model.build_stage)
-        """This rank's pipeline stage of tp shards, uninitialised; a value model's last stage with its
-        value head in place of the output layer."""
-        coords = self.coords
-        model = build_stage(build_spec, tp, pp, coords.pp_rank, self.precision.param_dtype)
-        if self.scores == "values" and coords.pp_rank == pp - 1:
-            make_value_stage(model, self.spec.hidden_size, self.precision.param_dtype, value_head_bias)
-        if device is not None:
-            model.to(device)
-        if gradient_checkpointing:
-            checkpoint_layers(model)
-        return model
-
-    def _load_weights(self, tp: int, pp: int, value_head_seed: int | None, value_head_bias: bool) -> None:
-        """The stage's shards of the Hugging Face weights; a value model's head drawn from its seed."""
-        coords = self.coords
-        critic = value_head_seed is not None
-        shards = hf_to_megatron(
-            self.spec, hf_reader(self.model_dir), coords.tp_rank, tp, coords.pp_rank, pp, output=not critic
-        )
-        if value_head_seed is not None and coords.pp_rank == pp - 1:
-            shards |= value_head_shards(self.spec.hidden_size, value_head_seed, value_head_bias)
-        load_stage_weights(self.model, shards)
 
     def _norm_counted_params(self) -> list[torch.nn.Parameter]:
         """The parameters the gradient norm counts on this rank (`grads.norm_counted`)."""
@@ -198,30 +148,7 @@ class MegatronEngine:
         return coords.mp_group if coords.tp * coords.pp > 1 else None
 
     def _pipeline(self) -> Pipeline:
-        coords = self.coords
-        ranks = dist.get_process_group_ranks(coords.pp_group) if coords.pp > 1 else [dist.get_rank()]
-        return Pipeline(
-            group=coords.pp_group,
-            rank=coords.pp_rank,
-            size=coords.pp,
-            prev=ranks[coords.pp_rank - 1] if coords.pp_rank > 0 else None,
-            next=ranks[coords.pp_rank + 1] if coords.pp_rank < coords.pp - 1 else None,
-            hidden_size=self.spec.hidden_size,
-            dtype=self.precision.param_dtype,  # not params[0]'s: norm weights stay fp32 in pure bf16
-            device=self.device,
-            autocast=partial(self.precision.autocast, self.device),
-        )
-
-    def _check_same_data(self, micro_batches: list[SequenceBatch]) -> None:
-        """Every tp x pp rank of a replica must hold the same micro-batches; all ranks agree."""
-        coords = self.coords
-        if coords.tp * coords.pp == 1:
-            return
-        fp = fingerprint(micro_batches).to(control_device())
-        both = torch.cat([fp, -fp])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=coords.mp_group)
-        ok = bool(torch.equal(both[:3], -both[3:]))
-        agree_or_raise(ok, "micro-batch check (tp/pp ranks of one data-parallel replica were given different data)")
+        return stage_pipeline(self.coords, self.spec.hidden_size, self.precision, self.device)
 
     def _score(
         self, mb: PaddedMicroBatch, stage_out: torch.Tensor, with_entropy: bool
@@ -257,7 +184,7 @@ class MegatronEngine:
         self, micro_batches: list[SequenceBatch], with_entropy: bool
     ) -> list[tuple[Ragged, Ragged | None]]:
         """(scored, entropy or None) per micro-batch without gradients, the same on every rank."""
-        self._check_same_data(micro_batches)
+        check_same_data(micro_batches, self.coords)
         padded = [pad_micro_batch(mb, self.device) for mb in micro_batches]
         pipe = self._pipeline()
         scored: list[torch.Tensor | None] = [None] * len(padded)
@@ -298,7 +225,7 @@ class MegatronEngine:
             raise RuntimeError("this MegatronEngine is frozen (built without optim_cfg)")
         if with_entropy and self.scores == "values":
             raise ValueError("train_step(with_entropy=True) on a critic engine: a critic has no entropy")
-        self._check_same_data(micro_batches)
+        check_same_data(micro_batches, self.coords)
         coords = self.coords
         padded = [pad_micro_batch(mb, self.device) for mb in micro_batches]
         for p in self.params:

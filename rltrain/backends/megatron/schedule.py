@@ -11,13 +11,16 @@ import contextlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from rltrain.backends.megatron.batching import PaddedMicroBatch
+from rltrain.backends.megatron.groups import ParallelCoords
 from rltrain.backends.megatron.model import stage_forward
 from rltrain.runtime import distributed as p2p
+from rltrain.runtime.precision import Precision
 
 
 @dataclass
@@ -39,6 +42,23 @@ class Pipeline:
     @property
     def last(self) -> bool:
         return self.rank == self.size - 1
+
+
+def stage_pipeline(coords: ParallelCoords, hidden_size: int, precision: Precision, device: torch.device) -> Pipeline:
+    """This rank's place in its pipeline, read from `coords` (re-read each call: time sharing
+    re-creates the groups)."""
+    ranks = dist.get_process_group_ranks(coords.pp_group) if coords.pp > 1 else [dist.get_rank()]
+    return Pipeline(
+        group=coords.pp_group,
+        rank=coords.pp_rank,
+        size=coords.pp,
+        prev=ranks[coords.pp_rank - 1] if coords.pp_rank > 0 else None,
+        next=ranks[coords.pp_rank + 1] if coords.pp_rank < coords.pp - 1 else None,
+        hidden_size=hidden_size,
+        dtype=precision.param_dtype,  # not the first parameter's: norm weights stay fp32 in pure bf16
+        device=device,
+        autocast=partial(precision.autocast, device),
+    )
 
 
 # on_output(micro-batch index, last-stage output: final hidden states [B, T, H], or a critic's final hidden

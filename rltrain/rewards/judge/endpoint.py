@@ -1,6 +1,6 @@
 """One request to an OpenAI-compatible endpoint (vLLM's server, OpenAI, any proxy), with the
-standard library only: `/completions` with a batch of raw prompts or `/chat/completions` with one
-user message, each bounded by a timeout. A failure is one of three kinds, because they are counted
+standard library only (rltrain/transport/http_json.py): `/completions` with a batch of raw prompts
+or `/chat/completions` with one user message, each bounded by a timeout. A failure is one of three kinds, because they are counted
 and retried differently: `JudgeTimeout` (no answer in time), `JudgeUnavailable` (refused, reset, a
 5xx: worth another try) and `JudgeRefused` (a 4xx such as a wrong key or model name: it would fail
 again). docs/rewards-and-roles.md, "The LLM judge".
@@ -8,14 +8,11 @@ again). docs/rewards-and-roles.md, "The LLM judge".
 
 from __future__ import annotations
 
-import http.client
-import json
-import socket
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from rltrain.transport.http_json import Failures, request_json
 
 TOP_TOKENS = 20  # score=yes_probability: top tokens asked for (vLLM's default cap, --max-logprobs)
 
@@ -30,6 +27,9 @@ class JudgeUnavailable(ConnectionError):
 
 class JudgeRefused(ValueError):
     """An HTTP 4xx or an answer that is not the API's: another try would fail the same way."""
+
+
+JUDGE_FAILURES = Failures(timeout=JudgeTimeout, unavailable=JudgeUnavailable, refused=JudgeRefused)
 
 
 @dataclass(frozen=True)
@@ -52,33 +52,6 @@ class Verdict:
     top_logprobs: dict[str, float] | None  # the first verdict token's top tokens, when asked for
 
 
-def post_json(url: str, body: dict[str, Any], api_key: str | None, timeout_s: float) -> Any:
-    headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            raw = response.read()
-    except urllib.error.HTTPError as exc:
-        detail = exc.read()[:500].decode(errors="replace")
-        if exc.code >= 500:
-            raise JudgeUnavailable(f"{url} failed with HTTP {exc.code}: {detail}") from exc
-        raise JudgeRefused(f"{url} refused the request with HTTP {exc.code}: {detail}") from exc
-    except TimeoutError as exc:
-        raise JudgeTimeout(f"{url} did not answer within {timeout_s:g} s") from exc
-    except urllib.error.URLError as exc:
-        if isinstance(exc.reason, (TimeoutError, socket.timeout)):
-            raise JudgeTimeout(f"{url} did not answer within {timeout_s:g} s") from exc
-        raise JudgeUnavailable(f"{url} did not answer: {exc.reason}") from exc
-    except (http.client.HTTPException, OSError) as exc:
-        raise JudgeUnavailable(f"{url} did not answer: {exc}") from exc
-    try:
-        return json.loads(raw)
-    except ValueError as exc:
-        raise JudgeRefused(f"{url} answered something other than JSON: {raw[:200]!r}") from exc
-
-
 def ask(endpoint: Endpoint, texts: list[str], timeout_s: float) -> list[Verdict]:
     """The verdicts on `texts` (several only with api=completions, in one request)."""
     body: dict[str, Any] = {"model": endpoint.model, "max_tokens": endpoint.max_tokens, "temperature": endpoint.temperature}
@@ -86,15 +59,20 @@ def ask(endpoint: Endpoint, texts: list[str], timeout_s: float) -> list[Verdict]
         body["prompt"] = endpoint.encode(texts) if endpoint.encode is not None else texts
         if endpoint.top_tokens:
             body["logprobs"] = TOP_TOKENS
-        answer = post_json(endpoint.url.rstrip("/") + "/completions", body, endpoint.api_key, timeout_s)
+        answer = _post(endpoint, "/completions", body, timeout_s)
         return completion_verdicts(answer, len(texts))
     if len(texts) != 1:
         raise ValueError("the chat API takes one judge prompt per request")
     body["messages"] = [{"role": "user", "content": texts[0]}]
     if endpoint.top_tokens:
         body.update(logprobs=True, top_logprobs=TOP_TOKENS)
-    answer = post_json(endpoint.url.rstrip("/") + "/chat/completions", body, endpoint.api_key, timeout_s)
+    answer = _post(endpoint, "/chat/completions", body, timeout_s)
     return [chat_verdict(answer)]
+
+
+def _post(endpoint: Endpoint, path: str, body: dict[str, Any], timeout_s: float) -> Any:
+    url = endpoint.url.rstrip("/") + path
+    return request_json(url, body, timeout_s, JUDGE_FAILURES, api_key=endpoint.api_key, detail_chars=500)
 
 
 def completion_verdicts(answer: Any, n: int) -> list[Verdict]:

@@ -49,7 +49,7 @@ def sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> list[float]:
 
 
 def compact_choice(output: CompletionOutput, with_logprobs: bool) -> dict[str, Any]:
-    """One choice as the fleet reads it (rollout/server/fleet.py)."""
+    """One choice as the fleet reads it (rollout/server/batch_requests.py)."""
     spans = output.weight_versions
     return {
         "index": output.index, "token_ids": list(output.token_ids),

@@ -1,15 +1,13 @@
-"""JSON over HTTP to one vLLM API server, with the standard library only: every call bounded, and
+"""JSON over HTTP to one vLLM API server (rltrain/transport/http_json.py): every call bounded, and
 every failure of the server itself (refused, reset, timed out, a 5xx) one `ServerDown` the fleet
 counts and routes around. docs/rollout-servers.md.
 """
 
 from __future__ import annotations
 
-import http.client
-import json
-import urllib.error
-import urllib.request
 from typing import Any
+
+from rltrain.transport.http_json import Failures, request_json
 
 # A batch's prompts for one server in one request: our route in the server (rollout/server/batch_route.py).
 BATCH_PATH = "/rltrain/generate"
@@ -22,27 +20,15 @@ class ServerDown(ConnectionError):
 
 
 class ServerRefused(ValueError):
-    """The server answered 4xx: it runs, but cannot do what was asked (wrong flags, no dev mode)."""
+    """The server answered 4xx (or not JSON): it runs, but cannot do what was asked (wrong flags, no dev mode)."""
+
+
+SERVER_FAILURES = Failures(timeout=ServerDown, unavailable=ServerDown, refused=ServerRefused)
 
 
 def call(url: str, path: str, body: dict[str, Any] | None, timeout_s: float) -> Any:
     """POST `body` (GET when None) to `url + path`; the decoded JSON answer (None when empty)."""
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(
-        url.rstrip("/") + path, data=data, method="GET" if body is None else "POST",
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            raw = response.read()
-    except urllib.error.HTTPError as exc:
-        detail = exc.read()[:2000].decode(errors="replace")
-        if exc.code >= 500:
-            raise ServerDown(f"{url}{path} failed with HTTP {exc.code}: {detail}") from exc
-        raise ServerRefused(f"{url}{path} refused the request with HTTP {exc.code}: {detail}") from exc
-    except (TimeoutError, urllib.error.URLError, http.client.HTTPException, OSError) as exc:
-        raise ServerDown(f"{url}{path} did not answer: {exc}") from exc
-    return json.loads(raw) if raw else None
+    return request_json(url.rstrip("/") + path, body, timeout_s, SERVER_FAILURES)
 
 
 def collective_rpc(url: str, method: str, args: list[str], timeout_s: float) -> list[Any]:

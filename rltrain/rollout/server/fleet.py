@@ -27,38 +27,24 @@ from rltrain.config.group_options import ServerRolloutConfig
 from rltrain.rollout.base import Completion, SamplingSettings
 from rltrain.rollout.images import PromptImages, check_batch
 from rltrain.rollout.inflight_schedule import StreamOptions
+from rltrain.rollout.server.batch_requests import answer_completions, batch_chunks, prompt_body
 from rltrain.rollout.server.client import BATCH_PATH, ServerDown, call, is_up
 from rltrain.rollout.server.extension import model_fingerprint
-from rltrain.rollout.server.images import answered_prompt, generate_fields, model_image_token
+from rltrain.rollout.server.images import answered_prompt, model_image_token
 from rltrain.rollout.server.process import stop_servers
-from rltrain.rollout.server.push import (
-    WeightPusher,
-    buckets_of,
-    checkpoint_weights,
-    needs_server_device,
-    push_backend,
-    run_each,
-    server_device,
-)
+from rltrain.rollout.server.push import buckets_of, checkpoint_weights, run_each
 from rltrain.rollout.server.roster import (
     Server,
+    all_down_message,
     given_servers,
     identify,
+    join,
     not_answering,
     refuse_duplicates,
     spawn_servers,
 )
 from rltrain.rollout.server.stream import FleetStream
-from rltrain.rollout.vllm import _request_seed
 from rltrain.runtime.errors import UserError
-
-
-def batch_chunks(n_prompts: int, n_servers: int) -> list[range]:
-    """A batch's prompts as contiguous runs, one request each: as many as servers are up (at least
-    one), so each server gets one request per batch and a failed server costs only its run."""
-    parts = max(1, min(n_prompts, n_servers))
-    bounds = [n_prompts * k // parts for k in range(parts + 1)]
-    return [range(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 class FleetDown(UserError):
@@ -172,28 +158,7 @@ class ServerFleetEngine:
         return list(buckets_of(checkpoint_weights(self.model_dir), self.cfg.bucket_mb << 20))
 
     def _join(self, server: Server, expected: dict[str, str], buckets: list[tuple[torch.Tensor, list[list[Any]]]]) -> None:
-        """Rank 0: open the weight push to `server`, refuse another model, reset it to `buckets`:
-        the checkpoint (a server may hold an earlier run's weights) or the current version."""
-        server.pusher = WeightPusher(
-            server.url, self.cfg.servers.trainer_address, self.cfg.timeout_s, self._push_backend(server), self.cuda_device
-        )
-        answer = server.pusher.join()
-        got = answer["fingerprint"]
-        differ = [name for name in expected if got.get(name) != expected[name]]
-        if differ:
-            raise UserError(
-                f"rollout=server: {server.url} serves another model than the trainer's {self.model_dir}: its "
-                f"{', '.join(differ)} differ{'s' if len(differ) == 1 else ''}. Start that server on the same model "
-                "directory (`python -m rltrain.serve` with the run's model overrides) or remove it from rollout.servers.urls."
-            )
-        server.pusher.push(buckets, self.version)
-
-    def _push_backend(self, server: Server) -> str:
-        """gloo or NCCL for this server (`rollout.servers.push_backend`); the server's device is asked
-        only where NCCL is possible."""
-        setting, spawned = self.cfg.servers.push_backend, server.spawned is not None
-        device = server_device(server.url, self.cfg.timeout_s) if needs_server_device(setting, self.cuda, spawned) else None
-        return push_backend(setting, trainer_cuda=self.cuda, server_device=device, spawned=spawned, url=server.url)
+        join(server, self.cfg, self.model_dir, self.cuda_device, expected, buckets, self.version)
 
     def _mark_down(self, server: Server, reason: str) -> None:
         with self._lock:
@@ -257,12 +222,7 @@ class ServerFleetEngine:
                 self._revive()
 
     def _all_down_message(self) -> str:
-        names = "; ".join(f"{s.url} ({(s.reasons or ['no answer'])[-1][:200]})" for s in self.servers)
-        return (
-            f"rollout=server: every rollout server stayed unreachable for rollout.timeout_s={self.cfg.timeout_s:g}s: {names}. "
-            "Restart them (`python -m rltrain.serve <the run's overrides>` for a URL-given one; a spawned one's log is in the "
-            "run directory) or raise rollout.timeout_s; the run resumes from its last checkpoint."
-        )
+        return all_down_message(self.servers, self.cfg.timeout_s)
 
     # --- RolloutEngine --------------------------------------------------------------------------
 
@@ -301,7 +261,10 @@ class ServerFleetEngine:
     ) -> list[Completion]:
         """The prompts `indices` in one request to one server (rltrain/rollout/server/batch_route.py),
         each with its own seed; a server that fails it is marked down and the request goes to another."""
-        bodies = [self._body(i, prompts[i], sampling, images[i] if images else None) for i in indices]
+        salt = self.stream.salt(self.version) if self.stream is not None else None  # prefix caches outlive versions
+        bodies = [
+            prompt_body(i, prompts[i], sampling, images[i] if images else None, self.image_token, salt) for i in indices
+        ]
         while True:
             server = self._pick(deadline)
             try:
@@ -313,47 +276,15 @@ class ServerFleetEngine:
                 with self._lock:
                     server.outstanding -= 1
             server.served += 1
-            return [
+            completions = [
                 c for i, one in zip(indices, answer["answers"], strict=True)
-                for c in self._completions(i, one, server, answered_prompt(i, prompts[i], one, self.image_token))
-            ]
-
-    def _body(self, index: int, prompt: list[int], sampling: SamplingSettings, images: PromptImages | None) -> dict[str, Any]:
-        """One prompt's `/inference/v1/generate` body: its `n` samples, seeded by its index in the batch."""
-        body = {
-            **generate_fields(index, prompt, images, self.image_token),  # images: rollout/server/images.py
-            "sampling_params": {
-                "n": sampling.n, "temperature": sampling.temperature, "top_p": sampling.top_p,
-                "max_tokens": sampling.max_new_tokens, "seed": _request_seed(sampling.seed, index, sampling.n),
-                "stop_token_ids": sorted(set(sampling.stop_token_ids)) or None,
-                "logprobs": 0, "detokenize": False,
-            },
-        }
-        if self.stream is not None:  # prefix caches outlive versions while requests are held (stream.py)
-            body["cache_salt"] = self.stream.salt(self.version)
-        return body
-
-    def _completions(
-        self, index: int, answer: dict[str, Any], server: Server, prompt_ids: list[int] | None = None
-    ) -> list[Completion]:
-        out = []
-        for choice in sorted(answer["choices"], key=lambda c: c["index"]):
-            versions = {span["version"] for span in choice.get("weight_versions") or []}
-            if versions != {str(self.version)}:
-                raise UserError(
-                    f"rollout=server: {server.url} sampled a completion with weight version {sorted(versions)} where the "
-                    f"schedule names version {self.version}: another trainer pushes weights into it, or it restarted "
-                    "without them. Give each run its own servers (rollout.servers.urls)."
+                for c in answer_completions(
+                    i, one, server.url, self.version, answered_prompt(i, prompts[i], one, self.image_token)
                 )
+            ]
             with self._lock:
-                self.observed.append(self.version)
-            token_ids = [int(t) for t in choice["token_ids"]]
-            logprobs = [float(lp) for lp in choice["logprobs"]]
-            out.append(Completion(
-                index, token_ids, logprobs, finished=choice["finish_reason"] == "stop", prompt_ids=prompt_ids,
-                version=int(versions.pop()),
-            ))
-        return out
+                self.observed.extend([self.version] * len(completions))
+            return completions
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Rank 0 pushes the version to every server that is up, all at once (a failed push marks

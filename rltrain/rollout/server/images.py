@@ -15,11 +15,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rltrain.models.vision import image_token_id
 from rltrain.rollout.images import (
     PromptImages,
     expanded_prompt,
     from_data_url,
-    image_token_id,
     to_data_url,
     vllm_prompt,
 )

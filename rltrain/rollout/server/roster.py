@@ -1,6 +1,8 @@
 """The fleet's servers (`rollout=server`): each entry given once, the spawned ones started, who
-answers, who each one is (two URLs of one server are refused), and rank 0's list on every rank. rltrain/rollout/server/fleet.py
-forms the fleet from them; docs/rollout-servers.md ("One server, one address").
+answers, who each one is (two URLs of one server are refused), each one joined (its weight push
+opened, its model checked, the current version pushed), rank 0's list on every rank, and the
+message when none answers. rltrain/rollout/server/fleet.py forms the fleet from them;
+docs/rollout-servers.md ("One server, one address").
 """
 
 from __future__ import annotations
@@ -9,13 +11,14 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from rltrain.config.group_options import ServerRolloutConfig
-from rltrain.rollout.server.client import ServerRefused, is_up, server_identity
+from rltrain.rollout.server.client import ServerRefused, call, is_up, server_identity
 from rltrain.rollout.server.process import SpawnedServer
-from rltrain.rollout.server.push import WeightPusher
+from rltrain.rollout.server.push import WeightPusher, needs_server_device, push_backend, server_device
 from rltrain.runtime.errors import UserError
 
 ANOTHER = "(`python -m rltrain.serve --port N`)"
@@ -102,6 +105,49 @@ def refuse_duplicates(servers: list[Server]) -> None:
                 f"rollout.servers.urls: {first.url} and {server.url} reach the same server (it reports one id, "
                 f"{server.identity}). Give each server once; for a second server start another {ANOTHER}."
             )
+
+
+def join(
+    server: Server, cfg: ServerRolloutConfig, model_dir: Path, cuda_device: torch.device | None,
+    expected: dict[str, str], buckets: list[tuple[torch.Tensor, list[list[Any]]]], version: int,
+) -> None:
+    """Rank 0: open the weight push to `server`, refuse another model than the one in `model_dir`
+    (whose `model_fingerprint` is `expected`), reset it to `buckets` at `version`: the checkpoint (a
+    server may hold an earlier run's weights) or the current version."""
+    server.pusher = WeightPusher(
+        server.url, cfg.servers.trainer_address, cfg.timeout_s, server_push_backend(server, cfg, cuda_device is not None), cuda_device
+    )
+    answer = server.pusher.join()
+    got = answer["fingerprint"]
+    differ = [name for name in expected if got.get(name) != expected[name]]
+    if differ:
+        raise UserError(
+            f"rollout=server: {server.url} serves another model than the trainer's {model_dir}: its "
+            f"{', '.join(differ)} differ{'s' if len(differ) == 1 else ''}. Start that server on the same model "
+            "directory (`python -m rltrain.serve` with the run's model overrides) or remove it from rollout.servers.urls."
+        )
+    # A trainer killed between an in-flight push's pause and resume (push.py) leaves the server
+    # holding its requests, and every later one with them; resuming a server that runs is a no-op.
+    call(server.url, "/resume", {}, cfg.timeout_s)
+    server.pusher.push(buckets, version)
+
+
+def server_push_backend(server: Server, cfg: ServerRolloutConfig, cuda: bool) -> str:
+    """gloo or NCCL for this server (`rollout.servers.push_backend`) from a trainer on CUDA or not;
+    the server's device is asked only where NCCL is possible."""
+    setting, spawned = cfg.servers.push_backend, server.spawned is not None
+    device = server_device(server.url, cfg.timeout_s) if needs_server_device(setting, cuda, spawned) else None
+    return push_backend(setting, trainer_cuda=cuda, server_device=device, spawned=spawned, url=server.url)
+
+
+def all_down_message(servers: list[Server], timeout_s: float) -> str:
+    """Why the run stops when no server answered for `rollout.timeout_s`: each server's last reason."""
+    names = "; ".join(f"{s.url} ({(s.reasons or ['no answer'])[-1][:200]})" for s in servers)
+    return (
+        f"rollout=server: every rollout server stayed unreachable for rollout.timeout_s={timeout_s:g}s: {names}. "
+        "Restart them (`python -m rltrain.serve <the run's overrides>` for a URL-given one; a spawned one's log is in the "
+        "run directory) or raise rollout.timeout_s; the run resumes from its last checkpoint."
+    )
 
 
 def share_urls(urls: list[str]) -> list[str]:

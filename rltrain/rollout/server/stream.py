@@ -98,13 +98,10 @@ class FleetStream:
 
     def request(self, op: str, **fields: Any) -> Any:
         if op == "submit":
-            with self.cond:
-                for row in fields["groups"]:
-                    self.keys += 1
-                    self.backlog.append(submitted_group(row, self.keys, self.opts.group_size))
-                self.cond.notify_all()
+            self._enqueue(fields["groups"])
             return None
-        if op == "take":
+        if op == "take":  # the prompts that travel with it are queued first
+            self._enqueue(fields.get("groups", []))
             return self._take(int(fields["step"]))
         if op == "ping":
             return self.fleet.ping()
@@ -112,6 +109,13 @@ class FleetStream:
             self.close()
             return None
         raise RuntimeError(f"{op!r} is not served by the fleet's stream")
+
+    def _enqueue(self, rows: list[dict[str, Any]]) -> None:
+        with self.cond:
+            for row in rows:
+                self.keys += 1
+                self.backlog.append(submitted_group(row, self.keys, self.opts.group_size))
+            self.cond.notify_all()
 
     def salt(self, version: int) -> str:
         """A prompt's cache salt: a server cannot reset its prefix cache while requests are held

@@ -65,21 +65,31 @@ def _engine(layout: str, model_dir):
     return engine
 
 
-def _train_and_export(rank, world, model_dir, out_dir, layout):
+def step_score_and_export(engine, pairs, out_dir) -> dict:
+    """One Bradley-Terry step on `pairs` (each micro-batch with its pairs' margins), the rewards the
+    engine then gives them, and its `save_pretrained(out_dir)`: what an export test compares the
+    exported model with (test_vision_reward_model_export.py too)."""
     from rltrain.algos.preference import preference_micro_batches, score_pairs
     from rltrain.algos.rm import make_reward_model_loss, scored_rewards
-    from rltrain.models.tokenizer import load_tokenizer
 
-    torch.set_num_threads(1)
-    pairs = _pairs(load_tokenizer(model_dir))
-    engine = _engine(layout, model_dir)
     micro, micro_idx = preference_micro_batches(pairs, engine.rank, engine.world_size, 2)
     for mb, idx in zip(micro, micro_idx):
         mb.extras["margins"] = torch.tensor([pairs[i].margin for i in idx])
     metrics = engine.train_step(micro, make_reward_model_loss(0.1))
     chosen, rejected = score_pairs(engine, pairs, score=scored_rewards)
     engine.save_pretrained(out_dir)
-    res = {"loss": metrics["loss"], "chosen": chosen, "rejected": rejected}
+    return {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "chosen": chosen, "rejected": rejected}
+
+
+def _train_and_export(rank, world, model_dir, out_dir, layout):
+    from rltrain.algos.preference import score_pairs
+    from rltrain.algos.rm import scored_rewards
+    from rltrain.models.tokenizer import load_tokenizer
+
+    torch.set_num_threads(1)
+    pairs = _pairs(load_tokenizer(model_dir))
+    engine = _engine(layout, model_dir)
+    res = step_score_and_export(engine, pairs, out_dir)
     if layout == "fsdp-lora":  # a checkpoint keeps the head beside the adapters: a fresh engine scores the same
         engine.save_checkpoint(out_dir.parent / "checkpoint")
         fresh = _engine(layout, model_dir)

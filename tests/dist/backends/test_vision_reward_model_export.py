@@ -15,6 +15,7 @@ import json
 import pytest
 import torch
 from helpers import run_ranks
+from test_reward_model_export import step_score_and_export
 
 pytestmark = pytest.mark.dist
 
@@ -62,8 +63,6 @@ def _pairs(model_dir):
 
 
 def _train_and_export(rank, world, model_dir, out_dir, lora):
-    from rltrain.algos.preference import preference_micro_batches, score_pairs
-    from rltrain.algos.rm import make_reward_model_loss, scored_rewards
     from rltrain.backends.fsdp.engine import FSDPEngine
     from rltrain.config.group_options import FSDPBackendConfig
     from rltrain.config.schema import LoraAdapterConfig, OptimConfig
@@ -73,13 +72,7 @@ def _train_and_export(rank, world, model_dir, out_dir, lora):
     adapters = LoraAdapterConfig(rank=8, alpha=16) if lora else None
     engine = FSDPEngine(model_dir, FSDPBackendConfig(), OptimConfig(lr=1e-2, warmup_steps=0), 10, torch.device("cpu"),
                         value_head_seed=SEED, value_head_bias=False, adapters=adapters, seed=SEED)
-    micro, micro_idx = preference_micro_batches(pairs, engine.rank, engine.world_size, 2)
-    for mb, idx in zip(micro, micro_idx):
-        mb.extras["margins"] = torch.tensor([pairs[i].margin for i in idx])
-    metrics = engine.train_step(micro, make_reward_model_loss(0.1))
-    chosen, rejected = score_pairs(engine, pairs, score=scored_rewards)
-    engine.save_pretrained(out_dir)
-    return {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "chosen": chosen, "rejected": rejected}
+    return step_score_and_export(engine, pairs, out_dir)
 
 
 @pytest.mark.parametrize("nproc, lora", [(1, False), (2, True)], ids=["fsdp-1", "fsdp-lora-2"])

@@ -26,6 +26,6 @@ def test_prompts_with_images_are_refused_before_anything_is_submitted():
     inflight = InFlightRollouts(collector, engine, PlacementConfig(max_staleness=1, weight_update="in_flight"),
                                 max_steps=4, eval_versions=[])
     with pytest.raises(UserError, match="placement.weight_update=in_flight submits token ids only") as err:
-        inflight._submit_through(1)
+        inflight._prompts_through(1)
     assert "placement.weight_update=between_batches" in str(err.value) and "\n" not in str(err.value)
     assert requests == []  # nothing reached the engine

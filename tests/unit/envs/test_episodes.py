@@ -11,7 +11,7 @@ import pytest
 
 from rltrain.data.prompt_data import PromptRow
 from rltrain.envs.episodes import EpisodeRunner
-from rltrain.envs.observations import observation_ids
+from rltrain.envs.observations import ObservationRenderer
 from rltrain.envs.user_env import HostedEnvironments
 from rltrain.models.tokenizer import build_char_tokenizer
 from rltrain.rollout.base import Completion, SamplingSettings
@@ -166,7 +166,7 @@ def test_a_chat_template_that_is_not_append_only_never_changes_a_sampled_id(envs
     more = tokenizer.apply_chat_template([*chat, {"role": "user", "content": " n1:"}], tokenize=False)
     assert not more.startswith(once)  # re-templating would have changed the tokens after "aa"
     with pytest.raises(UserError, match="renders a conversation differently"):
-        observation_ids(tokenizer, [{"role": "user", "content": " n1:"}], "Env.step()")
+        ObservationRenderer(tokenizer).render([{"role": "user", "content": " n1:"}], "Env.step()", chat=True)
 
 
 def test_chat_message_observations_are_the_templates_continuation(envs_module):

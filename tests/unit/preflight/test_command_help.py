@@ -52,3 +52,31 @@ def test_every_key_shown_exists_and_the_page_fits_one_screen():
     assert len(lines) <= MAX_LINES, len(lines)
     assert max(len(line) for line in lines) <= MAX_WIDTH, max(lines, key=len)
     assert "trainer.nproc=1 " in page  # the current value
+
+
+
+def _filled(command: str, recipe: str | None) -> list[str]:
+    """An example's overrides as a reader fills them in: DIR, FILE and NAME given values, the flags
+    (-m, --cfg job) left out, a sweep's first job."""
+    overrides = []
+    for word in command.split()[3:]:  # after `python -m rltrain`
+        if word.startswith("-") or word == "job":
+            continue
+        key, _, value = word.partition("=")
+        value = {"DIR": "/models/mine", "FILE": "/data/mine.jsonl", "NAME": recipe}.get(value, value) or ""
+        overrides.append(f"{key}={value.split(',')[0]}")
+    return overrides
+
+
+def test_every_example_composes_with_its_placeholders_filled():
+    import re
+    from pathlib import Path
+
+    from rltrain.preflight.command_help import EXAMPLES
+
+    recipes = {p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml")}
+    for command, note in EXAMPLES:
+        named = re.findall(r"\b\w+_\w+\b", note.partition("e.g.")[2])  # recipes an example's note names
+        assert set(named) <= recipes and (named or "NAME" not in command), (command, note, sorted(recipes))
+        for recipe in named or [None]:
+            _composed_with_choices(*_filled(command, recipe))  # raises on an unknown key, group or option

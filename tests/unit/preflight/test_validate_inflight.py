@@ -29,6 +29,7 @@ SERVERS = ["algo=grpo", "model=tiny", "rollout=server", "rollout.servers.spawn=1
         ([*SERVERS, "trainer.nproc=2"], r"Set trainer\.nproc=1"),
         ([*IN_FLIGHT, "algo.dynamic_sampling=true"], r"Set algo\.dynamic_sampling=false"),
         ([*IN_FLIGHT, "placement.update_lag_steps=-1"], r"update_lag_steps=-1 must be"),
+        ([*IN_FLIGHT, "model=tiny_vl", "data.task=colours"], r"data\.task=colours prompts with pictures.*between_batches"),
         ([*IN_FLIGHT, "placement.weight_update=sometimes"], r"weight_update='sometimes' is not one of between_batches, in_flight"),
     ],
 )

@@ -84,7 +84,7 @@ def test_a_long_completion_keeps_its_end_and_the_prompt_its_images(vision_reward
 
 
 def test_the_launcher_takes_a_vision_reward_model_and_names_one_without_its_head(vision_reward_dir, tiny_vl_dir):
-    from rltrain.preflight.validate import validate_reward_model
+    from rltrain.preflight.validate_roles import validate_reward_model
     from rltrain.runtime.errors import UserError
 
     cfg = compose_config("algo=grpo", "reward_model=hf", f"reward_model.path={vision_reward_dir}")

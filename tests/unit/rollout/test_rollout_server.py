@@ -23,6 +23,7 @@ from rltrain.rollout.server.client import BATCH_PATH, LOAD_PATH, ServerRefused, 
 from rltrain.rollout.server.fleet import FleetDown, ServerFleetEngine
 from rltrain.rollout.server.process import SpawnedServer, free_port
 from rltrain.rollout.server.push import server_device
+from rltrain.rollout.server.roster import server_push_backend
 from rltrain.runtime.errors import UserError
 
 pytestmark = [pytest.mark.xdist_group("rollout_servers")]
@@ -129,6 +130,19 @@ def test_pushed_weights_reach_every_server_with_their_version(rollout_servers, t
     assert rows(restored) == rows(before) and {c.version for c in restored} == {2}
 
 
+def test_a_server_left_paused_by_a_killed_trainer_serves_the_next_fleet(rollout_servers, tmp_path):
+    """An in-flight push pauses the server (push.py); a trainer SIGKILLed before its resume left it
+    holding every request, so the resumed run's first batch waited forever. Joining resumes it."""
+    from rltrain.rollout.server.client import call
+
+    url = rollout_servers["servers"][0].url
+    call(url, "/pause?mode=keep&clear_cache=false", {}, 30)
+    assert call(url, "/is_paused", None, 30)["is_paused"] is True
+    engine = fleet(rollout_servers, [0], tmp_path, timeout_s=30.0)
+    assert call(url, "/is_paused", None, 30)["is_paused"] is False
+    assert len(engine.generate(PROMPTS[:2], SAMPLING)) == 4
+
+
 def test_a_server_killed_mid_generation_is_survived_and_gets_the_weights_back(rollout_servers, tmp_path):
     engine = fleet(rollout_servers, [0, 1], tmp_path)
     weights = [(n, t * 0.5 if "embed" in n else t) for n, t in checkpoint(rollout_servers["model_dir"])]
@@ -207,11 +221,11 @@ def test_cpu_servers_are_pushed_over_gloo_and_nccl_is_refused_naming_the_fix(rol
     with pytest.raises(UserError, match=r"the trainer runs on the CPU.*rollout\.servers\.push_backend=gloo") as info:
         fleet(rollout_servers, [0], tmp_path, push_backend="nccl")
     assert url in str(info.value)
-    engine.cuda, engine.cfg.servers.push_backend = True, "nccl"  # what a CUDA trainer asks of this CPU server
+    engine.cfg.servers.push_backend = "nccl"  # what a CUDA trainer asks of this CPU server
     with pytest.raises(UserError, match=rf"{url} runs its model on cpu.*rollout\.servers\.push_backend=gloo"):
-        engine._push_backend(engine.servers[0])
+        server_push_backend(engine.servers[0], engine.cfg, cuda=True)
     engine.cfg.servers.push_backend = "auto"
-    assert engine._push_backend(engine.servers[0]) == "gloo"
+    assert server_push_backend(engine.servers[0], engine.cfg, cuda=True) == "gloo"
 
 
 def test_two_urls_of_one_server_are_refused_naming_both(rollout_servers, tmp_path):

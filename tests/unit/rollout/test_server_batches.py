@@ -8,8 +8,8 @@ import math
 from vllm.logprobs import FlatLogprobs, Logprob
 from vllm.outputs import CompletionOutput, WeightVersionSpan
 
+from rltrain.rollout.server.batch_requests import batch_chunks
 from rltrain.rollout.server.batch_route import LOGPROB_FLOOR, compact_choice, sampled_logprobs
-from rltrain.rollout.server.fleet import batch_chunks
 
 
 def test_a_batch_is_one_contiguous_run_per_server_up():
