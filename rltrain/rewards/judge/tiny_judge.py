@@ -32,7 +32,7 @@ TEMPLATE = (
 NUM_EVAL, EVAL_SEED = 1000, 0  # GRPO's held-out problems in the recipe
 FIELD = 6  # the template's narrowest field
 VERDICTS_PER_SUM = 3  # training rows per sum: this many right answers and as many wrong ones
-SFT_SETTINGS = ["algo=sft", "model=tiny", "optim.lr=1e-3", "trainer.max_steps=2000", "trainer.eval_every=500"]
+SFT_SETTINGS = ["algo=sft", "model=tiny", "optim.lr=1e-3", "trainer.max_steps=3500", "trainer.eval_every=500"]
 JUNK = "0123456789 +=-.,ab\n"  # characters of the malformed answers
 
 
