@@ -123,6 +123,10 @@ class SeparateVLLMEngine:
         self._lock = threading.Lock()  # one request in flight (a health-check ping may race a step)
         self._next_id = 0
         self._abandoned: set[int] = set()  # pings that timed out: their late replies are skipped
+        # Requests posted and not waited for yet (`post`), and their replies read meanwhile (by a
+        # later request's wait) until `reply` asks for them.
+        self._posted: set[int] = set()
+        self._early: dict[int, Message] = {}
         self.proc: subprocess.Popen | None = None
         self.channel: ControlChannel | None = None
         self.directory = make_private_dir(None, prefix="rlsep-")
@@ -247,10 +251,7 @@ class SeparateVLLMEngine:
         assert self.channel is not None
         self.channel_timeout_s = self.channel.timeout_s
         try:
-            message = self.channel.recv(what)
-            while message["op"] == "reply" and message["id"] in self._abandoned:  # a late ping reply
-                self._abandoned.discard(message["id"])
-                message = self.channel.recv(what)
+            message = self._early.pop(request_id, None) or self._next_message(what, request_id)
         except TransportError as exc:
             raise self._dead(f"while waiting for {what}", exc) from exc
         if message["op"] != expect or message["id"] != request_id:
@@ -264,6 +265,20 @@ class SeparateVLLMEngine:
             )
         return message
 
+    def _next_message(self, what: str, request_id: int) -> Message:
+        """The next message not for someone else: a late ping reply is skipped, a posted request's
+        reply is kept for its `reply` call."""
+        assert self.channel is not None
+        while True:
+            message = self.channel.recv(what)
+            other = message["op"] == "reply" and message["id"] != request_id
+            if other and message["id"] in self._abandoned:
+                self._abandoned.discard(message["id"])
+            elif other and message["id"] in self._posted:
+                self._early[message["id"]] = message
+            else:
+                return message
+
     def _call(self, op: str, **fields: Any) -> Any:
         with self._lock:
             request_id = self._send(op, **fields)
@@ -273,6 +288,24 @@ class SeparateVLLMEngine:
         """One request of the in-flight mode's ops (`stream_open`, `submit`, `take`:
         rltrain/rollout/inflight_child.py), answered like every other."""
         return self._call(op, **fields)
+
+    def post(self, op: str, **fields: Any) -> int:
+        """Send a request now and wait for its answer later (`reply`): the in-flight mode asks for
+        the next batch before it trains on this one, so the child answers the moment the batch is
+        complete instead of at its next look at the channel (a decoding step later). Other requests
+        may go and come back meanwhile; this one's answer is kept for `reply`."""
+        with self._lock:
+            request_id = self._send(op, **fields)
+            self._posted.add(request_id)
+            return request_id
+
+    def reply(self, request_id: int) -> Any:
+        """The result of a posted request, waiting for it (bounded by `rollout.timeout_s`)."""
+        with self._lock:
+            try:
+                return self._recv(request_id, "a posted request").get("result")
+            finally:
+                self._posted.discard(request_id)
 
     # --- RolloutEngine --------------------------------------------------------------------------
 
@@ -342,6 +375,9 @@ class SeparateVLLMEngine:
                     message = channel.recv("a ping")
                     if message["op"] == "reply" and message["id"] in self._abandoned:
                         self._abandoned.discard(message["id"])
+                        continue
+                    if message["op"] == "reply" and message["id"] in self._posted:
+                        self._early[message["id"]] = message  # a posted request's: kept for its `reply`
                         continue
                     break
             except TransportError as exc:

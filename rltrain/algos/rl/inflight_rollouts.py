@@ -28,6 +28,12 @@ class StreamingEngine(Protocol):
     def request(self, op: str, **fields: Any) -> Any:
         """One request to the rollout process, its result (rltrain/rollout/separate.py)."""
 
+    def post(self, op: str, **fields: Any) -> int:
+        """Send a request whose result `reply` waits for later; other requests may go meanwhile."""
+
+    def reply(self, request_id: int) -> Any:
+        """The result of a posted request."""
+
 
 class InFlightRollouts:
     """The trainer's side of the in-flight mode (see the module doc)."""
@@ -45,6 +51,7 @@ class InFlightRollouts:
         self.restored: list[list[int]] = []  # a checkpoint's untrained prompts, a step's worth each
         # Since the stream opened: the tokens of the batches taken, the engine's busy seconds.
         self.taken_tokens, self.busy_s = 0.0, 0.0
+        self.posted: tuple[int, int] | None = None  # (step, request id) of the batch asked for ahead
 
     def _open(self, step: int) -> None:
         a = self.collector.algo_cfg
@@ -83,14 +90,26 @@ class InFlightRollouts:
             self.submitted_through = step
         return groups
 
+    def _post_take(self, step: int) -> None:
+        """Ask for step `step`'s batch now, its prompts and those ahead with it; the answer is read
+        by `next_experience(step)`. Asked one step early, the engine answers the moment the batch is
+        complete rather than between two of its decoding steps after the trainer asks."""
+        groups_ahead = self._prompts_through(step + 2 + 2 * self.k)
+        self.posted = (step, self.engine.post("take", step=step, groups=groups_ahead))
+
     def next_experience(self, step: int) -> tuple[Experience, dict[str, float]]:
         """Step `step`'s experience and its metrics (waits, versions, idle share, regenerated groups)."""
         if not self.opened:
             self._open(step)
-        groups_ahead = self._prompts_through(step + 2 + 2 * self.k)
+        if self.posted is None:
+            self._post_take(step)
+        assert self.posted is not None and self.posted[0] == step, (self.posted, step)
         started = time.perf_counter()
-        taken = self.engine.request("take", step=step, groups=groups_ahead)
+        taken = self.engine.reply(self.posted[1])
         wait_s = time.perf_counter() - started
+        self.posted = None
+        if step < self.max_steps:
+            self._post_take(step + 1)  # before training on this one: see `_post_take`
         groups = taken["groups"]
         for g in groups:
             self.untrained.remove(int(g["index"]))

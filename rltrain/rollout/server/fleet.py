@@ -320,6 +320,18 @@ class ServerFleetEngine:
             raise RuntimeError(f"{op!r} before stream_open")
         return self.stream.request(op, **fields)
 
+    def post(self, op: str, **fields: Any) -> int:
+        """`request` in two halves, as the separate engine's: the prompts that travel with a `take`
+        are queued now; the batch is waited for in `reply` (the stream needs no early ask: its
+        batches are filled by the request threads whoever waits)."""
+        if self.stream is None:
+            raise RuntimeError(f"{op!r} before stream_open")
+        return self.stream.post(op, **fields)
+
+    def reply(self, request_id: int) -> Any:
+        assert self.stream is not None
+        return self.stream.reply(request_id)
+
     def observe(self, versions: list[int]) -> None:
         """The versions `metrics()` reports for the step: its batch's tokens (in flight)."""
         with self._lock:

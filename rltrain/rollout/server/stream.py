@@ -75,6 +75,8 @@ class FleetStream:
         self.since = time.perf_counter()
         self.progress = time.monotonic()
         self.nonce = uuid.uuid4().hex[:12]  # this stream's: a server may hold the prompt KV of a killed run's
+        self.posted = 0
+        self.posted_steps: dict[int, int] = {}  # `take`s posted, not answered: request id -> step
         self._relabel(opts.version)
         self.dispatcher = threading.Thread(target=self._dispatch, name="rltrain-fleet-stream", daemon=True)
         self.dispatcher.start()
@@ -109,6 +111,18 @@ class FleetStream:
             self.close()
             return None
         raise RuntimeError(f"{op!r} is not served by the fleet's stream")
+
+    def post(self, op: str, **fields: Any) -> int:
+        """A `take` posted ahead: its prompts queued now, its batch waited for by `reply`."""
+        if op != "take":
+            raise RuntimeError(f"only 'take' is posted to the fleet's stream, not {op!r}")
+        self._enqueue(fields.get("groups", []))
+        self.posted += 1
+        self.posted_steps[self.posted] = int(fields["step"])
+        return self.posted
+
+    def reply(self, request_id: int) -> Any:
+        return self._take(self.posted_steps.pop(request_id))
 
     def _enqueue(self, rows: list[dict[str, Any]]) -> None:
         with self.cond:
