@@ -265,7 +265,7 @@ class StreamLoop:
         self.evaluation["n"] = int(s["n"])
 
     def _admit_evaluation(self) -> None:
-        from rltrain.rollout.vllm import _request_seed
+        from rltrain.rollout.seeds import request_seed
 
         assert self.evaluation is not None
         ev, n = self.evaluation, self.evaluation["n"]
@@ -273,7 +273,7 @@ class StreamLoop:
         count = admit_count(len(self.live), [len(p) for _, p in queue], n, self.max_num_seqs, self.token_budget)
         for _ in range(count):
             i, prompt = queue.popleft()
-            group = Group(-1 - i, i, 0, i, [int(t) for t in prompt], _request_seed(int(ev["sampling"]["seed"]), i, n), n)
+            group = Group(-1 - i, i, 0, i, [int(t) for t in prompt], request_seed(int(ev["sampling"]["seed"]), i, n), n)
             for j in range(n):
                 request_id = f"e{ev['id']}-{i}-{j}"
                 self.core.add_request(request_id, self._prompt(group), self._params(group.seed + j, ev["sampling"]))

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rltrain.rollout.seeds import request_seed
+
 
 @dataclass
 class StreamOptions:
@@ -74,11 +76,9 @@ def _next_seed(seed: int) -> int:
 def submitted_group(row: dict[str, Any], key: int, group_size: int) -> Group:
     """One `submit` row as a group, seeded as the batch `generate` seeds the same prompt of the same
     step (rltrain/rollout/vllm.py)."""
-    from rltrain.rollout.vllm import _request_seed
-
     return Group(
         key, int(row["index"]), int(row["step"]), int(row["position"]), [int(t) for t in row["prompt_ids"]],
-        _request_seed(int(row["seed"]), int(row["position"]), group_size), group_size,
+        request_seed(int(row["seed"]), int(row["position"]), group_size), group_size,
     )
 
 

@@ -23,6 +23,7 @@ from rltrain.config.run_context import RunContext
 from rltrain.models.vision import image_token_id
 from rltrain.rollout.base import Completion, SamplingSettings, exclusive
 from rltrain.rollout.images import PromptImages, check_batch, expanded_prompt, vllm_prompt
+from rltrain.rollout.seeds import request_seed
 from rltrain.rollout.vllm_args import engine_kwargs, set_vllm_env
 from rltrain.rollout.vllm_process_state import (
     ProcessStateGuard,
@@ -58,12 +59,6 @@ def prefill_waves(prompt_lens: list[int], n: int, max_num_seqs: int, token_budge
         tokens += n * length
     waves.append((lo, len(prompt_lens)))
     return waves
-
-
-def _request_seed(call_seed: int, prompt_index: int, n: int) -> int:
-    """The vLLM seed of prompt `prompt_index`: vLLM gives its `n` children seed, seed+1, ...,
-    so prompts are spaced `n` apart and identical prompts in one call still differ."""
-    return (call_seed * 1_000_003 + prompt_index * max(n, 1)) % (2**31 - 1)
 
 
 class VLLMRolloutEngine:
@@ -129,7 +124,7 @@ class VLLMRolloutEngine:
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 max_tokens=sampling.max_new_tokens,
-                seed=_request_seed(sampling.seed, i, sampling.n),
+                seed=request_seed(sampling.seed, i, sampling.n),
                 stop_token_ids=stop_ids or None,
                 logprobs=0,  # only the sampled token's log-probability
                 detokenize=False,

@@ -11,8 +11,8 @@ from typing import Any
 
 from rltrain.rollout.base import Completion, SamplingSettings
 from rltrain.rollout.images import PromptImages
+from rltrain.rollout.seeds import request_seed
 from rltrain.rollout.server.images import generate_fields
-from rltrain.rollout.vllm import _request_seed
 from rltrain.runtime.errors import UserError
 
 
@@ -34,7 +34,7 @@ def prompt_body(
         **generate_fields(index, prompt, images, image_token),  # images: rollout/server/images.py
         "sampling_params": {
             "n": sampling.n, "temperature": sampling.temperature, "top_p": sampling.top_p,
-            "max_tokens": sampling.max_new_tokens, "seed": _request_seed(sampling.seed, index, sampling.n),
+            "max_tokens": sampling.max_new_tokens, "seed": request_seed(sampling.seed, index, sampling.n),
             "stop_token_ids": sorted(set(sampling.stop_token_ids)) or None,
             "logprobs": 0, "detokenize": False,
         },

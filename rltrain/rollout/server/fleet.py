@@ -75,7 +75,7 @@ class ServerFleetEngine:
         self.failures = 0
         self.observed: list[int] = []  # versions of the completions since the last `metrics()`
         self.current: list[tuple[torch.Tensor, list[list[Any]]]] | None = None  # rank 0: the pushed version
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # the servers' up/outstanding state and `observed` (request threads, stream)
         self.stream: FleetStream | None = None  # in-flight updates (`request("stream_open")`)
         self.servers: list[Server] = []
         try:
@@ -105,7 +105,7 @@ class ServerFleetEngine:
         for server, error in spawn_servers(self.cfg, self.model_dir, dtype, self.cuda, log_dir):
             servers.append(server)
             if error is not None:
-                self._mark_down(server, error)
+                self.mark_down(server, error)
         return servers
 
     def _form(self) -> None:
@@ -115,7 +115,7 @@ class ServerFleetEngine:
         `rollout.timeout_s` (docs/rollout-servers.md, "Failure behaviour")."""
         wait_s = self.cfg.servers.start_timeout_s
         for server in not_answering([s for s in self.servers if s.up], wait_s):
-            self._mark_down(server, f"no answer to /health within rollout.servers.start_timeout_s={wait_s:g}s")
+            self.mark_down(server, f"no answer to /health within rollout.servers.start_timeout_s={wait_s:g}s")
             print(f"rltrain: rollout server {server.url} does not answer, going on without it for now", flush=True)
         if self.rank == 0:
             up = [s for s in self.servers if s.up]
@@ -132,7 +132,7 @@ class ServerFleetEngine:
         """A server's failure (`ServerDown`) marks it down; any other error is raised."""
         for server, error in zip(servers, errors, strict=True):
             if isinstance(error, ServerDown):
-                self._mark_down(server, str(error))
+                self.mark_down(server, str(error))
                 print(f"rltrain: rollout server {server.url} failed while the fleet formed, going on without it for now: "
                       f"{str(error)[:300]}", flush=True)
         for error in errors:
@@ -145,8 +145,8 @@ class ServerFleetEngine:
             if time.monotonic() > deadline:
                 raise FleetDown(self._all_down_message())
             time.sleep(1.0)
-            with self._lock:
-                self._revive()
+            with self.lock:
+                self.revive()
 
     # --- servers --------------------------------------------------------------------------------
 
@@ -160,17 +160,19 @@ class ServerFleetEngine:
     def _join(self, server: Server, expected: dict[str, str], buckets: list[tuple[torch.Tensor, list[list[Any]]]]) -> None:
         join(server, self.cfg, self.model_dir, self.cuda_device, expected, buckets, self.version)
 
-    def _mark_down(self, server: Server, reason: str) -> None:
-        with self._lock:
+    def mark_down(self, server: Server, reason: str) -> None:
+        """`server` failed: down, counted, `reason` kept for the all-down message (takes `lock`)."""
+        with self.lock:
             if server.up:
                 server.up = False
                 server.down_since = time.monotonic()
                 self.failures += 1
             server.reasons.append(reason)
 
-    def _revive(self) -> None:
+    def revive(self) -> None:
         """Down servers that answer again: rank 0 re-joins them and pushes the current version
-        before they serve (several at once); other ranks take them back once they report that version."""
+        before they serve (several at once); other ranks take them back once they report that version.
+        Call under `lock`."""
         back = [server for server in self.servers if not server.up and is_up(server.url)]
         if self.rank != 0:
             for server in back:
@@ -207,9 +209,11 @@ class ServerFleetEngine:
         except (TypeError, ValueError):
             return -1
 
-    def _pick(self, deadline: float) -> Server:
+    def pick(self, deadline: float) -> Server:
+        """The up server with the fewest requests out, its count raised (the caller lowers it under
+        `lock`); none up, the down ones are asked again until `deadline`, then FleetDown."""
         while True:
-            with self._lock:
+            with self.lock:
                 up = [s for s in self.servers if s.up]
                 if up:
                     server = min(up, key=lambda s: s.outstanding)
@@ -218,8 +222,8 @@ class ServerFleetEngine:
             if time.monotonic() > deadline:
                 raise FleetDown(self._all_down_message())
             time.sleep(1.0)
-            with self._lock:
-                self._revive()
+            with self.lock:
+                self.revive()
 
     def _all_down_message(self) -> str:
         return all_down_message(self.servers, self.cfg.timeout_s)
@@ -230,8 +234,8 @@ class ServerFleetEngine:
         self, prompts: list[list[int]], sampling: SamplingSettings, images: list[PromptImages] | None = None
     ) -> list[Completion]:
         check_batch(prompts, images)
-        with self._lock:
-            self._revive()
+        with self.lock:
+            self.revive()
         if self.rank != 0:  # rank 0's push may still be under way: wait for the version
             self._await_version()
         deadline = time.monotonic() + self.cfg.timeout_s
@@ -248,10 +252,10 @@ class ServerFleetEngine:
                     if self._server_version(server) >= self.version:
                         break
                 except ServerDown as exc:
-                    self._mark_down(server, str(exc))
+                    self.mark_down(server, str(exc))
                     break
                 if time.monotonic() > deadline:
-                    self._mark_down(server, f"still not at version {self.version} after {self.cfg.timeout_s:g}s")
+                    self.mark_down(server, f"still not at version {self.version} after {self.cfg.timeout_s:g}s")
                     break
                 time.sleep(0.05)
 
@@ -266,14 +270,14 @@ class ServerFleetEngine:
             prompt_body(i, prompts[i], sampling, images[i] if images else None, self.image_token, salt) for i in indices
         ]
         while True:
-            server = self._pick(deadline)
+            server = self.pick(deadline)
             try:
                 answer = call(server.url, BATCH_PATH, {"requests": bodies}, self.cfg.timeout_s)
             except ServerDown as exc:
-                self._mark_down(server, str(exc))
+                self.mark_down(server, str(exc))
                 continue
             finally:
-                with self._lock:
+                with self.lock:
                     server.outstanding -= 1
             server.served += 1
             completions = [
@@ -282,7 +286,7 @@ class ServerFleetEngine:
                     i, one, server.url, self.version, answered_prompt(i, prompts[i], one, self.image_token)
                 )
             ]
-            with self._lock:
+            with self.lock:
                 self.observed.extend([self.version] * len(completions))
             return completions
 
@@ -301,7 +305,7 @@ class ServerFleetEngine:
         errors = run_each([partial(pusher.push, self.current, self.version, hold) for _, pusher in targets])
         for (server, _), error in zip(targets, errors, strict=True):
             if isinstance(error, ServerDown):
-                self._mark_down(server, str(error))
+                self.mark_down(server, str(error))
         for error in errors:
             if error is not None and not isinstance(error, ServerDown):
                 raise error
@@ -334,7 +338,7 @@ class ServerFleetEngine:
 
     def observe(self, versions: list[int]) -> None:
         """The versions `metrics()` reports for the step: its batch's tokens (in flight)."""
-        with self._lock:
+        with self.lock:
             self.observed = list(versions)
 
     def _every_rank_loads(self) -> None:
@@ -350,7 +354,7 @@ class ServerFleetEngine:
         """The fleet now, and the versions of the completions sampled since the last call (a
         multi-turn episode's completion is assembled from several; a single-turn batch generated
         ahead is measured from its own completions instead: rltrain/algos/rl/algorithm.py)."""
-        with self._lock:
+        with self.lock:
             observed, self.observed = self.observed, []
         return {
             # Nothing sampled here (a model-parallel replica's follower): neutral for the reduction.

@@ -39,15 +39,15 @@ class Fleet(Protocol):
     version: int
     servers: list[Server]
     cfg: ServerRolloutConfig
-    _lock: threading.Lock
+    lock: threading.Lock
 
-    def _revive(self) -> None:
-        """Down servers that answer again rejoin with the current version (call under `_lock`)."""
+    def revive(self) -> None:
+        """Down servers that answer again rejoin with the current version (call under `lock`)."""
 
-    def _pick(self, deadline: float) -> Server:
+    def pick(self, deadline: float) -> Server:
         """The up server with the fewest requests out, its count raised; waits for one until `deadline`."""
 
-    def _mark_down(self, server: Server, reason: str) -> None:
+    def mark_down(self, server: Server, reason: str) -> None:
         """`server` failed: down, counted, `reason` kept for the all-down message."""
 
     def ping(self) -> bool:
@@ -94,7 +94,7 @@ class FleetStream:
                 try:
                     call(server.url, "/update_weight_version", {"new_version": str(version)}, fleet.cfg.timeout_s)
                 except ServerDown as exc:
-                    fleet._mark_down(server, str(exc))
+                    fleet.mark_down(server, str(exc))
 
     # --- ops --------------------------------------------------------------------------------------
 
@@ -154,8 +154,8 @@ class FleetStream:
     def _take(self, step: int) -> dict[str, Any]:
         """Step `step`'s groups once the book holds them all (the trainer's thread). A down server
         is asked here whether it is back: it rejoins with the current version before it serves."""
-        with self.fleet._lock:
-            self.fleet._revive()
+        with self.fleet.lock:
+            self.fleet.revive()
         with self.cond:
             self.progress = time.monotonic()  # the bound counts from here: the trainer may have been away long
             while not self.book.full(step):
@@ -249,14 +249,14 @@ class FleetStream:
             },
         }
         while True:
-            server = self.fleet._pick(time.monotonic() + self.fleet.cfg.timeout_s)
+            server = self.fleet.pick(time.monotonic() + self.fleet.cfg.timeout_s)
             try:
                 answer = call(server.url, "/inference/v1/generate", body, self.fleet.cfg.timeout_s)
             except ServerDown as exc:
-                self.fleet._mark_down(server, str(exc))
+                self.fleet.mark_down(server, str(exc))
                 continue
             finally:
-                with self.fleet._lock:
+                with self.fleet.lock:
                     server.outstanding -= 1
             server.served += 1
             return [dict(c, server=server.url) for c in sorted(answer["choices"], key=lambda c: c["index"])]
