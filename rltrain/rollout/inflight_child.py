@@ -12,7 +12,9 @@ docs/async.md, "Weights in flight", has the modes and the guarantees.
 
 from __future__ import annotations
 
+import queue
 import select
+import threading
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -35,11 +37,43 @@ if TYPE_CHECKING:
     from rltrain.transport.receiver import WeightReceiver
 
 
+class Outbox:
+    """The loop's replies, written by a thread of their own: a batch's answer can outgrow the
+    socket's buffer while the trainer, which asked for it a step ahead, is still busy (or pushing
+    weights that this loop must receive). Written in order; a failed write stops the loop."""
+
+    def __init__(self, channel: ControlChannel) -> None:
+        self.channel = channel
+        self.queue: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._write, name="rltrain-stream-outbox", daemon=True)
+        self.thread.start()
+
+    def send(self, message: dict[str, Any]) -> None:
+        if self.error is not None:
+            raise self.error
+        self.queue.put(message)
+
+    def _write(self) -> None:
+        while (message := self.queue.get()) is not None:
+            try:
+                self.channel.send(message)
+            except BaseException as exc:  # noqa: BLE001 - the loop raises it at its next send
+                self.error = exc
+                return
+
+    def close(self) -> None:
+        """Everything queued written (each write bounded by the channel's timeout), then the thread ends."""
+        self.queue.put(None)
+        self.thread.join()
+
+
 class StreamLoop:
     """The loop itself; `run` returns when the trainer closes the channel or asks to close."""
 
     def __init__(self, channel: ControlChannel, engine: VLLMRolloutEngine, receiver: WeightReceiver, opts: StreamOptions) -> None:
         self.channel, self.engine, self.receiver, self.opts = channel, engine, receiver, opts
+        self.outbox = Outbox(channel)
         self.core = engine._live().llm_engine
         scheduler = self.core.vllm_config.scheduler_config
         self.max_num_seqs, self.token_budget = scheduler.max_num_seqs, scheduler.max_num_batched_tokens
@@ -146,7 +180,7 @@ class StreamLoop:
         else:
             reply = {"op": "reply", "id": request_id, "ok": False, "error": f"{op!r} is not served while streaming"}
         if reply is not None:
-            self.channel.send(reply)
+            self.outbox.send(reply)
 
     def _enqueue(self, rows: list[dict[str, Any]]) -> None:
         for row in rows:
@@ -251,7 +285,7 @@ class StreamLoop:
         ]
         result = {"groups": groups, "idle_s": self.idle_s, "busy_s": self.busy_s, "dropped": self.dropped.pop(step, 0)}
         self.idle_s = self.busy_s = 0.0
-        self.channel.send({"op": "reply", "id": request_id, "ok": True, "result": result})
+        self.outbox.send({"op": "reply", "id": request_id, "ok": True, "result": result})
 
     # --- evaluation: greedy or sampled requests among the training ones, answered when all are done
 
@@ -293,11 +327,15 @@ class StreamLoop:
             for g in sorted(ev["groups"], key=lambda g: g.position) for j in range(g.n)
         ]
         self.evaluation = None
-        self.channel.send({"op": "reply", "id": ev["id"], "ok": True, "result": rows})
+        self.outbox.send({"op": "reply", "id": ev["id"], "ok": True, "result": rows})
 
 
 def serve_stream(channel: ControlChannel, engine: VLLMRolloutEngine, receiver: WeightReceiver, request: dict[str, Any]) -> None:
     """Answer `stream_open`, then run the loop until the trainer closes it."""
     opts = StreamOptions(**request["options"])
     channel.send({"op": "reply", "id": request["id"], "ok": True})
-    StreamLoop(channel, engine, receiver, opts).run()
+    loop = StreamLoop(channel, engine, receiver, opts)
+    try:
+        loop.run()
+    finally:
+        loop.outbox.close()

@@ -150,3 +150,38 @@ def test_separate_engine_end_to_end(model_dir):
         engine.close()
     assert not os.path.exists(directory)
     assert glob.glob("/dev/shm/rltrain-w-*") == []
+
+
+def test_a_batch_asked_for_ahead_does_not_block_a_weight_push(model_dir):
+    """In flight the trainer asks for the next batch before it trains (`post`), so the batch's
+    answer can be complete, and larger than the socket's buffer, while the trainer pushes the next
+    version: the child's loop must still receive the weights (its answers have their own writer),
+    and the answer must arrive whole afterwards, sampled before the push."""
+    import select
+
+    from rltrain.config.group_options import VLLMRolloutConfig
+    from rltrain.rollout.separate import SeparateVLLMEngine
+
+    per_step, group, budget = 48, 8, 100
+    cfg = VLLMRolloutConfig(kv_cache_gib=1, timeout_s=20, bucket_mb=1)
+    engine = SeparateVLLMEngine(model_dir, cfg, seed=0, num_threads=1)
+    try:
+        options = {
+            "stream": True, "deterministic": False, "max_staleness": 1, "per_step": per_step, "group_size": group,
+            "lag_steps": 8, "version": 0, "first_step": 1, "expected_groups": per_step, "eval_versions": [],
+            "sampling": {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": budget, "stop_token_ids": []},
+        }
+        engine.request("stream_open", options=options)
+        groups = [{"index": i, "step": 1, "position": i, "prompt_ids": [3 + i, 4, 5], "seed": 11} for i in range(per_step)]
+        posted = engine.post("take", step=1, groups=groups)
+        assert select.select([engine.channel.sock], [], [], 60)[0], "the batch was not answered within 60 s"
+        _, halved = _halved(model_dir)
+        engine.update_weights(halved)  # the answer (more than the socket holds, below) is still unread
+        taken = engine.reply(posted)
+        sock = engine.channel.sock
+        held = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) + sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        assert len(taken["groups"]) == per_step and len(json.dumps(taken)) > held  # the case this test is for
+        assert {v for g in taken["groups"] for vs in g["versions"] for v in vs} == {0}
+        assert engine.request("ping") is True  # the channel is in step after the early answer
+    finally:
+        engine.close()
