@@ -60,9 +60,9 @@ class Group:
             self.versions = [[] for _ in range(self.n)]
             self.finished = [False] * self.n
 
-    def oldest_version(self, current: int) -> int:
-        """The oldest version among its tokens (`current` where it has none: an empty completion)."""
-        return min((v for vs in self.versions for v in vs), default=current)
+    def newest_version(self, current: int) -> int:
+        """The newest version among its tokens (`current` where it has none: an empty completion)."""
+        return max((v for vs in self.versions for v in vs), default=current)
 
     def again(self, key: int) -> Group:
         """A fresh attempt at the same prompt, with its own seeds."""
@@ -112,10 +112,10 @@ def entry_room(a: Admission, step: int) -> int:
     return max(0, a.per_step * (last_step - a.filling + 1) - a.taken - a.running)
 
 
-def too_stale(oldest_version: int, train_step: int, max_staleness: int) -> bool:
-    """True when a token of `oldest_version` would be more than `max_staleness` versions behind the
+def too_stale(version: int, train_step: int, max_staleness: int) -> bool:
+    """True when a token of `version` would be more than `max_staleness` versions behind the
     trainer of step `train_step` (which holds version `train_step - 1`)."""
-    return (train_step - 1) - oldest_version > max_staleness
+    return (train_step - 1) - version > max_staleness
 
 
 def admit_count(running: int, prompt_lens: list[int], n: int, max_num_seqs: int, token_budget: int) -> int:
@@ -135,9 +135,11 @@ class TakeBook:
     """Completed groups assigned to the steps that train them.
 
     `stream`: a group goes to the step being filled (the first one with fewer than `per_step`
-    groups), in completion order; otherwise to its own step, in prompt order. A group that would
-    break the per-token bound there is refused (`place` returns False) and the caller generates it
-    again. `filled_at[s]` is the decode step at which step s's batch became complete."""
+    groups), in completion order; otherwise to its own step, in prompt order. A group that holds a
+    token within the per-token bound there is placed, its older tokens left for the trainer to mask
+    (a partial rollout: trained from where the bound allows, docs/async.md "The per-token bound");
+    one with none is refused (`place` returns False) and the caller generates it again.
+    `filled_at[s]` is the decode step at which step s's batch became complete."""
 
     def __init__(self, per_step: int, max_staleness: int, stream: bool, first_step: int) -> None:
         self.per_step, self.k, self.stream = per_step, max_staleness, stream
@@ -147,7 +149,7 @@ class TakeBook:
 
     def place(self, group: Group, current_version: int, decode_step: int) -> bool:
         target = self.filling if self.stream else group.step
-        if too_stale(group.oldest_version(current_version), target, self.k):
+        if too_stale(group.newest_version(current_version), target, self.k):
             return False
         batch = self.assigned.setdefault(target, [])
         batch.append(group)

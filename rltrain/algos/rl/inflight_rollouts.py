@@ -113,12 +113,7 @@ class InFlightRollouts:
         groups = taken["groups"]
         for g in groups:
             self.untrained.remove(int(g["index"]))
-        completions: list[Completion] = []
-        versions: list[list[int]] = []
-        for position, g in enumerate(groups):
-            for tokens, logps, vs, finished in zip(g["token_ids"], g["logprobs"], g["versions"], g["finished"], strict=True):
-                completions.append(Completion(position, [int(t) for t in tokens], [float(x) for x in logps], bool(finished)))
-                versions.append([int(v) for v in vs])
+        completions, versions, masked = partial_rollouts(groups, oldest_trained=step - 1 - self.k)
         stats = version_stats(versions)
         oldest = int(stats["rollout/token_version_min"]) if any(versions) else step - 1
         tokens = [step - 1 - v for seq in versions for v in seq]
@@ -131,6 +126,7 @@ class InFlightRollouts:
             "rollout/staleness_max": float(step - 1 - oldest),
             "rollout/engine_idle_frac": idle / max(idle + busy, 1e-9),
             "rollout/regenerated": float(taken["dropped"]),
+            "rollout/stale_tokens_masked": float(masked),
             "time/wait_rollout": wait_s,
         }
 
@@ -160,6 +156,27 @@ class InFlightRollouts:
     def load_checkpoint(self, directory: Path) -> None:
         rows = json.loads((directory / "rank0.json").read_text())["pending"]
         self.restored = [[int(i) for i in row["global_index"]] for row in sorted(rows, key=lambda r: int(r["step"]))]
+
+
+def partial_rollouts(groups: list[dict[str, Any]], oldest_trained: int) -> tuple[list[Completion], list[list[int]], int]:
+    """A batch's completions with every token sampled before version `oldest_trained` masked out of
+    training (`Completion.sampled` False, log-probability 0: context, as an environment's
+    observation is): a group that completed holding such a token is trained from where the bound
+    allows rather than generated again (docs/async.md, "The per-token bound"). Also the versions
+    of the trained tokens, per sequence, and the count of masked tokens."""
+    completions: list[Completion] = []
+    trained: list[list[int]] = []
+    masked = 0
+    for position, g in enumerate(groups):
+        for tokens, logps, vs, finished in zip(g["token_ids"], g["logprobs"], g["versions"], g["finished"], strict=True):
+            keep = [int(v) >= oldest_trained for v in vs]
+            masked += keep.count(False)
+            completions.append(Completion(
+                position, [int(t) for t in tokens], [float(x) if k else 0.0 for x, k in zip(logps, keep, strict=True)],
+                bool(finished), None if all(keep) else keep,
+            ))
+            trained.append([int(v) for v, k in zip(vs, keep, strict=True) if k])
+    return completions, trained, masked
 
 
 def evaluated_versions(eval_every: int, max_steps: int) -> list[int]:

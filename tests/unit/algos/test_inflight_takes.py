@@ -67,3 +67,22 @@ def test_the_next_batch_is_asked_for_before_this_one_is_trained():
     inflight.next_experience(2)
     inflight.next_experience(3)
     assert engine.log[3:] == [("reply", 2), ("post", 3), ("reply", 3)]
+
+
+def test_tokens_older_than_the_bound_are_masked_not_trained():
+    """Step 4 with k = 1 trains versions >= 2: a partial rollout's version-1 tokens become context
+    (not sampled, log-probability 0), the rest train; the versions reported are the trained ones."""
+    from rltrain.algos.rl.inflight_rollouts import partial_rollouts
+
+    groups = [
+        {"index": 5, "token_ids": [[7, 8, 9], [4]], "logprobs": [[-0.1, -0.2, -0.3], [-0.4]], "versions": [[1, 2, 3], [1]],
+         "finished": [True, False]},
+        {"index": 6, "token_ids": [[1, 2]], "logprobs": [[-0.5, -0.6]], "versions": [[2, 3]], "finished": [True]},
+    ]
+    completions, trained, masked = partial_rollouts(groups, oldest_trained=2)
+    assert masked == 2
+    assert [c.sampled for c in completions] == [[False, True, True], [False], None]
+    assert [c.logprobs for c in completions] == [[0.0, -0.2, -0.3], [0.0], [-0.5, -0.6]]
+    assert [c.token_ids for c in completions] == [[7, 8, 9], [4], [1, 2]]  # every token stays, as context or trained
+    assert [(c.prompt_index, c.finished) for c in completions] == [(0, True), (0, False), (1, True)]
+    assert trained == [[2, 3], [], [2, 3]]

@@ -91,17 +91,18 @@ def test_streaming_admission_generates_nothing_to_drop_when_groups_complete_in_o
         assert most == 4 * (k + 1) if lag == 0 else most >= 4  # fresh weights: the whole bound is used
 
 
-def test_streaming_fills_batches_in_completion_order_and_refuses_over_stale_groups():
-    book = TakeBook(per_step=2, max_staleness=1, stream=True, first_step=3)  # step 3 needs versions >= 1
+def test_streaming_fills_batches_in_completion_order_and_refuses_groups_with_no_fresh_token():
+    book = TakeBook(per_step=3, max_staleness=1, stream=True, first_step=3)  # step 3 trains versions >= 1
     assert book.place(_group(1, 9, 0, [[1, 2], [2]]), current_version=2, decode_step=10)
-    assert not book.place(_group(2, 3, 0, [[0, 1]]), current_version=2, decode_step=11)  # a version-0 token
+    assert not book.place(_group(2, 3, 0, [[0, 0], [0]]), current_version=2, decode_step=11)  # every token version 0
+    assert book.place(_group(3, 3, 0, [[0, 1], [0]]), current_version=2, decode_step=12)  # partial: its version-1 token
     assert not book.full(3)
-    assert book.place(_group(3, 4, 1, [[2]]), current_version=2, decode_step=12)
-    assert book.full(3) and book.filled_at == {3: 12} and book.filling == 4
-    assert [g.key for g in book.pop(3)] == [1, 3]  # completion order, whatever step each was taken with
-    # step 4 needs versions >= 2
-    assert not book.place(_group(4, 4, 0, [[1, 2]]), current_version=2, decode_step=13)
-    assert book.place(_group(5, 4, 0, [[]]), current_version=2, decode_step=14)  # no token: the current version
+    assert book.place(_group(4, 4, 1, [[2]]), current_version=2, decode_step=13)
+    assert book.full(3) and book.filled_at == {3: 13} and book.filling == 4
+    assert [g.key for g in book.pop(3)] == [1, 3, 4]  # completion order, whatever step each was taken with
+    # step 4 trains versions >= 2
+    assert not book.place(_group(5, 4, 0, [[1, 1]]), current_version=2, decode_step=14)
+    assert book.place(_group(6, 4, 0, [[]]), current_version=2, decode_step=15)  # no token: the current version
 
 
 def test_without_streaming_a_group_joins_its_own_step_in_prompt_order():

@@ -108,7 +108,7 @@ def test_each_token_gets_the_version_of_its_span():
     fill(group, [answer([("2", 0, 3), ("3", 3, 5)], 5)], current=3)
     assert group.versions == [[2, 2, 2, 3, 3]] and group.done == 1 and group.finished == [False]
     fill(group, [answer([], 0)], current=3)  # an empty completion: no span, no token
-    assert group.versions == [[]] and group.oldest_version(3) == 3
+    assert group.versions == [[]] and group.newest_version(3) == 3
 
 
 @pytest.mark.parametrize(
