@@ -80,7 +80,8 @@ class StreamLoop:
         self.book = TakeBook(opts.per_step, opts.max_staleness, opts.stream, opts.first_step)
         self.version, self.decode_steps, self.keys = opts.version, 0, 0
         self.backlog: deque[Group] = deque()
-        self.live: dict[str, tuple[Group, int]] = {}  # vLLM request id -> (group, sample)
+        self.live: dict[str, Group] = {}  # vLLM request id -> its group (one request of `n` samples)
+        self.running = 0  # sequences started and not finished
         self.live_groups: set[int] = set()
         self.submitted = 0
         self.dropped: dict[int, int] = {}  # step -> groups generated again because too stale for it
@@ -219,28 +220,32 @@ class StreamLoop:
             if len(heads) >= self._room(group.step):
                 break
             heads.append(group)
-        count = admit_count(len(self.live), [len(g.prompt_ids) for g in heads], self.opts.group_size, self.max_num_seqs, self.token_budget)
+        count = admit_count(self.running, [len(g.prompt_ids) for g in heads], self.opts.group_size, self.max_num_seqs, self.token_budget)
         for _ in range(count):
             self._add(self.backlog.popleft())
 
     def _add(self, group: Group) -> None:
-        for j in range(group.n):
-            request_id = f"g{group.key}-{j}"
-            self.core.add_request(request_id, self._prompt(group), self._params(group.seed + j, self.opts.sampling))
-            self.live[request_id] = (group, j)
+        self._request(f"g{group.key}", group, self.opts.sampling)
         self.live_groups.add(group.key)
+
+    def _request(self, request_id: str, group: Group, sampling: dict[str, Any]) -> None:
+        """One request of the group's `n` samples: vLLM seeds sample j with `seed + j`, as the batch
+        `generate` does (rltrain/rollout/vllm.py), and checks the prompt once, not `n` times."""
+        self.core.add_request(request_id, self._prompt(group), self._params(group.seed, group.n, sampling))
+        self.live[request_id] = group
+        self.running += group.n
 
     def _prompt(self, group: Group) -> dict[str, Any]:
         """The prompt salted with the version loaded now: a request reuses only prompt KV cached
         under the same version (vLLM cannot reset its prefix cache while requests run)."""
         return {"prompt_token_ids": group.prompt_ids, "cache_salt": f"v{self.version}"}
 
-    def _params(self, seed: int, s: dict[str, Any]) -> Any:
+    def _params(self, seed: int, n: int, s: dict[str, Any]) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         return SamplingParams(
-            n=1, temperature=s["temperature"], top_p=s["top_p"], max_tokens=s["max_new_tokens"], seed=seed,
+            n=n, temperature=s["temperature"], top_p=s["top_p"], max_tokens=s["max_new_tokens"], seed=seed,
             stop_token_ids=sorted(set(s["stop_token_ids"])) or None, logprobs=0, detokenize=False,
             output_kind=RequestOutputKind.DELTA,
         )
@@ -249,18 +254,19 @@ class StreamLoop:
         outputs = self.core.step()
         self.decode_steps += 1
         for out in outputs:
-            group, j = self.live[out.request_id]
-            sample = out.outputs[0]
-            new = list(sample.token_ids)
-            group.token_ids[j] += new
-            group.logprobs[j] += [float(sample.logprobs[i][tok].logprob) for i, tok in enumerate(new)] if new else []
-            group.versions[j] += [self.version] * len(new)
-            if out.finished:
+            group = self.live[out.request_id]
+            for sample in out.outputs:  # the samples that moved this step (`index`: which of the group's)
+                j, new = sample.index, list(sample.token_ids)
+                group.token_ids[j] += new
+                group.logprobs[j] += [float(sample.logprobs[i][tok].logprob) for i, tok in enumerate(new)] if new else []
+                group.versions[j] += [self.version] * len(new)
+                if sample.finish_reason is not None:
+                    group.finished[j] = sample.finish_reason == "stop"
+                    group.done += 1
+                    self.running -= 1
+            if group.done == group.n:
                 del self.live[out.request_id]
-                group.finished[j] = sample.finish_reason == "stop"
-                group.done += 1
-                if group.done == group.n:
-                    self._complete(group)
+                self._complete(group)
 
     def _complete(self, group: Group) -> None:
         if group.key < 0:  # an evaluation prompt
@@ -304,14 +310,11 @@ class StreamLoop:
         assert self.evaluation is not None
         ev, n = self.evaluation, self.evaluation["n"]
         queue: deque[tuple[int, list[int]]] = ev["queue"]
-        count = admit_count(len(self.live), [len(p) for _, p in queue], n, self.max_num_seqs, self.token_budget)
+        count = admit_count(self.running, [len(p) for _, p in queue], n, self.max_num_seqs, self.token_budget)
         for _ in range(count):
             i, prompt = queue.popleft()
             group = Group(-1 - i, i, 0, i, [int(t) for t in prompt], request_seed(int(ev["sampling"]["seed"]), i, n), n)
-            for j in range(n):
-                request_id = f"e{ev['id']}-{i}-{j}"
-                self.core.add_request(request_id, self._prompt(group), self._params(group.seed + j, ev["sampling"]))
-                self.live[request_id] = (group, j)
+            self._request(f"e{ev['id']}-{i}", group, ev["sampling"])
             ev["groups"].append(group)
             ev["pending"] += 1
         if not ev["prompts"]:

@@ -1,12 +1,12 @@
 """Batches from an engine that takes new weights between its decoding steps (`placement.weight_update=in_flight`).
 
-The rollout process runs vLLM step by step (rltrain/rollout/inflight_child.py): the trainer submits
-prompts ahead (those of steps up to t + 2 + 2k before it asks for step t's batch: more than the
-engine can start before the trainer's next version, so it never waits for prompts), asks for step t's
-batch, and publishes each new version as usual (`update_weights`, loaded between two decode steps
+The rollout process runs vLLM step by step (rltrain/rollout/inflight_child.py): the trainer asks for
+step t's batch as soon as it holds step t - 1's, with the prompts of steps up to t + 2 + 2k (more than
+the engine can start before the trainer's next version, so it never waits for prompts), and publishes
+each new version as usual (`update_weights`, loaded between two decode steps
 while the requests in flight go on). Without `placement.stream` step t's batch is its own prompts,
 admitted once version t - 1 - k is loaded; with it, the first `algo.prompts_per_step` groups to
-complete, and a group holding a token older than the bound allows is generated again. Every token
+complete, their tokens older than the bound allows masked out of training (partial rollouts). Every token
 carries the version that sampled it. docs/async.md, "Weights in flight".
 """
 
