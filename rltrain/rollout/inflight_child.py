@@ -43,7 +43,8 @@ class Outbox:
     weights that this loop must receive). Written in order; a failed write stops the loop."""
 
     def __init__(self, channel: ControlChannel) -> None:
-        self.channel = channel
+        # Its own socket object (the same connection): its send timeout never meets the reader's.
+        self.channel = type(channel)(channel.sock.dup(), channel.peer, channel.timeout_s)
         self.queue: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._write, name="rltrain-stream-outbox", daemon=True)
@@ -66,6 +67,45 @@ class Outbox:
         """Everything queued written (each write bounded by the channel's timeout), then the thread ends."""
         self.queue.put(None)
         self.thread.join()
+        self.channel.close()
+
+
+class Inbox:
+    """The trainer's requests, read by a thread of their own, which also receives each pushed
+    version's weights into host memory at once and answers the push: the trainer's push never waits
+    for the decoding step in progress (the loop loads the version between two steps, as before).
+    The loop takes the requests in arrival order from `queue`; `_weights` carries a received version,
+    `_closed` the trainer's end of the channel, `_failed` a receive that failed."""
+
+    def __init__(self, channel: ControlChannel, receiver: WeightReceiver, outbox: Outbox) -> None:
+        self.channel, self.receiver, self.outbox = channel, receiver, outbox
+        self.queue: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.thread = threading.Thread(target=self._read, name="rltrain-stream-inbox", daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                select.select([self.channel.sock], [], [])
+                message = self.channel.recv("a request")
+            except PeerClosed:
+                self.queue.put({"op": "_closed", "id": -1})
+                return
+            except BaseException as exc:  # noqa: BLE001 - the loop raises it
+                self.queue.put({"op": "_failed", "id": -1, "error": exc})
+                return
+            if message["op"] != "update":
+                self.queue.put(message)
+                if message["op"] == "close":
+                    return
+                continue
+            try:
+                weights = list(self.receiver.receive(copy=True))
+            except BaseException as exc:  # noqa: BLE001 - the loop raises it
+                self.queue.put({"op": "_failed", "id": message["id"], "error": exc})
+                return
+            self.queue.put({"op": "_weights", "id": message["id"], "weights": weights})
+            self.outbox.send({"op": "reply", "id": message["id"], "ok": True})
 
 
 class StreamLoop:
@@ -74,6 +114,7 @@ class StreamLoop:
     def __init__(self, channel: ControlChannel, engine: VLLMRolloutEngine, receiver: WeightReceiver, opts: StreamOptions) -> None:
         self.channel, self.engine, self.receiver, self.opts = channel, engine, receiver, opts
         self.outbox = Outbox(channel)
+        self.inbox = Inbox(channel, receiver, self.outbox)
         self.core = engine._live().llm_engine
         scheduler = self.core.vllm_config.scheduler_config
         self.max_num_seqs, self.token_budget = scheduler.max_num_seqs, scheduler.max_num_batched_tokens
@@ -146,26 +187,29 @@ class StreamLoop:
 
     def _messages(self, block: bool) -> None:
         """Handle what has arrived; `block`: wait for at least one message."""
-        timeout: float | None = None if block else 0.0
-        while select.select([self.channel.sock], [], [], timeout)[0]:
-            timeout = 0.0
-            try:
-                message = self.channel.recv("a request")
-            except PeerClosed:
-                self.closed = True
-                return
-            self._handle(message)
-            if self.closed:
-                return
+        try:
+            message = self.inbox.queue.get(block=block)
+            while True:
+                self._handle(message)
+                if self.closed:
+                    return
+                message = self.inbox.queue.get_nowait()
+        except queue.Empty:
+            return
 
     def _handle(self, message: dict[str, Any]) -> None:
         op, request_id = message["op"], message["id"]
         done = {"op": "reply", "id": request_id, "ok": True}
         reply: dict[str, Any] | None = done
-        if op == "update":  # the next version: received now, applied between two decode steps
-            self.weights[self.version + 1 + len(self.weights)] = list(self.receiver.receive(copy=True))
+        if op == "_weights":  # the next version, received (and answered) by the inbox: applied between two decode steps
+            self.weights[self.version + 1 + len(self.weights)] = message["weights"]
             if not self.opts.deterministic:
                 self._apply_versions(idle=True)  # between two decode steps: the requests in flight go on
+            reply = None
+        elif op == "_closed":
+            self.closed, reply = True, None
+        elif op == "_failed":
+            raise message["error"]
         elif op == "submit":
             self._enqueue(message["groups"])
         elif op == "take":  # the prompts that travel with it are queued first
