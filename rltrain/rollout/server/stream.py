@@ -171,8 +171,10 @@ class FleetStream:
                 "idle_s": self.idle_s, "busy_s": self.busy_s, "dropped": self.dropped.pop(step, 0),
             }
             self.idle_s = self.busy_s = 0.0
-        # a batch of empty completions only: the version it was taken under (never an infinite min)
-        self.fleet.observe([v for g in groups for vs in g.versions for v in vs] or [self.version])
+        # The versions of the tokens the step trains (older ones are masked: partial rollouts, as the
+        # trainer does); a batch of empty completions only: the version it was taken under.
+        oldest_trained = step - 1 - self.opts.max_staleness
+        self.fleet.observe([v for g in groups for vs in g.versions for v in vs if v >= oldest_trained] or [self.version])
         return result
 
     def _check(self, step: int) -> None:
