@@ -84,28 +84,25 @@ class Inbox:
         self.thread.start()
 
     def _read(self) -> None:
-        while True:
-            try:
-                select.select([self.channel.sock], [], [])
-                message = self.channel.recv("a request")
-            except PeerClosed:
-                self.queue.put({"op": "_closed", "id": -1})
-                return
-            except BaseException as exc:  # noqa: BLE001 - the loop raises it
-                self.queue.put({"op": "_failed", "id": -1, "error": exc})
-                return
-            if message["op"] != "update":
-                self.queue.put(message)
-                if message["op"] == "close":
-                    return
-                continue
-            try:
-                weights = list(self.receiver.receive(copy=True))
-            except BaseException as exc:  # noqa: BLE001 - the loop raises it
-                self.queue.put({"op": "_failed", "id": message["id"], "error": exc})
-                return
+        try:
+            while self._take_one():
+                pass
+        except PeerClosed:
+            self.queue.put({"op": "_closed", "id": -1})
+        except BaseException as exc:  # noqa: BLE001 - the loop raises it (and so ends, as the trainer's side sees)
+            self.queue.put({"op": "_failed", "id": -1, "error": exc})
+
+    def _take_one(self) -> bool:
+        """Read one request (an `update`: its weights too); False after `close`."""
+        select.select([self.channel.sock], [], [])
+        message = self.channel.recv("a request")
+        if message["op"] == "update":
+            weights = list(self.receiver.receive(copy=True))
             self.queue.put({"op": "_weights", "id": message["id"], "weights": weights})
             self.outbox.send({"op": "reply", "id": message["id"], "ok": True})
+            return True
+        self.queue.put(message)
+        return message["op"] != "close"
 
 
 class StreamLoop:
