@@ -63,8 +63,10 @@ def test_ppo_on_images_generating_ahead_resumes_after_sigkill_to_the_uninterrupt
     assert rows[0]["rollout/logprob_diff_max"] < 1e-3 and rows[0]["rollout/staleness_max"] == 0.0
     assert [r["rollout/staleness_max"] for r in rows[1:]] == [1.0, 1.0]
 
-    killed = tmp_path / "killed"  # killed once step 2's checkpoint (with step 3's batch in flight) is written
-    kill_when(args, killed, killed / "checkpoints" / "step_00000002", signal.SIGKILL, timeout=600, env=env)
+    # Killed once step 1's checkpoint is written (step 2's batch generated and in it, step 3's prompts):
+    # steps 2 and 3 still to train, so the kill lands before the run's end however fast a step is.
+    killed = tmp_path / "killed"
+    kill_when(args, killed, killed / "checkpoints" / "step_00000001", signal.SIGKILL, timeout=600, env=env)
     assert len(train_rows(killed)) < 3
     rltrain(*args, run_dir=killed, env=env, timeout=600)
     resumed = read_metrics(killed)
