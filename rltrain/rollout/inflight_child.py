@@ -134,7 +134,7 @@ class StreamLoop:
 
     def run(self) -> None:
         while not self.closed:
-            self._messages(block=False)
+            self._messages()
             if self.closed:
                 return
             if self._must_wait():
@@ -151,10 +151,12 @@ class StreamLoop:
                 self._idle()
 
     def _idle(self) -> None:
-        """Nothing to step: wait for the next message (counted in `rollout/engine_idle_frac`)."""
+        """Nothing to step: wait for the next message (the wait counted in `rollout/engine_idle_frac`,
+        what it brings, a version's load say, as busy)."""
         started = time.perf_counter()
-        self._messages(block=True)
+        message = self.inbox.queue.get()
         self.idle_s += time.perf_counter() - started
+        self._handle_all(message)
 
     def _must_wait(self) -> bool:
         """Deterministic: hold the next decode step while something it depends on has not arrived
@@ -182,10 +184,16 @@ class StreamLoop:
 
     # --- messages -------------------------------------------------------------------------------
 
-    def _messages(self, block: bool) -> None:
-        """Handle what has arrived; `block`: wait for at least one message."""
+    def _messages(self) -> None:
+        """Handle what has arrived, without waiting."""
         try:
-            message = self.inbox.queue.get(block=block)
+            self._handle_all(self.inbox.queue.get_nowait())
+        except queue.Empty:
+            return
+
+    def _handle_all(self, message: dict[str, Any]) -> None:
+        """Handle `message` and every one queued behind it."""
+        try:
             while True:
                 self._handle(message)
                 if self.closed:
@@ -241,7 +249,9 @@ class StreamLoop:
             due = due_step(self.book.filled_at, self.version + 1, self.opts.lag_steps)
             if self.opts.deterministic and (self.evaluation is not None or not idle and (due is None or self.decode_steps < due)):
                 break  # deterministic: at its decode step, once no evaluation is in progress
+            started = time.perf_counter()
             self.engine.update_weights(self.weights.pop(self.version + 1))
+            self.busy_s += time.perf_counter() - started  # the engine works: not idle, whoever waits on it
             self.version += 1
             applied = True
             if self._evaluation_due() and self.opts.deterministic:
