@@ -24,7 +24,6 @@ class LossInputs(Protocol):
 
     def select(self, indices: torch.Tensor) -> LossInputs:
         """The inputs of the sequences at `indices`, in that order."""
-        ...
 
 
 @dataclass

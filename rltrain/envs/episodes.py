@@ -25,8 +25,8 @@ from rltrain.envs.observations import Observation
 from rltrain.envs.wire import to_wire
 from rltrain.rewards.scoring import Failures
 from rltrain.rollout.base import Completion, SamplingSettings
+from rltrain.rollout.control_wire import completions_from_json, completions_to_json
 from rltrain.rollout.images import PromptImages
-from rltrain.rollout.separate import completions_from_json, completions_to_json
 
 TURN_SEED_STRIDE = 100_003  # each turn samples with its own seed
 # The engine's call: prompts' ids, the sampling, each prompt's images.
@@ -132,15 +132,17 @@ class EpisodeSteps(Protocol):
     """The side of an episode that answers the model: reset it, then answer each reply by appending
     an observation (`Episode.append(ids, None)`), adding reward, or ending it (`done`)."""
 
-    def reset(self, episodes: list[Episode], deadline: float) -> None: ...
+    def reset(self, episodes: list[Episode], deadline: float) -> None:
+        """Start each episode (its first observation), within `deadline`."""
 
-    def step(self, episodes: list[Episode], deadline: float) -> None: ...
+    def step(self, episodes: list[Episode], deadline: float) -> None:
+        """Answer each episode's last reply (an observation, reward, or its end), within `deadline`."""
 
     def check(self, episodes: list[Episode]) -> None:
         """Raise a UserError when too many of a phase's episodes failed to go on."""
-        ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Stop the workers that answer the episodes."""
 
 
 @dataclass

@@ -32,7 +32,7 @@ from rltrain.rollout.inflight_schedule import (
 from rltrain.transport.wire import PeerClosed
 
 if TYPE_CHECKING:
-    from rltrain.rollout.separate import ControlChannel
+    from rltrain.rollout.control_wire import ControlChannel
     from rltrain.rollout.vllm import VLLMRolloutEngine
     from rltrain.transport.receiver import WeightReceiver
 
@@ -85,8 +85,9 @@ class Inbox:
 
     def _read(self) -> None:
         try:
-            while self._take_one():
-                pass
+            going = True
+            while going:
+                going = self._take_one()
         except PeerClosed:
             self.queue.put({"op": "_closed", "id": -1})
         except BaseException as exc:  # noqa: BLE001 - the loop raises it (and so ends, as the trainer's side sees)

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, fields, is_dataclass
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -27,13 +27,13 @@ import torch
 from rltrain.config.group_options import VLLMRolloutConfig
 from rltrain.config.run_context import RunContext
 from rltrain.rollout.base import Completion, SamplingSettings
-from rltrain.rollout.images import PromptImages, from_data_url, images_to_json, to_data_url
+from rltrain.rollout.control_wire import ControlChannel, completions_from_json
+from rltrain.rollout.images import PromptImages, images_to_json
 from rltrain.runtime.precision import resolve_precision
 from rltrain.runtime.threads import thread_split
 from rltrain.transport.sender import TransportError, WeightSender
-from rltrain.transport.wire import Channel, Message, ProtocolError, make_private_dir
+from rltrain.transport.wire import Message, make_private_dir
 
-OPS = frozenset({"ready", "reply", "generate", "update", "sleep", "wake", "ping", "close", "stream_open", "submit", "take"})
 # torch.distributed / elastic variables the child must not inherit (vLLM would read them).
 _DIST_ENV = (
     "RANK",
@@ -51,25 +51,6 @@ class RolloutProcessError(RuntimeError):
     """The rollout process died, stalled past its timeout, or reported an error."""
 
 
-class ControlChannel(Channel):
-    """The request/reply channel to the rollout process: the transport's framing and JSON-only
-    rule, with control messages `{"op": ..., "id": int, ...}` instead of sync messages."""
-
-    def recv(self, what: str) -> Message:
-        body = self.recv_body(what)
-        try:
-            message = json.loads(body.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ProtocolError(f"control message from the {self.peer} is not JSON") from exc
-        if (
-            not isinstance(message, dict)
-            or message.get("op") not in OPS
-            or type(message.get("id")) is not int
-        ):
-            raise ProtocolError(f"malformed control message from the {self.peer}: {str(message)[:200]}")
-        return message
-
-
 def _config_dict(cfg: VLLMRolloutConfig) -> dict[str, Any]:
     """The rollout config (a dataclass, or the run's OmegaConf node) as plain JSON values."""
     if is_dataclass(cfg) and not isinstance(cfg, type):
@@ -77,31 +58,6 @@ def _config_dict(cfg: VLLMRolloutConfig) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(cfg, resolve=True)
-
-
-def completions_to_json(completions: list[Completion]) -> list[dict[str, Any]]:
-    """Completions as plain data (an episode's own images as PNG data URLs)."""
-    return [
-        {**{f.name: getattr(c, f.name) for f in fields(c) if f.name != "images"},
-         "images": [to_data_url(im) for im in c.images] if c.images is not None else None}
-        for c in completions
-    ]
-
-
-def completions_from_json(rows: list[dict[str, Any]]) -> list[Completion]:
-    return [
-        Completion(
-            int(r["prompt_index"]),
-            [int(t) for t in r["token_ids"]],
-            [float(x) for x in r["logprobs"]],
-            bool(r["finished"]),
-            [bool(x) for x in r["sampled"]] if r.get("sampled") is not None else None,
-            [int(t) for t in r["prompt_ids"]] if r.get("prompt_ids") is not None else None,
-            int(r["version"]) if r.get("version") is not None else None,
-            [from_data_url(url) for url in r["images"]] if r.get("images") is not None else None,
-        )
-        for r in rows
-    ]
 
 
 class SeparateVLLMEngine:

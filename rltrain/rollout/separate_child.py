@@ -19,15 +19,15 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rltrain.rollout.separate import ControlChannel
+    from rltrain.rollout.control_wire import ControlChannel
 
 IDLE_POLL_S = 1.0  # how often an idle child re-checks that its parent is alive
 
 
 def _serve(channel: ControlChannel, engine: Any, receiver: Any) -> None:
     from rltrain.rollout.base import SamplingSettings
+    from rltrain.rollout.control_wire import completions_to_json
     from rltrain.rollout.images import images_from_json
-    from rltrain.rollout.separate import completions_to_json
     from rltrain.transport.wire import PeerClosed
 
     parent = os.getppid()
@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
 
 def run(spec_json: str) -> int:
     """Build the engine `spec_json` describes, report ready and serve; the process's exit status."""
-    from rltrain.rollout.separate import ControlChannel
+    from rltrain.rollout.control_wire import ControlChannel
 
     spec = json.loads(spec_json)
     sock = socket.socket(fileno=spec["control_fd"])

@@ -26,7 +26,7 @@ from rltrain.envs.episodes import EpisodeResults
 from rltrain.envs.replica import share_results
 from rltrain.rollout.ahead import RolloutWorker
 from rltrain.rollout.base import Completion, RolloutEngine, SamplingSettings
-from rltrain.rollout.separate import completions_from_json, completions_to_json
+from rltrain.rollout.control_wire import completions_from_json, completions_to_json
 from rltrain.rollout.share import leads, raise_leader_error, share_completions
 from rltrain.runtime.errors import UserError
 

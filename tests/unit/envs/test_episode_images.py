@@ -32,8 +32,8 @@ from rltrain.envs.wire import from_wire, to_wire
 from rltrain.models.tiny_vl import CHAT_TEMPLATE, IMAGE_MARKUP, build_processor, build_vl_tokenizer
 from rltrain.models.tokenizer import build_char_tokenizer
 from rltrain.rollout.base import Completion, SamplingSettings
+from rltrain.rollout.control_wire import completions_from_json, completions_to_json
 from rltrain.rollout.images import to_data_url
-from rltrain.rollout.separate import completions_from_json, completions_to_json
 from rltrain.runtime.errors import UserError
 
 TOKENIZER = build_vl_tokenizer()

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from rltrain.rollout.base import Completion, SamplingSettings
-from rltrain.rollout.separate import ControlChannel, completions_from_json, completions_to_json
+from rltrain.rollout.control_wire import ControlChannel, completions_from_json, completions_to_json
 from rltrain.transport.wire import ProtocolError
 
 # Counts rlsep-* directories and /dev/shm segments, which any separate-engine run creates: no such run
