@@ -222,18 +222,25 @@ class SeparateVLLMEngine:
         return message
 
     def _next_message(self, what: str, request_id: int) -> Message:
-        """The next message not for someone else: a late ping reply is skipped, a posted request's
-        reply is kept for its `reply` call."""
+        """The next message for `request_id` (or an unexpected one, which the caller refuses)."""
         assert self.channel is not None
         while True:
             message = self.channel.recv(what)
-            other = message["op"] == "reply" and message["id"] != request_id
-            if other and message["id"] in self._abandoned:
-                self._abandoned.discard(message["id"])
-            elif other and message["id"] in self._posted:
-                self._early[message["id"]] = message
-            else:
+            if not self._set_aside(message, request_id):
                 return message
+
+    def _set_aside(self, message: Message, request_id: int) -> bool:
+        """True for another request's reply, handled here: a late ping reply is skipped, a posted
+        request's reply kept for its `reply` call."""
+        if message["op"] != "reply" or message["id"] == request_id:
+            return False
+        if message["id"] in self._abandoned:
+            self._abandoned.discard(message["id"])
+            return True
+        if message["id"] in self._posted:
+            self._early[message["id"]] = message
+            return True
+        return False
 
     def _call(self, op: str, **fields: Any) -> Any:
         with self._lock:
@@ -329,13 +336,8 @@ class SeparateVLLMEngine:
                             f"within {self.ping_timeout_s:g} s (left running)"
                         )
                     message = channel.recv("a ping")
-                    if message["op"] == "reply" and message["id"] in self._abandoned:
-                        self._abandoned.discard(message["id"])
-                        continue
-                    if message["op"] == "reply" and message["id"] in self._posted:
-                        self._early[message["id"]] = message  # a posted request's: kept for its `reply`
-                        continue
-                    break
+                    if not self._set_aside(message, request_id):
+                        break
             except TransportError as exc:
                 if self.proc is not None:  # a dying child closes its socket a moment before it exits
                     with contextlib.suppress(subprocess.TimeoutExpired):
