@@ -110,7 +110,7 @@ class StreamLoop:
     """The loop itself; `run` returns when the trainer closes the channel or asks to close."""
 
     def __init__(self, channel: ControlChannel, engine: VLLMRolloutEngine, receiver: WeightReceiver, opts: StreamOptions) -> None:
-        self.channel, self.engine, self.receiver, self.opts = channel, engine, receiver, opts
+        self.engine, self.opts = engine, opts
         self.outbox = Outbox(channel)
         self.inbox = Inbox(channel, receiver, self.outbox)
         self.core = engine._live().llm_engine
