@@ -19,6 +19,7 @@ import hydra
 from omegaconf import OmegaConf
 
 from rltrain.config.schema import CONF_DIR, Config, register_configs
+from rltrain.launch.submitit_ranks import join_submitit_ranks
 from rltrain.launch.sweep import JobOutcome, objective_value, sweep_exit_status
 from rltrain.preflight.command_help import register_help
 from rltrain.preflight.compose_errors import composition_done, reporting_composition_errors
@@ -67,19 +68,6 @@ def job(cfg: Config):
     return None
 
 
-def join_submitit_ranks() -> None:
-    """In a submitit job of several tasks (Slurm's `nodes` x `tasks_per_node`, or submitit_local's
-    `tasks_per_node`) each task is one rank: export the variables torchrun would give it (RANK,
-    LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the job's first node),
-    so the job trains exactly as under torchrun. A one-task job is left as it is."""
-    if "SUBMITIT_EXECUTOR" not in os.environ:
-        return
-    import submitit
-
-    if submitit.JobEnvironment().num_tasks > 1:
-        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
-
-
 def sweep_job(cfg: Config, run_dir: Path) -> JobOutcome:
     """One job of a sweep: never exits; returns its outcome (a row of the sweep summary, and the
     objective a sweeper reads)."""
@@ -87,7 +75,7 @@ def sweep_job(cfg: Config, run_dir: Path) -> JobOutcome:
 
     env = environment_snapshot()
     try:
-        join_submitit_ranks()
+        join_submitit_ranks(cfg.safety.collective_timeout_s)
         run_job(cfg, run_dir)
         return _finished(cfg, run_dir)
     except JobFailed as exc:

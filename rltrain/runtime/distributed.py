@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,10 +74,56 @@ def init_distributed(timeout_s: float) -> DistInfo:
         kwargs: dict[str, Any] = {}
         if device.type == "cuda" and backend == "nccl":
             kwargs["device_id"] = device
-        if world == 1 and "MASTER_ADDR" not in os.environ:
+        global _hosted_store
+        if _hosted_store is not None:
+            # Under the prefix torch's env:// rendezvous gives the other ranks' clients of this store.
+            kwargs["store"], _hosted_store = dist.PrefixStore("default_pg", _hosted_store), None
+        elif world == 1 and "MASTER_ADDR" not in os.environ:
             kwargs["store"] = _single_rank_store(timeout)
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
+        with _rendezvous_watchdog(rank, timeout_s):
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
     return DistInfo(rank, world, local_rank, device)
+
+
+_hosted_store: dist.TCPStore | None = None
+
+
+def host_rendezvous_store(world: int, timeout_s: float) -> int:
+    """Start the rendezvous store of a `world`-rank run in this process (its rank 0) on a port the
+    kernel picks as it binds, and return the port; this process's `init_distributed` joins through
+    it. For launchers whose ranks share no launcher process (rltrain/launch/submitit_ranks.py)."""
+    global _hosted_store
+    timeout = datetime.timedelta(seconds=timeout_s)
+    _hosted_store = dist.TCPStore("0.0.0.0", 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+    return _hosted_store.port
+
+
+@contextmanager
+def _rendezvous_watchdog(rank: int, timeout_s: float) -> Iterator[None]:
+    """End the process with a paragraph if joining the process group outlives its timeout. torch's
+    timeout covers a store that is absent, not a port held by another program: a rank that
+    connects to a listener which is not a rendezvous store waits for an answer forever."""
+    grace_s = min(30.0, timeout_s)  # past torch's own timeout, whose error says more when it comes
+
+    def give_up() -> None:
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        print(
+            f"rltrain: error: rank {rank} could not join the process group at {where} within "
+            f"{timeout_s + grace_s:.0f} s (safety.collective_timeout_s + {grace_s:.0f}): another program may be "
+            "listening on that port, or rank 0 never started. Choose a free MASTER_PORT (torchrun --master_port) "
+            "and check rank 0's log.",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+    timer = threading.Timer(timeout_s + grace_s, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def _single_rank_store(timeout: datetime.timedelta) -> dist.TCPStore:

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import yaml
-from cli import QUICK, ROOT, rltrain, train_rows
+from cli import QUICK, ROOT, CommandTimedOut, rltrain, train_rows
 from PIL import Image
 
 pytestmark = pytest.mark.e2e
@@ -24,13 +24,21 @@ def _summary(sweep) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def _task_logs(sweep) -> str:
+    logs = sorted((sweep / ".submitit").glob("*/*_log.*"))
+    return "\n".join(f"== {p.name}\n{p.read_text(errors='replace')[-2000:]}" for p in logs) or "no task logs"
+
+
 def test_submitit_sweep_of_two_rank_jobs_records_a_failed_point(tiny_cache, tmp_path):
     sweep = tmp_path / "sweep"
     # optim.lr=-1 fails validation in its job (a UserError, exit status 2); the other job trains.
-    proc = rltrain(
-        "-m", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2", "optim.lr=1e-3,-1", *SFT,
-        "safety.collective_timeout_s=120", f"hydra.sweep.dir={sweep}", check=False, timeout=400,
-    )
+    try:
+        proc = rltrain(
+            "-m", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2", "optim.lr=1e-3,-1", *SFT,
+            "safety.collective_timeout_s=120", f"hydra.sweep.dir={sweep}", check=False, timeout=400,
+        )
+    except CommandTimedOut as exc:  # the tasks write to their own logs, not the command's output
+        raise AssertionError(_task_logs(sweep)) from exc
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = _summary(sweep)
     assert [(r["job"], r["status"], r["exit_status"]) for r in rows] == [("0", "ok", "0"), ("1", "failed", "2")]
