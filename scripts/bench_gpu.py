@@ -48,7 +48,7 @@ by the profiler), under torch.profiler (CPU and CUDA activities), writes its tra
 a summary (scripts/gpu_profile.py): the top 8 ops or kernels by self device time (host time on CPU),
 and the step's shares in communication, in `Optimizer.step`, and (CUDA) with the device idle.
 
-With TRL importable (docs/benchmarks.md: installed beside the venv; `--no-trl` skips it), TRL 1.16
+With TRL importable (pinned with the test tools, requirements/; `--no-trl` skips it), TRL 1.16
 (scripts/gpu_trl.py) runs each workload on the same model, rows, `--batch` and `--micro` (its
 `per_device_train_batch_size` = `--micro`, gradient accumulation = `--batch / --micro`), the same
 optimizer settings (AdamW, lr 1e-5 constant, clipping at 1.0), bf16 autocast over fp32 weights where

@@ -25,7 +25,7 @@ rltrain's step k runs right after TRL's step k, while TRL's process waits outsid
 so both see the same machine load. Tokens per step are what each side processed: prompt (with its
 visual tokens) + completion, per sequence.
 
-    PYTHONPATH=~/trl_site:$PWD .venv/bin/python scripts/bench_vlm.py [--steps 4] [--warmup 1] [--prompts 8] [--group 8]
+    PYTHONPATH=$PWD .venv/bin/python scripts/bench_vlm.py [--steps 4] [--warmup 1] [--prompts 8] [--group 8]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """bench_gpu.py's TRL side: TRL 1.16's SFT, DPO and GRPO trainers on the same model, rows, batch
 and micro-batch as rltrain's rows, each step timed by a trainer callback (what each trainer's step
-contains is in bench_gpu.py's docstring). TRL is a benchmark peer, not a dependency: it is imported
-only when a trainer is built. The benchmark and its numbers: docs/benchmarks.md and docs/gpus.md.
+contains is in bench_gpu.py's docstring). TRL is a benchmark peer (pinned with the test tools, not
+a dependency of rltrain): it is imported only when a trainer is built. The benchmark and its numbers: docs/benchmarks.md and docs/gpus.md.
 """
 
 from __future__ import annotations

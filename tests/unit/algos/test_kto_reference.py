@@ -2,13 +2,14 @@
 and gradient: `KTOTrainer._compute_loss` of TRL 1.16 (`loss_type="kto"`, precomputed reference
 log-probabilities of the completions and of the mismatched KL completions), driven through a stub
 trainer and model on one process. rltrain's side is the loss closure algo=kto hands the engine,
-with its reference point from `kto_reference_kl` of the same mismatched log-probabilities. Skipped
-without TRL, which is not a dependency; docs/algorithms.md records where it ran. Hand-computed
+with its reference point from `kto_reference_kl` of the same mismatched log-probabilities. TRL is
+pinned with the test tools (requirements/). Hand-computed
 values: tests/unit/algos/test_kto_loss.py.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -45,7 +46,7 @@ def random_batch(seed: int, examples: int = 7):
 
 
 def trl_kto(batch, leaf, beta, desirable_weight, undesirable_weight):
-    kto_trainer = pytest.importorskip("trl.trainer.kto_trainer")
+    kto_trainer = importlib.import_module("trl.trainer.kto_trainer")
     lengths_B, _, labels_B, kl_lengths_B, kl_logps_N, ref_B, ref_kl_B = batch
     per_token, mask = padded(lengths_B, leaf)
     kl_per_token, kl_mask = padded(kl_lengths_B, kl_logps_N)

@@ -4,14 +4,15 @@ in loss and gradient:
 - each paper's formula, written here independently on padded [B, T] tensors (GSPO's sequence
   ratio with autograd through the ratio itself, CISPO's clipped detached weight, Dr. GRPO's constant
   normaliser, PPO's clip);
-- TRL's own loss code (`GRPOTrainer._compute_loss`, TRL 1.16) where TRL has the objective: skipped
-  without TRL, which is not a dependency; docs/algorithms.md records where it ran.
+- TRL's own loss code (`GRPOTrainer._compute_loss`, TRL 1.16) where TRL has the objective (TRL
+  is pinned with the test tools, requirements/).
 
 Hand-computed values: tests/unit/algos/test_named_objectives.py.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -115,7 +116,7 @@ TRL_CASES = [
 def trl_loss(lengths, logps_N, old_N, adv_B, loss_type: str, level: str):
     """TRL 1.16's `GRPOTrainer._compute_loss` on one process, with the model's log-probabilities
     replaced by `logps_N` (its only input from the model) and no KL, entropy or vLLM terms."""
-    grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
+    grpo_trainer = importlib.import_module("trl.trainer.grpo_trainer")
     leaf = logps_N.clone().requires_grad_(True)
     logp, mask = padded(lengths, leaf)
     old, _ = padded(lengths, old_N)

@@ -4,14 +4,15 @@ the experimental `CPOTrainer.get_batch_loss_metrics` (`loss_type="simpo"`, `cpo_
 `ORPOTrainer.get_batch_loss_metrics` of TRL 1.16, each driven through a stub trainer and model (one
 process, no reference model: DPO gets precomputed reference log-probabilities). rltrain's side is
 the loss closure its algorithm hands the engine, on a ragged batch with chosen and rejected
-interleaved; TRL's is its padded layout, chosen rows first. Skipped without TRL, which is not a
-dependency; docs/algorithms.md records where it ran. Hand-computed values:
+interleaved; TRL's is its padded layout, chosen rows first. TRL is pinned with the test tools
+(requirements/). Hand-computed values:
 tests/unit/algos/test_dpo_loss.py and tests/unit/algos/test_reference_free_losses.py.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -71,7 +72,7 @@ DPO_CASES = [("sigmoid", 0.0), ("robust", 0.1), ("robust", 0.3), ("hinge", 0.0),
 def trl_dpo(lengths_S, logps_N, ref_c, ref_r, beta, loss, label_smoothing):
     """TRL's `DPOTrainer._compute_loss`: its model's per-token log-probabilities (a fused head's
     `log_probs`, zero off the completion) replaced by `logps_N`; prompts of one token."""
-    dpo_trainer = pytest.importorskip("trl.trainer.dpo_trainer")
+    dpo_trainer = importlib.import_module("trl.trainer.dpo_trainer")
     per_token, mask = trl_order(lengths_S, logps_N)
     rows, width = per_token.shape
     completion_mask = torch.cat([torch.zeros(rows, 1, dtype=torch.long), mask.long()], dim=1)  # prompt, completion
@@ -160,7 +161,7 @@ def trl_stub(module, cls, **settings):
 
 
 def check_against_trl(seed, trl_module, cls_name, settings, loss_fn):
-    module = pytest.importorskip(trl_module)
+    module = importlib.import_module(trl_module)
     cls = getattr(module, cls_name)
     lengths_S, logits, batch, ragged_logps = logits_and_batch(seed)
     stub = trl_stub(module, cls, **settings)

@@ -1,11 +1,12 @@
 """The reward model's Bradley-Terry loss (algo=rm): values and gradients by hand, the loss closure
 on a ragged batch (each completion's reward is its last value), and TRL 1.16's
 `RewardTrainer.compute_loss` driven through a stub model on random ragged batches, equal to fp32
-rounding (skipped without TRL, which is not a dependency; docs/algorithms.md records where it ran).
+rounding (TRL is pinned with the test tools, requirements/).
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections import defaultdict
 from types import SimpleNamespace
@@ -69,7 +70,7 @@ def test_loss_closure_divides_by_the_global_pair_count():
 def test_against_trl_reward_trainer(seed, center, with_margin):
     """TRL's `RewardTrainer.compute_loss` on a stub whose model returns the rewards as logits,
     chosen rows first; rltrain's closure on the interleaved ragged values whose last entries they are."""
-    reward_trainer = pytest.importorskip("trl.trainer.reward_trainer")
+    reward_trainer = importlib.import_module("trl.trainer.reward_trainer")
     g = torch.Generator().manual_seed(seed)
     pairs = 6
     lengths_S = torch.randint(1, 9, (2 * pairs,), generator=g)
