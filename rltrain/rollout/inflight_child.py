@@ -29,6 +29,7 @@ from rltrain.rollout.inflight_schedule import (
     entry_room,
     submitted_group,
 )
+from rltrain.rollout.seeds import request_seed
 from rltrain.transport.wire import PeerClosed
 
 if TYPE_CHECKING:
@@ -357,8 +358,6 @@ class StreamLoop:
         self.evaluation["n"] = int(s["n"])
 
     def _admit_evaluation(self) -> None:
-        from rltrain.rollout.seeds import request_seed
-
         assert self.evaluation is not None
         ev, n = self.evaluation, self.evaluation["n"]
         queue: deque[tuple[int, list[int]]] = ev["queue"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rltrain.rollout.seeds import request_seed
+from rltrain.rollout.seeds import request_seed, retry_seed
 
 
 @dataclass
@@ -66,11 +66,7 @@ class Group:
 
     def again(self, key: int) -> Group:
         """A fresh attempt at the same prompt, with its own seeds."""
-        return Group(key, self.index, self.step, self.position, self.prompt_ids, _next_seed(self.seed), self.n, self.attempt + 1)
-
-
-def _next_seed(seed: int) -> int:
-    return (seed * 7_919 + 104_729) % (2**31 - 1)
+        return Group(key, self.index, self.step, self.position, self.prompt_ids, retry_seed(self.seed), self.n, self.attempt + 1)
 
 
 def submitted_group(row: dict[str, Any], key: int, group_size: int) -> Group:
