@@ -42,12 +42,22 @@ def model_fingerprint(model_dir: str | Path) -> dict[str, str]:
     return out
 
 
-def open_pair_group(host: str, port: int, rank: int, backend: str, timeout_s: float) -> Any:
-    """A two-member process group outside the default one (the trainer has its own world):
-    rank 0 is the trainer (it hosts the store), rank 1 the server's worker."""
+def pair_store(host: str, port: int, rank: int, timeout_s: float) -> Any:
+    """The store of a pair group: rank 0 (the trainer) hosts it, on a port the kernel picks when
+    `port` is 0 (read back as `.port`: no moment in which another program could take it); rank 1
+    (the server's worker) connects to it."""
     import torch.distributed as dist
 
-    store = dist.TCPStore(host, port, 2, rank == 0, timedelta(seconds=timeout_s), wait_for_workers=False)
+    return dist.TCPStore(host, port, 2, rank == 0, timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def open_pair_group(host: str, port: int, rank: int, backend: str, timeout_s: float, store: Any = None) -> Any:
+    """A two-member process group outside the default one (the trainer has its own world):
+    rank 0 is the trainer (it hosts the store: `store`, from `pair_store`), rank 1 the server's worker."""
+    import torch.distributed as dist
+
+    if store is None:
+        store = pair_store(host, port, rank, timeout_s)
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=timeout_s))
     options = dist.ProcessGroupNCCL.Options()

@@ -20,8 +20,7 @@ import torch
 
 from rltrain.config.group_options import PushBackend
 from rltrain.rollout.server.client import LOAD_PATH, ServerDown, ServerRefused, call, collective_rpc
-from rltrain.rollout.server.extension import open_pair_group
-from rltrain.rollout.server.process import free_port
+from rltrain.rollout.server.extension import open_pair_group, pair_store
 from rltrain.runtime.errors import UserError
 from rltrain.transport.buckets import align_up, dtype_name
 
@@ -142,7 +141,8 @@ class WeightPusher:
         """Open the pair group; the server's answer (its model fingerprint, its version)."""
         import torch.distributed as dist
 
-        port = free_port(self.trainer_address)
+        store = pair_store(self.trainer_address, 0, 0, self.timeout_s)  # bound before its port is named
+        port = store.port
         spec = {"host": self.trainer_address, "port": port, "backend": self.backend, "timeout_s": self.timeout_s}
         answer: dict[str, Any] = {}
         errors: list[BaseException] = []
@@ -156,7 +156,7 @@ class WeightPusher:
         thread = threading.Thread(target=remote, daemon=True)
         thread.start()
         try:
-            self.group = open_pair_group(self.trainer_address, port, 0, self.backend, self.timeout_s)
+            self.group = open_pair_group(self.trainer_address, port, 0, self.backend, self.timeout_s, store)
             probe = torch.zeros(1, device=self._device())
             self.group.broadcast([probe], dist.BroadcastOptions()).wait()
         except RuntimeError as exc:
