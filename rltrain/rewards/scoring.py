@@ -91,10 +91,14 @@ class Scored(NamedTuple):
     scores_B: torch.Tensor  # float64, host
 
 
-def build_reward_fns(cfg: Config, device: torch.device, run_dir: Path | None = None, rank: int = 0) -> list[RewardFn]:
+def build_reward_fns(
+    cfg: Config, device: torch.device, run_dir: Path | None = None, rank: int = 0, scores: bool = True
+) -> list[RewardFn]:
     """The run's reward functions: `reward.fns` (the built-in task's reward when empty and the data
     is built in), plus the reward model named `model` when `reward_model=hf`, loaded on `device`, or
-    the LLM judge named `judge` when `reward_model=judge` (its server's log in `run_dir`)."""
+    the LLM judge named `judge` when `reward_model=judge` (its server's log in `run_dir`). A rank
+    that never scores (`scores=False`: a peer in a model-parallel replica, which receives its lead's
+    scores) starts no judge server: its `judge` entry only names the series."""
     reward_cfg, rm = cfg.reward, cfg.reward_model
     paths = reward_paths(cfg)
     if not paths and rm.name == "none":
@@ -109,15 +113,23 @@ def build_reward_fns(cfg: Config, device: torch.device, run_dir: Path | None = N
     fns = [RewardFn(p.split(":")[-1].split(".")[-1], p, load_callable("reward function", p), float(w)) for p, w in zip(paths, weights)]
     check_reward_needs(cfg)
     if rm.name == "judge":
-        judge = build_judge(cfg, device, Path(run_dir or "."), rank)
         source = f"reward_model.path={rm.path}" if rm.path is not None else f"reward_model.url={rm.url}"
-        fns.append(RewardFn("judge", f"judge {source}", judge, float(rm.weight), in_process=True, reports=JUDGE_METRICS,
-                            close=judge.close))
+        if scores:
+            judge = build_judge(cfg, device, Path(run_dir or "."), rank)
+            fns.append(RewardFn("judge", f"judge {source}", judge, float(rm.weight), in_process=True,
+                                reports=JUDGE_METRICS, close=judge.close))
+        else:
+            fns.append(RewardFn("judge", f"judge {source}", _scored_by_the_replica_lead, float(rm.weight),
+                                in_process=True, reports=JUDGE_METRICS))
     elif rm.path is not None:
         model = load_reward_model(cfg, device)
         fns.append(RewardFn("model", f"reward_model.path={rm.path}", model, float(rm.weight), device_model=model,
                             in_process=True, reads_images=model.reads_images))
     return fns
+
+
+def _scored_by_the_replica_lead(prompts: list[str], completions: list[str], **columns: Any) -> dict[str, Any]:
+    raise RuntimeError("a model-parallel replica's peer called the judge: only the replica's lead scores")
 
 
 def build_judge(cfg: Config, device: torch.device, run_dir: Path, rank: int) -> LLMJudge:

@@ -112,7 +112,11 @@ class RLBuilder:
         cfg = self.cfg
         # env=python and env=agent: the environment (agent) gives the reward; reward.fns are not called.
         scored_here = cfg.env.name not in ("python", "agent")
-        reward_fns = build_reward_fns(cfg, self.ctx.dist.device, Path(self.ctx.run_dir), self.ctx.dist.rank) if scored_here else []
+        self.plays = leads(engines.policy.replica_group())  # a replica's peers receive scores and episodes
+        reward_fns = (
+            build_reward_fns(cfg, self.ctx.dist.device, Path(self.ctx.run_dir), self.ctx.dist.rank, scores=self.plays)
+            if scored_here else []
+        )
         frozen = [rf.device_model for rf in reward_fns if rf.device_model is not None]
         # k >= 1: the engine runs beside the trainer, driven by its own thread (docs/async.md).
         # In flight the engine's own loop takes versions as they come (rltrain/algos/rl/inflight_rollouts.py).
@@ -120,7 +124,6 @@ class RLBuilder:
         trained = [e for e in (engines.policy, engines.reference_engine, engines.critic) if e is not None]
         weights = WeightSync(engines.rollout, deferred=cfg.placement.time_sharing, worker=self.worker)
         timeshare = TimeSharing(trained, engines.rollout, self.ctx.dist.device, cfg.placement.time_sharing, weights, frozen)
-        self.plays = leads(engines.policy.replica_group())  # a replica's peers receive scores and episodes
         thinking_end = thinking_end_marker(self.ctx.tokenizer, cfg.reward.thinking_end)
         scorer = RewardScorer(reward_fns, cfg.reward, cfg.safety.collective_timeout_s, start_workers=self.plays, thinking_end=thinking_end)
         self.built.callback(scorer.close)

@@ -260,3 +260,24 @@ def test_a_missing_key_variable_or_endpoint_is_refused_before_the_run(monkeypatc
     with pytest.raises(UserError, match="at most one"):
         check_judge(compose_config("reward_model=judge", "reward_model.url=http://h/v1", "reward_model.model=m",
                                    "reward_model.pattern='(a)(b)'").reward_model)
+
+
+def test_a_replica_peer_serves_no_judge_but_names_the_same_series(tmp_path):
+    # A model-parallel replica's lead scores and sends the scores to its peers (rltrain/algos/rl/builder.py):
+    # a peer starts no judge server. A path that is no model shows which side tries to serve it.
+    model, lead_dir, peer_dir = (tmp_path / name for name in ("model", "lead", "peer"))
+    for d in (model, lead_dir, peer_dir):
+        d.mkdir()
+    cfg = compose_config("reward_model=judge", f"reward_model.path={model}")
+    with pytest.raises((UserError, ValueError, OSError)):  # the lead reads its tokenizer to serve it
+        build_reward_fns(cfg, torch.device("cpu"), lead_dir, rank=0, scores=True)
+    fns = build_reward_fns(cfg, torch.device("cpu"), peer_dir, rank=1, scores=False)
+    assert [rf.name for rf in fns] == ["addition_reward", "judge"] and not any(peer_dir.iterdir())  # no server log
+    scorer = RewardScorer(fns, cfg.reward, cfg.safety.collective_timeout_s, start_workers=False)
+    url_cfg = compose_config("reward_model=judge", "reward_model.url=http://127.0.0.1:9/v1", "reward_model.model=m")
+    lead = RewardScorer(build_reward_fns(url_cfg, torch.device("cpu")), cfg.reward, 60.0, start_workers=False)
+    assert scorer.series_names() == lead.series_names() and "judge_timeouts" in lead.series_names()
+    scorer.close()
+    lead.close()
+    with pytest.raises(RuntimeError, match="only the replica's lead scores"):
+        fns[1].fn(["1+1="], ["2"])
