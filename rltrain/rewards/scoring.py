@@ -98,7 +98,7 @@ def build_reward_fns(
     is built in), plus the reward model named `model` when `reward_model=hf`, loaded on `device`, or
     the LLM judge named `judge` when `reward_model=judge` (its server's log in `run_dir`). A rank
     that never scores (`scores=False`: a peer in a model-parallel replica, which receives its lead's
-    scores) starts no judge server: its `judge` entry only names the series."""
+    scores) starts no judge server and loads no reward model: their entries only name the series."""
     reward_cfg, rm = cfg.reward, cfg.reward_model
     paths = reward_paths(cfg)
     if not paths and rm.name == "none":
@@ -121,15 +121,18 @@ def build_reward_fns(
         else:
             fns.append(RewardFn("judge", f"judge {source}", _scored_by_the_replica_lead, float(rm.weight),
                                 in_process=True, reports=JUDGE_METRICS))
-    elif rm.path is not None:
+    elif rm.path is not None and scores:
         model = load_reward_model(cfg, device)
         fns.append(RewardFn("model", f"reward_model.path={rm.path}", model, float(rm.weight), device_model=model,
                             in_process=True, reads_images=model.reads_images))
+    elif rm.path is not None:
+        fns.append(RewardFn("model", f"reward_model.path={rm.path}", _scored_by_the_replica_lead, float(rm.weight),
+                            in_process=True, reads_images=reward_model_reads_images(cfg)))
     return fns
 
 
 def _scored_by_the_replica_lead(prompts: list[str], completions: list[str], **columns: Any) -> dict[str, Any]:
-    raise RuntimeError("a model-parallel replica's peer called the judge: only the replica's lead scores")
+    raise RuntimeError("a model-parallel replica's peer called a reward model: only the replica's lead scores")
 
 
 def build_judge(cfg: Config, device: torch.device, run_dir: Path, rank: int) -> LLMJudge:
@@ -155,13 +158,22 @@ def check_reward_needs(cfg: Config) -> None:
         check_sandbox(cfg.reward.sandbox)
 
 
+def reward_model_reads_images(cfg: Config) -> bool:
+    """Whether `reward_model.path` is a vision-language reward model (it reads each row's images)."""
+    import json
+
+    from rltrain.backends.sequence_classifier import is_vision_reward_config
+    from rltrain.config.hub import local_model_dir
+
+    rm = cfg.reward_model
+    directory = local_model_dir("reward_model.path", rm.path, rm.revision)
+    return is_vision_reward_config(json.loads((directory / "config.json").read_text()))
+
+
 def load_reward_model(cfg: Config, device: torch.device) -> SequenceClassifierReward | VisionSequenceReward:
     """The reward model of `reward_model.path` in the run's compute dtype: a sequence classifier
     (rewards/model_reward.py), or a vision-language model's with its head's file, which reads
     each row's images (rewards/vision_model_reward.py)."""
-    import json
-
-    from rltrain.backends.sequence_classifier import is_vision_reward_config
     from rltrain.config.hub import local_model_dir
     from rltrain.rewards.model_reward import SequenceClassifierReward
     from rltrain.rewards.vision_model_reward import VisionSequenceReward
@@ -170,7 +182,7 @@ def load_reward_model(cfg: Config, device: torch.device) -> SequenceClassifierRe
     rm = cfg.reward_model
     dtype = resolve_precision(cfg.trainer.precision, device).compute_dtype
     directory = local_model_dir("reward_model.path", rm.path, rm.revision)
-    if is_vision_reward_config(json.loads((directory / "config.json").read_text())):
+    if reward_model_reads_images(cfg):
         return VisionSequenceReward(directory, device, dtype, rm.batch_size, rm.max_length)
     return SequenceClassifierReward(directory, device, dtype, rm.batch_size, rm.max_length)
 

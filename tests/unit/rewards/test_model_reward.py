@@ -78,3 +78,14 @@ def test_long_texts_keep_their_end(reward_dir):
     short = SequenceClassifierReward(reward_dir, torch.device("cpu"), torch.float32, batch_size=4, max_length=5)
     full = SequenceClassifierReward(reward_dir, torch.device("cpu"), torch.float32, batch_size=4, max_length=64)
     assert short(["xxxxxxxxxx"], ["12345"]) == pytest.approx(full(["12345"], [""]), abs=1e-5)
+
+
+def test_a_replica_peer_loads_no_reward_model_but_names_the_same_series(reward_dir):
+    # A model-parallel replica's lead scores and sends its peers the scores (rltrain/algos/rl/builder.py).
+    cfg = compose_config("reward_model=hf", f"reward_model.path={reward_dir}", "reward_model.weight=0.5")
+    lead = build_reward_fns(cfg, torch.device("cpu"))
+    peer = build_reward_fns(cfg, torch.device("cpu"), scores=False)
+    assert [(rf.name, rf.weight, rf.reads_images) for rf in peer] == [(rf.name, rf.weight, rf.reads_images) for rf in lead]
+    assert lead[1].device_model is not None and peer[1].device_model is None  # nothing loaded, nothing to move aside
+    with pytest.raises(RuntimeError, match="only the replica's lead scores"):
+        peer[1].fn(PROMPTS, COMPLETIONS)
