@@ -88,18 +88,20 @@ class LogProbScorer(Protocol):
     rank: int  # data-parallel rank
     world_size: int  # data-parallel size
 
-    def forward_logps(self, micro_batches: list[SequenceBatch], with_entropy: bool = False) -> list[PolicyOutput]: ...
+    def forward_logps(self, micro_batches: list[SequenceBatch], with_entropy: bool = False) -> list[PolicyOutput]:
+        """Each micro-batch's completion-token log-probabilities (and entropies when asked), no
+        gradients, on every rank of the engine (a collective under FSDP and Megatron)."""
 
 
 class Communicators(Protocol):
     """An engine's process groups, torn down before the rollout engine's turn and re-created
     after it by time sharing (rltrain/sync/timeshare.py), identical and warmed up."""
 
-    def teardown(self) -> None: ...
+    def teardown(self) -> None:
+        """Destroy every group (their communicators' memory freed), on every rank at once."""
 
     def recreate(self) -> int:
         """Re-create every group; returns how many were created."""
-        ...
 
 
 class TrainEngine(Protocol):
@@ -139,13 +141,19 @@ class TrainEngine(Protocol):
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full (unsharded) tensors under Hugging Face names, for weight sync and export."""
 
-    def save_checkpoint(self, directory: Path) -> None: ...
+    def save_checkpoint(self, directory: Path) -> None:
+        """The model's and optimizer's sharded state under `directory` (torch.distributed.checkpoint),
+        every rank writing its shard; `load_checkpoint` restores it on the same layout."""
 
-    def load_checkpoint(self, directory: Path) -> None: ...
+    def load_checkpoint(self, directory: Path) -> None:
+        """Restore what `save_checkpoint` wrote (weights, optimizer state, the steps taken), every rank."""
 
     def save_pretrained(self, directory: Path) -> None:
         """A Hugging Face model directory (config + safetensors), written by rank 0."""
 
-    def offload(self) -> None: ...
+    def offload(self) -> None:
+        """Before the rollout engine's turn (time sharing): gradients dropped, and on an accelerator
+        weights and optimizer state moved to host memory."""
 
-    def onload(self) -> None: ...
+    def onload(self) -> None:
+        """Bring back what `offload` moved, to the training device, before the trainer's turn."""
