@@ -127,7 +127,7 @@ def build_reward_fns(
                             in_process=True, reads_images=model.reads_images))
     elif rm.path is not None:
         fns.append(RewardFn("model", f"reward_model.path={rm.path}", _scored_by_the_replica_lead, float(rm.weight),
-                            in_process=True, reads_images=reward_model_reads_images(cfg)))
+                            in_process=True, reads_images=reads_images(reward_model_dir(cfg))))
     return fns
 
 
@@ -158,15 +158,19 @@ def check_reward_needs(cfg: Config) -> None:
         check_sandbox(cfg.reward.sandbox)
 
 
-def reward_model_reads_images(cfg: Config) -> bool:
-    """Whether `reward_model.path` is a vision-language reward model (it reads each row's images)."""
+def reward_model_dir(cfg: Config) -> Path:
+    """The directory `reward_model.path` names (a Hub id's snapshot)."""
+    from rltrain.config.hub import local_model_dir
+
+    return local_model_dir("reward_model.path", cfg.reward_model.path, cfg.reward_model.revision)
+
+
+def reads_images(directory: Path) -> bool:
+    """Whether the reward model in `directory` is a vision-language one (it reads each row's images)."""
     import json
 
     from rltrain.backends.sequence_classifier import is_vision_reward_config
-    from rltrain.config.hub import local_model_dir
 
-    rm = cfg.reward_model
-    directory = local_model_dir("reward_model.path", rm.path, rm.revision)
     return is_vision_reward_config(json.loads((directory / "config.json").read_text()))
 
 
@@ -174,15 +178,14 @@ def load_reward_model(cfg: Config, device: torch.device) -> SequenceClassifierRe
     """The reward model of `reward_model.path` in the run's compute dtype: a sequence classifier
     (rewards/model_reward.py), or a vision-language model's with its head's file, which reads
     each row's images (rewards/vision_model_reward.py)."""
-    from rltrain.config.hub import local_model_dir
     from rltrain.rewards.model_reward import SequenceClassifierReward
     from rltrain.rewards.vision_model_reward import VisionSequenceReward
     from rltrain.runtime.precision import resolve_precision
 
     rm = cfg.reward_model
     dtype = resolve_precision(cfg.trainer.precision, device).compute_dtype
-    directory = local_model_dir("reward_model.path", rm.path, rm.revision)
-    if reward_model_reads_images(cfg):
+    directory = reward_model_dir(cfg)
+    if reads_images(directory):
         return VisionSequenceReward(directory, device, dtype, rm.batch_size, rm.max_length)
     return SequenceClassifierReward(directory, device, dtype, rm.batch_size, rm.max_length)
 

@@ -102,16 +102,21 @@ def entry_room(a: Admission, step: int) -> int:
     older tokens). More would complete too stale for any batch and be generated again; fewer would
     leave the engine idle with room left. docs/async.md, "The per-token bound"."""
     if not a.stream:
-        open_ = a.version >= step - 1 - a.max_staleness
+        open_ = a.version >= oldest_trained_version(step, a.max_staleness)
         return max(0, a.per_step * (a.max_staleness + 1) - a.running) if open_ else 0
     last_step = a.version + 1 + a.max_staleness
     return max(0, a.per_step * (last_step - a.filling + 1) - a.taken - a.running)
 
 
+def oldest_trained_version(train_step: int, max_staleness: int) -> int:
+    """The oldest version a token trained in step `train_step` may come from: the trainer of that
+    step holds version `train_step - 1`, and no token is more than `max_staleness` behind it."""
+    return train_step - 1 - max_staleness
+
+
 def too_stale(version: int, train_step: int, max_staleness: int) -> bool:
-    """True when a token of `version` would be more than `max_staleness` versions behind the
-    trainer of step `train_step` (which holds version `train_step - 1`)."""
-    return (train_step - 1) - version > max_staleness
+    """True when a token of `version` is older than step `train_step` may train on."""
+    return version < oldest_trained_version(train_step, max_staleness)
 
 
 def admit_count(running: int, prompt_lens: list[int], n: int, max_num_seqs: int, token_budget: int) -> int:

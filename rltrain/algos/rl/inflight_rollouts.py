@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from rltrain.algos.rl.experience import Experience, ExperienceCollector
 from rltrain.config.schema import PlacementConfig
 from rltrain.rollout.base import Completion
-from rltrain.rollout.inflight_schedule import version_stats
+from rltrain.rollout.inflight_schedule import oldest_trained_version, version_stats
 from rltrain.runtime.errors import UserError
 
 
@@ -113,7 +113,7 @@ class InFlightRollouts:
         groups = taken["groups"]
         for g in groups:
             self.untrained.remove(int(g["index"]))
-        completions, versions, masked = partial_rollouts(groups, oldest_trained=step - 1 - self.k)
+        completions, versions, masked = partial_rollouts(groups, oldest_trained=oldest_trained_version(step, self.k))
         stats = version_stats(versions)
         oldest = int(stats["rollout/token_version_min"]) if any(versions) else step - 1
         tokens = [step - 1 - v for seq in versions for v in seq]

@@ -51,13 +51,11 @@ def pair_store(host: str, port: int, rank: int, timeout_s: float) -> Any:
     return dist.TCPStore(host, port, 2, rank == 0, timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
-def open_pair_group(host: str, port: int, rank: int, backend: str, timeout_s: float, store: Any = None) -> Any:
-    """A two-member process group outside the default one (the trainer has its own world):
-    rank 0 is the trainer (it hosts the store: `store`, from `pair_store`), rank 1 the server's worker."""
+def open_pair_group(store: Any, rank: int, backend: str, timeout_s: float) -> Any:
+    """A two-member process group outside the default one (the trainer has its own world), over
+    `store` (`pair_store`): rank 0 is the trainer, rank 1 the server's worker."""
     import torch.distributed as dist
 
-    if store is None:
-        store = pair_store(host, port, rank, timeout_s)
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=timeout_s))
     options = dist.ProcessGroupNCCL.Options()
@@ -96,7 +94,9 @@ class WeightPushExtension:
         spec = json.loads(spec_json)
         if self.rltrain_group is not None:
             self.rltrain_group = None  # a trainer that rejoins (it restarted, or we were down)
-        self.rltrain_group = open_pair_group(spec["host"], int(spec["port"]), 1, spec["backend"], float(spec["timeout_s"]))
+        timeout_s = float(spec["timeout_s"])
+        store = pair_store(spec["host"], int(spec["port"]), 1, timeout_s)
+        self.rltrain_group = open_pair_group(store, 1, spec["backend"], timeout_s)
         # The first collective proves both ends are in.
         probe = torch.zeros(1, device=self._rltrain_device())
         self.rltrain_group.broadcast([probe], dist.BroadcastOptions()).wait()

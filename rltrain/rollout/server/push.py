@@ -142,8 +142,7 @@ class WeightPusher:
         import torch.distributed as dist
 
         store = pair_store(self.trainer_address, 0, 0, self.timeout_s)  # bound before its port is named
-        port = store.port
-        spec = {"host": self.trainer_address, "port": port, "backend": self.backend, "timeout_s": self.timeout_s}
+        spec = {"host": self.trainer_address, "port": store.port, "backend": self.backend, "timeout_s": self.timeout_s}
         answer: dict[str, Any] = {}
         errors: list[BaseException] = []
 
@@ -156,7 +155,7 @@ class WeightPusher:
         thread = threading.Thread(target=remote, daemon=True)
         thread.start()
         try:
-            self.group = open_pair_group(self.trainer_address, port, 0, self.backend, self.timeout_s, store)
+            self.group = open_pair_group(store, 0, self.backend, self.timeout_s)
             probe = torch.zeros(1, device=self._device())
             self.group.broadcast([probe], dist.BroadcastOptions()).wait()
         except RuntimeError as exc:

@@ -24,6 +24,7 @@ from rltrain.rollout.inflight_schedule import (
     StreamOptions,
     TakeBook,
     entry_room,
+    oldest_trained_version,
     submitted_group,
 )
 from rltrain.rollout.server.client import ServerDown, call
@@ -173,7 +174,7 @@ class FleetStream:
             self.idle_s = self.busy_s = 0.0
         # The versions of the tokens the step trains (older ones are masked: partial rollouts, as the
         # trainer does); a batch of empty completions only: the version it was taken under.
-        oldest_trained = step - 1 - self.opts.max_staleness
+        oldest_trained = oldest_trained_version(step, self.opts.max_staleness)
         self.fleet.observe([v for g in groups for vs in g.versions for v in vs if v >= oldest_trained] or [self.version])
         return result
 
