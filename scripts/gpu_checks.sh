@@ -4,7 +4,7 @@
 #
 #   bash .gpu/on-device.sh bash scripts/gpu_checks.sh suite        # make test-gpu, in 4 concurrent streams
 #   bash .gpu/on-device.sh bash scripts/gpu_checks.sh bench        # like-for-like: plain loop, rltrain, TRL (needs its wheel)
-#   bash .gpu/on-device.sh bash scripts/gpu_checks.sh bench-fast   # padding-free, token budget, compile
+#   bash .gpu/on-device.sh bash scripts/gpu_checks.sh bench-fast   # padded vs padding-free (+ compile); AdamW foreach vs fused
 #   bash .gpu/on-device.sh bash scripts/gpu_checks.sh fleet        # rollout=server: tests and bench_fleet.py on CUDA vLLM
 #   bash .gpu/on-device.sh bash scripts/gpu_checks.sh vlm          # bench_vlm.py: GRPO on model=tiny_vl beside TRL (needs its wheel)
 #
@@ -64,8 +64,21 @@ case $part in
     tar cf "$out/bench-profiles.tar" -C "$prof" .
     ;;
   bench-fast)
-    { $py scripts/bench_gpu.py --only sft,dpo,grpo --padding-free --max-tokens 16384 --no-trl &&
-      $py scripts/bench_gpu.py --only sft,dpo,grpo --padding-free --max-tokens 16384 --compile --no-trl; } 2>&1 | tee "$out/bench-fast.log"
+    # Issue 66's points 3 and 4 (prepared on CPU, not yet run on a GPU), SFT on the mixed rows in
+    # micro-batches of <= 16k tokens: the padded path (length buckets) beside padding-free (one packed
+    # row, flex_attention, widths rounded to a few sizes so compiles repeat: padding_free.packed_width),
+    # then with compiled decoder layers; and AdamW's kernels (optim.implementation) on the padded
+    # SFT and GRPO update. Every run has a timeout and prints its rows as measured, so a run that
+    # compiles too long costs only its own time.
+    fast=(--only sft --max-tokens 16384 --steps 3 --warmup 2 --no-trl)
+    {
+      timeout 90 $py scripts/bench_gpu.py "${fast[@]}" --port 29551
+      timeout 150 $py scripts/bench_gpu.py "${fast[@]}" --padding-free --port 29552
+      timeout 150 $py scripts/bench_gpu.py "${fast[@]}" --padding-free --compile --port 29553
+      for optim in foreach fused; do
+        timeout 90 $py scripts/bench_gpu.py --only sft,grpo --steps 3 --warmup 1 --no-trl --optim $optim --port 29554
+      done
+    } 2>&1 | grep -v '^USDT:' | tee "$out/bench-fast.log"
     ;;
   fleet)
     # rollout=server on CUDA vLLM servers (docs/rollout-servers.md): the engine tests, then the step

@@ -141,18 +141,20 @@ class FSDPEngine:
         device = self.device
         # Sharded, FSDP casts weights to the compute dtype; unsharded, autocast does (docstring).
         autocast = contextlib.nullcontext if self.sharded else partial(self.precision.autocast, device)
+        moe = self.moe_info is not None
+        flex = backend_cfg.padding_free and not moe and use_flex_attention(self.lm, device)
         self.layout = MicroBatchLayout.for_model(
             self.text_config,
             self.pad_id,
             device,
             self.sharded,
-            self.moe_info is not None,
+            moe,
             padding_free=backend_cfg.padding_free,
             share_prompts=backend_cfg.share_prompts,
             length_buckets=backend_cfg.length_buckets,
             image_token_id=vision.image_token_id(self.lm.config),
+            round_packed_widths=flex or backend_cfg.compile,
         )
-        flex = self.layout.padding_free and use_flex_attention(self.lm, device)
         if flex:  # under autocast too (one unsharded rank in bf16-mixed): rltrain.backends.fsdp.micro_batches.flex_autocast
             switch_to_flex_attention(self.lm)
         self.scores: Scores = "logps" if value_head_seed is None else "values"

@@ -77,3 +77,26 @@ def test_padding_free_engine_equals_padded_engine(tiny_cache, nproc):
         # AdamW's first steps move a weight by about lr * sign(gradient): fp32 round-off in a
         # near-zero gradient shows in the weights as a fraction of lr (1e-2), not of the weight.
         torch.testing.assert_close(params, p_params, rtol=0, atol=1e-2 * 1e-2)
+
+
+def _compiled_layout_widths(rank: int, world: int, model_dir):
+    """(the packed rows' widths, each micro-batch's total) of a compiled padding-free engine's layout."""
+    from rltrain.backends.fsdp.engine import FSDPEngine
+    from rltrain.config.group_options import FSDPBackendConfig
+    from rltrain.config.schema import OptimConfig
+
+    engine = FSDPEngine(
+        model_dir, FSDPBackendConfig(padding_free=True, compile=True), OptimConfig(lr=1e-2, warmup_steps=0), 10, torch.device("cpu")
+    )
+    mbs = _micro_batches(rank, world)
+    widths = [tuple(engine.layout(mb)[0][0].input_ids_BT.shape) for mb in mbs]
+    return widths, [int(mb.tokens.lengths().sum()) for mb in mbs]
+
+
+def test_a_compiled_engine_pads_its_packed_rows_to_a_few_widths(tiny_cache):
+    """`backend.compile` compiles once per width: its packed rows take `packed_width` (the scores
+    that gives are the unpadded row's: tests/unit/backends/test_padding_free.py)."""
+    from rltrain.backends.fsdp.micro_batches.padding_free import packed_width
+
+    [(widths, totals)] = run_ranks(_compiled_layout_widths, _model_dir(), nproc=1, timeout_s=240)
+    assert widths == [(1, packed_width(n)) for n in totals] and all(packed_width(n) > n for n in totals)

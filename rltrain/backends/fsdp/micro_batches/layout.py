@@ -33,6 +33,9 @@ class MicroBatchLayout:
     # never for MoE), in place of a padded rectangle or length buckets.
     padding_free: bool = False
     image_token_id: int | None = None  # a vision-language model's image token (vision_layout)
+    # A padding-free row padded to one of a few widths (padding_free.packed_width): on for a compiled
+    # model (flex_attention on CUDA, backend.compile), which compiles once per width.
+    round_packed_widths: bool = False
 
     @staticmethod
     def for_model(
@@ -45,6 +48,7 @@ class MicroBatchLayout:
         share_prompts: bool = True,
         length_buckets: bool = True,
         image_token_id: int | None = None,
+        round_packed_widths: bool = False,
     ) -> MicroBatchLayout:
         """The layout for a model, from the backend's switches (`backend.padding_free`,
         `backend.share_prompts`, `backend.length_buckets`) and what the model allows."""
@@ -53,7 +57,7 @@ class MicroBatchLayout:
             bucket_cost = BUCKET_COST_TOKENS.get(device.type, BUCKET_COST_TOKENS["cpu"])
         return MicroBatchLayout(
             pad_id, share_prompts and not moe, PackingCost.from_config(hf_config), bucket_cost, padding_free and not moe,
-            image_token_id,
+            image_token_id, round_packed_widths,
         )
 
     def __call__(self, batch: SequenceBatch) -> tuple[list[Rectangle], torch.Tensor | None, torch.Tensor | None]:
@@ -74,7 +78,7 @@ class MicroBatchLayout:
         if self.share_prompts and (shared := shared_prompt_groups(batch, self.packing_cost)) is not None:
             return (*packed_rectangles(batch, shared, self.pad_id, self.bucket_cost), None)
         if self.padding_free:
-            return [padding_free_rectangle(batch)], None, None
+            return [padding_free_rectangle(batch, self.pad_id, self.round_packed_widths)], None, None
         groups = self._length_groups(batch)
         if groups is None:
             ids_BT, mask_BT = batch.tokens.to_padded(self.pad_id)
