@@ -96,7 +96,7 @@ def _compiled_layout_widths(rank: int, world: int, model_dir):
 def test_a_compiled_engine_pads_its_packed_rows_to_a_few_widths(tiny_cache):
     """`backend.compile` compiles once per width: its packed rows take `packed_width` (the scores
     that gives are the unpadded row's: tests/unit/backends/test_padding_free.py)."""
-    from rltrain.backends.fsdp.micro_batches.padding_free import packed_width
+    from rltrain.backends.fsdp.micro_batches.widths import packed_width
 
     [(widths, totals)] = run_ranks(_compiled_layout_widths, _model_dir(), nproc=1, timeout_s=240)
     assert widths == [(1, packed_width(n)) for n in totals] and all(packed_width(n) > n for n in totals)

@@ -21,12 +21,13 @@ from rltrain.backends.fsdp.micro_batches.attention_masks import (
 )
 from rltrain.backends.fsdp.micro_batches.flex_autocast import switch_to_flex_attention
 from rltrain.backends.fsdp.micro_batches.layout import MicroBatchLayout
-from rltrain.backends.fsdp.micro_batches.padding_free import packed_width, padding_free_rectangle
+from rltrain.backends.fsdp.micro_batches.padding_free import padding_free_rectangle
 from rltrain.backends.fsdp.micro_batches.shared_prefix import (
     PackingCost,
     packed_rectangles,
     shared_prompt_groups,
 )
+from rltrain.backends.fsdp.micro_batches.widths import packed_width
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
 
@@ -133,6 +134,22 @@ def test_a_row_padded_to_its_width_scores_as_the_unpadded_row(arch, tmp_path):
     torch.testing.assert_close(got_loss, want_loss, rtol=0, atol=1e-6)
     for got, want in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_shared_prompt_rows_padded_to_their_width_score_as_unpadded(tmp_path):
+    """Shared-prompt rectangles rounded the same way (padding sees only itself) score as before."""
+    lm = _lm("qwen2", tmp_path)
+    scorer = CompletionScorer(lm)
+    shared = SequenceBatch.from_lists([[5, 6, 7]] * 2 + [[8, 9]] * 2, [[20, 21], [22, 23, 24], [25], [26, 27, 28, 29]])
+    groups = shared_prompt_groups(shared)
+    exact, exact_order_N = packed_rectangles(shared, groups, PAD, None)
+    rounded, rounded_order_N = packed_rectangles(shared, groups, PAD, None, round_width=True)
+    assert rounded[0].input_ids_BT.shape == (2, packed_width(exact[0].input_ids_BT.shape[1])) != exact[0].input_ids_BT.shape
+    _, _, targets_N = completion_positions(shared)
+    with torch.no_grad():
+        want_N = scorer(exact, targets_N, order_N=exact_order_N)[0]
+        got_N = scorer(rounded, targets_N, order_N=rounded_order_N)[0]
+    torch.testing.assert_close(got_N, want_N, rtol=0, atol=1e-6)
 
 
 def test_without_the_document_mask_the_numbers_differ(tmp_path):

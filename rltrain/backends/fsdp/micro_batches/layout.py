@@ -33,8 +33,8 @@ class MicroBatchLayout:
     # never for MoE), in place of a padded rectangle or length buckets.
     padding_free: bool = False
     image_token_id: int | None = None  # a vision-language model's image token (vision_layout)
-    # A padding-free row padded to one of a few widths (padding_free.packed_width): on for a compiled
-    # model (flex_attention on CUDA, backend.compile), which compiles once per width.
+    # Packed rows (padding-free, shared-prompt) padded to one of a few widths (widths.packed_width): on
+    # for a compiled model (flex_attention on CUDA, backend.compile), which compiles once per width.
     round_packed_widths: bool = False
 
     @staticmethod
@@ -76,7 +76,7 @@ class MicroBatchLayout:
         if batch_has_images(batch.extras):
             return [vision_rectangle(batch, self.pad_id, self.image_token_id)], None, None
         if self.share_prompts and (shared := shared_prompt_groups(batch, self.packing_cost)) is not None:
-            return (*packed_rectangles(batch, shared, self.pad_id, self.bucket_cost), None)
+            return (*packed_rectangles(batch, shared, self.pad_id, self.bucket_cost, self.round_packed_widths), None)
         if self.padding_free:
             return [padding_free_rectangle(batch, self.pad_id, self.round_packed_widths)], None, None
         groups = self._length_groups(batch)

@@ -5,8 +5,8 @@ document-causal attention computes exactly the real tokens, in one call, with th
 log-probabilities. docs/internals/backends.md says when it is used (`backend.padding_free`).
 
 A compiled model (flex_attention on CUDA, `backend.compile`) compiles once per row width, so there
-the row is padded up to one of a few widths (`packed_width`) with a filler document no real token
-sees, and compiles repeat instead of growing with every new total.
+the row is padded up to one of a few widths (rltrain.backends.fsdp.micro_batches.widths) with a
+filler document no real token sees, and compiles repeat instead of growing with every new total.
 """
 
 from __future__ import annotations
@@ -15,19 +15,8 @@ import torch
 
 from rltrain.backends.fsdp.hf_scoring import completion_positions
 from rltrain.backends.fsdp.micro_batches.shared_prefix import Rectangle
+from rltrain.backends.fsdp.micro_batches.widths import packed_width
 from rltrain.data.batch import SequenceBatch
-
-# Widths are multiples of flex_attention's block (128 tokens) and, above 512, four per doubling: at
-# most a quarter of a row is filler, and a 16k-token budget meets about two dozen widths in all.
-WIDTH_BLOCK = 128
-WIDTHS_PER_DOUBLING = 4
-
-
-def packed_width(tokens: int) -> int:
-    """The width a packed row of `tokens` tokens is padded to: the next multiple of
-    max(WIDTH_BLOCK, 2^floor(log2 tokens) / WIDTHS_PER_DOUBLING)."""
-    step = max(WIDTH_BLOCK, (1 << (max(tokens, 1).bit_length() - 1)) // WIDTHS_PER_DOUBLING)
-    return -(-tokens // step) * step
 
 
 def padding_free_rectangle(batch: SequenceBatch, pad_id: int = 0, round_width: bool = False) -> Rectangle:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rltrain.backends.fsdp.micro_batches.widths import packed_width
 from rltrain.data.batch import SequenceBatch, length_buckets
 
 
@@ -145,8 +146,12 @@ def _packed_row(batch: SequenceBatch, members: list[int], comp_offsets: list[int
     )
 
 
-def _rectangle(rows: list[_Row], pad_id: int) -> Rectangle:
+def _rectangle(rows: list[_Row], pad_id: int, round_width: bool) -> Rectangle:
+    """The rows right-padded to the longest (to `packed_width` of it with `round_width`); padding
+    sees only itself, so no real token's score changes."""
     width = max(r.tokens_L.numel() for r in rows)
+    if round_width:
+        width = packed_width(width)
     count = len(rows)
     ids_BT = torch.full((count, width), pad_id, dtype=torch.long)
     positions_BT = torch.zeros((count, width), dtype=torch.long)
@@ -163,12 +168,17 @@ def _rectangle(rows: list[_Row], pad_id: int) -> Rectangle:
 
 
 def packed_rectangles(
-    batch: SequenceBatch, groups: list[list[int]], pad_id: int, bucket_cost_tokens: int | None
+    batch: SequenceBatch,
+    groups: list[list[int]],
+    pad_id: int,
+    bucket_cost_tokens: int | None,
+    round_width: bool = False,
 ) -> tuple[list[Rectangle], torch.Tensor]:
     """Rectangles of packed rows (one row per prompt group) and `order_N`, the permutation that
     takes their concatenated scored positions back to the batch's ragged order. With
     `bucket_cost_tokens` the rows are split into length buckets (see `length_buckets`), else one
-    rectangle (as sharded ranks need: every rank makes the same number of model calls)."""
+    rectangle (as sharded ranks need: every rank makes the same number of model calls). With
+    `round_width` each rectangle is padded to one of a few widths (a compiled model's)."""
     comp_lens = batch.completion_lens().tolist()
     comp_offsets = [0]
     for n in comp_lens:
@@ -178,7 +188,7 @@ def packed_rectangles(
         buckets = [list(range(len(rows)))]
     else:
         buckets = length_buckets([r.tokens_L.numel() for r in rows], bucket_cost_tokens)
-    rects = [_rectangle([rows[i] for i in bucket], pad_id) for bucket in buckets]
+    rects = [_rectangle([rows[i] for i in bucket], pad_id, round_width) for bucket in buckets]
     dest_N = torch.cat([rows[i].dest_N for bucket in buckets for i in bucket])
     order_N = torch.empty_like(dest_N)
     order_N[dest_N] = torch.arange(dest_N.numel())
