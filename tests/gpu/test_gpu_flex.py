@@ -81,3 +81,41 @@ def test_flex_attention_engine_on_cuda_equals_padded_in_bf16_mixed(tiny_cache, n
             assert math.isfinite(got["loss"]) and math.isfinite(got["grad_norm"])
             assert got["loss"] == pytest.approx(want["loss"], rel=2e-2)
         assert moved > 0.0
+
+
+def _many_widths(rank: int, world: int, model_dir, device_type: str):
+    """(widths the model saw, each micro-batch's total, losses) for SFT steps on micro-batches of
+    12 different totals between 789 and 1,020 tokens (as a token budget of 1,024 fills them),
+    padding-free with compiled decoder layers."""
+    from rltrain.algos.sft import sft_loss
+    from rltrain.backends.fsdp.engine import FSDPEngine
+    from rltrain.config.group_options import FSDPBackendConfig
+    from rltrain.config.schema import OptimConfig
+    from rltrain.data.batch import SequenceBatch
+
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    engine = FSDPEngine(
+        model_dir, FSDPBackendConfig(padding_free=True, compile=True), OptimConfig(lr=1e-3, warmup_steps=0), 20, device,
+        precision="bf16-mixed" if device_type == "cuda" else "fp32",
+    )
+    widths: list[int] = []
+    engine.lm.model.register_forward_pre_hook(lambda _m, _a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    totals, losses = [], []
+    for step in range(12):
+        lengths = [260 + 7 * step + 3 * i for i in range(3)]
+        mb = SequenceBatch.from_lists([[4 + i % 7] * (n // 4) for i, n in enumerate(lengths)],
+                                      [[5 + (i + j) % 11 for j in range(n - n // 4)] for i, n in enumerate(lengths)])
+        mb.extras["global_tokens"] = torch.tensor(float(mb.num_completion_tokens))
+        totals.append(int(mb.tokens.lengths().sum()))
+        losses.append(engine.train_step([mb], sft_loss)["loss"])
+    return widths, totals, losses
+
+
+def test_padding_free_steps_of_many_totals_compile_a_few_widths_and_finish(tiny_cache):
+    """Packed rows of 12 different totals reach the compiled model at two widths (widths.packed_width:
+    two compiles, not twelve), and every step finishes within the test's timeout."""
+    from rltrain.backends.fsdp.micro_batches.widths import packed_width
+
+    [(widths, totals, losses)] = run_ranks(_many_widths, cpu_suite._model_dir(), "cuda", nproc=1, timeout_s=600, pg_timeout_s=300)
+    assert len(set(totals)) == 12 and widths == [packed_width(n) for n in totals] == [896] * 6 + [1024] * 6
+    assert all(math.isfinite(loss) for loss in losses)
