@@ -5,6 +5,7 @@
     .venv/bin/python scripts/bench_gpu.py --only sft --steps 10 --warmup 3
     .venv/bin/python scripts/bench_gpu.py --compile             # decoder layers torch.compile'd (backend.compile)
     .venv/bin/python scripts/bench_gpu.py --padding-free --max-tokens 16384   # one packed row per ~16k tokens
+    .venv/bin/python scripts/bench_gpu.py --only grpo --no-share-prompts      # GRPO's groups as plain rectangles
     .venv/bin/python scripts/bench_gpu.py --rows dense --batch 8 --micro 8 --backend fsdp,megatron --profile prof/
     PYTHONPATH=<trl dir> .venv/bin/python scripts/bench_gpu.py --model small --steps 2 --warmup 1 --batch 8 --micro 4 --threads 1
 
@@ -210,9 +211,9 @@ def check_batches(parser: argparse.ArgumentParser, args, names: list[str], with_
     bad_backends = sorted(set(args.backend.split(",")) - {"fsdp", "megatron"})
     if bad_backends:
         parser.error(f"--backend {args.backend}: unknown backend(s) {', '.join(bad_backends)}; choose from fsdp,megatron")
-    if "megatron" in args.backend.split(",") and (args.padding_free or args.compile):
-        parser.error("--padding-free and --compile are FSDP options (backend.padding_free, backend.compile); "
-                     "pass --backend fsdp with them")
+    if "megatron" in args.backend.split(",") and (args.padding_free or args.compile or args.no_share_prompts):
+        parser.error("--padding-free, --compile and --no-share-prompts are FSDP options (backend.padding_free, "
+                     "backend.compile, backend.share_prompts); pass --backend fsdp with them")
     if args.rows == "dense" and args.length < 8:
         parser.error(f"--length {args.length}: dense rows need at least 8 tokens (a quarter prompt, the rest completion)")
     if not with_trl:
@@ -293,6 +294,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", default="fsdp",
                         help="rltrain's backend(s) for its rows, comma-separated: fsdp, megatron (tp = pp = 1) or both")
     parser.add_argument("--compile", action="store_true", help="backend.compile=true: torch.compile each decoder layer")
+    parser.add_argument("--no-share-prompts", action="store_true",
+                        help="backend.share_prompts=false: a GRPO group's or DPO pair's prompt computed once per sequence "
+                        "(plain rectangles with causal attention) instead of once per packed row (a dense mask)")
     parser.add_argument("--optim", choices=("auto", "for-loop", "foreach", "fused"), default="auto",
                         help="rltrain's optim.implementation: AdamW's kernels (auto: the backend's own)")
     return parser
@@ -358,7 +362,8 @@ def _title(args: argparse.Namespace, shape: str, device_name: str, precision_nam
     rows_text = f"dense rows of {args.length} tokens" if args.row_length else "mixed-length rows"
     return (
         f"{shape} ({device_name}, {precision_name}, rltrain on {args.backend}{', padding-free' if args.padding_free else ''}"
-        f"{', torch.compile per layer' if args.compile else ''}{f', AdamW {args.optim}' if args.optim != 'auto' else ''}), "
+        f"{', torch.compile per layer' if args.compile else ''}{', prompts not shared' if args.no_share_prompts else ''}"
+        f"{f', AdamW {args.optim}' if args.optim != 'auto' else ''}), "
         f"{args.batch} {rows_text}/step in micro-batches of "
         f"{f'<= {args.max_tokens} tokens (TRL: {args.micro} rows)' if args.max_tokens else args.micro}, "
         f"{args.steps} timed steps (+{args.warmup} warm-up), {torch.get_num_threads()} CPU threads"

@@ -107,7 +107,7 @@ def main() -> None:
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.precision, args.padding_free, args.compile, args.max_tokens = "fp32", False, False, 0
-    args.row_length, args.profile = 0, None  # bench_gpu.py's mixed rows, no profiling
+    args.row_length, args.profile, args.no_share_prompts = 0, None, False  # bench_gpu.py's mixed rows, no profiling
     if args.child:
         child(args)
         return

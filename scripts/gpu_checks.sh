@@ -4,7 +4,7 @@
 #
 #   bash .gpu/on-device.sh bash scripts/gpu_checks.sh suite        # make test-gpu, in 4 concurrent streams
 #   bash .gpu/on-device.sh bash scripts/gpu_checks.sh bench        # like-for-like: plain loop, rltrain, TRL (needs its wheel)
-#   bash .gpu/on-device.sh bash scripts/gpu_checks.sh bench-fast   # padded vs padding-free (+ compile); AdamW foreach vs fused
+#   bash .gpu/on-device.sh bash scripts/gpu_checks.sh bench-fast   # padded vs padding-free (+ compile); AdamW foreach vs fused; GRPO prompts unshared
 #   bash .gpu/on-device.sh bash scripts/gpu_checks.sh fleet        # rollout=server: tests and bench_fleet.py on CUDA vLLM
 #   bash .gpu/on-device.sh bash scripts/gpu_checks.sh vlm          # bench_vlm.py: GRPO on model=tiny_vl beside TRL (needs its wheel)
 #
@@ -66,20 +66,23 @@ case $part in
     tar cf "$out/bench-profiles.tar" -C "$prof" .
     ;;
   bench-fast)
-    # Issue 66's points 3 and 4 (prepared on CPU, not yet run on a GPU), SFT on the mixed rows in
-    # micro-batches of <= 16k tokens: the padded path (length buckets) beside padding-free (one packed
-    # row, flex_attention, widths rounded to a few sizes so compiles repeat: padding_free.packed_width),
-    # then with compiled decoder layers; and AdamW's kernels (optim.implementation) on the padded
-    # SFT and GRPO update. Every run has a timeout and prints its rows as measured, so a run that
-    # compiles too long costs only its own time.
-    fast=(--only sft --max-tokens 16384 --steps 3 --warmup 2 --no-trl)
+    # Issue 66's points 3 and 4 and one lead (prepared on CPU, not yet run on a GPU), most wanted
+    # first, on the mixed rows: SFT in micro-batches of <= 8k tokens on the padded path (length
+    # buckets), padding-free (one packed row, flex_attention, widths rounded so compiles repeat:
+    # micro_batches/widths.py), padding-free with compiled layers; the GRPO update with AdamW's
+    # default kernels (foreach), fused, and with prompts not shared (plain causal rectangles instead
+    # of packed rows under a dense mask); SFT with fused AdamW. Every run has a timeout and prints
+    # its rows as measured, so one that compiles too long costs only its own time.
+    sft=(--only sft --max-tokens 8192 --steps 3 --warmup 2 --no-trl)
+    grpo=(--only grpo --steps 3 --warmup 1 --no-trl)
     {
-      timeout 90 $py scripts/bench_gpu.py "${fast[@]}" --port 29551
-      timeout 150 $py scripts/bench_gpu.py "${fast[@]}" --padding-free --port 29552
-      timeout 150 $py scripts/bench_gpu.py "${fast[@]}" --padding-free --compile --port 29553
-      for optim in foreach fused; do
-        timeout 90 $py scripts/bench_gpu.py --only sft,grpo --steps 3 --warmup 1 --no-trl --optim $optim --port 29554
-      done
+      timeout 90 $py scripts/bench_gpu.py "${sft[@]}" --port 29551
+      timeout 140 $py scripts/bench_gpu.py "${sft[@]}" --padding-free --port 29552
+      timeout 140 $py scripts/bench_gpu.py "${sft[@]}" --padding-free --compile --port 29553
+      timeout 60 $py scripts/bench_gpu.py "${grpo[@]}" --port 29554
+      timeout 60 $py scripts/bench_gpu.py "${grpo[@]}" --optim fused --port 29555
+      timeout 60 $py scripts/bench_gpu.py "${grpo[@]}" --no-share-prompts --port 29556
+      timeout 90 $py scripts/bench_gpu.py "${sft[@]}" --optim fused --port 29557
     } 2>&1 | grep -v '^USDT:' | tee "$out/bench-fast.log"
     ;;
   fleet)

@@ -69,7 +69,9 @@ class Workload:
                 self.reference = MegatronEngine(model_dir, megatron, None, total, device, precision=args.precision,
                                                 shared=shared)
         else:
-            backend = FSDPBackendConfig(padding_free=args.padding_free, compile=args.compile)
+            backend = FSDPBackendConfig(
+                padding_free=args.padding_free, compile=args.compile, share_prompts=not args.no_share_prompts
+            )
             self.policy = FSDPEngine(
                 model_dir, backend, optim, total, device, precision=args.precision, adapters=adapters,
                 gradient_checkpointing=gradient_checkpointing,
