@@ -1,5 +1,7 @@
-"""The GPU benchmark also runs on CPU (small model), so it cannot rot between GPU sessions; its
-TRL side too (TRL is pinned with the test tools, requirements/)."""
+"""The benchmark scripts at their smallest sizes, so none can rot between benchmark runs: the GPU
+benchmark on CPU (small model), the CPU benchmarks beside TRL (pinned with the test tools,
+requirements/), LoRA's memory table and the weight-sync transports. Timings are printed, never
+asserted (bench_fleet.py, minutes long, runs by hand: docs/rollout-servers.md)."""
 
 from __future__ import annotations
 
@@ -154,3 +156,49 @@ def test_bench_async_table_puts_each_mode_beside_sync_and_k1_of_its_workload(cap
     lines = {line.split()[2]: line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("long-tail")}
     assert lines["in-flight+stream"][-3:] == ["0.60x", "0.75x", "1.20x"], lines  # vs sync, vs k=1, vs alone (0.5 s)
     assert lines["sync"][-3:] == ["1.00x", "1.25x", "2.00x"], lines
+
+
+def _table_rows(stdout: str, *names: str) -> dict[str, list[str]]:
+    """The cells after each named row's label, keyed by label."""
+    return {name: line[len(name):].split() for line in stdout.splitlines() for name in names if line.startswith(name)}
+
+
+@pytest.mark.parametrize(
+    "script, args, ours",
+    [
+        ("bench_sft", ["--steps", "1", "--warmup", "0", "--batch", "4"], "rltrain (FSDP engine)"),
+        ("bench_dpo", ["--steps", "1", "--warmup", "0", "--pairs", "4"], "rltrain (FSDP engine)"),
+        ("bench_grpo", ["--model", "tiny", "--steps", "1", "--warmup", "0", "--max-new-tokens", "4"],
+         "rltrain GRPO (vLLM CPU rollout)"),
+    ],
+)
+def test_the_cpu_benchmarks_print_rltrain_beside_trl(script, args, ours):
+    """Each CPU benchmark at its smallest: rltrain's row and TRL's, with positive timings and the ratio column."""
+    port = [] if script == "bench_grpo" else ["--port", str(free_port())]  # bench_grpo runs the CLI
+    proc = python(f"scripts/{script}.py", *args, *port, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = {"bench_sft": "TRL SFTTrainer", "bench_dpo": "TRL DPOTrainer", "bench_grpo": "TRL GRPOTrainer"}[script]
+    rows = _table_rows(proc.stdout, ours, theirs)
+    assert set(rows) == {ours, theirs}, proc.stdout
+    assert all(float(cell) > 0 for cell in rows[ours][:2]), rows
+    assert rows[theirs][-1] in ("1.00x", "1.00"), rows
+    assert float(rows[ours][-1].rstrip("x")) > 0, rows
+
+
+def test_bench_lora_prints_full_and_lora_with_their_ratios():
+    proc = python("scripts/bench_lora.py", "--model", "small", "--only", "sft", "--threads", "1",
+                  "--port", str(free_port()), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("sft ")]
+    assert [cells[1] for cells in rows] == ["full", "lora"], proc.stdout
+    full, lora = rows
+    assert float(lora[2].rstrip("M")) < float(full[2].rstrip("M"))  # trainable parameters
+    assert float(lora[-2]) > 0 and float(lora[-1]) > 0, lora  # memory ratio, time ratio
+
+
+def test_bench_sync_prints_every_transport_for_a_cell():
+    proc = python("scripts/bench_sync.py", "--params", "1e6", "--buckets-mb", "4", "--repeats", "1", "--grpo-steps", "0",
+                  timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [cell] = [line.split("|") for line in proc.stdout.splitlines() if line.strip().startswith("1.0M")]
+    assert len(cell) == 4 and all(float(part.split()[-2]) > 0 for part in cell[1:]), proc.stdout  # ms of each transport
