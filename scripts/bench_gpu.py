@@ -214,6 +214,8 @@ def check_batches(parser: argparse.ArgumentParser, args, names: list[str], with_
     if "megatron" in args.backend.split(",") and (args.padding_free or args.compile or args.no_share_prompts):
         parser.error("--padding-free, --compile and --no-share-prompts are FSDP options (backend.padding_free, "
                      "backend.compile, backend.share_prompts); pass --backend fsdp with them")
+    if args.profile is not None and args.profile.exists() and not args.profile.is_dir():
+        parser.error(f"--profile {args.profile}: a file is there; name a folder (created if missing) for the traces")
     if args.rows == "dense" and args.length < 8:
         parser.error(f"--length {args.length}: dense rows need at least 8 tokens (a quarter prompt, the rest completion)")
     if not with_trl:
