@@ -185,3 +185,45 @@ def test_clamped_tokens_counts_the_sampled_tokens_past_the_bound():
     sampled = Ragged.from_lengths(torch.tensor([0.0, 1.0, 1.0, 1.0]), [2, 2])  # the first is an observation
     assert float(clamped_tokens(old, engine, sampled)) == 2.0
     assert float(clamped_tokens(old, old)) == 0.0
+
+
+class _SummingEngine:
+    """A stand-in policy engine: `train_step` calls the loss on each micro-batch with the batch's
+    old log-probabilities as the model's and sums the metrics, as a real engine reduces them."""
+
+    world_size = 1
+
+    def train_step(self, micro, loss_fn, with_entropy=False):
+        from rltrain.backends.base import PolicyOutput
+
+        sums: dict[str, float] = {}
+        for mb in micro:
+            if len(mb):
+                _, metrics = loss_fn(PolicyOutput(mb.loss_inputs.old_logps, None), mb)
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0.0) + float(value)
+        return sums
+
+
+@pytest.mark.parametrize("mini_batches, iterations", [(1, 1), (2, 1), (2, 3), (4, 2)])
+def test_the_step_logs_the_batchs_count_of_clamped_tokens(mini_batches, iterations):
+    """Metrics are averaged over a step's updates; the count is the whole batch's, once, however
+    the batch is split into mini-batches and passed over."""
+    from types import SimpleNamespace
+
+    from rltrain.algos.grpo import GRPOConfig
+    from rltrain.algos.rl.experience import BatchLayout
+    from rltrain.algos.rl.update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
+    from rltrain.data.batch import SequenceBatch
+
+    batch = SequenceBatch.from_lists([[1], [2], [3], [4]], [[5, 6], [7], [8, 9], [10]])
+    old = _ragged([-1.0, -2.0, -0.5, -3.0, -0.7, -0.2], [2, 1, 2, 1])
+    engine = old.with_values(torch.tensor([ENGINE_FLOOR, ENGINE_FLOOR, -0.5, -3.0, -0.7, ENGINE_FLOOR]))
+    exp = SimpleNamespace(batch=batch, engine_logps=engine, old_logps=old, entropy=None, ref_logps=None, episode_of=None,
+                          counts=torch.tensor([6.0, 4.0, 0.0, 6.0, 0.0], dtype=torch.float64))
+    probe = ParityProbe()
+    update = MiniBatchUpdate(BatchLayout(4, 1, 0, 1), mini_batches, iterations, micro_batch_size=1, token_budget=0)
+    learner = Learner(_SummingEngine(), update, make_policy_loss(GRPOConfig(), probe), probe, fused=False)  # type: ignore[arg-type]
+    out = learner.update_policy(exp, torch.tensor([1.0, -1.0, 0.5, -0.5]))  # type: ignore[arg-type]
+    assert out["rollout/clamped_tokens"] == 3.0
+    assert math.isfinite(out["rollout/mismatch_kl"]) and out["rollout/is_ratio_max"] == pytest.approx(math.exp(20.0))
