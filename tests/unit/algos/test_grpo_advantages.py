@@ -79,8 +79,22 @@ def test_near_tied_rewards_keep_their_order(scale, gap):
     for got, want in zip(adv.tolist(), expected, strict=True):
         assert got == pytest.approx(want, rel=1e-6, abs=0.0)
     assert (adv[:31] < 0).all() and adv[31] > 0
-    for group in adv.view(-1, 32):
-        assert abs(float(group.double().sum())) <= 1e-6 * 32 * float(group.abs().max())
+    for group in adv.view(-1, 32):  # within 1e-6 x group size, and relative to the advantages' size below 1
+        assert abs(float(group.double().sum())) <= 1e-6 * 32 * min(1.0, float(group.abs().max()))
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_random_groups_sum_to_zero_and_follow_the_formula(scale):
+    g = torch.Generator().manual_seed(0)
+    for group_size in (2, 5, 16):
+        base_G1 = torch.rand(6, 1, generator=g, dtype=torch.float64) * 10 - 5
+        gaps_G1 = 10.0 ** -torch.randint(0, 10, (6, 1), generator=g).double()  # each group's spread, 1 .. 1e-9
+        rewards = (base_G1 + gaps_G1 * torch.rand(6, group_size, generator=g, dtype=torch.float64)).reshape(-1)
+        adv = group_advantages(rewards, group_size, scale)
+        for got, want in zip(adv.tolist(), reference_advantages(rewards.tolist(), group_size, scale), strict=True):
+            assert got == pytest.approx(want, rel=1e-6, abs=0.0), (group_size, scale)
+        for group in adv.view(-1, group_size):
+            assert abs(float(group.double().sum())) <= 1e-6 * group_size * min(1.0, float(group.abs().max()))
 
 
 def test_grpo_takes_the_rewards_as_scored():
