@@ -1,5 +1,5 @@
 """The worker side of an agent episode (env=agent): one call of rltrain/runtime/call_pool.py plays
-one episode, so a hung or crashing agent costs its worker and that episode only.
+one episode, so a hung or crashing agent costs that episode only.
 
 `run_episode` points the OpenAI environment variables at the episode's endpoint, tells the endpoint
 the episode started (its `env.timeout_s` runs from then), and calls the user's `run(client, row)`
