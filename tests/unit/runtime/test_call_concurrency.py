@@ -17,7 +17,7 @@ import pytest
 from rltrain.runtime.call_pool import Call, CallPool
 
 FIXTURES = textwrap.dedent('''
-    import os, time
+    import asyncio, os, time
     from pathlib import Path
 
     def barrier(folder, name, parties):
@@ -36,6 +36,14 @@ FIXTURES = textwrap.dedent('''
 
     def hangs():
         time.sleep(1000)
+
+    async def blocks_its_loop():
+        """A synchronous sleep inside async def: its event loop never runs again."""
+        time.sleep(1000)
+
+    async def awaits(seconds, value):
+        await asyncio.sleep(seconds)
+        return value
 
     def sleeps(seconds, value):
         time.sleep(seconds)
@@ -88,18 +96,26 @@ def test_calls_run_at_once_up_to_the_concurrency(module, tmp_path, workers):
 
 
 def test_n_hung_calls_cost_one_timeout_and_the_others_return(module):
-    pool = pool_of(module, 1, 16, "hangs", "sleeps")
-    calls = [Call(f"{module}:hangs", {}) for _ in range(10)] + [Call(f"{module}:sleeps", {"seconds": 0.1, "value": i}) for i in range(4)]
+    """10 calls hung in their threads and 4 async ones that block their event loops, beside calls
+    that sleep or await: the hung ones fail together at one timeout (those that blocked their loop
+    say so), the others return, their own event loops undisturbed by the blocked ones."""
+    pool = pool_of(module, 1, 24, "hangs", "sleeps", "blocks_its_loop", "awaits")
+    calls = (
+        [Call(f"{module}:hangs", {}) for _ in range(10)] + [Call(f"{module}:blocks_its_loop", {}) for _ in range(4)]
+        + [Call(f"{module}:sleeps", {"seconds": 0.1, "value": i}) for i in range(4)]
+        + [Call(f"{module}:awaits", {"seconds": 0.5, "value": i}) for i in range(4)]
+    )
     try:
         pool.start()
         started = time.monotonic()
-        results = pool.run(calls, timeout_s=2.0)
+        results = pool.run(calls, timeout_s=4.0)
         elapsed = time.monotonic() - started
     finally:
         pool.close()
-    assert [r.failure for r in results[:10]] == ["timeout"] * 10
-    assert [(r.failure, r.value) for r in results[10:]] == [(None, i) for i in range(4)]
-    assert elapsed < 8.0, elapsed  # one after another they would take 20 s
+    assert [r.failure for r in results[:14]] == ["timeout"] * 14
+    assert ["blocked its event loop" in r.message for r in results[:14]] == [False] * 10 + [True] * 4
+    assert [(r.failure, r.value) for r in results[14:]] == [(None, i) for i in range(4)] * 2
+    assert elapsed < 10.0, elapsed  # one after another they would take 56 s
 
 
 def test_a_call_in_flight_beside_a_hung_one_runs_on_undisturbed(module, tmp_path):
