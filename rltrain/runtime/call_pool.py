@@ -4,11 +4,11 @@ User code may hang, run for minutes or crash the interpreter, and a thread canno
 `concurrency` calls run at once: one per worker in its main thread (reward functions), or several
 in threads (environment calls), each async one on an event loop of its own
 (rltrain/runtime/watched_loop.py). A call past its deadline is given up on (it fails; its message
-says so where it had blocked its event loop) and left where it is: its worker takes no more calls once a ready spare can
-take its place, and is killed with its process group once the calls beside it have ended, which
-lose nothing. Calls on a worker that died under them (which one caused it unknown) run again once,
-each alone. Workers are `python -m rltrain.runtime.call_worker` processes; calls and results cross
-as JSON. docs/environments.md ("Concurrency") and docs/agents.md ("Isolation")."""
+says so where it had blocked its event loop) and left in its thread: its worker takes no more calls
+once a ready spare can take its place, and is killed with its process group once the calls beside
+it have ended, which lose nothing. Calls on a worker that died under them (which one caused it
+unknown) run again once, each alone. Workers are `python -m rltrain.runtime.call_worker` processes;
+calls and results cross as JSON. docs/environments.md ("Concurrency") and docs/agents.md ("Isolation")."""
 
 from __future__ import annotations
 

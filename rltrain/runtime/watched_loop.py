@@ -48,20 +48,30 @@ class WatchedLoops:
         threading.Thread(target=self._watch, name="calls-event-loop-watchdog", daemon=True).start()
 
     def run(self, index: int, awaitable: Awaitable[Any]) -> Any:
-        """Await `awaitable` to its end on a loop of its own (closed after, as asyncio.run does)."""
+        """Await `awaitable` to its end on a loop of its own, then close the loop as asyncio.run
+        does, except that threads the call left in the loop's executor are not waited for (its
+        result is ready: it goes back now)."""
 
         async def awaited() -> Any:
             return await awaitable
 
-        with asyncio.Runner() as runner:
-            watched = _Watched(runner.get_loop(), index, since=time.monotonic())
+        loop = asyncio.new_event_loop()
+        with self.lock:
+            self.live[threading.get_ident()] = _Watched(loop, index, since=time.monotonic())
+        try:
+            return loop.run_until_complete(awaited())
+        finally:
             with self.lock:
-                self.live[threading.get_ident()] = watched
+                del self.live[threading.get_ident()]
             try:
-                return runner.run(awaited())
+                left = asyncio.all_tasks(loop)
+                for task in left:
+                    task.cancel()
+                if left:
+                    loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+                loop.run_until_complete(loop.shutdown_asyncgens())
             finally:
-                with self.lock:
-                    del self.live[threading.get_ident()]
+                loop.close()  # its executor shut down without waiting
 
     def _watch(self) -> None:
         while True:
