@@ -119,21 +119,22 @@ def test_n_hung_calls_cost_one_timeout_and_the_others_return(module):
 
 
 def test_a_call_in_flight_beside_a_hung_one_runs_on_undisturbed(module, tmp_path):
-    """One worker, two slots: `hangs` and a 1 s call start together; the third call starts when
-    the 1 s one returns and is still running when the hung call's time runs out. The hung call
-    fails and is left in its thread; the third runs on, once, and returns its value; the worker
-    that holds the hung thread is killed once it runs nothing else, before `run` returns."""
+    """One worker, two slots: `hangs` and a 2 s call start together; the third call (3 s, within
+    its own 4 s) starts when the 2 s one returns and is still running when the hung call's 4 s run
+    out. The hung call fails and is left in its thread; the third runs on, once, and returns its
+    value; the worker that holds the hung thread is killed once it runs nothing else, before `run`
+    returns."""
     log = tmp_path / "log"
     pool = pool_of(module, 1, 2, "hangs", "sleeps", "counted")
     calls = [
         Call(f"{module}:hangs", {}),
-        Call(f"{module}:sleeps", {"seconds": 1.0, "value": "a"}),
+        Call(f"{module}:sleeps", {"seconds": 2.0, "value": "a"}),
         Call(f"{module}:counted", {"log": str(log), "seconds": 3.0, "value": "b"}),
     ]
     try:
         pool.start()
         first = pool.workers[0].proc
-        results = pool.run(calls, timeout_s=3.0)
+        results = pool.run(calls, timeout_s=4.0)
         assert [(r.failure, r.value) for r in results] == [("timeout", None), (None, "a"), (None, "b")]
         assert log.read_text() == "run\n"  # one run: not cut off, not played again
         assert first.poll() is not None and pool.workers[0].proc is not first and not pool.retired
