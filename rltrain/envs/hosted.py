@@ -2,10 +2,10 @@
 (rltrain/runtime/call_pool.py), one per episode, and `advance` is the only function the trainer calls.
 
 A call names the episode and carries *every* action so far, so a worker that does not hold the
-episode (a fresh one after a timeout killed its predecessor, or another worker of the pool) rebuilds
-it: a new instance, `reset(**row)`, then the earlier actions replayed. A worker that holds it applies
-only the newest action. This is what lets a hung step be killed without losing the other episodes,
-and it asks one thing of an environment: the same actions from the same row reach the same state
+episode (a fresh one that replaced a worker killed for a hung step, or another worker of the pool)
+rebuilds it: a new instance, `reset(**row)`, then the earlier actions replayed. A worker that holds
+it applies only the newest action. This is what lets a worker holding a hung step be killed without
+losing the other episodes, and it asks one thing of an environment: the same actions from the same row reach the same state
 (docs/environments.md, "Timeouts and rebuilt episodes"). Calls of different episodes run at once,
 in threads (`env.max_concurrency`); one episode's calls never overlap. Images: rltrain/envs/wire.py.
 """

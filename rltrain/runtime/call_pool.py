@@ -1,13 +1,14 @@
 """User functions called in worker processes that a deadline can stop, many calls at once.
 
-User code may hang, run for minutes or crash the interpreter, and a thread cannot be killed: past
-its deadline a call's worker is SIGKILLed with its process group and replaced, and the call fails.
-Up to `concurrency` calls run at once: one per worker in its main thread (reward functions), or
-several in threads (environment calls). Hung calls that started together die together, as does a
-call that blocks its worker's event loop (rltrain/runtime/watched_loop.py); the others on that
-worker run again, uncounted. Calls on a worker that died under them (which one caused it unknown)
-run again once, each alone. Workers are `python -m rltrain.runtime.call_worker` processes; calls
-and results cross as JSON. docs/environments.md ("Concurrency") and docs/agents.md ("Isolation")."""
+User code may hang, run for minutes or crash the interpreter, and a thread cannot be killed. Up to
+`concurrency` calls run at once: one per worker in its main thread (reward functions), or several
+in threads (environment calls), each async one on an event loop of its own
+(rltrain/runtime/watched_loop.py). A call past its deadline is given up on (it fails; its message
+says so where it had blocked its event loop) and left in its thread: its worker takes no more calls
+once a ready spare can take its place, and is killed with its process group once the calls beside
+it have ended, which lose nothing. Calls on a worker that died under them (which one caused it
+unknown) run again once, each alone. Workers are `python -m rltrain.runtime.call_worker` processes;
+calls and results cross as JSON. docs/environments.md ("Concurrency") and docs/agents.md ("Isolation")."""
 
 from __future__ import annotations
 
@@ -28,8 +29,7 @@ from rltrain.runtime.watched_loop import BLOCKED_S
 
 STARTUP_S = 120.0  # a worker's interpreter start and imports (a loaded machine is slow)
 STOP_S = 5.0
-KILL_TOGETHER_S = 1.0  # calls whose time runs out within this of the first on a worker die with it (never more than half the timeout)
-RERUNS = 1  # times a call runs again after its worker was killed for another call or died under it
+RERUNS = 1  # times a call runs again after its worker died under it
 
 
 @dataclass
@@ -62,7 +62,9 @@ def _plain(value: Any) -> Any:
 
 class Worker:
     """One worker process and the pipes to it (the parent's ends); `tasks` maps the index of each
-    call it runs to when it was sent."""
+    call it runs to when it was sent; `abandoned` holds the calls given up on that still hold a
+    thread in it (while it does it must not outlive the run: such a call's late answer carries an
+    index a later run reuses)."""
 
     def __init__(self, paths: list[str], slots: int, env: dict[str, str] | None = None) -> None:
         to_child_r, to_child_w = os.pipe()
@@ -85,16 +87,25 @@ class Worker:
         self.tasks: dict[int, float] = {}
         self.alone = False  # it runs a call that lost a worker before: nothing else beside it
         self.gone = False  # its pipe broke on a send: it died, and its end-of-file is on the way
+        self.abandoned: set[int] = set()
+        self.blocked: set[int] = set()  # calls its watchdog saw blocking their event loop
 
     def free(self) -> bool:
-        return self.ready and len(self.tasks) < self.slots and not self.alone and not self.gone
+        return self.ready and len(self.tasks) + len(self.abandoned) < self.slots and not self.alone and not self.gone
 
-    def kill_time(self, timeout_s: float) -> float:
-        """When this worker is killed for its calls that ran out of time: at the first one's expiry,
-        or later to take the ones that expire just after it along (one kill, not one per call)."""
-        expiries = sorted(started + timeout_s for started in self.tasks.values())
-        together = min(KILL_TOGETHER_S, timeout_s / 2)
-        return max(e for e in expiries if e <= expiries[0] + together)
+    def abandon(self, index: int) -> None:
+        del self.tasks[index]
+        self.abandoned.add(index)
+        self.blocked.discard(index)
+        self.alone = False
+
+    def timeout_message(self, index: int, timeout_s: float) -> str:
+        if index not in self.blocked:
+            return f"no result within {timeout_s:g} s"
+        return (
+            f"no result within {timeout_s:g} s: it blocked its event loop (for more than {BLOCKED_S:g} s without yielding: "
+            "a synchronous call inside an async def; await it, or run it with asyncio.to_thread)"
+        )
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -122,7 +133,8 @@ class CallPool:
         self.concurrency = max(1, concurrency if concurrency is not None else size)
         self.slots = -(-self.concurrency // size)  # calls one worker runs at once
         self.workers: list[Worker] = []
-        self.spare: list[Worker] = []  # one ready replacement once a worker was replaced
+        self.spare: list[Worker] = []  # one replacement, started once a call was given up on or a worker lost
+        self.retired: list[Worker] = []  # workers with abandoned calls whose other calls still run: no new calls
 
     def start(self) -> None:
         """Start the missing workers (they import while the caller does other work)."""
@@ -130,46 +142,70 @@ class CallPool:
             self.workers.append(Worker(self.paths, self.slots, self.env))
 
     def run(self, calls: list[Call], timeout_s: float | None, deadline: float | None = None) -> list[CallResult]:
-        """Every call's result, in order. A call past `timeout_s` (None: no limit) costs its worker;
-        at `deadline` (time.monotonic()) the calls still running or waiting fail as timeouts."""
+        """Every call's result, in order. A call past `timeout_s` (None: no limit) fails and is
+        abandoned, costing nothing to the calls beside it; at `deadline` (time.monotonic()) the calls
+        still running or waiting fail as timeouts."""
         self.start()
         results: list[CallResult | None] = [None] * len(calls)
         pending = deque(range(len(calls)))
         reruns = [0] * len(calls)
-        while pending or any(w.tasks for w in self.workers):
+        while pending or any(w.tasks for w in self._running()):
             self._dispatch(calls, pending, reruns)
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 self._expire_all(results, pending, "the step's time for them ran out")
                 break
-            ready = wait([w.inbox for w in self.workers], timeout=self._next_wakeup(now, timeout_s, deadline))
-            for w in [w for w in self.workers if w.inbox in ready]:
+            watched = [*self._running(), *self.spare]
+            ready = wait([w.inbox for w in watched], timeout=self._next_wakeup(now, timeout_s, deadline))
+            for w in [w for w in watched if w.inbox in ready]:
                 self._receive(w, results, pending, reruns)
             now = time.monotonic()
-            for w in list(self.workers):
-                if w.tasks and timeout_s and now >= w.kill_time(timeout_s):
-                    for i, started in w.tasks.items():
-                        if now - started >= timeout_s:
-                            results[i] = CallResult(failure="timeout", message=f"no result within {timeout_s:g} s")
-                    self._lose(w, results, pending, reruns)
-                elif not w.ready and now - w.started > STARTUP_S:
+            for w in self._running():
+                for i, started in list(w.tasks.items()):
+                    if timeout_s and now - started >= timeout_s:
+                        results[i] = CallResult(failure="timeout", message=w.timeout_message(i, timeout_s))
+                        w.abandon(i)
+                if not w.ready and now - w.started > STARTUP_S:
                     self._replace(w)
                     raise UserError(f"a {self.label} worker did not start within {STARTUP_S:g} s (importing {self.paths}).")
+            self._retire()
+        for w in [*self.retired, *[w for w in self.workers if w.abandoned]]:  # an abandoned call must not answer in a later run
+            self._replace(w)
         return [r if r is not None else CallResult(failure="timeout", message="not run") for r in results]
 
     def close(self) -> None:
-        for w in [*self.workers, *self.spare]:
+        for w in [*self.workers, *self.retired, *self.spare]:
             w.kill()
-        self.workers, self.spare = [], []
+        self.workers, self.retired, self.spare = [], [], []
+
+    def _running(self) -> list[Worker]:
+        return [*self.workers, *self.retired]
+
+    def _retire(self) -> None:
+        """Workers that abandoned a call: killed once nothing else runs on them; before that, one
+        takes no more calls once a ready spare takes its place (until then it does: a spare's start
+        never stalls the step). Retired workers are killed when their last call ends."""
+        for w in [w for w in self.retired if not w.tasks]:
+            self.retired.remove(w)
+            w.kill()
+        for w in [w for w in self.workers if w.abandoned]:
+            if not w.tasks:
+                self._replace(w)
+            elif self.spare and self.spare[0].ready:
+                self.retired.append(w)
+                self.workers[self.workers.index(w)] = self.spare.pop()
+                self.spare.append(Worker(self.paths, self.slots, self.env))
+            elif not self.spare:
+                self.spare.append(Worker(self.paths, self.slots, self.env))
 
     def _dispatch(self, calls: list[Call], pending: deque, reruns: list[int]) -> None:
         """Hand waiting calls to workers with a free slot, up to `concurrency` in flight. A call that
         runs again (its worker was lost under it) runs alone on an idle worker: if it was the one that
         crashed the worker, it takes no other call with it this time."""
-        in_flight = sum(len(w.tasks) for w in self.workers)
+        in_flight = sum(len(w.tasks) for w in self._running())
         for w in self.workers:
             while pending and w.free() and in_flight < self.concurrency:
-                if reruns[pending[0]] and w.tasks:
+                if reruns[pending[0]] and (w.tasks or w.abandoned):
                     break
                 i = pending.popleft()
                 w.tasks[i] = time.monotonic()
@@ -186,9 +222,9 @@ class CallPool:
                     in_flight -= 1
 
     def _next_wakeup(self, now: float, timeout_s: float | None, deadline: float | None) -> float:
-        times = [w.started + STARTUP_S for w in self.workers if not w.ready]
+        times = [w.started + STARTUP_S for w in self._running() if not w.ready]
         if timeout_s:
-            times += [w.kill_time(timeout_s) for w in self.workers if w.tasks]
+            times += [started + timeout_s for w in self._running() for started in w.tasks.values()]
         if deadline is not None:
             times.append(deadline)
         return max(0.0, min(times) - now + 0.001) if times else 1.0
@@ -198,7 +234,12 @@ class CallPool:
             kind, index, payload = receive(w.inbox)
         except (EOFError, OSError):
             died = f"ended its worker process ({w.exit_description()})"
-            if len(w.tasks) == 1:  # the call that ended it
+            if w in self.spare:
+                self.spare.remove(w)
+                w.kill()
+                if not w.ready:
+                    raise UserError(f"a {self.label} worker ended before it was ready: {self.paths} {died}.") from None
+            elif len(w.tasks) == 1:  # the call that ended it
                 results[next(iter(w.tasks))] = CallResult(failure="died", message=died)
                 self._replace(w)
             elif w.tasks:  # which of them ended it is unknown: each runs again, once, alone
@@ -212,32 +253,31 @@ class CallPool:
         if kind == "ready":
             w.ready = True
         elif kind == "load_error":
-            self._replace(w)
+            if w in self.spare:
+                self.spare.remove(w)
+                w.kill()
+            else:
+                self._replace(w)
             raise UserError(payload)
-        elif kind == "blocked":  # it stalls every call of the worker's event loop: it is the hung one
-            if index in w.tasks and results[index] is None:
-                results[index] = CallResult(
-                    failure="timeout", message=f"it blocked its worker's event loop for more than {BLOCKED_S:g} s (a "
-                    "synchronous call inside an async def: await it, or run it with asyncio.to_thread)",
-                )
-                self._lose(w, results, pending, reruns)
+        elif kind == "blocked":  # the cause, should it run out of time
+            if index in w.tasks:
+                w.blocked.add(index)
         elif index in w.tasks:
             results[index] = CallResult(value=payload) if kind == "ok" else CallResult(failure="error", message=payload)
             del w.tasks[index]
+            w.blocked.discard(index)
             w.alone = False
+        else:  # an abandoned call ended after all: its thread is gone
+            w.abandoned.discard(index)
 
-    def _lose(self, w: Worker, results: list[CallResult | None], pending: deque, reruns: list[int], why: str | None = None) -> None:
-        """Kill `w`; its calls without a result run again on a fresh worker (first in line). With
-        `why` (the worker died under them, which one caused it unknown) each runs again alone, and
-        fails as "died" once it has used its reruns; without it (killed for a call that failed) the
-        others lost nothing of their own: they run again as any call, uncounted."""
+    def _lose(self, w: Worker, results: list[CallResult | None], pending: deque, reruns: list[int], why: str) -> None:
+        """`w` died under its calls, which one caused it unknown: each call without a result runs
+        again alone on a fresh worker (first in line), and fails as "died" once it used its reruns."""
         again = []
         for i in w.tasks:
             if results[i] is not None:
                 continue
-            if why is None:
-                again.append(i)
-            elif reruns[i] < RERUNS:
+            if reruns[i] < RERUNS:
                 reruns[i] += 1
                 again.append(i)
             else:
@@ -246,16 +286,19 @@ class CallPool:
         self._replace(w)
 
     def _replace(self, w: Worker) -> None:
-        """Kill `w`; a spare worker, started at the first replacement and kept ready since (a pool
-        that lost one worker tends to lose more: a hung or loop-blocking function), takes its place."""
+        """Kill `w`; a spare worker, started at the first replacement and kept since (a pool that
+        lost one worker tends to lose more: a hung or loop-blocking function), takes its place."""
         w.kill()
+        if w in self.retired:
+            self.retired.remove(w)
+            return
         fresh = self.spare.pop() if self.spare else Worker(self.paths, self.slots, self.env)
         self.workers[self.workers.index(w)] = fresh
         self.spare.append(Worker(self.paths, self.slots, self.env))
 
     def _expire_all(self, results: list[CallResult | None], pending: deque, why: str) -> None:
-        for w in list(self.workers):
-            if w.tasks:
+        for w in self._running():
+            if w.tasks or w.abandoned:
                 for i in w.tasks:
                     results[i] = CallResult(failure="timeout", message=why)
                 self._replace(w)

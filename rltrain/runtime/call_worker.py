@@ -4,9 +4,10 @@ Reads [sys.path, paths, threaded] first and imports those functions, reports rea
 calls [index, path, kwargs] with [kind, index, payload]: ["ok", i, value] or ["error", i, "Type:
 message"] (JSON messages). Unthreaded, it runs one call at a time in its main thread; threaded, each
 call in a thread of its own, as many at once as the pool sends (it counts the slots). A function
-that returns an awaitable has it awaited on the worker's one event loop
-(rltrain/runtime/watched_loop.py), which reports a call that blocks the loop as ["blocked", i,
-null]. It never decides about time: the pool kills it when a call runs too long.
+that returns an awaitable has it awaited on an event loop of its own, in its thread
+(rltrain/runtime/watched_loop.py), whose watchdog reports a call that blocks its loop as
+["blocked", i, null]. It never decides about time: the pool gives up on a call that runs too long
+and kills the worker once it runs nothing else.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def serve(inbox: Connection, outbox: Connection) -> None:
     from rltrain.runtime.call_pool import receive, send
     from rltrain.runtime.errors import UserError
     from rltrain.runtime.user_code import load_callable
-    from rltrain.runtime.watched_loop import CALL_INDEX, WatchedLoop
+    from rltrain.runtime.watched_loop import WatchedLoops
 
     parent_path, paths, threaded = receive(inbox)
     # The trainer's import path in its own order: an entry it appended last (setuptools adds its
@@ -34,24 +35,23 @@ def serve(inbox: Connection, outbox: Connection) -> None:
         send(outbox, ["load_error", None, str(exc)])
         return
     lock = threading.Lock()  # one message at a time on the pipe
-    loops: list[WatchedLoop] = []  # made at the first awaitable
+    loops: list[WatchedLoops] = []  # made at the first awaitable
     loop_lock = threading.Lock()
 
     def blocked(index: int) -> None:
         with lock:
             send(outbox, ["blocked", index, None])
 
-    def awaited(value: Any) -> Any:
+    def awaited(index: int, value: Any) -> Any:
         with loop_lock:
             if not loops:
-                loops.append(WatchedLoop(blocked))
-        return loops[0].run(value)
+                loops.append(WatchedLoops(blocked))
+        return loops[0].run(index, value)
 
     def answer(index: int, path: str, kwargs: dict[str, Any]) -> None:
-        CALL_INDEX.set(index)
         try:
             value = fns[path](**kwargs)
-            message = ["ok", index, awaited(value) if inspect.isawaitable(value) else value]
+            message = ["ok", index, awaited(index, value) if inspect.isawaitable(value) else value]
         except Exception as exc:  # noqa: BLE001 - reported to the pool, which counts it
             message = ["error", index, f"{type(exc).__name__}: {exc}"]
         with lock:

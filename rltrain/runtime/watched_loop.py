@@ -1,77 +1,98 @@
-"""The one event loop of a call worker (rltrain/runtime/call_worker.py), watched.
+"""The event loops of a call worker (rltrain/runtime/call_worker.py), one per call, watched.
 
-The async functions a worker runs share one loop (frameworks keep async clients bound to the loop
-they were made in), so one that blocks it (a synchronous sleep, a CPU-bound stretch inside an
-`async def`) stalls every other call on it. A watchdog thread sees the loop stuck in one task for
-`BLOCKED_S` and names that task's call (`CALL_INDEX`, as the call's context had it when the task
-was created) to `report`: the pool then fails that call as hung and runs the others again on a
-fresh worker (docs/agents.md, "Isolation").
+Each call that returns an awaitable has it awaited on an event loop of its own, in the call's own
+thread: a call that blocks its loop (a synchronous sleep, a CPU-bound stretch inside an `async def`)
+stalls only itself, so a step with many such calls loses those and nothing else. One watchdog
+thread per worker queues a beat on every live loop each tick; a loop whose beat has not run while
+the same task stayed current for `BLOCKED_S` is blocked by that call, reported once to `report`.
+The report only names the cause: should the call then run out of time, its failure says how to fix
+it. It decides nothing, because hundreds of loops in one process contend for the interpreter lock
+and a busy one can miss a beat that long without blocking anything (docs/agents.md, "Isolation").
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import threading
 import time
-import weakref
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
-BLOCKED_S = 2.0  # a task that holds the loop this long without yielding has blocked it
-TICK_S = 0.05
-CALL_INDEX: contextvars.ContextVar[int | None] = contextvars.ContextVar("rltrain_call_index", default=None)
+BLOCKED_S = 2.0  # a task that holds its loop this long without yielding has blocked it
+TICK_S = 0.5  # each live loop is woken this often by its beat
 
 
-class WatchedLoop:
-    """An event loop in a thread of its own for the worker's life, and its watchdog."""
+@dataclass
+class _Watched:
+    loop: asyncio.AbstractEventLoop
+    index: int  # the call it runs
+    beats: int = 0
+    queued: int = -1  # the beat count when a beat was last queued
+    seen: tuple[int, Any] = (-1, None)  # (beats, current task) at the last tick that changed
+    since: float = 0.0
+    reported: bool = False
+
+    def beat(self) -> None:
+        self.beats += 1
+
+
+class WatchedLoops:
+    """Runs each awaitable on a fresh event loop in the caller's thread; a watchdog names the calls
+    whose loop is blocked."""
 
     def __init__(self, report: Callable[[int], None]) -> None:
         self.report = report
-        self.loop = asyncio.new_event_loop()
-        self.owners: weakref.WeakKeyDictionary[asyncio.Future[Any], int | None] = weakref.WeakKeyDictionary()
-        self.loop.set_task_factory(self._task)
-        self.beats = 0
-        threading.Thread(target=self.loop.run_forever, name="calls-event-loop", daemon=True).start()
+        self.live: dict[int, _Watched] = {}  # by thread id
+        self.lock = threading.Lock()
         threading.Thread(target=self._watch, name="calls-event-loop-watchdog", daemon=True).start()
 
-    def run(self, awaitable: Awaitable[Any]) -> Any:
-        """Await `awaitable` on the loop from a call's thread (the task inherits the call's context)."""
+    def run(self, index: int, awaitable: Awaitable[Any]) -> Any:
+        """Await `awaitable` to its end on a loop of its own, then close the loop as asyncio.run
+        does, except that threads the call left in the loop's executor are not waited for (its
+        result is ready: it goes back now)."""
 
-        async def wrapped() -> Any:
+        async def awaited() -> Any:
             return await awaitable
 
-        return asyncio.run_coroutine_threadsafe(wrapped(), self.loop).result()
-
-    def _task(self, loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
-        """Every task of the loop, with the call it belongs to (its creator's context)."""
-        context = kwargs.get("context")
-        task = asyncio.Task(coro, loop=loop, **kwargs)
-        self.owners[task] = context.get(CALL_INDEX) if context is not None else CALL_INDEX.get()
-        return task
-
-    def _beat(self) -> None:
-        self.beats += 1
+        loop = asyncio.new_event_loop()
+        with self.lock:
+            self.live[threading.get_ident()] = _Watched(loop, index, since=time.monotonic())
+        try:
+            return loop.run_until_complete(awaited())
+        finally:
+            with self.lock:
+                del self.live[threading.get_ident()]
+            try:
+                left = asyncio.all_tasks(loop)
+                for task in left:
+                    task.cancel()
+                if left:
+                    loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            finally:
+                loop.close()  # its executor shut down without waiting
 
     def _watch(self) -> None:
-        """Each tick, a beat is queued on the loop; a loop whose beat has not run while the same task
-        stayed current for BLOCKED_S is blocked by that task (reported once)."""
-        seen: tuple[int, Any] = (-1, None)
-        since = time.monotonic()
-        reported: Any = None
-        queued = -1
-        while not self.loop.is_closed():
-            if queued != self.beats:
-                queued = self.beats
-                self.loop.call_soon_threadsafe(self._beat)
+        while True:
             time.sleep(TICK_S)
-            task = asyncio.current_task(self.loop)
             now = time.monotonic()
-            if (self.beats, task) != seen or task is None:
-                seen, since = (self.beats, task), now
-                continue
-            if now - since >= BLOCKED_S and task is not reported:
-                reported = task
-                index = self.owners.get(task)
-                if index is not None:
-                    self.report(index)
+            with self.lock:
+                watched = list(self.live.values())
+            for w in watched:
+                self._check(w, now)
+
+    def _check(self, w: _Watched, now: float) -> None:
+        if w.queued != w.beats:
+            w.queued = w.beats
+            try:
+                w.loop.call_soon_threadsafe(w.beat)
+            except RuntimeError:  # closed since the copy of `live` was taken
+                return
+        task = asyncio.current_task(w.loop)
+        if (w.beats, task) != w.seen or task is None:
+            w.seen, w.since = (w.beats, task), now
+            return
+        if now - w.since >= BLOCKED_S and not w.reported:
+            w.reported = True
+            self.report(w.index)

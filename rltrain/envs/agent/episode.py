@@ -1,20 +1,23 @@
 """The worker side of an agent episode (env=agent): one call of rltrain/runtime/call_pool.py plays
-one episode, so a hung or crashing agent costs its worker and that episode only.
+one episode, so a hung or crashing agent costs that episode only.
 
 `run_episode` points the OpenAI environment variables at the episode's endpoint, tells the endpoint
 the episode started (its `env.timeout_s` runs from then), and calls the user's `run(client, row)`
 with a ready client: `OpenAI`, or `AsyncOpenAI` for an `async def` agent (handed back as a
-coroutine the call worker awaits on its watched event loop). What it returns is the episode's
-reward: a number, or a dict of named numbers (summed). Several episodes share a worker, so
-`os.environ` answers the two variables from a per-episode context variable (docs/agents.md,
-"Isolation")."""
+coroutine the call worker awaits on an event loop of the episode's own). What it returns is the
+episode's reward: a number, or a dict of named numbers (summed). Several episodes share a worker, so
+`os.environ` answers the two variables from a per-episode context variable, and their clients share
+one TLS context: making one per client is a tenth of a second of CPU, which hundreds of episodes
+starting together cannot afford within their timeout (docs/agents.md, "Isolation")."""
 
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 import math
 import os
+import ssl
 import threading
 import urllib.request
 from collections.abc import Coroutine
@@ -64,6 +67,13 @@ class _EpisodeEnviron(type(os.environ)):  # type: ignore[misc]
 _ENVIRON_LOCK = threading.Lock()
 
 
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """The worker's one TLS context, for every episode's client (the endpoint is plain HTTP, but a
+    client builds its context when it is made)."""
+    return ssl.create_default_context()
+
+
 def check_agent(agent: str) -> None:
     """Import `env.agent` and check it takes (client, row): a typo or a wrong signature is a
     UserError in the launcher, seconds in, not an error of every episode once the engines are up."""
@@ -96,16 +106,19 @@ def run_episode(
     fn = load_callable("env.agent", agent)
     request_timeout = timeout_s if timeout_s else None
     if inspect.iscoroutinefunction(fn):
-
-        # Made here, in the call's thread: a client's TLS setup and the first use of `chat` are
-        # tenths of a second of work that would hold the event loop every other episode shares.
-        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=request_timeout)
-        client.chat.completions  # noqa: B018 - its resources are imported on first use
+        client = openai.AsyncOpenAI(
+            base_url=base_url, api_key=api_key, max_retries=0, timeout=request_timeout,
+            http_client=openai.DefaultAsyncHttpxClient(verify=_tls_context()),
+        )
+        client.chat.completions  # noqa: B018 - its resources are imported on first use, before the episode's clock matters
 
         async def play() -> dict[str, Any]:
             async with client:
                 return reward_of(await fn(client, row))
 
         return play()
-    with openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=request_timeout) as client:
+    with openai.OpenAI(
+        base_url=base_url, api_key=api_key, max_retries=0, timeout=request_timeout,
+        http_client=openai.DefaultHttpxClient(verify=_tls_context()),
+    ) as client:
         return reward_of(fn(client, row))

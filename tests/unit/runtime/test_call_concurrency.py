@@ -1,7 +1,8 @@
 """Calls at once in a CallPool (rltrain.runtime.call_pool, `env.max_concurrency`): concurrency
 proved by construction (calls that can only return once all of them have started, a barrier of
-files across the worker processes), hung calls killed together (N cost one timeout), and the other
-calls in flight on a killed worker run again instead of being lost. Real worker processes."""
+files across the worker processes), hung calls given up on together (N cost one timeout) while the
+calls beside them run on undisturbed, and the calls in flight on a worker that died run again
+instead of being lost. Real worker processes."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from rltrain.runtime.call_pool import Call, CallPool
 
 FIXTURES = textwrap.dedent('''
-    import os, time
+    import asyncio, os, time
     from pathlib import Path
 
     def barrier(folder, name, parties):
@@ -36,15 +37,23 @@ FIXTURES = textwrap.dedent('''
     def hangs():
         time.sleep(1000)
 
+    async def blocks_its_loop():
+        """A synchronous sleep inside async def: its event loop never runs again."""
+        time.sleep(1000)
+
+    async def awaits(seconds, value):
+        await asyncio.sleep(seconds)
+        return value
+
     def sleeps(seconds, value):
         time.sleep(seconds)
         return value
 
-    def slow_the_first_time(marker, seconds, value):
-        """Sleeps `seconds` on its first run (it leaves `marker`), returns at once on a later one."""
-        if not os.path.exists(marker):
-            Path(marker).write_text("")
-            time.sleep(seconds)
+    def counted(log, seconds, value):
+        """Adds a line to `log` each time it runs, then sleeps `seconds`."""
+        with open(log, "a") as f:
+            f.write("run\\n")
+        time.sleep(seconds)
         return value
 ''')
 
@@ -87,37 +96,50 @@ def test_calls_run_at_once_up_to_the_concurrency(module, tmp_path, workers):
 
 
 def test_n_hung_calls_cost_one_timeout_and_the_others_return(module):
-    pool = pool_of(module, 1, 16, "hangs", "sleeps")
-    calls = [Call(f"{module}:hangs", {}) for _ in range(10)] + [Call(f"{module}:sleeps", {"seconds": 0.1, "value": i}) for i in range(4)]
+    """10 calls hung in their threads and 4 async ones that block their event loops, beside calls
+    that sleep or await: the hung ones fail together at one timeout (those that blocked their loop
+    say so), the others return, their own event loops undisturbed by the blocked ones."""
+    pool = pool_of(module, 1, 24, "hangs", "sleeps", "blocks_its_loop", "awaits")
+    calls = (
+        [Call(f"{module}:hangs", {}) for _ in range(10)] + [Call(f"{module}:blocks_its_loop", {}) for _ in range(4)]
+        + [Call(f"{module}:sleeps", {"seconds": 0.1, "value": i}) for i in range(4)]
+        + [Call(f"{module}:awaits", {"seconds": 0.5, "value": i}) for i in range(4)]
+    )
     try:
         pool.start()
         started = time.monotonic()
-        results = pool.run(calls, timeout_s=2.0)
+        results = pool.run(calls, timeout_s=4.0)
         elapsed = time.monotonic() - started
     finally:
         pool.close()
-    assert [r.failure for r in results[:10]] == ["timeout"] * 10
-    assert [(r.failure, r.value) for r in results[10:]] == [(None, i) for i in range(4)]
-    assert elapsed < 8.0, elapsed  # one after another they would take 20 s
+    assert [r.failure for r in results[:14]] == ["timeout"] * 14
+    assert ["blocked its event loop" in r.message for r in results[:14]] == [False] * 10 + [True] * 4
+    assert [(r.failure, r.value) for r in results[14:]] == [(None, i) for i in range(4)] * 2
+    assert elapsed < 10.0, elapsed  # one after another they would take 56 s
 
 
-def test_a_call_in_flight_on_a_worker_killed_for_another_runs_again(module, tmp_path):
-    """One worker, two slots: `hangs` and a 3 s call start together; the third call starts when
-    the 3 s one returns and is still running when the hung call's timeout kills the worker. It
-    runs again on the fresh worker (its marker makes the rerun quick) and returns its value."""
-    marker = tmp_path / "marker"
-    pool = pool_of(module, 1, 2, "hangs", "sleeps", "slow_the_first_time")
+def test_a_call_in_flight_beside_a_hung_one_runs_on_undisturbed(module, tmp_path):
+    """One worker, two slots: `hangs` and a 2 s call start together; the third call (3 s, within
+    its own 4 s) starts when the 2 s one returns and is still running when the hung call's 4 s run
+    out. The hung call fails and is left in its thread; the third runs on, once, and returns its
+    value; the worker that holds the hung thread is killed once it runs nothing else, before `run`
+    returns."""
+    log = tmp_path / "log"
+    pool = pool_of(module, 1, 2, "hangs", "sleeps", "counted")
     calls = [
         Call(f"{module}:hangs", {}),
-        Call(f"{module}:sleeps", {"seconds": 3.0, "value": "a"}),
-        Call(f"{module}:slow_the_first_time", {"marker": str(marker), "seconds": 30.0, "value": "b"}),
+        Call(f"{module}:sleeps", {"seconds": 2.0, "value": "a"}),
+        Call(f"{module}:counted", {"log": str(log), "seconds": 3.0, "value": "b"}),
     ]
     try:
-        results = pool.run(calls, timeout_s=6.0)
+        pool.start()
+        first = pool.workers[0].proc
+        results = pool.run(calls, timeout_s=4.0)
+        assert [(r.failure, r.value) for r in results] == [("timeout", None), (None, "a"), (None, "b")]
+        assert log.read_text() == "run\n"  # one run: not cut off, not played again
+        assert first.poll() is not None and pool.workers[0].proc is not first and not pool.retired
     finally:
         pool.close()
-    assert [(r.failure, r.value) for r in results] == [("timeout", None), (None, "a"), (None, "b")]
-    assert marker.exists()  # it ran twice: the first run was cut off with its worker
 
 
 def test_a_worker_killed_with_calls_in_flight_loses_none_of_them(module, tmp_path):
