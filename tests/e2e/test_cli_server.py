@@ -15,7 +15,9 @@ from cli import QUICK, ROOT, SMALL_MODEL, python, rltrain, train_rows
 
 from rltrain.rollout.server.process import free_port
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("rollout_servers")]
+pytestmark = pytest.mark.e2e
+# The tests of the session's pair of servers run on the worker that started them (docs/testing.md).
+on_session_servers = pytest.mark.xdist_group("rollout_servers")
 
 RUN = ["algo=grpo", *QUICK, *SMALL_MODEL, "algo.prompts_per_step=4", "algo.group_size=2", "rollout=server"]
 # What differs between fleets by design: timings, memory, throughput, and the fleet's own size.
@@ -52,6 +54,7 @@ def test_a_spawned_server_serves_the_run_and_goes_with_it(tmp_path):
 
 
 @pytest.mark.slow  # completions do not depend on the server: tests/unit/rollout/test_rollout_server.py, in make test
+@on_session_servers
 def test_a_spawned_server_and_two_given_ones_give_the_same_rows(rollout_servers, tmp_path):
     """The session's two URL-given servers give the spawned server's rows, as per-request seeds make
     samples server-independent."""
@@ -76,6 +79,7 @@ def test_a_spawned_server_and_two_given_ones_give_the_same_rows(rollout_servers,
 AGENT = ["env=agent", "env.agent=openai_agent:run", "env.workers=2", "data.num_eval=4"]
 
 
+@on_session_servers
 @pytest.mark.parametrize("overrides", [pytest.param([], id="grpo"), pytest.param(AGENT, id="agent")])
 def test_two_trainer_ranks_over_two_servers_one_step_ahead(rollout_servers, tmp_path, overrides):
     """With env=agent every call of every episode of step t's batch is sampled by version
@@ -119,6 +123,7 @@ def test_serve_refuses_a_port_something_listens_on_before_loading_anything():
 
 
 @pytest.mark.slow  # PPO/Megatron and LoRA with episodes over servers: the engine's calls are the same as GRPO's
+@on_session_servers
 @pytest.mark.parametrize(
     "overrides",
     [
