@@ -8,6 +8,7 @@ are requested only from a real MoE model that asks for them. docs/internals/mode
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,65 @@ def num_experts(config: Any) -> int:
 
 def is_moe(config: Any) -> bool:
     return num_experts(config) > 1
+
+
+def checkpoint_weights(
+    model: PreTrainedModel, weights: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A MoE model's named tensors under its checkpoint's names and layout, one tensor at a time.
+
+    transformers 5 fuses each layer's experts into 3-D parameters on load (`experts.gate_up_proj`
+    [E, 2I, H]); checkpoints, vLLM and the megatron converter name every expert's matrices
+    (`experts.{e}.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.{e}.w1.weight`). The
+    family's own reverse conversion (what `save_pretrained` applies) splits each fused tensor alone."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    for name, tensor in weights:
+        for checkpoint_name, part in revert_weight_conversion(model, {name: tensor}).items():
+            yield checkpoint_name, part.contiguous()
+
+
+@dataclass(frozen=True)
+class CheckpointPlace:
+    """Where a checkpoint tensor lives in the model: its flat element indices in one parameter."""
+
+    name: str
+    flat_index: torch.Tensor  # the checkpoint tensor's shape
+
+    def write(self, params: dict[str, torch.Tensor], tensor: torch.Tensor) -> None:
+        target = params[self.name]
+        target.data.view(-1)[self.flat_index.flatten()] = tensor.flatten().to(target.device, target.dtype)
+
+
+def checkpoint_places(model: PreTrainedModel) -> dict[str, CheckpointPlace]:
+    """For each checkpoint tensor of a MoE model that is not one of the model's own (its experts,
+    fused on load), where its elements sit in the model's parameters: the inverse of
+    `checkpoint_weights`, found by sending each parameter's element indices through it, so an
+    engine that receives checkpoint names writes in place. The indices cost as much memory as
+    the fused experts (int32 where they fit)."""
+    places: dict[str, CheckpointPlace] = {}
+    for name, tensor in model.state_dict().items():
+        dtype = torch.int32 if tensor.numel() < 2**31 else torch.int64
+        index = torch.arange(tensor.numel(), dtype=dtype).reshape(tensor.shape)
+        for checkpoint_name, part in checkpoint_weights(model, [(name, index)]):
+            if checkpoint_name != name:
+                places[checkpoint_name] = CheckpointPlace(name, part.long() if dtype == torch.int32 else part)
+    return places
+
+
+def load_checkpoint_weights(
+    model: PreTrainedModel, weights: dict[str, torch.Tensor]
+) -> tuple[list[str], list[str]]:
+    """`load_state_dict(weights, strict=False)` for tensors under the checkpoint's names (what
+    `export_weights` sends): (missing, unexpected) as it reports them."""
+    places = checkpoint_places(model) if is_moe(model.config) else {}
+    params = model.state_dict(keep_vars=True)
+    placed = {place.name for name, place in places.items() if name in weights}
+    for name, place in places.items():
+        if name in weights:
+            place.write(params, weights[name])
+    missing, unexpected = model.load_state_dict({k: v for k, v in weights.items() if k not in places}, strict=False)
+    return [m for m in missing if m not in placed], list(unexpected)
 
 
 def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
