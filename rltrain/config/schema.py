@@ -112,11 +112,16 @@ TINY_MOE_HEAD_DIM = 32  # the tiny MoE's attention head size: the smallest vLLM'
 @dataclass
 class MoEConfig:
     """Mixture-of-Experts settings (docs/moe.md). The shape keys build the tiny MoE
-    (model=tiny_moe, rltrain/models/tiny_moe.py); a `model.path` checkpoint has its own shape."""
+    (model=tiny_moe, rltrain/models/tiny_moe.py); a `model.path` checkpoint has its own shape.
+    The loss coefficients apply to any MoE."""
 
     num_experts: int = 8  # experts per MoE layer of the tiny MoE
     experts_per_token: int = 2  # its router's top-k
     expert_intermediate_size: int = 128  # each expert's MLP width
+    # The router's training losses: load balancing (null: the checkpoint's own setting, off for RL)
+    # and z-loss (0: off), on any MoE under backend=fsdp
+    aux_loss_coef: float | None = None
+    z_loss_coef: float = 0.0
 
 
 @dataclass

@@ -164,6 +164,12 @@ def validate_safety(cfg: Config) -> None:
 
 def validate_model(model: ModelConfig) -> None:
     check_revision("model", model)
+    aux, z = model.moe.aux_loss_coef, model.moe.z_loss_coef
+    if (aux is not None and aux < 0) or z < 0:
+        raise UserError(
+            f"model.moe.aux_loss_coef={aux} and model.moe.z_loss_coef={z}: a router loss's coefficient is at least 0 "
+            "(0 turns it off; aux_loss_coef=null keeps the checkpoint's own setting, off for RL). docs/moe.md."
+        )
     if model.path is None:
         if model.num_heads < 1 or model.hidden_size % model.num_heads:
             raise UserError(

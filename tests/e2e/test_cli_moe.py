@@ -1,7 +1,8 @@
 """Mixture-of-Experts runs end to end (docs/moe.md): GRPO on the tiny MoE from its SFT start
 (model=tiny_moe_sft, a short SFT here) with vLLM in process, every expert synced each step and
-the engine's log-probabilities the trainer's to fp32 round-off; the other engines (a separate
-vLLM process, transformers, vLLM API servers) at full length in `slow`."""
+the engine's log-probabilities the trainer's to fp32 round-off, the router losses off and the load
+measured; SFT with the router losses on; the other engines (a separate vLLM process,
+transformers, vLLM API servers) in `slow`."""
 
 from __future__ import annotations
 
@@ -30,11 +31,24 @@ def test_grpo_on_the_tiny_moe_sft_start_syncs_every_expert_to_vllm(tiny_cache, t
     run_dir = tmp_path / "run"
     rltrain(*MOE_GRPO, "model=tiny_moe_sft", "model.sft_steps=4", run_dir=run_dir, timeout=500)
     assert_engine_samples_the_trainers_weights(run_dir, 2)
+    for r in train_rows(run_dir):  # RL keeps the router losses off unless set; the load is measured
+        assert 1.0 <= r["moe/load_imbalance"] <= 8 / 2 and "moe/aux_loss" not in r and "moe/z_loss" not in r, r
     with safe_open(run_dir / "final" / "model.safetensors", "pt") as f:  # a checkpoint like the one loaded
         names = set(f.keys())
     assert {f"model.layers.3.mlp.experts.{e}.down_proj.weight" for e in range(8)} <= names
     starts = list((tiny_cache / "models").glob("tiny-qwen3_moe-*-sft-*"))
     assert starts and all((s / "sft_metrics.jsonl").exists() for s in starts)
+
+
+def test_sft_on_the_tiny_moe_adds_the_router_losses_it_is_given(tiny_cache, tmp_path):
+    run_dir = tmp_path / "run"
+    rltrain("algo=sft", "model=tiny_moe", "model.moe.aux_loss_coef=0.01", "model.moe.z_loss_coef=0.001",
+            "trainer.max_steps=2", "trainer.global_batch_size=8", "trainer.micro_batch_size=4", "trainer.eval_every=0",
+            "trainer.save_every=0", "logger.wandb.mode=disabled", run_dir=run_dir, timeout=300)
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["moe/aux_loss"] > 0 and r["moe/z_loss"] > 0 and 1.0 <= r["moe/load_imbalance"] <= 4.0, r
 
 
 @pytest.mark.slow

@@ -65,3 +65,19 @@ def test_checkpoint_names_load_back_into_fused_experts(family, tiny_cache):
     assert (missing, unexpected) == ([], [])
     for name, tensor in trained.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize(
+    "model, named",
+    [
+        (ModelConfig(**{**SMALL, "hidden_size": 96}), "must be model.num_heads=2 x 32"),
+        (ModelConfig(**SMALL, moe=MoEConfig(num_experts=4, experts_per_token=5)), "model.moe.experts_per_token=5"),
+        (ModelConfig(moe=MoEConfig(z_loss_coef=-1.0)), "model.moe.z_loss_coef=-1.0"),
+    ],
+)
+def test_a_bad_moe_setting_is_refused_in_one_paragraph(model, named):
+    from rltrain.preflight.validate import validate_model
+    from rltrain.runtime.errors import UserError
+
+    with pytest.raises(UserError, match=named.replace(".", r"\.").replace("(", r"\(")):
+        validate_model(model)
