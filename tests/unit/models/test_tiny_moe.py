@@ -16,7 +16,8 @@ SMALL = dict(arch="qwen3_moe", hidden_size=64, num_layers=1, num_heads=2, num_kv
 def test_tiny_moe_is_deterministic_cached_and_sparse(tiny_cache):
     from transformers import AutoModelForCausalLM
 
-    cfg = ModelConfig(**SMALL, moe=MoEConfig(num_experts=4, experts_per_token=2, expert_intermediate_size=32))
+    cache = str(tiny_cache / "models")
+    cfg = ModelConfig(**SMALL, moe=MoEConfig(num_experts=4, experts_per_token=2, expert_intermediate_size=32), cache_dir=cache)
     d1 = build_tiny_moe_model_dir(cfg, seed=5)
     assert build_tiny_moe_model_dir(cfg, seed=5) == d1
     d2 = build_tiny_moe_model_dir(cfg, seed=6)
@@ -27,7 +28,7 @@ def test_tiny_moe_is_deterministic_cached_and_sparse(tiny_cache):
     assert moe.num_experts(m1.config) == 4
     w1 = m1.model.layers[0].mlp.experts.gate_up_proj
     assert not torch.equal(w1, AutoModelForCausalLM.from_pretrained(d2).model.layers[0].mlp.experts.gate_up_proj)
-    fewer = ModelConfig(**SMALL, moe=MoEConfig(num_experts=2, experts_per_token=1, expert_intermediate_size=32))
+    fewer = ModelConfig(**SMALL, moe=MoEConfig(num_experts=2, experts_per_token=1, expert_intermediate_size=32), cache_dir=cache)
     assert build_tiny_moe_model_dir(fewer, seed=5) != d1  # the experts are part of the cache key
 
 
