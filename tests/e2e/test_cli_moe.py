@@ -1,8 +1,8 @@
 """Mixture-of-Experts runs end to end (docs/moe.md): GRPO on the tiny MoE from its SFT start
 (model=tiny_moe_sft, a short SFT here) with vLLM in process, every expert synced each step and
 the engine's log-probabilities the trainer's to fp32 round-off, the router losses off and the load
-measured; SFT with the router losses on; the other engines (a separate vLLM process,
-transformers, vLLM API servers) in `slow`."""
+measured; SFT with the router losses on; the transformers engine, and in `slow` a separate vLLM
+process and vLLM API servers (each tens of seconds more to start)."""
 
 from __future__ import annotations
 
@@ -51,10 +51,13 @@ def test_sft_on_the_tiny_moe_adds_the_router_losses_it_is_given(tiny_cache, tmp_
         assert r["moe/aux_loss"] > 0 and r["moe/z_loss"] > 0 and 1.0 <= r["moe/load_imbalance"] <= 4.0, r
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
-    "engine", [["rollout.process=separate"], ["rollout=hf"], ["rollout=server", "rollout.servers.spawn=1"]],
-    ids=["separate", "hf", "server"],
+    "engine",
+    [
+        pytest.param(["rollout=hf"], id="hf"),
+        pytest.param(["rollout.process=separate"], id="separate", marks=pytest.mark.slow),
+        pytest.param(["rollout=server", "rollout.servers.spawn=1"], id="server", marks=pytest.mark.slow),
+    ],
 )
 def test_grpo_on_the_tiny_moe_with_each_engine(engine, tiny_cache, tmp_path):
     run_dir = tmp_path / "run"
