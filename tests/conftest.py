@@ -2,6 +2,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ if "RLTRAIN_TEST_HF_HOME" not in os.environ:  # pytest's own process; its worker
     os.environ["RLTRAIN_TEST_HF_HOME"] = tempfile.mkdtemp(prefix="rltrain-tests-hf-")
     os.environ["RLTRAIN_TEST_HF_HOME_OWNER"] = str(os.getpid())
 HF_HOME = Path(os.environ["RLTRAIN_TEST_HF_HOME"])
+SUITE_STARTED = pytest.StashKey[float]()
 os.environ["HF_HOME"] = str(HF_HOME)
 os.environ.pop("HF_HUB_CACHE", None)
 os.environ.pop("HF_DATASETS_CACHE", None)
@@ -95,6 +97,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_configure(config):
+    config.stash[SUITE_STARTED] = time.monotonic()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """`make test` (which asks for --durations) ends with the suite's wall time beside this machine's
+    speed (tests/machine_speed.py), so a slower machine's run can be compared with the reference
+    machine's in docs/testing.md. Printed by pytest's own process, after the workers finished."""
+    if config.getoption("durations", None) is None or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    from machine_speed import probe_tokens_per_s
+
+    minutes, seconds = divmod(round(time.monotonic() - config.stash[SUITE_STARTED]), 60)
+    terminalreporter.write_sep("=", f"rltrain suite: {minutes}:{seconds:02d} wall, machine speed {probe_tokens_per_s():.0f} "
+                               "tokens/s (tests/machine_speed.py; docs/testing.md has the reference machine's)")
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -1,7 +1,9 @@
 """The image dataset the vision-language end-to-end tests share (tests/e2e/test_cli_vision.py and
 test_cli_vision_rl.py): colour squares of 28 and 56 pixels as files, beside SFT, preference,
-unpaired (KTO) and RL prompt jsonl files that name them, and a reward module for RL runs. Written
-once per test session (the `image_data` fixture), so the shared runs that read it are one run."""
+unpaired (KTO) and RL prompt jsonl files that name them, the RL prompts again as parquet in the
+`datasets` Image layout (`{"bytes": ..., "path": None}` in a column `img`, with each row's first
+colour), and reward modules for RL runs. Written once per test session (the `image_data`
+fixture), so the shared runs that read it are one run."""
 
 from __future__ import annotations
 
@@ -12,6 +14,19 @@ COLOURS = {"red": (220, 20, 20), "blue": (20, 20, 220), "green": (20, 200, 20)}
 # A reward that differs between samples, so the policy's weights move every step and each step's
 # parity is measured against new weights.
 SPREAD_REWARD = "def spread(prompts, completions, **_):\n    return [len(set(c)) / 8 for c in completions]\n"
+# A reward that reads every column: the image columns (`img`, and its copy `images` when
+# data.columns.images=img) must be RGB PIL images of the row's colour, else it raises (the run stops).
+SEES_IMAGES_REWARD = """\
+def sees_the_images(prompts, completions, **columns):
+    from PIL import Image
+    for img, images, colour in zip(columns["img"], columns["images"], columns["colour"]):
+        for column in (img, images):
+            if not (isinstance(column, list) and all(isinstance(i, Image.Image) and i.mode == "RGB" for i in column)):
+                raise TypeError(f"an image column arrived as {column!r:.80}")
+            if column[0].getpixel((0, 0)) != tuple(colour):
+                raise ValueError(f"another row's image: {column[0].getpixel((0, 0))} for {colour}")
+    return [1.0] * len(completions)
+"""
 DONE = "DONE"
 
 
@@ -39,9 +54,30 @@ def write_image_data(root: Path) -> Path:
                     "prompt": "<image>" * (1 + i % 2) + "Colour? "} for i in range(7)]
         for name, rows in (("sft", sft), ("pref", pref), ("unpaired", unpaired), ("prompts", prompts)):
             (root / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+        write_image_layout_prompts(root, prompts)
         (root / "spread_reward.py").write_text(SPREAD_REWARD)
+        (root / "sees_images_reward.py").write_text(SEES_IMAGES_REWARD)
         (root / DONE).write_text("")
     return root
+
+
+def write_image_layout_prompts(root: Path, prompts: list[dict]) -> None:
+    """`prompts_image_layout.parquet`: the RL prompts with their images' bytes in the datasets Image
+    layout (column `img`, a list per row) and each row's first colour (`colour`)."""
+    import datasets
+    from PIL import Image
+
+    def colour(path: str) -> list[int]:
+        return list(Image.open(root / path).convert("RGB").getpixel((0, 0)))
+
+    columns = {
+        "img": [[{"bytes": (root / p).read_bytes(), "path": None} for p in r["images"]] for r in prompts],
+        "prompt": [r["prompt"] for r in prompts],
+        "colour": [colour(r["images"][0]) for r in prompts],
+    }
+    features = datasets.Features({"img": [datasets.Image()], "prompt": datasets.Value("string"),
+                                  "colour": [datasets.Value("int64")]})
+    datasets.Dataset.from_dict(columns, features=features).to_parquet(str(root / "prompts_image_layout.parquet"))
 
 
 def grpo_vision_run(root: Path) -> list[str]:

@@ -20,27 +20,30 @@ SCALES: tuple[str, ...] = get_args(ScaleRewards)
 def group_advantages(
     rewards_B: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-6
 ) -> torch.Tensor:
-    """[B] advantages of `B = num_groups * group_size` rewards laid out group after group (the
-    rollout engines' prompt-major order)."""
+    """[B] float32 advantages of `B = num_groups * group_size` rewards laid out group after group
+    (the rollout engines' prompt-major order). Computed in float64 from the rewards as scored and
+    cast at the end: rewards closer than float32's resolution (0.99 and 0.99 + 1e-7) would round to
+    one value, and centring them after the cast would give the whole group one sign."""
     if scale not in SCALES:
         raise ValueError(f"algo.scale_rewards={scale!r}: choose one of {', '.join(SCALES)}")
     if group_size < 1 or rewards_B.numel() % group_size:
         raise ValueError(f"{rewards_B.numel()} rewards do not split into groups of {group_size}")
-    rewards_GK = rewards_B.float().view(-1, group_size)
-    # A group of equal rewards carries no signal: its mean, rounded in float32, need not equal the
-    # rewards themselves (eight rewards of 0.7), and dividing that rounding error by a near-zero std
-    # would give the whole group one sign. Such a group's advantages are exactly 0.
+    rewards_GK = rewards_B.double().view(-1, group_size)
+    # Each group is shifted by its first reward before averaging: the differences of near-equal
+    # rewards are exact, so their mean is accurate to the gaps themselves, where the mean of the raw
+    # rewards would carry a rounding error of the rewards' size (1e-16 at 1, against gaps of 1e-9).
+    shifted_GK = rewards_GK - rewards_GK[:, :1]
+    # A group of equal rewards carries no signal: its advantages are exactly 0.
     tied_G1 = rewards_GK.amax(dim=1, keepdim=True) == rewards_GK.amin(dim=1, keepdim=True)
-    centred_GK = torch.where(tied_G1, 0.0, rewards_GK - rewards_GK.mean(dim=1, keepdim=True))
+    centred_GK = torch.where(tied_G1, 0.0, shifted_GK - shifted_GK.mean(dim=1, keepdim=True))
     if scale == "none":
-        return centred_GK.reshape(-1)
+        return centred_GK.reshape(-1).float()
     if scale == "group":
-        std = rewards_GK.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(centred_GK[:, :1])
+        std = shifted_GK.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(centred_GK[:, :1])
     else:
-        std = (
-            rewards_B.float().std() if rewards_B.numel() > 1 else rewards_B.new_zeros((), dtype=torch.float32)
-        )
-    return (centred_GK / (std + eps)).reshape(-1)
+        flat_B = rewards_GK.reshape(-1)
+        std = (flat_B - flat_B[0]).std() if flat_B.numel() > 1 else flat_B.new_zeros(())
+    return (centred_GK / (std + eps)).reshape(-1).float()
 
 
 # --- on-policy distillation -------------------------------------------------------------------

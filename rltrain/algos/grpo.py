@@ -31,8 +31,8 @@ class GRPOConfig(RLConfig):
 class GRPO(RLAlgorithm):
     def advantages(self, exp: Experience) -> Advantages:
         a = self.algo_cfg
-        # From the global batch of rewards: the rank count does not change them.
-        adv_all = group_advantages(exp.global_scores.float(), a.group_size, a.scale_rewards)
+        # From the global batch of rewards as scored (float64): the rank count does not change them.
+        adv_all = group_advantages(exp.global_scores, a.group_size, a.scale_rewards)
         offset = self.collector.layout.offset
         adv = adv_all[offset : offset + len(exp.scores_B)]
         if exp.episode_of is not None:  # env=agent: each sequence gets its episode's advantage

@@ -129,27 +129,56 @@ def correction_metrics(
     }
 
 
+# The largest |log ratio| the mismatch metrics read: an engine log-probability at its floor (vLLM
+# reports -9999 for a token it gives no probability) would make exp(log ratio) infinite, and one
+# token would turn `rollout/mismatch_kl` and `rollout/is_ratio_max` into inf. e^20 = 4.9e8 says
+# "far off" as clearly; `rollout/clamped_tokens` counts the tokens past it.
+METRIC_LOG_RATIO_BOUND = 20.0
+
+
+def metric_log_ratios(old_logps: Ragged, engine_logps: Ragged, sampled: Ragged | None = None) -> torch.Tensor:
+    """[N] `log_ratios` in float64, clamped to +-METRIC_LOG_RATIO_BOUND: what the metrics read.
+    float64 so that a k3 of a 1e-6 log ratio (5e-13) is not rounded away."""
+    log_ratio_N = old_logps.values.detach().double() - engine_logps.values.double().to(old_logps.values.device)
+    if sampled is not None:
+        log_ratio_N = log_ratio_N * sampled.values.to(log_ratio_N.device, log_ratio_N.dtype)
+    bound = METRIC_LOG_RATIO_BOUND  # a NaN counts as far off too (`clamped_tokens`)
+    return torch.nan_to_num(log_ratio_N, nan=bound, posinf=bound, neginf=-bound).clamp(-bound, bound)
+
+
+def clamped_tokens(old_logps: Ragged, engine_logps: Ragged, sampled: Ragged | None = None) -> torch.Tensor:
+    """How many sampled tokens' log ratio the metrics clamp (|log ratio| > METRIC_LOG_RATIO_BOUND,
+    or not a number): `rollout/clamped_tokens`, summed over micro-batches and ranks."""
+    log_ratio_N = old_logps.values.detach().double() - engine_logps.values.double().to(old_logps.values.device)
+    past_N = ~(log_ratio_N.abs() <= METRIC_LOG_RATIO_BOUND)
+    if sampled is not None:
+        past_N = past_N & sampled.values.to(past_N.device).bool()
+    return past_N.sum().double()
+
+
 def mismatch_kl_sum(old_logps: Ragged, engine_logps: Ragged, sampled: Ragged | None = None) -> torch.Tensor:
     """The sum over sampled tokens of the k3 estimate of KL(pi_rollout || pi_old):
     `rho - 1 - log rho` with `rho = pi_old / pi_rollout`, non-negative per token and unbiased under
     the rollout's samples (an observation's rho is 1: 0). Divided by the global token count it is
-    `rollout/mismatch_kl`."""
-    log_ratio_N = log_ratios(old_logps, engine_logps, sampled)
-    return (torch.exp(log_ratio_N) - 1.0 - log_ratio_N).sum()
+    `rollout/mismatch_kl`. As `expm1(x) - x` in float64 on the clamped log ratios: `exp(x) - 1 - x`
+    in float32 reads 0 below |x| = 1e-4, where fp32 engines' mismatches are."""
+    log_ratio_N = metric_log_ratios(old_logps, engine_logps, sampled)
+    return (torch.expm1(log_ratio_N) - log_ratio_N).sum()
 
 
 def ratio_max(old_logps: Ragged, engine_logps: Ragged, mode: str, sampled: Ragged | None = None) -> torch.Tensor:
     """The largest importance ratio the mode looks at, before truncation or masking: a sequence's
     (`seq_tis`, `seq_mask`), a sequence's geometric mean (`mask`, `geo_mask`) or a token's (the
-    others); 0 with no tokens. A 0-dim tensor where the log-probabilities are: the loss calls this
-    per micro-batch, and the step reads the running maximum once (`ParityProbe`), so no micro-batch
-    waits on the device. `rollout/is_ratio_max` is its maximum over the step's ranks."""
+    others); 0 with no tokens. From the clamped log ratios, and a sequence's sum is clamped too, so
+    it is at most e^METRIC_LOG_RATIO_BOUND. A 0-dim tensor where the log-probabilities are: the loss
+    calls this per micro-batch, and the step reads the running maximum once (`ParityProbe`), so no
+    micro-batch waits on the device. `rollout/is_ratio_max` is its maximum over the step's ranks."""
     if old_logps.num_tokens == 0:
-        return torch.zeros((), dtype=old_logps.values.dtype, device=old_logps.values.device)
-    log_ratio_N = log_ratios(old_logps, engine_logps, sampled)
+        return torch.zeros((), dtype=torch.float64, device=old_logps.values.device)
+    log_ratio_N = metric_log_ratios(old_logps, engine_logps, sampled)
     per_seq = old_logps.with_values(log_ratio_N)
     if mode in ("seq_tis", "seq_mask"):
-        return torch.exp(per_seq.sum_per_seq()).max()
+        return torch.exp(per_seq.sum_per_seq().clamp(max=METRIC_LOG_RATIO_BOUND)).max()
     if mode in ("mask", "geo_mask"):
         return torch.exp(per_seq.sum_per_seq() / _sampled_counts(per_seq, sampled)).max()
     if sampled is not None:

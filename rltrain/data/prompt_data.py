@@ -10,7 +10,14 @@ from rltrain.data import tasks
 from rltrain.data.loading import eval_limit, train_and_eval_rows
 from rltrain.data.tokenize import check_messages, encode_all
 from rltrain.data.vision_inputs import VisionInputs
-from rltrain.data.vision_rows import IMAGE_COLUMNS, RowSource, has_image_column, source_of, vision_prompts
+from rltrain.data.vision_rows import (
+    IMAGE_COLUMNS,
+    RowSource,
+    columns_with_images,
+    has_image_column,
+    source_of,
+    vision_prompts,
+)
 from rltrain.runtime.errors import UserError
 
 
@@ -68,14 +75,17 @@ def _to_rows(
     return kept, len(rows) - len(kept)
 
 
-def _to_vision_rows(processor, rows: list[dict], source: RowSource, max_length: int) -> tuple[list[PromptRow], int]:
-    """`_to_rows` for rows with images (rltrain.data.vision_rows). The images travel in `images`, not
-    among the columns the reward functions get (their workers take plain data; a PIL image is not)."""
+def _to_vision_rows(
+    processor, rows: list[dict], source: RowSource, max_length: int, image_columns: tuple[str, ...]
+) -> tuple[list[PromptRow], int]:
+    """`_to_rows` for rows with images (rltrain.data.vision_rows). The images travel in `images` for
+    the engines, and among the columns (`image_columns` as PIL images) for the reward functions,
+    environments and judges (docs/rewards-and-roles.md)."""
     encoded = vision_prompts(processor, rows, source)
     kept = [
-        PromptRow(p.ids, p.text, {k: v for k, v in row.items() if k != "prompt" and k not in IMAGE_COLUMNS}, p.chat,
+        PromptRow(p.ids, p.text, columns_with_images(row, index, source, p.images, image_columns), p.chat,
                   row["prompt"] if p.chat else None, p.images, p.vision)
-        for row, p in zip(rows, encoded, strict=True)
+        for index, (row, p) in enumerate(zip(rows, encoded, strict=True))
         if len(p.ids) <= max_length
     ]
     return kept, len(rows) - len(kept)
@@ -94,8 +104,9 @@ def build_prompt_data(
     max_length = data_cfg.max_length
     if has_image_column(list(train_rows)):
         source = source_of(data_cfg.path, where)
-        train, dropped = _to_vision_rows(processor, list(train_rows), source, max_length)
-        evals, _ = _to_vision_rows(processor, list(eval_rows), source, max_length)
+        image_columns = (*IMAGE_COLUMNS, *([data_cfg.columns.images] if data_cfg.columns.images else []))
+        train, dropped = _to_vision_rows(processor, list(train_rows), source, max_length, image_columns)
+        evals, _ = _to_vision_rows(processor, list(eval_rows), source, max_length, image_columns)
         if not train:
             raise UserError(f"{where}: no prompts left (all longer than data.max_length={max_length}, visual tokens included).")
         return train, evals[: eval_limit(data_cfg)], dropped

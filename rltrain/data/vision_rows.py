@@ -49,6 +49,28 @@ def row_images(row: dict, index: int, source: RowSource) -> list[Any]:
     return [open_image(v, index, source) for v in values]
 
 
+def columns_with_images(row: dict, index: int, source: RowSource, images: list, image_columns: tuple[str, ...]) -> dict:
+    """The row's columns but `prompt`, for the reward functions, environments and judges that read
+    them: each of `image_columns` (`images`, `image`, and the column `data.columns.images` names)
+    as RGB PIL images, a list for a list and one for one, whichever layout the dataset gave (paths,
+    bytes, `datasets` Image values, PIL). A column holding what the row's `images` were read from
+    gets those very images, so each is decoded once."""
+    read_from = next((row[c] for c in IMAGE_COLUMNS if row.get(c) is not None), None)
+    columns = {}
+    for key, value in row.items():
+        if key == "prompt":
+            continue
+        if key in image_columns and value is not None:
+            if value is read_from or value == read_from:
+                value = list(images) if isinstance(value, list) else images[0]
+            elif isinstance(value, list):
+                value = [open_image(v, index, source) for v in value]
+            else:
+                value = open_image(value, index, source)
+        columns[key] = value
+    return columns
+
+
 def open_image(value: Any, index: int, source: RowSource):
     from PIL import Image, UnidentifiedImageError
 

@@ -34,12 +34,25 @@ def with_image_urls(messages: list[dict[str, Any]], urls: list[str]) -> list[dic
 
 def agent_row(row: PromptRow) -> dict[str, Any]:
     """The row an agent receives: `prompt` (its messages, image parts as data URLs, or its text),
-    every other column, and `images`: the row's images as PNG data URLs."""
-    columns = dict(row.columns)
+    every other column, and `images`: the row's images as PNG data URLs. Every other image column
+    (PIL images in a row's columns: rltrain.data.vision_rows.columns_with_images) is data URLs too,
+    so the row is JSON an agent can send as it is."""
     if not row.images:
-        return {"prompt": row.messages or row.text, **columns}
-    urls = [to_data_url(im) for im in row.images]
-    columns["images"] = urls  # the dataset's image column stays out of a row's columns (rltrain.data.prompt_data)
+        return {"prompt": row.messages or row.text, **row.columns}
+    from PIL import Image
+
+    encoded: dict[int, str] = {}  # the prompt's images are in its image columns too: encoded once
+
+    def as_urls(value: Any) -> Any:
+        if isinstance(value, Image.Image):
+            if id(value) not in encoded:
+                encoded[id(value)] = to_data_url(value)
+            return encoded[id(value)]
+        return [as_urls(v) for v in value] if isinstance(value, list) else value
+
+    urls = [as_urls(im) for im in row.images]
+    columns = {key: as_urls(value) for key, value in row.columns.items()}
+    columns["images"] = urls  # whatever the dataset's image column was called
     prompt = with_image_urls(row.messages, urls) if row.messages else row.text
     return {"prompt": prompt, **columns}
 

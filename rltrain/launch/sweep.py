@@ -74,7 +74,7 @@ def final_metrics(run_dir: Path, keys: tuple[str, ...] = METRIC_COLUMNS) -> dict
 
 def objective_value(run_dir: Path, key: str, last_n: int) -> float | None:
     """The mean of the last `last_n` finite values of `key` in metrics.jsonl; None when there are
-    none (a non-finite value is logged as a string such as "nan" and does not count)."""
+    none (a non-finite value is logged as null, in older files as a string such as "nan": neither counts)."""
     values = [float(r[key]) for r in metric_rows(run_dir) if isinstance(r.get(key), (int, float))]
     values = [v for v in values if math.isfinite(v)][-last_n:]
     return sum(values) / len(values) if values else None

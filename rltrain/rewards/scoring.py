@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from rltrain.config.algorithms import spec_of
 from rltrain.config.schema import Config, RewardConfig
+from rltrain.data.column_wire import to_wire
 from rltrain.rewards.code import COUNTED as CODE_COUNTED
 from rltrain.rewards.code import METRICS as CODE_METRICS
 from rltrain.rewards.judge.judge import METRICS as JUDGE_METRICS
@@ -28,6 +29,7 @@ from rltrain.rewards.judge.judge import LLMJudge
 from rltrain.rewards.sandbox.settings import check as check_sandbox
 from rltrain.rewards.sandbox.settings import worker_env
 from rltrain.rewards.thinking import DEFAULT_THINKING_END, THINKING_END_ENV
+from rltrain.rewards.worker_call import WORKER_CALL
 from rltrain.runtime.call_pool import Call, CallPool, CallResult
 from rltrain.runtime.errors import UserError
 from rltrain.runtime.user_code import load_callable
@@ -243,7 +245,9 @@ class RewardScorer:
         self.budget_s = collective_timeout_s / 2  # a rank's scoring never keeps a peer into the collective timeout
         pooled = [rf.call_path for rf in fns if not rf.in_process]
         env = {THINKING_END_ENV: thinking_end, **(worker_env(reward_cfg) if any(rf.metrics for rf in fns) else {})}
-        self.pool = CallPool(reward_cfg.workers, pooled, "reward function", env=env) if pooled else None
+        # The workers import every function as they start, and call each through WORKER_CALL, which
+        # decodes the images and bytes of its columns (JSON carries neither).
+        self.pool = CallPool(reward_cfg.workers, [WORKER_CALL, *pooled], "reward function", env=env) if pooled else None
         if self.pool is not None and start_workers:  # else they start on the first call (a replica's peers never score)
             self.pool.start()  # the workers import while the engines are built
         self.counted = {m for rf in fns if rf.path in REPORTING for m in REPORTING[rf.path][2]} | {m for rf in fns for m in rf.reports}
@@ -257,16 +261,21 @@ class RewardScorer:
         images: list[list] | None = None,
     ) -> tuple[dict[str, list[float]], Failures]:
         """Each function's rewards (one float per completion), each reported metric's values, and
-        the samples that failed. `images`: each completion's prompt images (PIL, as the rollout
-        engine saw them), for a reward model that reads them; user functions get the columns only."""
+        the samples that failed. `columns`: every column of each completion's row, a row's images
+        as PIL images (rltrain.data.vision_rows.columns_with_images), which cross to the workers
+        as PNG (rltrain.data.column_wire). `images`: each completion's prompt images (PIL, as the
+        rollout engine saw them), for a reward model that reads them as `prompt_images`."""
         failures = Failures()
         if not completions:
             return {name: [] for name in self.series_names()}, failures  # an empty slice: nothing is called
         deadline = time.monotonic() + self.budget_s
         bounds = chunk_bounds(groups, self.cfg.chunk_size, self.cfg.chunk_spans_groups)
         pooled = [rf for rf in self.fns if not rf.in_process]
+        wired = to_wire(columns) if pooled else {}  # each of the step's images encoded once
         calls = [
-            Call(rf.call_path, {"prompts": prompts[s:e], "completions": completions[s:e], **{k: v[s:e] for k, v in columns.items()}})
+            Call(WORKER_CALL, {"fn": rf.call_path, "kwargs": {
+                "prompts": prompts[s:e], "completions": completions[s:e], **{k: v[s:e] for k, v in wired.items()}
+            }})
             for rf in pooled
             for s, e in bounds
         ]

@@ -3,7 +3,8 @@ the console (a progress bar on a terminal, plain periodic lines otherwise). Only
 
 On resume the rows after the checkpoint's step are dropped from `metrics.jsonl` (they belong to
 the run that was stopped and will be produced again), so the file ends with exactly one row per
-step. W&B receives exactly the values written to the file, plus the sample tables (`samples/train`,
+step. A non-finite value is written `null`, never as a string. W&B receives exactly the values
+written to the file (a null left out), plus the sample tables (`samples/train`,
 `samples/eval`: rltrain.run.samples), which only W&B shows.
 """
 
@@ -24,9 +25,12 @@ from rltrain.config.schema import Config
 from rltrain.run.samples import Sample, samples_table
 
 
-def _clean(value: Any) -> Any:
+def finite_or_null(value: Any) -> Any:
+    """A non-finite float (a skipped step's `grad_norm`) as None, written `null`: `NaN` and
+    `Infinity` are not JSON that strict readers accept, and a string would mix text into a column of
+    numbers."""
     if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
+        return None
     return value
 
 
@@ -78,11 +82,11 @@ class MetricsLogger:
     def log(self, row: dict[str, Any]) -> None:
         if not self.is_main:
             return
-        row = {k: _clean(v) for k, v in row.items()}
+        row = {k: finite_or_null(v) for k, v in row.items()}
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
+        if self.wandb_run is not None:  # a null is a value W&B has no point for
+            self.wandb_run.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=int(row["step"]))
         self._console(row)
 
     def log_samples(self, key: str, step: int, samples: list[Sample]) -> None:
@@ -98,8 +102,11 @@ class MetricsLogger:
                 self.bar.write(_format(row, self.max_steps))
             else:
                 self.bar.n = step
+                loss, tokens_per_s = row.get("loss"), row.get("tokens_per_s")
                 self.bar.set_postfix(
-                    loss=f"{row.get('loss', float('nan')):.4f}", tok_s=f"{row.get('tokens_per_s', 0):.0f}", refresh=False
+                    loss=f"{loss:.4f}" if isinstance(loss, (int, float)) else "nan",
+                    tok_s=f"{tokens_per_s:.0f}" if isinstance(tokens_per_s, (int, float)) else "0",
+                    refresh=False,
                 )
                 self.bar.refresh()
             return

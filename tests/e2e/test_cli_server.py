@@ -34,29 +34,42 @@ def assert_versions(rows, k=0):
         assert r["time/sync"] > 0 or k > 0, r  # k >= 1: the push runs on the engine's queue, measured when it ran
 
 
+def spawned_server_run(run_dir) -> list[dict]:
+    """GRPO over one server the run spawns: versions, parity, and the server gone with the run."""
+    proc = rltrain(*RUN, "trainer.max_steps=2", "rollout.servers.spawn=1", run_dir=run_dir, timeout=600)
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["rollout/servers_up"] for r in rows] == [1] * 2
+    assert_versions(rows)
+    assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in rows), rows
+    pid = int(re.search(r"rltrain: rollout server http://127\.0\.0\.1:\d+ \(pid (\d+)", proc.stdout).group(1))
+    assert not os.path.exists(f"/proc/{pid}"), "the spawned server outlived the run"
+    return rows
+
+
+def test_a_spawned_server_serves_the_run_and_goes_with_it(tmp_path):
+    spawned_server_run(tmp_path / "spawned")
+
+
+@pytest.mark.slow  # completions do not depend on the server: tests/unit/rollout/test_rollout_server.py, in make test
 def test_a_spawned_server_and_two_given_ones_give_the_same_rows(rollout_servers, tmp_path):
-    """One server the run spawns (versions, parity, the server gone with the run) and the session's
-    two URL-given servers: the same rows, as per-request seeds make samples server-independent."""
-    runs = {}
-    for n, where in ((1, "rollout.servers.spawn=1"), (2, f"rollout.servers.urls=[{','.join(s.url for s in rollout_servers['servers'])}]")):
-        run_dir = tmp_path / f"servers-{n}"
-        proc = rltrain(*RUN, "trainer.max_steps=2", where, run_dir=run_dir, timeout=600)
-        runs[n] = train_rows(run_dir)
-        assert [r["step"] for r in runs[n]] == [1, 2]
-        assert [r["rollout/servers_up"] for r in runs[n]] == [n] * 2
-        assert_versions(runs[n])
-        assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in runs[n]), runs[n]
-        if n == 1:
-            pid = int(re.search(r"rltrain: rollout server http://127\.0\.0\.1:\d+ \(pid (\d+)", proc.stdout).group(1))
-            assert not os.path.exists(f"/proc/{pid}"), "the spawned server outlived the run"
-    for one, two in zip(runs[1], runs[2], strict=True):
-        keys = compared(one)
-        assert keys == compared(two)
+    """The session's two URL-given servers give the spawned server's rows, as per-request seeds make
+    samples server-independent."""
+    one = spawned_server_run(tmp_path / "servers-1")
+    run_dir = tmp_path / "servers-2"
+    rltrain(*RUN, "trainer.max_steps=2", f"rollout.servers.urls=[{','.join(s.url for s in rollout_servers['servers'])}]",
+            run_dir=run_dir, timeout=600)
+    two = train_rows(run_dir)
+    assert [r["rollout/servers_up"] for r in two] == [2] * 2
+    assert_versions(two)
+    for a, b in zip(one, two, strict=True):
+        keys = compared(a)
+        assert keys == compared(b)
         for key in keys:
             if key.startswith("rollout/logprob_diff"):  # the servers' batches differ: fp32 round-off
-                assert math.isclose(one[key], two[key], abs_tol=1e-6), (key, one[key], two[key])
+                assert math.isclose(a[key], b[key], abs_tol=1e-6), (key, a[key], b[key])
             else:
-                assert one[key] == two[key], (key, one[key], two[key])
+                assert a[key] == b[key], (key, a[key], b[key])
 
 
 # env=agent (docs/agents.md): examples/openai_agent.py, its endpoint served from the servers.

@@ -89,7 +89,10 @@ def test_time_sharing_with_images_changes_no_number(shared_runs, image_data, tmp
 
 
 def test_a_reward_model_trained_on_images_scores_a_grpo_run(tiny_cache, image_data, tmp_path):
-    """`+experiment=rm_then_ppo`'s two commands on images: algo=rm, then an RL run scored by its final/."""
+    """`+experiment=rm_then_ppo`'s two commands on images: algo=rm, then an RL run scored by its final/.
+    The RL run reads parquet in the datasets Image layout (image bytes, `data.columns.images=img`), and
+    a reward function beside the model gets both image columns as each row's PIL images in its worker
+    (it raises on anything else, which would stop the run)."""
     import json
 
     rm_dir = tmp_path / "rm"
@@ -106,9 +109,12 @@ def test_a_reward_model_trained_on_images_scores_a_grpo_run(tiny_cache, image_da
     assert (final / "preprocessor_config.json").is_file() or (final / "processor_config.json").is_file()
 
     grpo_dir = tmp_path / "grpo"
-    rltrain("algo=grpo", "model=tiny_vl", "rollout=hf", f"data.path={image_data / 'prompts.jsonl'}", "reward_model=hf",
+    rltrain("algo=grpo", "model=tiny_vl", "rollout=hf", f"data.path={image_data / 'prompts_image_layout.parquet'}",
+            "data.columns.images=img", "reward.fns=[sees_images_reward:sees_the_images]", "reward_model=hf",
             f"reward_model.path={final}", "algo.prompts_per_step=4", "algo.group_size=2", "trainer.max_steps=2",
-            "trainer.eval_every=0", "data.num_eval=2", "logger.wandb.mode=disabled", run_dir=grpo_dir, timeout=400)
+            "trainer.eval_every=0", "data.num_eval=2", "logger.wandb.mode=disabled", run_dir=grpo_dir,
+            env=reward_env(image_data), timeout=400)
     grpo_rows = train_rows(grpo_dir)
     assert len(grpo_rows) == 2
     assert all(math.isfinite(r["reward/model"]) and r["reward/model"] != 0.0 for r in grpo_rows)
+    assert all(r["reward/sees_the_images"] == 1.0 and r["reward/errors"] == 0.0 for r in grpo_rows), grpo_rows

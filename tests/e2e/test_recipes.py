@@ -58,6 +58,14 @@ STAND_IN_RUNS = {
     "agent_calculator": [*CPU, "trainer.max_steps=2", "algo.prompts_per_step=2", "algo.group_size=2", "data.num_eval=4",
                          "model.sft_steps=10", *SMALL_MODEL, "trainer.log_every=1"],
 }
+# Recipes whose run adds no mechanism to `make test` (it is run elsewhere at its cheapest level): their
+# stand-in runs are `slow`; every recipe still composes and passes the run's checks in `make test`.
+RUN_ELSEWHERE = {
+    "agent_calculator": "tests/e2e/test_cli_agent.py", "dr_grpo": "tests/unit/algos (the objective)",
+    "grpo_calculator": "tests/e2e/test_cli_env.py", "grpo_code": "tests/e2e/test_cli_code_reward.py",
+    "grpo_vision": "tests/e2e/test_cli_vision_rl.py", "gspo": "tests/unit/algos (the objective)",
+    "kto_unpaired": "tests/e2e/test_cli_kto.py", "simpo_ultrafeedback": "dpo_ultrafeedback's run (the same data)",
+}
 # Recipes named by the objective their algorithm runs (`+experiment=gspo` is algo=grpo with GSPO's loss).
 OBJECTIVE_OF = {"gspo": "grpo"}
 # Recipes of a first real run: a Hub model and a Hub dataset (the others run on the built-in tiny model and task).
@@ -118,7 +126,23 @@ def test_every_recipe_composes_names_its_hardware_and_sources_and_is_documented(
         assert cfg.algo.name in named_by or cfg.env.name in named_by  # named by its algorithm (or objective), or its env
 
 
-@pytest.mark.parametrize("name", sorted(STAND_IN_RUNS))
+@pytest.mark.parametrize("name", RECIPES)
+def test_each_recipe_with_its_stand_in_settings_passes_the_runs_checks(stand_ins, tmp_path, name):
+    """What a run checks before it builds anything (rltrain/preflight/validate.py), for every recipe as
+    its stand-in run composes it (a two-command recipe's first model: a tiny reward model, or the tiny
+    model as the judge): the cheap half of the stand-in runs below."""
+    from rltrain.models.tiny_reward import build_tiny_reward_model_dir
+    from rltrain.preflight.validate import validate
+
+    first = []
+    if name == "rm_then_ppo":
+        first = [f"reward_model.path={build_tiny_reward_model_dir(tmp_path / 'rm')}"]
+    if name == "judge_then_grpo":
+        first = [f"reward_model.path={stand_ins['Qwen/Qwen2.5-0.5B-Instruct']}"]
+    validate(compose_config(f"+experiment={name}", *STAND_IN_RUNS[name], *first))
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in RUN_ELSEWHERE else n for n in RECIPES])
 def test_each_recipe_runs_offline_on_its_stand_ins(stand_ins, tmp_path, name):
     run_dir = tmp_path / "run"
     first = []

@@ -20,6 +20,7 @@ from rltrain.algos.rl.config import RLConfig
 from rltrain.algos.rl.experience import BatchLayout, Experience
 from rltrain.algos.rollout_correction import (
     CorrectionBands,
+    clamped_tokens,
     correction,
     correction_metrics,
     mismatch_kl_sum,
@@ -186,6 +187,7 @@ def make_policy_loss(
         metrics: dict[str, torch.Tensor | float] = dict(loss_metrics)
         metrics.update(correction_metrics(weights, keep_B, batch.num_sampled_tokens, e.global_tokens, e.global_seqs, sampled))
         metrics["rollout/mismatch_kl"] = mismatch_kl_sum(old, engine_logps, sampled) / max(float(e.global_tokens), 1.0)
+        metrics["rollout/clamped_tokens"] = clamped_tokens(old, engine_logps, sampled)
         if parity is not None:
             parity.observe_ratio(ratio_max(old, engine_logps, mode, sampled))
         if e.measure_parity:
@@ -302,6 +304,10 @@ class Learner:
             ref_logps=exp.ref_logps, measure_parity=self.fused,
         )
         out = self.update.run(self.policy, exp.batch, inputs, self.loss_fn, with_entropy=self.fused, episode_of=exp.episode_of)
+        # A count per mini-batch, averaged over the updates like every metric: each pass over the
+        # mini-batches counts the batch once, so mini_batches times the average is the batch's count.
+        if "rollout/clamped_tokens" in out:  # (absent when every micro-batch's loss failed and was replaced)
+            out["rollout/clamped_tokens"] *= self.update.mini_batches
         out["rollout/logprob_diff_max"] = global_max(self.parity.max_diff)
         out["rollout/is_ratio_max"] = global_max(self.parity.max_ratio)
         if not self.fused:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+from fractions import Fraction
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from rltrain.algos.advantages import group_advantages
+from rltrain.algos.grpo import GRPO
 from rltrain.algos.policy_loss import PolicyLossInputs, aggregate, k3_kl
 from rltrain.algos.policy_loss import policy_loss as grpo_loss
 from rltrain.data.ragged import Ragged
@@ -46,6 +49,64 @@ def test_a_group_of_equal_rewards_gets_exactly_zero_advantage(scale, reward):
     assert adv[:8].tolist() == [0.0] * 8
     assert (adv[8:] != 0).all()
     assert adv[8:].sum().abs() < 1e-5
+
+
+def reference_advantages(rewards: list[float], group_size: int, scale: str, eps: float = 1e-6) -> list[float]:
+    """(r - mean) / (std + eps) from the formula, the mean and variance exact (fractions of the
+    float64 rewards), the std unbiased."""
+    def exact_std(values: list[float]) -> float:
+        mean = sum(map(Fraction, values)) / len(values)
+        return math.sqrt(sum((Fraction(v) - mean) ** 2 for v in values) / (len(values) - 1))
+
+    out = []
+    for g in range(0, len(rewards), group_size):
+        group = rewards[g : g + group_size]
+        mean = sum(map(Fraction, group)) / group_size
+        scale_by = {"group": exact_std(group), "batch": exact_std(rewards), "none": None}[scale]
+        out += [float(Fraction(r) - mean) / (1.0 if scale_by is None else scale_by + eps) for r in group]
+    return out
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("gap", [1e-9, 1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3])
+def test_near_tied_rewards_keep_their_order(scale, gap):
+    # One reward above 31 equal ones (below float32's resolution at 0.99 from 1e-7 down), beside a
+    # group with two near-tied levels: centred in float32 every member once got the same sign.
+    rewards = [0.99] * 31 + [0.99 + gap] + [0.3 + gap * (i % 2) for i in range(32)]
+    adv = group_advantages(torch.tensor(rewards, dtype=torch.float64), 32, scale)
+    assert adv.dtype == torch.float32
+    expected = reference_advantages(rewards, 32, scale)
+    for got, want in zip(adv.tolist(), expected, strict=True):
+        assert got == pytest.approx(want, rel=1e-6, abs=0.0)
+    assert (adv[:31] < 0).all() and adv[31] > 0
+    for group in adv.view(-1, 32):  # within 1e-6 x group size, and relative to the advantages' size below 1
+        assert abs(float(group.double().sum())) <= 1e-6 * 32 * min(1.0, float(group.abs().max()))
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_random_groups_sum_to_zero_and_follow_the_formula(scale):
+    g = torch.Generator().manual_seed(0)
+    for group_size in (2, 5, 16):
+        base_G1 = torch.rand(6, 1, generator=g, dtype=torch.float64) * 10 - 5
+        gaps_G1 = 10.0 ** -torch.randint(0, 10, (6, 1), generator=g).double()  # each group's spread, 1 .. 1e-9
+        rewards = (base_G1 + gaps_G1 * torch.rand(6, group_size, generator=g, dtype=torch.float64)).reshape(-1)
+        adv = group_advantages(rewards, group_size, scale)
+        for got, want in zip(adv.tolist(), reference_advantages(rewards.tolist(), group_size, scale), strict=True):
+            assert got == pytest.approx(want, rel=1e-6, abs=0.0), (group_size, scale)
+        for group in adv.view(-1, group_size):
+            assert abs(float(group.double().sum())) <= 1e-6 * group_size * min(1.0, float(group.abs().max()))
+
+
+def test_grpo_takes_the_rewards_as_scored():
+    """GRPO hands the float64 scores to `group_advantages` uncast (a cast to float32 first rounds
+    0.99 + 1e-7 to 0.99's neighbour and every member of the group gets +0.106)."""
+    stand_in = SimpleNamespace(algo_cfg=SimpleNamespace(group_size=32, scale_rewards="group"),
+                               collector=SimpleNamespace(layout=SimpleNamespace(offset=0)))
+    scores = torch.tensor([0.99] * 31 + [0.99 + 1e-7], dtype=torch.float64)
+    exp = SimpleNamespace(global_scores=scores, scores_B=scores, episode_of=None)
+    adv = GRPO.advantages(stand_in, exp).adv  # type: ignore[arg-type]
+    assert adv.tolist() == pytest.approx(reference_advantages(scores.tolist(), 32, "group"), rel=1e-6)
+    assert adv[0] == pytest.approx(-0.00307, rel=1e-3) and adv[31] == pytest.approx(0.0952, rel=1e-3)
 
 
 def example():

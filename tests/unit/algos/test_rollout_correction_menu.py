@@ -12,6 +12,7 @@ import torch
 
 from rltrain.algos.rollout_correction import (
     CorrectionBands,
+    clamped_tokens,
     correction,
     correction_metrics,
     mismatch_kl_sum,
@@ -130,3 +131,99 @@ def test_each_mode_equals_the_padded_reference_on_random_ragged_batches(mode, se
     else:
         got_BT, _ = weights.to_padded()
         torch.testing.assert_close(got_BT * mask_BT, want_BT * mask_BT)
+
+
+def _k3_series(x: float) -> float:
+    """k3 = e^x - 1 - x by its Taylor series, in float64, for |x| <= 1e-2 (independent of expm1)."""
+    return x * x / 2 + x**3 / 6 + x**4 / 24 + x**5 / 120 + x**6 / 720
+
+
+@pytest.mark.parametrize("gap", [1e-6, -1e-6, 1e-5, 1e-4, -1e-4, 3e-4, 1e-3, -1e-2])
+def test_the_mismatch_kl_of_tiny_log_ratios_is_not_rounded_away(gap):
+    # fp32 engines and trainers differ by such gaps: `exp(x) - 1 - x` in float32 read 0 up to
+    # |x| = 1e-4 and 34% low at 3e-4. The float32 log-probabilities' exact gap is the reference's x.
+    old = _ragged([-1.0, -2.5, -0.25], [3])
+    engine = old.with_values(old.values - gap)
+    exact_x = (old.values.double() - engine.values.double()).tolist()
+    k3 = sum(_k3_series(x) for x in exact_x)
+    assert float(mismatch_kl_sum(old, engine)) == pytest.approx(k3, rel=1e-3)
+
+
+ENGINE_FLOOR = -9999.0  # vLLM's log-probability of a token it gives no probability (rollout/server/batch_route.py)
+
+
+@pytest.mark.parametrize("mode", ["none", "tis", "mask", "seq_tis", "seq_mask", "geo_mask", "icepop"])
+def test_an_engine_log_probability_at_the_floor_keeps_every_metric_finite(mode):
+    from types import SimpleNamespace
+
+    from rltrain.algos.grpo import GRPOConfig
+    from rltrain.algos.rl.update import ParityProbe, PolicyBatchInputs, make_policy_loss
+    from rltrain.backends.base import PolicyOutput
+    from rltrain.data.batch import SequenceBatch
+
+    batch = SequenceBatch.from_lists([[1, 2], [3]], [[4, 5, 6], [7, 8]])
+    old = _ragged([-1.0, -2.0, -0.5, -3.0, -0.7], [3, 2])
+    engine = old.with_values(torch.tensor([-1.0, ENGINE_FLOOR, -0.5, -3.0, -0.7]))
+    batch.loss_inputs = PolicyBatchInputs(adv=torch.tensor([1.0, -1.0]), engine_logps=engine, old_logps=old,
+                                          measure_parity=True, global_tokens=5.0, global_seqs=2.0)
+    cfg = SimpleNamespace(**{**vars(GRPOConfig()), "rollout_correction": mode})
+    probe = ParityProbe()
+    loss, metrics = make_policy_loss(cfg, probe)(PolicyOutput(old.with_values(old.values.clone().requires_grad_()), None), batch)
+    assert math.isfinite(float(loss.detach()))
+    for key, value in metrics.items():
+        assert math.isfinite(float(value)), (key, float(value))
+    assert float(metrics["rollout/clamped_tokens"]) == 1.0
+    # one token's log ratio 9997 read as 20: k3 = e^20 - 21 over 5 tokens; the ratio at most e^20
+    assert float(metrics["rollout/mismatch_kl"]) == pytest.approx((math.exp(20.0) - 21.0) / 5, rel=1e-9)
+    assert 1.0 < probe.max_ratio <= math.exp(20.0) * (1 + 1e-12)
+
+
+def test_clamped_tokens_counts_the_sampled_tokens_past_the_bound():
+    old = _ragged([-1.0, -2.0, -0.5, -3.0], [2, 2])
+    engine = old.with_values(torch.tensor([ENGINE_FLOOR, -2.0, float("nan"), -3.0 - 25.0]))
+    assert float(clamped_tokens(old, engine)) == 3.0
+    sampled = Ragged.from_lengths(torch.tensor([0.0, 1.0, 1.0, 1.0]), [2, 2])  # the first is an observation
+    assert float(clamped_tokens(old, engine, sampled)) == 2.0
+    assert float(clamped_tokens(old, old)) == 0.0
+
+
+class _SummingEngine:
+    """A stand-in policy engine: `train_step` calls the loss on each micro-batch with the batch's
+    old log-probabilities as the model's and sums the metrics, as a real engine reduces them."""
+
+    world_size = 1
+
+    def train_step(self, micro, loss_fn, with_entropy=False):
+        from rltrain.backends.base import PolicyOutput
+
+        sums: dict[str, float] = {}
+        for mb in micro:
+            if len(mb):
+                _, metrics = loss_fn(PolicyOutput(mb.loss_inputs.old_logps, None), mb)
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0.0) + float(value)
+        return sums
+
+
+@pytest.mark.parametrize("mini_batches, iterations", [(1, 1), (2, 1), (2, 3), (4, 2)])
+def test_the_step_logs_the_batchs_count_of_clamped_tokens(mini_batches, iterations):
+    """Metrics are averaged over a step's updates; the count is the whole batch's, once, however
+    the batch is split into mini-batches and passed over."""
+    from types import SimpleNamespace
+
+    from rltrain.algos.grpo import GRPOConfig
+    from rltrain.algos.rl.experience import BatchLayout
+    from rltrain.algos.rl.update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
+    from rltrain.data.batch import SequenceBatch
+
+    batch = SequenceBatch.from_lists([[1], [2], [3], [4]], [[5, 6], [7], [8, 9], [10]])
+    old = _ragged([-1.0, -2.0, -0.5, -3.0, -0.7, -0.2], [2, 1, 2, 1])
+    engine = old.with_values(torch.tensor([ENGINE_FLOOR, ENGINE_FLOOR, -0.5, -3.0, -0.7, ENGINE_FLOOR]))
+    exp = SimpleNamespace(batch=batch, engine_logps=engine, old_logps=old, entropy=None, ref_logps=None, episode_of=None,
+                          counts=torch.tensor([6.0, 4.0, 0.0, 6.0, 0.0], dtype=torch.float64))
+    probe = ParityProbe()
+    update = MiniBatchUpdate(BatchLayout(4, 1, 0, 1), mini_batches, iterations, micro_batch_size=1, token_budget=0)
+    learner = Learner(_SummingEngine(), update, make_policy_loss(GRPOConfig(), probe), probe, fused=False)  # type: ignore[arg-type]
+    out = learner.update_policy(exp, torch.tensor([1.0, -1.0, 0.5, -0.5]))  # type: ignore[arg-type]
+    assert out["rollout/clamped_tokens"] == 3.0
+    assert math.isfinite(out["rollout/mismatch_kl"]) and out["rollout/is_ratio_max"] == pytest.approx(math.exp(20.0))

@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from rltrain.config.schema import DataColumns, DataConfig
+from rltrain.data.prompt_data import build_prompt_data
 from rltrain.data.sft_data import build_sft_data
 from rltrain.models.tokenizer import load_tokenizer
 from rltrain.models.vision import load_processor
@@ -121,8 +122,6 @@ def test_visual_tokens_count_towards_max_length(processor, tmp_path):
 
 
 def test_rl_prompts_keep_their_images_for_the_rollout_and_the_trainer(processor, tmp_path):
-    from rltrain.data.prompt_data import build_prompt_data
-
     (tmp_path / "a.png").write_bytes(png((56, 56)))
     rows = [{"image": "a.png", "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}],
              "answer": "red"},
@@ -204,3 +203,44 @@ def test_preference_pairs_carry_their_prompts_images(processor, tmp_path):
     grids = [v.tensors["image_grid_thw"].tolist() for v in batch.extras[VISION]]
     assert grids == [[[1, 4, 4]], [[1, 4, 4]], [[1, 2, 2]], [[1, 2, 2]]]
     assert [v.tensors["image_grid_thw"].tolist() for v in batch.select([3, 0]).extras[VISION]] == [[[1, 2, 2]], [[1, 4, 4]]]
+
+
+def _is_rgb_square(image, size, colour) -> bool:
+    return isinstance(image, Image.Image) and image.mode == "RGB" and image.size == size and image.getpixel((0, 0)) == colour
+
+
+@pytest.mark.parametrize("layout", ["path", "bytes", "image value", "image value with a path", "PIL"])
+def test_rl_rows_give_their_image_columns_as_pil_images_in_every_layout(processor, tmp_path, layout):
+    """What the reward functions, environments and judges read: the image columns as RGB PIL images
+    (the mapped column `data.columns.images` names too), whichever layout the dataset gave; a
+    parquet file holds the datasets Image layout, a saved dataset PIL images."""
+    import datasets
+
+    red, blue = (200, 0, 0), (0, 0, 200)
+    (tmp_path / "a.png").write_bytes(png((56, 56), red))
+    (tmp_path / "b.png").write_bytes(png((28, 28), blue))
+    as_layout = {
+        "path": lambda name: name,
+        "bytes": lambda name: (tmp_path / name).read_bytes(),
+        "image value": lambda name: {"bytes": (tmp_path / name).read_bytes(), "path": None},
+        "image value with a path": lambda name: {"bytes": None, "path": str(tmp_path / name)},
+        "PIL": lambda name: Image.open(tmp_path / name),
+    }[layout]
+    columns = {"pics": [[as_layout("a.png")]], "image": [as_layout("b.png")], "prompt": ["<image>colour? "],
+               "answer": ["red"]}
+    if layout == "PIL":
+        path = tmp_path / "saved"
+        features = datasets.Features({"pics": [datasets.Image()], "image": datasets.Image(), "prompt": datasets.Value("string"),
+                                      "answer": datasets.Value("string")})
+        datasets.Dataset.from_dict(columns, features=features).save_to_disk(str(path))
+    else:
+        path = tmp_path / "rows.parquet"
+        datasets.Dataset.from_dict(columns).to_parquet(str(path))
+    cfg = DataConfig(path=str(path), eval_fraction=0.0, columns=DataColumns(images="pics"))
+    (row,), _, _ = build_prompt_data(processor.tokenizer, cfg, 0, processor=processor)
+    (image,) = row.images  # the prompt's images are the mapped column's
+    assert _is_rgb_square(image, (56, 56), red)
+    assert row.columns["images"] == [image] and row.columns["pics"] == [image]  # the mapped column and its copy: decoded once
+    assert row.columns["images"][0] is image and row.columns["pics"][0] is image
+    assert _is_rgb_square(row.columns["image"], (28, 28), blue)  # `image`, one image, besides
+    assert row.columns["answer"] == "red" and "prompt" not in row.columns

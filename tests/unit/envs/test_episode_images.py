@@ -320,6 +320,18 @@ def test_episodes_without_new_images_keep_their_rows_and_rows_reach_user_code_as
     json.dumps(as_agent)  # plain data: it crosses the pipe to the agent's worker
 
 
+def test_every_image_column_reaches_environments_as_pil_and_agents_as_data_urls():
+    """A row's image columns hold PIL images (rltrain.data.vision_rows.columns_with_images): the
+    mapped column and `image` beside `images`; each crosses to the user's code in its form."""
+    row = row_with_red()
+    chat = PromptRow(row.ids, row.text, {"images": [RED], "pics": [RED], "image": GREEN, "answer": "red"}, True,
+                     [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}], [RED], row.vision)
+    as_env = from_wire(json.loads(json.dumps(to_wire(environment_row(chat)))), "row")
+    assert same(as_env["pics"][0], RED) and same(as_env["image"], GREEN) and as_env["answer"] == "red"
+    as_agent = json.loads(json.dumps(agent_row(chat)))  # plain data: it crosses the pipe to the agent's worker
+    assert as_agent["images"] == as_agent["pics"] == [to_data_url(RED)] and as_agent["image"] == to_data_url(GREEN)
+
+
 def test_completions_with_their_own_images_survive_a_checkpoint():
     done = Completion(0, [1, 2], [-0.1, -0.2], True, [True, False], [3], None, [RED, GREEN])
     (back,) = completions_from_json(json.loads(json.dumps(completions_to_json([done]))))

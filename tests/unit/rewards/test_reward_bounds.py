@@ -53,6 +53,12 @@ FIXTURES = textwrap.dedent('''
         import numpy
         return numpy.ones(len(completions), dtype=numpy.float32)
 
+    def sees_its_images(prompts, completions, images, image, blob, **_):
+        from PIL import Image
+        def red(im):
+            return isinstance(im, Image.Image) and im.mode == "RGB" and im.getpixel((0, 0)) == (200, 0, 0)
+        return [float(all(map(red, ims)) and red(one) and b == b"\\x00\\xff") for ims, one, b in zip(images, image, blob)]
+
     def pid(prompts, completions, **_):
         time.sleep(0.3)  # long enough for the second worker to be ready and take a share
         return [float(os.getpid())] * len(completions)
@@ -112,13 +118,27 @@ def test_worker_scores_equal_a_direct_call_and_an_empty_slice_calls_nothing(rewa
         per_fn, failures = s.score(["p"] * 4, ["1", "2", "3", "4"], {"answer": ["1", "0", "3", "0"]}, groups_of(2, 2))
         assert per_fn == {"exact": [1.0, 0.0, 1.0, 0.0]} and failures.timeouts == failures.errors == 0
         assert s.score([], [], {}, [])[0] == {"exact": []}
-        with pytest.raises(UserError, match="cannot be sent to its worker: bytes is not JSON-serialisable"):
-            s.score(["p"], ["1"], {"answer": [b"1"]}, [0])  # calls and results cross as JSON, not pickle
+        with pytest.raises(UserError, match="cannot be sent to its worker: set is not JSON-serialisable"):
+            s.score(["p"], ["1"], {"answer": [{"1"}]}, [0])  # calls and results cross as JSON, not pickle
     finally:
         s.close()
     s = scorer("numpy_floats", module=rewards_module)
     try:
         assert s.score(["p"] * 2, ["a", "b"], {}, [0, 0])[0] == {"numpy_floats": [1.0, 1.0]}
+    finally:
+        s.close()
+
+
+def test_a_rows_images_and_bytes_reach_the_worker_as_pil_images_and_bytes(rewards_module):
+    from PIL import Image
+
+    red = Image.new("RGB", (28, 28), (200, 0, 0))
+    s = scorer("sees_its_images", module=rewards_module)
+    try:
+        columns = {"images": [[red, red], [red]], "image": [red, red], "blob": [b"\x00\xff", b"\x00\xff"]}
+        assert s.score(["p", "p"], ["a", "b"], columns, [0, 0])[0] == {"sees_its_images": [1.0, 1.0]}
+        blue = Image.new("RGB", (28, 28), (0, 0, 200))
+        assert s.score(["p"], ["a"], {"images": [[blue]], "image": [red], "blob": [b"\x00\xff"]}, [0])[0] == {"sees_its_images": [0.0]}
     finally:
         s.close()
 
