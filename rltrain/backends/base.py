@@ -35,6 +35,9 @@ class PolicyOutput:
     # A Mixture-of-Experts model's load-balancing loss for this micro-batch (engine-internal: the
     # engine weights and adds it; algorithms ignore it). None for dense models.
     aux_loss: torch.Tensor | None = None
+    # The same for its router z-loss, and its load imbalance (a metric): docs/moe.md.
+    z_loss: torch.Tensor | None = None
+    load_imbalance: torch.Tensor | None = None
     # A critic's values (fp32), ragged exactly like `logps` would be.
     values: Ragged | None = None
 
@@ -57,11 +60,15 @@ def scored_output(
     entropy: Ragged | None = None,
     anchor: torch.Tensor | None = None,
     aux_loss: torch.Tensor | None = None,
+    z_loss: torch.Tensor | None = None,
+    load_imbalance: torch.Tensor | None = None,
 ) -> PolicyOutput:
     """The PolicyOutput of an engine that scores `scores`, with `scored` in its field."""
-    if scores == "values":
-        return PolicyOutput(logps=None, entropy=entropy, anchor=anchor, aux_loss=aux_loss, values=scored)
-    return PolicyOutput(logps=scored, entropy=entropy, anchor=anchor, aux_loss=aux_loss)
+    logps, values = (None, scored) if scores == "values" else (scored, None)
+    return PolicyOutput(
+        logps=logps, entropy=entropy, anchor=anchor, aux_loss=aux_loss, values=values, z_loss=z_loss,
+        load_imbalance=load_imbalance,
+    )
 
 
 def wrong_scores_error(engine: str, scores: Scores, called: str) -> TypeError:

@@ -16,6 +16,7 @@ from omegaconf import MISSING
 from rltrain.config.choices import choice
 
 RolloutProcess = Literal["colocated", "separate"]  # separate: the engine in a child process (rollout/separate.py)
+RolloutQuantization = Literal["none", "fp8"]  # fp8: vLLM quantizes the weights at every load (docs/moe.md)
 EnvName = Literal["none", "python", "tools"]  # rltrain/envs
 # The weight push's pair group (rltrain/rollout/server/push.py `push_backend`): auto picks NCCL where
 # the trainer and a server it did not spawn both run on CUDA, gloo otherwise.
@@ -76,6 +77,7 @@ class VLLMRolloutConfig(RolloutConfig):
     gpu_memory_utilization: float = 0.5  # fraction of the GPU the engine may take (weights + KV cache)
     tensor_parallel_size: int = 1
     enforce_eager: bool = False  # true: no CUDA graphs (the CPU build always runs eagerly)
+    quantization: str = choice("none", RolloutQuantization)  # fp8: vLLM's online fp8 weights, engine in bf16/fp16
     sleep_level: int = 1  # time sharing: 1 keeps the weights in host memory, 2 drops them (resynced)
     bucket_mb: int = 64  # process=separate: shared-memory bucket size of the weight transport
     timeout_s: float = 300.0  # process=separate: bound on every wait for the child (a reply, a bucket)

@@ -49,7 +49,7 @@ WandbMode = Literal["auto", "online", "offline", "disabled"]  # auto: online wit
 Schedule = Literal["cosine", "linear", "constant"]
 # AdamW's kernels (torch.optim.AdamW): one launch per tensor, per tensor list, or one fused kernel.
 OptimImplementation = Literal["auto", "for-loop", "foreach", "fused"]
-Arch = Literal["qwen2", "llama", "qwen2_vl"]  # the tiny model only (qwen2_vl: model=tiny_vl, rltrain/models/tiny_vl.py)
+Arch = Literal["qwen2", "llama", "qwen2_vl", "qwen3_moe"]  # the tiny model only (qwen2_vl: model=tiny_vl, qwen3_moe: model=tiny_moe)
 SweepDirection = Literal["maximize", "minimize"]
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")  # the YAML tree every group's option lives in
@@ -106,6 +106,24 @@ class LoraAdapterConfig:
     save_merged: bool = False  # final/merged/: the base with the adapters merged in, a plain HF model
 
 
+TINY_MOE_HEAD_DIM = 32  # the tiny MoE's attention head size: the smallest vLLM's CPU attention accepts
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-Experts settings (docs/moe.md). The shape keys build the tiny MoE
+    (model=tiny_moe, rltrain/models/tiny_moe.py); a `model.path` checkpoint has its own shape.
+    The loss coefficients apply to any MoE."""
+
+    num_experts: int = 8  # experts per MoE layer of the tiny MoE
+    experts_per_token: int = 2  # its router's top-k
+    expert_intermediate_size: int = 128  # each expert's MLP width
+    # The router's training losses: load balancing (null: the checkpoint's own setting, off for RL)
+    # and z-loss (0: off), on any MoE under backend=fsdp
+    aux_loss_coef: float | None = None
+    z_loss_coef: float = 0.0
+
+
 @dataclass
 class ModelConfig:
     """`path=null` builds the embedded tiny model; otherwise a Hugging Face model directory or Hub id
@@ -132,6 +150,7 @@ class ModelConfig:
     sft_carry_problems: int | None = None  # its data.max_carry_problems (the RL run keeps every problem)
     sft_forgotten_carries: float = 0.0  # its data.forgotten_carries (the RL run's reward wants every carry)
     lora: LoraAdapterConfig = field(default_factory=LoraAdapterConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 @dataclass
@@ -318,7 +337,10 @@ GROUP_SCHEMAS: dict[str, Mapping[str, type]] = {
     "algo": ALGORITHM_CONFIGS,  # declared by the algorithms themselves, read when first asked
     "backend": {"fsdp": FSDPBackendConfig, "megatron": MegatronBackendConfig},
     "rollout": {"vllm": VLLMRolloutConfig, "hf": HFRolloutConfig, "server": ServerRolloutConfig},
-    "model": {"tiny": ModelConfig, "tiny_sft": ModelConfig, "tiny_vl": ModelConfig, "tiny_vl_sft": ModelConfig},
+    "model": {
+        "tiny": ModelConfig, "tiny_sft": ModelConfig, "tiny_vl": ModelConfig, "tiny_vl_sft": ModelConfig,
+        "tiny_moe": ModelConfig, "tiny_moe_sft": ModelConfig,
+    },
     "reference": {"default": ReferenceConfig},
     "critic": {"default": CriticConfig},
     "teacher": {"default": TeacherConfig},

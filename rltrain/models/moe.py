@@ -8,6 +8,7 @@ are requested only from a real MoE model that asks for them. docs/internals/mode
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,65 @@ def num_experts(config: Any) -> int:
 
 def is_moe(config: Any) -> bool:
     return num_experts(config) > 1
+
+
+def checkpoint_weights(
+    model: PreTrainedModel, weights: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A MoE model's named tensors under its checkpoint's names and layout, one tensor at a time.
+
+    transformers 5 fuses each layer's experts into 3-D parameters on load (`experts.gate_up_proj`
+    [E, 2I, H]); checkpoints, vLLM and the megatron converter name every expert's matrices
+    (`experts.{e}.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.{e}.w1.weight`). The
+    family's own reverse conversion (what `save_pretrained` applies) splits each fused tensor alone."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    for name, tensor in weights:
+        for checkpoint_name, part in revert_weight_conversion(model, {name: tensor}).items():
+            yield checkpoint_name, part.contiguous()
+
+
+@dataclass(frozen=True)
+class CheckpointPlace:
+    """Where a checkpoint tensor lives in the model: its flat element indices in one parameter."""
+
+    name: str
+    flat_index: torch.Tensor  # the checkpoint tensor's shape
+
+    def write(self, params: dict[str, torch.Tensor], tensor: torch.Tensor) -> None:
+        target = params[self.name]
+        target.data.view(-1)[self.flat_index.flatten()] = tensor.flatten().to(target.device, target.dtype)
+
+
+def checkpoint_places(model: PreTrainedModel) -> dict[str, CheckpointPlace]:
+    """For each checkpoint tensor of a MoE model that is not one of the model's own (its experts,
+    fused on load), where its elements sit in the model's parameters: the inverse of
+    `checkpoint_weights`, found by sending each parameter's element indices through it, so an
+    engine that receives checkpoint names writes in place. The indices cost as much memory as
+    the fused experts (int32 where they fit)."""
+    places: dict[str, CheckpointPlace] = {}
+    for name, tensor in model.state_dict().items():
+        dtype = torch.int32 if tensor.numel() < 2**31 else torch.int64
+        index = torch.arange(tensor.numel(), dtype=dtype).reshape(tensor.shape)
+        for checkpoint_name, part in checkpoint_weights(model, [(name, index)]):
+            if checkpoint_name != name:
+                places[checkpoint_name] = CheckpointPlace(name, part.long() if dtype == torch.int32 else part)
+    return places
+
+
+def load_checkpoint_weights(
+    model: PreTrainedModel, weights: dict[str, torch.Tensor]
+) -> tuple[list[str], list[str]]:
+    """`load_state_dict(weights, strict=False)` for tensors under the checkpoint's names (what
+    `export_weights` sends): (missing, unexpected) as it reports them."""
+    places = checkpoint_places(model) if is_moe(model.config) else {}
+    params = model.state_dict(keep_vars=True)
+    placed = {place.name for name, place in places.items() if name in weights}
+    for name, place in places.items():
+        if name in weights:
+            place.write(params, weights[name])
+    missing, unexpected = model.load_state_dict({k: v for k, v in weights.items() if k not in places}, strict=False)
+    return [m for m in missing if m not in placed], list(unexpected)
 
 
 def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
@@ -71,29 +131,95 @@ def _register_every_expert() -> None:
         ALL_EXPERTS_FUNCTIONS.register(EVERY_EXPERT, every_expert_forward)
 
 
+@dataclass(frozen=True)
+class RouterLosses:
+    """`model.moe.aux_loss_coef` and `model.moe.z_loss_coef` as the run resolves them
+    (`router_losses`); None: the checkpoint's own load-balancing setting."""
+
+    aux_loss_coef: float | None = None
+    z_loss_coef: float = 0.0
+
+
+def router_losses(aux_loss_coef: float | None, z_loss_coef: float, generates: bool) -> RouterLosses:
+    """The run's router losses: an unset `aux_loss_coef` is the checkpoint's own setting for an
+    algorithm trained on data, and off for one that generates its own (RL: peers keep it off,
+    docs/moe.md)."""
+    if aux_loss_coef is None and generates:
+        aux_loss_coef = 0.0
+    return RouterLosses(aux_loss_coef, z_loss_coef)
+
+
 @dataclass
 class MoEInfo:
     num_experts: int
     top_k: int
-    aux_loss_coef: float  # 0 = no router logits requested
+    aux_loss_coef: float  # 0: no load-balancing loss
     implementation: str
+    z_loss_coef: float = 0.0  # 0: no router z-loss
 
 
-def prepare_moe(model: PreTrainedModel) -> MoEInfo | None:
+@dataclass
+class RouterTerms:
+    """One training micro-batch's router terms, over its real tokens (docs/moe.md, "Router losses
+    and metrics"): the losses where their coefficients ask for them, and the load imbalance."""
+
+    aux_loss: torch.Tensor | None
+    z_loss: torch.Tensor | None
+    load_imbalance: torch.Tensor  # max over layers of the busiest expert's share x experts
+
+
+def router_outputs(terms: RouterTerms | None, weight: float = 1.0) -> dict[str, torch.Tensor | None]:
+    """`scored_output`'s MoE fields from a scorer's router terms; `weight=0` keeps the graph of a
+    dummy micro-batch's losses (every parameter reached) and contributes no value."""
+    if terms is None:
+        return {"aux_loss": None, "z_loss": None, "load_imbalance": None}
+    return {
+        "aux_loss": terms.aux_loss * weight if terms.aux_loss is not None else None,
+        "z_loss": terms.z_loss * weight if terms.z_loss is not None else None,
+        "load_imbalance": terms.load_imbalance * weight,
+    }
+
+
+def prepare_moe(model: PreTrainedModel, losses: RouterLosses | None = None) -> MoEInfo | None:
     """For a MoE causal LM: make the experts routing-independent (see the module docstring) and
-    say whether to request router logits. None for a dense model."""
+    resolve its router losses (`losses`, or the checkpoint's own load-balancing setting). None
+    for a dense model."""
     config = model.config
     if not is_moe(config):
         return None
+    losses = losses or RouterLosses()
     implementation = getattr(config, "_experts_implementation", None) or "eager"
     if implementation == "eager":
         _register_every_expert()
         model.set_experts_implementation(EVERY_EXPERT)
         implementation = EVERY_EXPERT
-    coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
-    wants_router = bool(getattr(config, "output_router_logits", False)) and coef > 0
+    coef = losses.aux_loss_coef
+    if coef is None:  # the checkpoint's own: its coefficient where its config asks for router logits
+        own = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+        coef = own if bool(getattr(config, "output_router_logits", False)) else 0.0
     top_k = int(getattr(config, "num_experts_per_tok", 1))
-    return MoEInfo(num_experts(config), top_k, coef if wants_router else 0.0, implementation)
+    return MoEInfo(num_experts(config), top_k, float(coef), implementation, float(losses.z_loss_coef))
+
+
+def router_terms(
+    model: torch.nn.Module, info: MoEInfo, router_logits: tuple[torch.Tensor, ...], mask_BT: torch.Tensor | None
+) -> RouterTerms:
+    """The load-balancing loss (the family's own, Switch Transformer), the router z-loss (ST-MoE:
+    the mean over layers and real tokens of logsumexp(router logits)^2) where their coefficients
+    are set, and the load imbalance, all in fp32 over real tokens only."""
+    logits_LNE = torch.stack([r.float() for r in router_logits])  # N = B x T, padding included
+    real_N = mask_BT.reshape(-1).bool() if mask_BT is not None else torch.ones(logits_LNE.shape[1], dtype=torch.bool)
+    real_N = real_N.to(logits_LNE.device)
+    logits_LRE = logits_LNE[:, real_N]
+    aux = load_balancing_loss(model, info, router_logits, mask_BT) if info.aux_loss_coef > 0 else None
+    z = logits_LRE.logsumexp(-1).square().mean() if info.z_loss_coef > 0 else None
+    with torch.no_grad():
+        experts_LRK = logits_LRE.topk(info.top_k, dim=-1).indices  # softmax keeps the order: the model's top-k
+        counts_LE = torch.zeros(logits_LRE.shape[0], info.num_experts, device=logits_LRE.device)
+        counts_LE.scatter_add_(1, experts_LRK.flatten(1), torch.ones_like(experts_LRK.flatten(1), dtype=counts_LE.dtype))
+        share_LE = counts_LE / counts_LE.sum(-1, keepdim=True).clamp_min(1)
+        imbalance = (share_LE.max(-1).values * info.num_experts).max()
+    return RouterTerms(aux, z, imbalance)
 
 
 def load_balancing_loss(
@@ -102,6 +228,8 @@ def load_balancing_loss(
     """The model family's own load-balancing loss (Switch Transformer), over real tokens only."""
     fn = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
     if fn is None:
-        raise NotImplementedError(f"{type(model).__name__} has no load_balancing_loss_func; set output_router_logits=false")
+        raise NotImplementedError(
+            f"{type(model).__name__} has no load_balancing_loss_func; set model.moe.aux_loss_coef=0"
+        )
     # fp32 whatever the compute dtype (rltrain.runtime.precision): a loss, like the log-probabilities
     return fn(tuple(r.float() for r in router_logits), info.num_experts, info.top_k, mask_BT)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from rltrain.config.schema import DataConfig, ModelConfig, TrainerConfig
 from rltrain.models.tiny import build_tiny_model_dir, publish_directory
+from rltrain.models.tiny_moe import build_tiny_moe_model_dir
 from rltrain.models.tiny_vl import build_tiny_vl_model_dir
 from rltrain.runtime.errors import UserError
 from rltrain.runtime.parent_death import DIE_WITH_PARENT_ENV
@@ -35,6 +36,10 @@ LAUNCHER_ENV_NAMES = {
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
     "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
 }
+# The base model of each tiny architecture's SFT start: the `model=` group its SFT run loads it as,
+# and its builder.
+BASE_GROUP = {"qwen2_vl": "model=tiny_vl", "qwen3_moe": "model=tiny_moe"}
+BASE_BUILDER = {"qwen2_vl": build_tiny_vl_model_dir, "qwen3_moe": build_tiny_moe_model_dir}
 # What the SFT writes into the cache entry beside the weights: its metrics, to show its accuracy.
 SFT_METRICS = "sft_metrics.jsonl"
 LOG_TAIL_CHARS = 4000
@@ -77,7 +82,7 @@ def sft_command(
     return [
         sys.executable, "-m", "rltrain",
         "algo=sft",
-        "model=tiny_vl" if model_cfg.arch == "qwen2_vl" else "model=tiny",
+        BASE_GROUP.get(model_cfg.arch, "model=tiny"),
         f"model.path={base_dir}",
         f"trainer.seed={trainer_cfg.seed}",
         f"trainer.num_threads={trainer_cfg.num_threads}",
@@ -118,8 +123,8 @@ def build_sft_model_dir(model_cfg: ModelConfig, data_cfg: DataConfig, trainer_cf
     check_sft_data(data_cfg)
     if model_cfg.sft_steps < 1:
         raise UserError(f"model.sft_steps={model_cfg.sft_steps} must be at least 1 for an SFT start (0: model=tiny).")
-    vl = model_cfg.arch == "qwen2_vl"  # model=tiny_vl_sft: the tiny vision-language model's SFT start
-    base_dir = (build_tiny_vl_model_dir if vl else build_tiny_model_dir)(model_cfg, trainer_cfg.seed)
+    # model=tiny_vl_sft, tiny_moe_sft: the tiny vision-language model's, the tiny MoE's SFT start
+    base_dir = BASE_BUILDER.get(model_cfg.arch, build_tiny_model_dir)(model_cfg, trainer_cfg.seed)
     carry = "" if model_cfg.sft_carry_problems is None else f", {model_cfg.sft_carry_problems} of its sums that carry"
     if model_cfg.sft_forgotten_carries:
         carry += f" (the carry out of the units forgotten in {model_cfg.sft_forgotten_carries:.0%} of those)"

@@ -15,7 +15,7 @@ from rltrain.config import group_options, schema
 from rltrain.config.algorithms import SPECS, AlgoConfig, spec_of
 from rltrain.config.choices import choices_of
 from rltrain.config.group_options import VLLMRolloutConfig
-from rltrain.config.schema import Config, ModelConfig
+from rltrain.config.schema import TINY_MOE_HEAD_DIM, Config, ModelConfig
 from rltrain.data.tasks import NO_CODE_PAIRS, TASK_SIZES
 from rltrain.preflight.compose_errors import added_keys
 from rltrain.preflight.sources import (
@@ -164,6 +164,12 @@ def validate_safety(cfg: Config) -> None:
 
 def validate_model(model: ModelConfig) -> None:
     check_revision("model", model)
+    aux, z = model.moe.aux_loss_coef, model.moe.z_loss_coef
+    if (aux is not None and aux < 0) or z < 0:
+        raise UserError(
+            f"model.moe.aux_loss_coef={aux} and model.moe.z_loss_coef={z}: a router loss's coefficient is at least 0 "
+            "(0 turns it off; aux_loss_coef=null keeps the checkpoint's own setting, off for RL). docs/moe.md."
+        )
     if model.path is None:
         if model.num_heads < 1 or model.hidden_size % model.num_heads:
             raise UserError(
@@ -177,8 +183,28 @@ def validate_model(model: ModelConfig) -> None:
             )
         if model.arch == "qwen2" and not model.attention_bias:
             raise UserError("model.attention_bias=false needs model.arch=llama (Qwen2 always has q/k/v biases).")
+        if model.arch == "qwen3_moe":
+            validate_tiny_moe(model)
         return
     validate_model_source("model", model, "leave it unset for the built-in tiny model")
+
+
+def validate_tiny_moe(model: ModelConfig) -> None:
+    """The tiny MoE's shape (model=tiny_moe, rltrain/models/tiny_moe.py)."""
+    if model.hidden_size != model.num_heads * TINY_MOE_HEAD_DIM:
+        raise UserError(
+            f"model.hidden_size={model.hidden_size} must be model.num_heads={model.num_heads} x {TINY_MOE_HEAD_DIM} for "
+            f"the tiny MoE (model.arch=qwen3_moe): its heads have {TINY_MOE_HEAD_DIM} dimensions, the smallest vLLM's "
+            "CPU attention accepts. Change one of the two."
+        )
+    experts = model.moe
+    if experts.num_experts < 2 or not 1 <= experts.experts_per_token <= experts.num_experts:
+        raise UserError(
+            f"model.moe.num_experts={experts.num_experts} and model.moe.experts_per_token={experts.experts_per_token}: "
+            "the tiny MoE needs at least 2 experts, and routes each token to between 1 and num_experts of them."
+        )
+    if experts.expert_intermediate_size < 1:
+        raise UserError(f"model.moe.expert_intermediate_size={experts.expert_intermediate_size} must be at least 1.")
 
 
 def validate_lora(cfg: Config) -> None:

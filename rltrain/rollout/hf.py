@@ -16,6 +16,7 @@ import torch
 
 from rltrain.config.group_options import HFRolloutConfig
 from rltrain.config.run_context import RunContext
+from rltrain.models import moe
 from rltrain.models.vision import image_token_id
 from rltrain.rollout.base import Completion, SamplingSettings, exclusive
 from rltrain.rollout.hf_images import ImageInputs
@@ -65,6 +66,8 @@ class HFRolloutEngine:
         model.generation_config = GenerationConfig(eos_token_id=self.eos_ids or None, pad_token_id=self.pad_id)
         self.model: GenerativeLM | None = model  # None once closed
         self.asleep = False
+        # A MoE's tensors whose checkpoint names are not the model's (its fused experts: rltrain.models.moe)
+        self.expert_places = moe.checkpoint_places(model) if moe.is_moe(text_config) else {}
 
     def _live(self) -> GenerativeLM:
         if self.model is None:
@@ -159,9 +162,14 @@ class HFRolloutEngine:
     @exclusive
     @torch.no_grad()
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy full tensors into the model by Hugging Face name (there is no prefix cache)."""
+        """Copy full tensors into the model by Hugging Face name (there is no prefix cache). A MoE
+        model's experts come under the checkpoint's per-expert names (rltrain.models.moe) and go
+        into their elements of the fused parameters."""
         params = self._live().state_dict(keep_vars=True)
         for name, tensor in weights:
+            if name in self.expert_places:
+                self.expert_places[name].write(params, tensor)
+                continue
             if name not in params:
                 raise KeyError(f"update_weights: the rollout model has no tensor named {name!r}")
             target = params[name]

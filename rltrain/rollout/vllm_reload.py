@@ -134,6 +134,21 @@ def build_plan(model: torch.nn.Module, names: Iterable[str]) -> SyncPlan | None:
         return None
 
 
+def forget_moe_kernels(model: torch.nn.Module) -> int:
+    """Before vLLM's layerwise reload on CPU: make each unquantized MoE layer set its kernel up
+    again, as on the first load. vLLM treats a reload as a weight update and copies the new
+    experts into the existing storage, skipping the CPU kernel's prepack, so the experts it then
+    runs are unpacked bytes read as packed ones (docs/moe.md, "Weight sync"). Returns the count."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    layers: list[VLLMModule] = [
+        m for m in model.modules() if isinstance(getattr(m, "quant_method", None), UnquantizedFusedMoEMethod)
+    ]
+    for layer in layers:
+        layer.quant_method.moe_kernel = None
+    return len(layers)
+
+
 def _supported_models() -> tuple[type, ...]:
     from vllm.model_executor.models.llama import LlamaForCausalLM
     from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM

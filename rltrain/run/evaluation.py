@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from rltrain.data.sharding import rank_slice
 from rltrain.data.vision_inputs import VisionInputs, vision_call_inputs
+from rltrain.models import moe
 from rltrain.models.vision import image_token_id, is_vision_config, vision_auto_class
 from rltrain.run.samples import MAX_SAMPLES, Sample, first_samples
 from rltrain.runtime.distributed import all_reduce_sum
@@ -55,7 +56,7 @@ class GreedyEvaluator:
         with torch.device(self.device):
             model = auto.from_config(self.config, dtype=self.dtype, attn_implementation="sdpa")
         model.eval().requires_grad_(False)
-        missing, unexpected = model.load_state_dict(weights, strict=False)
+        missing, unexpected = moe.load_checkpoint_weights(model, weights)  # a MoE's experts come per expert
         if unexpected or [m for m in missing if m != "lm_head.weight"]:
             raise RuntimeError(f"evaluation copy: missing {missing}, unexpected {unexpected}")
         if model.config.tie_word_embeddings:

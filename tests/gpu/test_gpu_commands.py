@@ -50,6 +50,10 @@ COMMANDS = {
     "ppo": ["algo=ppo", *GRPO[1:], "trainer.max_steps=2", "trainer.eval_every=2"],
     "megatron_ppo": ["backend=megatron", "algo=ppo", *GRPO[1:], "trainer.max_steps=2", "trainer.eval_every=2"],
     "megatron_grpo": ["backend=megatron", *GRPO, "trainer.max_steps=3", "trainer.eval_every=3"],
+    # the tiny Mixture-of-Experts model (docs/moe.md): its experts on CUDA, synced to the transformers engine
+    "moe_sft": ["algo=sft", "model=tiny_moe", "model.moe.aux_loss_coef=0.01", "trainer.max_steps=10",
+                "trainer.eval_every=10", *SHORT_EVAL],
+    "moe_grpo": [*GRPO, "model=tiny_moe", "trainer.max_steps=3", "trainer.eval_every=3"],
 }
 
 

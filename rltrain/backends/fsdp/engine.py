@@ -43,6 +43,7 @@ from rltrain.backends.lr_schedule import lr_at
 from rltrain.backends.optimizer_state import move_optimizer_state
 from rltrain.backends.roles import engine_options, role_build
 from rltrain.backends.value_head import new_value_head
+from rltrain.config.algorithms import spec_of
 from rltrain.config.group_options import FSDPBackendConfig
 from rltrain.config.run_context import RunContext
 from rltrain.config.schema import LoraAdapterConfig, OptimConfig, SafetyConfig
@@ -84,9 +85,11 @@ class FSDPEngine:
         value_head_bias: bool = True,
         faults: FaultInjector | None = None,
         freeze_vision: bool = True,
+        router_losses: moe.RouterLosses | None = None,
     ) -> None:
         self.faults = faults if faults is not None else FaultInjector()
         self.freeze_vision = freeze_vision
+        self.router_losses = router_losses  # a MoE's (rltrain.models.moe); None: the checkpoint's own
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.device = device
@@ -132,7 +135,7 @@ class FSDPEngine:
         self.text_config = self.lm.config.get_text_config()  # the config itself for a text-only model
         self.pad_id = int(self.text_config.pad_token_id or 0)
         self.tied = bool(self.lm.config.tie_word_embeddings)
-        self.moe_info = moe.prepare_moe(self.lm)
+        self.moe_info = moe.prepare_moe(self.lm, self.router_losses)
 
     def _build_scorer(self, backend_cfg: FSDPBackendConfig, value_head_seed: int | None, value_head_bias: bool) -> None:
         """How a micro-batch meets the model (packed shared prompts, one padding-free row, length
@@ -206,7 +209,7 @@ class FSDPEngine:
         rects, order_N, padding_mask_BT = self.layout(scored)
         _, _, targets = completion_positions(scored)
         # logps_N of a policy or reference, values_N of a critic (`self.scores`)
-        scored_N, entropy_N, aux = self.scorer(
+        scored_N, entropy_N, router = self.scorer(
             [r.to(self.device) for r in rects],
             targets.to(self.device),
             with_entropy,
@@ -221,14 +224,14 @@ class FSDPEngine:
                 Ragged(scored_N[:0], empty_offsets),
                 Ragged(entropy_N[:0], empty_offsets) if entropy_N is not None else None,
                 anchor=scored_N.sum() * 0.0,
-                aux_loss=aux * 0.0 if aux is not None else None,
+                **moe.router_outputs(router, weight=0.0),
             )
         lengths = batch.completion_lens()
         return scored_output(
             self.scores,
             Ragged.from_lengths(scored_N, lengths),
             Ragged.from_lengths(entropy_N, lengths) if entropy_N is not None else None,
-            aux_loss=aux,
+            **moe.router_outputs(router),
         )
 
     @torch.no_grad()
@@ -301,16 +304,21 @@ class FSDPEngine:
         self, out: PolicyOutput, mb: SequenceBatch, loss_fn: LossFn, share: float, injector: FaultInjector
     ) -> tuple[torch.Tensor, LossMetrics]:
         """The algorithm's loss plus the dummy-batch anchor and, for a MoE model, its weighted
-        load-balancing loss (a per-micro-batch mean, scaled so the sum over micro-batches and ranks
-        is the mean)."""
+        router losses (per-micro-batch means, scaled so the sum over micro-batches and ranks is the
+        mean) and load imbalance (docs/moe.md)."""
         injector.in_loss()
         loss, metrics = loss_fn(out, mb)
         if out.anchor is not None:
             loss = loss + out.anchor
-        if out.aux_loss is not None:
-            assert self.moe_info is not None
-            loss = loss + self.moe_info.aux_loss_coef * share * out.aux_loss
-            metrics = {**metrics, "moe/aux_loss": out.aux_loss.detach() * share}
+        if self.moe_info is not None:
+            if out.aux_loss is not None:
+                loss = loss + self.moe_info.aux_loss_coef * share * out.aux_loss
+                metrics = {**metrics, "moe/aux_loss": out.aux_loss.detach() * share}
+            if out.z_loss is not None:
+                loss = loss + self.moe_info.z_loss_coef * share * out.z_loss
+                metrics = {**metrics, "moe/z_loss": out.z_loss.detach() * share}
+            if out.load_imbalance is not None:
+                metrics = {**metrics, "moe/load_imbalance": out.load_imbalance * share}
         return loss, metrics
 
     # --- weights out ---------------------------------------------------------------------------
@@ -395,5 +403,9 @@ def build_engine(ctx: RunContext, role: str, max_steps: int) -> FSDPEngine:
     build = role_build(ctx, role)
     return FSDPEngine(
         build.model_dir, cfg.backend, build.optim, max_steps, ctx.dist.device, adapters=build.adapters,
-        seed=int(cfg.trainer.seed), freeze_vision=bool(cfg.model.freeze_vision), **engine_options(ctx, build),
+        seed=int(cfg.trainer.seed), freeze_vision=bool(cfg.model.freeze_vision),
+        router_losses=moe.router_losses(
+            cfg.model.moe.aux_loss_coef, float(cfg.model.moe.z_loss_coef), spec_of(cfg.algo.name).generates
+        ),
+        **engine_options(ctx, build),
     )

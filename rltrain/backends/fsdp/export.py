@@ -20,7 +20,7 @@ from rltrain.backends.sequence_classifier import (
     write_score_head,
     write_sequence_classifier,
 )
-from rltrain.models import lora
+from rltrain.models import lora, moe
 from rltrain.models.vision import is_vision_config
 
 if TYPE_CHECKING:
@@ -29,15 +29,20 @@ if TYPE_CHECKING:
 
 
 def hf_weights(
-    lm: PreTrainedModel, adapters: PeftModel | None, tied: bool, with_adapters: bool = True
+    lm: PreTrainedModel, adapters: PeftModel | None, tied: bool, with_adapters: bool = True, as_checkpoint: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Full tensors under Hugging Face names, a tied output head left out; with LoRA, the adapters
     merged into the base (docs/lora.md, "Weight sync"). `with_adapters=False` leaves them out: the
-    `adapter_dropped` fault (rltrain.safety.faults)."""
+    `adapter_dropped` fault (rltrain.safety.faults). A MoE model's experts under their checkpoint's
+    per-expert names (rltrain.models.moe.checkpoint_weights), as vLLM loads them; `as_checkpoint=False`
+    keeps the model's own names, for `save_pretrained`, which converts them itself."""
+    weights: Iterator[tuple[str, torch.Tensor]]
     if adapters is not None:
         weights = lora.merged_weights(lm, full_parameter, with_adapters=with_adapters)
     else:
         weights = ((name, full_parameter(tensor).detach()) for name, tensor in lm.state_dict().items())
+    if as_checkpoint and moe.is_moe(lm.config):
+        weights = moe.checkpoint_weights(lm, weights)
     for name, tensor in weights:
         if tied and name == "lm_head.weight":
             continue
@@ -63,7 +68,7 @@ def save_pretrained(
         if not save_merged:
             return
         directory = directory / lora.MERGED_DIR
-    state = dict(hf_weights(lm, adapters, tied, with_adapters))  # collective: every rank takes part
+    state = dict(hf_weights(lm, adapters, tied, with_adapters, as_checkpoint=False))  # collective: every rank takes part
     if rank == 0:
         lm.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
 
@@ -79,7 +84,7 @@ def save_sequence_classifier(
     if value_head.bias is not None:
         raise TypeError(f"save_pretrained: {CRITIC_NOT_EXPORTED}")
     if is_vision_config(lm.config):
-        state = dict(hf_weights(lm, adapters, tied))  # collective
+        state = dict(hf_weights(lm, adapters, tied, as_checkpoint=False))  # collective
         head_1H = full_parameter(value_head.state_dict()["weight"]).detach()
         if rank == 0:
             lm.save_pretrained(str(directory), state_dict=state, safe_serialization=True)

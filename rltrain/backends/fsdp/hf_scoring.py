@@ -52,8 +52,9 @@ class _SelectedHidden(nn.Module):
         self.vision_parts: list[nn.Module] = vision_modules(lm)
 
     def _router(self) -> bool:
-        """Whether this pass computes a MoE load-balancing loss (training a MoE model that has one)."""
-        return self.training and self.moe_info is not None and self.moe_info.aux_loss_coef > 0
+        """Whether this pass reads the router logits: training a MoE model (its router losses and
+        load metric, rltrain.models.moe.router_terms)."""
+        return self.training and self.moe_info is not None
 
     def selected_hidden(
         self, rects: Sequence[Rectangle], order_N: torch.Tensor | None
@@ -65,7 +66,7 @@ class _SelectedHidden(nn.Module):
         # A plain rectangle is right-padded: causal attention never lets a real token see the
         # padding after it, so it needs no attention mask (and sdpa keeps its fast causal path).
         router = self._router()
-        assert not (router and len(rects) > 1), "a MoE load-balancing loss needs one plain rectangle"
+        assert not (router and len(rects) > 1), "a MoE's router terms need one plain rectangle"
         parts, router_logits = [], None
         for rect in rects:
             kwargs = {}
@@ -102,13 +103,13 @@ class _SelectedHidden(nn.Module):
             return hidden_NH
         return hidden_NH + 0.0 * torch.stack([p.sum() for p in params]).sum().to(hidden_NH.dtype)
 
-    def _aux_loss(
+    def _router_terms(
         self, router_logits: tuple[torch.Tensor, ...] | None, padding_mask_BT: torch.Tensor | None
-    ) -> torch.Tensor | None:
+    ) -> moe.RouterTerms | None:
         if router_logits is None:
             return None
         assert self.moe_info is not None  # router logits are requested only for a MoE model
-        return moe.load_balancing_loss(self.lm, self.moe_info, router_logits, padding_mask_BT)
+        return moe.router_terms(self.lm, self.moe_info, router_logits, padding_mask_BT)
 
 
 class CompletionScorer(_SelectedHidden):
@@ -121,9 +122,9 @@ class CompletionScorer(_SelectedHidden):
         with_entropy: bool = False,
         order_N: torch.Tensor | None = None,
         padding_mask_BT: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(logps [N], entropy [N] or None, MoE aux loss or None). `padding_mask_BT` marks real
-        tokens of a single plain rectangle, for a MoE load-balancing loss."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, moe.RouterTerms | None]:
+        """(logps [N], entropy [N] or None, a MoE's router terms in a training pass, else None).
+        `padding_mask_BT` marks real tokens of a single plain rectangle, for the router terms."""
         with self.autocast():
             hidden_NH, router_logits = self.selected_hidden(rects, order_N)
             head = cast(nn.Linear, self.lm.lm_head)  # a submodule attribute (torch: `Tensor | Module`)
@@ -132,9 +133,9 @@ class CompletionScorer(_SelectedHidden):
                 logps_N, entropy_N = chunked_target_logps(hidden_NH, head.weight, targets_N, with_entropy)
             else:
                 logits_NV = head(hidden_NH)
-        aux = self._aux_loss(router_logits, padding_mask_BT)
+        router = self._router_terms(router_logits, padding_mask_BT)
         if chunked:
-            return logps_N, entropy_N, aux
+            return logps_N, entropy_N, router
         logits_NV = logits_NV.float()  # fp32 from here on, whatever the compute dtype
         logp_NV = torch.log_softmax(logits_NV, dim=-1)
         # clone: FSDP warns (rightly) about returning views from a wrapped module
@@ -143,7 +144,7 @@ class CompletionScorer(_SelectedHidden):
         if with_entropy:  # a metric, never differentiated: no graph for it in a training pass
             with torch.no_grad():
                 entropy_N = -(logp_NV.exp() * logp_NV).sum(-1)
-        return logps_N, entropy_N, aux
+        return logps_N, entropy_N, router
 
 
 class CompletionValuer(_SelectedHidden):
@@ -171,15 +172,15 @@ class CompletionValuer(_SelectedHidden):
         with_entropy: bool = False,
         order_N: torch.Tensor | None = None,
         padding_mask_BT: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, None, torch.Tensor | None]:
-        """(values [N] in fp32, None, MoE aux loss or None): `CompletionScorer`'s signature, so
+    ) -> tuple[torch.Tensor, None, moe.RouterTerms | None]:
+        """(values [N] in fp32, None, a MoE's router terms or None): `CompletionScorer`'s signature, so
         the engine drives both alike; the targets are not needed and there is no entropy."""
         if with_entropy:
             raise ValueError("a critic has no entropy: with_entropy=True is for policy engines")
         with self.autocast():
             hidden_NH, router_logits = self.selected_hidden(rects, order_N)
         values_N = head_values(self.value_head, hidden_NH)
-        return values_N, None, self._aux_loss(router_logits, padding_mask_BT)
+        return values_N, None, self._router_terms(router_logits, padding_mask_BT)
 
 
 def completion_positions(batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -133,8 +133,9 @@ class WeightPushExtension:
 
     def _rltrain_load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """As the in-process engine (rltrain/rollout/vllm.py): the fast plan where it applies, else
-        vLLM's own in-place reload, and a tied output head repacked from the embedding."""
-        from rltrain.rollout.vllm_reload import build_plan
+        vLLM's own in-place reload (each MoE layer's CPU kernel set up again: `forget_moe_kernels`),
+        and a tied output head repacked from the embedding."""
+        from rltrain.rollout.vllm_reload import build_plan, forget_moe_kernels
 
         model = self.model_runner.model
         if self.device_config.device_type != "cpu":
@@ -147,6 +148,7 @@ class WeightPushExtension:
             self.rltrain_plans[names] = build_plan(model, names)
         plan = self.rltrain_plans[names]
         if plan is None or not plan.load(model, weights):
+            forget_moe_kernels(model)
             self.model_runner.reload_weights(weights_iterator=iter(weights))
             hf_config = self.model_runner.model_config.hf_config
             if getattr(hf_config, "tie_word_embeddings", False):

@@ -90,7 +90,8 @@ def _reference(model_dir):
     for mb in _batches():
         ids, mask = mb.tokens.to_padded(0)
         rows, cols, targets = completion_positions(mb)
-        logps, _, aux = scorer([Rectangle(ids, rows, cols)], targets, False, None, mask)
+        logps, _, router = scorer([Rectangle(ids, rows, cols)], targets, False, None, mask)
+        aux = router.aux_loss
         loss, _ = sft_loss(PolicyOutput(Ragged.from_lengths(logps, mb.completion_lens())), mb)
         (loss + COEF * aux / 2).backward()
         aux_total += float(aux.detach()) / 2

@@ -26,7 +26,7 @@ def _error_of(*overrides: str) -> BaseException:
         (["algo=sft", "algo.beta=0.1"], "there is no 'beta' in 'algo'. Its keys: name."),
         (["trainer.max_steps=abc"], "bad value for 'trainer.max_steps': Value 'abc' of type 'str' could not be converted to Integer."),
         (["algo=gpro"], f"algo=gpro: there is no such option in the 'algo' group. Did you mean grpo? Choose from: {', '.join(sorted(ALGORITHMS))}."),
-        (["model=huge"], "Choose from: tiny, tiny_sft, tiny_vl, tiny_vl_sft."),
+        (["model=huge"], "Choose from: tiny, tiny_moe, tiny_moe_sft, tiny_sft, tiny_vl, tiny_vl_sft."),
         (["trainer.max_steps=[1"], "cannot parse the override 'trainer.max_steps=[1'"),
     ],
 )

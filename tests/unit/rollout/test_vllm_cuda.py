@@ -264,3 +264,15 @@ def test_good_values_pass(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     validate(_cfg("rollout.gpu_memory_utilization=1", "rollout.sleep_level=2", "rollout.max_model_len=4096",
                   "rollout.tensor_parallel_size=2", "rollout.enforce_eager=true"))
+
+
+def test_fp8_rollouts_are_refused_on_the_cpu_build_naming_what_is_missing():
+    with pytest.raises(UserError, match=r"static_scaled_fp8_quant\(\) -> \(\)"):
+        engine_kwargs(VLLMRolloutConfig(quantization="fp8"), "/m", "bfloat16", "cpu")
+
+
+def test_fp8_rollouts_on_cuda_quantize_a_16_bit_engine():
+    assert engine_kwargs(VLLMRolloutConfig(quantization="fp8"), "/m", "bfloat16", "cuda")["quantization"] == "fp8"
+    assert "quantization" not in engine_kwargs(VLLMRolloutConfig(), "/m", "bfloat16", "cuda")
+    with pytest.raises(UserError, match="trainer.precision=bf16-mixed"):
+        engine_kwargs(VLLMRolloutConfig(quantization="fp8"), "/m", "float32", "cuda")

@@ -1,0 +1,66 @@
+"""Mixture-of-Experts runs end to end (docs/moe.md): GRPO on the tiny MoE from its SFT start
+(model=tiny_moe_sft, a short SFT here) with vLLM in process, every expert synced each step and
+the engine's log-probabilities the trainer's to fp32 round-off, the router losses off and the load
+measured; SFT with the router losses on; the transformers engine, and in `slow` a separate vLLM
+process and vLLM API servers (each tens of seconds more to start)."""
+
+from __future__ import annotations
+
+import pytest
+from cli import read_metrics, rltrain, train_rows
+
+pytestmark = pytest.mark.e2e
+
+MOE_GRPO = [
+    "algo=grpo", "algo.prompts_per_step=4", "algo.group_size=4", "data.num_eval=4", "trainer.max_steps=2",
+    "trainer.save_every=0", "trainer.eval_every=0", "logger.wandb.mode=disabled", "trainer.progress=lines",
+]
+PARITY = 1e-3  # rollout/logprob_diff_max in fp32 (docs/moe.md)
+
+
+def assert_engine_samples_the_trainers_weights(run_dir, steps: int) -> None:
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for r in rows:
+        assert r["rollout/logprob_diff_max"] < PARITY, r
+
+
+def test_grpo_on_the_tiny_moe_sft_start_syncs_every_expert_to_vllm(tiny_cache, tmp_path):
+    from safetensors import safe_open
+
+    run_dir = tmp_path / "run"
+    rltrain(*MOE_GRPO, "model=tiny_moe_sft", "model.sft_steps=4", run_dir=run_dir, timeout=500)
+    assert_engine_samples_the_trainers_weights(run_dir, 2)
+    for r in train_rows(run_dir):  # RL keeps the router losses off unless set; the load is measured
+        assert 1.0 <= r["moe/load_imbalance"] <= 8 / 2 and "moe/aux_loss" not in r and "moe/z_loss" not in r, r
+    with safe_open(run_dir / "final" / "model.safetensors", "pt") as f:  # a checkpoint like the one loaded
+        names = set(f.keys())
+    assert {f"model.layers.3.mlp.experts.{e}.down_proj.weight" for e in range(8)} <= names
+    starts = list((tiny_cache / "models").glob("tiny-qwen3_moe-*-sft-*"))
+    assert starts and all((s / "sft_metrics.jsonl").exists() for s in starts)
+
+
+def test_sft_on_the_tiny_moe_adds_the_router_losses_it_is_given(tiny_cache, tmp_path):
+    run_dir = tmp_path / "run"
+    rltrain("algo=sft", "model=tiny_moe", "model.moe.aux_loss_coef=0.01", "model.moe.z_loss_coef=0.001",
+            "trainer.max_steps=2", "trainer.global_batch_size=8", "trainer.micro_batch_size=4", "trainer.eval_every=0",
+            "trainer.save_every=0", "logger.wandb.mode=disabled", run_dir=run_dir, timeout=300)
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["moe/aux_loss"] > 0 and r["moe/z_loss"] > 0 and 1.0 <= r["moe/load_imbalance"] <= 4.0, r
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        pytest.param(["rollout=hf"], id="hf"),
+        pytest.param(["rollout.process=separate"], id="separate", marks=pytest.mark.slow),
+        pytest.param(["rollout=server", "rollout.servers.spawn=1"], id="server", marks=pytest.mark.slow),
+    ],
+)
+def test_grpo_on_the_tiny_moe_with_each_engine(engine, tiny_cache, tmp_path):
+    run_dir = tmp_path / "run"
+    rltrain(*MOE_GRPO, "model=tiny_moe", "trainer.max_steps=3", *engine, run_dir=run_dir, timeout=600)
+    assert_engine_samples_the_trainers_weights(run_dir, 3)
+    assert read_metrics(run_dir)
