@@ -1,7 +1,8 @@
 """Gradient reduction and clipping for sharded megatron parameters.
 
-Gradients are summed over data parallel and tied-embedding copies, the global norm counts each
-parameter once across tp x pp, and one finite verdict decides whether every rank steps.
+Gradients are summed over data parallel and tied-embedding copies (a MoE's experts over the
+expert-data-parallel ranks that hold the same experts), the global norm counts each parameter once
+across tp x pp (an expert once across ep x pp), and one finite verdict decides whether every rank steps.
 docs/internals/backends.md lists the rules.
 """
 
@@ -59,15 +60,28 @@ def norm_counted(name: str, tp_rank: int, tied_copy: bool) -> bool:
     return tp_rank == 0 or split_dim(name) is not None
 
 
-def global_grad_norm(counted: list[torch.nn.Parameter], mp_group) -> torch.Tensor:
-    """L2 norm of the full model's gradient from the parameters this rank counts; equal on every
-    rank of the model-parallel group."""
+def _squared_sum(counted: list[torch.nn.Parameter], group) -> torch.Tensor:
     sq = torch.zeros(1, dtype=torch.float64, device=counted[0].device if counted else "cpu")
     for p in counted:
         assert p.grad is not None
         sq += p.grad.detach().double().pow(2).sum()
-    if _group_size(mp_group) > 1:
-        dist.all_reduce(sq, group=mp_group)
+    if _group_size(group) > 1:
+        dist.all_reduce(sq, group=group)
+    return sq
+
+
+def global_grad_norm(
+    counted: list[torch.nn.Parameter],
+    mp_group,
+    experts: list[torch.nn.Parameter] | None = None,
+    expert_mp_group=None,
+) -> torch.Tensor:
+    """L2 norm of the full model's gradient from the parameters this rank counts; equal on every
+    rank of the model-parallel group. A MoE's `experts` (this rank's) are summed over the ranks
+    that hold the other experts (`expert_mp_group`) instead."""
+    sq = _squared_sum(counted, mp_group)
+    if experts is not None:
+        sq = sq + _squared_sum(experts, expert_mp_group).to(sq.device)
     return sq.sqrt().float()
 
 

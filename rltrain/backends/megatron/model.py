@@ -1,8 +1,10 @@
 """Build one pipeline stage of a megatron-core GPTModel that computes what the HF model computes.
 
-The local layer spec is configured to match Qwen2/Llama exactly, so the megatron backend can be
+The local layer spec is configured to match Qwen2/Llama/Qwen3 exactly, and for a Mixture of Experts
+megatron's MoELayer (softmax top-k router, all-to-all token dispatch over the expert-parallel group,
+SequentialMLP experts: grouped GEMM is GPU-only) to match Qwen3-MoE, so the megatron backend can be
 checked against the Hugging Face one. docs/internals/backends.md covers precision, activation
-checkpointing (torch's, not megatron's) and padding.
+checkpointing (torch's, not megatron's) and padding; docs/moe.md expert parallelism.
 """
 
 from __future__ import annotations
@@ -19,7 +21,29 @@ if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
 
 
-def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = torch.float32):
+def moe_config(spec: ModelSpec, ep: int) -> dict:
+    """TransformerConfig's MoE fields for `spec` (none for a dense model). The router matches HF:
+    softmax in fp32, then top-k renormalised (`norm_topk_prob`, megatron's top-k-then-softmax) or
+    not (softmax-then-top-k); no load-balancing loss, no capacity (no token is dropped)."""
+    if spec.moe is None:
+        return {}
+    return dict(
+        num_moe_experts=spec.moe.num_experts,
+        moe_router_topk=spec.moe.topk,
+        moe_ffn_hidden_size=spec.moe.expert_ffn_size,
+        moe_router_pre_softmax=not spec.moe.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+    )
+
+
+def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = torch.float32, ep: int = 1):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -35,6 +59,7 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = t
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,
@@ -52,20 +77,28 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = t
         fp16=dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=False,
+        **moe_config(spec, ep),
     )
 
 
-def build_stage(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torch.dtype = torch.float32):
+def build_stage(
+    spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torch.dtype = torch.float32, ep: int = 1
+):
     """This rank's GPTModel stage, bound to megatron's current parallel state. The last stage
     returns final hidden states; the engine applies the output layer (`hidden_out`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from rltrain.backends.megatron.hidden_out import HiddenStatesGPTModel
 
-    spec.check_split(tp, pp)
+    spec.check_split(tp, pp, ep)
+    layer_spec = get_gpt_layer_local_spec(
+        num_experts=spec.moe.num_experts if spec.moe is not None else None,
+        normalization="RMSNorm",
+        qk_layernorm=spec.qk_norm,
+    )
     model = HiddenStatesGPTModel(
-        config=transformer_config(spec, tp, pp, dtype),
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        config=transformer_config(spec, tp, pp, dtype, ep),
+        transformer_layer_spec=layer_spec,
         vocab_size=spec.padded_vocab(tp),
         max_sequence_length=spec.max_positions,
         pre_process=pp_rank == 0,

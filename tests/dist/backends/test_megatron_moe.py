@@ -1,0 +1,234 @@
+"""Expert parallelism on megatron (docs/moe.md, "Expert parallelism (megatron)"), on 2 gloo ranks.
+
+A tiny Qwen3-MoE (8 experts, top-2, every weight random so that routing has no ties) runs through
+`MegatronEngine` at `backend.ep=1` and `backend.ep=2`, both as 2 data-parallel replicas fed the same
+batches. Each run checks itself against Hugging Face (logits of the converted model, and the
+export of its weights back to HF names, bitwise); the two runs must then give the same losses,
+gradient norms and gradients (exported under HF names, so every expert is compared wherever it
+lives) over 5 SFT steps and 5 GRPO steps, and the checkpoint and `save_pretrained` paths must
+cover every expert.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import run_ranks
+
+from rltrain.data.batch import SequenceBatch
+
+pytestmark = pytest.mark.dist
+
+VOCAB, STEPS, PROMPTS, GROUP = 96, 5, 2, 4
+OPTIM = dict(lr=1e-2, weight_decay=0.01, beta1=0.9, beta2=0.98, eps=1e-4, warmup_steps=0, schedule="constant", max_grad_norm=1.0)
+
+
+def qwen3_moe_dir(path: Path, experts: int = 8, topk: int = 2, norm_topk_prob: bool = True) -> Path:
+    """A tiny Qwen3-MoE saved as a HF directory, every weight random (norms near one)."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=experts, num_experts_per_tok=topk,
+        norm_topk_prob=norm_topk_prob, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(torch.randn_like(p) * 0.15 + (1.0 if "norm" in name else 0.0))
+    model.save_pretrained(path)
+    return path
+
+
+def _sft_batches(rank: int) -> list[SequenceBatch]:
+    g = torch.Generator().manual_seed(10 + rank)
+    # Every rank of an expert-parallel group runs the same number of forwards (the all-to-all is
+    # collective); the trainers give every data-parallel rank the same number of micro-batches.
+    shapes = [[(3, 5), (6, 2)], [(4, 7)]] if rank == 0 else [[(2, 6)], [(5, 3), (7, 1)]]
+    return [
+        SequenceBatch.from_lists(
+            [torch.randint(0, VOCAB, (p,), generator=g).tolist() for p, _ in mb],
+            [torch.randint(0, VOCAB, (c,), generator=g).tolist() for _, c in mb],
+        )
+        for mb in shapes
+    ]
+
+
+def _hf_logits(model_dir: Path, batches: list[list[SequenceBatch]]) -> list[list[torch.Tensor]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return [[model(seq[None]).logits[0] for mb in rank_data for seq in mb.tokens.split()] for rank_data in batches]
+
+
+# -- the worker -------------------------------------------------------------------------------
+
+
+def _grads_under_hf_names(eng) -> dict[str, torch.Tensor]:
+    """The gradients about to be stepped, exported like weights (every expert on every rank)."""
+    weights = [p.data for p in eng.params]
+    try:
+        for p in eng.params:
+            p.data = p.grad
+        return {name: t.clone() for name, t in eng.export_weights()}
+    finally:
+        for p, w in zip(eng.params, weights):
+            p.data = w
+
+
+def _record_grads(eng, into: list) -> None:
+    step = eng.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        into.append(_grads_under_hf_names(eng))
+        return step(*args, **kwargs)
+
+    eng.optimizer.step = recording_step
+
+
+def _logits(eng, batches: list[SequenceBatch]) -> list[torch.Tensor]:
+    from rltrain.backends.megatron.model import stage_forward
+
+    out = []
+    with torch.no_grad():
+        for mb in batches:
+            for seq in mb.tokens.split():
+                hidden_BTH = stage_forward(eng.model, seq[None], len(seq), None)
+                out.append((hidden_BTH @ eng.model.output_layer.weight.T)[0, :, :VOCAB])
+    return out
+
+
+def _sft(eng, batches: list[SequenceBatch], n_tokens: int) -> list[dict]:
+    def loss_fn(out, mb):
+        return -out.logps.values.sum() / n_tokens, {}
+
+    return [eng.train_step(batches, loss_fn) for _ in range(STEPS)]
+
+
+def _completion(prompt: int, k: int, step: int) -> list[int]:
+    return [(5 + prompt * 7 + k * 3 + step + i) % VOCAB for i in range(1 + (k * 3 + prompt + step) % 6)]
+
+
+def _grpo(eng) -> list[dict]:
+    """5 GRPO updates through the RL Learner, each on fresh completions and advantages."""
+    from rltrain.algos.grpo import GRPOConfig
+    from rltrain.algos.rl.experience import BatchLayout, Experience
+    from rltrain.algos.rl.update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
+    from rltrain.data.sharding import rank_slice
+    from rltrain.rewards.scoring import Failures
+
+    cfg = GRPOConfig(prompts_per_step=PROMPTS, group_size=GROUP, max_new_tokens=8)
+    layout = BatchLayout(PROMPTS, GROUP, eng.rank, eng.world_size)
+    parity = ParityProbe()
+    learner = Learner(eng, MiniBatchUpdate(layout, 1, 1, 2, 0), make_policy_loss(cfg, parity), parity, True)
+    mine = rank_slice(list(range(PROMPTS)), eng.rank, eng.world_size)
+    metrics = []
+    for step in range(STEPS):
+        seqs = [(g, _completion(g, k, step)) for g in mine for k in range(GROUP)]
+        batch = SequenceBatch.from_lists([[3 + g, 7, 4 + g + step] for g, _ in seqs], [c for _, c in seqs])
+        engine_logps = eng.forward_logps([batch])[0].logps
+        adv = torch.linspace(-1.0, 1.0, PROMPTS * GROUP).roll(step)[layout.offset : layout.offset + len(batch)]
+        tokens = sum(len(_completion(g, k, step)) for g in range(PROMPTS) for k in range(GROUP))
+        counts = torch.tensor([float(tokens), float(PROMPTS * GROUP), 0.0, float(tokens)], dtype=torch.float64)
+        empty = torch.zeros(0, dtype=torch.float64)
+        exp = Experience(
+            rows=[], completions=[], batch=batch, engine_logps=engine_logps, rewards_by_fn={}, reward_failures=Failures(),
+            scores_B=empty, global_scores=empty, counts=counts, time_rollout=0.0,
+        )
+        learner.score(exp)
+        metrics.append(learner.update_policy(exp, adv))
+    return metrics
+
+
+def _worker(rank: int, world: int, model_dir: str, ep: int, out_dir: str) -> dict:
+    from rltrain.backends.megatron.engine import MegatronEngine
+    from rltrain.config.group_options import MegatronBackendConfig
+    from rltrain.config.schema import OptimConfig
+
+    torch.manual_seed(0)
+    eng = MegatronEngine(model_dir, MegatronBackendConfig(ep=ep), OptimConfig(**OPTIM), 100, collective_timeout_s=20)
+    batches = _sft_batches(eng.rank)
+    n_tokens = sum(b.num_completion_tokens for r in range(world) for b in _sft_batches(r))
+    res: dict = dict(dp=eng.rank, local_experts=len(eng.expert_params) // 4)
+    res["logits"] = _logits(eng, batches)
+    res["export_before"] = dict(eng.export_weights())
+    ckpt = Path(out_dir) / f"ckpt-ep{ep}"
+    eng.save_checkpoint(ckpt)
+    grads: list = []
+    _record_grads(eng, grads)
+    res["sft"] = _sft(eng, batches, n_tokens)
+    res["grpo"] = _grpo(eng)
+    res["grads"] = grads
+    res["weights"] = dict(eng.export_weights())
+    eng.save_pretrained(Path(out_dir) / f"hf-ep{ep}")
+    eng.load_checkpoint(ckpt)
+    res["restored"] = all(torch.equal(t, res["export_before"][n]) for n, t in eng.export_weights())
+    return _portable(res)
+
+
+def _portable(obj):
+    """Tensors as numpy arrays (see test_megatron_engine._portable)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().numpy()
+    if isinstance(obj, dict):
+        return {k: _portable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_portable(v) for v in obj)
+    return obj
+
+
+def _tensors(obj):
+    import numpy as np
+
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj)
+    if isinstance(obj, dict):
+        return {k: _tensors(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_tensors(v) for v in obj)
+    return obj
+
+
+# -- the checks ------------------------------------------------------------------------------
+
+
+def _run(tmp_path: Path, model_dir: Path, ep: int) -> list[dict]:
+    from safetensors.torch import load_file
+
+    results = _tensors(run_ranks(_worker, str(model_dir), ep, str(tmp_path), nproc=2, timeout_s=300, pg_timeout_s=20))
+    hf = load_file(str(model_dir / "model.safetensors"))
+    reference = _hf_logits(model_dir, [_sft_batches(r) for r in range(2)])
+    saved = load_file(str(tmp_path / f"hf-ep{ep}" / "model.safetensors"))
+    for res in results:
+        assert res["local_experts"] == 8 // ep
+        for ours, theirs in zip(res["logits"], reference[res["dp"]], strict=True):
+            torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+        assert set(res["export_before"]) == set(hf)
+        assert all(torch.equal(res["export_before"][n], t) for n, t in hf.items()), "HF -> megatron -> HF changed a weight"
+        assert set(saved) == set(hf) and all(torch.equal(saved[n], t) for n, t in res["weights"].items())
+        assert res["restored"], "the checkpoint did not bring back every expert"
+        assert len(res["grads"]) == 2 * STEPS and all(set(g) == set(hf) for g in res["grads"])
+    return results
+
+
+def test_ep2_matches_hf_and_ep1_over_sft_and_grpo(tmp_path: Path) -> None:
+    model_dir = qwen3_moe_dir(tmp_path / "model")
+    ep1 = _run(tmp_path, model_dir, ep=1)
+    ep2 = _run(tmp_path, model_dir, ep=2)
+    for one, two in zip(ep1, ep2):
+        for phase in ("sft", "grpo"):
+            for step, (m1, m2) in enumerate(zip(one[phase], two[phase], strict=True)):
+                for key in ("loss", "grad_norm"):
+                    assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-6), (phase, step, key)
+                assert m2["safety/skipped_steps"] == 0.0
+        for step, (g1, g2) in enumerate(zip(one["grads"], two["grads"], strict=True)):
+            for name, grad in g1.items():
+                torch.testing.assert_close(g2[name], grad, atol=1e-5, rtol=0, msg=f"step {step}: {name}")
+        for name, weight in one["weights"].items():
+            torch.testing.assert_close(two["weights"][name], weight, atol=1e-5, rtol=0)
+    assert ep1[0]["grpo"][-1]["loss"] != ep1[0]["grpo"][0]["loss"]  # the steps did something
