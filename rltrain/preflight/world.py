@@ -71,7 +71,7 @@ def _hf_experts(cfg: Config) -> tuple[str, int] | None:
 def _validate_expert_split(cfg: Config, world: int) -> None:
     """`backend.ep` splits each layer's experts over ep ranks of one pipeline stage: ep * pp must
     divide the ranks and ep the experts, on a MoE model (docs/moe.md, "Expert parallelism")."""
-    tp, pp, ep = cfg.backend.tp, cfg.backend.pp, cfg.backend.ep
+    pp, ep = cfg.backend.pp, cfg.backend.ep
     if ep < 1:
         raise UserError(f"backend.ep={ep} must be at least 1 (1: no expert parallelism).")
     if world % (ep * pp):
@@ -94,12 +94,6 @@ def _validate_expert_split(cfg: Config, world: int) -> None:
         raise UserError(
             f"backend.ep={ep} does not divide {key}={count}: every rank of an expert-parallel group holds the same "
             f"number of experts. Choose a backend.ep that divides {count}."
-        )
-    if count and tp > 1:
-        raise UserError(
-            f"backend.tp={tp} with a Mixture-of-Experts model ({key}={count}): megatron-core's MoE layer trains "
-            "under tensor parallelism only with sequence parallelism, which the megatron backend does not run yet. "
-            "Use backend.tp=1 and split the experts with backend.ep over data-parallel ranks instead."
         )
 
 

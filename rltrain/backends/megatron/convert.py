@@ -51,6 +51,12 @@ def expert_param(local_expert: int, linear: str) -> str:
     return f"mlp.experts.local_experts.{local_expert}.{linear}.weight"
 
 
+def partial_under_tp(name: str) -> bool:
+    """Whether a replicated parameter's gradient on one TP rank covers only that rank's heads (the
+    q/k norms), so the TP ranks must sum it."""
+    return name.startswith(_LAYER) and _layer_suffix(name)[1] in _QK_NORM_PARAMS
+
+
 def is_expert(name: str) -> bool:
     """Whether a megatron parameter is one expert's weight (sharded over ep, not replicated over dp)."""
     return _EXPERT.search(name) is not None

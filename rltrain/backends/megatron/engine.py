@@ -21,7 +21,7 @@ from rltrain.backends.base import LossFn, PolicyOutput, Scores, wrong_scores_err
 from rltrain.backends.lr_schedule import lr_at
 from rltrain.backends.megatron import checkpoint, export
 from rltrain.backends.megatron.batching import PaddedMicroBatch, check_same_data, pad_micro_batch
-from rltrain.backends.megatron.convert import OUTPUT, is_expert
+from rltrain.backends.megatron.convert import OUTPUT, is_expert, partial_under_tp
 from rltrain.backends.megatron.cpu_shims import apply_cpu_shims
 from rltrain.backends.megatron.grads import (
     all_finite,
@@ -29,7 +29,9 @@ from rltrain.backends.megatron.grads import (
     fill_missing_grads,
     global_grad_norm,
     norm_counted,
+    sum_expert_grads,
     sum_over_data_parallel,
+    sum_tensor_parallel_partials,
     sync_tied_embedding,
 )
 from rltrain.backends.megatron.groups import ParallelCoords, ParallelGroups
@@ -105,6 +107,7 @@ class MegatronEngine:
         # A MoE's experts differ between the ranks of an expert-parallel group (grads.py)
         self.dense_params = [p for n, p in self.model.named_parameters() if not is_expert(n)]
         self.expert_params = [p for n, p in self.model.named_parameters() if is_expert(n)]
+        self.tp_partial_params = [p for n, p in self.model.named_parameters() if partial_under_tp(n)]
         # The tied embedding's copy on the last stage of a pipeline (a policy's, never a critic's).
         self.tied_copies = build_spec.tie_embeddings and pp > 1
         self._norm_params = self._norm_counted_params()
@@ -259,9 +262,11 @@ class MegatronEngine:
         (see `GuardedLosses.mixed`); it votes "not finite", so every rank skips the step together."""
         assert self.optimizer is not None and self.optim_cfg is not None
         fill_missing_grads(self.params)
+        if self.tp_partial_params:
+            sum_tensor_parallel_partials(self.tp_partial_params, coords.tp_group)
         sum_over_data_parallel(self.dense_params, coords.dp_group)
         if self.expert_params:
-            sum_over_data_parallel(self.expert_params, coords.expert_dp_group)
+            sum_expert_grads(self.expert_params, coords.expert_dp_group, coords.tp)
         if self.tied_copies:
             sync_tied_embedding(self.model.shared_embedding_or_output_weight(), coords.embd_group)
         experts = self.expert_params if self.spec.moe is not None else None

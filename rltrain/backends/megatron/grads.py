@@ -42,6 +42,25 @@ def sum_over_data_parallel(params: list[torch.nn.Parameter], dp_group) -> None:
             g.copy_(reduced)
 
 
+def sum_tensor_parallel_partials(partials: list[torch.nn.Parameter], tp_group) -> None:
+    """Sum over the TP ranks the gradients of replicated weights each rank applies to its own heads
+    only (Qwen3's q/k norms, `convert.partial_under_tp`), as megatron's finalize_model_grads does."""
+    if _group_size(tp_group) == 1:
+        return
+    sum_over_data_parallel(partials, tp_group)
+
+
+def sum_expert_grads(experts: list[torch.nn.Parameter], expert_dp_group, tp: int) -> None:
+    """Sum a MoE's expert gradients over the replicas that hold the same experts. Under tensor
+    parallelism every TP rank routed its own copy of each token, so each expert's sum holds tp
+    copies of its true gradient: divided by tp (model._moe_layers_accept_tensor_parallel_input)."""
+    sum_over_data_parallel(experts, expert_dp_group)
+    if tp > 1:
+        for p in experts:
+            assert p.grad is not None
+            p.grad.div_(tp)
+
+
 def sync_tied_embedding(shared_weight: torch.nn.Parameter | None, embd_group) -> None:
     """Sum the gradients of the tied embedding's two copies (first and last pipeline stage)."""
     if shared_weight is None or _group_size(embd_group) == 1:

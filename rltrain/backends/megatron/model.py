@@ -110,6 +110,8 @@ def build_stage(
         rotary_base=spec.rope_theta,
     )
     _mark_tensor_parallel(model)
+    if spec.moe is not None and tp > 1:
+        _moe_layers_accept_tensor_parallel_input(model)
     if torch.cuda.is_available():
         model = model.cuda()
     return model
@@ -131,6 +133,31 @@ def checkpoint_layers(model: GPTModel) -> int:
 
         layer.forward = checkpointed
     return len(layers)
+
+
+def _moe_layers_accept_tensor_parallel_input(model: torch.nn.Module) -> None:
+    """Let megatron's MoE layers train on tp-replicated hidden states (no sequence parallelism).
+
+    megatron-core refuses that layout in training, because every TP rank then routes the same
+    tokens: the layer's output and input gradient are still right on every rank, but each expert's
+    gradient is the sum over the tp copies of each token (the engine divides it by tp,
+    `grads.sum_expert_grads`). The refusal is the layer's only use of its own `training` flag (its
+    router's is untouched, and no aux loss, capacity or CUDA graph is configured), so the layer runs
+    its forward with that flag off. docs/moe.md, "Expert parallelism (megatron)"."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for layer in model.modules():
+        if not isinstance(layer, MoELayer):
+            continue
+
+        def forward(*args, _forward=layer.forward, _layer=layer, **kwargs):
+            training, _layer.training = _layer.training, False
+            try:
+                return _forward(*args, **kwargs)
+            finally:
+                _layer.training = training
+
+        layer.forward = forward
 
 
 def _mark_tensor_parallel(model: torch.nn.Module) -> None:

@@ -120,12 +120,6 @@ class ModelSpec:
             raise ValueError(f"backend.ep={ep} needs a Mixture-of-Experts model; this one is dense")
         if self.moe is not None and self.moe.num_experts % ep:
             raise ValueError(f"backend.ep={ep} must divide the model's {self.moe.num_experts} experts (num_experts)")
-        if self.moe is not None and tp > 1:
-            raise ValueError(
-                f"backend.tp={tp} with a Mixture-of-Experts model: megatron-core's MoE layer trains under tensor "
-                "parallelism only with sequence parallelism, which this backend does not run yet; use backend.ep "
-                "and data parallelism (backend.tp=1)"
-            )
         if self.num_heads % tp or self.num_kv_heads % tp:
             raise ValueError(
                 f"backend.tp={tp} must divide num_attention_heads={self.num_heads} and "

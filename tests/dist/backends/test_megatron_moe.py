@@ -22,6 +22,9 @@ from rltrain.data.batch import SequenceBatch
 pytestmark = pytest.mark.dist
 
 VOCAB, STEPS, PROMPTS, GROUP = 96, 5, 2, 4
+# (tp, pp, ep) on 2 ranks: 2 data-parallel replicas without and with expert parallelism; one replica
+# of 2 TP ranks whose experts are whole on each rank, or split over the two; 2 pipeline stages
+LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 2, 1)]
 OPTIM = dict(lr=1e-2, weight_decay=0.01, beta1=0.9, beta2=0.98, eps=1e-4, warmup_steps=0, schedule="constant", max_grad_norm=1.0)
 
 
@@ -31,7 +34,7 @@ def qwen3_moe_dir(path: Path, experts: int = 8, topk: int = 2, norm_topk_prob: b
 
     config = Qwen3MoeConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=experts, num_experts_per_tok=topk,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=32, num_experts=experts, num_experts_per_tok=topk,
         norm_topk_prob=norm_topk_prob, max_position_embeddings=64, tie_word_embeddings=False,
     )
     with torch.random.fork_rng(devices=[]):
@@ -92,6 +95,8 @@ def _record_grads(eng, into: list) -> None:
 
 
 def _logits(eng, batches: list[SequenceBatch]) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
     from rltrain.backends.megatron.model import stage_forward
 
     out = []
@@ -99,7 +104,12 @@ def _logits(eng, batches: list[SequenceBatch]) -> list[torch.Tensor]:
         for mb in batches:
             for seq in mb.tokens.split():
                 hidden_BTH = stage_forward(eng.model, seq[None], len(seq), None)
-                out.append((hidden_BTH @ eng.model.output_layer.weight.T)[0, :, :VOCAB])
+                shard_TV = (hidden_BTH @ eng.model.output_layer.weight.T)[0]
+                shards = [shard_TV]
+                if eng.coords.tp > 1:  # the output layer is split by vocabulary rows
+                    shards = [torch.empty_like(shard_TV) for _ in range(eng.coords.tp)]
+                    dist.all_gather(shards, shard_TV, group=eng.coords.tp_group)
+                out.append(torch.cat(shards, dim=-1)[:, :VOCAB])
     return out
 
 
@@ -148,25 +158,25 @@ def _grpo(eng) -> list[dict]:
 def _worker(rank: int, world: int, model_dir: str, out_dir: str) -> dict:
     """Both layouts in the same processes, one after the other (megatron's parallel state torn
     down in between), which saves a second start of the ranks."""
-    results = {}
-    for ep in (1, 2):
-        results[ep] = _layout(world, model_dir, ep, out_dir)
-    return results
+    return {layout: _layout(world, model_dir, *layout, out_dir) for layout in LAYOUTS}
 
 
-def _layout(world: int, model_dir: str, ep: int, out_dir: str) -> dict:
+def _layout(world: int, model_dir: str, tp: int, pp: int, ep: int, out_dir: str) -> dict:
     from rltrain.backends.megatron.engine import MegatronEngine
     from rltrain.config.group_options import MegatronBackendConfig
     from rltrain.config.schema import OptimConfig
 
     torch.manual_seed(0)
-    eng = MegatronEngine(model_dir, MegatronBackendConfig(ep=ep), OptimConfig(**OPTIM), 100, collective_timeout_s=20)
-    batches = _sft_batches(eng.rank)
+    backend = MegatronBackendConfig(tp=tp, pp=pp, ep=ep)
+    eng = MegatronEngine(model_dir, backend, OptimConfig(**OPTIM), 100, collective_timeout_s=20)
+    # the same global batch: one replica's micro-batches each, or both on the one replica of tp=2
+    batches = _sft_batches(eng.rank) if tp * pp == 1 else _sft_batches(0) + _sft_batches(1)
     n_tokens = sum(b.num_completion_tokens for r in range(world) for b in _sft_batches(r))
-    res: dict = dict(dp=eng.rank, local_experts=len(eng.expert_params) // 4)
-    res["logits"] = _logits(eng, batches)
+    experts = {n.split("local_experts.")[1].split(".")[0] for n, _ in eng.model.named_parameters() if "local_experts." in n}
+    res: dict = dict(dp=eng.rank, local_experts=len(experts))
+    res["logits"] = _logits(eng, batches) if pp == 1 else None
     res["export_before"] = dict(eng.export_weights())
-    ckpt = Path(out_dir) / f"ckpt-ep{ep}"
+    ckpt = Path(out_dir) / f"ckpt-tp{tp}-pp{pp}-ep{ep}"
     eng.save_checkpoint(ckpt)
     grads: list = []
     _record_grads(eng, grads)
@@ -174,7 +184,7 @@ def _layout(world: int, model_dir: str, ep: int, out_dir: str) -> dict:
     res["grpo"] = _grpo(eng)
     res["grads"] = grads
     res["weights"] = dict(eng.export_weights())
-    eng.save_pretrained(Path(out_dir) / f"hf-ep{ep}")
+    eng.save_pretrained(Path(out_dir) / f"hf-tp{tp}-pp{pp}-ep{ep}")
     eng.load_checkpoint(ckpt)
     res["restored"] = all(torch.equal(t, res["export_before"][n]) for n, t in eng.export_weights())
     eng.teardown_communicators()
@@ -207,15 +217,16 @@ def _tensors(obj):
 # -- the checks ------------------------------------------------------------------------------
 
 
-def _check(tmp_path: Path, model_dir: Path, ep: int, results: list[dict]) -> list[dict]:
+def _check(tmp_path: Path, model_dir: Path, tp: int, pp: int, ep: int, results: list[dict]) -> list[dict]:
     from safetensors.torch import load_file
 
     hf = load_file(str(model_dir / "model.safetensors"))
     reference = _hf_logits(model_dir, [_sft_batches(r) for r in range(2)])
-    saved = load_file(str(tmp_path / f"hf-ep{ep}" / "model.safetensors"))
+    saved = load_file(str(tmp_path / f"hf-tp{tp}-pp{pp}-ep{ep}" / "model.safetensors"))
     for res in results:
         assert res["local_experts"] == 8 // ep
-        for ours, theirs in zip(res["logits"], reference[res["dp"]], strict=True):
+        expected = reference[res["dp"]] if tp * pp == 1 else reference[0] + reference[1]
+        for ours, theirs in zip(res["logits"] or [], expected if pp == 1 else [], strict=True):
             torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
         assert set(res["export_before"]) == set(hf)
         assert all(torch.equal(res["export_before"][n], t) for n, t in hf.items()), "HF -> megatron -> HF changed a weight"
@@ -227,18 +238,23 @@ def _check(tmp_path: Path, model_dir: Path, ep: int, results: list[dict]) -> lis
 
 def test_ep2_matches_hf_and_ep1_over_sft_and_grpo(tmp_path: Path) -> None:
     model_dir = qwen3_moe_dir(tmp_path / "model")
-    by_rank = _tensors(run_ranks(_worker, str(model_dir), str(tmp_path), nproc=2, timeout_s=300, pg_timeout_s=20))
-    ep1 = _check(tmp_path, model_dir, 1, [r[1] for r in by_rank])
-    ep2 = _check(tmp_path, model_dir, 2, [r[2] for r in by_rank])
-    for one, two in zip(ep1, ep2):
+    by_rank = _tensors(run_ranks(_worker, str(model_dir), str(tmp_path), nproc=2, timeout_s=400, pg_timeout_s=20))
+    by_layout = {layout: _check(tmp_path, model_dir, *layout, [r[layout] for r in by_rank]) for layout in LAYOUTS}
+    ep1 = by_layout[(1, 1, 1)]
+    for layout in LAYOUTS[1:]:
+        _assert_same_training(ep1, by_layout[layout], layout)
+    assert ep1[0]["grpo"][-1]["loss"] != ep1[0]["grpo"][0]["loss"]  # the steps did something
+
+
+def _assert_same_training(reference: list[dict], results: list[dict], layout: tuple[int, int, int]) -> None:
+    for one, two in zip(reference, results):
         for phase in ("sft", "grpo"):
             for step, (m1, m2) in enumerate(zip(one[phase], two[phase], strict=True)):
                 for key in ("loss", "grad_norm"):
-                    assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-6), (phase, step, key)
+                    assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-6), (layout, phase, step, key)
                 assert m2["safety/skipped_steps"] == 0.0
         for step, (g1, g2) in enumerate(zip(one["grads"], two["grads"], strict=True)):
             for name, grad in g1.items():
-                torch.testing.assert_close(g2[name], grad, atol=1e-5, rtol=0, msg=f"step {step}: {name}")
+                torch.testing.assert_close(g2[name], grad, atol=1e-5, rtol=0, msg=f"{layout} step {step}: {name}")
         for name, weight in one["weights"].items():
             torch.testing.assert_close(two["weights"][name], weight, atol=1e-5, rtol=0)
-    assert ep1[0]["grpo"][-1]["loss"] != ep1[0]["grpo"][0]["loss"]  # the steps did something

@@ -97,7 +97,6 @@ def _hf_config(path: Path, **extra) -> Path:
         ({"num_experts": 6}, ["backend.ep=4", "trainer.nproc=4"], ["backend.ep=4", "num_experts in model.path's config.json=6"]),
         ({"num_local_experts": 6}, ["backend.ep=4", "trainer.nproc=4"], ["num_local_experts in model.path's config.json=6"]),
         ({}, ["backend.ep=2", "trainer.nproc=2"], ["backend.ep=2 needs a Mixture-of-Experts model"]),
-        ({"num_experts": 8}, ["backend.tp=2", "trainer.nproc=2"], ["backend.tp=2 with a Mixture-of-Experts", "backend.ep"]),
     ],
 )
 def test_expert_parallel_layouts_that_cannot_work_name_the_key(tmp_path: Path, extra, overrides, names) -> None:
