@@ -42,6 +42,15 @@ _QK_NORM_PARAMS: dict[str, tuple[int | None, str | None]] = {
 # A MoE layer's router (replicated) and, per expert, SwiGLU weights that stay whole on the expert's rank
 ROUTER = "mlp.router.weight"
 _MOE_PARAMS: dict[str, tuple[int | None, str | None]] = {ROUTER: (None, "mlp.gate.weight")}
+# Qwen2-MoE's shared expert: split over tp like the dense MLP; its gate [1, H] replicated
+SHARED_FC1 = "mlp.shared_experts.linear_fc1.weight"
+_SHARED_EXPERT_PARAMS: dict[str, tuple[int | None, str | None]] = {
+    SHARED_FC1: (0, None),
+    "mlp.shared_experts.linear_fc2.weight": (1, "mlp.shared_expert.down_proj.weight"),
+    "mlp.shared_experts.gate_weight": (None, "mlp.shared_expert_gate.weight"),
+}
+# fused [gate; up] weight -> the HF module prefix (within a layer) of its gate_proj and up_proj
+_FUSED_FC1 = {"mlp.linear_fc1.weight": "mlp.", SHARED_FC1: "mlp.shared_expert."}
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight")
 _DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight")
 
@@ -71,6 +80,8 @@ def _layer_table(spec: ModelSpec) -> dict[str, tuple[int | None, str | None]]:
         table |= _QK_NORM_PARAMS
     if spec.moe is not None:
         table |= _MOE_PARAMS
+    if spec.moe is not None and spec.moe.shared_expert_ffn_size:
+        table |= _SHARED_EXPERT_PARAMS
     return table
 
 
@@ -100,7 +111,7 @@ def split_dim(name: str) -> int | None:
     suffix = _layer_suffix(name)[1]
     if suffix in _LAYER_PARAMS:
         return _LAYER_PARAMS[suffix][0]
-    return (_QK_NORM_PARAMS | _MOE_PARAMS)[suffix][0]
+    return (_QK_NORM_PARAMS | _MOE_PARAMS | _SHARED_EXPERT_PARAMS)[suffix][0]
 
 
 def _layer_suffix(name: str) -> tuple[int, str]:
@@ -126,6 +137,7 @@ def megatron_shape(spec: ModelSpec, name: str, tp: int) -> tuple[int, ...]:
         ffn = spec.moe.expert_ffn_size
         return (2 * ffn, h) if expert.group(2) == "linear_fc1" else (h, ffn)
     qkv_rows = (spec.num_heads + 2 * spec.num_kv_heads) * d // tp
+    shared = spec.moe.shared_expert_ffn_size if spec.moe is not None else 0
     return {
         "input_layernorm.weight": (h,),
         "self_attention.linear_qkv.weight": (qkv_rows, h),
@@ -137,6 +149,9 @@ def megatron_shape(spec: ModelSpec, name: str, tp: int) -> tuple[int, ...]:
         "self_attention.q_layernorm.weight": (d,),
         "self_attention.k_layernorm.weight": (d,),
         ROUTER: (spec.num_experts, h),
+        SHARED_FC1: (2 * shared // tp, h),
+        "mlp.shared_experts.linear_fc2.weight": (h, shared // tp),
+        "mlp.shared_experts.gate_weight": (1, h),
     }[suffix]
 
 
@@ -208,9 +223,9 @@ def hf_to_megatron(
                 kind = suffix.rsplit(".", 1)[1]
                 q, k, v = (get_hf(f"{prefix}self_attn.{p}_proj.{kind}") for p in "qkv")
                 out[name] = shard(_fuse_qkv(spec, q, k, v), 0)
-            elif suffix == "mlp.linear_fc1.weight":
-                gate = shard(get_hf(f"{prefix}mlp.gate_proj.weight"), 0)
-                up = shard(get_hf(f"{prefix}mlp.up_proj.weight"), 0)
+            elif suffix in _FUSED_FC1:
+                gate = shard(get_hf(f"{prefix}{_FUSED_FC1[suffix]}gate_proj.weight"), 0)
+                up = shard(get_hf(f"{prefix}{_FUSED_FC1[suffix]}up_proj.weight"), 0)
                 out[name] = torch.cat([gate, up])
             else:
                 assert hf_suffix is not None
@@ -266,10 +281,10 @@ def megatron_to_hf(
         kind = suffix.rsplit(".", 1)[1]
         for proj, tensor in zip("qkv", _unfuse_qkv(spec, full)):
             yield f"{prefix}self_attn.{proj}_proj.{kind}", tensor
-    elif suffix == "mlp.linear_fc1.weight":
+    elif suffix in _FUSED_FC1:
         halves = [torch.chunk(s, 2, dim=0) for s in shards]
-        yield f"{prefix}mlp.gate_proj.weight", torch.cat([h[0] for h in halves])
-        yield f"{prefix}mlp.up_proj.weight", torch.cat([h[1] for h in halves])
+        yield f"{prefix}{_FUSED_FC1[suffix]}gate_proj.weight", torch.cat([h[0] for h in halves])
+        yield f"{prefix}{_FUSED_FC1[suffix]}up_proj.weight", torch.cat([h[1] for h in halves])
     else:
         hf_suffix = _layer_table(spec)[suffix][1]
         assert hf_suffix is not None
@@ -293,6 +308,9 @@ def hf_param_names(spec: ModelSpec) -> list[str]:
             names += [p + f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
             continue
         names.append(p + "mlp.gate.weight")
+        if spec.moe.shared_expert_ffn_size:
+            names += [p + f"mlp.shared_expert.{m}_proj.weight" for m in ("gate", "up", "down")]
+            names.append(p + "mlp.shared_expert_gate.weight")
         for expert in range(spec.moe.num_experts):
             names += [_hf_expert(p, expert) + f"{m}_proj.weight" for m in ("gate", "up", "down")]
     names.append("model.norm.weight")

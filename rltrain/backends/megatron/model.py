@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 def moe_config(spec: ModelSpec, ep: int) -> dict:
     """TransformerConfig's MoE fields for `spec` (none for a dense model). The router matches HF:
     softmax in fp32, then top-k renormalised (`norm_topk_prob`, megatron's top-k-then-softmax) or
-    not (softmax-then-top-k); no load-balancing loss, no capacity (no token is dropped)."""
+    not (softmax-then-top-k); no load-balancing loss, no capacity (no token is dropped). A shared
+    expert (Qwen2-MoE) is megatron's, gated by a sigmoid of one linear output as in HF."""
     if spec.moe is None:
         return {}
     return dict(
@@ -40,6 +41,8 @@ def moe_config(spec: ModelSpec, ep: int) -> dict:
         moe_grouped_gemm=False,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=1,
+        moe_shared_expert_intermediate_size=spec.moe.shared_expert_ffn_size or None,
+        moe_shared_expert_gate=spec.moe.shared_expert_ffn_size > 0,
     )
 
 

@@ -1,10 +1,10 @@
 """The architecture facts shared by model building and weight conversion, read once from HF config.
 
 Kept free of megatron imports so that conversion (and its round-trip tests) is plain tensor code.
-Only the Qwen2/Llama/Qwen3 family and its Mixture-of-Experts form (Qwen3-MoE) are accepted:
-RMSNorm, SwiGLU, RoPE without scaling, grouped-query attention, optional q/k/v bias, optional
-per-head q/k RMSNorm, tied or untied embeddings, and for a MoE a softmax top-k router over SwiGLU
-experts in every layer. Anything else is refused here with a message rather than converted wrongly
+Only the Qwen2/Llama/Qwen3 family and its Mixture-of-Experts forms (Qwen3-MoE, Qwen2-MoE) are
+accepted: RMSNorm, SwiGLU, RoPE without scaling, grouped-query attention, optional q/k/v bias,
+optional per-head q/k RMSNorm, tied or untied embeddings, and for a MoE a softmax top-k router over
+SwiGLU experts in every layer, optionally beside a sigmoid-gated shared expert (Qwen2-MoE). Anything else is refused here with a message rather than converted wrongly
 (docs/moe.md, "Expert parallelism (megatron)").
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 DENSE_TYPES = ("qwen2", "llama", "qwen3")
-MOE_TYPES = ("qwen3_moe",)
+MOE_TYPES = ("qwen3_moe", "qwen2_moe")
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class MoESpec:
     topk: int
     expert_ffn_size: int  # moe_intermediate_size
     norm_topk_prob: bool  # renormalise the top-k softmax probabilities to sum to one
+    shared_expert_ffn_size: int = 0  # Qwen2-MoE: a SwiGLU expert every token uses, sigmoid-gated; 0: none
 
     @staticmethod
     def from_hf_config(config: Any) -> MoESpec:
@@ -39,6 +40,7 @@ class MoESpec:
             topk=int(config.num_experts_per_tok),
             expert_ffn_size=int(config.moe_intermediate_size),
             norm_topk_prob=bool(config.norm_topk_prob),
+            shared_expert_ffn_size=int(getattr(config, "shared_expert_intermediate_size", 0) or 0),
         )
 
 
@@ -79,8 +81,11 @@ class ModelSpec:
             raise ValueError("sliding-window attention is not supported")
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        qkv_bias = True if model_type == "qwen2" else bool(getattr(config, "attention_bias", False))
-        if model_type != "qwen2" and qkv_bias:
+        if model_type == "qwen2_moe":
+            qkv_bias = bool(config.qkv_bias)
+        else:
+            qkv_bias = True if model_type == "qwen2" else bool(getattr(config, "attention_bias", False))
+        if model_type not in ("qwen2", "qwen2_moe") and qkv_bias:
             # Llama's and Qwen3's attention_bias also puts a bias on o_proj, which this spec does not carry.
             raise ValueError(f"{model_type} with attention_bias=true (o_proj bias) is not supported")
         return ModelSpec(
@@ -125,6 +130,8 @@ class ModelSpec:
                 f"backend.tp={tp} must divide num_attention_heads={self.num_heads} and "
                 f"num_key_value_heads={self.num_kv_heads}"
             )
+        if self.moe is not None and self.moe.shared_expert_ffn_size % tp:
+            raise ValueError(f"backend.tp={tp} must divide shared_expert_intermediate_size={self.moe.shared_expert_ffn_size}")
         if self.moe is None and self.ffn_hidden_size % tp:
             raise ValueError(f"backend.tp={tp} must divide intermediate_size={self.ffn_hidden_size}")
         if self.num_layers % pp:

@@ -49,6 +49,12 @@ def _hf_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
         return (d,)
     if name.endswith("mlp.gate.weight"):
         return (spec.num_experts, h)
+    if name.endswith("shared_expert_gate.weight"):
+        return (1, h)
+    if ".shared_expert." in name:
+        assert spec.moe is not None
+        shared = spec.moe.shared_expert_ffn_size
+        return (h, shared) if "down_proj" in name else (shared, h)
     if ".experts." in name:
         assert spec.moe is not None
         return (h, spec.moe.expert_ffn_size) if "down_proj" in name else (spec.moe.expert_ffn_size, h)
@@ -133,8 +139,15 @@ def test_unsupported_layout_is_refused() -> None:
 
 
 def _moe_spec(norm_topk_prob: bool = True) -> ModelSpec:
+    """Qwen3-MoE's shape."""
     dense = _spec(tied=False, qkv_bias=False, kv_heads=1)
     return ModelSpec(**{**dense.__dict__, "qk_norm": True, "moe": MoESpec(8, 2, 32, norm_topk_prob)})
+
+
+def _shared_expert_spec() -> ModelSpec:
+    """Qwen2-MoE's shape: q/k/v biases, a gated shared expert, no q/k norms."""
+    dense = _spec(tied=False, qkv_bias=True, kv_heads=2)
+    return ModelSpec(**{**dense.__dict__, "moe": MoESpec(8, 2, 32, False, shared_expert_ffn_size=48)})
 
 
 def test_moe_round_trip_is_bitwise_exact_for_every_expert_split() -> None:
@@ -146,6 +159,16 @@ def test_moe_round_trip_is_bitwise_exact_for_every_expert_split() -> None:
         back = _round_trip(spec, hf, tp=1, pp=pp, ep=ep)
         assert set(back) == set(hf), (pp, ep)
         assert all(torch.equal(back[n], t) for n, t in hf.items()), (pp, ep)
+
+
+def test_shared_expert_round_trip_is_bitwise_exact_under_tp_and_ep() -> None:
+    spec = _shared_expert_spec()
+    hf = _random_hf(spec)
+    assert sum(".shared_expert" in n for n in hf) == 4 * 4  # gate, up, down, gate weight per layer
+    for tp, pp, ep in [(1, 1, 1), (2, 1, 2), (2, 2, 4)]:
+        back = _round_trip(spec, hf, tp=tp, pp=pp, ep=ep)
+        assert set(back) == set(hf), (tp, pp, ep)
+        assert all(torch.equal(back[n], t) for n, t in hf.items()), (tp, pp, ep)
 
 
 def test_each_expert_rank_holds_its_block_of_experts_as_gate_up_and_down() -> None:

@@ -7,6 +7,9 @@ export of its weights back to HF names, bitwise); the two runs must then give th
 gradient norms and gradients (exported under HF names, so every expert is compared wherever it
 lives) over 5 SFT steps and 5 GRPO steps, and the checkpoint and `save_pretrained` paths must
 cover every expert.
+
+A tiny Qwen2-MoE (a shared expert, q/k/v biases) is checked against Hugging Face's logits and SFT
+gradients at ep=2 with and without tp=2, in the same ranks.
 """
 
 from __future__ import annotations
@@ -45,6 +48,53 @@ def qwen3_moe_dir(path: Path, experts: int = 8, topk: int = 2, norm_topk_prob: b
                 p.copy_(torch.randn_like(p) * 0.15 + (1.0 if "norm" in name else 0.0))
     model.save_pretrained(path)
     return path
+
+
+def qwen2_moe_dir(path: Path) -> Path:
+    """A tiny Qwen2-MoE (q/k/v biases, a sigmoid-gated shared expert, top-k not renormalised)."""
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    config = Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        num_experts=8, num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(torch.randn_like(p) * 0.15 + (1.0 if "norm" in name else 0.0))
+    model.save_pretrained(path)
+    return path
+
+
+def _hf_sft_grads(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The SFT loss's gradient over both ranks' batches under checkpoint names (experts split)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    batches = _sft_batches(0) + _sft_batches(1)
+    n_tokens = sum(b.num_completion_tokens for b in batches)
+    loss = torch.zeros(())
+    for mb in batches:
+        for seq, p in zip(mb.tokens.split(), mb.prompt_lens.tolist()):
+            logp_TV = torch.log_softmax(model(seq[None]).logits[0], -1)[p - 1 : -1]
+            loss = loss - logp_TV.gather(-1, seq[p:, None]).sum() / n_tokens
+    loss.backward()
+    grads = {}
+    for name, param in model.named_parameters():
+        if name.endswith("experts.gate_up_proj"):  # transformers fuses a layer's experts: [E, 2I, H]
+            gate_EIH, up_EIH = param.grad.chunk(2, dim=1)
+            for e in range(param.shape[0]):
+                grads[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate_EIH[e]
+                grads[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = up_EIH[e]
+        elif name.endswith("experts.down_proj"):
+            for e in range(param.shape[0]):
+                grads[name.replace("down_proj", f"{e}.down_proj.weight")] = param.grad[e]
+        else:
+            grads[name] = param.grad
+    return grads
 
 
 def _sft_batches(rank: int) -> list[SequenceBatch]:
@@ -155,10 +205,31 @@ def _grpo(eng) -> list[dict]:
     return metrics
 
 
-def _worker(rank: int, world: int, model_dir: str, out_dir: str) -> dict:
+def _worker(rank: int, world: int, model_dir: str, qwen2_dir: str, out_dir: str) -> dict:
     """Both layouts in the same processes, one after the other (megatron's parallel state torn
     down in between), which saves a second start of the ranks."""
-    return {layout: _layout(world, model_dir, *layout, out_dir) for layout in LAYOUTS}
+    results: dict = {layout: _layout(world, model_dir, *layout, out_dir) for layout in LAYOUTS}
+    results["qwen2_moe"] = {layout: _shared_expert_step(world, qwen2_dir, *layout) for layout in ((1, 2), (2, 2))}
+    return results
+
+
+def _shared_expert_step(world: int, model_dir: str, tp: int, ep: int) -> dict:
+    """Qwen2-MoE: the logits and one SFT step's gradients, for comparison with Hugging Face."""
+    from rltrain.backends.megatron.engine import MegatronEngine
+    from rltrain.config.group_options import MegatronBackendConfig
+    from rltrain.config.schema import OptimConfig
+
+    unclipped = OptimConfig(**{**OPTIM, "max_grad_norm": 0.0})  # the gradients are recorded after clipping
+    eng = MegatronEngine(model_dir, MegatronBackendConfig(tp=tp, ep=ep), unclipped, 100, collective_timeout_s=20)
+    batches = _sft_batches(eng.rank) if tp == 1 else _sft_batches(0) + _sft_batches(1)
+    n_tokens = sum(b.num_completion_tokens for r in range(world) for b in _sft_batches(r))
+    res: dict = dict(dp=eng.rank, logits=_logits(eng, batches), export=dict(eng.export_weights()))
+    grads: list = []
+    _record_grads(eng, grads)
+    eng.train_step(batches, lambda out, mb: (-out.logps.values.sum() / n_tokens, {}))
+    res["grads"] = grads[0]
+    eng.teardown_communicators()
+    return _portable(res)
 
 
 def _layout(world: int, model_dir: str, tp: int, pp: int, ep: int, out_dir: str) -> dict:
@@ -238,12 +309,34 @@ def _check(tmp_path: Path, model_dir: Path, tp: int, pp: int, ep: int, results: 
 
 def test_ep2_matches_hf_and_ep1_over_sft_and_grpo(tmp_path: Path) -> None:
     model_dir = qwen3_moe_dir(tmp_path / "model")
-    by_rank = _tensors(run_ranks(_worker, str(model_dir), str(tmp_path), nproc=2, timeout_s=400, pg_timeout_s=20))
+    qwen2_dir = qwen2_moe_dir(tmp_path / "qwen2_moe")
+    by_rank = _tensors(
+        run_ranks(_worker, str(model_dir), str(qwen2_dir), str(tmp_path), nproc=2, timeout_s=400, pg_timeout_s=20)
+    )
+    _check_shared_expert_model(qwen2_dir, [r["qwen2_moe"] for r in by_rank])
     by_layout = {layout: _check(tmp_path, model_dir, *layout, [r[layout] for r in by_rank]) for layout in LAYOUTS}
     ep1 = by_layout[(1, 1, 1)]
     for layout in LAYOUTS[1:]:
         _assert_same_training(ep1, by_layout[layout], layout)
     assert ep1[0]["grpo"][-1]["loss"] != ep1[0]["grpo"][0]["loss"]  # the steps did something
+
+
+def _check_shared_expert_model(model_dir: Path, results: list[dict]) -> None:
+    from safetensors.torch import load_file
+
+    hf = load_file(str(model_dir / "model.safetensors"))
+    assert any("shared_expert_gate" in n for n in hf)
+    reference = _hf_logits(model_dir, [_sft_batches(r) for r in range(2)])
+    hf_grads = _hf_sft_grads(model_dir)
+    for by_layout in results:
+        for (tp, _), res in by_layout.items():
+            expected = reference[res["dp"]] if tp == 1 else reference[0] + reference[1]
+            for ours, theirs in zip(res["logits"], expected, strict=True):
+                torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+            assert set(res["export"]) == set(hf) and all(torch.equal(res["export"][n], t) for n, t in hf.items())
+            assert set(res["grads"]) == set(hf_grads)
+            for name, grad in hf_grads.items():
+                torch.testing.assert_close(res["grads"][name], grad, atol=1e-5, rtol=0, msg=name)
 
 
 def _assert_same_training(reference: list[dict], results: list[dict], layout: tuple[int, int, int]) -> None:
