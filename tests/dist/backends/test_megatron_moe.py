@@ -1,12 +1,12 @@
 """Expert parallelism on megatron (docs/moe.md, "Expert parallelism (megatron)"), on 2 gloo ranks.
 
 A tiny Qwen3-MoE (8 experts, top-2, every weight random so that routing has no ties) runs through
-`MegatronEngine` at `backend.ep=1` and `backend.ep=2`, both as 2 data-parallel replicas fed the same
-batches. Each run checks itself against Hugging Face (logits of the converted model, and the
-export of its weights back to HF names, bitwise); the two runs must then give the same losses,
-gradient norms and gradients (exported under HF names, so every expert is compared wherever it
-lives) over 5 SFT steps and 5 GRPO steps, and the checkpoint and `save_pretrained` paths must
-cover every expert.
+`MegatronEngine` at each (tp, pp, ep) of `LAYOUTS` in the same 2 ranks, one after the other, on the
+same global batches. Each run checks itself against Hugging Face (logits of the converted model, and
+the export of its weights back to HF names, bitwise); every run must then give the losses, gradient
+norms and gradients (exported under HF names, so every expert is compared wherever it lives) of
+the first (tp = pp = ep = 1) over 5 SFT steps and 5 GRPO steps, and the checkpoint and
+`save_pretrained` paths must cover every expert.
 
 A tiny Qwen2-MoE (a shared expert, q/k/v biases) is checked against Hugging Face's logits and SFT
 gradients at ep=2 with and without tp=2, in the same ranks.
