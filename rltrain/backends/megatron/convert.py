@@ -1,5 +1,5 @@
-"""Weight conversion between Hugging Face (Qwen2/Llama/Qwen3, Qwen3-MoE) names and megatron-core
-GPTModel shards.
+"""Weight conversion between Hugging Face (Qwen2/Llama/Qwen3, Qwen3-MoE, Qwen2-MoE, Mixtral) names
+and megatron-core GPTModel shards.
 
 Pure tensor code, no process group: the engine gathers tensor-parallel shards (and an expert-parallel
 group's experts) and hands them here, so the weight-format facts (fused q/k/v and gate/up, vocabulary
@@ -79,7 +79,7 @@ def _layer_table(spec: ModelSpec) -> dict[str, tuple[int | None, str | None]]:
     if spec.qk_norm:
         table |= _QK_NORM_PARAMS
     if spec.moe is not None:
-        table |= _MOE_PARAMS
+        table |= {ROUTER: (None, f"{spec.moe.hf_block}.gate.weight")}
     if spec.moe is not None and spec.moe.shared_expert_ffn_size:
         table |= _SHARED_EXPERT_PARAMS
     return table
@@ -216,7 +216,7 @@ def hf_to_megatron(
             prefix = _hf_layer(offset + local)
             expert = _EXPERT.fullmatch(suffix)
             if expert is not None:
-                out[name] = _expert_from_hf(get_hf, prefix, first_expert + int(expert.group(1)), expert.group(2))
+                out[name] = _expert_from_hf(spec, get_hf, prefix, first_expert + int(expert.group(1)), expert.group(2))
                 continue
             dim, hf_suffix = table[suffix]
             if suffix.startswith("self_attention.linear_qkv."):
@@ -233,16 +233,21 @@ def hf_to_megatron(
     return out
 
 
-def _hf_expert(prefix: str, expert: int) -> str:
-    return f"{prefix}mlp.experts.{expert}."
+def _hf_expert(spec: ModelSpec, prefix: str, expert: int) -> tuple[str, str, str]:
+    """One expert's gate, up and down weight names in the checkpoint (Mixtral: w1, w3, w2)."""
+    assert spec.moe is not None  # only a MoE stage has expert parameters
+    gate, up, down = (f"{prefix}{spec.moe.hf_block}.experts.{expert}.{n}.weight" for n in spec.moe.hf_expert_linears)
+    return gate, up, down
 
 
-def _expert_from_hf(get_hf: Callable[[str], torch.Tensor], prefix: str, expert: int, linear: str) -> torch.Tensor:
+def _expert_from_hf(
+    spec: ModelSpec, get_hf: Callable[[str], torch.Tensor], prefix: str, expert: int, linear: str
+) -> torch.Tensor:
     """One expert's megatron weight: fc1 = [gate; up] (SwiGLU, like the dense MLP), fc2 = down."""
-    hf = _hf_expert(prefix, expert)
+    gate, up, down = _hf_expert(spec, prefix, expert)
     if linear == "linear_fc1":
-        return torch.cat([get_hf(hf + "gate_proj.weight"), get_hf(hf + "up_proj.weight")])
-    return get_hf(hf + "down_proj.weight").clone()
+        return torch.cat([get_hf(gate), get_hf(up)])
+    return get_hf(down).clone()
 
 
 def megatron_to_hf(
@@ -270,13 +275,13 @@ def megatron_to_hf(
     prefix = _hf_layer(layer_offset + local)
     expert = _EXPERT.fullmatch(suffix)
     if expert is not None:
-        hf = _hf_expert(prefix, first_expert + int(expert.group(1)))
+        gate_name, up_name, down_name = _hf_expert(spec, prefix, first_expert + int(expert.group(1)))
         if expert.group(2) == "linear_fc1":
             gate, up = torch.chunk(full, 2, dim=0)
-            yield hf + "gate_proj.weight", gate
-            yield hf + "up_proj.weight", up
+            yield gate_name, gate
+            yield up_name, up
         else:
-            yield hf + "down_proj.weight", full
+            yield down_name, full
     elif suffix.startswith("self_attention.linear_qkv."):
         kind = suffix.rsplit(".", 1)[1]
         for proj, tensor in zip("qkv", _unfuse_qkv(spec, full)):
@@ -307,12 +312,12 @@ def hf_param_names(spec: ModelSpec) -> list[str]:
         if spec.moe is None:
             names += [p + f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
             continue
-        names.append(p + "mlp.gate.weight")
+        names.append(f"{p}{spec.moe.hf_block}.gate.weight")
         if spec.moe.shared_expert_ffn_size:
             names += [p + f"mlp.shared_expert.{m}_proj.weight" for m in ("gate", "up", "down")]
             names.append(p + "mlp.shared_expert_gate.weight")
         for expert in range(spec.moe.num_experts):
-            names += [_hf_expert(p, expert) + f"{m}_proj.weight" for m in ("gate", "up", "down")]
+            names += list(_hf_expert(spec, p, expert))
     names.append("model.norm.weight")
     if not spec.tie_embeddings:
         names.append("lm_head.weight")

@@ -1,8 +1,8 @@
 """The architecture facts shared by model building and weight conversion, read once from HF config.
 
 Kept free of megatron imports so that conversion (and its round-trip tests) is plain tensor code.
-Only the Qwen2/Llama/Qwen3 family and its Mixture-of-Experts forms (Qwen3-MoE, Qwen2-MoE) are
-accepted: RMSNorm, SwiGLU, RoPE without scaling, grouped-query attention, optional q/k/v bias,
+Only the Qwen2/Llama/Qwen3 family and its Mixture-of-Experts forms (Qwen3-MoE, Qwen2-MoE, Mixtral)
+are accepted: RMSNorm, SwiGLU, RoPE without scaling, grouped-query attention, optional q/k/v bias,
 optional per-head q/k RMSNorm, tied or untied embeddings, and for a MoE a softmax top-k router over
 SwiGLU experts in every layer, optionally beside a sigmoid-gated shared expert (Qwen2-MoE). Anything else is refused here with a message rather than converted wrongly
 (docs/moe.md, "Expert parallelism (megatron)").
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 DENSE_TYPES = ("qwen2", "llama", "qwen3")
-MOE_TYPES = ("qwen3_moe", "qwen2_moe")
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 
 @dataclass(frozen=True)
@@ -26,9 +26,24 @@ class MoESpec:
     expert_ffn_size: int  # moe_intermediate_size
     norm_topk_prob: bool  # renormalise the top-k softmax probabilities to sum to one
     shared_expert_ffn_size: int = 0  # Qwen2-MoE: a SwiGLU expert every token uses, sigmoid-gated; 0: none
+    # Where the checkpoint keeps a layer's router and experts: `<block>.gate.weight` and
+    # `<block>.experts.E.<gate|up|down>.weight` (Mixtral: block_sparse_moe, w1/w3/w2)
+    hf_block: str = "mlp"
+    hf_expert_linears: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
     @staticmethod
     def from_hf_config(config: Any) -> MoESpec:
+        if config.model_type == "mixtral":
+            if getattr(config, "router_jitter_noise", 0.0):
+                raise ValueError("router_jitter_noise > 0 is not supported (the router is deterministic)")
+            return MoESpec(
+                num_experts=int(config.num_local_experts),
+                topk=int(config.num_experts_per_tok),
+                expert_ffn_size=int(config.intermediate_size),
+                norm_topk_prob=True,  # Mixtral always renormalises its top-k
+                hf_block="block_sparse_moe",
+                hf_expert_linears=("w1", "w3", "w2"),
+            )
         sparse_step = getattr(config, "decoder_sparse_step", 1)
         if sparse_step != 1 or getattr(config, "mlp_only_layers", None):
             raise ValueError(
@@ -79,6 +94,8 @@ class ModelSpec:
             raise ValueError("mlp_bias=true is not supported")
         if model_type != "llama" and getattr(config, "use_sliding_window", False):
             raise ValueError("sliding-window attention is not supported")
+        if model_type == "mixtral" and config.sliding_window is not None:
+            raise ValueError(f"sliding_window={config.sliding_window}: sliding-window attention is not supported")
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         if model_type == "qwen2_moe":

@@ -47,7 +47,7 @@ def _hf_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
         return (spec.vocab_size, h)
     if name.endswith(("q_norm.weight", "k_norm.weight")):
         return (d,)
-    if name.endswith("mlp.gate.weight"):
+    if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
         return (spec.num_experts, h)
     if name.endswith("shared_expert_gate.weight"):
         return (1, h)
@@ -57,7 +57,8 @@ def _hf_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
         return (h, shared) if "down_proj" in name else (shared, h)
     if ".experts." in name:
         assert spec.moe is not None
-        return (h, spec.moe.expert_ffn_size) if "down_proj" in name else (spec.moe.expert_ffn_size, h)
+        down = name.endswith(("down_proj.weight", "w2.weight"))
+        return (h, spec.moe.expert_ffn_size) if down else (spec.moe.expert_ffn_size, h)
     if name.endswith("norm.weight"):
         return (h,)
     rows = {"q": spec.num_heads * d, "k": spec.num_kv_heads * d, "v": spec.num_kv_heads * d}
@@ -159,6 +160,20 @@ def test_moe_round_trip_is_bitwise_exact_for_every_expert_split() -> None:
         back = _round_trip(spec, hf, tp=1, pp=pp, ep=ep)
         assert set(back) == set(hf), (pp, ep)
         assert all(torch.equal(back[n], t) for n, t in hf.items()), (pp, ep)
+
+
+def test_mixtral_names_round_trip() -> None:
+    dense = _spec(tied=False, qkv_bias=False, kv_heads=2)
+    moe = MoESpec(8, 2, 32, True, hf_block="block_sparse_moe", hf_expert_linears=("w1", "w3", "w2"))
+    spec = ModelSpec(**{**dense.__dict__, "moe": moe})
+    hf = _random_hf(spec)
+    assert "model.layers.3.block_sparse_moe.experts.7.w3.weight" in hf
+    for tp, pp, ep in [(1, 1, 1), (2, 2, 4)]:
+        back = _round_trip(spec, hf, tp=tp, pp=pp, ep=ep)
+        assert set(back) == set(hf) and all(torch.equal(back[n], t) for n, t in hf.items()), (tp, pp, ep)
+    w1, w3 = hf["model.layers.0.block_sparse_moe.experts.5.w1.weight"], hf["model.layers.0.block_sparse_moe.experts.5.w3.weight"]
+    shards = hf_to_megatron(spec, hf.__getitem__, 0, 1, 0, 1, ep_rank=1, ep=2)
+    assert torch.equal(shards["decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"], torch.cat([w1, w3]))
 
 
 def test_shared_expert_round_trip_is_bitwise_exact_under_tp_and_ep() -> None:

@@ -9,7 +9,7 @@ the first (tp = pp = ep = 1) over 5 SFT steps and 5 GRPO steps, and the checkpoi
 `save_pretrained` paths must cover every expert.
 
 A tiny Qwen2-MoE (a shared expert, q/k/v biases) is checked against Hugging Face's logits and SFT
-gradients at ep=2 with and without tp=2, in the same ranks.
+gradients at ep=2 with and without tp=2, and a tiny Mixtral at tp=2 ep=2, in the same ranks.
 """
 
 from __future__ import annotations
@@ -69,8 +69,28 @@ def qwen2_moe_dir(path: Path) -> Path:
     return path
 
 
+def mixtral_dir(path: Path) -> Path:
+    """A tiny Mixtral (block_sparse_moe, experts' w1/w3/w2)."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    config = MixtralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(2)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(torch.randn_like(p) * 0.15 + (1.0 if "norm" in name else 0.0))
+    model.save_pretrained(path)
+    return path
+
+
 def _hf_sft_grads(model_dir: Path) -> dict[str, torch.Tensor]:
     """The SFT loss's gradient over both ranks' batches under checkpoint names (experts split)."""
+    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -82,18 +102,26 @@ def _hf_sft_grads(model_dir: Path) -> dict[str, torch.Tensor]:
             logp_TV = torch.log_softmax(model(seq[None]).logits[0], -1)[p - 1 : -1]
             loss = loss - logp_TV.gather(-1, seq[p:, None]).sum() / n_tokens
     loss.backward()
+    # transformers fuses a layer's experts ([E, 2I, H] and [E, H, I]); the checkpoint names each
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        names = list(f.keys())  # noqa: SIM118 - safe_open handles are not iterable
+    mixtral = any(".w1." in n for n in names)
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    block = "block_sparse_moe" if mixtral else "mlp"
     grads = {}
     for name, param in model.named_parameters():
-        if name.endswith("experts.gate_up_proj"):  # transformers fuses a layer's experts: [E, 2I, H]
+        hf = name.replace(".mlp.", f".{block}.")
+        if name.endswith("experts.gate_up_proj"):
             gate_EIH, up_EIH = param.grad.chunk(2, dim=1)
             for e in range(param.shape[0]):
-                grads[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate_EIH[e]
-                grads[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = up_EIH[e]
+                grads[hf.replace("gate_up_proj", f"{e}.{gate}.weight")] = gate_EIH[e]
+                grads[hf.replace("gate_up_proj", f"{e}.{up}.weight")] = up_EIH[e]
         elif name.endswith("experts.down_proj"):
             for e in range(param.shape[0]):
-                grads[name.replace("down_proj", f"{e}.down_proj.weight")] = param.grad[e]
+                grads[hf.replace("down_proj", f"{e}.{down}.weight")] = param.grad[e]
         else:
-            grads[name] = param.grad
+            grads[hf if "experts" in name or name.endswith("mlp.gate.weight") else name] = param.grad
+    assert set(grads) == set(names), sorted(set(grads) ^ set(names))[:4]
     return grads
 
 
@@ -205,16 +233,17 @@ def _grpo(eng) -> list[dict]:
     return metrics
 
 
-def _worker(rank: int, world: int, model_dir: str, qwen2_dir: str, out_dir: str) -> dict:
+def _worker(rank: int, world: int, model_dir: str, qwen2_dir: str, mixtral: str, out_dir: str) -> dict:
     """Both layouts in the same processes, one after the other (megatron's parallel state torn
     down in between), which saves a second start of the ranks."""
     results: dict = {layout: _layout(world, model_dir, *layout, out_dir) for layout in LAYOUTS}
-    results["qwen2_moe"] = {layout: _shared_expert_step(world, qwen2_dir, *layout) for layout in ((1, 2), (2, 2))}
+    results["qwen2_moe"] = {layout: _hf_family_step(world, qwen2_dir, *layout) for layout in ((1, 2), (2, 2))}
+    results["mixtral"] = {(2, 2): _hf_family_step(world, mixtral, 2, 2)}
     return results
 
 
-def _shared_expert_step(world: int, model_dir: str, tp: int, ep: int) -> dict:
-    """Qwen2-MoE: the logits and one SFT step's gradients, for comparison with Hugging Face."""
+def _hf_family_step(world: int, model_dir: str, tp: int, ep: int) -> dict:
+    """Another family's logits and one SFT step's gradients, for comparison with Hugging Face."""
     from rltrain.backends.megatron.engine import MegatronEngine
     from rltrain.config.group_options import MegatronBackendConfig
     from rltrain.config.schema import OptimConfig
@@ -309,11 +338,13 @@ def _check(tmp_path: Path, model_dir: Path, tp: int, pp: int, ep: int, results: 
 
 def test_ep2_matches_hf_and_ep1_over_sft_and_grpo(tmp_path: Path) -> None:
     model_dir = qwen3_moe_dir(tmp_path / "model")
-    qwen2_dir = qwen2_moe_dir(tmp_path / "qwen2_moe")
+    qwen2_dir, mixtral = qwen2_moe_dir(tmp_path / "qwen2_moe"), mixtral_dir(tmp_path / "mixtral")
     by_rank = _tensors(
-        run_ranks(_worker, str(model_dir), str(qwen2_dir), str(tmp_path), nproc=2, timeout_s=400, pg_timeout_s=20)
+        run_ranks(_worker, str(model_dir), str(qwen2_dir), str(mixtral), str(tmp_path), nproc=2, timeout_s=500,
+                  pg_timeout_s=20)
     )
-    _check_shared_expert_model(qwen2_dir, [r["qwen2_moe"] for r in by_rank])
+    _check_family(qwen2_dir, [r["qwen2_moe"] for r in by_rank])
+    _check_family(mixtral, [r["mixtral"] for r in by_rank])
     by_layout = {layout: _check(tmp_path, model_dir, *layout, [r[layout] for r in by_rank]) for layout in LAYOUTS}
     ep1 = by_layout[(1, 1, 1)]
     for layout in LAYOUTS[1:]:
@@ -321,11 +352,10 @@ def test_ep2_matches_hf_and_ep1_over_sft_and_grpo(tmp_path: Path) -> None:
     assert ep1[0]["grpo"][-1]["loss"] != ep1[0]["grpo"][0]["loss"]  # the steps did something
 
 
-def _check_shared_expert_model(model_dir: Path, results: list[dict]) -> None:
+def _check_family(model_dir: Path, results: list[dict]) -> None:
     from safetensors.torch import load_file
 
     hf = load_file(str(model_dir / "model.safetensors"))
-    assert any("shared_expert_gate" in n for n in hf)
     reference = _hf_logits(model_dir, [_sft_batches(r) for r in range(2)])
     hf_grads = _hf_sft_grads(model_dir)
     for by_layout in results:
