@@ -74,8 +74,10 @@ def _patch_tied_output_setup() -> None:
 
 def _patch_linear_autocast() -> None:
     from megatron.core.tensor_parallel import layers
+    from megatron.core.transformer.moe.moe_utils import RouterGatingLinearFunction
 
-    for fn in (layers.LinearWithGradAccumulationAndAsyncCommunication, layers.LinearWithFrozenWeight):
+    linears = (layers.LinearWithGradAccumulationAndAsyncCommunication, layers.LinearWithFrozenWeight)
+    for fn in (*linears, RouterGatingLinearFunction):
         forward, backward = fn.forward, fn.backward
 
         def fwd(ctx: Any, *args, _forward=forward, **kwargs):

@@ -14,6 +14,7 @@ gradients at ep=2 with and without tp=2, and a tiny Mixtral at tp=2 ep=2, in the
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -239,7 +240,23 @@ def _worker(rank: int, world: int, model_dir: str, qwen2_dir: str, mixtral: str,
     results: dict = {layout: _layout(world, model_dir, *layout, out_dir) for layout in LAYOUTS}
     results["qwen2_moe"] = {layout: _hf_family_step(world, qwen2_dir, *layout) for layout in ((1, 2), (2, 2))}
     results["mixtral"] = {(2, 2): _hf_family_step(world, mixtral, 2, 2)}
+    results["bf16_mixed_loss"] = _bf16_mixed_step(world, model_dir)
     return results
+
+
+def _bf16_mixed_step(world: int, model_dir: str) -> float:
+    """One bf16-mixed SFT step at tp=2 ep=2 (the router's autocast shim, cpu_shims.py)."""
+    from rltrain.backends.megatron.engine import MegatronEngine
+    from rltrain.config.group_options import MegatronBackendConfig
+    from rltrain.config.schema import OptimConfig
+
+    eng = MegatronEngine(
+        model_dir, MegatronBackendConfig(tp=2, ep=2), OptimConfig(**OPTIM), 100, precision="bf16-mixed",
+        collective_timeout_s=20,
+    )
+    metrics = eng.train_step(_sft_batches(0), lambda out, mb: (-out.logps.values.mean(), {}))
+    eng.teardown_communicators()
+    return metrics["loss"]
 
 
 def _hf_family_step(world: int, model_dir: str, tp: int, ep: int) -> dict:
@@ -345,6 +362,7 @@ def test_ep2_matches_hf_and_ep1_over_sft_and_grpo(tmp_path: Path) -> None:
     )
     _check_family(qwen2_dir, [r["qwen2_moe"] for r in by_rank])
     _check_family(mixtral, [r["mixtral"] for r in by_rank])
+    assert all(math.isfinite(r["bf16_mixed_loss"]) and r["bf16_mixed_loss"] > 0 for r in by_rank)
     by_layout = {layout: _check(tmp_path, model_dir, *layout, [r[layout] for r in by_rank]) for layout in LAYOUTS}
     ep1 = by_layout[(1, 1, 1)]
     for layout in LAYOUTS[1:]:
