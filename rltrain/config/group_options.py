@@ -58,6 +58,9 @@ class MegatronBackendConfig(BackendConfig):
     name: str = "megatron"
     tp: int = 1
     pp: int = 1
+    # Expert parallelism: a Mixture of Experts' experts split over `ep` data-parallel ranks, tokens
+    # sent to them by all-to-all (docs/moe.md, "Expert parallelism (megatron)"); 1 on a dense model.
+    ep: int = 1
 
 
 @dataclass

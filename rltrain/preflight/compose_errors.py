@@ -32,6 +32,32 @@ def _known_keys(schema: object) -> list[str]:
     return [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else []
 
 
+# Why a key of one backend is not a key of the other, where a sentence helps more than the key list.
+_BACKEND_KEY_REASONS = {
+    "ep": (
+        "backend=fsdp has no expert parallelism: it shards a Mixture of Experts' experts with every other "
+        "weight and runs every expert on every rank (docs/moe.md). For expert parallelism use backend=megatron "
+        "backend.ep=N."
+    ),
+}
+
+
+def _other_backend_key(parent: str, key: str, object_type: object) -> str | None:
+    """The paragraph for a key that belongs to the other backend option (backend.ep under fsdp)."""
+    from rltrain.config.group_options import FSDPBackendConfig, MegatronBackendConfig
+
+    if parent != "backend":
+        return None
+    for schema in (FSDPBackendConfig, MegatronBackendConfig):
+        if schema is not object_type and key in _known_keys(schema):
+            here = "fsdp" if schema is MegatronBackendConfig else "megatron"
+            return (
+                f"backend.{key} is a key of backend={schema.name}, not of backend={here}. "
+                + _BACKEND_KEY_REASONS.get(key, f"Use backend={schema.name} to set it.")
+            )
+    return None
+
+
 def describe(exc: BaseException) -> str | None:
     """The paragraph for a composition error, or None for any other exception."""
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
@@ -54,6 +80,9 @@ def describe(exc: BaseException) -> str | None:
         cause = exc.__cause__
         if isinstance(cause, ConfigAttributeError | ConfigKeyError):
             parent, _, key = (cause.full_key or str(cause.key)).rpartition(".")
+            other_backend = _other_backend_key(parent, key, cause.object_type)
+            if other_backend is not None:
+                return other_backend
             known = _known_keys(cause.object_type)
             where = f"in {parent!r}" if parent else "at the top level"
             hits = difflib.get_close_matches(key, known, n=1, cutoff=0.6)

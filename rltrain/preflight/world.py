@@ -52,6 +52,54 @@ def _model_dims(cfg: Config) -> dict[str, int] | None:
         return None
 
 
+def _hf_experts(cfg: Config) -> tuple[str, int] | None:
+    """(the key, its value) holding the model's expert count (0 for a dense model): the built tiny
+    model's `model.moe.num_experts`, or `model.path`'s config.json; None when that cannot be read here
+    (the engine checks then)."""
+    if cfg.model.path is None:
+        if cfg.model.arch == "qwen3_moe":
+            return "model.moe.num_experts", cfg.model.moe.num_experts
+        return "model.arch", 0
+    try:
+        model_dir = local_model_dir("model.path", cfg.model.path, cfg.model.revision)
+        hf = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError, UserError):
+        return None
+    for key in ("num_experts", "num_local_experts"):  # Qwen-MoE and OLMoE; Mixtral
+        if isinstance(hf.get(key), int):
+            return f"{key} in model.path's config.json", hf[key]
+    return "num_experts in model.path's config.json", 0
+
+
+def _validate_expert_split(cfg: Config, world: int) -> None:
+    """`backend.ep` splits each layer's experts over ep ranks of one pipeline stage: ep * pp must
+    divide the ranks and ep the experts, on a MoE model (docs/moe.md, "Expert parallelism")."""
+    pp, ep = cfg.backend.pp, cfg.backend.ep
+    if ep < 1:
+        raise UserError(f"backend.ep={ep} must be at least 1 (1: no expert parallelism).")
+    if world % (ep * pp):
+        raise UserError(
+            f"backend.ep={ep} does not divide the {world // pp} ranks of each pipeline stage (trainer.nproc={world} / "
+            f"backend.pp={pp}): expert parallelism splits a layer's experts over groups of backend.ep data-parallel "
+            f"ranks. Set trainer.nproc to a multiple of backend.ep * backend.pp = {ep * pp}, or choose a backend.ep "
+            f"that divides {world // pp}."
+        )
+    experts = _hf_experts(cfg)
+    if experts is None:
+        return
+    key, count = experts
+    if count == 0 and ep > 1:
+        raise UserError(
+            f"backend.ep={ep} needs a Mixture-of-Experts model; the model names no experts ({key}). Set "
+            "backend.ep=1 for a dense model, or train a MoE (model=tiny_moe, or model.path of one)."
+        )
+    if count and count % ep:
+        raise UserError(
+            f"backend.ep={ep} does not divide {key}={count}: every rank of an expert-parallel group holds the same "
+            f"number of experts. Choose a backend.ep that divides {count}."
+        )
+
+
 def validate_megatron_split(cfg: Config) -> None:
     """`backend=megatron` splits ranks into tp x pp x dp and the model into pp stages of tp shards.
 
@@ -59,7 +107,7 @@ def validate_megatron_split(cfg: Config) -> None:
     megatron assertion on every rank: ranks divisible by tp*pp; layers divisible by pp; attention
     heads, key/value heads (megatron shards query groups, it does not replicate them) and the MLP
     width divisible by tp. The vocabulary needs no check: the engine pads its rows to a multiple of
-    tp and masks the padding out of the log-softmax.
+    tp and masks the padding out of the log-softmax. Expert parallelism: `_validate_expert_split`.
     """
     if cfg.backend.name != "megatron":
         return
@@ -75,6 +123,7 @@ def validate_megatron_split(cfg: Config) -> None:
             f"nproc / (tp * pp) data-parallel replicas of tp * pp ranks each. Set trainer.nproc to a multiple of "
             f"{tp * pp}, or choose backend.tp and backend.pp whose product divides {world}."
         )
+    _validate_expert_split(cfg, world)
     dims = _model_dims(cfg)
     if dims is None:
         return

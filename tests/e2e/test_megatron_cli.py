@@ -12,7 +12,10 @@ process; megatron runs use 2 ranks over gloo):
   merged full tensors, and the two TP ranks train on the completions one of them generated);
 - megatron-core's import/forward noise (Apex, Transformer Engine, cuda_graph_scope,
   CUDA_DEVICE_MAX_CONNECTIONS) never reaches the user;
-- an impossible layout fails at config time with a one-paragraph message.
+- an impossible layout fails at config time with a one-paragraph message;
+- GRPO on a tiny Qwen3-MoE with expert parallelism (`backend.ep=2`, 2 data-parallel replicas)
+  samples from the trainer's weights through vLLM's CPU MoE kernel (`rollout/logprob_diff_max`
+  below 1e-3), and its `final/` holds every expert (gathered from both replicas).
 """
 
 from __future__ import annotations
@@ -160,3 +163,45 @@ def test_impossible_layout_is_a_config_error(tiny_cache, tmp_path):
     assert "trainer.nproc=3 is not divisible by backend.tp * backend.pp" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "config.yaml").exists()
+
+
+def _tiny_qwen3_moe(path: Path) -> Path:
+    """8 experts, top-2, the character tokenizer; heads of 32 (vLLM's CPU attention's smallest)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from rltrain.models.tokenizer import build_char_tokenizer, padded_vocab_size
+
+    tokenizer = build_char_tokenizer()
+    config = Qwen3MoeConfig(
+        vocab_size=padded_vocab_size(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=8,
+        num_experts_per_tok=2, max_position_embeddings=256, tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(torch.randn_like(p) * 0.05 + (1.0 if "norm" in name else 0.0))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_grpo_with_expert_parallelism_samples_the_trainers_moe(tmp_path):
+    from safetensors import safe_open
+
+    model = _tiny_qwen3_moe(tmp_path / "moe")
+    run_dir = tmp_path / "run"
+    rltrain("algo=grpo", "backend=megatron", "backend.ep=2", "trainer.nproc=2", f"model.path={model}",
+            "algo.prompts_per_step=4", "algo.group_size=4", "trainer.max_steps=3", "data.num_eval=8", *QUICK[1:],
+            run_dir=run_dir, timeout=400)
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:  # every step: the experts of each update reached vLLM (its CPU MoE kernels repacked)
+        assert row["rollout/logprob_diff_max"] < 1e-3 and math.isfinite(row["loss"]), row
+    with safe_open(str(run_dir / "final" / "model.safetensors"), framework="pt") as saved:
+        experts = {name for name in saved.keys() if ".mlp.experts." in name}  # noqa: SIM118 - not iterable
+    assert len(experts) == 2 * 8 * 3  # layers x experts x (gate, up, down)

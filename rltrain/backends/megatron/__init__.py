@@ -16,6 +16,9 @@ MEGATRON_NOISE = (
     r".*CUDA_DEVICE_MAX_CONNECTIONS",
 )
 MEGATRON_FSDP_LOGGER = "megatron.core.distributed.fsdp"
+# torch's deprecation of the collective megatron's tensor-parallel mappings call (a MoE's token
+# dispatch), attributed by torch to its own c10d logger module: matched by the whole message.
+MEGATRON_TORCH_NOISE = (r"`torch.distributed.all_gather_into_tensor` is deprecated",)
 
 
 def silence_megatron_noise() -> None:
@@ -23,6 +26,8 @@ def silence_megatron_noise() -> None:
     `filterwarnings` moves an identical filter to the front instead of adding a second copy."""
     for message in MEGATRON_NOISE:
         warnings.filterwarnings("ignore", message=message, category=UserWarning, module=r"megatron\.")
+    for message in MEGATRON_TORCH_NOISE:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
     logging.getLogger(MEGATRON_FSDP_LOGGER).setLevel(logging.WARNING)
 
 

@@ -8,6 +8,7 @@ docs/internals/backends.md lists every patched spot.
 from __future__ import annotations
 
 import operator
+import types
 from collections.abc import Callable
 from contextlib import nullcontext
 from functools import reduce
@@ -73,8 +74,10 @@ def _patch_tied_output_setup() -> None:
 
 def _patch_linear_autocast() -> None:
     from megatron.core.tensor_parallel import layers
+    from megatron.core.transformer.moe.moe_utils import RouterGatingLinearFunction
 
-    for fn in (layers.LinearWithGradAccumulationAndAsyncCommunication, layers.LinearWithFrozenWeight):
+    linears = (layers.LinearWithGradAccumulationAndAsyncCommunication, layers.LinearWithFrozenWeight)
+    for fn in (*linears, RouterGatingLinearFunction):
         forward, backward = fn.forward, fn.backward
 
         def fwd(ctx: Any, *args, _forward=forward, **kwargs):
@@ -87,6 +90,52 @@ def _patch_linear_autocast() -> None:
                 return _backward(ctx, *grads)
 
         fn.forward, fn.backward = staticmethod(fwd), staticmethod(bwd)
+
+
+def _patch_moe() -> None:
+    """megatron's MoE path (router, all-to-all dispatcher, the tensor-parallel mappings it uses)
+    on the CPU: the same arithmetic and collectives, without the CUDA device and streams it names."""
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import moe_utils, router, token_dispatcher
+
+    # `mappings` allocates its collective outputs on `torch.cuda.current_device()`; give it a torch
+    # whose current device is the CPU (every other attribute is torch's own).
+    class _TorchOnCpu(types.ModuleType):
+        cuda: Any
+        def __getattr__(self, name: str) -> Any:
+            return getattr(torch, name)
+
+    torch_on_cpu = _TorchOnCpu("torch")
+    torch_on_cpu.cuda = types.SimpleNamespace(current_device=lambda: "cpu")
+    mappings.torch = torch_on_cpu
+
+    # Without Transformer Engine megatron never defines `te_general_gemm`; its router reads it anyway.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        # The original moves a CPU router weight to CUDA first; the rest is the same.
+        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
+        return moe_utils.router_gating_linear(input, self.weight, self.bias, dtype)
+
+    router.Router.gating = gating
+
+    dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher
+    # Its constructor creates a CUDA stream for device-to-host copies unless one exists already;
+    # on the CPU the split sizes are host tensors, so no stream is ever used.
+    dispatcher.cuda_dtoh_stream = object()
+
+    def host_splits(self, point: str, tokens_per_expert: torch.Tensor | None = None) -> torch.Tensor | None:
+        # The original copies the all-to-all split sizes to the host on a side stream; they are
+        # host tensors already and only need to become the numpy arrays it hands to all_to_all.
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for attr in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, attr)
+                if torch.is_tensor(value):
+                    setattr(self, attr, value.numpy())
+        return tokens_per_expert
+
+    dispatcher._maybe_dtoh_and_synchronize = host_splits
 
 
 def apply_cpu_shims() -> bool:
@@ -108,5 +157,6 @@ def apply_cpu_shims() -> bool:
     _patch_rotary()
     _patch_tied_output_setup()
     _patch_linear_autocast()
+    _patch_moe()
     _APPLIED = True
     return True

@@ -21,7 +21,7 @@ from rltrain.backends.base import LossFn, PolicyOutput, Scores, wrong_scores_err
 from rltrain.backends.lr_schedule import lr_at
 from rltrain.backends.megatron import checkpoint, export
 from rltrain.backends.megatron.batching import PaddedMicroBatch, check_same_data, pad_micro_batch
-from rltrain.backends.megatron.convert import OUTPUT
+from rltrain.backends.megatron.convert import OUTPUT, is_expert, partial_under_tp
 from rltrain.backends.megatron.cpu_shims import apply_cpu_shims
 from rltrain.backends.megatron.grads import (
     all_finite,
@@ -29,7 +29,9 @@ from rltrain.backends.megatron.grads import (
     fill_missing_grads,
     global_grad_norm,
     norm_counted,
+    sum_expert_grads,
     sum_over_data_parallel,
+    sum_tensor_parallel_partials,
     sync_tied_embedding,
 )
 from rltrain.backends.megatron.groups import ParallelCoords, ParallelGroups
@@ -87,9 +89,9 @@ class MegatronEngine:
         apply_cpu_shims()
         self.faults = faults if faults is not None else FaultInjector()
         self.model_dir = Path(model_dir)
-        tp, pp = backend_cfg.tp, backend_cfg.pp
-        self.spec = checked_spec(self.model_dir, tp, pp)
-        self.groups = join_groups(groups, shared, tp, pp, collective_timeout_s)
+        tp, pp, ep = backend_cfg.tp, backend_cfg.pp, backend_cfg.ep
+        self.spec = checked_spec(self.model_dir, tp, pp, ep)
+        self.groups = join_groups(groups, shared, tp, pp, collective_timeout_s, ep)
         self.precision = engine_precision(precision, device)
         self.scores: Scores = "logps" if value_head_seed is None else "values"
         critic = value_head_seed is not None  # a value model: a critic, or a reward model
@@ -102,6 +104,10 @@ class MegatronEngine:
         )
         load_hf_weights(self.model, self.spec, self.model_dir, self.coords, value_head_seed, value_head_bias)
         self.params = list(self.model.parameters())
+        # A MoE's experts differ between the ranks of an expert-parallel group (grads.py)
+        self.dense_params = [p for n, p in self.model.named_parameters() if not is_expert(n)]
+        self.expert_params = [p for n, p in self.model.named_parameters() if is_expert(n)]
+        self.tp_partial_params = [p for n, p in self.model.named_parameters() if partial_under_tp(n)]
         # The tied embedding's copy on the last stage of a pipeline (a policy's, never a critic's).
         self.tied_copies = build_spec.tie_embeddings and pp > 1
         self._norm_params = self._norm_counted_params()
@@ -123,7 +129,10 @@ class MegatronEngine:
         """The parameters the gradient norm counts on this rank (`grads.norm_counted`)."""
         tied_copy_name = OUTPUT if self.tied_copies else None
         tp_rank = self.coords.tp_rank
-        return [p for n, p in self.model.named_parameters() if norm_counted(n, tp_rank, n == tied_copy_name)]
+        return [
+            p for n, p in self.model.named_parameters()
+            if not is_expert(n) and norm_counted(n, tp_rank, n == tied_copy_name)
+        ]
 
     # -- coords -----------------------------------------------------------------------------
 
@@ -253,10 +262,15 @@ class MegatronEngine:
         (see `GuardedLosses.mixed`); it votes "not finite", so every rank skips the step together."""
         assert self.optimizer is not None and self.optim_cfg is not None
         fill_missing_grads(self.params)
-        sum_over_data_parallel(self.params, coords.dp_group)
+        if self.tp_partial_params:
+            sum_tensor_parallel_partials(self.tp_partial_params, coords.tp_group)
+        sum_over_data_parallel(self.dense_params, coords.dp_group)
+        if self.expert_params:
+            sum_expert_grads(self.expert_params, coords.expert_dp_group, coords.tp)
         if self.tied_copies:
             sync_tied_embedding(self.model.shared_embedding_or_output_weight(), coords.embd_group)
-        norm = float(global_grad_norm(self._norm_params, coords.mp_group))
+        experts = self.expert_params if self.spec.moe is not None else None
+        norm = float(global_grad_norm(self._norm_params, coords.mp_group, experts, coords.expert_mp_group))
         lr = lr_at(self.steps_taken, self.optim_cfg, self.max_steps)
         stepped = all_finite(float("nan") if force_skip else norm)
         if stepped:

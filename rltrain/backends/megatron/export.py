@@ -1,8 +1,10 @@
-"""Stream full Hugging Face tensors out of a tp x pp sharded model; write a HF directory.
+"""Stream full Hugging Face tensors out of a tp x pp (x ep) sharded model; write a HF directory.
 
 Every rank knows every shard shape from the config, so tensors are exchanged with no metadata on
-the wire, to every rank (weight sync) or to rank 0 (saving). The generator issues collectives:
-every rank must exhaust it. docs/internals/backends.md describes both modes. A reward model is
+the wire, to every rank (weight sync) or to rank 0 (saving). A MoE's experts are gathered over the
+expert-parallel group, whose ranks belong to different data-parallel replicas, so when saving
+those replicas take part in the gathers too. The generator issues collectives: every rank must
+exhaust it. docs/internals/backends.md describes both modes, docs/moe.md the experts. A reward model is
 written as a sequence classifier (docs/algorithms.md, "Reward model").
 """
 
@@ -17,6 +19,7 @@ import torch.distributed as dist
 
 from rltrain.backends.megatron.convert import (
     VALUE_HEAD_WEIGHT,
+    is_expert,
     megatron_shape,
     megatron_to_hf,
     split_dim,
@@ -35,6 +38,8 @@ def _owner_items(
     params: dict[str, torch.nn.Parameter], spec: ModelSpec, name: str, coords: ParallelCoords, offset: int
 ) -> list[tuple[str, torch.Tensor]]:
     local = params[name].detach()
+    if is_expert(name):
+        return _expert_items(local, spec, name, coords, offset)
     if split_dim(name) is None or coords.tp == 1:
         shards = [local]
     else:
@@ -44,11 +49,32 @@ def _owner_items(
     return [(n, t.clone(memory_format=torch.contiguous_format)) for n, t in megatron_to_hf(spec, name, shards, offset)]
 
 
+def _expert_items(
+    local: torch.Tensor, spec: ModelSpec, name: str, coords: ParallelCoords, offset: int
+) -> list[tuple[str, torch.Tensor]]:
+    """One local expert index's weights from every rank of the expert-parallel group (collective)."""
+    per_rank = [local]
+    if coords.ep > 1:
+        per_rank = [torch.empty_like(local) for _ in range(coords.ep)]
+        dist.all_gather(per_rank, local.contiguous(), group=coords.ep_group)
+    block = spec.local_experts(coords.ep)
+    return [
+        (n, t.clone(memory_format=torch.contiguous_format))
+        for ep_rank, weight in enumerate(per_rank)
+        for n, t in megatron_to_hf(spec, name, [weight], offset, first_expert=ep_rank * block)
+    ]
+
+
 def _remote_items(
     spec: ModelSpec, name: str, coords: ParallelCoords, offset: int, dtype: torch.dtype, device: torch.device
 ) -> list[tuple[str, torch.Tensor]]:
     meta = [torch.empty(megatron_shape(spec, name, coords.tp), dtype=dtype, device="meta")] * coords.tp
-    return [(n, torch.empty(t.shape, dtype=dtype, device=device)) for n, t in megatron_to_hf(spec, name, meta, offset)]
+    experts_from = [r * spec.local_experts(coords.ep) for r in range(coords.ep)] if is_expert(name) else [0]
+    return [
+        (n, torch.empty(t.shape, dtype=dtype, device=device))
+        for first in experts_from
+        for n, t in megatron_to_hf(spec, name, meta, offset, first_expert=first)
+    ]
 
 
 def export_weights(
@@ -59,14 +85,20 @@ def export_weights(
     params = dict(model.named_parameters())
     first = next(iter(params.values()))
     dtype, device = first.dtype, first.device
-    if to_rank0 and coords.dp_rank != 0:
+    # Saving: replica 0 communicates; the others only lend it their experts (expert-parallel gathers).
+    experts_only = to_rank0 and coords.dp_rank != 0
+    if experts_only and coords.ep == 1:
         return
     pp_ranks = dist.get_process_group_ranks(coords.pp_group) if coords.pp > 1 else [dist.get_rank()]
     me = dist.get_rank()
     for stage in range(coords.pp):
         offset = spec.stage_layers(stage, coords.pp).start
         owner = stage == coords.pp_rank
-        for name in stage_param_names(spec, stage, coords.pp, output):
+        for name in stage_param_names(spec, stage, coords.pp, output, coords.ep):
+            if experts_only:
+                if owner and is_expert(name):
+                    _expert_items(params[name].detach(), spec, name, coords, offset)
+                continue
             if owner:
                 items = _owner_items(params, spec, name, coords, offset)
             elif not to_rank0:

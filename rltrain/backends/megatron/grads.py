@@ -1,7 +1,8 @@
 """Gradient reduction and clipping for sharded megatron parameters.
 
-Gradients are summed over data parallel and tied-embedding copies, the global norm counts each
-parameter once across tp x pp, and one finite verdict decides whether every rank steps.
+Gradients are summed over data parallel and tied-embedding copies (a MoE's experts over the
+expert-data-parallel ranks that hold the same experts), the global norm counts each parameter once
+across tp x pp (an expert once across ep x pp), and one finite verdict decides whether every rank steps.
 docs/internals/backends.md lists the rules.
 """
 
@@ -41,6 +42,25 @@ def sum_over_data_parallel(params: list[torch.nn.Parameter], dp_group) -> None:
             g.copy_(reduced)
 
 
+def sum_tensor_parallel_partials(partials: list[torch.nn.Parameter], tp_group) -> None:
+    """Sum over the TP ranks the gradients of replicated weights each rank applies to its own heads
+    only (Qwen3's q/k norms, `convert.partial_under_tp`), as megatron's finalize_model_grads does."""
+    if _group_size(tp_group) == 1:
+        return
+    sum_over_data_parallel(partials, tp_group)
+
+
+def sum_expert_grads(experts: list[torch.nn.Parameter], expert_dp_group, tp: int) -> None:
+    """Sum a MoE's expert gradients over the replicas that hold the same experts. Under tensor
+    parallelism every TP rank routed its own copy of each token, so each expert's sum holds tp
+    copies of its true gradient: divided by tp (model._moe_layers_accept_tensor_parallel_input)."""
+    sum_over_data_parallel(experts, expert_dp_group)
+    if tp > 1:
+        for p in experts:
+            assert p.grad is not None
+            p.grad.div_(tp)
+
+
 def sync_tied_embedding(shared_weight: torch.nn.Parameter | None, embd_group) -> None:
     """Sum the gradients of the tied embedding's two copies (first and last pipeline stage)."""
     if shared_weight is None or _group_size(embd_group) == 1:
@@ -59,15 +79,28 @@ def norm_counted(name: str, tp_rank: int, tied_copy: bool) -> bool:
     return tp_rank == 0 or split_dim(name) is not None
 
 
-def global_grad_norm(counted: list[torch.nn.Parameter], mp_group) -> torch.Tensor:
-    """L2 norm of the full model's gradient from the parameters this rank counts; equal on every
-    rank of the model-parallel group."""
+def _squared_sum(counted: list[torch.nn.Parameter], group) -> torch.Tensor:
     sq = torch.zeros(1, dtype=torch.float64, device=counted[0].device if counted else "cpu")
     for p in counted:
         assert p.grad is not None
         sq += p.grad.detach().double().pow(2).sum()
-    if _group_size(mp_group) > 1:
-        dist.all_reduce(sq, group=mp_group)
+    if _group_size(group) > 1:
+        dist.all_reduce(sq, group=group)
+    return sq
+
+
+def global_grad_norm(
+    counted: list[torch.nn.Parameter],
+    mp_group,
+    experts: list[torch.nn.Parameter] | None = None,
+    expert_mp_group=None,
+) -> torch.Tensor:
+    """L2 norm of the full model's gradient from the parameters this rank counts; equal on every
+    rank of the model-parallel group. A MoE's `experts` (this rank's) are summed over the ranks
+    that hold the other experts (`expert_mp_group`) instead."""
+    sq = _squared_sum(counted, mp_group)
+    if experts is not None:
+        sq = sq + _squared_sum(experts, expert_mp_group).to(sq.device)
     return sq.sqrt().float()
 
 

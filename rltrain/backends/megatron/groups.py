@@ -62,6 +62,14 @@ class ParallelCoords:
     dp_group: Any
     mp_group: Any  # tp x pp
     embd_group: Any  # first and last pipeline stage (tied embeddings); None off those stages
+    # Expert parallelism (docs/moe.md): each layer's experts split over `ep` ranks of one stage, which
+    # belong to different data-parallel replicas; an expert's copies are summed over `expert_dp_group`
+    # and counted once in the gradient norm over `expert_mp_group` (ep x pp).
+    ep: int = 1
+    ep_rank: int = 0
+    ep_group: Any = None
+    expert_dp_group: Any = None
+    expert_mp_group: Any = None
 
     @staticmethod
     def current() -> ParallelCoords:
@@ -79,21 +87,31 @@ class ParallelCoords:
             dp_group=ps.get_data_parallel_group(),
             mp_group=ps.get_model_parallel_group(),
             embd_group=ps.get_embedding_group() if ps.is_rank_in_embedding_group() else None,
+            ep=ps.get_expert_model_parallel_world_size(),
+            ep_rank=ps.get_expert_model_parallel_rank(),
+            ep_group=ps.get_expert_model_parallel_group(),
+            expert_dp_group=ps.get_expert_data_parallel_group(),
+            expert_mp_group=ps.get_expert_tensor_model_pipeline_parallel_group(),
         )
 
 
 class ParallelGroups:
-    """Owns megatron's parallel state for one engine (tp x pp, data parallel over the rest)."""
+    """Owns megatron's parallel state for one engine (tp x pp, data parallel over the rest; a MoE's
+    experts over `ep` of the data-parallel ranks, never split over tp)."""
 
-    def __init__(self, tp: int, pp: int, timeout_s: float | None = None) -> None:
+    def __init__(self, tp: int, pp: int, timeout_s: float | None = None, ep: int = 1) -> None:
         world = dist.get_world_size()
         if world % (tp * pp):
             raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
+        if world % (ep * pp):
+            raise ValueError(f"world size {world} is not divisible by ep*pp = {ep}*{pp}")
         self.timeout_s = timeout_s
         self.snapshot = GroupsSnapshot(
             init_kwargs=dict(
                 tensor_model_parallel_size=tp,
                 pipeline_model_parallel_size=pp,
+                expert_model_parallel_size=ep,
+                expert_tensor_parallel_size=1,
                 create_gloo_process_groups=False,  # CPU runs use gloo already; GPU runs don't need them
             )
         )
@@ -110,11 +128,15 @@ class ParallelGroups:
     def pp(self) -> int:
         return self.snapshot.init_kwargs["pipeline_model_parallel_size"]
 
+    @property
+    def ep(self) -> int:
+        return self.snapshot.init_kwargs["expert_model_parallel_size"]
+
     @staticmethod
-    def created(tp: int, pp: int, timeout_s: float | None = None) -> ParallelGroups:
+    def created(tp: int, pp: int, timeout_s: float | None = None, ep: int = 1) -> ParallelGroups:
         """Megatron's parallel state, initialised now under a record. Megatron keeps it in module
         globals, one per process: the engines of a run share these (`RunContext.shared`)."""
-        groups = ParallelGroups(tp, pp, timeout_s=timeout_s)
+        groups = ParallelGroups(tp, pp, timeout_s=timeout_s, ep=ep)
         groups.create()
         return groups
 

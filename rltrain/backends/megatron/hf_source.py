@@ -34,7 +34,7 @@ def hf_reader(model_dir: Path):
     return get
 
 
-def checked_spec(model_dir: Path, tp: int, pp: int) -> ModelSpec:
+def checked_spec(model_dir: Path, tp: int, pp: int, ep: int = 1) -> ModelSpec:
     """The model's spec, or a UserError naming the key to change. `rltrain.preflight.validate` catches most
     of this before any rank starts; this covers what it cannot read (an unsupported architecture,
     a config.json it could not parse) and callers that bypass it (torchrun, the Python API)."""
@@ -42,10 +42,10 @@ def checked_spec(model_dir: Path, tp: int, pp: int) -> ModelSpec:
 
     try:
         spec = ModelSpec.from_hf_config(AutoConfig.from_pretrained(model_dir))
-        spec.check_split(tp, pp)
+        spec.check_split(tp, pp, ep)
     except ValueError as exc:
         raise UserError(
-            f"backend=megatron cannot run the model in {model_dir}: {exc}. Change backend.tp/backend.pp, or use "
+            f"backend=megatron cannot run the model in {model_dir}: {exc}. Change backend.tp/backend.pp/backend.ep, or use "
             "backend=fsdp for an architecture the megatron backend does not convert."
         ) from exc
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -53,5 +53,11 @@ def checked_spec(model_dir: Path, tp: int, pp: int) -> ModelSpec:
         raise UserError(
             f"backend=megatron: {world} ranks are not divisible by backend.tp * backend.pp = {tp * pp}. Set "
             f"trainer.nproc (or torchrun's --nproc_per_node) to a multiple of {tp * pp}."
+        )
+    if world % (ep * pp):
+        raise UserError(
+            f"backend=megatron: {world} ranks are not divisible by backend.ep * backend.pp = {ep * pp} (each "
+            f"pipeline stage's ranks split a layer's experts into groups of backend.ep). Set trainer.nproc (or "
+            f"torchrun's --nproc_per_node) to a multiple of {ep * pp}, or change backend.ep."
         )
     return spec

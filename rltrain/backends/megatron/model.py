@@ -1,8 +1,10 @@
 """Build one pipeline stage of a megatron-core GPTModel that computes what the HF model computes.
 
-The local layer spec is configured to match Qwen2/Llama exactly, so the megatron backend can be
+The local layer spec is configured to match Qwen2/Llama/Qwen3 exactly, and for a Mixture of Experts
+megatron's MoELayer (softmax top-k router, all-to-all token dispatch over the expert-parallel group,
+SequentialMLP experts: grouped GEMM is GPU-only) to match Qwen3-MoE, so the megatron backend can be
 checked against the Hugging Face one. docs/internals/backends.md covers precision, activation
-checkpointing (torch's, not megatron's) and padding.
+checkpointing (torch's, not megatron's) and padding; docs/moe.md expert parallelism.
 """
 
 from __future__ import annotations
@@ -19,7 +21,32 @@ if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
 
 
-def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = torch.float32):
+def moe_config(spec: ModelSpec, ep: int) -> dict:
+    """TransformerConfig's MoE fields for `spec` (none for a dense model). The router matches HF:
+    softmax in fp32, then top-k renormalised (`norm_topk_prob`, megatron's top-k-then-softmax) or
+    not (softmax-then-top-k); no load-balancing loss, no capacity (no token is dropped). A shared
+    expert (Qwen2-MoE) is megatron's, gated by a sigmoid of one linear output as in HF."""
+    if spec.moe is None:
+        return {}
+    return dict(
+        num_moe_experts=spec.moe.num_experts,
+        moe_router_topk=spec.moe.topk,
+        moe_ffn_hidden_size=spec.moe.expert_ffn_size,
+        moe_router_pre_softmax=not spec.moe.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+        moe_shared_expert_intermediate_size=spec.moe.shared_expert_ffn_size or None,
+        moe_shared_expert_gate=spec.moe.shared_expert_ffn_size > 0,
+    )
+
+
+def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = torch.float32, ep: int = 1):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -35,6 +62,7 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = t
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,
@@ -52,20 +80,28 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int, dtype: torch.dtype = t
         fp16=dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=False,
+        **moe_config(spec, ep),
     )
 
 
-def build_stage(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torch.dtype = torch.float32):
+def build_stage(
+    spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torch.dtype = torch.float32, ep: int = 1
+):
     """This rank's GPTModel stage, bound to megatron's current parallel state. The last stage
     returns final hidden states; the engine applies the output layer (`hidden_out`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from rltrain.backends.megatron.hidden_out import HiddenStatesGPTModel
 
-    spec.check_split(tp, pp)
+    spec.check_split(tp, pp, ep)
+    layer_spec = get_gpt_layer_local_spec(
+        num_experts=spec.moe.num_experts if spec.moe is not None else None,
+        normalization="RMSNorm",
+        qk_layernorm=spec.qk_norm,
+    )
     model = HiddenStatesGPTModel(
-        config=transformer_config(spec, tp, pp, dtype),
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        config=transformer_config(spec, tp, pp, dtype, ep),
+        transformer_layer_spec=layer_spec,
         vocab_size=spec.padded_vocab(tp),
         max_sequence_length=spec.max_positions,
         pre_process=pp_rank == 0,
@@ -77,6 +113,8 @@ def build_stage(spec: ModelSpec, tp: int, pp: int, pp_rank: int, dtype: torch.dt
         rotary_base=spec.rope_theta,
     )
     _mark_tensor_parallel(model)
+    if spec.moe is not None and tp > 1:
+        _moe_layers_accept_tensor_parallel_input(model)
     if torch.cuda.is_available():
         model = model.cuda()
     return model
@@ -98,6 +136,31 @@ def checkpoint_layers(model: GPTModel) -> int:
 
         layer.forward = checkpointed
     return len(layers)
+
+
+def _moe_layers_accept_tensor_parallel_input(model: torch.nn.Module) -> None:
+    """Let megatron's MoE layers train on tp-replicated hidden states (no sequence parallelism).
+
+    megatron-core refuses that layout in training, because every TP rank then routes the same
+    tokens: the layer's output and input gradient are still right on every rank, but each expert's
+    gradient is the sum over the tp copies of each token (the engine divides it by tp,
+    `grads.sum_expert_grads`). The refusal is the layer's only use of its own `training` flag (its
+    router's is untouched, and no aux loss, capacity or CUDA graph is configured), so the layer runs
+    its forward with that flag off. docs/moe.md, "Expert parallelism (megatron)"."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for layer in model.modules():
+        if not isinstance(layer, MoELayer):
+            continue
+
+        def forward(*args, _forward=layer.forward, _layer=layer, **kwargs):
+            training, _layer.training = _layer.training, False
+            try:
+                return _forward(*args, **kwargs)
+            finally:
+                _layer.training = training
+
+        layer.forward = forward
 
 
 def _mark_tensor_parallel(model: torch.nn.Module) -> None:

@@ -30,15 +30,19 @@ def engine_precision(precision: Precision | str, device: torch.device | None) ->
 
 
 def join_groups(
-    groups: ParallelGroups | None, shared: SharedObjects | None, tp: int, pp: int, timeout_s: float | None
+    groups: ParallelGroups | None, shared: SharedObjects | None, tp: int, pp: int, timeout_s: float | None,
+    ep: int = 1,
 ) -> ParallelGroups:
     """`groups`, else the ones `shared` holds (the first engine creates them), else new ones; they
-    must have the engine's tp and pp."""
-    create = partial(ParallelGroups.created, tp, pp, timeout_s=timeout_s)
+    must have the engine's tp, pp and ep."""
+    create = partial(ParallelGroups.created, tp, pp, timeout_s=timeout_s, ep=ep)
     if groups is None:
         groups = create() if shared is None else shared.one(ParallelGroups, create)
-    if (groups.tp, groups.pp) != (tp, pp):
-        raise ValueError(f"the given ParallelGroups are tp={groups.tp}, pp={groups.pp}; this engine needs tp={tp}, pp={pp}")
+    if (groups.tp, groups.pp, groups.ep) != (tp, pp, ep):
+        raise ValueError(
+            f"the given ParallelGroups are tp={groups.tp}, pp={groups.pp}, ep={groups.ep}; this engine needs "
+            f"tp={tp}, pp={pp}, ep={ep}"
+        )
     return groups
 
 
@@ -48,7 +52,7 @@ def built_stage(
 ) -> Any:  # megatron's GPTModel (rltrain.backends.megatron.model.build_stage)
     """This rank's pipeline stage of tp shards, uninitialised; a value model's last stage with its
     value head in place of the output layer."""
-    model = build_stage(build_spec, coords.tp, coords.pp, coords.pp_rank, precision.param_dtype)
+    model = build_stage(build_spec, coords.tp, coords.pp, coords.pp_rank, precision.param_dtype, coords.ep)
     if value_model and coords.pp_rank == coords.pp - 1:
         make_value_stage(model, build_spec.hidden_size, precision.param_dtype, value_head_bias)
     if device is not None:
@@ -65,7 +69,8 @@ def load_hf_weights(
     """The stage's shards of the Hugging Face weights; a value model's head drawn from its seed."""
     critic = value_head_seed is not None
     shards = hf_to_megatron(
-        spec, hf_reader(model_dir), coords.tp_rank, coords.tp, coords.pp_rank, coords.pp, output=not critic
+        spec, hf_reader(model_dir), coords.tp_rank, coords.tp, coords.pp_rank, coords.pp, output=not critic,
+        ep_rank=coords.ep_rank, ep=coords.ep,
     )
     if value_head_seed is not None and coords.pp_rank == coords.pp - 1:
         shards |= value_head_shards(spec.hidden_size, value_head_seed, value_head_bias)

@@ -14,11 +14,12 @@ import torch
 from rltrain.backends.megatron.convert import (
     hf_param_names,
     hf_to_megatron,
+    is_expert,
     megatron_shape,
     megatron_to_hf,
     stage_param_names,
 )
-from rltrain.backends.megatron.spec import ModelSpec
+from rltrain.backends.megatron.spec import ModelSpec, MoESpec
 
 pytestmark = pytest.mark.dist
 
@@ -44,6 +45,20 @@ def _hf_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
     h, d = spec.hidden_size, spec.head_dim
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return (spec.vocab_size, h)
+    if name.endswith(("q_norm.weight", "k_norm.weight")):
+        return (d,)
+    if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+        return (spec.num_experts, h)
+    if name.endswith("shared_expert_gate.weight"):
+        return (1, h)
+    if ".shared_expert." in name:
+        assert spec.moe is not None
+        shared = spec.moe.shared_expert_ffn_size
+        return (h, shared) if "down_proj" in name else (shared, h)
+    if ".experts." in name:
+        assert spec.moe is not None
+        down = name.endswith(("down_proj.weight", "w2.weight"))
+        return (h, spec.moe.expert_ffn_size) if down else (spec.moe.expert_ffn_size, h)
     if name.endswith("norm.weight"):
         return (h,)
     rows = {"q": spec.num_heads * d, "k": spec.num_kv_heads * d, "v": spec.num_kv_heads * d}
@@ -62,17 +77,21 @@ def _random_hf(spec: ModelSpec) -> dict[str, torch.Tensor]:
     return {n: torch.randn(_hf_shape(spec, n), generator=g) for n in hf_param_names(spec)}
 
 
-def _round_trip(spec: ModelSpec, hf: dict[str, torch.Tensor], tp: int, pp: int) -> dict[str, torch.Tensor]:
+def _round_trip(spec: ModelSpec, hf: dict[str, torch.Tensor], tp: int, pp: int, ep: int = 1) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for pp_rank in range(pp):
-        shards = [hf_to_megatron(spec, hf.__getitem__, t, tp, pp_rank, pp) for t in range(tp)]
         offset = spec.stage_layers(pp_rank, pp).start
-        for name in stage_param_names(spec, pp_rank, pp):
-            for t in range(tp):
-                assert tuple(shards[t][name].shape) == megatron_shape(spec, name, tp), name
-            for hf_name, tensor in megatron_to_hf(spec, name, [s[name] for s in shards], offset):
-                assert hf_name not in out, f"{hf_name} exported twice"
-                out[hf_name] = tensor
+        for ep_rank in range(ep):
+            shards = [hf_to_megatron(spec, hf.__getitem__, t, tp, pp_rank, pp, ep_rank=ep_rank, ep=ep) for t in range(tp)]
+            for name in stage_param_names(spec, pp_rank, pp, ep=ep):
+                if ep_rank and not is_expert(name):
+                    continue  # the same on every rank of the expert-parallel group
+                for t in range(tp):
+                    assert tuple(shards[t][name].shape) == megatron_shape(spec, name, tp), name
+                first = ep_rank * spec.local_experts(ep)
+                for hf_name, tensor in megatron_to_hf(spec, name, [s[name] for s in shards], offset, first):
+                    assert hf_name not in out, f"{hf_name} exported twice"
+                    out[hf_name] = tensor
     return out
 
 
@@ -118,3 +137,82 @@ def test_unsupported_layout_is_refused() -> None:
         spec.check_split(tp=2, pp=1)
     with pytest.raises(ValueError, match="num_hidden_layers"):
         spec.check_split(tp=1, pp=3)
+
+
+def _moe_spec(norm_topk_prob: bool = True) -> ModelSpec:
+    """Qwen3-MoE's shape."""
+    dense = _spec(tied=False, qkv_bias=False, kv_heads=1)
+    return ModelSpec(**{**dense.__dict__, "qk_norm": True, "moe": MoESpec(8, 2, 32, norm_topk_prob)})
+
+
+def _shared_expert_spec() -> ModelSpec:
+    """Qwen2-MoE's shape: q/k/v biases, a gated shared expert, no q/k norms."""
+    dense = _spec(tied=False, qkv_bias=True, kv_heads=2)
+    return ModelSpec(**{**dense.__dict__, "moe": MoESpec(8, 2, 32, False, shared_expert_ffn_size=48)})
+
+
+def test_moe_round_trip_is_bitwise_exact_for_every_expert_split() -> None:
+    """Qwen3-MoE names (q/k norms, router, 8 experts) through every (pp, ep) split and back."""
+    spec = _moe_spec()
+    hf = _random_hf(spec)
+    assert sum(".experts." in n for n in hf) == 4 * 8 * 3  # layers x experts x (gate, up, down)
+    for pp, ep in [(1, 1), (1, 2), (2, 4), (1, 8)]:
+        back = _round_trip(spec, hf, tp=1, pp=pp, ep=ep)
+        assert set(back) == set(hf), (pp, ep)
+        assert all(torch.equal(back[n], t) for n, t in hf.items()), (pp, ep)
+
+
+def test_mixtral_names_round_trip() -> None:
+    dense = _spec(tied=False, qkv_bias=False, kv_heads=2)
+    moe = MoESpec(8, 2, 32, True, hf_block="block_sparse_moe", hf_expert_linears=("w1", "w3", "w2"))
+    spec = ModelSpec(**{**dense.__dict__, "moe": moe})
+    hf = _random_hf(spec)
+    assert "model.layers.3.block_sparse_moe.experts.7.w3.weight" in hf
+    for tp, pp, ep in [(1, 1, 1), (2, 2, 4)]:
+        back = _round_trip(spec, hf, tp=tp, pp=pp, ep=ep)
+        assert set(back) == set(hf) and all(torch.equal(back[n], t) for n, t in hf.items()), (tp, pp, ep)
+    w1, w3 = hf["model.layers.0.block_sparse_moe.experts.5.w1.weight"], hf["model.layers.0.block_sparse_moe.experts.5.w3.weight"]
+    shards = hf_to_megatron(spec, hf.__getitem__, 0, 1, 0, 1, ep_rank=1, ep=2)
+    assert torch.equal(shards["decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"], torch.cat([w1, w3]))
+
+
+def test_shared_expert_round_trip_is_bitwise_exact_under_tp_and_ep() -> None:
+    spec = _shared_expert_spec()
+    hf = _random_hf(spec)
+    assert sum(".shared_expert" in n for n in hf) == 4 * 4  # gate, up, down, gate weight per layer
+    for tp, pp, ep in [(1, 1, 1), (2, 1, 2), (2, 2, 4)]:
+        back = _round_trip(spec, hf, tp=tp, pp=pp, ep=ep)
+        assert set(back) == set(hf), (tp, pp, ep)
+        assert all(torch.equal(back[n], t) for n, t in hf.items()), (tp, pp, ep)
+
+
+def test_each_expert_rank_holds_its_block_of_experts_as_gate_up_and_down() -> None:
+    spec = _moe_spec()
+    hf = _random_hf(spec)
+    shards = hf_to_megatron(spec, hf.__getitem__, 0, 1, 0, 1, ep_rank=1, ep=4)  # experts 2 and 3
+    assert sum(is_expert(n) for n in shards) == 4 * 2 * 2
+    fc1 = shards["decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"]
+    expert3 = "model.layers.0.mlp.experts.3."
+    assert torch.equal(fc1, torch.cat([hf[expert3 + "gate_proj.weight"], hf[expert3 + "up_proj.weight"]]))
+    assert torch.equal(shards["decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight"], hf[expert3 + "down_proj.weight"])
+    assert torch.equal(shards["decoder.layers.0.mlp.router.weight"], hf["model.layers.0.mlp.gate.weight"])
+
+
+def test_unsupported_expert_layouts_are_refused() -> None:
+    with pytest.raises(ValueError, match="must divide the model's 8 experts"):
+        _moe_spec().check_split(tp=1, pp=1, ep=3)
+    with pytest.raises(ValueError, match="needs a Mixture-of-Experts model"):
+        _spec(tied=True, qkv_bias=True, kv_heads=2).check_split(tp=1, pp=1, ep=2)
+
+
+def test_spec_reads_a_qwen3_moe_config() -> None:
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False)
+    spec = ModelSpec.from_hf_config(config)
+    assert spec.moe == MoESpec(num_experts=8, topk=2, expert_ffn_size=32, norm_topk_prob=False)
+    assert spec.qk_norm and not spec.qkv_bias and spec.head_dim == 32
+    config.mlp_only_layers = [1]
+    with pytest.raises(ValueError, match="every layer is sparse"):
+        ModelSpec.from_hf_config(config)

@@ -28,6 +28,10 @@ def _error_of(*overrides: str) -> BaseException:
         (["algo=gpro"], f"algo=gpro: there is no such option in the 'algo' group. Did you mean grpo? Choose from: {', '.join(sorted(ALGORITHMS))}."),
         (["model=huge"], "Choose from: tiny, tiny_moe, tiny_moe_sft, tiny_sft, tiny_vl, tiny_vl_sft."),
         (["trainer.max_steps=[1"], "cannot parse the override 'trainer.max_steps=[1'"),
+        (["backend.ep=2"], "backend.ep is a key of backend=megatron, not of backend=fsdp. backend=fsdp has no expert "
+         "parallelism"),
+        (["backend=megatron", "backend.padding_free=true"], "backend.padding_free is a key of backend=fsdp, not of "
+         "backend=megatron. Use backend=fsdp to set it."),
     ],
 )
 def test_each_kind_of_bad_override_is_named_with_its_fix(overrides, expected):

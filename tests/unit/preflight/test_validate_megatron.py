@@ -78,5 +78,52 @@ def test_engine_refuses_an_unsupported_architecture_as_a_user_error(tmp_path: Pa
     from rltrain.backends.megatron.hf_source import checked_spec
 
     GPT2Config(n_layer=2, n_head=2, n_embd=32).save_pretrained(tmp_path)
-    with pytest.raises(UserError, match="backend=megatron cannot run the model.*qwen2 and llama.*backend=fsdp"):
+    with pytest.raises(UserError, match="backend=megatron cannot run the model.*qwen2, llama.*backend=fsdp"):
         checked_spec(tmp_path, tp=1, pp=1)
+
+
+def _hf_config(path: Path, **extra) -> Path:
+    config = {"model_type": "qwen3_moe", "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+              "intermediate_size": 64} | extra
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize(
+    "extra, overrides, names",
+    [
+        ({"num_experts": 8}, ["backend.ep=0"], ["backend.ep=0", "at least 1"]),
+        ({"num_experts": 8}, ["backend.ep=2", "trainer.nproc=3"], ["backend.ep=2", "multiple of backend.ep * backend.pp = 2"]),
+        ({"num_experts": 6}, ["backend.ep=4", "trainer.nproc=4"], ["backend.ep=4", "num_experts in model.path's config.json=6"]),
+        ({"num_local_experts": 6}, ["backend.ep=4", "trainer.nproc=4"], ["num_local_experts in model.path's config.json=6"]),
+        ({}, ["backend.ep=2", "trainer.nproc=2"], ["backend.ep=2 needs a Mixture-of-Experts model"]),
+    ],
+)
+def test_expert_parallel_layouts_that_cannot_work_name_the_key(tmp_path: Path, extra, overrides, names) -> None:
+    model = _hf_config(tmp_path, **extra)
+    with pytest.raises(UserError) as info:
+        validate(_cfg(f"model.path={model}", *overrides))
+    for name in names:
+        assert name in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, names",
+    [
+        (["model=tiny_moe", "backend.ep=3", "trainer.nproc=3"], ["backend.ep=3 does not divide model.moe.num_experts=8"]),
+        (["model=tiny", "backend.ep=2", "trainer.nproc=2"], ["backend.ep=2 needs a Mixture-of-Experts model", "model=tiny_moe"]),
+    ],
+)
+def test_the_built_tiny_models_expert_count_is_checked_before_any_rank_starts(overrides, names) -> None:
+    with pytest.raises(UserError) as info:
+        validate(_cfg(*overrides))
+    for name in names:
+        assert name in str(info.value), str(info.value)
+
+
+def test_expert_parallelism_over_data_parallel_ranks_passes(tmp_path: Path) -> None:
+    from rltrain.preflight.world import validate_megatron_split
+
+    cfg = _cfg(f"model.path={_hf_config(tmp_path, num_experts=8)}", "backend.ep=2", "trainer.nproc=2")
+    assert data_parallel_size(cfg) == 2  # the experts' ranks are data-parallel replicas of the rest
+    validate_megatron_split(cfg)  # (validate() would also want a tokenizer in model.path)
