@@ -108,7 +108,8 @@ def test_a_short_sft_on_colours_reads_the_picture(tiny_cache, tmp_path):
 def test_a_longer_sft_on_colours_follows_the_picture(tiny_cache, tmp_path, seed):
     """160 steps: red and green named, yellow and blue mostly misnamed as demonstrated (held-out
     accuracy at least 0.4), at least 80% of the replies fitting another row's picture, and at most a
-    quarter naming a row's colour its picture does not show (measured: 0.49-0.51, 89-96%, 3-9%)."""
+    quarter naming a row's colour its picture does not show (measured over seeds 0-2 and two instruction sets:
+    0.51-0.56, 95-98%, 4-6%)."""
     reading = sft_on_colours(tmp_path / "run", steps=160, seed=seed)
     assert reading.sft_accuracy >= 0.4 and reading.follows_picture >= 0.8 and reading.follows_row <= 0.25, reading
     assert reading.blank_replies == 1, reading
