@@ -46,6 +46,7 @@ Overlong = Literal["drop", "truncate", "error"]
 Task = Literal["addition", "multiplication", "code", "colours"]  # the built-in tasks (rltrain/data/tasks.py)
 SandboxMode = Literal["bwrap", "rlimits", "remote"]  # rltrain/rewards/sandbox (docs/rewards-and-roles.md)
 WandbMode = Literal["auto", "online", "offline", "disabled"]  # auto: online with an API key, else offline
+TrackerName = Literal["wandb", "tensorboard", "mlflow", "trackio"]  # logger.backends (rltrain/run/trackers)
 Schedule = Literal["cosine", "linear", "constant"]
 # AdamW's kernels (torch.optim.AdamW): one launch per tensor, per tensor list, or one fused kernel.
 OptimImplementation = Literal["auto", "for-loop", "foreach", "fused"]
@@ -189,8 +190,24 @@ class WandbConfig:
 
 
 @dataclass
+class MlflowConfig:
+    tracking_uri: str | None = None  # null: a local file store in RUN_DIR/mlruns; else an MLflow server's URI
+
+
+@dataclass
+class TrackioConfig:
+    space_id: str | None = None  # null: trackio's local database only; else a Hugging Face Space to sync to
+
+
+@dataclass
 class LoggerConfig:
+    """Where metrics go beside metrics.jsonl: any of the `TrackerName`s (docs/trackers.md). Every tracker
+    takes the run's project, group and name from `logger.wandb`."""
+
+    backends: list[str] = field(default_factory=lambda: ["wandb"])
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    trackio: TrackioConfig = field(default_factory=TrackioConfig)
     # GRPO: a `samples/train` table of prompts, completions and rewards every N steps; 0 = only the
     # `samples/eval` table at each evaluation (docs/run-directory.md).
     sample_every: int = 0

@@ -152,6 +152,8 @@ def train_loop(ctx: RunContext, algo: Algorithm) -> None:
                 ckpt.save(step, algo.checkpoint_engines(), {"algorithm": algo.state_dict()})
             safety.after_step(step)
         export_final(ctx, algo)
+        if dist_info.is_main and (plot := write_run_plot(run_dir)) is not None:  # a plotting error is only a warning
+            logger.log_image("plots", max_steps, plot)
     except Exception as exc:
         safety.explain_failure(exc)  # names the lost peer when a collective failed
         raise
@@ -159,7 +161,6 @@ def train_loop(ctx: RunContext, algo: Algorithm) -> None:
         safety.close()
         logger.close()
     if dist_info.is_main:
-        write_run_plot(run_dir)  # RUN_DIR/plots.png; a plotting error is only a warning
         print(f"rltrain: finished step {max_steps}; run directory {run_dir} (metrics.jsonl, final/, plots.png)",
               flush=True)
 
