@@ -224,6 +224,17 @@ class SweepConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Sampled evaluation beside the greedy one (GRPO and PPO): `eval/pass@k`, `eval/mean@K`,
+    `eval/maj@K` (rltrain.run.sampled_metrics, docs/evaluation.md)."""
+
+    samples: int = 0  # K completions per held-out prompt at `temperature`; 0 = the greedy evaluation only
+    temperature: float = 1.0
+    k: list[int] | None = None  # pass@k for each (1 <= k <= K); null: 1, 2, 4, ... below K, and K
+    only: bool = False  # evaluate the model once (step 0) and stop: no training, checkpoint or final/ (`python -m rltrain.eval`)
+
+
+@dataclass
 class CodeRewardConfig:
     """rltrain.rewards.code:tests_pass (docs/rewards-and-roles.md, "Code")."""
 
@@ -329,6 +340,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 GROUP_SCHEMAS: dict[str, Mapping[str, type]] = {

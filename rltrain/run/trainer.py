@@ -30,6 +30,7 @@ from rltrain.models.vision import copy_processor_files
 from rltrain.run.algorithm import Algorithm
 from rltrain.run.checkpoint import CheckpointManager, fingerprint, fsync_path
 from rltrain.run.curves import write_run_plot
+from rltrain.run.evaluate_only import evaluate_only
 from rltrain.run.metrics_log import MetricsLogger
 from rltrain.run.safety_services import SafetyServices
 from rltrain.runtime.distributed import DistInfo, barrier, init_distributed
@@ -93,7 +94,10 @@ def run(cfg: Config, run_dir: Path) -> None:
         )
         algo = build_algorithm(ctx)
         try:
-            train_loop(ctx, algo)
+            if cfg.eval.only:
+                evaluate_only(ctx, algo)
+            else:
+                train_loop(ctx, algo)
         finally:
             algo.close()
     except UserError as exc:

@@ -62,7 +62,7 @@ def open_mlflow(cfg: Config, run_dir: Path, resume_step: int) -> MlflowTracker:
         # that needs no database migration at start (docs/trackers.md, "MLflow").
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         uri = (run_dir / MLFLOW_DIR).resolve().as_uri()
-    client = MlflowClient(tracking_uri=uri)
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)  # a default registry would be ./mlflow.db
     name = cfg.logger.wandb.group or cfg.logger.wandb.project
     experiment = client.get_experiment_by_name(name)
     experiment_id = experiment.experiment_id if experiment is not None else client.create_experiment(name)
@@ -71,7 +71,7 @@ def open_mlflow(cfg: Config, run_dir: Path, resume_step: int) -> MlflowTracker:
         run_id = id_file.read_text().strip()
         client.update_run(run_id, status="RUNNING")
         return MlflowTracker(client, run_id)
-    tags = {"rltrain.group": cfg.logger.wandb.group} if cfg.logger.wandb.group else {}
+    tags = {"group": cfg.logger.wandb.group} if cfg.logger.wandb.group else {}
     run_id = client.create_run(experiment_id, run_name=cfg.logger.wandb.name or run_dir.name, tags=tags).info.run_id
     id_file.write_text(run_id)
     params = [Param(k, str(v)[:PARAM_VALUE_CHARS]) for k, v in flat_config(cfg).items()]

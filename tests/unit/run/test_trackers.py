@@ -65,11 +65,12 @@ def test_mlflow_holds_the_metrics_params_samples_and_plot(tmp_path):
     from mlflow import MlflowClient
 
     log_a_run(tmp_path, "logger.backends=[mlflow]")
-    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").resolve().as_uri())
+    store = (tmp_path / "mlruns").resolve().as_uri()
+    client = MlflowClient(tracking_uri=store, registry_uri=store)
     experiment = client.get_experiment_by_name("sweep-7")  # the sweep's group, as W&B groups it
     (run,) = client.search_runs([experiment.experiment_id])
     assert run.info.run_id == (tmp_path / "mlflow_id.txt").read_text() and run.info.status == "FINISHED"
-    assert run.info.run_name == tmp_path.name and run.data.tags["rltrain.group"] == "sweep-7"
+    assert run.info.run_name == tmp_path.name and run.data.tags["group"] == "sweep-7"
     history = {key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)] for key in run.data.metrics}
     assert history == {"loss": [(1, 2.0), (2, 1.5)], "lr": [(1, 1e-3), (2, 1e-3)], "grad_norm": [(2, 0.5)],
                        "eval/accuracy": [(2, 0.25)], "eval/pass_at_4": [(2, 0.75)]}
