@@ -3,9 +3,9 @@ RUN_DIR/mlruns` shows it), or the store or server at `logger.mlflow.tracking_uri
 
 The experiment is the W&B group (a sweep's jobs are runs of one experiment, as W&B groups them), or
 the W&B project outside a sweep; the run is named as the W&B run, and a resumed run continues the same
-MLflow run (its id is kept in `RUN_DIR/mlflow_id.txt`). The flattened config is the run's params (and
-`config.json` an artifact), samples are JSON tables (`samples/eval/step_N.json`), the plot an artifact. MLflow's metric names
-allow no `@`, so `eval/pass@4` is logged as `eval/pass_at_4` (`mlflow_key`). docs/trackers.md.
+MLflow run (its id is kept in `RUN_DIR/mlflow_id.txt`). The flattened config is the run's params
+(and `config.json` an artifact), samples are JSON tables (`samples/eval/step_N.json`), the plot an
+artifact. MLflow's metric names allow no `@`: `eval/pass@4` is logged as `eval/pass_at_4` (`mlflow_key`).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ class TrackioTracker:
         import trackio
 
         with contextlib.redirect_stdout(io.StringIO()):
-            self.run.finish()
+            trackio.finish()  # this run, the current one; trackio's exit hook then has none left to finish again
         print(f"rltrain: trackio run saved in {trackio.TRACKIO_DIR} (project {self.project}); "
               f"view it with `trackio show --project {self.project}`", flush=True)
 
