@@ -139,3 +139,30 @@ def test_each_trackers_install_command_is_its_extra_and_its_lock_pin():
     for name, spec in TRACKERS.items():
         assert extras[name] == [spec.install] and spec.install in lock, name
     assert extras["trackers"] == [f"rltrain[{','.join(TRACKERS)}]"]
+
+
+def test_a_resumed_run_continues_its_mlflow_run_and_tensorboard_drops_the_replayed_steps(tmp_path):
+    """Resumed from step 1: TensorBoard purges the events after it (step 2 is logged again, once in
+    the end), MLflow continues the run of mlflow_id.txt."""
+    from mlflow import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = compose_config("algo=sft", "trainer.max_steps=3", "trainer.progress=lines", "logger.backends=[tensorboard,mlflow]")
+    first = MetricsLogger(cfg, tmp_path, is_main=True, resume_step=0)
+    for step in (1, 2):
+        first.log({"step": step, "loss": 10.0 + step})
+    first.close()  # stopped after step 2; its checkpoint was step 1
+    resumed = MetricsLogger(cfg, tmp_path, is_main=True, resume_step=1)
+    for step in (2, 3):
+        resumed.log({"step": step, "loss": 20.0 + step})
+    resumed.close()
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 11.0), (2, 22.0), (3, 23.0)]
+    store = (tmp_path / "mlruns").resolve().as_uri()
+    client = MlflowClient(tracking_uri=store, registry_uri=store)
+    (run,) = client.search_runs([client.get_experiment_by_name("rltrain").experiment_id])
+    assert run.info.run_id == (tmp_path / "mlflow_id.txt").read_text() and run.info.status == "FINISHED"
+    history = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")]
+    assert sorted(history) == [(1, 11.0), (2, 12.0), (2, 22.0), (3, 23.0)]  # MLflow keeps the replayed step's points
