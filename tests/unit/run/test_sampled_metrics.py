@@ -62,12 +62,17 @@ def test_metric_sums_and_keys_line_up():
 
 
 def test_the_preflight_refuses_unusable_eval_settings():
-    validate_eval(compose_config("algo=grpo", "eval.samples=4", "eval.k=[1,4]"))
-    for overrides, message in (
-        (["algo=grpo", "eval.samples=4", "eval.k=[8]"], "each k must be between 1 and eval.samples=4"),
-        (["algo=grpo", "eval.k=[1]"], "eval.samples=0 draws no samples"),
-        (["algo=grpo", "eval.samples=4", "eval.temperature=0"], "must be > 0"),
-        (["algo=sft", "eval.samples=4"], "algo=sft env=none has the greedy evaluation only"),
+    grpo = compose_config("algo=grpo", "eval.samples=4", "eval.k=[1,4]")
+    validate_eval(grpo)
+    for settings, message in (
+        ({"samples": 4, "k": [8]}, "each k must be between 1 and eval.samples=4"),
+        ({"samples": 0, "k": [1]}, "eval.samples=0 draws no samples"),
+        ({"samples": 4, "k": None, "temperature": 0.0}, "must be > 0"),
     ):
+        cfg = grpo.copy()
+        for key, value in settings.items():
+            cfg.eval[key] = value
         with pytest.raises(UserError, match=message):
-            validate_eval(compose_config(*overrides))
+            validate_eval(cfg)
+    with pytest.raises(UserError, match="algo=sft env=none has the greedy evaluation only"):
+        validate_eval(compose_config("algo=sft", "eval.samples=4"))

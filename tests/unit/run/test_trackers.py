@@ -119,12 +119,14 @@ def test_a_tracker_that_is_not_installed_stops_the_run_with_its_install_command(
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
+    cfg = compose_config("logger.backends=[wandb,mlflow]")
     with pytest.raises(UserError, match=r"names mlflow, which is not installed .*pip install 'mlflow-skinny==3\.17\.2'.*make install"):
-        validate_trackers(compose_config("logger.backends=[wandb,mlflow]"))
-    with pytest.raises(UserError, match="the trackers are wandb, tensorboard, mlflow, trackio"):
-        validate_trackers(compose_config("logger.backends=[tensorbored]"))
-    with pytest.raises(UserError, match="names a tracker twice"):
-        validate_trackers(compose_config("logger.backends=[tensorboard,tensorboard]"))
+        validate_trackers(cfg)
+    for backends, message in ((["tensorbored"], "the trackers are wandb, tensorboard, mlflow, trackio"),
+                              (["tensorboard", "tensorboard"], "names a tracker twice")):
+        cfg.logger.backends = backends
+        with pytest.raises(UserError, match=message):
+            validate_trackers(cfg)
 
 
 def test_each_trackers_install_command_is_its_extra_and_its_lock_pin():
