@@ -23,6 +23,8 @@ from rltrain.preflight.sources import (
     validate_data_sources,
     validate_model_source,
 )
+from rltrain.preflight.trackers import validate_trackers
+from rltrain.preflight.validate_eval import validate_eval
 from rltrain.preflight.validate_inflight import validate_in_flight
 from rltrain.preflight.validate_rl import validate_env, validate_servers, validate_staleness
 from rltrain.preflight.validate_roles import validate_roles
@@ -82,6 +84,8 @@ def validate(cfg: Config) -> None:
     validate_megatron_split(cfg)
     validate_compile(cfg)
     validate_batch_and_logging(cfg)
+    validate_trackers(cfg)
+    validate_eval(cfg)
     validate_reward(cfg)
     validate_model(cfg.model)
     validate_lora(cfg)
