@@ -261,7 +261,8 @@ class RoutingRecorder:
 
     def _hook(self, layer: int, module: torch.nn.Module, args: Any, output: Any) -> None:
         experts_NK = output[2]
-        self._steps[layer].append(experts_NK.view(self._rows, -1, experts_NK.shape[-1])[:, -1].to("cpu", ROUTING_DTYPE))
+        # stays on the device: one copy to the host per batch (`take`), not one per layer and step
+        self._steps[layer].append(experts_NK.view(self._rows, -1, experts_NK.shape[-1])[:, -1].to(ROUTING_DTYPE))
 
     @contextlib.contextmanager
     def recording(self, rows: int) -> Iterator[None]:
@@ -276,7 +277,7 @@ class RoutingRecorder:
     def take(self) -> torch.Tensor:
         """[rows, forwards, layers, k] of the last `recording`."""
         per_layer = [torch.stack(steps, dim=1) for steps in self._steps]  # [rows, forwards, k] each
-        return torch.stack(per_layer, dim=2)
+        return torch.stack(per_layer, dim=2).cpu()
 
 
 def replayed_weights(router: torch.nn.Module, logits_NE: torch.Tensor, experts_NK: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -123,3 +123,20 @@ def test_the_transformers_engine_records_the_routing_the_trainer_computes(tmp_pa
         own_TLK = _own_routing(engine.model, ids)
         scoring_NLK = own_TLK[len(prompt) - 1 : len(prompt) - 1 + len(c.token_ids)]  # the positions that sampled them
         assert torch.equal(scoring_NLK.sort(-1).values, c.routing.long().sort(-1).values.to(moe.ROUTING_DTYPE))
+
+
+def test_the_routing_follows_the_sequences_a_completion_without_a_record_reads_minus_one():
+    from rltrain.algos.rl.experience import recorded_routing
+    from rltrain.data.batch import SequenceBatch
+    from rltrain.rollout.base import Completion
+
+    routed = torch.arange(3 * 2 * 2, dtype=moe.ROUTING_DTYPE).reshape(3, 2, 2)
+    completions = [Completion(0, [4, 5, 6], [-1.0] * 3, True, routing=routed), Completion(0, [7, 8], [-1.0] * 2, True)]
+    batch = SequenceBatch.from_lists([[1, 2], [1, 2]], [c.token_ids for c in completions])
+    batch.routing = recorded_routing(completions)
+    assert batch.routing is not None and tuple(batch.routing.values.shape) == (5, 2, 2)
+    picked = batch.select([1, 0])
+    assert picked.routing is not None
+    second, first = picked.routing.split()
+    assert torch.equal(first, routed) and bool((second == -1).all())
+    assert recorded_routing([Completion(0, [4], [-1.0], True)]) is None  # an engine that records none
