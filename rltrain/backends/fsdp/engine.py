@@ -88,8 +88,12 @@ class FSDPEngine:
         freeze_vision: bool = True,
         router_losses: moe.RouterLosses | None = None,
         router_replay: bool = False,
+        reads_routing: bool = True,
     ) -> None:
         self.router_replay = router_replay  # algo.router_replay: route recorded tokens as the engine did (docs/moe.md)
+        # False for a model other than the one the rollout engine samples (a critic or reference of
+        # its own `path`): the recorded experts are another model's.
+        self.reads_routing = reads_routing
         self.faults = faults if faults is not None else FaultInjector()
         self.freeze_vision = freeze_vision
         self.router_losses = router_losses  # a MoE's (rltrain.models.moe); None: the checkpoint's own
@@ -141,7 +145,7 @@ class FSDPEngine:
         self.moe_info = moe.prepare_moe(self.lm, self.router_losses)
         # A MoE reads the engine's recorded routing of its batches: replays it with algo.router_replay,
         # and measures `moe/router_agreement` either way.
-        self.replay = moe.RouterReplay(self.lm, self.router_replay) if self.moe_info is not None else None
+        self.replay = moe.RouterReplay(self.lm, self.router_replay) if self.moe_info is not None and self.reads_routing else None
 
     def _build_scorer(self, backend_cfg: FSDPBackendConfig, value_head_seed: int | None, value_head_bias: bool) -> None:
         """How a micro-batch meets the model (packed shared prompts, one padding-free row, length
@@ -442,5 +446,6 @@ def build_engine(ctx: RunContext, role: str, max_steps: int) -> FSDPEngine:
             cfg.model.moe.aux_loss_coef, float(cfg.model.moe.z_loss_coef), spec_of(cfg.algo.name).generates
         ),
         router_replay=bool(cfg.algo.get("router_replay", False)),  # an RL algorithm's key (algos/rl/config.py)
+        reads_routing=Path(build.model_dir) == Path(ctx.model_dir),
         **engine_options(ctx, build),
     )
