@@ -65,10 +65,12 @@ PRELOAD += ["compiler_warmed", "heap_frozen"]
 # time it reads or writes its cache (`cache_dir()`), so a run given its own compiles into it as a
 # fresh interpreter would; and megatron-core's choice of attention backend (NVTE_*), which it writes
 # into a rank's environment when it builds a model (a rollout process the rank starts inherits it)
-# and which only megatron-core, on use, and Transformer Engine read. Any other difference (HF_*,
-# OMP_*, other TORCHINDUCTOR_* settings, which inductor reads on import...) runs cold.
+# and which only megatron-core, on use, and Transformer Engine read; and trackio's database
+# directory (TRACKIO_DIR), read when trackio is imported, which only a run naming the tracker does.
+# Any other difference (HF_*, OMP_*, other TORCHINDUCTOR_* settings, which inductor reads on
+# import...) runs cold.
 WARM_ENV_PREFIXES = ("RLTRAIN_", "PYTEST_", "WANDB_", "VLLM_", "PYTHONPATH", "COLUMNS", "LINES", "TORCHINDUCTOR_CACHE_DIR",
-                     "NVTE_")
+                     "NVTE_", "TRACKIO_DIR")
 
 
 def cuda_machine() -> bool:

@@ -40,6 +40,9 @@ class PolicyOutput:
     load_imbalance: torch.Tensor | None = None
     # A critic's values (fp32), ragged exactly like `logps` would be.
     values: Ragged | None = None
+    # A MoE's [agreed, recorded] (token, layer) pairs of the engine's recorded routing with its own
+    # router's top-k (engine-internal, for `moe/router_agreement`: docs/moe.md). None: no record.
+    router_agreement: torch.Tensor | None = None
 
     def policy_logps(self) -> Ragged:
         """`logps`, for code that holds a policy's output (a critic's has none)."""
@@ -62,12 +65,13 @@ def scored_output(
     aux_loss: torch.Tensor | None = None,
     z_loss: torch.Tensor | None = None,
     load_imbalance: torch.Tensor | None = None,
+    router_agreement: torch.Tensor | None = None,
 ) -> PolicyOutput:
     """The PolicyOutput of an engine that scores `scores`, with `scored` in its field."""
     logps, values = (None, scored) if scores == "values" else (scored, None)
     return PolicyOutput(
         logps=logps, entropy=entropy, anchor=anchor, aux_loss=aux_loss, values=values, z_loss=z_loss,
-        load_imbalance=load_imbalance,
+        load_imbalance=load_imbalance, router_agreement=router_agreement,
     )
 
 

@@ -46,6 +46,7 @@ Overlong = Literal["drop", "truncate", "error"]
 Task = Literal["addition", "multiplication", "code", "colours"]  # the built-in tasks (rltrain/data/tasks.py)
 SandboxMode = Literal["bwrap", "rlimits", "remote"]  # rltrain/rewards/sandbox (docs/rewards-and-roles.md)
 WandbMode = Literal["auto", "online", "offline", "disabled"]  # auto: online with an API key, else offline
+TrackerName = Literal["wandb", "tensorboard", "mlflow", "trackio"]  # logger.backends (rltrain/run/trackers)
 Schedule = Literal["cosine", "linear", "constant"]
 # AdamW's kernels (torch.optim.AdamW): one launch per tensor, per tensor list, or one fused kernel.
 OptimImplementation = Literal["auto", "for-loop", "foreach", "fused"]
@@ -208,8 +209,24 @@ class WandbConfig:
 
 
 @dataclass
+class MlflowConfig:
+    tracking_uri: str | None = None  # null: a local file store in RUN_DIR/mlruns; else an MLflow server's URI
+
+
+@dataclass
+class TrackioConfig:
+    space_id: str | None = None  # null: trackio's local database only; else a Hugging Face Space to sync to
+
+
+@dataclass
 class LoggerConfig:
+    """Where metrics go beside metrics.jsonl: any of the `TrackerName`s (docs/trackers.md). Every tracker
+    takes the run's project, group and name from `logger.wandb`."""
+
+    backends: list[str] = field(default_factory=lambda: ["wandb"])
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    trackio: TrackioConfig = field(default_factory=TrackioConfig)
     # GRPO: a `samples/train` table of prompts, completions and rewards every N steps; 0 = only the
     # `samples/eval` table at each evaluation (docs/run-directory.md).
     sample_every: int = 0
@@ -223,6 +240,17 @@ class SweepConfig:
     objective: str = "eval/accuracy"
     direction: str = choice("maximize", SweepDirection)
     last_n: int = 1
+
+
+@dataclass
+class EvalConfig:
+    """Sampled evaluation beside the greedy one (GRPO and PPO): `eval/pass@k`, `eval/mean@K`,
+    `eval/maj@K` (rltrain.run.sampled_metrics, docs/evaluation.md)."""
+
+    samples: int = 0  # K completions per held-out prompt at `temperature`; 0 = the greedy evaluation only
+    temperature: float = 1.0
+    k: list[int] | None = None  # pass@k for each (1 <= k <= K); null: 1, 2, 4, ... below K, and K
+    only: bool = False  # evaluate the model once (step 0) and stop: no training, checkpoint or final/ (`python -m rltrain.eval`)
 
 
 @dataclass
@@ -331,6 +359,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 GROUP_SCHEMAS: dict[str, Mapping[str, type]] = {

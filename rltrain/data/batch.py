@@ -33,7 +33,9 @@ class SequenceBatch:
     extras: dict[str, Any] = field(default_factory=dict)
     loss_inputs: LossInputs | None = None
     sampled: Ragged | None = None  # bool per completion token: sampled by the policy; None = every one
-
+    # The rollout engine's experts per completion token, values [N, layers, k] int16, -1 where none
+    # was recorded; what router replay routes by (docs/moe.md). None: the engine recorded none.
+    routing: Ragged | None = None
 
     def __post_init__(self) -> None:
         if len(self.tokens) != self.prompt_lens.numel():
@@ -42,6 +44,8 @@ class SequenceBatch:
             raise ValueError("every sequence needs a prompt of at least one token")
         if self.sampled is not None and not torch.equal(self.sampled.lengths(), self.completion_lens()):
             raise ValueError("SequenceBatch.sampled needs one flag per completion token")
+        if self.routing is not None and not torch.equal(self.routing.lengths(), self.completion_lens()):
+            raise ValueError("SequenceBatch.routing needs one routing per completion token")
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -84,7 +88,8 @@ class SequenceBatch:
         )
         inputs = self.loss_inputs.select(idx) if self.loss_inputs is not None else None
         sampled = self.sampled.select(idx) if self.sampled is not None else None
-        return SequenceBatch(tokens, self.prompt_lens[idx], extras, inputs, sampled)
+        routing = self.routing.select(idx) if self.routing is not None else None
+        return SequenceBatch(tokens, self.prompt_lens[idx], extras, inputs, sampled, routing)
 
 
 def length_buckets(lengths: list[int], bucket_cost_tokens: int) -> list[list[int]]:

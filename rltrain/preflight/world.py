@@ -52,7 +52,7 @@ def _model_dims(cfg: Config) -> dict[str, int] | None:
         return None
 
 
-def _hf_experts(cfg: Config) -> tuple[str, int] | None:
+def model_experts(cfg: Config) -> tuple[str, int] | None:
     """(the key, its value) holding the model's expert count (0 for a dense model): the built tiny
     model's `model.moe.num_experts`, or `model.path`'s config.json; None when that cannot be read here
     (the engine checks then)."""
@@ -84,7 +84,7 @@ def _validate_expert_split(cfg: Config, world: int) -> None:
             f"ranks. Set trainer.nproc to a multiple of backend.ep * backend.pp = {ep * pp}, or choose a backend.ep "
             f"that divides {world // pp}."
         )
-    experts = _hf_experts(cfg)
+    experts = model_experts(cfg)
     if experts is None:
         return
     key, count = experts

@@ -40,6 +40,10 @@ class Completion:
     # The images of the sequence, in placeholder order, where they are not the row's (an episode
     # whose observations or agent messages carried images; rltrain/envs). None: the row's.
     images: list | None = None
+    # The experts each MoE layer routed each token to when it was sampled, [tokens, layers, k]
+    # int16 (rltrain.models.moe.ROUTING_DTYPE), where the engine records them (rollout=hf on a
+    # MoE): what router replay routes the trainer's forwards by (docs/moe.md). None: not recorded.
+    routing: torch.Tensor | None = None
 
 
 class RolloutEngine(Protocol):

@@ -9,6 +9,9 @@ import json
 from dataclasses import fields
 from typing import Any
 
+import torch
+
+from rltrain.models.moe import ROUTING_DTYPE
 from rltrain.rollout.base import Completion
 from rltrain.rollout.images import from_data_url, to_data_url
 from rltrain.transport.wire import Channel, Message, ProtocolError
@@ -38,8 +41,9 @@ class ControlChannel(Channel):
 def completions_to_json(completions: list[Completion]) -> list[dict[str, Any]]:
     """Completions as plain data (an episode's own images as PNG data URLs)."""
     return [
-        {**{f.name: getattr(c, f.name) for f in fields(c) if f.name != "images"},
-         "images": [to_data_url(im) for im in c.images] if c.images is not None else None}
+        {**{f.name: getattr(c, f.name) for f in fields(c) if f.name not in ("images", "routing")},
+         "images": [to_data_url(im) for im in c.images] if c.images is not None else None,
+         "routing": c.routing.tolist() if c.routing is not None else None}
         for c in completions
     ]
 
@@ -55,6 +59,15 @@ def completions_from_json(rows: list[dict[str, Any]]) -> list[Completion]:
             [int(t) for t in r["prompt_ids"]] if r.get("prompt_ids") is not None else None,
             int(r["version"]) if r.get("version") is not None else None,
             [from_data_url(url) for url in r["images"]] if r.get("images") is not None else None,
+            routing_from_json(r.get("routing")),
         )
         for r in rows
     ]
+
+
+def routing_from_json(rows: list | None) -> torch.Tensor | None:
+    """A completion's recorded routing from its nested lists (an empty completion keeps no shape:
+    [0, 0, 0])."""
+    if rows is None:
+        return None
+    return torch.tensor(rows, dtype=ROUTING_DTYPE) if rows else torch.zeros((0, 0, 0), dtype=ROUTING_DTYPE)

@@ -7,6 +7,7 @@ them apart. It never imports vLLM. docs/internals/rollout.md lists the contract.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -68,6 +69,9 @@ class HFRolloutEngine:
         self.asleep = False
         # A MoE's tensors whose checkpoint names are not the model's (its fused experts: rltrain.models.moe)
         self.expert_places = moe.checkpoint_places(model) if moe.is_moe(text_config) else {}
+        # A MoE records every sampled token's experts, always: cheap, and what router replay and
+        # `moe/router_agreement` read (docs/moe.md, "Router replay").
+        self.routing = moe.RoutingRecorder(model) if moe.is_moe(text_config) else None
 
     def _live(self) -> GenerativeLM:
         if self.model is None:
@@ -96,16 +100,24 @@ class HFRolloutEngine:
         image_kwargs = self.images.tensors(row_images, input_ids_BT, mask_BT) if self.images is not None else {}
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(self.seed * 1_000_003 + sampling.seed)
-            out = self.model.generate(
-                input_ids=input_ids_BT,
-                attention_mask=mask_BT,
-                generation_config=self._generation_config(sampling, stop_ids),
-                **{k: v.to(self.device) for k, v in image_kwargs.items()},
-            )
+            with self.routing.recording(len(rows)) if self.routing is not None else contextlib.nullcontext():
+                out = self.model.generate(
+                    input_ids=input_ids_BT,
+                    attention_mask=mask_BT,
+                    generation_config=self._generation_config(sampling, stop_ids),
+                    **{k: v.to(self.device) for k, v in image_kwargs.items()},
+                )
         assert not isinstance(out, torch.Tensor) and out.logits is not None  # return_dict_in_generate, output_logits
         new_tokens_BN = out.sequences[:, input_ids_BT.shape[1] :].cpu()
         logits_BNV = torch.stack(out.logits, dim=1).float().cpu()
         logps_BN = torch.log_softmax(logits_BNV, dim=-1).gather(-1, new_tokens_BN.unsqueeze(-1)).squeeze(-1)
+        # [B, N, layers, k]: one forward per sampled token, the one whose logits sampled it
+        experts_BNLK = self.routing.take() if self.routing is not None else None
+        if experts_BNLK is not None and experts_BNLK.shape[1] != new_tokens_BN.shape[1]:
+            raise RuntimeError(
+                f"the transformers engine recorded {experts_BNLK.shape[1]} routed forwards for {new_tokens_BN.shape[1]} "
+                "sampled tokens"
+            )
         completions: list[Completion] = []
         stops = torch.tensor(stop_ids, dtype=torch.long)
         for row in range(len(rows)):
@@ -120,6 +132,7 @@ class HFRolloutEngine:
                     logprobs=logps_BN[row, :length].tolist(),
                     finished=finished,
                     prompt_ids=expanded[row // sampling.n],
+                    routing=experts_BNLK[row, :length].clone() if experts_BNLK is not None else None,
                 )
             )
         return completions

@@ -164,13 +164,15 @@ def plot_runs(paths: list[Path], out: Path) -> set[str]:
     return drawn_labels(fig)
 
 
-def write_run_plot(run_dir: Path) -> None:
-    """The run's own `plots.png`, written when it ends. A plot is a convenience: a failure to draw
-    it is a warning, never the run's failure."""
+def write_run_plot(run_dir: Path) -> Path | None:
+    """The run's own `plots.png`, written when it ends (and then shown in its trackers); None where
+    it could not be drawn. A plot is a convenience: a failure to draw it is a warning, never the run's failure."""
     try:
         plot_runs([run_dir], run_dir / PLOT_FILE)
     except Exception as exc:  # noqa: BLE001 - any plotting error leaves a finished run finished
         print(f"rltrain: warning: could not write {run_dir / PLOT_FILE}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return None
+    return run_dir / PLOT_FILE
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,11 +1,11 @@
-"""Where metrics go: `metrics.jsonl` (one JSON object per optimizer step, plus eval rows), W&B, and
-the console (a progress bar on a terminal, plain periodic lines otherwise). Only rank 0 writes.
+"""Where metrics go: `metrics.jsonl` (one JSON object per optimizer step, plus eval rows), the
+trackers `logger.backends` names (W&B by default; rltrain.run.trackers), and the console (a progress bar on a terminal, plain periodic lines otherwise). Only rank 0 writes.
 
 On resume the rows after the checkpoint's step are dropped from `metrics.jsonl` (they belong to
 the run that was stopped and will be produced again), so the file ends with exactly one row per
-step. A non-finite value is written `null`, never as a string. W&B receives exactly the values
-written to the file (a null left out), plus the sample tables (`samples/train`,
-`samples/eval`: rltrain.run.samples), which only W&B shows.
+step. A non-finite value is written `null`, never as a string. Every tracker receives exactly the numbers
+written to the file (a null left out), plus the sample tables (`samples/train`, `samples/eval`:
+rltrain.run.samples) and, when the run ends, its `plots.png` (docs/trackers.md).
 """
 
 from __future__ import annotations
@@ -13,16 +13,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import secrets
 import sys
 import time
 from pathlib import Path
-from typing import Any, cast
-
-from omegaconf import OmegaConf
+from typing import Any
 
 from rltrain.config.schema import Config
-from rltrain.run.samples import Sample, samples_table
+from rltrain.run.samples import Sample
+from rltrain.run.trackers import Tracker, open_trackers
 
 
 def finite_or_null(value: Any) -> Any:
@@ -64,7 +62,7 @@ class MetricsLogger:
         self.path = run_dir / "metrics.jsonl"
         self.max_steps = cfg.trainer.max_steps
         self.log_every = max(1, cfg.trainer.log_every)
-        self.wandb_run = None
+        self.trackers: list[Tracker] = []
         self.bar = None
         self.start_time = time.monotonic()
         if not is_main:
@@ -72,7 +70,7 @@ class MetricsLogger:
         truncate_metrics(self.path, resume_step)
         truncate_metrics(run_dir / BATCHES_FILE, resume_step)
         self.file = self.path.open("a")
-        self.wandb_run = start_wandb(cfg, run_dir)
+        self.trackers = open_trackers(cfg, run_dir, resume_step)
         mode = cfg.trainer.progress
         if mode == "bar" or (mode == "auto" and sys.stderr.isatty()):
             from tqdm import tqdm
@@ -85,14 +83,23 @@ class MetricsLogger:
         row = {k: finite_or_null(v) for k, v in row.items()}
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        if self.wandb_run is not None:  # a null is a value W&B has no point for
-            self.wandb_run.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=int(row["step"]))
+        # a null is a value a tracker has no point for; anything but a number stays in the file alone
+        numbers = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+        for tracker in self.trackers:
+            tracker.log(numbers, int(row["step"]))
         self._console(row)
 
     def log_samples(self, key: str, step: int, samples: list[Sample]) -> None:
-        """A W&B table of samples (rltrain.run.samples) under `key` at `step`; nothing without W&B."""
-        if self.wandb_run is not None and samples:
-            self.wandb_run.log({key: samples_table(samples, step)}, step=step)
+        """A table of samples (rltrain.run.samples) under `key` at `step`, in every tracker."""
+        if samples:
+            for tracker in self.trackers:
+                tracker.log_samples(key, step, samples)
+
+    def log_image(self, key: str, step: int, path: Path) -> None:
+        """A PNG (the run's `plots.png`) under `key` at `step`, in every tracker."""
+        if self.is_main:
+            for tracker in self.trackers:
+                tracker.log_image(key, step, path)
 
     def _console(self, row: dict[str, Any]) -> None:
         step = int(row["step"])
@@ -119,12 +126,8 @@ class MetricsLogger:
         if self.bar is not None:
             self.bar.close()
         self.file.close()
-        if self.wandb_run is not None:
-            offline_dir = self.wandb_run.settings.sync_dir if self.wandb_run.offline else None
-            self.wandb_run.finish()
-            if offline_dir is not None:  # W&B is silent (console="off"), so say where the run went
-                print(f"rltrain: W&B run saved offline in {offline_dir}; upload it with `wandb sync {offline_dir}`",
-                      flush=True)
+        for tracker in self.trackers:
+            tracker.close()
 
 
 def _format(row: dict[str, Any], max_steps: int) -> str:
@@ -136,33 +139,3 @@ def _format(row: dict[str, Any], max_steps: int) -> str:
         if key in row and isinstance(row[key], (int, float)):
             parts.append(f"{key} {row[key]:.4g}")
     return " | ".join(dict.fromkeys(parts))
-
-
-def start_wandb(cfg: Config, run_dir: Path):
-    """W&B on by default: online with an API key, offline (files under the run dir) without one."""
-    mode: Any = cfg.logger.wandb.mode  # wandb.init types its own values, not `auto`
-    if mode == "disabled":
-        return None
-    if mode == "auto":
-        mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-    # vLLM imports openai, and W&B then advertises its Weave tracer at init ("Detected [openai] in
-    # use ..."): nothing a training run can act on. W&B's own switch, unless the user set it.
-    os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
-    import wandb
-
-    id_file = run_dir / "wandb_id.txt"
-    run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(6)
-    id_file.write_text(run_id)
-    return wandb.init(
-        project=cfg.logger.wandb.project,
-        entity=cfg.logger.wandb.entity,
-        group=cfg.logger.wandb.group,
-        name=cfg.logger.wandb.name or run_dir.name,
-        dir=str(run_dir),
-        mode=mode,
-        id=run_id,
-        resume="allow",
-        config=cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True)),  # a DictConfig: a dict
-        settings=wandb.Settings(console="off", silent=True),
-    )
-

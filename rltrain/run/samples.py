@@ -1,5 +1,5 @@
 """What the model wrote: a few (prompt, completion, reward) samples per evaluation, and per GRPO
-step every `logger.sample_every` steps, shown in W&B as tables (`samples/eval`, `samples/train`).
+step every `logger.sample_every` steps, shown in the trackers as tables (`samples/eval`, `samples/train`).
 
 Numbers in metrics.jsonl say *that* a run learns; samples say *what* it learned to write (a
 reward hacked by a degenerate completion is obvious in a table and invisible in a mean). An
@@ -9,7 +9,6 @@ algorithm records its rank's samples (`Algorithm.samples()` hands them over); ra
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 MAX_SAMPLES = 16  # rows per table: enough to read, small enough to log often
 TABLE_COLUMNS = ("step", "prompt", "completion", "reward")
@@ -25,10 +24,3 @@ class Sample:
 def first_samples(prompts: list[str], completions: list[str], rewards: list[float]) -> list[Sample]:
     """The first MAX_SAMPLES of parallel lists as samples."""
     return [Sample(p, c, float(r)) for p, c, r in list(zip(prompts, completions, rewards))[:MAX_SAMPLES]]
-
-
-def samples_table(samples: list[Sample], step: int) -> Any:
-    """A `wandb.Table` with columns step, prompt, completion, reward."""
-    import wandb
-
-    return wandb.Table(columns=list(TABLE_COLUMNS), data=[[step, s.prompt, s.completion, s.reward] for s in samples])

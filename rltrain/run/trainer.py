@@ -30,6 +30,7 @@ from rltrain.models.vision import copy_processor_files
 from rltrain.run.algorithm import Algorithm
 from rltrain.run.checkpoint import CheckpointManager, fingerprint, fsync_path
 from rltrain.run.curves import write_run_plot
+from rltrain.run.evaluate_only import evaluate_only
 from rltrain.run.metrics_log import MetricsLogger
 from rltrain.run.safety_services import SafetyServices
 from rltrain.runtime.distributed import DistInfo, barrier, init_distributed
@@ -93,7 +94,10 @@ def run(cfg: Config, run_dir: Path) -> None:
         )
         algo = build_algorithm(ctx)
         try:
-            train_loop(ctx, algo)
+            if cfg.eval.only:
+                evaluate_only(ctx, algo)
+            else:
+                train_loop(ctx, algo)
         finally:
             algo.close()
     except UserError as exc:
@@ -152,6 +156,8 @@ def train_loop(ctx: RunContext, algo: Algorithm) -> None:
                 ckpt.save(step, algo.checkpoint_engines(), {"algorithm": algo.state_dict()})
             safety.after_step(step)
         export_final(ctx, algo)
+        if dist_info.is_main and (plot := write_run_plot(run_dir)) is not None:  # a plotting error is only a warning
+            logger.log_image("plots", max_steps, plot)
     except Exception as exc:
         safety.explain_failure(exc)  # names the lost peer when a collective failed
         raise
@@ -159,7 +165,6 @@ def train_loop(ctx: RunContext, algo: Algorithm) -> None:
         safety.close()
         logger.close()
     if dist_info.is_main:
-        write_run_plot(run_dir)  # RUN_DIR/plots.png; a plotting error is only a warning
         print(f"rltrain: finished step {max_steps}; run directory {run_dir} (metrics.jsonl, final/, plots.png)",
               flush=True)
 

@@ -5,10 +5,9 @@ User code may hang, run for minutes or crash the interpreter, and a thread canno
 in threads (environment calls), each async one on an event loop of its own
 (rltrain/runtime/watched_loop.py). A call past its deadline is given up on (it fails; its message
 says so where it had blocked its event loop) and left in its thread: its worker takes no more calls
-once a ready spare can take its place, and is killed with its process group once the calls beside
-it have ended, which lose nothing. Calls on a worker that died under them (which one caused it
-unknown) run again once, each alone. Workers are `python -m rltrain.runtime.call_worker` processes;
-calls and results cross as JSON. docs/environments.md ("Concurrency") and docs/agents.md ("Isolation")."""
+once a ready spare can take its place, and is killed once the calls beside it have ended. Calls on
+a worker that died under them run again once, each alone. Workers are `python -m
+rltrain.runtime.call_worker` processes; calls and results cross as JSON (docs/agents.md, "Isolation")."""
 
 from __future__ import annotations
 

@@ -157,8 +157,9 @@ def _table_rows(stdout: str, *names: str) -> dict[str, list[str]]:
     [
         ("bench_sft", ["--steps", "1", "--warmup", "0", "--batch", "4"], "rltrain (FSDP engine)"),
         ("bench_dpo", ["--steps", "1", "--warmup", "0", "--pairs", "4"], "rltrain (FSDP engine)"),
-        ("bench_grpo", ["--model", "tiny", "--steps", "1", "--warmup", "0", "--max-new-tokens", "4"],
-         "rltrain GRPO (vLLM CPU rollout)"),
+        # bench_grpo runs the CLI beside TRL's GRPOTrainer, which bench_gpu's run above drives too: `slow`.
+        pytest.param("bench_grpo", ["--model", "tiny", "--steps", "1", "--warmup", "0", "--max-new-tokens", "4"],
+                     "rltrain GRPO (vLLM CPU rollout)", marks=pytest.mark.slow),
     ],
 )
 def test_the_cpu_benchmarks_print_rltrain_beside_trl(script, args, ours):

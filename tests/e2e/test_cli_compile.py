@@ -12,6 +12,10 @@ from cli import SMALL_SFT_RUN_2_RANKS, rltrain, train_rows
 pytestmark = pytest.mark.e2e
 
 
+# Two ranks compiling from an empty cache take a minute or more of CPU: `slow`. `make test` holds the
+# mechanism at its cheapest level: compiled layers give eager's losses and gradients without
+# recompiling per shape, and a compiled FSDP engine trains (tests/unit/backends/test_compile_layers.py).
+@pytest.mark.slow
 def test_compiled_sft_on_two_ranks_matches_eager(shared_runs, tmp_path):
     eager_dir = shared_runs.get(*SMALL_SFT_RUN_2_RANKS)
     compiled_dir, inductor_dir = tmp_path / "compiled", tmp_path / "inductor"

@@ -64,3 +64,17 @@ def test_grpo_on_the_tiny_moe_with_each_engine(engine, tiny_cache, tmp_path):
     rltrain(*MOE_GRPO, "model=tiny_moe", "trainer.max_steps=3", *engine, run_dir=run_dir, timeout=600)
     assert_engine_samples_the_trainers_weights(run_dir, 3)
     assert read_metrics(run_dir)
+    if engine == ["rollout=hf"]:  # it records the routing always: the agreement is measured with replay off too
+        assert all(0.9 <= r["moe/router_agreement"] <= 1.0 for r in train_rows(run_dir))
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_grpo_on_the_tiny_moe_replays_the_transformers_engines_routing(nproc, tiny_cache, tmp_path):
+    """algo.router_replay=true (docs/moe.md, "Router replay"): every trainer forward routes the sampled
+    tokens as the engine did, on one rank and on two data-parallel ranks; parity holds and the
+    agreement of the engine's routing with the trainer's own router is logged."""
+    run_dir = tmp_path / "run"
+    rltrain(*MOE_GRPO, "model=tiny_moe", "rollout=hf", "algo.router_replay=true", f"trainer.nproc={nproc}",
+            run_dir=run_dir, timeout=600)
+    assert_engine_samples_the_trainers_weights(run_dir, 2)
+    assert all(0.9 <= r["moe/router_agreement"] <= 1.0 for r in train_rows(run_dir))

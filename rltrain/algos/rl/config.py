@@ -55,6 +55,9 @@ class RLConfig(AlgoConfig):
     rollout_is_floor: float = 0.0  # seq_mask: the sequence ratio's lower bound
     rollout_geo_band: list[float] = field(default_factory=lambda: [0.999, 1.001])  # geo_mask: [low, high]
     rollout_icepop_band: list[float] = field(default_factory=lambda: [0.5, 5.0])  # icepop: [low, high]
+    # A MoE: every trainer forward routes each sampled token to the experts the rollout engine chose
+    # for it (rollout=hf records them; backend=fsdp replays them): docs/moe.md, "Router replay".
+    router_replay: bool = False
 
 
 def _at_least(algo: RLConfig, keys: tuple[str, ...], low: int = 1) -> None:

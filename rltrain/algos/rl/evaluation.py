@@ -2,17 +2,22 @@
 
 Sampling is greedy so a step's evaluation depends on the weights only; the rewards are the
 training rewards (`reward.fns`, or the environment's return), and a failed reward call scores
-`reward.on_failure` uncounted, as in training. The collector (rltrain/algos/rl/experience.py) owns
+`reward.on_failure` uncounted, as in training. With `eval.samples=K` each held-out prompt also gets K
+completions at `eval.temperature` (seeded by the step): `eval/pass@k`, `eval/mean@K`, `eval/maj@K`
+(rltrain.run.sampled_metrics, docs/evaluation.md). The collector (rltrain/algos/rl/experience.py) owns
 the prompts, the engine and the reward functions; docs/environments.md describes the `eval/*` metrics.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from rltrain.algos.rl.experience import ExperienceCollector
 from rltrain.data.prompt_data import PromptRow
 from rltrain.data.sharding import rank_slice, sum_over_replicas
+from rltrain.run.sampled_metrics import PromptSamples, default_ks, metric_keys, metric_sums
 from rltrain.run.samples import first_samples
 
 
@@ -43,7 +48,33 @@ def evaluate(collector: ExperienceCollector, step: int) -> dict[str, float]:
     out = {"eval/reward": float(sums[1] / n)}
     if "answer" in collector.eval_prompts[0].columns:
         out["eval/accuracy"] = float(sums[0] / n)
+    if collector.ctx.cfg.eval.samples > 0:
+        out.update(evaluate_samples(collector, mine, step))
     return out
+
+
+def evaluate_samples(collector: ExperienceCollector, mine: list[PromptRow], step: int) -> dict[str, float]:
+    """K completions per held-out prompt at `eval.temperature`: a sample is correct when it equals the
+    row's `answer` (stripped) where the data has one, else when its reward is above 0."""
+    cfg = collector.ctx.cfg.eval
+    ks = list(cfg.k) if cfg.k is not None else default_ks(cfg.samples)
+    greedy = collector.sampling(step, greedy=True)
+    settings = dataclasses.replace(greedy, n=cfg.samples, temperature=cfg.temperature, seed=greedy.seed + 104_729)
+    completions = collector.turns.generate([r.ids for r in mine], settings, [r.images or [] for r in mine])
+    collector.timeshare.pop_metrics()
+    per_fn, _ = collector.rewards(mine, completions)
+    texts = collector.texts(completions)
+    totals = collector.weighted(per_fn, len(completions)).tolist()
+    prompts = [PromptSamples([], [], []) for _ in mine]
+    for completion, text, reward in zip(completions, texts, totals, strict=True):
+        row, prompt = mine[completion.prompt_index], prompts[completion.prompt_index]
+        prompt.answers.append(text.strip())
+        has_answer = "answer" in row.columns
+        prompt.correct.append(text.strip() == str(row.columns["answer"]).strip() if has_answer else reward > 0)
+        prompt.rewards.append(reward)
+    sums = sum_over_replicas(torch.tensor(metric_sums(prompts, ks), dtype=torch.float64, device="cpu"), collector.policy.world_size)
+    n = len(collector.eval_prompts)
+    return {key: float(total / n) for key, total in zip(metric_keys(ks, cfg.samples), sums, strict=True)}
 
 
 def evaluate_episodes(collector: ExperienceCollector, mine: list[PromptRow], step: int) -> dict[str, float]:

@@ -29,6 +29,7 @@ from rltrain.data.vision_inputs import VisionInputs, vision_extras
 from rltrain.data.vision_rows import VisionEncoder
 from rltrain.envs.agent.runner import AgentResults, AgentRunner, named_on_every_rank
 from rltrain.envs.episodes import EpisodeResults, EpisodeRunner
+from rltrain.models.moe import ROUTING_DTYPE
 from rltrain.models.vision import load_processor
 from rltrain.rewards.overlong import overlong_penalties
 from rltrain.rewards.scoring import Failures, RewardScorer, Scored
@@ -145,6 +146,21 @@ def sampled_mask(completions: list[Completion]) -> Ragged | None:
         torch.tensor([f for fs in flags for f in fs], dtype=torch.bool, device="cpu"),
         torch.tensor([len(fs) for fs in flags], dtype=torch.long, device="cpu"),
     )
+
+
+def recorded_routing(completions: list[Completion]) -> Ragged | None:
+    """The engine's experts per completion token ([N, layers, k], -1 for a completion without a
+    record), where it recorded any (rollout=hf on a MoE: docs/moe.md, "Router replay")."""
+    shapes = [c.routing.shape[1:] for c in completions if c.routing is not None and c.routing.numel()]
+    if not shapes:
+        return None
+    shape = shapes[0]
+    parts = [
+        c.routing if c.routing is not None and c.routing.numel()
+        else torch.full((len(c.token_ids), *shape), -1, dtype=ROUTING_DTYPE)
+        for c in completions
+    ]
+    return Ragged.from_lengths(torch.cat(parts), [len(c.token_ids) for c in completions])
 
 
 class ExperienceCollector:
@@ -332,6 +348,7 @@ class ExperienceCollector:
             **vision_extras([self.sequence_vision(rows[c.prompt_index], c) for c in completions]),  # each sequence carries its images
         )
         batch.sampled = sampled_mask(completions)
+        batch.routing = recorded_routing(completions)
         thinking = sum(thinking_tokens(c.token_ids, self.decode, self.scorer.thinking_end) for c in completions)
         local_counts = torch.tensor(
             [batch.num_completion_tokens, len(completions), sum(not c.finished for c in completions), batch.num_sampled_tokens,

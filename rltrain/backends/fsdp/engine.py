@@ -38,6 +38,7 @@ from rltrain.backends.fsdp.hf_scoring import (
 from rltrain.backends.fsdp.micro_batches.attention_masks import use_flex_attention
 from rltrain.backends.fsdp.micro_batches.flex_autocast import switch_to_flex_attention
 from rltrain.backends.fsdp.micro_batches.layout import MicroBatchLayout
+from rltrain.backends.fsdp.micro_batches.shared_prefix import Rectangle
 from rltrain.backends.fsdp.sharding import load_shards, shard_model
 from rltrain.backends.lr_schedule import lr_at
 from rltrain.backends.optimizer_state import move_optimizer_state
@@ -86,7 +87,13 @@ class FSDPEngine:
         faults: FaultInjector | None = None,
         freeze_vision: bool = True,
         router_losses: moe.RouterLosses | None = None,
+        router_replay: bool = False,
+        reads_routing: bool = True,
     ) -> None:
+        self.router_replay = router_replay  # algo.router_replay: route recorded tokens as the engine did (docs/moe.md)
+        # False for a model other than the one the rollout engine samples (a critic or reference of
+        # its own `path`): the recorded experts are another model's.
+        self.reads_routing = reads_routing
         self.faults = faults if faults is not None else FaultInjector()
         self.freeze_vision = freeze_vision
         self.router_losses = router_losses  # a MoE's (rltrain.models.moe); None: the checkpoint's own
@@ -136,6 +143,9 @@ class FSDPEngine:
         self.pad_id = int(self.text_config.pad_token_id or 0)
         self.tied = bool(self.lm.config.tie_word_embeddings)
         self.moe_info = moe.prepare_moe(self.lm, self.router_losses)
+        # A MoE reads the engine's recorded routing of its batches: replays it with algo.router_replay,
+        # and measures `moe/router_agreement` either way.
+        self.replay = moe.RouterReplay(self.lm, self.router_replay) if self.moe_info is not None and self.reads_routing else None
 
     def _build_scorer(self, backend_cfg: FSDPBackendConfig, value_head_seed: int | None, value_head_bias: bool) -> None:
         """How a micro-batch meets the model (packed shared prompts, one padding-free row, length
@@ -208,6 +218,8 @@ class FSDPEngine:
         scored = batch if real else dummy_batch(self.pad_id)
         rects, order_N, padding_mask_BT = self.layout(scored)
         _, _, targets = completion_positions(scored)
+        if self.replay is not None:
+            self.replay.load(recorded_experts(scored, rects, order_N, self.device))
         # logps_N of a policy or reference, values_N of a critic (`self.scores`)
         scored_N, entropy_N, router = self.scorer(
             [r.to(self.device) for r in rects],
@@ -225,6 +237,7 @@ class FSDPEngine:
                 Ragged(entropy_N[:0], empty_offsets) if entropy_N is not None else None,
                 anchor=scored_N.sum() * 0.0,
                 **moe.router_outputs(router, weight=0.0),
+                router_agreement=None,
             )
         lengths = batch.completion_lens()
         return scored_output(
@@ -232,6 +245,7 @@ class FSDPEngine:
             Ragged.from_lengths(scored_N, lengths),
             Ragged.from_lengths(entropy_N, lengths) if entropy_N is not None else None,
             **moe.router_outputs(router),
+            router_agreement=self.replay.agreement() if self.replay is not None else None,
         )
 
     @torch.no_grad()
@@ -294,6 +308,9 @@ class FSDPEngine:
         if not outcome.skipped:
             self.steps_taken += 1
         reduced = reduce_metric_sums(sums, partial=errors.recovered > 0)
+        agreed, recorded = reduced.pop("moe/router_agreed", 0.0), reduced.pop("moe/router_recorded", 0.0)
+        if recorded > 0:  # token-layer pairs over every rank's micro-batches (docs/moe.md, "Router replay")
+            reduced["moe/router_agreement"] = agreed / recorded
         self.error_budget.update(reduced["safety/recovered_errors"])
         reduced["grad_norm"] = outcome.grad_norm
         reduced["lr"] = lr
@@ -319,6 +336,9 @@ class FSDPEngine:
                 metrics = {**metrics, "moe/z_loss": out.z_loss.detach() * share}
             if out.load_imbalance is not None:
                 metrics = {**metrics, "moe/load_imbalance": out.load_imbalance * share}
+            # every MoE micro-batch (every rank the same keys), zero where nothing was recorded
+            agreed_recorded = out.router_agreement if out.router_agreement is not None else torch.zeros(2, dtype=torch.float64)
+            metrics = {**metrics, "moe/router_agreed": agreed_recorded[0], "moe/router_recorded": agreed_recorded[1]}
         return loss, metrics
 
     # --- weights out ---------------------------------------------------------------------------
@@ -397,6 +417,24 @@ class AdaptersOff:
             return self.engine.forward_logps(micro_batches, with_entropy)
 
 
+def recorded_experts(
+    batch: SequenceBatch, rects: list[Rectangle], order_N: torch.Tensor | None, device: torch.device
+) -> torch.Tensor | None:
+    """The batch's recorded routing at the positions the model routes ([B x T, layers, k], -1
+    where nothing was recorded): each completion token's experts at the position whose logits
+    score it; prompt positions keep the trainer's router (docs/moe.md, "Router replay"). None
+    without a record."""
+    if batch.routing is None:
+        return None
+    assert len(rects) == 1 and order_N is None, "a MoE is scored in one plain rectangle (MicroBatchLayout)"
+    rect = rects[0]
+    rows_BT, cols_T = rect.input_ids_BT.shape
+    routing_NLK = batch.routing.values
+    experts_BTLK = torch.full((rows_BT, cols_T, *routing_NLK.shape[1:]), -1, dtype=routing_NLK.dtype)
+    experts_BTLK[rect.rows_N, rect.cols_N] = routing_NLK
+    return experts_BTLK.flatten(0, 1).to(device)
+
+
 def build_engine(ctx: RunContext, role: str, max_steps: int) -> FSDPEngine:
     """The backend registry's entry (`backend=fsdp`) for one role (rltrain.backends.Role)."""
     cfg = ctx.cfg
@@ -407,5 +445,7 @@ def build_engine(ctx: RunContext, role: str, max_steps: int) -> FSDPEngine:
         router_losses=moe.router_losses(
             cfg.model.moe.aux_loss_coef, float(cfg.model.moe.z_loss_coef), spec_of(cfg.algo.name).generates
         ),
+        router_replay=bool(cfg.algo.get("router_replay", False)),  # an RL algorithm's key (algos/rl/config.py)
+        reads_routing=Path(build.model_dir) == Path(ctx.model_dir),
         **engine_options(ctx, build),
     )

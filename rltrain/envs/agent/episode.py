@@ -5,10 +5,9 @@ one episode, so a hung or crashing agent costs that episode only.
 the episode started (its `env.timeout_s` runs from then), and calls the user's `run(client, row)`
 with a ready client: `OpenAI`, or `AsyncOpenAI` for an `async def` agent (handed back as a
 coroutine the call worker awaits on an event loop of the episode's own). What it returns is the
-episode's reward: a number, or a dict of named numbers (summed). Several episodes share a worker, so
-`os.environ` answers the two variables from a per-episode context variable, and their clients share
-one TLS context: making one per client is a tenth of a second of CPU, which hundreds of episodes
-starting together cannot afford within their timeout (docs/agents.md, "Isolation")."""
+episode's reward: a number, or a dict of named numbers (summed). Episodes sharing a worker read the
+two variables from a per-episode context variable and share one TLS context, which hundreds of
+clients starting together could not each afford (docs/agents.md, "Isolation")."""
 
 from __future__ import annotations
 

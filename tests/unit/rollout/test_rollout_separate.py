@@ -39,6 +39,17 @@ def test_completions_cross_as_json_exactly():
     assert completions_from_json(wire) == completions
 
 
+def test_a_completions_recorded_routing_survives_the_wire():
+    """A MoE's routing ([tokens, layers, k], docs/moe.md "Router replay") as a batch in flight's
+    checkpoint writes it."""
+    from rltrain.models.moe import ROUTING_DTYPE
+
+    routing = torch.tensor([[[3, 0], [1, 2]], [[7, 5], [4, 6]]], dtype=ROUTING_DTYPE)
+    wire = json.loads(json.dumps(completions_to_json([Completion(0, [3, 4], [-0.5, -1.0], True, routing=routing)])))
+    (back,) = completions_from_json(wire)
+    assert back.routing is not None and back.routing.dtype == ROUTING_DTYPE and torch.equal(back.routing, routing)
+
+
 def test_control_channel_rejects_pickle_and_unknown_messages():
     import pickle
 

@@ -1,0 +1,37 @@
+"""`algo.router_replay=true` where it cannot run is refused before any model is built, one
+paragraph naming the key and the fix (rltrain/preflight/validate_rl.py, docs/moe.md "Router replay")."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import compose_config
+
+from rltrain.preflight.validate import validate
+from rltrain.runtime.errors import UserError
+
+
+@pytest.fixture(autouse=True)
+def _not_under_torchrun(monkeypatch) -> None:
+    for name in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize(
+    "overrides, names",
+    [
+        (["model=tiny", "rollout=hf"], ["needs a Mixture-of-Experts model", "model=tiny_moe"]),
+        (["model=tiny_moe", "rollout=vllm"], ["rollout=vllm", "Model Runner V2", "Triton", "rollout=hf"]),
+        (["model=tiny_moe", "rollout=server"], ["rollout=server", "rollout=hf"]),
+        (["model=tiny_moe", "rollout=hf", "backend=megatron"], ["backend=megatron", "backend=fsdp"]),
+    ],
+)
+def test_router_replay_where_it_cannot_run_is_refused(overrides, names) -> None:
+    with pytest.raises(UserError) as info:
+        validate(compose_config("algo=grpo", "algo.router_replay=true", *overrides))
+    for name in names:
+        assert name in str(info.value), str(info.value)
+
+
+def test_router_replay_on_a_moe_with_the_transformers_engine_passes() -> None:
+    validate(compose_config("algo=grpo", "algo.router_replay=true", "model=tiny_moe", "rollout=hf"))
+    validate(compose_config("algo=ppo", "algo.router_replay=true", "model=tiny_moe", "rollout=hf", "trainer.nproc=2"))
