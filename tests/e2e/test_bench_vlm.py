@@ -14,6 +14,7 @@ pytestmark = pytest.mark.e2e
 COLUMNS = 8  # tokens/s, step s, rollout s, train s, sync s, completion len, peak GiB, tokens/s vs TRL
 
 
+@pytest.mark.slow  # a vision GRPO run beside TRL's: both sides' mechanisms run in make test elsewhere (test_cli_vision_rl.py, bench_gpu's TRL rows)
 def test_bench_vlm_prints_rltrains_row_and_trl_beside_it():
     proc = python("scripts/bench_vlm.py", "--rollout", "hf", "--steps", "1", "--warmup", "0", "--prompts", "2",
                   "--group", "2", "--max-new-tokens", "4", "--image-size", "28", timeout=600, warm=False)

@@ -155,9 +155,10 @@ def recorded_routing(completions: list[Completion]) -> Ragged | None:
     if not shapes:
         return None
     shape = shapes[0]
+    device = next(c.routing.device for c in completions if c.routing is not None and c.routing.numel())
     parts = [
         c.routing if c.routing is not None and c.routing.numel()
-        else torch.full((len(c.token_ids), *shape), -1, dtype=ROUTING_DTYPE)
+        else torch.full((len(c.token_ids), *shape), -1, dtype=ROUTING_DTYPE, device=device)
         for c in completions
     ]
     return Ragged.from_lengths(torch.cat(parts), [len(c.token_ids) for c in completions])

@@ -73,7 +73,8 @@ def test_builtin_rows_carry_the_picture_and_the_true_answer(tiny_vl_dir):
     assert len(train) == 16 and len(evals) == 8 and dropped == 0
     for row in evals:
         assert row.columns["answer"] == colour_in_pixels(row.images[0]) and row.vision is not None
-        assert "images" not in row.columns  # the reward workers take plain data; the picture rides in row.images
+        # Reward functions get every column, the picture as a PIL image (docs/rewards-and-roles.md).
+        assert [image.tobytes() for image in row.columns["images"]] == [image.tobytes() for image in row.images]
     sft = build_sft_data(processor.tokenizer, data_cfg, 0, processor)
     assert [item.reference for item in sft.eval] == [r.columns["answer"] for r in evals]
     assert all(pair.vision is not None for pair in sft.train)

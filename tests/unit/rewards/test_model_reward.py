@@ -13,6 +13,7 @@ from helpers import compose_config
 from rltrain.config.schema import ModelConfig
 from rltrain.models.tiny_reward import build_tiny_reward_model_dir
 from rltrain.rewards.scoring import RewardScorer, build_reward_fns
+from rltrain.rewards.worker_call import WORKER_CALL
 
 SMALL = ModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
 PROMPTS = ["12+34=", "7+8=", "1+1=", "99+1=", "5+5="]
@@ -47,7 +48,7 @@ def test_scores_equal_transformers_and_join_the_builtin_reward_by_weight(reward_
     fns = build_reward_fns(cfg, torch.device("cpu"))
     assert [(rf.name, rf.weight) for rf in fns] == [("addition_reward", 1.0), ("model", 0.5)]
     scorer = RewardScorer(fns, cfg.reward, cfg.safety.collective_timeout_s)
-    assert scorer.pool is not None and scorer.pool.paths == ["rltrain.rewards.builtin:addition_reward"]  # not the model
+    assert scorer.pool is not None and scorer.pool.paths == [WORKER_CALL, "rltrain.rewards.builtin:addition_reward"]  # not the model
     answers = ["46", "15", "2", "100", "10"]
     try:
         per_fn, failures = scorer.score(PROMPTS, COMPLETIONS, {"answer": answers}, groups=[0, 1, 2, 3, 4])
