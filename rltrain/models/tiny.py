@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,22 +82,13 @@ def publish_directory(built: Path, target: Path) -> None:
             raise
 
 
-def build_tiny_model_dir(cfg: ModelConfig, seed: int) -> Path:
-    """Build (once) and return the Hugging Face directory of the tiny model for `cfg` and `seed`.
-
-    The directory is written to a temporary sibling and renamed into place, so concurrent ranks or
-    runs never see a half-written model.
-    """
+def write_seeded_model(config_for: Callable[..., Any], seed: int, directory: Path) -> None:
+    """Save the character tokenizer and a model of the HF config `config_for(**token ids)` returns,
+    its weights drawn from `seed`, into `directory`: every tiny model's one builder."""
     from transformers import AutoModelForCausalLM
 
-    cache = Path(cfg.cache_dir) if cfg.cache_dir else DEFAULT_CACHE / "models"
-    target = cache / f"tiny-{cfg.arch}-{_spec_key(cfg, seed)}"
-    if (target / "config.json").exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
     tokenizer = build_char_tokenizer()
-    hf_config = hf_config_for(
-        cfg,
+    hf_config = config_for(
         vocab_size=padded_vocab_size(tokenizer),
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -106,10 +98,24 @@ def build_tiny_model_dir(cfg: ModelConfig, seed: int) -> Path:
     with torch.random.fork_rng(devices=fork_devices):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+
+
+def build_tiny_model_dir(cfg: ModelConfig, seed: int) -> Path:
+    """Build (once) and return the Hugging Face directory of the tiny model for `cfg` and `seed`.
+
+    The directory is written to a temporary sibling and renamed into place, so concurrent ranks or
+    runs never see a half-written model.
+    """
+    cache = Path(cfg.cache_dir) if cfg.cache_dir else DEFAULT_CACHE / "models"
+    target = cache / f"tiny-{cfg.arch}-{_spec_key(cfg, seed)}"
+    if (target / "config.json").exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp", dir=cache))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        write_seeded_model(lambda **token_ids: hf_config_for(cfg, **token_ids), seed, tmp)
         publish_directory(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -15,11 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-
 from rltrain.config.schema import TINY_MOE_HEAD_DIM, ModelConfig
-from rltrain.models.tiny import DEFAULT_CACHE, publish_directory
-from rltrain.models.tokenizer import build_char_tokenizer, padded_vocab_size
+from rltrain.models.tiny import DEFAULT_CACHE, publish_directory, write_seeded_model
 
 FORMAT = 1  # bumped when the files change
 
@@ -62,22 +59,7 @@ def tiny_moe_config(cfg: ModelConfig, vocab_size: int, eos_token_id: int, pad_to
 def write_tiny_moe(cfg: ModelConfig, seed: int, directory: Path) -> None:
     """Write the tiny MoE of `cfg` drawn with `seed` (weights and tokenizer) into `directory`: the
     plain builder, for a cache entry or a test's own directory."""
-    from transformers import AutoModelForCausalLM
-
-    tokenizer = build_char_tokenizer()
-    hf_config = tiny_moe_config(
-        cfg,
-        vocab_size=padded_vocab_size(tokenizer),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
-    fork_devices: list = []
-    with torch.random.fork_rng(devices=fork_devices):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    model.save_pretrained(directory, safe_serialization=True)
-    tokenizer.save_pretrained(directory)
+    write_seeded_model(lambda **token_ids: tiny_moe_config(cfg, **token_ids), seed, directory)
 
 
 def _spec_key(cfg: ModelConfig, seed: int) -> str:
