@@ -31,7 +31,7 @@ def main() -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.set_num_threads(1)
 
-    from rltrain.algos.rl.experience import recorded_routing
+    from rltrain.algos.rl.completion_records import recorded_routing
     from rltrain.algos.rollout_correction import mismatch_kl_sum
     from rltrain.backends.fsdp.engine import FSDPEngine
     from rltrain.config.group_options import FSDPBackendConfig, HFRolloutConfig

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from rltrain.config.run_context import RunContext
 
 BACKENDS = {
-    "fsdp": "rltrain.backends.fsdp.engine:build_engine",
+    "fsdp": "rltrain.backends.fsdp.build:build_engine",
     "megatron": "rltrain.backends.megatron.engine:build_engine",
 }
 

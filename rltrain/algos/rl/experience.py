@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rltrain.algos.rl.batch_layout import BatchLayout
+from rltrain.algos.rl.completion_records import recorded_routing, sampled_mask
 from rltrain.algos.rl.dynamic_sampling import SamplingRounds, SignalGroups, run_rounds
 from rltrain.algos.rl.rollout_turns import RolloutTurns, played_sequences
 from rltrain.config.run_context import RunContext
@@ -29,7 +31,6 @@ from rltrain.data.vision_inputs import VisionInputs, vision_extras
 from rltrain.data.vision_rows import VisionEncoder
 from rltrain.envs.agent.runner import AgentResults, AgentRunner, named_on_every_rank
 from rltrain.envs.episodes import EpisodeResults, EpisodeRunner
-from rltrain.models.moe import ROUTING_DTYPE
 from rltrain.models.vision import load_processor
 from rltrain.rewards.overlong import overlong_penalties
 from rltrain.rewards.scoring import Failures, RewardScorer, Scored
@@ -40,43 +41,6 @@ from rltrain.run.samples import Sample, first_samples
 from rltrain.runtime.distributed import share_lists
 from rltrain.runtime.errors import UserError
 from rltrain.sync.timeshare import TimeSharing
-
-
-class BatchLayout:
-    """Where this rank's sequences sit in the global batch. Ranks split *prompts* (contiguous,
-    `rank_slice`), each prompt's `group_size` completions stay together: global position
-    `prompt * group_size + k`."""
-
-    def __init__(self, prompts_per_step: int, group_size: int, rank: int, world_size: int) -> None:
-        self.prompts_per_step, self.group_size = prompts_per_step, group_size
-        self.rank, self.world_size = rank, world_size
-
-    @property
-    def global_size(self) -> int:
-        return self.prompts_per_step * self.group_size
-
-    def prompt_range(self, rank: int) -> tuple[int, int]:
-        """Global positions [start, end) of `rank`'s sequences."""
-        mine = rank_slice(list(range(self.prompts_per_step)), rank, self.world_size)
-        if not mine:
-            return 0, 0
-        return mine[0] * self.group_size, (mine[-1] + 1) * self.group_size
-
-    @property
-    def offset(self) -> int:
-        """Global position of this rank's first sequence."""
-        return self.prompt_range(self.rank)[0]
-
-    def micro_batches_per_rank(self, lo: int, hi: int, mb_size: int) -> int:
-        """How many micro-batches every rank runs over the global positions [lo, hi): enough for
-        the rank that holds the most of them (collectives must match). With prompts_per_step not
-        a multiple of the rank count one rank holds a whole group more than another, and a count
-        derived from an even split of the sequences would drop some."""
-        most = 0
-        for r in range(self.world_size):
-            start, end = self.prompt_range(r)
-            most = max(most, min(hi, end) - max(lo, start))
-        return max(1, -(-most // mb_size))
 
 
 @dataclass
@@ -134,34 +98,6 @@ def share_scores(
         return scored
     n = len(got_floats) // len(names) if names else 0
     return {name: got_floats[i * n : (i + 1) * n] for i, name in enumerate(names)}, Failures(got_ints[0], got_ints[1])
-
-
-def sampled_mask(completions: list[Completion]) -> Ragged | None:
-    """Which completion tokens the policy sampled, where a multi-turn rollout interleaved
-    observations (None: a single-turn batch, every token sampled)."""
-    if all(c.sampled is None for c in completions):
-        return None
-    flags = [c.sampled if c.sampled is not None else [True] * len(c.token_ids) for c in completions]
-    return Ragged.from_lengths(
-        torch.tensor([f for fs in flags for f in fs], dtype=torch.bool, device="cpu"),
-        torch.tensor([len(fs) for fs in flags], dtype=torch.long, device="cpu"),
-    )
-
-
-def recorded_routing(completions: list[Completion]) -> Ragged | None:
-    """The engine's experts per completion token ([N, layers, k], -1 for a completion without a
-    record), where it recorded any (rollout=hf on a MoE: docs/moe.md, "Router replay")."""
-    shapes = [c.routing.shape[1:] for c in completions if c.routing is not None and c.routing.numel()]
-    if not shapes:
-        return None
-    shape = shapes[0]
-    device = next(c.routing.device for c in completions if c.routing is not None and c.routing.numel())
-    parts = [
-        c.routing if c.routing is not None and c.routing.numel()
-        else torch.full((len(c.token_ids), *shape), -1, dtype=ROUTING_DTYPE, device=device)
-        for c in completions
-    ]
-    return Ragged.from_lengths(torch.cat(parts), [len(c.token_ids) for c in completions])
 
 
 class ExperienceCollector:

@@ -16,8 +16,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from rltrain.algos.policy_loss import PolicyLossInputs, policy_loss
+from rltrain.algos.rl.batch_layout import BatchLayout
 from rltrain.algos.rl.config import RLConfig
-from rltrain.algos.rl.experience import BatchLayout, Experience
+from rltrain.algos.rl.experience import Experience
 from rltrain.algos.rollout_correction import (
     CorrectionBands,
     clamped_tokens,

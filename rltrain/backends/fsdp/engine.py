@@ -35,18 +35,16 @@ from rltrain.backends.fsdp.hf_scoring import (
     completion_positions,
     dummy_batch,
 )
+from rltrain.backends.fsdp.lora_base import AdaptersOff
 from rltrain.backends.fsdp.micro_batches.attention_masks import use_flex_attention
 from rltrain.backends.fsdp.micro_batches.flex_autocast import switch_to_flex_attention
 from rltrain.backends.fsdp.micro_batches.layout import MicroBatchLayout
-from rltrain.backends.fsdp.micro_batches.shared_prefix import Rectangle
+from rltrain.backends.fsdp.micro_batches.routing import recorded_experts
 from rltrain.backends.fsdp.sharding import load_shards, shard_model
 from rltrain.backends.lr_schedule import lr_at
 from rltrain.backends.optimizer_state import move_optimizer_state
-from rltrain.backends.roles import engine_options, role_build
 from rltrain.backends.value_head import new_value_head
-from rltrain.config.algorithms import spec_of
 from rltrain.config.group_options import FSDPBackendConfig
-from rltrain.config.run_context import RunContext
 from rltrain.config.schema import LoraAdapterConfig, OptimConfig, SafetyConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
@@ -205,7 +203,7 @@ class FSDPEngine:
     def base_weights(self) -> LogProbScorer | None:
         """The base model scored with the adapters switched off: a LoRA policy's reference at no
         cost in memory. None without adapters."""
-        return AdaptersOff(self) if self.adapters is not None else None
+        return AdaptersOff(self, self.adapters) if self.adapters is not None else None
 
     def replica_group(self) -> None:
         """Every FSDP rank is its own data-parallel replica (see `TrainEngine.replica_group`)."""
@@ -400,52 +398,3 @@ class FSDPEngine:
     def recreate_communicators(self) -> int:
         """Re-create the group and re-bind FSDP's cached handles (collective); returns how many."""
         return self.groups.recreate() if self.groups is not None else 0
-
-
-class AdaptersOff:
-    """A LoRA engine's frozen base: its log-probabilities with every adapter disabled, which are
-    the log-probabilities of the model it started from (the adapters' only difference)."""
-
-    def __init__(self, engine: FSDPEngine) -> None:
-        assert engine.adapters is not None
-        self.engine = engine
-        self.adapters = engine.adapters
-        self.rank, self.world_size = engine.rank, engine.world_size
-
-    def forward_logps(self, micro_batches: list[SequenceBatch], with_entropy: bool = False) -> list[PolicyOutput]:
-        with self.adapters.disable_adapter():
-            return self.engine.forward_logps(micro_batches, with_entropy)
-
-
-def recorded_experts(
-    batch: SequenceBatch, rects: list[Rectangle], order_N: torch.Tensor | None, device: torch.device
-) -> torch.Tensor | None:
-    """The batch's recorded routing at the positions the model routes ([B x T, layers, k], -1
-    where nothing was recorded): each completion token's experts at the position whose logits
-    score it; prompt positions keep the trainer's router (docs/moe.md, "Router replay"). None
-    without a record."""
-    if batch.routing is None:
-        return None
-    assert len(rects) == 1 and order_N is None, "a MoE is scored in one plain rectangle (MicroBatchLayout)"
-    rect = rects[0]
-    rows_BT, cols_T = rect.input_ids_BT.shape
-    routing_NLK = batch.routing.values
-    experts_BTLK = torch.full((rows_BT, cols_T, *routing_NLK.shape[1:]), -1, dtype=routing_NLK.dtype)
-    experts_BTLK[rect.rows_N, rect.cols_N] = routing_NLK
-    return experts_BTLK.flatten(0, 1).to(device)
-
-
-def build_engine(ctx: RunContext, role: str, max_steps: int) -> FSDPEngine:
-    """The backend registry's entry (`backend=fsdp`) for one role (rltrain.backends.Role)."""
-    cfg = ctx.cfg
-    build = role_build(ctx, role)
-    return FSDPEngine(
-        build.model_dir, cfg.backend, build.optim, max_steps, ctx.dist.device, adapters=build.adapters,
-        seed=int(cfg.trainer.seed), freeze_vision=bool(cfg.model.freeze_vision),
-        router_losses=moe.router_losses(
-            cfg.model.moe.aux_loss_coef, float(cfg.model.moe.z_loss_coef), spec_of(cfg.algo.name).generates
-        ),
-        router_replay=bool(cfg.algo.get("router_replay", False)),  # an RL algorithm's key (algos/rl/config.py)
-        reads_routing=Path(build.model_dir) == Path(ctx.model_dir),
-        **engine_options(ctx, build),
-    )

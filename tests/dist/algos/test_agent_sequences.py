@@ -28,7 +28,8 @@ def _model_dir():
 
 
 def _update(rank, world, model_dir, mini_batches, twice):
-    from rltrain.algos.rl.experience import BatchLayout, Experience
+    from rltrain.algos.rl.batch_layout import BatchLayout
+    from rltrain.algos.rl.experience import Experience
     from rltrain.algos.grpo import GRPOConfig
     from rltrain.algos.rl.update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
     from rltrain.backends.fsdp.engine import FSDPEngine

@@ -28,7 +28,8 @@ def _model_dir():
 
 
 def _grpo_update(rank, world, model_dir, backend, fused):
-    from rltrain.algos.rl.experience import BatchLayout, Experience
+    from rltrain.algos.rl.batch_layout import BatchLayout
+    from rltrain.algos.rl.experience import Experience
     from rltrain.algos.grpo import GRPOConfig
     from rltrain.algos.rl.update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
     from rltrain.config.group_options import FSDPBackendConfig, MegatronBackendConfig
@@ -98,7 +99,7 @@ def test_training_pass_scoring_equals_a_scoring_pass(tiny_cache, backend, nproc)
 
 def test_micro_batches_cover_the_rank_with_the_most_prompts():
     """3 prompts x 4 completions on 2 ranks: rank 0 holds 8 sequences, not ceil(12 / 2) = 6."""
-    from rltrain.algos.rl.experience import BatchLayout
+    from rltrain.algos.rl.batch_layout import BatchLayout
 
     layout = BatchLayout(PROMPTS, GROUP, rank=0, world_size=2)
     assert layout.micro_batches_per_rank(0, PROMPTS * GROUP, 2) == 4

@@ -30,7 +30,8 @@ def _ppo_step(rank, world, model_dir, mb_size, overrides):
     from pathlib import Path
 
     from rltrain.config.run_context import RunContext
-    from rltrain.algos.rl.experience import BatchLayout, Experience
+    from rltrain.algos.rl.batch_layout import BatchLayout
+    from rltrain.algos.rl.experience import Experience
     from rltrain.rewards.scoring import Failures
     from rltrain.algos.ppo import make_value_loss, ppo_advantages
     from rltrain.algos.rl.update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss

@@ -28,7 +28,8 @@ def _learner_kl(rank, world, policy_dir, reference_dir):
     from pathlib import Path
 
     from rltrain.config.run_context import RunContext
-    from rltrain.algos.rl.experience import BatchLayout, Experience
+    from rltrain.algos.rl.batch_layout import BatchLayout
+    from rltrain.algos.rl.experience import Experience
     from rltrain.rewards.scoring import Failures
     from rltrain.algos.rl.update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
     from rltrain.backends import build_engine

@@ -207,7 +207,8 @@ def _completion(prompt: int, k: int, step: int) -> list[int]:
 def _grpo(eng) -> list[dict]:
     """5 GRPO updates through the RL Learner, each on fresh completions and advantages."""
     from rltrain.algos.grpo import GRPOConfig
-    from rltrain.algos.rl.experience import BatchLayout, Experience
+    from rltrain.algos.rl.batch_layout import BatchLayout
+    from rltrain.algos.rl.experience import Experience
     from rltrain.algos.rl.update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
     from rltrain.data.sharding import rank_slice
     from rltrain.rewards.scoring import Failures

@@ -212,7 +212,7 @@ def test_the_step_logs_the_batchs_count_of_clamped_tokens(mini_batches, iteratio
     from types import SimpleNamespace
 
     from rltrain.algos.grpo import GRPOConfig
-    from rltrain.algos.rl.experience import BatchLayout
+    from rltrain.algos.rl.batch_layout import BatchLayout
     from rltrain.algos.rl.update import Learner, MiniBatchUpdate, ParityProbe, make_policy_loss
     from rltrain.data.batch import SequenceBatch
 

@@ -126,7 +126,7 @@ def test_the_transformers_engine_records_the_routing_the_trainer_computes(tmp_pa
 
 
 def test_the_routing_follows_the_sequences_a_completion_without_a_record_reads_minus_one():
-    from rltrain.algos.rl.experience import recorded_routing
+    from rltrain.algos.rl.completion_records import recorded_routing
     from rltrain.data.batch import SequenceBatch
     from rltrain.rollout.base import Completion
 
