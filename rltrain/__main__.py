@@ -132,6 +132,10 @@ def run_job(cfg: Config, run_dir: Path) -> None:
             from rltrain.envs.agent.episode import check_agent
 
             check_agent(str(cfg.env.agent))
+        if cfg.env.name == "openenv":
+            from rltrain.envs.openenv.check import check_openenv
+
+            check_openenv(cfg.env)
     except UserError as exc:
         fail(exc)
     if under_torchrun():

@@ -206,7 +206,8 @@ class EnvConfig:
     `tools`: `tools` (`pkg.module:function` each) are offered to the model, called in those workers, and
     the episode's last reply is scored by `reward.fns`. `agent`: `agent` (`pkg.module:function`) is
     the user's agent, `run(client, row) -> reward`, calling the run's OpenAI-compatible endpoint
-    (docs/agents.md)."""
+    (docs/agents.md). `openenv`: an OpenEnv environment, `cls` hosted in those workers or at `url`
+    (docs/environments.md, "OpenEnv")."""
 
     name: str = MISSING
     cls: str | None = None
@@ -220,6 +221,8 @@ class EnvConfig:
     max_concurrency: int = 256  # environment calls (episodes' resets and steps, tool calls) in flight at once per rank
     agent: str | None = None  # env=agent: the user's agent, `run(client, row)` returning the episode's reward
     chat_template: str | None = None  # env=agent: the Jinja template the endpoint renders messages with; null = the tokenizer's
+    url: str | None = None  # env=openenv: a running OpenEnv server (instead of env.cls, a class the run hosts)
+    action: str | None = None  # env=openenv: `pkg.module:function`, the reply's text -> the environment's Action
 
 
 @dataclass
@@ -240,3 +243,8 @@ class ToolsEnvConfig(EnvConfig):
 @dataclass
 class AgentEnvConfig(EnvConfig):
     name: str = "agent"
+
+
+@dataclass
+class OpenEnvEnvConfig(EnvConfig):
+    name: str = "openenv"

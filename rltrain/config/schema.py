@@ -31,6 +31,7 @@ from rltrain.config.group_options import (
     MegatronBackendConfig,
     NoEnvConfig,
     NoRewardModelConfig,
+    OpenEnvEnvConfig,
     PythonEnvConfig,
     ReferenceConfig,
     ServerRolloutConfig,
@@ -374,7 +375,7 @@ GROUP_SCHEMAS: dict[str, Mapping[str, type]] = {
     "critic": {"default": CriticConfig},
     "teacher": {"default": TeacherConfig},
     "reward_model": {"none": NoRewardModelConfig, "hf": HFRewardModelConfig, "judge": JudgeRewardModelConfig},
-    "env": {"none": NoEnvConfig, "python": PythonEnvConfig, "tools": ToolsEnvConfig, "agent": AgentEnvConfig},
+    "env": {"none": NoEnvConfig, "python": PythonEnvConfig, "tools": ToolsEnvConfig, "agent": AgentEnvConfig, "openenv": OpenEnvEnvConfig},
     "data": {"default": DataConfig},
     "logger": {"default": LoggerConfig},
 }

@@ -1,4 +1,5 @@
-"""The episode runner a run's `env` group asks for: a user environment class, a set of tools, or an agent."""
+"""The episode runner a run's `env` group asks for: a user environment class, a set of tools, an agent, or an
+OpenEnv environment."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ def build_episode_runner(cfg: Config, tokenizer, start_workers: bool = True, pro
     if cfg.env.name == "tools":
         steps = CallTools(cfg.env, tokenizer, start_workers, observations)
         renderer = steps.prompts
+    elif cfg.env.name == "openenv":
+        from rltrain.envs.openenv.check import hosting
+
+        steps, renderer = HostedEnvironments(cfg.env, cfg.reward, tokenizer, start_workers, observations, hosting(cfg.env)), None
     else:
         steps, renderer = HostedEnvironments(cfg.env, cfg.reward, tokenizer, start_workers, observations), None
     return EpisodeRunner(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from rltrain.envs.wire import from_wire, to_wire
@@ -42,6 +43,11 @@ def _result(value: Any) -> dict[str, Any]:
 def advance(cls: str, episode: str, row: dict[str, Any], actions: list[str]) -> dict[str, Any]:
     """Bring `episode` to `actions` and return what its last call gave: with no action, reset's
     observation; else the last action's step result."""
+    return play(lambda: _environment_class(cls)(), episode, row, actions)
+
+
+def play(make: Callable[[], Any], episode: str, row: dict[str, Any], actions: list[str]) -> dict[str, Any]:
+    """`advance` for any maker of environment objects (rltrain/envs/openenv builds adapters)."""
     phase = episode.rsplit(":", 1)[0]
     with _PHASE_LOCK:
         if phase != _PHASE[0]:
@@ -49,7 +55,7 @@ def advance(cls: str, episode: str, row: dict[str, Any], actions: list[str]) -> 
             _PHASE[0] = phase
     held = _LIVE.get(episode)
     if not actions or held is None or held[1] != len(actions) - 1:
-        env = _environment_class(cls)()
+        env = make()
         first = env.reset(**from_wire(row, f"the row of {episode}"))
         if not actions:
             _LIVE[episode] = (env, 0)

@@ -10,6 +10,9 @@ class (docs/environments.md, "Timeouts and rebuilt episodes"). Observations may 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 from rltrain.config.group_options import EnvConfig
 from rltrain.config.schema import RewardConfig
 from rltrain.envs.episodes import Episode
@@ -21,19 +24,33 @@ from rltrain.runtime.errors import UserError
 ADVANCE = "rltrain.envs.hosted:advance"
 
 
+@dataclass(frozen=True)
+class Hosting:
+    """What the workers host: `advance` (`module:function`, called with `args` plus the episode's
+    key, row and actions), the name errors give it, and the modules a worker imports at its start."""
+
+    advance: str
+    args: dict[str, Any]
+    name: str
+    preload: list[str] = field(default_factory=list)
+
+
 class HostedEnvironments:
-    """`EpisodeSteps` for a user environment class (`env.cls`)."""
+    """`EpisodeSteps` for a user environment class (`env.cls`). `hosting`: another worker-side
+    `advance` and its extra arguments, naming what it hosts (env=openenv: rltrain/envs/openenv)."""
 
     def __init__(
         self, env_cfg: EnvConfig, reward_cfg: RewardConfig, tokenizer, start_workers: bool = True,
-        observations: ObservationRenderer | None = None,
+        observations: ObservationRenderer | None = None, hosting: Hosting | None = None,
     ) -> None:
-        if not env_cfg.cls or ":" not in env_cfg.cls:
-            raise UserError(f"env=python needs env.cls=package.module:Class (got {env_cfg.cls!r}).")
-        self.cfg, self.reward_cfg, self.tokenizer = env_cfg, reward_cfg, tokenizer
+        if hosting is None:
+            if not env_cfg.cls or ":" not in env_cfg.cls:
+                raise UserError(f"env=python needs env.cls=package.module:Class (got {env_cfg.cls!r}).")
+            hosting = Hosting(ADVANCE, {"cls": env_cfg.cls}, str(env_cfg.cls), [env_cfg.cls])
+        self.cfg, self.reward_cfg, self.tokenizer, self.hosting = env_cfg, reward_cfg, tokenizer, hosting
         self.observations = observations if observations is not None else ObservationRenderer(tokenizer)
         self.timeout_s = float(env_cfg.timeout_s) if env_cfg.timeout_s else None
-        self.pool = CallPool(env_cfg.workers, [ADVANCE, env_cfg.cls], "environment", env_cfg.max_concurrency)
+        self.pool = CallPool(env_cfg.workers, [hosting.advance, *hosting.preload], "environment", env_cfg.max_concurrency)
         if start_workers:  # else on the first call
             self.pool.start()
 
@@ -48,7 +65,7 @@ class HostedEnvironments:
         if len(failed) > self.reward_cfg.max_failure_frac * len(episodes):
             timeouts = sum(e.failure == "timeout" for e in failed)
             raise UserError(
-                f"the environment {self.cfg.cls!r} failed on {len(failed)} of this rank's {len(episodes)} episodes "
+                f"the environment {self.hosting.name!r} failed on {len(failed)} of this rank's {len(episodes)} episodes "
                 f"({timeouts} timed out after env.timeout_s={self.timeout_s}, {len(failed) - timeouts} raised), more than "
                 f"reward.max_failure_frac={self.reward_cfg.max_failure_frac:g}. Fix it, or raise env.timeout_s or "
                 "reward.max_failure_frac."
@@ -61,7 +78,8 @@ class HostedEnvironments:
         """One reset or step of every episode in `episodes`, in the workers; a failed call ends its episode."""
         if not episodes:
             return
-        calls = [Call(ADVANCE, {"cls": self.cfg.cls, "episode": e.key, "row": e.row, "actions": e.actions}) for e in episodes]
+        args = self.hosting.args
+        calls = [Call(self.hosting.advance, {**args, "episode": e.key, "row": e.row, "actions": e.actions}) for e in episodes]
         results = self.pool.run(calls, self.timeout_s, deadline)
         for e, result in zip(episodes, results, strict=True):
             self._apply(e, result, what)
@@ -80,6 +98,6 @@ class HostedEnvironments:
             e.done, e.ended_by_env = True, True
             return
         if observation is not None:
-            where = f"{self.cfg.cls}.{what}()"
+            where = f"{self.hosting.name}.{what}()"
             seen = self.observations.render(from_wire(observation, where), where, e.chat, e.open_reply())
             e.observe(seen, self.cfg.max_total_tokens - len(e.tokens), self.observations.image_token_id)

@@ -21,10 +21,13 @@ def _algo_list(names: list[str]) -> str:
 
 
 def validate_env(cfg: Config) -> None:
-    """`env=python`, `env=tools` and `env=agent` (docs/environments.md, docs/agents.md): what this release runs multi-turn, and in-range numbers."""
+    """`env=python`, `env=tools`, `env=agent` and `env=openenv` (docs/environments.md, docs/agents.md): what this release runs multi-turn, and in-range numbers."""
     env = cfg.env
-    if env.name != "python" and env.cls is not None:
+    if env.name not in ("python", "openenv") and env.cls is not None:
         raise UserError(f"env.cls={env.cls!r} is set but env={env.name} does not use it: add env=python to use it.")
+    if env.name != "openenv" and (env.url is not None or env.action is not None):
+        key = "env.url" if env.url is not None else "env.action"
+        raise UserError(f"{key} is set but env={env.name} does not use it: add env=openenv to use it.")
     if env.name != "tools" and list(env.tools):
         raise UserError(f"env.tools={list(env.tools)} is set but env={env.name} does not use it: add env=tools to use them.")
     if env.name != "agent" and (env.agent is not None or env.chat_template is not None):
@@ -39,6 +42,8 @@ def validate_env(cfg: Config) -> None:
         raise UserError(f"env.chat_template={template!r} is neither a Jinja template nor a file: give the template or its path.")
     if env.name == "python" and (not env.cls or ":" not in env.cls):
         raise UserError(f"env=python needs env.cls=package.module:Class, your environment class (got {env.cls!r}).")
+    if env.name == "openenv":
+        validate_openenv(cfg)
     if env.name == "tools":
         if not list(env.tools):
             raise UserError("env=tools needs env.tools=[package.module:function,...], the functions the model may call.")
@@ -71,6 +76,11 @@ def validate_env(cfg: Config) -> None:
             "env=agent takes its rewards from what the agent returns; reward.fns and reward_model are not called. "
             "Remove them, or score inside the agent."
         )
+    if env.name == "openenv" and (list(cfg.reward.fns) or cfg.reward_model.name != "none"):
+        raise UserError(
+            "env=openenv takes its rewards from the environment's step results (summed over the episode); reward.fns and "
+            "reward_model are not called. Remove them, or score inside the environment."
+        )
     for key in ("max_turns", "max_total_tokens", "workers", "max_concurrency"):
         if getattr(env, key) < 1:
             raise UserError(f"env.{key}={getattr(env, key)} must be at least 1.")
@@ -78,6 +88,25 @@ def validate_env(cfg: Config) -> None:
         raise UserError(f"env.max_tokens_per_turn={env.max_tokens_per_turn} must be at least 1 (null: algo.max_new_tokens).")
     if env.timeout_s is not None and env.timeout_s < 0:
         raise UserError(f"env.timeout_s={env.timeout_s} must be positive (seconds), or 0 / null for no limit.")
+
+
+def validate_openenv(cfg: Config) -> None:
+    """`env=openenv` (docs/environments.md, "OpenEnv"): one source of episodes, and the package installed."""
+    from rltrain.envs.openenv.check import require_openenv
+
+    env = cfg.env
+    if bool(env.cls) == bool(env.url):
+        raise UserError(
+            f"env=openenv needs one of env.cls=package.module:Environment (the run hosts it) or env.url=http://host:port "
+            f"(a running OpenEnv server); got env.cls={env.cls!r} and env.url={env.url!r}."
+        )
+    if env.cls and ":" not in env.cls:
+        raise UserError(f"env.cls={env.cls!r} must be package.module:Environment.")
+    if env.url and not str(env.url).startswith(("http://", "https://", "ws://", "wss://")):
+        raise UserError(f"env.url={env.url!r} must be a server's base URL, such as http://127.0.0.1:8000.")
+    if env.action is not None and ":" not in env.action:
+        raise UserError(f"env.action={env.action!r} must be package.module:function (the reply's text -> the Action).")
+    require_openenv()
 
 
 def validate_servers(cfg: Config) -> None:

@@ -1,0 +1,53 @@
+"""What `env=openenv` checks before any rank, model or engine starts, so a missing package, a typo
+or an Action the reply cannot fill is one paragraph in seconds; and what the workers are told
+(`hosting`). docs/environments.md, "OpenEnv"."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from rltrain.config.group_options import EnvConfig
+from rltrain.envs.user_env import Hosting
+from rltrain.runtime.errors import UserError
+from rltrain.runtime.user_code import load_callable
+
+ADVANCE = "rltrain.envs.openenv.episode:advance"
+INSTALL = "openenv-core==0.3.0"
+
+
+def require_openenv() -> None:
+    """The package is an optional extra (rltrain[openenv]): not installed is a UserError with its install command."""
+    if importlib.util.find_spec("openenv") is None:
+        raise UserError(
+            "env=openenv needs OpenEnv, which is not installed in this environment (`openenv` cannot be imported). "
+            f"Install it with `.venv/bin/python -m pip install '{INSTALL}'` (the rltrain[openenv] extra; `make install` "
+            "installs it), or choose another env."
+        )
+
+
+def check_openenv(env: EnvConfig) -> None:
+    """Import the environment class, reach the server, and build the default action maker once."""
+    from openenv.core.env_server.interfaces import Environment
+
+    from rltrain.envs.openenv.spaces import action_maker
+
+    env_cls = None
+    if env.cls:
+        env_cls = load_callable("env.cls", env.cls)
+        if not (isinstance(env_cls, type) and issubclass(env_cls, Environment)):
+            raise UserError(
+                f"env.cls={env.cls!r} is not an OpenEnv Environment subclass (openenv.core.env_server.interfaces."
+                "Environment): env=openenv hosts OpenEnv environments; a class with reset(**row) and step(text) is env=python."
+            )
+    try:
+        action_maker(env.cls, env.url, env.action, env_cls)
+    except OSError as exc:
+        raise UserError(
+            f"env.url={env.url!r} could not be reached ({type(exc).__name__}: {exc}): start the OpenEnv server first "
+            "(e.g. `uvicorn my_env.server.app:app --port 8000`) and give its base URL, http://host:port."
+        ) from exc
+
+
+def hosting(env: EnvConfig) -> Hosting:
+    return Hosting(ADVANCE, {"cls": env.cls, "url": env.url, "action": env.action}, str(env.cls or env.url),
+                   [p for p in (env.cls, env.action) if p])
