@@ -22,7 +22,7 @@ from rltrain.runtime.errors import UserError
 NOT_OBSERVED = ("reward", "done", "metadata")
 
 
-def action_class(env_cls: type) -> type | None:
+def action_class(env_cls: Any) -> Any:
     """The Action subclass `env_cls.step` takes: its `action` annotation, else the first type argument
     of the `Environment[Action, Observation, State]` it subclasses; None where it names none."""
     from openenv.core.env_server.types import Action
@@ -41,7 +41,7 @@ def action_class(env_cls: type) -> type | None:
     return None
 
 
-def text_field_of_class(action_cls: type) -> str | None:
+def text_field_of_class(action_cls: Any) -> str | None:
     """The Action's one field besides `metadata`, where it is text."""
     fields = {name: f for name, f in action_cls.model_fields.items() if name != "metadata"}
     if len(fields) == 1:
@@ -68,7 +68,7 @@ def server_schema(url: str, timeout_s: float = 10.0) -> dict[str, Any]:
         return json.loads(answer.read())
 
 
-def action_maker(cls: str | None, url: str | None, action: str | None, env_cls: type | None) -> Callable[[str], Any]:
+def action_maker(cls: str | None, url: str | None, action: str | None, env_cls: Any) -> Callable[[str], Any]:
     """text -> what `step` takes: `env.action`'s function, else the Action's one text field filled
     (a hosted class: the Action object; a server: its JSON)."""
     from rltrain.runtime.user_code import load_callable
@@ -79,7 +79,8 @@ def action_maker(cls: str | None, url: str | None, action: str | None, env_cls: 
         action_cls = action_class(env_cls)
         field = text_field_of_class(action_cls) if action_cls is not None else None
         if action_cls is not None and field is not None:
-            return lambda text: action_cls(**{field: text})
+            name: str = field
+            return lambda text: action_cls(**{name: text})
         shape = f"its Action {action_cls.__name__} has the fields {list(action_cls.model_fields)}" if action_cls else (
             "its step() names no Action class (annotate `action: MyAction`, or subclass Environment[MyAction, ...])"
         )
@@ -97,7 +98,8 @@ def action_maker(cls: str | None, url: str | None, action: str | None, env_cls: 
             "env.action=package.module:function, which takes the reply's text and returns the Action as a dict "
             "(docs/environments.md, \"OpenEnv\")."
         )
-    return lambda text: {field: text}
+    key: str = field
+    return lambda text: {key: text}
 
 
 def render(fields: dict[str, Any], ending_step: bool) -> str | None:
