@@ -49,5 +49,7 @@ def check_openenv(env: EnvConfig) -> None:
 
 
 def hosting(env: EnvConfig) -> Hosting:
-    return Hosting(ADVANCE, {"cls": env.cls, "url": env.url, "action": env.action}, str(env.cls or env.url),
-                   [p for p in (env.cls, env.action) if p])
+    """The workers import the class, the action function and OpenEnv's client when they start, not
+    inside a first call's `env.timeout_s`."""
+    preload = [p for p in (env.cls, env.action) if p] + ([] if env.cls else ["openenv:GenericEnvClient"])
+    return Hosting(ADVANCE, {"cls": env.cls, "url": env.url, "action": env.action}, str(env.cls or env.url), preload)
