@@ -102,7 +102,7 @@ def validate_openenv(cfg: Config) -> None:
         )
     if env.cls and ":" not in env.cls:
         raise UserError(f"env.cls={env.cls!r} must be package.module:Environment.")
-    if env.url and not str(env.url).startswith(("http://", "https://", "ws://", "wss://")):
+    if env.url and not str(env.url).startswith(("http://", "https://")):
         raise UserError(f"env.url={env.url!r} must be a server's base URL, such as http://127.0.0.1:8000.")
     if env.action is not None and ":" not in env.action:
         raise UserError(f"env.action={env.action!r} must be package.module:function (the reply's text -> the Action).")

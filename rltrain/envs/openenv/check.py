@@ -29,7 +29,7 @@ def check_openenv(env: EnvConfig) -> None:
     """Import the environment class, reach the server, and build the default action maker once."""
     from openenv.core.env_server.interfaces import Environment
 
-    from rltrain.envs.openenv.spaces import action_maker
+    from rltrain.envs.openenv.spaces import action_maker, server_schema
 
     env_cls = None
     if env.cls:
@@ -39,13 +39,19 @@ def check_openenv(env: EnvConfig) -> None:
                 f"env.cls={env.cls!r} is not an OpenEnv Environment subclass (openenv.core.env_server.interfaces."
                 "Environment): env=openenv hosts OpenEnv environments; a class with reset(**row) and step(text) is env=python."
             )
-    try:
-        action_maker(env.cls, env.url, env.action, env_cls)
-    except OSError as exc:
-        raise UserError(
-            f"env.url={env.url!r} could not be reached ({type(exc).__name__}: {exc}): start the OpenEnv server first "
-            "(e.g. `uvicorn my_env.server.app:app --port 8000`) and give its base URL, http://host:port."
-        ) from exc
+    if env.url:
+        try:
+            server_schema(env.url)
+        except OSError as exc:
+            raise UserError(
+                f"env.url={env.url!r} could not be reached ({type(exc).__name__}: {exc}): start the OpenEnv server first "
+                "(e.g. `uvicorn my_env.server.app:app --port 8000`) and give its base URL, http://host:port."
+            ) from exc
+        except ValueError as exc:
+            raise UserError(
+                f"env.url={env.url!r} did not answer GET /schema with JSON ({exc}): is it an OpenEnv server (create_app)?"
+            ) from exc
+    action_maker(env.cls, env.url, env.action, env_cls)
 
 
 def hosting(env: EnvConfig) -> Hosting:
