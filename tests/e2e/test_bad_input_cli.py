@@ -112,15 +112,15 @@ SEPARATE_ENGINE = pytest.mark.xdist_group("separate_engine")  # its cleanup is c
 
 @pytest.mark.parametrize("rollout, backend", [
     (["rollout=vllm"], "fsdp"),
-    (["rollout=vllm"], "megatron"),
-    pytest.param(["rollout=vllm", "rollout.process=separate"], "fsdp", marks=SEPARATE_ENGINE),
+    pytest.param(["rollout=vllm"], "megatron", marks=pytest.mark.slow),
+    pytest.param(["rollout=vllm", "rollout.process=separate"], "fsdp", marks=[SEPARATE_ENGINE, pytest.mark.slow]),
     pytest.param(["rollout=vllm", "rollout.process=separate"], "megatron", marks=SEPARATE_ENGINE),
-    (["rollout=hf"], "fsdp"),
+    pytest.param(["rollout=hf"], "fsdp", marks=pytest.mark.slow),
     (["rollout=hf"], "megatron"),
 ], ids=["vllm-fsdp", "vllm-megatron", "separate-fsdp", "separate-megatron", "hf-fsdp", "hf-megatron"])
 def test_a_user_error_after_the_engines_are_up_is_one_paragraph(tiny_cache, tmp_path, rollout, backend):
     """Every rollout engine kind (vLLM in process, vLLM in its own process, HF) on both backends, one
-    rank: the prompts, read after the engines are built, are all longer than data.max_length. The
+    rank (in `make test` each engine kind once and each backend at least once; the rest `slow`): the prompts, read after the engines are built, are all longer than data.max_length. The
     algorithm closes what it built before the process group goes (rltrain/algos/rl/algorithm.py), so no
     engine's exit-time shutdown prints a traceback (vLLM's destroyed a group already gone) and a
     separate engine leaves no socket directory behind."""

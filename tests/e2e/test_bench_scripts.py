@@ -100,6 +100,7 @@ def test_profile_summary_shares_of_the_step():
     ]
 
 
+@pytest.mark.slow  # bench_gpu runs in make test on dense rows (above); TRL beside in bench_sft and bench_dpo (below)
 def test_bench_gpu_runs_every_workload_on_cpu_with_trl_beside_it():
     """Every workload's rltrain row, and TRL's (pinned with the test tools, requirements/) beside it."""
     proc = python("scripts/bench_gpu.py", "--only", "sft,dpo,grpo", "--steps", "1", "--warmup", "0", "--batch", "4",
@@ -176,7 +177,7 @@ def test_the_cpu_benchmarks_print_rltrain_beside_trl(script, args, ours):
 
 
 def test_bench_lora_prints_full_and_lora_with_their_ratios():
-    proc = python("scripts/bench_lora.py", "--model", "small", "--only", "sft", "--threads", "1",
+    proc = python("scripts/bench_lora.py", "--model", "small", "--only", "sft", "--warmup", "0", "--threads", "1",
                   "--port", str(free_port()), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("sft ")]

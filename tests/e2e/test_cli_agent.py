@@ -65,7 +65,8 @@ def run(client, row):
 """
 
 
-@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+# PPO (the critic on every sequence) is `slow`: the sequences are GRPO's, and tests/dist/algos/test_agent_sequences.py holds their training.
+@pytest.mark.parametrize("algo", ["grpo", pytest.param("ppo", marks=pytest.mark.slow)])
 def test_an_agent_that_rewrites_its_history_trains_every_sequence_on_two_ranks(tmp_path, algo):
     """Each episode trains two or three sequences with its advantage (PPO: its reward, its critic's
     values); the ranks hold different numbers of sequences and agree on their micro-batches (a

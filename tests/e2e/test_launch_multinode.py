@@ -56,7 +56,8 @@ def run_two_nodes(args: list[str], run_dir: Path, logs: Path, node1_prefix: tupl
     return codes, "\n".join((logs / f"node{n}.log").read_text() for n in (0, 1))
 
 
-@pytest.mark.parametrize("algo", sorted(RUNS))
+# GRPO over two nodes (each node's engines, its rows gathered) is `slow`: the launch is the same as SFT's.
+@pytest.mark.parametrize("algo", [pytest.param(a, marks=pytest.mark.slow) if a == "grpo" else a for a in sorted(RUNS)])
 def test_two_nodes_train_like_two_local_ranks(shared_runs, tmp_path, algo):
     args = [*RUNS[algo], *SHORT_TIMEOUT]
     if algo == "sft":

@@ -16,6 +16,7 @@ SAMPLING = SamplingSettings(n=2, max_new_tokens=6, seed=5)
 TOL = 1e-3
 
 
+@pytest.mark.slow  # images through a separate engine, in make test: tests/e2e/test_cli_vision_rl.py (PPO generating ahead)
 def test_separate_engine_with_images(tiny_vl_dir):
     from transformers import Qwen2VLForConditionalGeneration
 
