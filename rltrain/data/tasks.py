@@ -7,7 +7,8 @@ carry forgotten (docs/algorithms.md, "RL that learns"). `multiplication`: `a*b*c
 beyond the tiny model without the `multiply` tool; TOOL_DEMO_FRACTION of its SFT demonstrations
 call it (docs/environments.md). `code`: `f(0)=B;f(10)=V` -> `f=lambda x:A*x+B`, scored by hidden
 asserts in the sandbox; its SFT demonstrations slip on a share of the odd B (docs/rewards-and-roles.md).
-`colours`: a picture and a question only it answers (rltrain/data/colour_task.py).
+`colours`: a picture and a question only it answers (rltrain/data/colour_task.py). `reasoning_gym`
+(`data=reasoning_gym`): reasoning-gym's generators (rltrain/data/reasoning_gym.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import TypeVar
 
 from rltrain.config.schema import DataConfig
 from rltrain.data.colour_task import NUM_PICTURES, ColourProblem, colour_problems
+from rltrain.data.reasoning_gym import GymProblem, reasoning_gym_split
 from rltrain.runtime.errors import UserError
 
 TOOL_DEMO_FRACTION = 0.3  # multiplication: SFT demonstrations that call the tool
@@ -131,7 +133,7 @@ class CodeProblem:
         return {"prompt": self.prompt, "test": self.tests}
 
 
-BuiltinProblem = Problem | CodeProblem | ColourProblem
+BuiltinProblem = Problem | CodeProblem | ColourProblem | GymProblem
 PairedProblem = Problem | ColourProblem  # the tasks with preference pairs: a wrong answer to reject
 P = TypeVar("P", Problem, CodeProblem, ColourProblem)
 
@@ -197,7 +199,11 @@ def image_column(problem: BuiltinProblem) -> dict[str, list]:
 
 
 def builtin_split(data_cfg: DataConfig, seed: int) -> tuple[list[BuiltinProblem], list[BuiltinProblem]]:
-    """The built-in task's (train, eval) problems as `data.*` selects them."""
+    """The built-in task's (train, eval) problems as `data.*` selects them (`data=reasoning_gym`: the
+    generators of `data.tasks`, rltrain/data/reasoning_gym.py)."""
+    if data_cfg.task == "reasoning_gym":
+        gym_train, gym_held = reasoning_gym_split(list(data_cfg.tasks), seed, data_cfg.num_eval, data_cfg.num_train, data_cfg.eval_seed)
+        return list(gym_train), list(gym_held)
     train, held = TASKS[data_cfg.task](seed, data_cfg.num_eval, data_cfg.num_train, data_cfg.max_carry_problems, data_cfg.eval_seed)
     return list(train), list(held)
 

@@ -1,4 +1,4 @@
-"""The episode runner a run's `env` group asks for: a user environment class, a set of tools, or an agent."""
+"""The episode runner a run's `env` group asks for: a user environment class, a set of tools, a TextArena game, or an agent."""
 
 from __future__ import annotations
 
@@ -28,6 +28,12 @@ def build_episode_runner(cfg: Config, tokenizer, start_workers: bool = True, pro
     if cfg.env.name == "tools":
         steps = CallTools(cfg.env, tokenizer, start_workers, observations)
         renderer = steps.prompts
+    elif cfg.env.name == "textarena":
+        from rltrain.envs.textarena.game_check import players_of
+        from rltrain.envs.textarena.steps import TextArenaGames
+
+        games = TextArenaGames(cfg.env, cfg.reward, tokenizer, players_of(cfg.env.game), start_workers, observations)
+        steps, renderer = games, games.prompts
     else:
         steps, renderer = HostedEnvironments(cfg.env, cfg.reward, tokenizer, start_workers, observations), None
     return EpisodeRunner(

@@ -23,6 +23,7 @@ from rltrain.preflight.sources import (
     validate_data_sources,
     validate_model_source,
 )
+from rltrain.preflight.reasoning_gym import validate_reasoning_gym
 from rltrain.preflight.trackers import validate_trackers
 from rltrain.preflight.validate_eval import validate_eval
 from rltrain.preflight.validate_inflight import validate_in_flight
@@ -265,7 +266,9 @@ def validate_data(cfg: Config) -> None:
             "data.task=colours is a visual task (a picture and a question only the picture answers) but the model is "
             "the text-only tiny model. Use model=tiny_vl_sft (its SFT start) or model=tiny_vl, or +experiment=grpo_vision."
         )
-    size = TASK_SIZES[data.task]
+    if data.task == "reasoning_gym":
+        validate_reasoning_gym(cfg)
+    size = TASK_SIZES.get(data.task, data.num_eval + 1)  # reasoning-gym's tasks are as large as their generators make them
     if data.path is None and not 1 <= data.num_eval < size:
         raise UserError(
             f"data.num_eval={data.num_eval} must be between 1 and {size - 1}: the built-in {data.task!r} task has "
