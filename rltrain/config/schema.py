@@ -23,7 +23,6 @@ from rltrain.config.algorithms import ALGORITHM_CONFIGS
 from rltrain.config.choices import choice
 from rltrain.config.group_options import (
     AgentEnvConfig,
-    TextArenaEnvConfig,
     CriticConfig,
     FSDPBackendConfig,
     HFRewardModelConfig,
@@ -36,6 +35,7 @@ from rltrain.config.group_options import (
     ReferenceConfig,
     ServerRolloutConfig,
     TeacherConfig,
+    TextArenaEnvConfig,
     ToolsEnvConfig,
     VLLMRolloutConfig,
 )

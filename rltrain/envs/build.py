@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rltrain.config.schema import Config
+from rltrain.data.prompt_data import PromptRenderer
 from rltrain.envs.agent.runner import AgentRunner
 from rltrain.envs.episodes import EpisodeRunner, EpisodeSteps
 from rltrain.envs.observations import ObservationRenderer
@@ -25,6 +26,7 @@ def build_episode_runner(cfg: Config, tokenizer, start_workers: bool = True, pro
             observations,
         )
     steps: EpisodeSteps
+    renderer: PromptRenderer | None
     if cfg.env.name == "tools":
         steps = CallTools(cfg.env, tokenizer, start_workers, observations)
         renderer = steps.prompts

@@ -18,12 +18,12 @@ from rltrain.config.group_options import VLLMRolloutConfig
 from rltrain.config.schema import TINY_MOE_HEAD_DIM, Config, ModelConfig
 from rltrain.data.tasks import NO_CODE_PAIRS, TASK_SIZES
 from rltrain.preflight.compose_errors import added_keys
+from rltrain.preflight.reasoning_gym import validate_reasoning_gym
 from rltrain.preflight.sources import (
     check_revision,
     validate_data_sources,
     validate_model_source,
 )
-from rltrain.preflight.reasoning_gym import validate_reasoning_gym
 from rltrain.preflight.trackers import validate_trackers
 from rltrain.preflight.validate_eval import validate_eval
 from rltrain.preflight.validate_inflight import validate_in_flight

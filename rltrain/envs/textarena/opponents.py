@@ -42,7 +42,7 @@ class Endpoint:
         self.model = model or "default"
 
     def move(self, observation: str, transcript: list[dict[str, str]]) -> str:
-        reply = self.client.chat.completions.create(model=self.model, messages=transcript, temperature=0.0)  # type: ignore[arg-type]
+        reply = self.client.chat.completions.create(model=self.model, messages=transcript, temperature=0.0)
         return reply.choices[0].message.content or ""
 
 

@@ -16,7 +16,7 @@ import json
 import zlib
 from dataclasses import dataclass, field
 
-from rltrain.config.group_options import EnvConfig
+from rltrain.config.group_options import TextArenaEnvConfig
 from rltrain.config.schema import RewardConfig
 from rltrain.envs.episodes import Episode
 from rltrain.envs.observations import ObservationRenderer
@@ -64,7 +64,7 @@ class TextArenaGames:
     """`EpisodeSteps` for `env.game`; `players` is the game's number of players (1 or 2)."""
 
     def __init__(
-        self, env_cfg: EnvConfig, reward_cfg: RewardConfig, tokenizer, players: int, start_workers: bool = True,
+        self, env_cfg: TextArenaEnvConfig, reward_cfg: RewardConfig, tokenizer, players: int, start_workers: bool = True,
         observations: ObservationRenderer | None = None,
     ) -> None:
         self.cfg, self.reward_cfg, self.players = env_cfg, reward_cfg, players
