@@ -14,6 +14,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import textarena  # imported when the worker starts (its paths are preloaded), not inside a call's time limit
+
 from rltrain.envs.textarena.opponents import Opponent, opponent_for
 
 GAME_ID = -1  # TextArena's sender id of the game's own messages
@@ -38,8 +40,6 @@ class Game:
     """One TextArena game and each seat's conversation so far (what an opponent behind a URL is asked with)."""
 
     def __init__(self, game: str, num_players: int, seed: int) -> None:
-        import textarena
-
         self.env = textarena.make(f"{game}-raw")
         self.env.reset(num_players=num_players, seed=seed)
         self.transcripts: dict[int, list[dict[str, str]]] = {}
