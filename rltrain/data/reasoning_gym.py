@@ -15,10 +15,11 @@ import functools
 import importlib.util
 import json
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from rltrain.config.plain_values import plain
 from rltrain.runtime.errors import UserError
 
 INSTALL = ".venv/bin/python -m pip install 'reasoning-gym==0.1.25'"
@@ -71,7 +72,7 @@ def task_specs(tasks: list[Any], seed: int, num_eval: int) -> list[TaskSpec]:
                 f"{' (close: ' + ', '.join(close) + ')' if close else ''}. The {len(DATASETS)} names are those of "
                 "`reasoning_gym.factory.DATASETS`; give each entry as NAME or {name: NAME, weight: W, size: N, seed: S, <its config keys>}."
             )
-        config = {k: _plain(v) for k, v in spec.items() if k not in RLTRAIN_KEYS}
+        config = {k: plain(v) for k, v in spec.items() if k not in RLTRAIN_KEYS}
         config.setdefault("seed", seed)
         weight = float(spec.get("weight", 1.0))
         eval_size = int(spec.get("eval_size", max(1, num_eval // len(tasks))))
@@ -92,15 +93,6 @@ def task_specs(tasks: list[Any], seed: int, num_eval: int) -> list[TaskSpec]:
     if not any(s.weight > 0 for s in specs):
         raise UserError("data.tasks: every weight is 0; give at least one task a positive weight.")
     return specs
-
-
-def _plain(value: Any) -> Any:
-    """An OmegaConf list or mapping as plain Python (the generator configs are dataclasses of plain values)."""
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, Sequence) and not isinstance(value, str):
-        return [_plain(v) for v in value]
-    return value
 
 
 @functools.lru_cache(maxsize=64)
@@ -180,19 +172,3 @@ def reasoning_gym_split(tasks: list[Any], seed: int, num_eval: int, num_train: i
         train.append(pools[t][cursors[t] % len(pools[t])])
         cursors[t] += 1
     return train, held
-
-
-def tasks_override(tasks: list[Any]) -> str:
-    """`data.tasks` as one Hydra command-line override (the SFT start's child run gets the same tasks)."""
-
-    def render(value: Any) -> str:
-        value = _plain(value)
-        if isinstance(value, dict):
-            return "{" + ",".join(f"{k}:{render(v)}" for k, v in value.items()) + "}"
-        if isinstance(value, list):
-            return "[" + ",".join(render(v) for v in value) + "]"
-        if isinstance(value, str):
-            return json.dumps(value)
-        return "null" if value is None else json.dumps(value)
-
-    return "data.tasks=" + render(list(tasks))

@@ -7,8 +7,7 @@ carry forgotten (docs/algorithms.md, "RL that learns"). `multiplication`: `a*b*c
 beyond the tiny model without the `multiply` tool; TOOL_DEMO_FRACTION of its SFT demonstrations
 call it (docs/environments.md). `code`: `f(0)=B;f(10)=V` -> `f=lambda x:A*x+B`, scored by hidden
 asserts in the sandbox; its SFT demonstrations slip on a share of the odd B (docs/rewards-and-roles.md).
-`colours`: a picture and a question only it answers (rltrain/data/colour_task.py). `reasoning_gym`
-(`data=reasoning_gym`): reasoning-gym's generators (rltrain/data/reasoning_gym.py).
+`colours`: a picture and a question only it answers (rltrain/data/colour_task.py). `reasoning_gym`: rltrain/data/reasoning_gym.py.
 """
 
 from __future__ import annotations

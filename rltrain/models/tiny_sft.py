@@ -21,8 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from rltrain.config.plain_values import tasks_override
 from rltrain.config.schema import DataConfig, ModelConfig, TrainerConfig
-from rltrain.data.reasoning_gym import tasks_override
 from rltrain.models.tiny import build_tiny_model_dir, publish_directory
 from rltrain.models.tiny_moe import build_tiny_moe_model_dir
 from rltrain.models.tiny_vl import build_tiny_vl_model_dir

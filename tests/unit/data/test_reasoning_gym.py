@@ -10,9 +10,16 @@ from collections import Counter
 
 import pytest
 
-from rltrain.algos.rl.task_accuracy import GYM_REWARD, accuracy_per_task, correct_flags, correct_per_task, task_names
+from rltrain.algos.rl.task_accuracy import (
+    GYM_REWARD,
+    accuracy_per_task,
+    correct_flags,
+    correct_per_task,
+    task_names,
+)
+from rltrain.config.plain_values import tasks_override
 from rltrain.data.prompt_data import PromptRow
-from rltrain.data.reasoning_gym import reasoning_gym_split, tasks_override
+from rltrain.data.reasoning_gym import reasoning_gym_split
 from rltrain.rewards.reasoning_gym import score_answer
 from rltrain.runtime.errors import UserError
 
