@@ -81,3 +81,17 @@ def test_a_held_out_answer_is_right_when_its_verifier_gives_full_marks_and_count
     assert tasks == ["a", "b"]
     sums = correct_per_task(flags, rows, tasks)
     assert accuracy_per_task(sums, rows, tasks) == {"eval/accuracy/a": 0.0, "eval/accuracy/b": 0.5}
+
+
+def test_a_missing_package_is_one_paragraph_with_its_install_command(monkeypatch):
+    """reasoning-gym (data=reasoning_gym) and textarena (env=textarena) not installed: the command that installs each."""
+    import importlib.util
+
+    from rltrain.envs.textarena.game_check import require_textarena
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("reasoning_gym", "textarena") else real(name, *a))
+    with pytest.raises(UserError, match=r"pip install 'reasoning-gym==0.1.25'` \(the rltrain\[reasoning-gym\] extra"):
+        reasoning_gym_split(["chain_sum"], 0, 10, 0, None)
+    with pytest.raises(UserError, match=r"pip install 'textarena==0.7.4'` \(the rltrain\[textarena\] extra"):
+        require_textarena()
