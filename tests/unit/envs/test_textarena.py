@@ -123,3 +123,39 @@ def test_a_game_that_downloads_nltk_data_is_refused_naming_what_to_stage(monkeyp
     with pytest.raises(UserError, match="not a TextArena game"):
         check_game("TicTacTo-v0")
     check_game("TicTacToe-v0")  # no word lists: nothing to stage
+
+
+def test_an_opponent_behind_a_url_is_asked_with_its_seats_conversation():
+    """Endpoint.move against a local OpenAI-compatible answerer (the chat completions wire format):
+    the request carries the model name, temperature 0 and the transcript; the reply's text is the move."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from rltrain.envs.textarena.opponents import opponent_for
+
+    seen: list[dict] = []
+
+    class Answer(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            body = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": [
+                {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "[7]"}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        transcript = [{"role": "user", "content": "[GAME] your move"}]
+        move = opponent_for(f"http://127.0.0.1:{server.server_port}/v1", "judge-7").move("[GAME] your move", transcript)
+    finally:
+        server.shutdown()
+    assert move == "[7]"
+    assert seen[0]["model"] == "judge-7" and seen[0]["temperature"] == 0.0 and seen[0]["messages"] == transcript
