@@ -11,7 +11,9 @@ Observations are rendered as TextArena's own LLM wrapper renders them (`[GAME] .
 
 from __future__ import annotations
 
+import random
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import textarena  # imported when the worker starts (its paths are preloaded), not inside a call's time limit
@@ -24,6 +26,7 @@ GAME_ID = -1  # TextArena's sender id of the game's own messages
 _LIVE: dict[str, tuple[Any, int]] = {}
 _PHASE: list[str] = [""]
 _PHASE_LOCK = threading.Lock()
+_RANDOM_LOCK = threading.Lock()  # the global `random` belongs to one game's call at a time
 
 
 def render(seat: int, messages: list) -> str:
@@ -41,20 +44,33 @@ class Game:
 
     def __init__(self, game: str, num_players: int, seed: int) -> None:
         self.env = textarena.make(f"{game}-raw")
-        self.env.reset(num_players=num_players, seed=seed)
+        self.random_state: Any = None
+        self._own_random(lambda: self.env.reset(num_players=num_players, seed=seed))  # seeds `random` itself
         self.transcripts: dict[int, list[dict[str, str]]] = {}
         self.done = False
 
+    def _own_random(self, call: Callable[[], Any]) -> Any:
+        """TextArena draws from Python's global `random` (seeded at reset): each game's calls run with
+        its own state, one at a time per worker, so games played side by side in threads (and a game
+        rebuilt by replay) draw what the game alone would."""
+        with _RANDOM_LOCK:
+            if self.random_state is not None:
+                random.setstate(self.random_state)
+            try:
+                return call()
+            finally:
+                self.random_state = random.getstate()
+
     def observe(self) -> tuple[int, str]:
         """Whose move it is and that seat's new messages (kept in its transcript)."""
-        seat, messages = self.env.get_observation()
+        seat, messages = self._own_random(self.env.get_observation)
         text = render(seat, messages)
         self.transcripts.setdefault(seat, []).append({"role": "user", "content": text})
         return int(seat), text
 
     def play(self, seat: int, move: str) -> None:
         self.transcripts.setdefault(seat, []).append({"role": "assistant", "content": move})
-        self.done, _ = self.env.step(move)
+        self.done, _ = self._own_random(lambda: self.env.step(move))
 
 
 def _state(game: Game, opponent_seat: int | None, opponent: Opponent | None, moves_out: list) -> dict[str, Any]:
@@ -67,7 +83,7 @@ def _state(game: Game, opponent_seat: int | None, opponent: Opponent | None, mov
         move = opponent.move(text, game.transcripts[seat])
         moves_out.append([seat, move])
         game.play(seat, move)
-    rewards, _ = game.env.close()
+    rewards, _ = game._own_random(game.env.close)
     return {"done": True, "to_move": None, "observation": "", "rewards": {str(k): float(v) for k, v in (rewards or {}).items()}}
 
 

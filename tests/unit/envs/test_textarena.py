@@ -159,3 +159,20 @@ def test_an_opponent_behind_a_url_is_asked_with_its_seats_conversation():
         server.shutdown()
     assert move == "[7]"
     assert seen[0]["model"] == "judge-7" and seen[0]["temperature"] == 0.0 and seen[0]["messages"] == transcript
+
+
+def test_games_side_by_side_draw_what_each_game_alone_would():
+    """TextArena deals from Python's global `random`: Blackjack's hit after another game's reset and hit
+    draws the card it draws alone (each game keeps its own random state), so replays are exact."""
+
+    def hit(beside_another: bool) -> str:
+        game = host.Game("Blackjack-v0", 1, 3)
+        if beside_another:
+            other = host.Game("Blackjack-v0", 1, 4)
+            other.observe()
+            other.play(0, "[hit]")
+        game.observe()
+        game.play(0, "[hit]")
+        return game.observe()[1]
+
+    assert hit(False) == hit(True)
