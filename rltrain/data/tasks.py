@@ -192,6 +192,13 @@ def code_split(
     return (train_set[:num_train] if num_train else train_set), eval_set
 
 
+def gym_split(
+    seed: int, num_eval: int, num_train: int = 0, max_carry: int | None = None, eval_seed: int | None = None, tasks: Sequence = ()
+) -> tuple[list[GymProblem], list[GymProblem]]:
+    """(train, eval) of reasoning-gym's generators named by `data.tasks` (`max_carry` is addition's: refused)."""
+    return reasoning_gym_split(list(tasks), seed, num_eval, num_train, eval_seed)
+
+
 def image_column(problem: BuiltinProblem) -> dict[str, list]:
     """The row's `images` column: a visual task's picture, nothing for the text tasks."""
     return {"images": problem.images} if isinstance(problem, ColourProblem) else {}
@@ -200,10 +207,8 @@ def image_column(problem: BuiltinProblem) -> dict[str, list]:
 def builtin_split(data_cfg: DataConfig, seed: int) -> tuple[list[BuiltinProblem], list[BuiltinProblem]]:
     """The built-in task's (train, eval) problems as `data.*` selects them (`data=reasoning_gym`: the
     generators of `data.tasks`, rltrain/data/reasoning_gym.py)."""
-    if data_cfg.task == "reasoning_gym":
-        gym_train, gym_held = reasoning_gym_split(list(data_cfg.tasks), seed, data_cfg.num_eval, data_cfg.num_train, data_cfg.eval_seed)
-        return list(gym_train), list(gym_held)
-    train, held = TASKS[data_cfg.task](seed, data_cfg.num_eval, data_cfg.num_train, data_cfg.max_carry_problems, data_cfg.eval_seed)
+    extra = {"tasks": list(data_cfg.tasks)} if data_cfg.task == "reasoning_gym" else {}
+    train, held = TASKS[data_cfg.task](seed, data_cfg.num_eval, data_cfg.num_train, data_cfg.max_carry_problems, data_cfg.eval_seed, **extra)
     return list(train), list(held)
 
 
@@ -272,5 +277,5 @@ def prompt_rows(problems: list[BuiltinProblem]) -> list[dict]:
 
 Split = Callable[..., tuple[Sequence[BuiltinProblem], Sequence[BuiltinProblem]]]
 TASKS: dict[str, Split] = {"addition": addition_split, "multiplication": multiplication_split, "code": code_split,
-                         "colours": colours_split}
+                         "colours": colours_split, "reasoning_gym": gym_split}
 TASK_SIZES = {"addition": 10_000, "multiplication": 64_800, "code": 990, "colours": NUM_PICTURES}
