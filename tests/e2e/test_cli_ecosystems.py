@@ -1,9 +1,10 @@
 """reasoning-gym and TextArena end to end (docs/environments.md): `data=reasoning_gym` trains with
 each row's own dataset's verifier and reports `eval/accuracy/<task>`; `env=textarena` plays a real
-TicTacToe against a fixed opponent that raises, hangs and returns garbage (tests/ecosystem_opponents.py),
-which costs its own games (`env/errors`, `env/timeouts`), never the run. One cheap run of each in
-`make test`; the rest of the matrix (vLLM and HF, 1 and 2 ranks, GRPO and PPO) is `slow`; the
-mechanisms themselves are unit-tested (tests/unit/data/test_reasoning_gym.py, tests/unit/envs/test_textarena.py)."""
+TicTacToe against a fixed opponent, in the slow matrix one that raises, hangs and returns garbage
+(tests/ecosystem_opponents.py), which costs its own games (`env/errors`, `env/timeouts`), never the
+run. One cheap run of each in `make test`; the matrix (vLLM and HF, 1 and 2 ranks, GRPO and PPO) is
+`slow`; the mechanisms themselves are unit-tested (tests/unit/data/test_reasoning_gym.py,
+tests/unit/envs/test_textarena.py: self-play, faults, replay, NLTK)."""
 
 from __future__ import annotations
 
@@ -58,9 +59,16 @@ def test_reasoning_gym_trains_with_each_tasks_own_verifier(tmp_path):
     check_gym_run(tmp_path / "run", 1)
 
 
-def test_a_textarena_opponent_that_raises_hangs_or_returns_garbage_costs_its_own_games(tmp_path):
-    rltrain(*ARENA_RUN, "rollout=hf", run_dir=tmp_path / "run", timeout=400, env=arena_env(tmp_path))
-    check_arena_run(tmp_path / "run", 1)
+def test_textarena_plays_a_real_game_against_a_fixed_opponent(tmp_path):
+    """The cheap run of `make test`: a scripted opponent that plays; its faults are the slow matrix's
+    below and tests/unit/envs/test_textarena.py's (real games in real workers)."""
+    rltrain(*ARENA_RUN, "rollout=hf", "env.opponent=rltrain.envs.textarena.opponents:first_listed_move",
+            run_dir=tmp_path / "run", timeout=400, env=arena_env(tmp_path))
+    rows = train_rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1]
+    # The policy (seat 1) answers the opponent's first move; an invalid reply loses (-1): every game ended by the game.
+    assert rows[0]["env/errors"] == rows[0]["env/timeouts"] == 0.0 and rows[0]["rollout/truncated_fraction"] == 0.0, rows
+    assert -1.0 <= rows[0]["reward/env"] <= 1.0
 
 
 MATRIX = [(algo, rollout, nproc) for algo in ("grpo", "ppo") for rollout in ("vllm", "hf") for nproc in (1, 2)]
@@ -75,7 +83,7 @@ def test_reasoning_gym_matrix(tmp_path, algo, rollout, nproc):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("algo", "rollout", "nproc"), [m for m in MATRIX if m != ("grpo", "hf", 1)])
+@pytest.mark.parametrize(("algo", "rollout", "nproc"), MATRIX)
 def test_textarena_matrix(tmp_path, algo, rollout, nproc):
     rltrain(*ARENA_RUN, f"algo={algo}", f"rollout={rollout}", f"trainer.nproc={nproc}", "trainer.max_steps=2",
             "algo.prompts_per_step=4", run_dir=tmp_path / "run", timeout=600, env=arena_env(tmp_path))
