@@ -39,7 +39,7 @@ install:
 	$(if $(filter cpu,$(FLAVOR)),$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec)
 	$(if $(filter cpu,$(FLAVOR)),$(PIP_INSTALL) -q --no-deps --upgrade --target $(TORCHVISION_DIR) $(TORCHVISION))
 	$(PIP_INSTALL) -q --no-deps --no-build-isolation -e .
-	$(PY) -W ignore -c "import rltrain, torchvision, torch, transformers, vllm, megatron.core, peft, math_verify, hydra, wandb, tensorboard, mlflow, trackio, datasets, optuna, submitit, matplotlib; from transformers import Qwen2ForCausalLM, Qwen2VLProcessor; print('rltrain: environment OK (torch', torch.__version__, '/ transformers', transformers.__version__, '/ vllm', vllm.__version__, ')')"
+	$(PY) -W ignore -c "import rltrain, torchvision, torch, transformers, vllm, megatron.core, peft, math_verify, hydra, wandb, tensorboard, mlflow, trackio, reasoning_gym, textarena, datasets, optuna, submitit, matplotlib; from transformers import Qwen2ForCausalLM, Qwen2VLProcessor; print('rltrain: environment OK (torch', torch.__version__, '/ transformers', transformers.__version__, '/ vllm', vllm.__version__, ')')"
 
 # The gate runs the linters and the type checker first (`make lint`), so CI holds them too.
 test: lint

@@ -248,3 +248,16 @@ class AgentEnvConfig(EnvConfig):
 @dataclass
 class OpenEnvEnvConfig(EnvConfig):
     name: str = "openenv"
+
+
+@dataclass
+class TextArenaEnvConfig(EnvConfig):
+    """`env=textarena env.game=ID`: a TextArena game (rltrain/envs/textarena, docs/environments.md). A
+    two-player game is self-play unless `opponent` names a fixed one: `pkg.module:fn` (scripted) or an
+    OpenAI-compatible base URL (its model `opponent_model`); the policy then plays `policy_seat`."""
+
+    name: str = "textarena"
+    game: str | None = None  # a TextArena env id, e.g. GuessTheNumber-v0, TicTacToe-v0
+    opponent: str | None = None  # null: self-play (two-player games); pkg.module:fn or http(s)://HOST/v1
+    opponent_model: str | None = None  # the model name sent to an opponent URL
+    policy_seat: int = 0  # with an opponent: the seat the policy plays (0 moves first)

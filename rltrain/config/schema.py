@@ -36,6 +36,7 @@ from rltrain.config.group_options import (
     ReferenceConfig,
     ServerRolloutConfig,
     TeacherConfig,
+    TextArenaEnvConfig,
     ToolsEnvConfig,
     VLLMRolloutConfig,
 )
@@ -44,7 +45,7 @@ from rltrain.runtime.precision import PrecisionName as Precision
 Resume = Literal["auto", "never"]
 Progress = Literal["auto", "bar", "lines"]
 Overlong = Literal["drop", "truncate", "error"]
-Task = Literal["addition", "multiplication", "code", "colours"]  # the built-in tasks (rltrain/data/tasks.py)
+Task = Literal["addition", "multiplication", "code", "colours", "reasoning_gym"]  # the built-in tasks (rltrain/data/tasks.py)
 SandboxMode = Literal["bwrap", "rlimits", "remote"]  # rltrain/rewards/sandbox (docs/rewards-and-roles.md)
 WandbMode = Literal["auto", "online", "offline", "disabled"]  # auto: online with an API key, else offline
 TrackerName = Literal["wandb", "tensorboard", "mlflow", "trackio"]  # logger.backends (rltrain/run/trackers)
@@ -189,6 +190,8 @@ class DataConfig:
     eval_path: str | None = None
     eval_fraction: float = 0.05
     task: str = choice("addition", Task)
+    # data=reasoning_gym (task: reasoning_gym): the generators, NAME or {name, weight, eval_size, <generator config keys>}
+    tasks: list[Any] = field(default_factory=list)
     num_train: int = 0  # built-in task: 0 = every problem not held out
     max_carry_problems: int | None = None  # built-in task: keep this many training sums that carry; null = all
     forgotten_carries: float = 0.0  # built-in task: this share of the SFT's units carries shown forgotten
@@ -375,8 +378,9 @@ GROUP_SCHEMAS: dict[str, Mapping[str, type]] = {
     "critic": {"default": CriticConfig},
     "teacher": {"default": TeacherConfig},
     "reward_model": {"none": NoRewardModelConfig, "hf": HFRewardModelConfig, "judge": JudgeRewardModelConfig},
-    "env": {"none": NoEnvConfig, "python": PythonEnvConfig, "tools": ToolsEnvConfig, "agent": AgentEnvConfig, "openenv": OpenEnvEnvConfig},
-    "data": {"default": DataConfig},
+    "env": {"none": NoEnvConfig, "python": PythonEnvConfig, "tools": ToolsEnvConfig, "agent": AgentEnvConfig,
+            "openenv": OpenEnvEnvConfig, "textarena": TextArenaEnvConfig},
+    "data": {"default": DataConfig, "reasoning_gym": DataConfig},
     "logger": {"default": LoggerConfig},
 }
 

@@ -7,7 +7,7 @@ carry forgotten (docs/algorithms.md, "RL that learns"). `multiplication`: `a*b*c
 beyond the tiny model without the `multiply` tool; TOOL_DEMO_FRACTION of its SFT demonstrations
 call it (docs/environments.md). `code`: `f(0)=B;f(10)=V` -> `f=lambda x:A*x+B`, scored by hidden
 asserts in the sandbox; its SFT demonstrations slip on a share of the odd B (docs/rewards-and-roles.md).
-`colours`: a picture and a question only it answers (rltrain/data/colour_task.py).
+`colours`: a picture and a question only it answers (rltrain/data/colour_task.py). `reasoning_gym`: rltrain/data/reasoning_gym.py.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import TypeVar
 
 from rltrain.config.schema import DataConfig
 from rltrain.data.colour_task import NUM_PICTURES, ColourProblem, colour_problems
+from rltrain.data.reasoning_gym import GymProblem, reasoning_gym_split
 from rltrain.runtime.errors import UserError
 
 TOOL_DEMO_FRACTION = 0.3  # multiplication: SFT demonstrations that call the tool
@@ -131,7 +132,7 @@ class CodeProblem:
         return {"prompt": self.prompt, "test": self.tests}
 
 
-BuiltinProblem = Problem | CodeProblem | ColourProblem
+BuiltinProblem = Problem | CodeProblem | ColourProblem | GymProblem
 PairedProblem = Problem | ColourProblem  # the tasks with preference pairs: a wrong answer to reject
 P = TypeVar("P", Problem, CodeProblem, ColourProblem)
 
@@ -191,14 +192,23 @@ def code_split(
     return (train_set[:num_train] if num_train else train_set), eval_set
 
 
+def gym_split(
+    seed: int, num_eval: int, num_train: int = 0, max_carry: int | None = None, eval_seed: int | None = None, tasks: Sequence = ()
+) -> tuple[list[GymProblem], list[GymProblem]]:
+    """(train, eval) of reasoning-gym's generators named by `data.tasks` (`max_carry` is addition's: refused)."""
+    return reasoning_gym_split(list(tasks), seed, num_eval, num_train, eval_seed)
+
+
 def image_column(problem: BuiltinProblem) -> dict[str, list]:
     """The row's `images` column: a visual task's picture, nothing for the text tasks."""
     return {"images": problem.images} if isinstance(problem, ColourProblem) else {}
 
 
 def builtin_split(data_cfg: DataConfig, seed: int) -> tuple[list[BuiltinProblem], list[BuiltinProblem]]:
-    """The built-in task's (train, eval) problems as `data.*` selects them."""
-    train, held = TASKS[data_cfg.task](seed, data_cfg.num_eval, data_cfg.num_train, data_cfg.max_carry_problems, data_cfg.eval_seed)
+    """The built-in task's (train, eval) problems as `data.*` selects them (`data=reasoning_gym`: the
+    generators of `data.tasks`, rltrain/data/reasoning_gym.py)."""
+    extra = {"tasks": list(data_cfg.tasks)} if data_cfg.task == "reasoning_gym" else {}
+    train, held = TASKS[data_cfg.task](seed, data_cfg.num_eval, data_cfg.num_train, data_cfg.max_carry_problems, data_cfg.eval_seed, **extra)
     return list(train), list(held)
 
 
@@ -267,5 +277,5 @@ def prompt_rows(problems: list[BuiltinProblem]) -> list[dict]:
 
 Split = Callable[..., tuple[Sequence[BuiltinProblem], Sequence[BuiltinProblem]]]
 TASKS: dict[str, Split] = {"addition": addition_split, "multiplication": multiplication_split, "code": code_split,
-                         "colours": colours_split}
+                         "colours": colours_split, "reasoning_gym": gym_split}
 TASK_SIZES = {"addition": 10_000, "multiplication": 64_800, "code": 990, "colours": NUM_PICTURES}

@@ -1,11 +1,12 @@
-"""The episode runner a run's `env` group asks for: a user environment class, a set of tools, an agent, or an
-OpenEnv environment."""
+"""The episode runner a run's `env` group asks for: a user environment class, a set of tools, a TextArena game,
+an agent, or an OpenEnv environment."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from rltrain.config.schema import Config
+from rltrain.data.prompt_data import PromptRenderer
 from rltrain.envs.agent.runner import AgentRunner
 from rltrain.envs.episodes import EpisodeRunner, EpisodeSteps
 from rltrain.envs.observations import ObservationRenderer
@@ -26,6 +27,7 @@ def build_episode_runner(cfg: Config, tokenizer, start_workers: bool = True, pro
             observations,
         )
     steps: EpisodeSteps
+    renderer: PromptRenderer | None
     if cfg.env.name == "tools":
         steps = CallTools(cfg.env, tokenizer, start_workers, observations)
         renderer = steps.prompts
@@ -33,6 +35,12 @@ def build_episode_runner(cfg: Config, tokenizer, start_workers: bool = True, pro
         from rltrain.envs.openenv.check import hosting
 
         steps, renderer = HostedEnvironments(cfg.env, cfg.reward, tokenizer, start_workers, observations, hosting(cfg.env)), None
+    elif cfg.env.name == "textarena":
+        from rltrain.envs.textarena.game_check import players_of
+        from rltrain.envs.textarena.steps import TextArenaGames
+
+        games = TextArenaGames(cfg.env, cfg.reward, tokenizer, players_of(cfg.env.game), start_workers, observations)
+        steps, renderer = games, games.prompts
     else:
         steps, renderer = HostedEnvironments(cfg.env, cfg.reward, tokenizer, start_workers, observations), None
     return EpisodeRunner(

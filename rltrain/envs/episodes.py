@@ -46,6 +46,7 @@ class Episode:
     actions: list[str] = field(default_factory=list)  # the model's replies, decoded
     reward: float = 0.0
     done: bool = False  # no more turns
+    waiting: bool = False  # not its turn (a two-player game's other seat moves): no reply sampled this turn
     ended_by_env: bool = False  # the environment said done / the reply called no tool (else max_turns or the token budget)
     failure: str | None = None  # "timeout" or "error": the episode scores reward.on_failure
     timeouts: int = 0  # user calls of this episode that ran out of time (a reset/step, or a tool call)
@@ -211,9 +212,12 @@ class EpisodeRunner:
         # into the collective timeout.
         deadline = time.monotonic() + self.budget_s
         self.steps.reset(episodes, deadline)
-        turns = 0
-        for turn in range(self.cfg.max_turns):
-            live = [e for e in episodes if not e.done and len(e.tokens) < self.cfg.max_total_tokens]
+        turns, turn = 0, 0
+        while True:  # each turn samples a reply of every live episode; at most env.max_turns per episode
+            live = [
+                e for e in episodes
+                if not e.done and not e.waiting and len(e.actions) < self.cfg.max_turns and len(e.tokens) < self.cfg.max_total_tokens
+            ]
             if not live:
                 break
             most_room = max(self.cfg.max_total_tokens - len(e.tokens) for e in live)
@@ -227,6 +231,7 @@ class EpisodeRunner:
                 e.append(ids, logprobs)  # a prefix of what was sampled
                 e.actions.append(self._text(ids, sampling.stop_token_ids))
             turns += len(live)
+            turn += 1
             self.steps.step(live, deadline)
         for e in episodes:
             if e.failure is not None:

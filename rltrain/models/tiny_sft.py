@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from rltrain.config.plain_values import tasks_override
 from rltrain.config.schema import DataConfig, ModelConfig, TrainerConfig
 from rltrain.models.tiny import build_tiny_model_dir, publish_directory
 from rltrain.models.tiny_moe import build_tiny_moe_model_dir
@@ -71,6 +72,8 @@ def sft_key(model_cfg: ModelConfig, data_cfg: DataConfig, base_dir: Path) -> str
         recipe["forgotten_carries"] = float(model_cfg.sft_forgotten_carries)
     if data_cfg.eval_seed is not None:  # absent otherwise: the keys of existing caches stay valid
         recipe["eval_seed"] = data_cfg.eval_seed
+    if data_cfg.tasks:  # data=reasoning_gym's generators (absent otherwise, as above)
+        recipe["tasks"] = tasks_override(list(data_cfg.tasks))
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -101,6 +104,7 @@ def sft_command(
         f"data.max_carry_problems={'null' if model_cfg.sft_carry_problems is None else model_cfg.sft_carry_problems}",
         f"data.forgotten_carries={model_cfg.sft_forgotten_carries}",
         f"hydra.run.dir={run_dir}",
+        *([tasks_override(list(data_cfg.tasks))] if data_cfg.tasks else []),
     ]
 
 

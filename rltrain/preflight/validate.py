@@ -18,6 +18,7 @@ from rltrain.config.group_options import VLLMRolloutConfig
 from rltrain.config.schema import TINY_MOE_HEAD_DIM, Config, ModelConfig
 from rltrain.data.tasks import NO_CODE_PAIRS, TASK_SIZES
 from rltrain.preflight.compose_errors import added_keys
+from rltrain.preflight.reasoning_gym import validate_reasoning_gym
 from rltrain.preflight.sources import (
     check_revision,
     validate_data_sources,
@@ -265,7 +266,9 @@ def validate_data(cfg: Config) -> None:
             "data.task=colours is a visual task (a picture and a question only the picture answers) but the model is "
             "the text-only tiny model. Use model=tiny_vl_sft (its SFT start) or model=tiny_vl, or +experiment=grpo_vision."
         )
-    size = TASK_SIZES[data.task]
+    if data.task == "reasoning_gym":
+        validate_reasoning_gym(cfg)
+    size = TASK_SIZES.get(data.task, data.num_eval + 1)  # reasoning-gym's tasks are as large as their generators make them
     if data.path is None and not 1 <= data.num_eval < size:
         raise UserError(
             f"data.num_eval={data.num_eval} must be between 1 and {size - 1}: the built-in {data.task!r} task has "

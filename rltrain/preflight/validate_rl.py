@@ -11,6 +11,7 @@ from rltrain.config.algorithms import names_where, spec_of
 from rltrain.config.group_choice import as_option
 from rltrain.config.group_options import ServerRolloutConfig, VLLMRolloutConfig
 from rltrain.config.schema import Config
+from rltrain.preflight.textarena import validate_textarena
 from rltrain.preflight.world import model_experts
 from rltrain.runtime.errors import UserError
 
@@ -88,6 +89,8 @@ def validate_env(cfg: Config) -> None:
         raise UserError(f"env.max_tokens_per_turn={env.max_tokens_per_turn} must be at least 1 (null: algo.max_new_tokens).")
     if env.timeout_s is not None and env.timeout_s < 0:
         raise UserError(f"env.timeout_s={env.timeout_s} must be positive (seconds), or 0 / null for no limit.")
+    if env.name == "textarena":
+        validate_textarena(cfg)
 
 
 def validate_openenv(cfg: Config) -> None:

@@ -50,6 +50,7 @@ BUILTIN_FOR_TASK = {
     "multiplication": "rltrain.rewards.builtin:exact_match",  # the tool task: the product, exactly
     "code": "rltrain.rewards.code:tests_pass",  # the code task: its hidden cases, in the sandbox
     "colours": "rltrain.rewards.builtin:exact_match",  # the visual task: the colour's name, exactly
+    "reasoning_gym": "rltrain.rewards.reasoning_gym:score_answer",  # each row's dataset's own verifier
 }
 
 

@@ -353,6 +353,23 @@ def test_grpo_calculator_learns_to_call_its_tool(tiny_cache, tmp_path, seed):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
+def test_grpo_reasoning_gym_raises_heldout_accuracy(tiny_cache, tmp_path, seed):
+    """`+experiment=grpo_reasoning_gym` (docs/environments.md, "reasoning-gym"): greedy held-out accuracy
+    on reasoning-gym's chain_sum, scored by its own score_answer, rises by at least 0.15 over its SFT
+    start's (step 0) by the last step, and the RL steps take under 15 minutes."""
+    run_dir = tmp_path / "run"
+    rltrain("+experiment=grpo_reasoning_gym", f"trainer.seed={seed}", "logger.wandb.mode=disabled", "trainer.save_every=0",
+            "trainer.progress=lines", run_dir=run_dir, timeout=3600)
+    rows = read_metrics(run_dir)
+    evals = [r for r in rows if "eval/accuracy/chain_sum" in r]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 40, evals
+    assert evals[-1]["eval/accuracy/chain_sum"] - evals[0]["eval/accuracy/chain_sum"] >= 0.15, evals
+    assert sum(r["time/step"] for r in rows if "time/step" in r) < 15 * 60
+    assert all(r["reward/timeouts"] == r["reward/errors"] == 0.0 for r in rows if "reward/timeouts" in r)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
 def test_grpo_code_raises_the_heldout_pass_rate(tiny_cache, tmp_path, seed):
     """`+experiment=grpo_code` (docs/rewards-and-roles.md, "The built-in code task"): the held-out
     pass rate (`eval/reward`: greedy, the fraction of hidden asserts passed in the sandbox) rises by

@@ -55,6 +55,9 @@ STAND_IN_RUNS = {
     # The built-in code task: a short SFT start of the small tiny model, scored in the bubblewrap sandbox.
     "grpo_code": [*CPU, "trainer.max_steps=2", "algo.prompts_per_step=2", "algo.group_size=2", "data.num_eval=4",
                   "model.sft_steps=10", *SMALL_MODEL, "trainer.log_every=1"],
+    # reasoning-gym's chain_sum: a short SFT start of the small tiny model stands in for the recipe's.
+    "grpo_reasoning_gym": [*CPU, "trainer.max_steps=2", "algo.prompts_per_step=2", "algo.group_size=2", "data.num_eval=4",
+                           "model.sft_steps=10", *SMALL_MODEL, "trainer.log_every=1"],
     "agent_calculator": [*CPU, "trainer.max_steps=2", "algo.prompts_per_step=2", "algo.group_size=2", "data.num_eval=4",
                          "model.sft_steps=10", *SMALL_MODEL, "trainer.log_every=1"],
 }
@@ -63,7 +66,7 @@ STAND_IN_RUNS = {
 RUN_ELSEWHERE = {
     "agent_calculator": "tests/e2e/test_cli_agent.py", "dr_grpo": "tests/unit/algos (the objective)",
     "grpo_calculator": "tests/e2e/test_cli_env.py", "grpo_code": "tests/e2e/test_cli_code_reward.py",
-    "grpo_vision": "tests/e2e/test_cli_vision_rl.py", "gspo": "tests/unit/algos (the objective)",
+    "grpo_vision": "tests/e2e/test_cli_vision_rl.py", "grpo_reasoning_gym": "tests/e2e/test_cli_ecosystems.py", "gspo": "tests/unit/algos (the objective)",
     "kto_unpaired": "tests/e2e/test_cli_kto.py", "simpo_ultrafeedback": "dpo_ultrafeedback's run (the same data)",
 }
 # Recipes named by the objective their algorithm runs (`+experiment=gspo` is algo=grpo with GSPO's loss).

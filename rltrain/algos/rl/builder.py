@@ -110,8 +110,8 @@ class RLBuilder:
         """Weight sync, time sharing (which moves every trainer-side model and the reward
         functions' own models aside for the engine's turn) and the reward scorer."""
         cfg = self.cfg
-        # env=python, env=agent and env=openenv: the environment (agent) gives the reward; reward.fns are not called.
-        scored_here = cfg.env.name not in ("python", "agent", "openenv")
+        # env=python, agent, openenv and textarena: the environment (agent, game) gives the reward; reward.fns are not called.
+        scored_here = cfg.env.name not in ("python", "agent", "openenv", "textarena")
         self.plays = leads(engines.policy.replica_group())  # a replica's peers receive scores and episodes
         reward_fns = (
             build_reward_fns(cfg, self.ctx.dist.device, Path(self.ctx.run_dir), self.ctx.dist.rank, scores=self.plays)

@@ -15,6 +15,7 @@ import dataclasses
 import torch
 
 from rltrain.algos.rl.experience import ExperienceCollector
+from rltrain.algos.rl.task_accuracy import accuracy_per_task, correct_flags, correct_per_task, task_names
 from rltrain.data.prompt_data import PromptRow
 from rltrain.data.sharding import rank_slice, sum_over_replicas
 from rltrain.run.sampled_metrics import PromptSamples, default_ks, metric_keys, metric_sums
@@ -28,7 +29,7 @@ def exact_matches(texts: list[str], rows: list[PromptRow]) -> float:
 
 def evaluate(collector: ExperienceCollector, step: int) -> dict[str, float]:
     """Greedy completions of the held-out prompts: `eval/reward` and, where the data has an
-    `answer` column, exact-match `eval/accuracy`."""
+    `answer` column, `eval/accuracy` (exact match; reasoning-gym's verifier, with `eval/accuracy/<task>`)."""
     if not collector.eval_prompts:
         return {}
     mine = rank_slice(collector.eval_prompts, collector.policy.rank, collector.policy.world_size)
@@ -38,16 +39,20 @@ def evaluate(collector: ExperienceCollector, step: int) -> dict[str, float]:
     collector.timeshare.pop_metrics()  # a step's row reports the step's phases only
     per_fn, _ = collector.rewards(mine, completions)  # evaluation's failed samples score reward.on_failure, uncounted
     texts = collector.texts(completions)
-    correct = 0.0
+    tasks = task_names(collector.eval_prompts)
+    correct, per_task = 0.0, [0.0] * len(tasks)
     if mine and "answer" in mine[0].columns:
-        correct = exact_matches(texts, mine)
+        flags = correct_flags(texts, mine, per_fn, {rf.name: rf.path for rf in collector.reward_fns})
+        correct, per_task = float(sum(flags)), correct_per_task(flags, mine, tasks)
     totals = [sum(rf.weight * per_fn[rf.name][i] for rf in collector.reward_fns) for i in range(len(completions))]
     collector.recorded = first_samples([mine[c.prompt_index].text for c in completions], texts, totals)
-    sums = sum_over_replicas(torch.tensor([correct, float(sum(totals))], dtype=torch.float64, device="cpu"), collector.policy.world_size)
+    local = torch.tensor([correct, float(sum(totals)), *per_task], dtype=torch.float64, device="cpu")
+    sums = sum_over_replicas(local, collector.policy.world_size)
     n = len(collector.eval_prompts)
     out = {"eval/reward": float(sums[1] / n)}
     if "answer" in collector.eval_prompts[0].columns:
         out["eval/accuracy"] = float(sums[0] / n)
+        out.update(accuracy_per_task(sums[2:].tolist(), collector.eval_prompts, tasks))
     if collector.ctx.cfg.eval.samples > 0:
         out.update(evaluate_samples(collector, mine, step))
     return out
