@@ -155,7 +155,7 @@ def test_each_recipe_runs_offline_on_its_stand_ins(stand_ins, tmp_path, name):
         first = [f"reward_model.path={tmp_path / 'rm' / 'final'}"]
     if name == "judge_then_grpo":  # the first of the recipe's two commands: rows written, then an SFT
         made = python("-m", "rltrain.rewards.judge.tiny_judge", *SMALL_MODEL, *CPU, "trainer.max_steps=2",
-                      "data.max_eval_samples=8", f"hydra.run.dir={tmp_path / 'judge'}", warm=False)
+                      "data.max_eval_samples=8", f"hydra.run.dir={tmp_path / 'judge'}")
         assert made.returncode == 0, made.stderr[-3000:]
         first = [f"reward_model.path={tmp_path / 'judge' / 'final'}"]
     proc = rltrain(f"+experiment={name}", *STAND_IN_RUNS[name], *first, run_dir=run_dir)
