@@ -174,7 +174,7 @@ class FSDPEngine:
         if flex:  # under autocast too (one unsharded rank in bf16-mixed): rltrain.backends.fsdp.micro_batches.flex_autocast
             switch_to_flex_attention(self.lm)
         if self.cp > 1:  # attention across the split (rltrain.backends.fsdp.context_parallel.ulysses)
-            switch_to_ulysses_attention(self.lm)
+            switch_to_ulysses_attention(self.lm, self.cp)
         self.scores: Scores = "logps" if value_head_seed is None else "values"
         self.value_head_seed = value_head_seed
         self.scorer: CompletionScorer | CompletionValuer

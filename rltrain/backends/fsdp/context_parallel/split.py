@@ -15,9 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rltrain.backends.fsdp.context_parallel.ulysses import CPAttention
 from rltrain.backends.fsdp.micro_batches.attention_masks import document_causal_mask
 from rltrain.backends.fsdp.micro_batches.shared_prefix import Rectangle
-from rltrain.backends.fsdp.context_parallel.ulysses import CPAttention
 
 
 @dataclass

@@ -10,12 +10,15 @@ wrong one. docs/long-sequences.md has the limits (heads divisible by cp) and the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ULYSSES_ATTENTION = "rltrain_ulysses"
 # The keyword the scorer passes the model; transformers hands it on to every attention call.
@@ -104,11 +107,25 @@ def ulysses_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def switch_to_ulysses_attention(lm: nn.Module) -> None:
+def switch_to_ulysses_attention(lm: PreTrainedModel, cp: int) -> None:
     """Run `lm` with `ulysses_attention` (registered in transformers' attention registry on first use;
     no mask function is registered, so the model builds no mask of its slice: the scorer hands the
-    row's)."""
+    row's). A model class whose attention does not go through that registry, or whose heads cp does
+    not divide, is refused (preflight checks what it can read before any rank starts)."""
     from transformers.modeling_utils import AttentionInterface
 
+    from rltrain.runtime.errors import UserError
+
+    if not type(lm)._supports_attention_backend:
+        raise UserError(
+            f"backend.cp={cp} with {type(lm).__name__}: its attention does not go through transformers' attention "
+            "registry, so the split attention cannot be put in its place. Set backend.cp=1 for this model family."
+        )
+    heads = lm.config.get_text_config().num_attention_heads
+    if heads % cp:
+        raise UserError(
+            f"backend.cp={cp} does not divide the model's {heads} attention heads: Ulysses attention gives each cp "
+            f"rank an equal share of them. Choose a backend.cp that divides {heads}."
+        )
     AttentionInterface.register(ULYSSES_ATTENTION, ulysses_attention)
-    lm.set_attn_implementation(ULYSSES_ATTENTION)  # type: ignore[operator]
+    lm.set_attn_implementation(ULYSSES_ATTENTION)
