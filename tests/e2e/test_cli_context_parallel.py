@@ -55,7 +55,7 @@ def test_a_4096_token_grpo_trains_with_cp2_and_checkpointing(tmp_path):
     of one 16k-token sequence at cp 1 and 2 is scripts/bench_long.py's."""
     run = rltrain(
         "algo=grpo", "model=tiny", *SMALL_MODEL, "algo.max_new_tokens=4096", "algo.prompts_per_step=1",
-        "algo.group_size=2", "trainer.max_steps=2", "trainer.nproc=2", "backend.cp=2",
+        "algo.group_size=2", "data.num_eval=2", "trainer.max_steps=2", "trainer.nproc=2", "backend.cp=2",
         "model.gradient_checkpointing=true", "model.max_position_embeddings=4608", "trainer.eval_every=0",
         "trainer.save_every=0", "logger.wandb.mode=disabled", "trainer.progress=lines",
         run_dir=tmp_path / "run", timeout=1500,
