@@ -1,6 +1,6 @@
 """`backend.cp=2` runs end to end (`slow`: the mechanism's parity is tests/dist/backends/test_context_parallel.py).
 
-Every algorithm's 5 steps at cp=2 on 2 ranks log the metrics of cp=1 on 1 rank (one replica each,
+SFT, DPO, KTO, RM, GRPO and PPO: 5 steps at cp=2 on 2 ranks log the metrics of cp=1 on 1 rank (one replica each,
 so the same samples and batches) within 1e-5, and a GRPO run with 4096 new tokens trains with cp=2
 and activation checkpointing, the rollout engine's and the trainer's log-probabilities agreeing
 within 1e-3. docs/long-sequences.md.
@@ -23,6 +23,8 @@ ALGOS = {
     "dpo": ["algo=dpo", "trainer.global_batch_size=8", "trainer.micro_batch_size=4"],
     "grpo": ["algo=grpo", "model=tiny", "algo.prompts_per_step=4", "algo.group_size=4"],
     "ppo": ["algo=ppo", "model=tiny", "algo.prompts_per_step=4", "algo.group_size=2"],
+    "kto": ["algo=kto", "model=tiny", "trainer.global_batch_size=8", "trainer.micro_batch_size=4"],
+    "rm": ["algo=rm", "trainer.global_batch_size=8", "trainer.micro_batch_size=4"],
 }
 
 

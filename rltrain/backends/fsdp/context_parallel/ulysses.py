@@ -97,11 +97,16 @@ def ulysses_attention(
     q = _HeadsForTokens.apply(query, spec.group, spec.size)
     k = _HeadsForTokens.apply(key, spec.group, spec.size)
     v = _HeadsForTokens.apply(value, spec.group, spec.size)
-    if k.shape[1] != q.shape[1]:  # grouped-query attention within this rank's heads
+    # Grouped-query attention within this rank's heads: sdpa's own (no copies of key and value) on
+    # plain causal rows, as transformers' sdpa does; repeated under a mask, where sdpa's GQA would
+    # leave its memory-efficient kernel.
+    gqa = k.shape[1] != q.shape[1]
+    if gqa and spec.mask_B1TT is not None:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=spec.mask_B1TT, dropout_p=dropout, is_causal=spec.mask_B1TT is None, scale=scaling
+        q, k, v, attn_mask=spec.mask_B1TT, dropout_p=dropout, is_causal=spec.mask_B1TT is None, scale=scaling,
+        enable_gqa=gqa and spec.mask_B1TT is None,
     )
     out = _TokensForHeads.apply(out, spec.group, spec.size)
     return out.transpose(1, 2).contiguous(), None
