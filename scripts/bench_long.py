@@ -7,7 +7,8 @@ A Qwen2-shaped model with random weights is built locally; each cp runs in cp fr
 (gloo ranks, one FSDP engine with `backend.cp`, fp32, one SFT step per length: the whole sequence
 is its completion, so every position is scored). Memory is measured on CPU as the OS sees it: each
 rank resets its resident-set high-water mark (`/proc/self/clear_refs`) just before the step and
-reads `VmHWM` after it; the step's *activation* memory is that peak minus the resident memory before
+reads `VmHWM` after it (with glibc returning every freed block of 64 KiB or more to the OS, so the
+resident set follows what tensors hold); the step's *activation* memory is that peak minus the resident memory before
 the step (weights, gradients and AdamW state already allocated by a warm-up step on 64 tokens). The
 longest sequence fitting `--max-gib` per rank (peak resident memory, everything included) is found
 from a straight-line fit of the peak over the two longest lengths, then run to check it fits
@@ -27,8 +28,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
@@ -40,6 +39,8 @@ def _status_gib(field: str) -> float:
 
 
 def _sequence(length: int):
+    import torch
+
     from rltrain.data.batch import SequenceBatch
 
     tokens = [4 + (j * 7) % 90 for j in range(length)]
@@ -70,6 +71,7 @@ def _measure(engine, length: int) -> dict:
 
 
 def _rank(rank: int, cp: int, port: int, model_dir: str, lengths: list[int], max_gib: float, cap: int, threads: int, out) -> None:
+    import torch
     import torch.distributed as dist
 
     from rltrain.backends.fsdp.engine import FSDPEngine
@@ -95,6 +97,7 @@ def _rank(rank: int, cp: int, port: int, model_dir: str, lengths: list[int], max
 def _longest(engine, rows: list[dict], max_gib: float, cap: int) -> dict:
     """The longest length (at most `cap`) whose peak fits `max_gib` on every rank: a straight-line
     fit, then checked."""
+    import torch
     import torch.distributed as dist
 
     (a, b) = rows[-2], rows[-1]
@@ -119,6 +122,8 @@ def _free_port() -> int:
 
 
 def run_cp(cp: int, model_dir: Path, lengths: list[int], max_gib: float, cap: int, threads: int) -> dict:
+    import torch
+
     ctx = torch.multiprocessing.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
@@ -166,6 +171,11 @@ def main() -> None:
         parser.error(f"--cp {bad}: each cp must be at least 1 and divide --heads={args.heads}")
     from bench_common import print_table
 
+    # Every allocation of 64 KiB or more is its own mapping, returned to the OS when freed: without
+    # this glibc raises its threshold as large blocks are freed and keeps freed blocks of up to 32 MiB
+    # in its heap, so the resident set would count memory no tensor holds (more of it at cp=2,
+    # whose tensors are half as large). The ranks inherit it; an explicit setting wins.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(args, Path(tmp))
         results = {cp: run_cp(cp, model_dir, args.lengths_list, args.max_gib, args.longest_cap, args.threads) for cp in cps}
