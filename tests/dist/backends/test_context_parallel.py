@@ -26,9 +26,9 @@ def _model_dir(heads: int = 4, kv_heads: int = 2):
 
 
 def _micro_batches():
-    """Ragged rows: a 2-token row (shorter than... nothing to split but one token each), odd
-    lengths, a 90-token completion (longer than the head's 32-position chunk set below), and a
-    shared prompt (GRPO-like group) in the second micro-batch."""
+    """Ragged rows: a 2-token row (one token per cp rank), odd lengths, a 90-token completion (longer
+    than the output head's 32-position chunk set below), and in the second micro-batch a prompt
+    shared by three completions (a GRPO group: one packed row under a dense mask) beside one of 1 token."""
     from rltrain.data.batch import SequenceBatch
 
     unshared = SequenceBatch.from_lists(
@@ -107,7 +107,7 @@ def _both(rank: int, world: int, model_dir, padding_free: bool, lora: bool, chec
 
 @pytest.mark.parametrize(
     ("padding_free", "lora", "checkpointing"),
-    [(False, False, False), pytest.param(True, True, True, marks=pytest.mark.slow)],
+    [(False, False, False), (True, True, True)],
 )
 def test_cp2_scores_and_steps_like_cp1(tiny_cache, padding_free, lora, checkpointing):
     results = run_ranks(_both, _model_dir(), padding_free, lora, checkpointing, nproc=2, timeout_s=300)
