@@ -51,6 +51,9 @@ class FSDPBackendConfig(BackendConfig):
     # On one rank, a micro-batch is scored as a few rectangles of similar lengths instead of one
     # padded to its longest row. Never on sharded ranks or for MoE models.
     length_buckets: bool = True
+    # Context parallelism: each sequence's tokens split over `cp` consecutive ranks, attention across
+    # the split by all-to-all over heads (rltrain/backends/fsdp/context_parallel/, docs/long-sequences.md).
+    cp: int = 1
 
 
 @dataclass
@@ -61,6 +64,9 @@ class MegatronBackendConfig(BackendConfig):
     # Expert parallelism: a Mixture of Experts' experts split over `ep` data-parallel ranks, tokens
     # sent to them by all-to-all (docs/moe.md, "Expert parallelism (megatron)"); 1 on a dense model.
     ep: int = 1
+    # Context parallelism: refused above 1 on this build (megatron-core's needs Transformer Engine;
+    # docs/long-sequences.md). The key exists so that the refusal is a sentence, not an unknown key.
+    cp: int = 1
 
 
 @dataclass

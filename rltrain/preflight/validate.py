@@ -18,6 +18,7 @@ from rltrain.config.group_options import VLLMRolloutConfig
 from rltrain.config.schema import TINY_MOE_HEAD_DIM, Config, ModelConfig
 from rltrain.data.tasks import NO_CODE_PAIRS, TASK_SIZES
 from rltrain.preflight.compose_errors import added_keys
+from rltrain.preflight.context_parallel import validate_context_parallel
 from rltrain.preflight.reasoning_gym import validate_reasoning_gym
 from rltrain.preflight.sources import (
     check_revision,
@@ -88,6 +89,7 @@ def validate(cfg: Config) -> None:
     validate_choices(cfg)
     validate_trainer(cfg)
     validate_megatron_split(cfg)
+    validate_context_parallel(cfg)
     validate_compile(cfg)
     validate_batch_and_logging(cfg)
     validate_trackers(cfg)

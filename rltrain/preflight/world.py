@@ -21,10 +21,11 @@ def world_size(cfg: Config) -> int:
 
 
 def data_parallel_size(cfg: Config) -> int:
-    """Ranks that hold distinct data: all of them, except that megatron's tp x pp ranks share one."""
+    """Ranks that hold distinct data: all of them, except that megatron's tp x pp ranks share one, and
+    FSDP's backend.cp ranks."""
     if cfg.backend.name == "megatron":
         return max(1, world_size(cfg) // (cfg.backend.tp * cfg.backend.pp))
-    return world_size(cfg)
+    return max(1, world_size(cfg) // max(1, cfg.backend.cp))
 
 
 def _model_dims(cfg: Config) -> dict[str, int] | None:

@@ -193,3 +193,20 @@ def test_bench_sync_prints_every_transport_for_a_cell():
     assert proc.returncode == 0, proc.stderr[-3000:]
     [cell] = [line.split("|") for line in proc.stdout.splitlines() if line.strip().startswith("1.0M")]
     assert len(cell) == 4 and all(float(part.split()[-2]) > 0 for part in cell[1:]), proc.stdout  # ms of each transport
+
+
+def test_bench_long_refuses_a_cp_that_does_not_divide_the_heads_before_building_anything():
+    proc = python("scripts/bench_long.py", "--heads", "8", "--cp", "1,3", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "--cp [3]: each cp must be at least 1 and divide --heads=8" in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_bench_long_prints_memory_per_rank_at_cp_1_and_2_and_the_longest_fitting():
+    proc = python(
+        "scripts/bench_long.py", "--hidden", "64", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+        "--lengths", "64,128", "--cp", "1,2", "--max-gib", "64", "--longest-cap", "256", timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "activation vs cp=1" in proc.stdout and "longest sequence fitting --max-gib 64.0" in proc.stdout
+    assert len([line for line in proc.stdout.splitlines() if line.startswith(("1 ", "2 "))]) == 6

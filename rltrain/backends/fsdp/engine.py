@@ -28,6 +28,8 @@ from rltrain.backends.base import (
 )
 from rltrain.backends.fsdp import checkpoint, export
 from rltrain.backends.fsdp.compile_layers import compile_decoder_layers
+from rltrain.backends.fsdp.context_parallel.sequence_split import SequenceSplit
+from rltrain.backends.fsdp.context_parallel.ulysses import switch_to_ulysses_attention
 from rltrain.backends.fsdp.groups import FSDPGroups
 from rltrain.backends.fsdp.hf_scoring import (
     CompletionScorer,
@@ -40,6 +42,7 @@ from rltrain.backends.fsdp.micro_batches.attention_masks import use_flex_attenti
 from rltrain.backends.fsdp.micro_batches.flex_autocast import switch_to_flex_attention
 from rltrain.backends.fsdp.micro_batches.layout import MicroBatchLayout
 from rltrain.backends.fsdp.micro_batches.routing import recorded_experts
+from rltrain.backends.fsdp.router_terms import with_router_terms
 from rltrain.backends.fsdp.sharding import load_shards, shard_model
 from rltrain.backends.lr_schedule import lr_at
 from rltrain.backends.optimizer_state import move_optimizer_state
@@ -95,15 +98,17 @@ class FSDPEngine:
         self.faults = faults if faults is not None else FaultInjector()
         self.freeze_vision = freeze_vision
         self.router_losses = router_losses  # a MoE's (rltrain.models.moe); None: the checkpoint's own
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
+        # backend.cp ranks split each sequence, one replica: `rank`/`world_size` count replicas (docs/long-sequences.md)
+        self.cp = backend_cfg.cp
+        self.global_rank = dist.get_rank()
+        self.rank, self.world_size = self.global_rank // self.cp, dist.get_world_size() // self.cp
         self.device = device
         self.model_dir = Path(model_dir)
         self.optim_cfg = optim_cfg
         self.max_steps = max_steps
         self.trainable = optim_cfg is not None
         self.precision = precision if isinstance(precision, Precision) else resolve_precision(precision, device)
-        self.sharded = self.world_size > 1
+        self.sharded = dist.get_world_size() > 1
         safety = safety or SafetyConfig()
         self.fail_fast = fail_fast_enabled(safety.fail_fast)
         self.error_budget = ErrorBudget(safety.max_consecutive_errors)
@@ -168,6 +173,8 @@ class FSDPEngine:
         )
         if flex:  # under autocast too (one unsharded rank in bf16-mixed): rltrain.backends.fsdp.micro_batches.flex_autocast
             switch_to_flex_attention(self.lm)
+        if self.cp > 1:  # attention across the split (rltrain.backends.fsdp.context_parallel.ulysses)
+            switch_to_ulysses_attention(self.lm, self.cp)
         self.scores: Scores = "logps" if value_head_seed is None else "values"
         self.value_head_seed = value_head_seed
         self.scorer: CompletionScorer | CompletionValuer
@@ -184,7 +191,9 @@ class FSDPEngine:
         self, backend_cfg: FSDPBackendConfig, timeout_s: float | None, seed: int, value_head_seed: int | None
     ) -> None:
         """fully_shard over a group of the engine's own, then each rank's shards filled."""
-        self.groups = FSDPGroups(self.device.type, timeout_s=timeout_s)
+        self.groups = FSDPGroups(self.device.type, timeout_s=timeout_s, cp=self.cp)
+        if self.cp > 1:
+            self.scorer.split = SequenceSplit(self.groups, self.cp, self.global_rank % self.cp)
         shard_model(self.lm, self.scorer, self.groups, self.precision, backend_cfg)
         load_shards(
             self.lm, self.scorer, self.groups, self.model_dir, self.precision, self.device,
@@ -205,9 +214,10 @@ class FSDPEngine:
         cost in memory. None without adapters."""
         return AdaptersOff(self, self.adapters) if self.adapters is not None else None
 
-    def replica_group(self) -> None:
-        """Every FSDP rank is its own data-parallel replica (see `TrainEngine.replica_group`)."""
-        return None
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """The cp ranks of this replica (`TrainEngine.replica_group`); None at backend.cp=1, where
+        every FSDP rank is its own replica."""
+        return self.groups.cp_group if self.cp > 1 and self.groups is not None else None
 
     # --- scoring -------------------------------------------------------------------------------
 
@@ -281,7 +291,7 @@ class FSDPEngine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         sums: dict[str, torch.Tensor] = {}
-        errors = StepErrors(self.rank, self.fail_fast)
+        errors = StepErrors(self.global_rank, self.fail_fast)
         injector = self.faults
         share = 1.0 / (len(micro_batches) * self.world_size)  # per-micro-batch means -> one global mean
         for i, mb in enumerate(micro_batches):
@@ -305,7 +315,8 @@ class FSDPEngine:
         outcome = safe_optimizer_step(self.optimizer, self.scorer.parameters(), self.optim_cfg.max_grad_norm)
         if not outcome.skipped:
             self.steps_taken += 1
-        reduced = reduce_metric_sums(sums, partial=errors.recovered > 0)
+        # cp peers hold identical sums (the same gathered scores, the same loss): one copy counts
+        reduced = {k: v / self.cp for k, v in reduce_metric_sums(sums, partial=errors.recovered > 0).items()}
         agreed, recorded = reduced.pop("moe/router_agreed", 0.0), reduced.pop("moe/router_recorded", 0.0)
         if recorded > 0:  # token-layer pairs over every rank's micro-batches (docs/moe.md, "Router replay")
             reduced["moe/router_agreement"] = agreed / recorded
@@ -326,17 +337,7 @@ class FSDPEngine:
         if out.anchor is not None:
             loss = loss + out.anchor
         if self.moe_info is not None:
-            if out.aux_loss is not None:
-                loss = loss + self.moe_info.aux_loss_coef * share * out.aux_loss
-                metrics = {**metrics, "moe/aux_loss": out.aux_loss.detach() * share}
-            if out.z_loss is not None:
-                loss = loss + self.moe_info.z_loss_coef * share * out.z_loss
-                metrics = {**metrics, "moe/z_loss": out.z_loss.detach() * share}
-            if out.load_imbalance is not None:
-                metrics = {**metrics, "moe/load_imbalance": out.load_imbalance * share}
-            # every MoE micro-batch (every rank the same keys), zero where nothing was recorded
-            agreed_recorded = out.router_agreement if out.router_agreement is not None else torch.zeros(2, dtype=torch.float64)
-            metrics = {**metrics, "moe/router_agreed": agreed_recorded[0], "moe/router_recorded": agreed_recorded[1]}
+            loss, metrics = with_router_terms(loss, metrics, out, self.moe_info, share)
         return loss, metrics
 
     # --- weights out ---------------------------------------------------------------------------
@@ -357,17 +358,17 @@ class FSDPEngine:
         plus the head's file), with LoRA its adapters merged; a critic is refused
         (`export.save_sequence_classifier`)."""
         if isinstance(self.scorer, CompletionValuer):
-            export.save_sequence_classifier(directory, self.lm, self.adapters, self.scorer.value_head, self.rank, self.tied)
+            export.save_sequence_classifier(directory, self.lm, self.adapters, self.scorer.value_head, self.global_rank, self.tied)
             return
         export.save_pretrained(
-            directory, self.lm, self.adapters, self.save_merged, self.tied, self.model_dir, self.rank,
+            directory, self.lm, self.adapters, self.save_merged, self.tied, self.model_dir, self.global_rank,
             with_adapters=not self.faults.adapters_dropped(),
         )
 
     # --- checkpoints ---------------------------------------------------------------------------
 
     def save_checkpoint(self, directory: Path) -> None:
-        checkpoint.save(directory, self.scorer, self.optimizer, self.adapters, self.steps_taken, self.rank)
+        checkpoint.save(directory, self.scorer, self.optimizer, self.adapters, self.steps_taken, self.global_rank)
 
     def load_checkpoint(self, directory: Path) -> None:
         self.steps_taken = checkpoint.load(directory, self.scorer, self.optimizer, self.adapters)
@@ -387,7 +388,6 @@ class FSDPEngine:
         if self.device.type == "cuda":
             self.scorer.to(self.device)
             move_optimizer_state(self.optimizer, self.device)
-
 
     def teardown_communicators(self) -> None:
         """Destroy the group FSDP shards over (collective). Export weights before: `full_tensor`

@@ -20,14 +20,18 @@ from rltrain.runtime.distributed import agree_or_raise, control_device, gather_r
 
 
 class FSDPGroups:
-    """One data-parallel sharding group over every rank, its mesh, and the modules that use it."""
+    """One sharding group over every rank, its mesh, and the modules that use it; with `cp` > 1
+    also this rank's context-parallel group (`cp` consecutive ranks: one data-parallel replica,
+    docs/long-sequences.md). FSDP shards over every rank, cp ranks included."""
 
-    def __init__(self, device_type: str, timeout_s: float | None = None) -> None:
+    def __init__(self, device_type: str, timeout_s: float | None = None, cp: int = 1) -> None:
         from torch.distributed.device_mesh import DeviceMesh
 
         self.ranks = list(range(dist.get_world_size()))
         self.timeout_s = timeout_s
+        self.cp = cp
         self.group: dist.ProcessGroup | None = self._new_group()
+        self._cp_group: dist.ProcessGroup | None = self._new_cp_group()
         self.mesh = DeviceMesh.from_group(self.group, device_type)
         self._roots: list[nn.Module] = []
         self._destroyed: dist.ProcessGroup | None = None  # the handle FSDP's state still caches
@@ -39,12 +43,32 @@ class FSDPGroups:
         assert group is not None  # every rank is a member
         return group
 
+    def _new_cp_group(self) -> dist.ProcessGroup | None:
+        """Every rank creates every cp group (new_group is collective) and keeps its own."""
+        if self.cp == 1:
+            return None
+        timeout = datetime.timedelta(seconds=self.timeout_s) if self.timeout_s is not None else None
+        mine = None
+        for first in range(0, len(self.ranks), self.cp):
+            members = self.ranks[first : first + self.cp]
+            group = dist.new_group(members, timeout=timeout, group_desc="rltrain_fsdp_cp")
+            if dist.get_rank() in members:
+                mine = group
+        return mine
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup:
+        """This rank's context-parallel group (re-read on every call: time sharing re-creates it)."""
+        if self._cp_group is None:
+            raise RuntimeError("no live context-parallel group (backend.cp=1, or torn down for time sharing)")
+        return self._cp_group
+
     def attach(self, *roots: nn.Module) -> None:
         """Modules sharded over this group (their FSDP state is re-bound on re-creation)."""
         self._roots.extend(roots)
 
     def handles(self) -> list[dist.ProcessGroup]:
-        return [self.group] if self.group is not None else []
+        return [g for g in (self.group, self._cp_group) if g is not None]
 
     def teardown(self) -> None:
         """Destroy the sharding group (collective over every rank; all ranks agree)."""
@@ -53,6 +77,9 @@ class FSDPGroups:
             if not self.alive or self.group is None:
                 raise RuntimeError("teardown of an FSDP process group that is not alive")
             dist.destroy_process_group(self.group)
+            if self._cp_group is not None:
+                dist.destroy_process_group(self._cp_group)
+                self._cp_group = None
             self._destroyed, self.group = self.group, None
             self.alive = False
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank by _agree
@@ -67,6 +94,7 @@ class FSDPGroups:
         rebound = 0
         try:
             new = self._new_group()
+            self._cp_group = self._new_cp_group()
             probe = torch.ones(1, device=control_device())
             dist.all_reduce(probe, group=new)
             if int(probe) != len(self.ranks):

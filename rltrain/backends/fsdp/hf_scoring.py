@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from rltrain.backends.chunked_head import chunked_target_logps, use_chunked_head
+from rltrain.backends.fsdp.context_parallel.sequence_split import AllPositions, Positions, SequenceSplit
 from rltrain.backends.fsdp.micro_batches.attention_masks import model_attention_mask
 from rltrain.backends.fsdp.micro_batches.shared_prefix import Rectangle
 from rltrain.backends.value_head import head_values
@@ -50,6 +51,8 @@ class _SelectedHidden(nn.Module):
         self.flex_attention = flex_attention
         # A vision-language model's tower and projector (a plain list: not registered twice).
         self.vision_parts: list[nn.Module] = vision_modules(lm)
+        # backend.cp > 1: each rank runs its slice of every row (set by the engine once its groups exist)
+        self.split: SequenceSplit | None = None
 
     def _router(self) -> bool:
         """Whether this pass reads the router logits: training a MoE model (its router losses and
@@ -58,11 +61,15 @@ class _SelectedHidden(nn.Module):
 
     def selected_hidden(
         self, rects: Sequence[Rectangle], order_N: torch.Tensor | None
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-        """(hidden states [N, H] in ragged order, the router logits of a MoE model or None). Call
-        inside `self.autocast()`. One model call per rectangle (several: length buckets or packed
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None, AllPositions | Positions]:
+        """(hidden states [N, H] in ragged order, the router logits of a MoE model or None, positions).
+        Call inside `self.autocast()`. One model call per rectangle (several: length buckets or packed
         rows, see `rltrain.backends.fsdp.micro_batches.layout`); the selected hidden states are concatenated in rectangle
-        order and `order_N` puts them back into ragged order."""
+        order and `order_N` puts them back into ragged order. `positions` maps per-position tensors
+        between the hidden states' rows and the ragged [N]: the identity, except under context
+        parallelism, where the hidden states are this rank's positions only (`_split_hidden`)."""
+        if self.split is not None:
+            return self._split_hidden(rects, order_N)
         # A plain rectangle is right-padded: causal attention never lets a real token see the
         # padding after it, so it needs no attention mask (and sdpa keeps its fast causal path).
         router = self._router()
@@ -90,7 +97,16 @@ class _SelectedHidden(nn.Module):
         hidden_NH = parts[0] if len(parts) == 1 else torch.cat(parts)
         if order_N is not None:
             hidden_NH = hidden_NH[order_N]
-        return self._reach_vision(hidden_NH), router_logits
+        return self._reach_vision(hidden_NH), router_logits, AllPositions()
+
+    def _split_hidden(
+        self, rects: Sequence[Rectangle], order_N: torch.Tensor | None
+    ) -> tuple[torch.Tensor, None, Positions]:
+        """`selected_hidden` under context parallelism: sharded ranks make one call per micro-batch
+        (one rectangle); a MoE or an image row is refused before a run starts."""
+        assert self.split is not None and len(rects) == 1, "context parallelism scores one rectangle per call"
+        hidden_nH, positions = self.split.hidden(cast(nn.Module, self.lm.model), rects[0], order_N)
+        return hidden_nH, None, positions
 
     def _reach_vision(self, hidden_NH: torch.Tensor) -> torch.Tensor:
         """With a trainable vision tower, every training pass gives each of its parameters a
@@ -126,7 +142,8 @@ class CompletionScorer(_SelectedHidden):
         """(logps [N], entropy [N] or None, a MoE's router terms in a training pass, else None).
         `padding_mask_BT` marks real tokens of a single plain rectangle, for the router terms."""
         with self.autocast():
-            hidden_NH, router_logits = self.selected_hidden(rects, order_N)
+            hidden_NH, router_logits, positions = self.selected_hidden(rects, order_N)
+            targets_N = positions.local(targets_N)  # this rank's under context parallelism
             head = cast(nn.Linear, self.lm.lm_head)  # a submodule attribute (torch: `Tensor | Module`)
             chunked = use_chunked_head(hidden_NH.shape[0], head)
             if chunked:  # large vocabulary: logits exist one chunk at a time (chunked_head)
@@ -135,7 +152,7 @@ class CompletionScorer(_SelectedHidden):
                 logits_NV = head(hidden_NH)
         router = self._router_terms(router_logits, padding_mask_BT)
         if chunked:
-            return logps_N, entropy_N, router
+            return positions.gather(logps_N), positions.gather(entropy_N) if entropy_N is not None else None, router
         logits_NV = logits_NV.float()  # fp32 from here on, whatever the compute dtype
         logp_NV = torch.log_softmax(logits_NV, dim=-1)
         # clone: FSDP warns (rightly) about returning views from a wrapped module
@@ -143,8 +160,8 @@ class CompletionScorer(_SelectedHidden):
         entropy_N = None
         if with_entropy:  # a metric, never differentiated: no graph for it in a training pass
             with torch.no_grad():
-                entropy_N = -(logp_NV.exp() * logp_NV).sum(-1)
-        return logps_N, entropy_N, router
+                entropy_N = positions.gather(-(logp_NV.exp() * logp_NV).sum(-1))
+        return positions.gather(logps_N), entropy_N, router
 
 
 class CompletionValuer(_SelectedHidden):
@@ -178,8 +195,8 @@ class CompletionValuer(_SelectedHidden):
         if with_entropy:
             raise ValueError("a critic has no entropy: with_entropy=True is for policy engines")
         with self.autocast():
-            hidden_NH, router_logits = self.selected_hidden(rects, order_N)
-        values_N = head_values(self.value_head, hidden_NH)
+            hidden_NH, router_logits, positions = self.selected_hidden(rects, order_N)
+        values_N = positions.gather(head_values(self.value_head, hidden_NH))
         return values_N, None, self._router_terms(router_logits, padding_mask_BT)
 
 
