@@ -92,7 +92,7 @@ def test_grpo_moe_recipe_raises_heldout_accuracy_with_router_replay(tiny_cache, 
             run_dir=run_dir, timeout=3600)
     rows = read_metrics(run_dir)
     trained = [r for r in rows if "loss" in r]
-    assert len(trained) == 40 and all(0.5 <= r["moe/router_agreement"] <= 1.0 for r in trained)
+    assert len(trained) == 60 and all(0.5 <= r["moe/router_agreement"] <= 1.0 for r in trained)
     evals = [r for r in rows if "eval/accuracy" in r]
-    assert evals[0]["step"] == 0 and evals[-1]["step"] == 40, evals
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 60, evals
     assert evals[-1]["eval/accuracy"] - evals[0]["eval/accuracy"] >= 0.15, evals
