@@ -2,10 +2,10 @@
 megatron with expert parallelism (ep=1 and ep=2 on 2 ranks), TRL's GRPOTrainer beside them.
 
 The model is `model=tiny_moe` (rltrain/models/tiny_moe.py: 4 sparse layers, 8 experts of width 128,
-top-2, hidden 128, seed 0), the one the issue asks about and the one every MoE test runs: a
-bench-sized MoE would take minutes per step on 2 shared cores, and the question here is what the
-backends' MoE paths (FSDP2's every-expert loop, megatron's all-to-all dispatch over gloo) cost
-around the same experts, not a compute ceiling (bench_gpu.py measures that for dense models).
+top-2, hidden 128, seed 0), the model every MoE test runs: a bench-sized MoE would take minutes per
+step on 2 shared cores, and the question here is what the backends' MoE paths (FSDP2: every expert
+on every rank; megatron: all-to-all dispatch over gloo) cost around the same experts, not a compute
+ceiling (bench_gpu.py measures that for dense models).
 docs/benchmarks.md, "Mixture of Experts", has the table and what each row runs.
 
 Every rltrain row is one CLI run (`python -m rltrain algo=grpo model.path=<the tiny MoE> ...`, vLLM's
