@@ -1,7 +1,8 @@
 """What every benchmark script shares: the benchmark model, a single-rank process group, quiet
 libraries, timing summaries, device syncs and peak memory, the printed table, the step-by-step
 interleaving with TRL, and TRL's SFT and DPO trainers built the same way wherever they are compared
-(arguments, step timer, token counts), so two benchmarks never drive TRL differently by accident.
+(arguments, step timer, token counts), and GRPO's prompt stream and TRL GRPOTrainer beside it, so two
+benchmarks never drive TRL differently by accident.
 
 The bench scripts import from here, never from each other (bench_gpu.py's own parts are its gpu_*
 siblings, which bench_lora.py shares).
@@ -15,6 +16,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -264,3 +266,94 @@ def release_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+@dataclass(frozen=True)
+class GRPOShape:
+    """The GRPO step both sides of a GRPO benchmark run (bench_grpo.py, bench_moe.py): prompts x
+    completions per step, the learning rate, the clip range and the held-out problems, whose count
+    fixes the train split both sides draw prompts from."""
+
+    prompts: int = 16
+    group: int = 8
+    lr: float = 2e-3
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    num_eval: int = 16
+
+
+GRPOStepRow = dict[str, float]
+
+
+def grpo_prompt_stream(model_dir: Path, total_steps: int, shape: GRPOShape) -> list[dict[str, str]]:
+    """The prompts rltrain's GRPO samples (`trainer.seed=0`), step by step (same split, same seeded
+    stream), for TRL to see the same ones in the same order."""
+    from rltrain.config.schema import DataConfig
+    from rltrain.data.prompt_data import build_prompt_data
+    from rltrain.data.sampler import IndexStream
+    from rltrain.models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    train, _, _ = build_prompt_data(tok, DataConfig(num_eval=shape.num_eval), 0)
+    stream = IndexStream(len(train), 0)
+    rows = []
+    for _ in range(total_steps):
+        rows += [{"prompt": train[i].text, "answer": str(train[i].columns["answer"])} for i in stream.take(shape.prompts)]
+    return rows
+
+
+def trl_grpo_steps(
+    model_dir: Path, rows: list[dict[str, str]], total_steps: int, max_new: int, out_dir: Path, shape: GRPOShape
+) -> list[GRPOStepRow]:
+    """TRL's GRPOTrainer on the built-in task's reward, transformers-generate path (its colocated
+    vLLM path fails on vLLM's CPU build): per-step `time/step`, `time/rollout` (its generation
+    call) and `rollout_tokens`."""
+    import datasets
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rltrain.models.tokenizer import load_tokenizer
+    from rltrain.rewards.builtin import addition_reward
+
+    tok = load_tokenizer(model_dir)
+    steps: list[GRPOStepRow] = []
+    rollout = {"s": 0.0, "tokens": 0}
+
+    class StepTimer(TrainerCallback):
+        t0 = 0.0
+
+        def on_step_begin(self, args, state, control, **kw):
+            require_activations_kept(kw["model"])
+            rollout.update(s=0.0, tokens=0)
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            step_s = time.perf_counter() - self.t0
+            steps.append({"time/step": step_s, "time/rollout": rollout["s"], "rollout_tokens": rollout["tokens"]})
+
+    config = GRPOConfig(
+        output_dir=str(out_dir), per_device_train_batch_size=shape.prompts * shape.group, gradient_accumulation_steps=1,
+        num_generations=shape.group, max_completion_length=max_new, temperature=1.0, top_p=1.0, top_k=0,
+        use_vllm=False, beta=0.0, epsilon=shape.clip_low, epsilon_high=shape.clip_high, loss_type="dapo",
+        scale_rewards="group", num_iterations=1, shuffle_dataset=False, max_steps=total_steps, learning_rate=shape.lr,
+        lr_scheduler_type="constant", max_grad_norm=1.0, use_cpu=True, dataloader_num_workers=0, seed=0,
+        bf16=False, fp16=False, gradient_checkpointing=False, logging_steps=10_000, save_strategy="no",
+        report_to=[], disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(
+        model=load_trl_model(model_dir), reward_funcs=[addition_reward], args=config,
+        train_dataset=datasets.Dataset.from_list(rows), processing_class=tok, callbacks=[StepTimer()],
+    )
+    silence_trainer(trainer)
+    generate = trainer._generate_single_turn  # timed, not changed: generation is TRL's rollout
+
+    def timed_generate(*args, **kwargs):
+        t0 = time.perf_counter()
+        completion_ids, logprobs = generate(*args, **kwargs)
+        rollout["s"] += time.perf_counter() - t0
+        rollout["tokens"] += sum(len(c) for c in completion_ids)
+        return completion_ids, logprobs
+
+    trainer._generate_single_turn = timed_generate
+    trainer.train()
+    return steps

@@ -33,25 +33,26 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from bench_common import (
     THREADS_HELP,
+    GRPOShape,
+    GRPOStepRow,
     bench_model_dir,
+    grpo_prompt_stream,
     print_table,
     quiet_transformers,
-    require_activations_kept,
-    silence_trainer,
     trl_available,
+    trl_grpo_steps,
 )
 
 REPO = Path(__file__).resolve().parents[1]
-PROMPTS, GROUP, LR, CLIP_LOW, CLIP_HIGH = 16, 8, 2e-3, 0.2, 0.28
-NUM_EVAL = 16  # held-out problems; fixes the train split both sides draw prompts from
-
-StepRow = dict[str, float]
+SHAPE = GRPOShape()  # 16 prompts x 8, lr 2e-3, clip 0.2 / 0.28, 16 held-out problems
+PROMPTS, GROUP, LR, CLIP_LOW, CLIP_HIGH, NUM_EVAL = (SHAPE.prompts, SHAPE.group, SHAPE.lr, SHAPE.clip_low,
+                                                     SHAPE.clip_high, SHAPE.num_eval)
+StepRow = GRPOStepRow
 
 
 def tiny_model_dir(cache: Path) -> Path:
@@ -60,22 +61,6 @@ def tiny_model_dir(cache: Path) -> Path:
     from rltrain.models.tiny import build_tiny_model_dir
 
     return build_tiny_model_dir(ModelConfig(cache_dir=str(cache)), seed=0)
-
-
-def prompt_stream(model_dir: Path, total_steps: int) -> list[dict[str, str]]:
-    """The prompts rltrain's GRPO samples, step by step (same split, same seeded stream)."""
-    from rltrain.config.schema import DataConfig
-    from rltrain.data.prompt_data import build_prompt_data
-    from rltrain.data.sampler import IndexStream
-    from rltrain.models.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(model_dir)
-    train, _, _ = build_prompt_data(tok, DataConfig(num_eval=NUM_EVAL), 0)
-    stream = IndexStream(len(train), 0)
-    rows = []
-    for _ in range(total_steps):
-        rows += [{"prompt": train[i].text, "answer": str(train[i].columns["answer"])} for i in stream.take(PROMPTS)]
-    return rows
 
 
 def run_rltrain(model_dir: Path, run_dir: Path, total_steps: int, max_new: int, threads: int) -> list[StepRow]:
@@ -94,60 +79,6 @@ def run_rltrain(model_dir: Path, run_dir: Path, total_steps: int, max_new: int, 
         sys.exit(f"rltrain CLI failed ({done.returncode}):\n{done.stderr[-4000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [r for r in rows if "time/step" in r]
-
-
-def run_trl(model_dir: Path, rows: list[dict[str, str]], total_steps: int, max_new: int, out_dir: Path) -> list[StepRow]:
-    """TRL's GRPOTrainer, transformers-generate path; per-step step/rollout seconds and tokens."""
-    import datasets
-    from transformers import AutoModelForCausalLM, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from rltrain.models.tokenizer import load_tokenizer
-    from rltrain.rewards.builtin import addition_reward
-
-    tok = load_tokenizer(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    steps: list[StepRow] = []
-    rollout = {"s": 0.0, "tokens": 0}
-
-    class StepTimer(TrainerCallback):
-        t0 = 0.0
-
-        def on_step_begin(self, args, state, control, **kw):
-            require_activations_kept(kw["model"])
-            rollout.update(s=0.0, tokens=0)
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            step_s = time.perf_counter() - self.t0
-            steps.append({"time/step": step_s, "time/rollout": rollout["s"], "rollout_tokens": rollout["tokens"]})
-
-    config = GRPOConfig(
-        output_dir=str(out_dir), per_device_train_batch_size=PROMPTS * GROUP, gradient_accumulation_steps=1,
-        num_generations=GROUP, max_completion_length=max_new, temperature=1.0, top_p=1.0, top_k=0,
-        use_vllm=False, beta=0.0, epsilon=CLIP_LOW, epsilon_high=CLIP_HIGH, loss_type="dapo", scale_rewards="group",
-        num_iterations=1, shuffle_dataset=False, max_steps=total_steps, learning_rate=LR,
-        lr_scheduler_type="constant", max_grad_norm=1.0, use_cpu=True, dataloader_num_workers=0, seed=0,
-        bf16=False, fp16=False, gradient_checkpointing=False, logging_steps=10_000, save_strategy="no",
-        report_to=[], disable_tqdm=True,
-    )
-    trainer = GRPOTrainer(
-        model=model, reward_funcs=[addition_reward], args=config, train_dataset=datasets.Dataset.from_list(rows),
-        processing_class=tok, callbacks=[StepTimer()],
-    )
-    silence_trainer(trainer)
-    generate = trainer._generate_single_turn  # timed, not changed: generation is TRL's rollout
-
-    def timed_generate(*args, **kwargs):
-        t0 = time.perf_counter()
-        completion_ids, logprobs = generate(*args, **kwargs)
-        rollout["s"] += time.perf_counter() - t0
-        rollout["tokens"] += sum(len(c) for c in completion_ids)
-        return completion_ids, logprobs
-
-    trainer._generate_single_turn = timed_generate
-    trainer.train()
-    return steps
 
 
 def med(rows: list[StepRow], key: str) -> float:
@@ -181,11 +112,11 @@ def main() -> None:
         cache = Path(tmp) / "cache"
         model_dir = bench_model_dir(cache) if args.model == "bench" else tiny_model_dir(cache)
         n_params = sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_pretrained(model_dir).parameters())
-        rows = prompt_stream(model_dir, total)
+        rows = grpo_prompt_stream(model_dir, total, SHAPE)
         for r in range(args.rounds):
             ours += run_rltrain(model_dir, Path(tmp) / f"rltrain{r}", total, args.max_new_tokens, args.threads)[args.warmup :]
             if with_trl:
-                theirs += run_trl(model_dir, rows, total, args.max_new_tokens, Path(tmp) / f"trl{r}")[args.warmup :]
+                theirs += trl_grpo_steps(model_dir, rows, total, args.max_new_tokens, Path(tmp) / f"trl{r}", SHAPE)[args.warmup :]
 
     ours_step = med(ours, "time/step")
     table = [[

@@ -148,6 +148,34 @@ def test_bench_async_table_puts_each_mode_beside_sync_and_k1_of_its_workload(cap
     assert lines["sync"][-3:] == ["1.00x", "1.25x", "2.00x"], lines
 
 
+def test_bench_moe_table_puts_each_layout_beside_trl(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # its sibling bench_common, as when run as a script
+    bench = _script("bench_moe")
+    step = {"time/step": 2.0, "time/rollout": 1.0, "time/train": 0.5, "tokens_per_s": 1000.0, "rollout/tokens_per_s": 500.0}
+    ours = {"FSDP2, 1 rank": ([step], [1.25]), "megatron ep=2, 2 ranks": ([{**step, "time/step": 4.0}], [1.5, 1.25])}
+    trl = [{"time/step": 8.0, "time/rollout": 6.0, "rollout_tokens": 300.0, "tokens": 4000.0}]
+    rows = {r[0]: r[1:] for r in bench.table_rows(ours, trl, trl_peak_gib=1.0)}
+    assert rows["FSDP2, 1 rank"] == ["2.000", "1.000", "0.500", "1000", "500", "1.25", "0.25"], rows
+    assert rows["megatron ep=2, 2 ranks"][-2:] == ["1.50 / 1.25", "0.50"], rows  # each rank's peak; step over TRL's
+    assert rows["TRL GRPOTrainer (use_vllm=False)"] == ["8.000", "6.000", "2.000", "500", "50", "1.00", "1.00"], rows
+    alone = {r[0]: r[-1] for r in bench.table_rows(ours, [], trl_peak_gib=0.0)}  # without TRL: over the first row
+    assert alone == {"FSDP2, 1 rank": "1.00", "megatron ep=2, 2 ranks": "2.00"}, alone
+
+
+@pytest.mark.slow
+def test_bench_moe_runs_fsdp_and_expert_parallel_megatron_beside_trl():
+    """bench_moe.py at its smallest: a CLI run per layout (one rank under FSDP2, two under megatron
+    ep=2) and TRL's GRPOTrainer, each row with positive timings and each rank's peak memory."""
+    proc = python("scripts/bench_moe.py", "--rows", "fsdp,ep2", "--steps", "1", "--warmup", "0",
+                  "--max-new-tokens", "4", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _table_rows(proc.stdout, "FSDP2, 1 rank", "megatron ep=2, 2 ranks", "TRL GRPOTrainer (use_vllm=False)")
+    assert len(rows) == 3, proc.stdout
+    assert all(float(cells[0]) > 0 and float(cells[3]) > 0 for cells in rows.values()), rows
+    ep2 = rows["megatron ep=2, 2 ranks"]  # step, rollout, train, tok/s, rollout tok/s, peak / peak, ratio
+    assert len(ep2) == 9 and ep2[6] == "/" and float(ep2[5]) > 0.1 and float(ep2[7]) > 0.1, ep2
+
+
 def _table_rows(stdout: str, *names: str) -> dict[str, list[str]]:
     """The cells after each named row's label, keyed by label."""
     return {name: line[len(name):].split() for line in stdout.splitlines() for name in names if line.startswith(name)}

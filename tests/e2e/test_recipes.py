@@ -60,13 +60,17 @@ STAND_IN_RUNS = {
                            "model.sft_steps=10", *SMALL_MODEL, "trainer.log_every=1"],
     "agent_calculator": [*CPU, "trainer.max_steps=2", "algo.prompts_per_step=2", "algo.group_size=2", "data.num_eval=4",
                          "model.sft_steps=10", *SMALL_MODEL, "trainer.log_every=1"],
+    # The tiny MoE with router replay: a 10-step SFT start of the tiny MoE stands in for the recipe's.
+    "grpo_moe": [*CPU, "trainer.max_steps=2", "algo.prompts_per_step=2", "algo.group_size=2", "data.num_eval=4",
+                 "model.sft_steps=10", "trainer.log_every=1"],
 }
 # Recipes whose run adds no mechanism to `make test` (it is run elsewhere at its cheapest level): their
 # stand-in runs are `slow`; every recipe still composes and passes the run's checks in `make test`.
 RUN_ELSEWHERE = {
     "agent_calculator": "tests/e2e/test_cli_agent.py", "dr_grpo": "tests/unit/algos (the objective)",
     "grpo_calculator": "tests/e2e/test_cli_env.py", "grpo_code": "tests/e2e/test_cli_code_reward.py",
-    "grpo_vision": "tests/e2e/test_cli_vision_rl.py", "grpo_reasoning_gym": "tests/e2e/test_cli_ecosystems.py", "gspo": "tests/unit/algos (the objective)",
+    "grpo_moe": "tests/e2e/test_cli_moe.py (GRPO with router replay)", "grpo_reasoning_gym": "tests/e2e/test_cli_ecosystems.py",
+    "grpo_vision": "tests/e2e/test_cli_vision_rl.py", "gspo": "tests/unit/algos (the objective)",
     "kto_unpaired": "tests/e2e/test_cli_kto.py", "simpo_ultrafeedback": "dpo_ultrafeedback's run (the same data)",
 }
 # Recipes named by the objective their algorithm runs (`+experiment=gspo` is algo=grpo with GSPO's loss).
@@ -179,5 +183,7 @@ def test_each_recipe_runs_offline_on_its_stand_ins(stand_ins, tmp_path, name):
         assert all(0.0 <= r["reward/exact_match"] <= 1.0 and r["rollout/logprob_diff_max"] < 1e-3 for r in rows)
     if name == "grpo_code":  # the functions run against their hidden asserts in the sandbox
         assert all(r["reward/code_pass_rate"] == r["reward/tests_pass"] and r["reward/timeouts"] == 0.0 for r in rows)
+    if name == "grpo_moe":  # sampled by the transformers engine, whose routing every trainer forward replays
+        assert all(0.9 <= r["moe/router_agreement"] <= 1.0 and r["rollout/logprob_diff_max"] < 1e-3 for r in rows)
     if name == "agent_calculator":  # episodes played by the OpenAI-client agent, scored by what it returns
         assert all(r["env/turns_mean"] >= 1.0 and r["env/errors"] == 0.0 and 0.0 <= r["reward/env"] <= 1.0 for r in rows)
