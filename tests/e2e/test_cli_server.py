@@ -80,7 +80,8 @@ AGENT = ["env=agent", "env.agent=openai_agent:run", "env.workers=2", "data.num_e
 
 
 @on_session_servers
-@pytest.mark.parametrize("overrides", [pytest.param([], id="grpo"), pytest.param(AGENT, id="agent")])
+# Plain GRPO is `slow`: env=agent's run is GRPO over the same servers, with the agents' endpoint beside it.
+@pytest.mark.parametrize("overrides", [pytest.param([], id="grpo", marks=pytest.mark.slow), pytest.param(AGENT, id="agent")])
 def test_two_trainer_ranks_over_two_servers_one_step_ahead(rollout_servers, tmp_path, overrides):
     """With env=agent every call of every episode of step t's batch is sampled by version
     max(0, t - 2) (the completions' versions, as the servers report them), the batch played whole

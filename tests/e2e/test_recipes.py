@@ -71,6 +71,8 @@ RUN_ELSEWHERE = {
     "grpo_calculator": "tests/e2e/test_cli_env.py", "grpo_code": "tests/e2e/test_cli_code_reward.py",
     "grpo_moe": "tests/e2e/test_cli_moe.py (GRPO with router replay)", "grpo_reasoning_gym": "tests/e2e/test_cli_ecosystems.py",
     "grpo_vision": "tests/e2e/test_cli_vision_rl.py", "gspo": "tests/unit/algos (the objective)",
+    "judge_then_grpo": "tests/unit/rewards/test_judge.py and test_tiny_judge.py (the judge's calls, its training rows); "
+                       "tests/e2e/test_cli_server.py (a server the run spawns)",
     "kto_unpaired": "tests/e2e/test_cli_kto.py", "simpo_ultrafeedback": "dpo_ultrafeedback's run (the same data)",
 }
 # Recipes named by the objective their algorithm runs (`+experiment=gspo` is algo=grpo with GSPO's loss).
