@@ -12,7 +12,6 @@ question text. docs/environments.md, "reasoning-gym".
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import random
 from collections.abc import Mapping
@@ -20,21 +19,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from rltrain.config.plain_values import plain
-from rltrain.runtime.errors import UserError
+from rltrain.runtime.errors import UserError, require_extra
 
-INSTALL = ".venv/bin/python -m pip install 'reasoning-gym==0.1.25'"
+INSTALL = "reasoning-gym==0.1.25"
 RLTRAIN_KEYS = ("name", "weight", "eval_size")  # an entry's keys that are ours; the rest go to the generator
 EVAL_SEED_OFFSET = 1_000_003  # a task's held-out generator seed: its training seed plus this (or data.eval_seed)
 
 
 def require_reasoning_gym() -> None:
     """One paragraph naming the install command when the package is missing."""
-    if importlib.util.find_spec("reasoning_gym") is None:
-        raise UserError(
-            "data=reasoning_gym needs the reasoning-gym package, which is not installed in this environment. "
-            f"Install it with `{INSTALL}` (the rltrain[reasoning-gym] extra; `make install` installs it), "
-            "or choose other data."
-        )
+    require_extra("reasoning_gym", "data=reasoning_gym needs the reasoning-gym package", INSTALL, "reasoning-gym", "choose other data")
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,10 @@ The trackers and their pip requirements: rltrain.run.trackers (docs/trackers.md)
 
 from __future__ import annotations
 
-import importlib.util
 from typing import get_args
 
 from rltrain.config.schema import Config, TrackerName
-from rltrain.runtime.errors import UserError
+from rltrain.runtime.errors import UserError, require_extra
 
 
 def validate_trackers(cfg: Config) -> None:
@@ -22,9 +21,4 @@ def validate_trackers(cfg: Config) -> None:
         raise UserError(f"logger.backends={backends} names a tracker twice: name each once.")
     for name in backends:
         spec = TRACKERS[name]
-        if importlib.util.find_spec(spec.module) is None:
-            raise UserError(
-                f"logger.backends names {name}, which is not installed in this environment ({spec.module} cannot be "
-                f"imported). Install it with `.venv/bin/python -m pip install '{spec.install}'` (the rltrain[{name}] "
-                f"extra; `make install` installs every tracker), or leave {name} out of logger.backends."
-            )
+        require_extra(spec.module, f"logger.backends names {name}", spec.install, name, f"leave {name} out of logger.backends")

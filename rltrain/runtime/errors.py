@@ -9,6 +9,7 @@ them: docs/internals/runtime.md; what a user sees: docs/failure-behaviour.md.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import sys
 import traceback
@@ -20,6 +21,16 @@ EXIT_USER_ERROR = 2
 class UserError(Exception):
     """Bad config, a missing file or column, an input the run cannot use. The message names the
     problem and the fix; the entry point prints it and exits with status 2."""
+
+
+def require_extra(module: str, needed_by: str, pin: str, extra: str, otherwise: str) -> None:
+    """An optional extra (pyproject) a run names but this environment lacks: one paragraph with the
+    command that installs it, before anything is built, instead of an ImportError mid-run."""
+    if importlib.util.find_spec(module) is None:
+        raise UserError(
+            f"{needed_by}, which is not installed in this environment ({module} cannot be imported). Install it with "
+            f"`.venv/bin/python -m pip install '{pin}'` (the rltrain[{extra}] extra; `make install` installs it), or {otherwise}."
+        )
 
 
 def _errors_dir(run_dir: Path) -> Path:

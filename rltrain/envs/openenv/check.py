@@ -4,11 +4,9 @@ or an Action the reply cannot fill is one paragraph in seconds; and what the wor
 
 from __future__ import annotations
 
-import importlib.util
-
 from rltrain.config.group_options import EnvConfig
 from rltrain.envs.user_env import Hosting
-from rltrain.runtime.errors import UserError
+from rltrain.runtime.errors import UserError, require_extra
 from rltrain.runtime.user_code import load_callable
 
 ADVANCE = "rltrain.envs.openenv.episode:advance"
@@ -17,12 +15,7 @@ INSTALL = "openenv-core==0.3.0"
 
 def require_openenv() -> None:
     """The package is an optional extra (rltrain[openenv]): not installed is a UserError with its install command."""
-    if importlib.util.find_spec("openenv") is None:
-        raise UserError(
-            "env=openenv needs OpenEnv, which is not installed in this environment (`openenv` cannot be imported). "
-            f"Install it with `.venv/bin/python -m pip install '{INSTALL}'` (the rltrain[openenv] extra; `make install` "
-            "installs it), or choose another env."
-        )
+    require_extra("openenv", "env=openenv needs OpenEnv", INSTALL, "openenv", "choose another env")
 
 
 def check_openenv(env: EnvConfig) -> None:

@@ -10,20 +10,16 @@ import importlib.util
 import re
 from pathlib import Path
 
-from rltrain.runtime.errors import UserError
+from rltrain.runtime.errors import UserError, require_extra
 
-INSTALL = ".venv/bin/python -m pip install 'textarena==0.7.4'"
+INSTALL = "textarena==0.7.4"
 NLTK_DOWNLOAD = re.compile(r"nltk\.download\(\s*(\[[^\]]*\]|['\"][^'\"]+['\"])")
 NLTK_KINDS = ("corpora", "taggers", "tokenizers", "chunkers", "misc", "models", "grammars", "stemmers", "help", "sentiment")
 HELPERS = ("textarena.envs.utils.word_lists",)  # modules of the package a game may import that download too
 
 
 def require_textarena() -> None:
-    if importlib.util.find_spec("textarena") is None:
-        raise UserError(
-            "env=textarena needs the textarena package, which is not installed in this environment. Install it with "
-            f"`{INSTALL}` (the rltrain[textarena] extra; `make install` installs it), or choose another env."
-        )
+    require_extra("textarena", "env=textarena needs the textarena package", INSTALL, "textarena", "choose another env")
 
 
 def _spec(game: str):
