@@ -1,6 +1,6 @@
 """`backend.cp=2` against `backend.cp=1` on the same 2 gloo ranks and the same batches, in fp32:
-log-probabilities, entropies, critic values, losses, gradient norms and updated weights within
-1e-5, over ragged rows (shorter than cp, odd lengths, longer than the output head's chunk) in each
+log-probabilities, entropies, critic values, losses, gradient norms and every element of each
+step's gradients within 1e-5 (the updated weights within 1e-4: AdamW's step is about lr x sign), over ragged rows (shorter than cp, odd lengths, longer than the output head's chunk) in each
 layout a micro-batch can take (one rectangle, shared-prompt rows, one padding-free row), with
 LoRA and with gradient checkpointing. At cp=1 both ranks are replicas holding the same batches
 (the losses are normalised by the global count, so the step is the single-replica one); at cp=2
@@ -63,9 +63,27 @@ def _run(rank: int, world: int, model_dir, cp: int, padding_free: bool, lora: bo
     outs = engine.forward_logps(mbs, with_entropy=True)
     logps = [o.logps.values for o in outs]
     entropy = [o.entropy.values for o in outs]
+    grads = _recorded_gradients(engine)
     metrics = [engine.train_step(mbs, sft_loss, with_entropy=True) for _ in range(2)]
     params = torch.cat([t.flatten().float() for _, t in sorted(engine.export_weights())])
-    return logps, entropy, metrics, params, widths, _critic(model_dir, backend, mbs)
+    return logps, entropy, metrics, grads, params, widths, _critic(model_dir, backend, mbs)
+
+
+def _recorded_gradients(engine) -> list[torch.Tensor]:
+    """Every trained parameter's whole gradient as the optimizer is about to use it, each step (the
+    FSDP2 shards gathered: every rank calls this in the same order)."""
+    from torch.distributed.tensor import DTensor
+
+    grads: list[torch.Tensor] = []
+    step = engine.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        params = [p for group in engine.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grads.append(torch.cat([(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).flatten().float() for p in params]))
+        return step(*args, **kwargs)
+
+    engine.optimizer.step = recording_step
+    return grads
 
 
 def _critic(model_dir, backend, mbs):
@@ -83,11 +101,14 @@ def _critic(model_dir, backend, mbs):
 
 
 def _compare(cp1, cp2):
-    for (logps, entropy, metrics, params, widths, critic), want_all in zip(cp2, cp1, strict=True):
-        w_logps, w_entropy, w_metrics, w_params, w_widths, w_critic = want_all
+    for (logps, entropy, metrics, grads, params, widths, critic), want_all in zip(cp2, cp1, strict=True):
+        w_logps, w_entropy, w_metrics, w_grads, w_params, w_widths, w_critic = want_all
         # every model call of cp=2 ran half of the row (padded to even): the split happened
         assert widths == [-(-w // 2) for w in w_widths] and max(widths) > 45
         for got, want in zip(logps + entropy + critic[0], w_logps + w_entropy + w_critic[0], strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=TOL)
+        assert len(grads) == len(w_grads) == 2
+        for got, want in zip(grads, w_grads, strict=True):  # each step's gradients, element by element
             torch.testing.assert_close(got, want, rtol=0, atol=TOL)
         for got, want in zip([*metrics, critic[1]], [*w_metrics, w_critic[1]], strict=True):
             assert got.keys() == want.keys()
