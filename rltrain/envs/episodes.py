@@ -27,6 +27,7 @@ from rltrain.rewards.scoring import Failures
 from rltrain.rollout.base import Completion, SamplingSettings
 from rltrain.rollout.control_wire import completions_from_json, completions_to_json
 from rltrain.rollout.images import PromptImages
+from rltrain.runtime.errors import UserError
 
 TURN_SEED_STRIDE = 100_003  # each turn samples with its own seed
 # The engine's call: prompts' ids, the sampling, each prompt's images.
@@ -251,3 +252,16 @@ class EpisodeRunner:
 
     def close(self) -> None:
         self.steps.close()
+
+
+def check_failed_episodes(episodes: list[Episode], what: str, timeout_s: float | None, max_failure_frac: float, fix: str) -> None:
+    """An environment that fails more of a rank's episodes than `reward.max_failure_frac` stops the
+    run in one paragraph (below it, each failure costs its own episode: docs/environments.md)."""
+    failed = [e for e in episodes if e.failure is not None]
+    if len(failed) > max_failure_frac * len(episodes):
+        timeouts = sum(e.failure == "timeout" for e in failed)
+        raise UserError(
+            f"{what} failed on {len(failed)} of this rank's {len(episodes)} episodes "
+            f"({timeouts} timed out after env.timeout_s={timeout_s}, {len(failed) - timeouts} raised), more than "
+            f"reward.max_failure_frac={max_failure_frac:g}. {fix}"
+        )

@@ -15,7 +15,7 @@ from typing import Any
 
 from rltrain.config.group_options import EnvConfig
 from rltrain.config.schema import RewardConfig
-from rltrain.envs.episodes import Episode
+from rltrain.envs.episodes import Episode, check_failed_episodes
 from rltrain.envs.observations import ObservationRenderer
 from rltrain.envs.wire import from_wire
 from rltrain.runtime.call_pool import Call, CallPool, CallResult
@@ -61,15 +61,8 @@ class HostedEnvironments:
         self._advance(episodes, "step", deadline)
 
     def check(self, episodes: list[Episode]) -> None:
-        failed = [e for e in episodes if e.failure is not None]
-        if len(failed) > self.reward_cfg.max_failure_frac * len(episodes):
-            timeouts = sum(e.failure == "timeout" for e in failed)
-            raise UserError(
-                f"the environment {self.hosting.name!r} failed on {len(failed)} of this rank's {len(episodes)} episodes "
-                f"({timeouts} timed out after env.timeout_s={self.timeout_s}, {len(failed) - timeouts} raised), more than "
-                f"reward.max_failure_frac={self.reward_cfg.max_failure_frac:g}. Fix it, or raise env.timeout_s or "
-                "reward.max_failure_frac."
-            )
+        check_failed_episodes(episodes, f"the environment {self.hosting.name!r}", self.timeout_s, self.reward_cfg.max_failure_frac,
+                              "Fix it, or raise env.timeout_s or reward.max_failure_frac.")
 
     def close(self) -> None:
         self.pool.close()

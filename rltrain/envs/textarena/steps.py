@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from rltrain.config.group_options import TextArenaEnvConfig
 from rltrain.config.schema import RewardConfig
-from rltrain.envs.episodes import Episode
+from rltrain.envs.episodes import Episode, check_failed_episodes
 from rltrain.envs.observations import ObservationRenderer
 from rltrain.runtime.call_pool import Call, CallPool, CallResult
 from rltrain.runtime.errors import UserError
@@ -101,15 +101,8 @@ class TextArenaGames:
         self._advance(list({g.key: g for g in games}.values()), deadline)
 
     def check(self, episodes: list[Episode]) -> None:
-        failed = [e for e in episodes if e.failure is not None]
-        if len(failed) > self.reward_cfg.max_failure_frac * len(episodes):
-            timeouts = sum(e.failure == "timeout" for e in failed)
-            raise UserError(
-                f"the TextArena game {self.cfg.game!r} failed on {len(failed)} of this rank's {len(episodes)} episodes "
-                f"({timeouts} timed out after env.timeout_s={self.timeout_s}, {len(failed) - timeouts} raised), more than "
-                f"reward.max_failure_frac={self.reward_cfg.max_failure_frac:g}. Check the game (and env.opponent), or raise "
-                "env.timeout_s or reward.max_failure_frac."
-            )
+        check_failed_episodes(episodes, f"the TextArena game {self.cfg.game!r}", self.timeout_s, self.reward_cfg.max_failure_frac,
+                              "Check the game (and env.opponent), or raise env.timeout_s or reward.max_failure_frac.")
 
     def close(self) -> None:
         self.pool.close()
