@@ -113,8 +113,8 @@ SEPARATE_ENGINE = pytest.mark.xdist_group("separate_engine")  # its cleanup is c
 @pytest.mark.parametrize("rollout, backend", [
     (["rollout=vllm"], "fsdp"),
     pytest.param(["rollout=vllm"], "megatron", marks=pytest.mark.slow),
-    pytest.param(["rollout=vllm", "rollout.process=separate"], "fsdp", marks=[SEPARATE_ENGINE, pytest.mark.slow]),
-    pytest.param(["rollout=vllm", "rollout.process=separate"], "megatron", marks=SEPARATE_ENGINE),
+    pytest.param(["rollout=vllm", "rollout.process=separate"], "fsdp", marks=SEPARATE_ENGINE),
+    pytest.param(["rollout=vllm", "rollout.process=separate"], "megatron", marks=[SEPARATE_ENGINE, pytest.mark.slow]),
     pytest.param(["rollout=hf"], "fsdp", marks=pytest.mark.slow),
     (["rollout=hf"], "megatron"),
 ], ids=["vllm-fsdp", "vllm-megatron", "separate-fsdp", "separate-megatron", "hf-fsdp", "hf-megatron"])

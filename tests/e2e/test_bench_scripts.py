@@ -204,6 +204,9 @@ def test_the_cpu_benchmarks_print_rltrain_beside_trl(script, args, ours):
     assert float(rows[ours][-1].rstrip("x")) > 0, rows
 
 
+# slow: the benchmarks' shared table code runs in make test through bench_sft and bench_dpo; LoRA's training
+# runs in test_cli_lora.py.
+@pytest.mark.slow
 def test_bench_lora_prints_full_and_lora_with_their_ratios():
     proc = python("scripts/bench_lora.py", "--model", "small", "--only", "sft", "--warmup", "0", "--threads", "1",
                   "--port", str(free_port()), timeout=600)

@@ -83,8 +83,9 @@ def test_a_checkpoint_of_another_layout_is_refused_on_every_rank(shared_runs, tm
 @pytest.mark.parametrize(
     "shared, kill_at, steps",
     # GRPO on the transformers engine is `slow`: what resumes (the prompt stream, the sampling seeds) is
-    # the engine's caller's, the same as on vLLM.
-    [(DPO_RUN, "step_00000002", 6), (GRPO_RUN, "step_00000002", 4),
+    # the engine's caller's, the same as on vLLM. DPO is `slow`: what resumes (weights, optimizer, data
+    # position) is the trainer's, as SFT's in test_cli_sft.py.
+    [pytest.param(DPO_RUN, "step_00000002", 6, marks=pytest.mark.slow), (GRPO_RUN, "step_00000002", 4),
      pytest.param(GRPO_HF_RUN, "step_00000002", 4, marks=pytest.mark.slow)],
     ids=["dpo", "grpo-vllm", "grpo-hf"],
 )

@@ -45,6 +45,9 @@ def test_grpo_trains_on_multi_turn_episodes_on_two_ranks(env_run):
     assert evals and all("eval/accuracy" not in r and 0.0 <= r["eval/success"] <= 1.0 for r in evals)
 
 
+# slow: an episode batch's checkpoint round trip is tests/unit/envs/test_agent.py's, a killed run's resume
+# test_cli_sft.py's and test_cli_async.py's, all in make test.
+@pytest.mark.slow
 def test_a_multi_turn_run_killed_after_its_first_step_resumes_to_the_uninterrupted_result(env_run, tmp_path):
     """The environments live for one step: the resumed run starts step 2 with new ones, and every
     row (rewards, turns, losses) equals the uninterrupted run's."""

@@ -75,6 +75,9 @@ def test_kto_on_megatron_data_parallel(tiny_cache, tmp_path):
     assert rows[0]["examples"] == 8.0 and rows[2]["loss"] != rows[0]["loss"]
 
 
+# slow: a LoRA reference scored with the adapters off is test_cli_lora.py's DPO, KTO on several ranks
+# test_kto_on_megatron_data_parallel, both in make test.
+@pytest.mark.slow
 def test_lora_kto_on_two_ranks_scores_its_reference_with_the_adapters_off(tiny_cache, tmp_path):
     run_dir = tmp_path / "run"
     rltrain("algo=kto", "model.lora.rank=8", "model.lora.alpha=16", "optim.lr=1e-2", "optim.warmup_steps=0",

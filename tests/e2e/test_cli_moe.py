@@ -68,7 +68,8 @@ def test_grpo_on_the_tiny_moe_with_each_engine(engine, tiny_cache, tmp_path):
         assert all(0.9 <= r["moe/router_agreement"] <= 1.0 for r in train_rows(run_dir))
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+# One rank is `slow`: two ranks replay each rank's own record, a superset.
+@pytest.mark.parametrize("nproc", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_grpo_on_the_tiny_moe_replays_the_transformers_engines_routing(nproc, tiny_cache, tmp_path):
     """algo.router_replay=true (docs/moe.md, "Router replay"): every trainer forward routes the sampled
     tokens as the engine did, on one rank and on two data-parallel ranks; parity holds and the

@@ -30,6 +30,9 @@ def kto_run(image_data, run_dir, nproc: int) -> list[dict]:
     return read_metrics(run_dir)
 
 
+# slow: images riding with their rows through rank slices run in test_cli_vision.py's two-rank DPO in make
+# test; KTO on two ranks in test_cli_kto.py.
+@pytest.mark.slow
 def test_kto_on_images_with_lora_is_the_same_on_one_rank_and_two(tiny_cache, image_data, tmp_path):
     one, two = kto_run(image_data, tmp_path / "one", 1), kto_run(image_data, tmp_path / "two", 2)
     rows_one, rows_two = [r for r in one if "loss" in r], [r for r in two if "loss" in r]
@@ -47,6 +50,9 @@ def test_kto_on_images_with_lora_is_the_same_on_one_rank_and_two(tiny_cache, ima
     assert [r["step"] for r in evals] == [0, 2]
 
 
+# slow: resume after SIGKILL with batches in flight is test_cli_async.py's, images through vLLM
+# test_cli_vision.py's, both in make test.
+@pytest.mark.slow
 def test_ppo_on_images_generating_ahead_resumes_after_sigkill_to_the_uninterrupted_run(tiny_cache, image_data, tmp_path):
     args = ["algo=ppo", "model=tiny_vl", f"data.path={image_data / 'prompts.jsonl'}", "reward.fns=[spread_reward:spread]",
             "algo.prompts_per_step=4", "algo.group_size=2", "trainer.max_steps=3", "trainer.save_every=1",

@@ -69,6 +69,9 @@ def test_user_error_on_rank_1_is_reported_once_with_exit_2(tiny_cache, tmp_path,
     assert proc.stderr.count("rltrain: error") == 1
 
 
+# slow: one rank's user error reported once is test_user_error_on_rank_1_is_reported_once_with_exit_2 (local
+# ranks), torchrun's ranks test_launch_elastic.py's, both in make test.
+@pytest.mark.slow
 def test_user_error_on_rank_1_under_torchrun(tiny_cache, tmp_path, rewards):
     import os
     import subprocess

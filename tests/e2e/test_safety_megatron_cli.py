@@ -60,6 +60,9 @@ def test_tp2_loss_error_is_agreed_and_nan_grad_skips_without_advancing_the_lr(ti
     assert _final_weights_finite(run_dir)
 
 
+# slow: fail-fast's bounded exit is test_safety_cli.py's, the tp ranks' agreement on a loss error
+# test_tp2_loss_error_is_agreed_and_nan_grad_skips_without_advancing_the_lr, both in make test.
+@pytest.mark.slow
 def test_fail_fast_loss_error_exits_non_zero_in_bounded_time(tiny_cache, tmp_path):
     run_dir = tmp_path / "run"
     t0 = time.monotonic()

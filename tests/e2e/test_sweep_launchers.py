@@ -29,6 +29,9 @@ def _task_logs(sweep) -> str:
     return "\n".join(f"== {p.name}\n{p.read_text(errors='replace')[-2000:]}" for p in logs) or "no task logs"
 
 
+# slow: submitit's rank wiring runs on real stores in tests/unit/launch/test_submitit_ranks.py and a sweep's
+# failed point in test_sweep.py, both in make test.
+@pytest.mark.slow
 def test_submitit_sweep_of_two_rank_jobs_records_a_failed_point(tiny_cache, tmp_path):
     sweep = tmp_path / "sweep"
     # optim.lr=-1 fails validation in its job (a UserError, exit status 2); the other job trains.

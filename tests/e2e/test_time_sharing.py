@@ -62,7 +62,8 @@ def _numbers(rows: list[dict]) -> list[tuple[float, float]]:
     return [(r["loss"], r["reward/mean"]) for r in rows]
 
 
-@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+# FSDP is `slow`: test_cli_ppo.py's time-sharing run (FSDP, with a critic) is a superset, in make test.
+@pytest.mark.parametrize("backend", [pytest.param("fsdp", marks=pytest.mark.slow), "megatron"])
 def test_time_sharing_changes_no_number(run, backend):
     plain = run(backend) if backend == "fsdp" else run(backend, "placement.time_sharing=false")
     shared = run(backend, "placement.time_sharing=true")

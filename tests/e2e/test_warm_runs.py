@@ -74,6 +74,9 @@ def test_an_environment_a_preloaded_library_reads_runs_cold(tiny_cache, tmp_path
     assert with_path is not None and with_path.returncode == 0, with_path
 
 
+# slow: every multi-rank run in make test goes through warm ranks; a warm run's console and exit equal a cold
+# one's in test_a_warm_run_prints_and_exits_as_a_cold_one.
+@pytest.mark.slow
 def test_warm_ranks_are_forked_from_the_rank_server_and_train_as_cold_ones(tmp_path):
     """The ranks of a warm 2-rank run come from the rank server (tests/rank_server.py) and log the
     numbers of a cold run of the same command (no rank server: its ranks fresh interpreters). The
@@ -88,6 +91,8 @@ def test_warm_ranks_are_forked_from_the_rank_server_and_train_as_cold_ones(tmp_p
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in warm] == [(r["step"], r["loss"], r["grad_norm"]) for r in cold]
 
 
+# slow: every one-rank vLLM run in make test is forked so, and checks its own rollout/trainer parity.
+@pytest.mark.slow
 def test_a_run_that_builds_its_vllm_engine_is_forked_from_the_vllm_server_and_trains_as_without_it(tiny_cache, tmp_path):
     """A 1-rank GRPO run builds its vLLM engine in its own process: it is forked from the rank
     server's vLLM server (tests/rank_server.py), which has imported vLLM's engine modules, and logs

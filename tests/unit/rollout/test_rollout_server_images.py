@@ -18,6 +18,9 @@ SAMPLING = SamplingSettings(n=2, max_new_tokens=6, seed=5)
 TOL = 1e-3
 
 
+# slow: a cold vLLM server of its own. In make test: the image content parts' encoding
+# (test_rollout_images.py), vLLM's parity with images (test_rollout_vision.py) and the server push.
+@pytest.mark.slow
 def test_server_fleet_with_images(tiny_vl_dir, tmp_path):
     from transformers import Qwen2VLForConditionalGeneration
 
