@@ -1,7 +1,8 @@
 """Router replay on megatron (rltrain/backends/megatron/router_replay.py; docs/moe.md, "Router
-replay") on 2 gloo ranks: in `make test` at (tp, pp, ep) = (1, 1, 2) and (1, 2, 1) with activation
-checkpointing (1F1B recomputes a micro-batch after the next one's forward), in `slow` at (1, 1, 1)
-and (2, 1, 2).
+replay") on 2 gloo ranks: in `make test` a tiny Qwen3-MoE at (tp, pp, ep) = (1, 1, 2) and (1, 2, 1)
+with activation checkpointing (1F1B recomputes a micro-batch after the next one's forward); in
+`slow` at (1, 1, 1) and (2, 1, 2), and a tiny Qwen2-MoE (gate weights not renormalised) at
+(1, 1, 2).
 
 The record is what the transformers engine returns: Hugging Face's own top-k at the position that
 sampled each completion token. (a) Replaying it gives bitwise the log-probabilities, loss and
@@ -9,7 +10,8 @@ gradients of no record, and an agreement of 1.0 (so each token's record reached 
 megatron routes it at, through ep's dispatch, tp and the stages). (b) A record of other experts
 changes the log-probabilities, which then equal, with every gradient (the router's through the
 replayed gate weights), those of Hugging Face replaying it as the FSDP engine does (1e-5); the
-agreement reads 0.0, also with replay off, which then changes nothing.
+agreement reads 0.0 with replay off, which then changes nothing, and at most 0.5 with replay on
+(the first layer's 0.0; the second layer's own choice follows hidden states the replay moved).
 """
 
 from __future__ import annotations
@@ -29,15 +31,20 @@ VOCAB, EXPERTS, TOPK, LAYERS = 96, 8, 2, 2
 OPTIM = dict(lr=1e-2, weight_decay=0.0, warmup_steps=0, schedule="constant", max_grad_norm=0.0)
 
 
-def _moe_dir(path: Path) -> Path:
-    """A tiny Qwen3-MoE, its routers' weights drawn large (decisive routing: no near ties)."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+def _moe_dir(path: Path, family: str) -> Path:
+    """A tiny Qwen3-MoE (top-k renormalised) or Qwen2-MoE (not renormalised; a shared expert), its
+    routers' weights drawn large (decisive routing: no near ties)."""
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
 
-    config = Qwen3MoeConfig(
+    shape = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=LAYERS,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=32, num_experts=EXPERTS, num_experts_per_tok=TOPK,
+        num_attention_heads=2, num_key_value_heads=2, num_experts=EXPERTS, num_experts_per_tok=TOPK,
         max_position_embeddings=64, tie_word_embeddings=False,
     )
+    if family == "qwen3_moe":
+        config = Qwen3MoeConfig(**shape, head_dim=32)
+    else:
+        config = Qwen2MoeConfig(**shape, shared_expert_intermediate_size=48, norm_topk_prob=False)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -207,7 +214,8 @@ def _check(layout: tuple[int, int, int], res: dict, hf_logps: torch.Tensor, hf_g
     # (b) other experts: other outputs, those of Hugging Face replaying the same record (the router's
     # gradient through the replayed gate weights included); replay off measures and changes nothing
     assert (res["logps_other"] - res["logps_plain"]).abs().max() > 1e-2, layout
-    assert res["metrics_other"]["moe/router_agreement"] == 0.0, layout
+    # the first layer agrees nowhere; the second's own choice follows the first's replay (by chance)
+    assert res["metrics_other"]["moe/router_agreement"] <= 0.5, layout
     expected = hf_logps if tp * pp > 1 else (hf_logps[:split] if res["dp"] == 0 else hf_logps[split:])
     torch.testing.assert_close(res["logps_other"], expected, atol=1e-5, rtol=0)
     assert set(res["grads_other"]) == set(hf_grads)
@@ -219,14 +227,15 @@ def _check(layout: tuple[int, int, int], res: dict, hf_logps: torch.Tensor, hf_g
 
 
 @pytest.mark.parametrize(
-    "layouts",
+    "family, layouts",
     [
-        pytest.param([(1, 1, 2), (1, 2, 1)], id="ep2-pp2"),
-        pytest.param([(1, 1, 1), (2, 1, 2)], id="ep1-tp2ep2", marks=pytest.mark.slow),
+        pytest.param("qwen3_moe", [(1, 1, 2), (1, 2, 1)], id="ep2-pp2"),
+        pytest.param("qwen3_moe", [(1, 1, 1), (2, 1, 2)], id="ep1-tp2ep2", marks=pytest.mark.slow),
+        pytest.param("qwen2_moe", [(1, 1, 2)], id="qwen2_moe-ep2", marks=pytest.mark.slow),
     ],
 )
-def test_megatron_replays_the_recorded_experts(layouts, tmp_path: Path) -> None:
-    model_dir = _moe_dir(tmp_path / "moe")
+def test_megatron_replays_the_recorded_experts(family, layouts, tmp_path: Path) -> None:
+    model_dir = _moe_dir(tmp_path / "moe", family)
     by_rank = run_ranks(_worker, str(model_dir), layouts, nproc=2, timeout_s=300, pg_timeout_s=20)
     hf_logps, hf_grads = _hf_replayed(model_dir, shift=1)
     split = sum(b.num_completion_tokens for b in _batches(0))
