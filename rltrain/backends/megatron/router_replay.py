@@ -99,15 +99,15 @@ class MegatronRouterReplay:
         return self._experts_NLK[:, layer] if self._experts_NLK is not None else None
 
     def count(self, layer: int, same_N: torch.Tensor, has_N: torch.Tensor) -> None:
-        # keyed by micro-batch and layer: a recompute in the backward writes the same counts again
-        counts = torch.stack([same_N.sum(), has_N.sum()]).to("cpu", torch.float64)
-        self._counts[(self._micro_batch, layer)] = counts
+        # keyed by micro-batch and layer: a recompute in the backward writes the same counts again;
+        # kept on the device until `agreement` (one copy to the host per pass, not one per layer)
+        self._counts[(self._micro_batch, layer)] = torch.stack([same_N.sum(), has_N.sum()])
 
     def agreement(self) -> torch.Tensor:
         """[agreed, recorded] over this stage's layers and the micro-batches since `begin()`."""
         if not self._counts:
             return torch.zeros(2, dtype=torch.float64)
-        return torch.stack(list(self._counts.values())).sum(0)
+        return torch.stack(list(self._counts.values())).sum(0).to("cpu", torch.float64)
 
 
 def recorded_experts(batch: SequenceBatch, mb: PaddedMicroBatch) -> torch.Tensor | None:
