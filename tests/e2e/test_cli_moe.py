@@ -81,6 +81,16 @@ def test_grpo_on_the_tiny_moe_replays_the_transformers_engines_routing(nproc, ti
     assert all(0.9 <= r["moe/router_agreement"] <= 1.0 for r in train_rows(run_dir))
 
 
+def test_grpo_on_megatron_with_expert_parallelism_replays_the_transformers_engines_routing(tiny_cache, tmp_path):
+    """algo.router_replay=true on backend=megatron backend.ep=2 (2 ranks, each its own tokens through
+    the all-to-all; docs/moe.md, "Router replay"): parity every step in fp32, the agreement logged."""
+    run_dir = tmp_path / "run"
+    rltrain(*MOE_GRPO, "model=tiny_moe", "rollout=hf", "algo.router_replay=true", "backend=megatron", "backend.ep=2",
+            "trainer.nproc=2", run_dir=run_dir, timeout=600)
+    assert_engine_samples_the_trainers_weights(run_dir, 2)
+    assert all(0.9 <= r["moe/router_agreement"] <= 1.0 for r in train_rows(run_dir))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_grpo_moe_recipe_raises_heldout_accuracy_with_router_replay(tiny_cache, tmp_path, seed):

@@ -39,6 +39,7 @@ from rltrain.backends.megatron.guarded_losses import GuardedLosses
 from rltrain.backends.megatron.hf_source import checked_spec
 from rltrain.backends.megatron.logprobs import head_logps
 from rltrain.backends.megatron.metrics import reduce_metrics
+from rltrain.backends.megatron.router_replay import MegatronRouterReplay, agreement_counts, select_routing
 from rltrain.backends.megatron.schedule import Pipeline, run_pipeline, stage_pipeline
 from rltrain.backends.megatron.stage_build import built_stage, engine_precision, join_groups, load_hf_weights
 from rltrain.backends.optimizer_state import move_optimizer_state
@@ -78,6 +79,8 @@ class MegatronEngine:
         value_head_seed: int | None = None,
         value_head_bias: bool = True,
         faults: FaultInjector | None = None,
+        router_replay: bool = False,
+        reads_routing: bool = True,
     ) -> None:
         """`groups`: megatron's parallel state to join (a run's engines share one, so a policy and
         its frozen reference share one set of communicators); else the one `shared` holds (a run's
@@ -85,7 +88,9 @@ class MegatronEngine:
         `precision`: see `rltrain.runtime.precision` (parameters in its parameter dtype, each stage's
         forward autocast to its compute dtype when they differ); `gradient_checkpointing`: see
         `model.checkpoint_layers`. `value_head_bias=False`: a reward model's head, exported as a
-        sequence classifier's score layer (`save_pretrained`)."""
+        sequence classifier's score layer (`save_pretrained`). A MoE engine reads its batches' recorded
+        routing where `reads_routing` (the policy's own model): it replays it with `router_replay`
+        (`algo.router_replay`) and measures `moe/router_agreement` either way (docs/moe.md)."""
         apply_cpu_shims()
         self.faults = faults if faults is not None else FaultInjector()
         self.model_dir = Path(model_dir)
@@ -103,6 +108,10 @@ class MegatronEngine:
             gradient_checkpointing=gradient_checkpointing, value_head_bias=value_head_bias,
         )
         load_hf_weights(self.model, self.spec, self.model_dir, self.coords, value_head_seed, value_head_bias)
+        self.replay = (
+            MegatronRouterReplay(self.model, router_replay, self.spec.num_layers)
+            if self.spec.moe is not None and reads_routing else None
+        )
         self.params = list(self.model.parameters())
         # A MoE's experts differ between the ranks of an expert-parallel group (grads.py)
         self.dense_params = [p for n, p in self.model.named_parameters() if not is_expert(n)]
@@ -202,7 +211,8 @@ class MegatronEngine:
             scored_N, entropy_N = self._score(padded[i], stage_out, with_entropy)
             scored[i] = torch.stack([scored_N, entropy_N]) if entropy_N is not None else scored_N.unsqueeze(0)
 
-        run_pipeline(self.model, pipe, padded, on_output, train=False)
+        routing = select_routing(self.replay, micro_batches, padded)
+        run_pipeline(self.model, pipe, padded, on_output, train=False, before_pass=routing)
         outputs = []
         for i, mb in enumerate(padded):
             values_KN = scored[i]
@@ -242,7 +252,10 @@ class MegatronEngine:
         guarded = GuardedLosses(
             self._score, self.scores, self.coords, self.fail_fast, padded, micro_batches, loss_fn, self.faults, with_entropy
         )
-        run_pipeline(self.model, self._pipeline(), padded, guarded.on_output, train=True, on_backward=guarded.on_backward)
+        run_pipeline(
+            self.model, self._pipeline(), padded, guarded.on_output, train=True, on_backward=guarded.on_backward,
+            before_pass=select_routing(self.replay, micro_batches, padded),
+        )
         recovered, mixed = guarded.errors.recovered, guarded.mixed
         if coords.tp > 1:  # each error is counted once, by the TP rank that had it
             both = torch.tensor([float(recovered), float(mixed)], dtype=torch.float64, device=control_device())
@@ -250,9 +263,14 @@ class MegatronEngine:
             recovered, mixed = int(both[0]), bool(both[1] > 0)
         sums = guarded.sums
         sums["safety/recovered_errors"] = float(recovered)
+        if self.replay is not None:
+            sums.update(agreement_counts(self.replay, coords))
         guarded.injector.poison_grads(self.params)
         grad_norm, lr, stepped = self._optimizer_step(coords, force_skip=mixed)
         metrics = reduce_metrics(sums, coords, partial=recovered > 0)
+        agreed, recorded = metrics.pop("moe/router_agreed", 0.0), metrics.pop("moe/router_recorded", 0.0)
+        if recorded > 0:  # (token, layer) pairs over every replica's micro-batches (docs/moe.md, "Router replay")
+            metrics["moe/router_agreement"] = agreed / recorded
         self.error_budget.update(metrics["safety/recovered_errors"])
         metrics.update({"grad_norm": grad_norm, "lr": lr, "safety/skipped_steps": 0.0 if stepped else 1.0})
         return metrics
@@ -353,5 +371,7 @@ def build_engine(ctx: RunContext, role: str, max_steps: int) -> MegatronEngine:
     refuse_on_megatron(build.model_dir)
     return MegatronEngine(
         build.model_dir, cfg.backend, build.optim, max_steps, ctx.dist.device,
-        collective_timeout_s=cfg.safety.collective_timeout_s, shared=ctx.shared, **engine_options(ctx, build),
+        collective_timeout_s=cfg.safety.collective_timeout_s, shared=ctx.shared,
+        router_replay=bool(cfg.algo.get("router_replay", False)),  # an RL algorithm's key (algos/rl/config.py)
+        reads_routing=Path(build.model_dir) == Path(ctx.model_dir), **engine_options(ctx, build),
     )

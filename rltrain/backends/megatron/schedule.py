@@ -70,21 +70,34 @@ OnOutput = Callable[[int, torch.Tensor], torch.Tensor | None]
 OnBackward = Callable[[int, torch.Tensor], None]
 
 
+# before_pass(micro-batch index): runs before that micro-batch's forward and before its backward on
+# this stage, for state a forward reads beside its inputs (a MoE's router replay record: recomputed
+# activations must see the same one).
+BeforePass = Callable[[int], None]
+
+
 def _plain_backward(i: int, loss: torch.Tensor) -> None:
     loss.backward()
+
+
+def _nothing(i: int) -> None:
+    return None
 
 
 class _Stage:
     """One stage's forward and backward steps, with the sends they owe kept until the end."""
 
     def __init__(
-        self, model: torch.nn.Module, pipe: Pipeline, on_output: OnOutput, on_backward: OnBackward = _plain_backward
+        self, model: torch.nn.Module, pipe: Pipeline, on_output: OnOutput, on_backward: OnBackward = _plain_backward,
+        before_pass: BeforePass = _nothing,
     ) -> None:
         self.model, self.pipe, self.on_output, self.on_backward = model, pipe, on_output, on_backward
+        self.before_pass = before_pass
         self.sends: list = []
 
     def forward(self, i: int, mb: PaddedMicroBatch, train: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         pipe = self.pipe
+        self.before_pass(i)
         input_TBH = None
         if not pipe.first:
             input_TBH = torch.empty(mb.seq_len, mb.batch_size, pipe.hidden_size, dtype=pipe.dtype, device=pipe.device)
@@ -103,6 +116,7 @@ class _Stage:
     def backward(self, i: int, input_TBH: torch.Tensor | None, out: torch.Tensor | None) -> None:
         pipe = self.pipe
         assert out is not None
+        self.before_pass(i)
         if pipe.last:
             self.on_backward(i, out)
         else:
@@ -128,8 +142,9 @@ def run_pipeline(
     on_output: OnOutput,
     train: bool,
     on_backward: OnBackward = _plain_backward,
+    before_pass: BeforePass = _nothing,
 ) -> None:
-    stage = _Stage(model, pipe, on_output, on_backward)
+    stage = _Stage(model, pipe, on_output, on_backward, before_pass)
     try:
         if not train:
             with torch.no_grad():

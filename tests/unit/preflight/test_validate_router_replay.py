@@ -22,7 +22,6 @@ def _not_under_torchrun(monkeypatch) -> None:
         (["model=tiny", "rollout=hf"], ["needs a Mixture-of-Experts model", "model=tiny_moe"]),
         (["model=tiny_moe", "rollout=vllm"], ["rollout=vllm", "Model Runner V2", "Triton", "rollout=hf"]),
         (["model=tiny_moe", "rollout=server"], ["rollout=server", "rollout=hf"]),
-        (["model=tiny_moe", "rollout=hf", "backend=megatron"], ["backend=megatron", "backend=fsdp"]),
     ],
 )
 def test_router_replay_where_it_cannot_run_is_refused(overrides, names) -> None:
@@ -35,3 +34,5 @@ def test_router_replay_where_it_cannot_run_is_refused(overrides, names) -> None:
 def test_router_replay_on_a_moe_with_the_transformers_engine_passes() -> None:
     validate(compose_config("algo=grpo", "algo.router_replay=true", "model=tiny_moe", "rollout=hf"))
     validate(compose_config("algo=ppo", "algo.router_replay=true", "model=tiny_moe", "rollout=hf", "trainer.nproc=2"))
+    validate(compose_config("algo=grpo", "algo.router_replay=true", "model=tiny_moe", "rollout=hf", "backend=megatron",
+                            "backend.ep=2", "trainer.nproc=2"))
