@@ -68,6 +68,45 @@ def test_grpo_on_the_tiny_moe_with_each_engine(engine, tiny_cache, tmp_path):
         assert all(0.9 <= r["moe/router_agreement"] <= 1.0 for r in train_rows(run_dir))
 
 
+@pytest.mark.parametrize(
+    "engine",
+    [
+        pytest.param(["backend.ep=2", "rollout.process=separate"], id="ep2-separate"),
+        pytest.param(["backend.ep=1", "rollout.process=separate"], id="ep1-separate", marks=pytest.mark.slow),
+        *(
+            pytest.param([f"backend.ep={ep}", *args], id=f"ep{ep}-{name}", marks=pytest.mark.slow)
+            for ep in (2, 1)
+            for name, args in (
+                ("server", ["rollout=server", "rollout.servers.spawn=1"]),
+                ("hf", ["rollout=hf"]),
+                ("ahead", ["rollout.process=separate", "placement.max_staleness=1"]),
+            )
+        ),
+    ],
+)
+def test_grpo_on_the_tiny_moe_on_megatron_with_each_engine(engine, tiny_cache, tmp_path):
+    """`backend=megatron` on 2 ranks (`backend.ep=2`: each rank holds 4 of a layer's 8 experts; 1:
+    every expert, 2 data-parallel replicas) syncs every expert to each rollout engine (docs/moe.md,
+    "What runs where"): a separate vLLM process per rank, vLLM API servers, the transformers
+    engine, and generating one step ahead; the engine's log-probabilities are the trainer's to fp32
+    round-off on every step that measures them (generating ahead: the first, docs/async.md), and the
+    load (`moe/load_imbalance`) is logged with the router losses off."""
+    run_dir = tmp_path / "run"
+    ahead = "placement.max_staleness=1" in engine
+    steps = 3 if ahead else 2
+    rltrain(*MOE_GRPO, "model=tiny_moe", "backend=megatron", "trainer.nproc=2", f"trainer.max_steps={steps}", *engine,
+            run_dir=run_dir, timeout=600)
+    if ahead:  # steps 2 and 3 train on batches version 1 and 2 sampled, one behind the trainer
+        rows = train_rows(run_dir)
+        assert [r["step"] for r in rows] == [1, 2, 3] and [r["rollout/staleness_max"] for r in rows] == [0, 1, 1]
+        assert rows[0]["rollout/logprob_diff_max"] < PARITY
+        assert all(r.get("rollout/logprob_diff_max", 0.0) < PARITY for r in rows), rows
+    else:
+        assert_engine_samples_the_trainers_weights(run_dir, steps)
+    for r in train_rows(run_dir):
+        assert 1.0 <= r["moe/load_imbalance"] <= 8 / 2 and "moe/aux_loss" not in r and "moe/z_loss" not in r, r
+
+
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_grpo_on_the_tiny_moe_replays_the_transformers_engines_routing(nproc, tiny_cache, tmp_path):
     """algo.router_replay=true (docs/moe.md, "Router replay"): every trainer forward routes the sampled
