@@ -2,7 +2,9 @@
 (model=tiny_moe_sft, a short SFT here) with vLLM in process, every expert synced each step and
 the engine's log-probabilities the trainer's to fp32 round-off, the router losses off and the load
 measured; SFT with the router losses on; the transformers engine, and in `slow` a separate vLLM
-process and vLLM API servers (each tens of seconds more to start)."""
+process and vLLM API servers (each tens of seconds more to start). On `backend=megatron` (2 ranks,
+`backend.ep` 2 and 1): a separate vLLM process per rank at ep=2, and in `slow` the other engines,
+generating ahead and ep=1."""
 
 from __future__ import annotations
 
@@ -89,8 +91,10 @@ def test_grpo_on_the_tiny_moe_on_megatron_with_each_engine(engine, tiny_cache, t
     every expert, 2 data-parallel replicas) syncs every expert to each rollout engine (docs/moe.md,
     "What runs where"): a separate vLLM process per rank, vLLM API servers, the transformers
     engine, and generating one step ahead; the engine's log-probabilities are the trainer's to fp32
-    round-off on every step that measures them (generating ahead: the first, docs/async.md), and the
-    load (`moe/load_imbalance`) is logged with the router losses off."""
+    round-off on every step that measures them (generating ahead: the first, docs/async.md), the
+    load (`moe/load_imbalance`) is logged with the router losses off, and `final/` holds every expert."""
+    from safetensors import safe_open
+
     run_dir = tmp_path / "run"
     ahead = "placement.max_staleness=1" in engine
     steps = 3 if ahead else 2
@@ -105,6 +109,9 @@ def test_grpo_on_the_tiny_moe_on_megatron_with_each_engine(engine, tiny_cache, t
         assert_engine_samples_the_trainers_weights(run_dir, steps)
     for r in train_rows(run_dir):
         assert 1.0 <= r["moe/load_imbalance"] <= 8 / 2 and "moe/aux_loss" not in r and "moe/z_loss" not in r, r
+    with safe_open(run_dir / "final" / "model.safetensors", "pt") as f:  # every expert, gathered over the ep ranks
+        experts = {name for name in f.keys() if ".mlp.experts." in name}  # noqa: SIM118 - not iterable
+    assert len(experts) == 4 * 8 * 3  # layers x experts x (gate, up, down)
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
