@@ -70,6 +70,24 @@ def test_grpo_on_the_tiny_moe_with_each_engine(engine, tiny_cache, tmp_path):
         assert all(0.9 <= r["moe/router_agreement"] <= 1.0 for r in train_rows(run_dir))
 
 
+@pytest.mark.slow
+def test_sft_router_losses_on_megatron_are_fsdps(tiny_cache, tmp_path):
+    """model.moe.aux_loss_coef / z_loss_coef on `backend=megatron backend.ep=2` (activation
+    checkpointing on: the kept router logits backward through the recomputation) log and train what
+    they do on FSDP2 over the same 2 ranks' micro-batches (docs/moe.md, "On megatron")."""
+    sft = ["algo=sft", "model=tiny_moe", "model.moe.aux_loss_coef=0.01", "model.moe.z_loss_coef=0.001",
+           "trainer.nproc=2", "trainer.max_steps=2", "trainer.global_batch_size=8", "trainer.micro_batch_size=4",
+           "trainer.eval_every=0", "trainer.save_every=0", "logger.wandb.mode=disabled"]
+    rltrain(*sft, run_dir=tmp_path / "fsdp", timeout=400)
+    rltrain(*sft, "backend=megatron", "backend.ep=2", "model.gradient_checkpointing=true", run_dir=tmp_path / "megatron",
+            timeout=400)
+    fsdp, megatron = train_rows(tmp_path / "fsdp"), train_rows(tmp_path / "megatron")
+    assert len(fsdp) == len(megatron) == 2
+    for one, two in zip(fsdp, megatron):
+        for key in ("loss", "grad_norm", "moe/aux_loss", "moe/z_loss", "moe/load_imbalance"):
+            assert two[key] == pytest.approx(one[key], rel=1e-5), (key, one, two)
+
+
 @pytest.mark.parametrize(
     "engine",
     [

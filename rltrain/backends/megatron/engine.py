@@ -245,7 +245,7 @@ class MegatronEngine:
         padded = [pad_micro_batch(mb, self.device) for mb in micro_batches]
         for p in self.params:
             p.grad = None
-        share = 1.0 / (len(padded) * coords.dp)  # per-micro-batch means -> one global mean (router terms)
+        share = 1.0 / (max(len(padded), 1) * coords.dp)  # per-micro-batch means -> one global mean (router terms)
         router = partial(self.router.with_losses, share=share) if self.router is not None else None
         guarded = GuardedLosses(
             self._score, self.scores, self.coords, self.fail_fast, padded, micro_batches, loss_fn, self.faults,
