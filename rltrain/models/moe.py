@@ -195,12 +195,18 @@ def prepare_moe(model: PreTrainedModel, losses: RouterLosses | None = None) -> M
         _register_every_expert()
         model.set_experts_implementation(EVERY_EXPERT)
         implementation = EVERY_EXPERT
-    coef = losses.aux_loss_coef
-    if coef is None:  # the checkpoint's own: its coefficient where its config asks for router logits
-        own = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
-        coef = own if bool(getattr(config, "output_router_logits", False)) else 0.0
     top_k = int(getattr(config, "num_experts_per_tok", 1))
-    return MoEInfo(num_experts(config), top_k, float(coef), implementation, float(losses.z_loss_coef))
+    return MoEInfo(num_experts(config), top_k, aux_loss_coef(config, losses), implementation, float(losses.z_loss_coef))
+
+
+def aux_loss_coef(config: Any, losses: RouterLosses) -> float:
+    """The load-balancing loss's weight: `losses.aux_loss_coef`, or where that is None the
+    checkpoint's own (its `router_aux_loss_coef` where its config asks for router logits, as
+    transformers trains it), else 0. Both backends resolve it here (docs/moe.md)."""
+    if losses.aux_loss_coef is not None:
+        return float(losses.aux_loss_coef)
+    own = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+    return own if bool(getattr(config, "output_router_logits", False)) else 0.0
 
 
 def router_terms(
@@ -209,11 +215,19 @@ def router_terms(
     """The load-balancing loss (the family's own, Switch Transformer), the router z-loss (ST-MoE:
     the mean over layers and real tokens of logsumexp(router logits)^2) where their coefficients
     are set, and the load imbalance, all in fp32 over real tokens only."""
+    return router_terms_with(partial(load_balancing_loss, model), info, router_logits, mask_BT)
+
+
+def router_terms_with(
+    balance_loss: Any, info: MoEInfo, router_logits: tuple[torch.Tensor, ...], mask_BT: torch.Tensor | None
+) -> RouterTerms:
+    """`router_terms` with the load-balancing loss given as `balance_loss(info, router_logits,
+    mask_BT)`: the megatron backend passes the family's function without a Hugging Face model."""
     logits_LNE = torch.stack([r.float() for r in router_logits])  # N = B x T, padding included
     real_N = mask_BT.reshape(-1).bool() if mask_BT is not None else torch.ones(logits_LNE.shape[1], dtype=torch.bool)
     real_N = real_N.to(logits_LNE.device)
     logits_LRE = logits_LNE[:, real_N]
-    aux = load_balancing_loss(model, info, router_logits, mask_BT) if info.aux_loss_coef > 0 else None
+    aux = balance_loss(info, router_logits, mask_BT) if info.aux_loss_coef > 0 else None
     z = logits_LRE.logsumexp(-1).square().mean() if info.z_loss_coef > 0 else None
     with torch.no_grad():
         experts_LRK = logits_LRE.topk(info.top_k, dim=-1).indices  # softmax keeps the order: the model's top-k
@@ -233,6 +247,13 @@ def load_balancing_loss(
         raise NotImplementedError(
             f"{type(model).__name__} has no load_balancing_loss_func; set model.moe.aux_loss_coef=0"
         )
+    return family_balance_loss(fn, info, router_logits, mask_BT)
+
+
+def family_balance_loss(
+    fn: Any, info: MoEInfo, router_logits: tuple[torch.Tensor, ...], mask_BT: torch.Tensor | None
+) -> torch.Tensor:
+    """A family's `load_balancing_loss_func` over each layer's [B x T, E] router logits."""
     # fp32 whatever the compute dtype (rltrain.runtime.precision): a loss, like the log-probabilities
     return fn(tuple(r.float() for r in router_logits), info.num_experts, info.top_k, mask_BT)
 

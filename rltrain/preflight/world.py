@@ -125,6 +125,10 @@ def validate_megatron_split(cfg: Config) -> None:
             f"{tp * pp}, or choose backend.tp and backend.pp whose product divides {world}."
         )
     _validate_expert_split(cfg, world)
+    if pp > 1 and ((cfg.model.moe.aux_loss_coef or 0.0) > 0 or cfg.model.moe.z_loss_coef > 0):
+        from rltrain.backends.megatron.router_terms import ROUTER_LOSSES_UNDER_PP
+
+        raise UserError(ROUTER_LOSSES_UNDER_PP)
     dims = _model_dims(cfg)
     if dims is None:
         return

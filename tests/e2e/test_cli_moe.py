@@ -2,7 +2,9 @@
 (model=tiny_moe_sft, a short SFT here) with vLLM in process, every expert synced each step and
 the engine's log-probabilities the trainer's to fp32 round-off, the router losses off and the load
 measured; SFT with the router losses on; the transformers engine, and in `slow` a separate vLLM
-process and vLLM API servers (each tens of seconds more to start)."""
+process and vLLM API servers (each tens of seconds more to start). On `backend=megatron` (2 ranks,
+`backend.ep` 2 and 1): a separate vLLM process per rank at ep=2, and in `slow` the other engines,
+generating ahead and ep=1."""
 
 from __future__ import annotations
 
@@ -66,6 +68,68 @@ def test_grpo_on_the_tiny_moe_with_each_engine(engine, tiny_cache, tmp_path):
     assert read_metrics(run_dir)
     if engine == ["rollout=hf"]:  # it records the routing always: the agreement is measured with replay off too
         assert all(0.9 <= r["moe/router_agreement"] <= 1.0 for r in train_rows(run_dir))
+
+
+@pytest.mark.slow
+def test_sft_router_losses_on_megatron_are_fsdps(tiny_cache, tmp_path):
+    """model.moe.aux_loss_coef / z_loss_coef on `backend=megatron backend.ep=2` (activation
+    checkpointing on: the kept router logits backward through the recomputation) log and train what
+    they do on FSDP2 over the same 2 ranks' micro-batches (docs/moe.md, "On megatron")."""
+    sft = ["algo=sft", "model=tiny_moe", "model.moe.aux_loss_coef=0.01", "model.moe.z_loss_coef=0.001",
+           "trainer.nproc=2", "trainer.max_steps=2", "trainer.global_batch_size=8", "trainer.micro_batch_size=4",
+           "trainer.eval_every=0", "trainer.save_every=0", "logger.wandb.mode=disabled"]
+    rltrain(*sft, run_dir=tmp_path / "fsdp", timeout=400)
+    rltrain(*sft, "backend=megatron", "backend.ep=2", "model.gradient_checkpointing=true", run_dir=tmp_path / "megatron",
+            timeout=400)
+    fsdp, megatron = train_rows(tmp_path / "fsdp"), train_rows(tmp_path / "megatron")
+    assert len(fsdp) == len(megatron) == 2
+    for one, two in zip(fsdp, megatron):
+        for key in ("loss", "grad_norm", "moe/aux_loss", "moe/z_loss", "moe/load_imbalance"):
+            assert two[key] == pytest.approx(one[key], rel=1e-5), (key, one, two)
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        pytest.param(["backend.ep=2", "rollout.process=separate"], id="ep2-separate"),
+        pytest.param(["backend.ep=1", "rollout.process=separate"], id="ep1-separate", marks=pytest.mark.slow),
+        *(
+            pytest.param([f"backend.ep={ep}", *args], id=f"ep{ep}-{name}", marks=pytest.mark.slow)
+            for ep in (2, 1)
+            for name, args in (
+                ("server", ["rollout=server", "rollout.servers.spawn=1"]),
+                ("hf", ["rollout=hf"]),
+                ("ahead", ["rollout.process=separate", "placement.max_staleness=1"]),
+            )
+        ),
+    ],
+)
+def test_grpo_on_the_tiny_moe_on_megatron_with_each_engine(engine, tiny_cache, tmp_path):
+    """`backend=megatron` on 2 ranks (`backend.ep=2`: each rank holds 4 of a layer's 8 experts; 1:
+    every expert, 2 data-parallel replicas) syncs every expert to each rollout engine (docs/moe.md,
+    "What runs where"): a separate vLLM process per rank, vLLM API servers, the transformers
+    engine, and generating one step ahead; the engine's log-probabilities are the trainer's to fp32
+    round-off on every step that measures them (generating ahead: the first, docs/async.md), the
+    load (`moe/load_imbalance`) is logged with the router losses off, and `final/` holds every expert."""
+    from safetensors import safe_open
+
+    run_dir = tmp_path / "run"
+    ahead = "placement.max_staleness=1" in engine
+    steps = 3 if ahead else 2
+    rltrain(*MOE_GRPO, "model=tiny_moe", "backend=megatron", "trainer.nproc=2", f"trainer.max_steps={steps}", *engine,
+            run_dir=run_dir, timeout=600)
+    if ahead:  # steps 2 and 3 train on batches version 1 and 2 sampled, one behind the trainer
+        rows = train_rows(run_dir)
+        assert [r["step"] for r in rows] == [1, 2, 3] and [r["rollout/staleness_max"] for r in rows] == [0, 1, 1]
+        assert rows[0]["rollout/logprob_diff_max"] < PARITY
+        assert all(r.get("rollout/logprob_diff_max", 0.0) < PARITY for r in rows), rows
+    else:
+        assert_engine_samples_the_trainers_weights(run_dir, steps)
+    for r in train_rows(run_dir):
+        assert 1.0 <= r["moe/load_imbalance"] <= 8 / 2 and "moe/aux_loss" not in r and "moe/z_loss" not in r, r
+    with safe_open(run_dir / "final" / "model.safetensors", "pt") as f:  # every expert, gathered over the ep ranks
+        experts = {name for name in f.keys() if ".mlp.experts." in name}  # noqa: SIM118 - not iterable
+    assert len(experts) == 4 * 8 * 3  # layers x experts x (gate, up, down)
 
 
 # One rank is `slow`: two ranks replay each rank's own record, a superset.

@@ -14,8 +14,10 @@ process; megatron runs use 2 ranks over gloo):
   CUDA_DEVICE_MAX_CONNECTIONS) never reaches the user;
 - an impossible layout fails at config time with a one-paragraph message;
 - GRPO on a tiny Qwen3-MoE with expert parallelism (`backend.ep=2`, 2 data-parallel replicas)
-  samples from the trainer's weights through vLLM's CPU MoE kernel (`rollout/logprob_diff_max`
-  below 1e-3), and its `final/` holds every expert (gathered from both replicas).
+  samples from the trainer's weights through vLLM's CPU MoE kernel in process (`rollout/logprob_diff_max`
+  below 1e-3), and its `final/` holds every expert (gathered from both replicas); `slow`: the same
+  export through a separate vLLM process per rank, and `final/`, are in `make test` by
+  tests/e2e/test_cli_moe.py's `test_grpo_on_the_tiny_moe_on_megatron_with_each_engine[ep2-separate]`.
 """
 
 from __future__ import annotations
@@ -190,6 +192,7 @@ def _tiny_qwen3_moe(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_grpo_with_expert_parallelism_samples_the_trainers_moe(tmp_path):
     from safetensors import safe_open
 

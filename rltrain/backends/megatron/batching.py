@@ -29,6 +29,7 @@ class PaddedMicroBatch:
     targets_N: torch.Tensor  # the completion token ids
     completion_lens_B: torch.Tensor  # per real sequence; empty for a dummy batch
     is_dummy: bool
+    real_BT: torch.Tensor  # bool, True at the real (not padding) tokens; a dummy's two count
 
     @property
     def seq_len(self) -> int:
@@ -49,8 +50,9 @@ def pad_micro_batch(batch: SequenceBatch, device: torch.device) -> PaddedMicroBa
             targets_N=zeros,
             completion_lens_B=torch.zeros(0, dtype=torch.long),
             is_dummy=True,
+            real_BT=torch.ones(1, 2, dtype=torch.bool),
         )
-    tokens_BT, _ = batch.tokens.to_padded(pad_value=0)
+    tokens_BT, real_BT = batch.tokens.to_padded(pad_value=0)
     prompt_lens_B = batch.prompt_lens.to(torch.long)
     completion_lens_B = batch.completion_lens().to(torch.long)
     if bool((completion_lens_B < 0).any()):
@@ -69,6 +71,7 @@ def pad_micro_batch(batch: SequenceBatch, device: torch.device) -> PaddedMicroBa
         targets_N=targets_N.to(device),
         completion_lens_B=completion_lens_B,
         is_dummy=False,
+        real_BT=real_BT,
     )
 
 

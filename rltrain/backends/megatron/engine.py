@@ -40,17 +40,20 @@ from rltrain.backends.megatron.hf_source import checked_spec
 from rltrain.backends.megatron.logprobs import head_logps
 from rltrain.backends.megatron.metrics import reduce_metrics
 from rltrain.backends.megatron.router_replay import MegatronRouterReplay, agreement_counts, select_routing
+from rltrain.backends.megatron.router_terms import router_capture
 from rltrain.backends.megatron.schedule import Pipeline, run_pipeline, stage_pipeline
 from rltrain.backends.megatron.stage_build import built_stage, engine_precision, join_groups, load_hf_weights
 from rltrain.backends.optimizer_state import move_optimizer_state
 from rltrain.backends.roles import engine_options, role_build
 from rltrain.backends.sequence_classifier import CRITIC_NOT_EXPORTED
 from rltrain.backends.value_head import head_values
+from rltrain.config.algorithms import spec_of
 from rltrain.config.group_options import MegatronBackendConfig
 from rltrain.config.run_context import RunContext, SharedObjects
 from rltrain.config.schema import OptimConfig, SafetyConfig
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
+from rltrain.models import moe
 from rltrain.models.vision import refuse_on_megatron
 from rltrain.runtime.distributed import control_device
 from rltrain.runtime.precision import Precision
@@ -81,6 +84,7 @@ class MegatronEngine:
         faults: FaultInjector | None = None,
         router_replay: bool = False,
         reads_routing: bool = True,
+        router_losses: moe.RouterLosses | None = None,
     ) -> None:
         """`groups`: megatron's parallel state to join (a run's engines share one, so a policy and
         its frozen reference share one set of communicators); else the one `shared` holds (a run's
@@ -90,7 +94,8 @@ class MegatronEngine:
         `model.checkpoint_layers`. `value_head_bias=False`: a reward model's head, exported as a
         sequence classifier's score layer (`save_pretrained`). A MoE engine reads its batches' recorded
         routing where `reads_routing` (the policy's own model): it replays it with `router_replay`
-        (`algo.router_replay`) and measures `moe/router_agreement` either way (docs/moe.md)."""
+        (`algo.router_replay`) and measures `moe/router_agreement` either way (docs/moe.md).
+        `router_losses`: a MoE's `model.moe.*_loss_coef` as the run resolves them (`router_terms`)."""
         apply_cpu_shims()
         self.faults = faults if faults is not None else FaultInjector()
         self.model_dir = Path(model_dir)
@@ -112,6 +117,7 @@ class MegatronEngine:
             MegatronRouterReplay(self.model, router_replay, self.spec.num_layers)
             if self.spec.moe is not None and reads_routing else None
         )
+        self.router = router_capture(self.model, self.spec, router_losses, self.model_dir, pp)
         self.params = list(self.model.parameters())
         # A MoE's experts differ between the ranks of an expert-parallel group (grads.py)
         self.dense_params = [p for n, p in self.model.named_parameters() if not is_expert(n)]
@@ -249,13 +255,22 @@ class MegatronEngine:
         padded = [pad_micro_batch(mb, self.device) for mb in micro_batches]
         for p in self.params:
             p.grad = None
+        share = 1.0 / (max(len(padded), 1) * coords.dp)  # per-micro-batch means -> one global mean (router terms)
+        router = partial(self.router.with_losses, share=share) if self.router is not None else None
         guarded = GuardedLosses(
-            self._score, self.scores, self.coords, self.fail_fast, padded, micro_batches, loss_fn, self.faults, with_entropy
+            self._score, self.scores, self.coords, self.fail_fast, padded, micro_batches, loss_fn, self.faults,
+            with_entropy, router,
         )
-        run_pipeline(
-            self.model, self._pipeline(), padded, guarded.on_output, train=True, on_backward=guarded.on_backward,
-            before_pass=select_routing(self.replay, micro_batches, padded),
-        )
+        if self.router is not None:
+            self.router.begin(padded)
+        try:
+            run_pipeline(
+                self.model, self._pipeline(), padded, guarded.on_output, train=True, on_backward=guarded.on_backward,
+                before_pass=select_routing(self.replay, micro_batches, padded),
+            )
+        finally:
+            if self.router is not None:
+                self.router.end()
         recovered, mixed = guarded.errors.recovered, guarded.mixed
         if coords.tp > 1:  # each error is counted once, by the TP rank that had it
             both = torch.tensor([float(recovered), float(mixed)], dtype=torch.float64, device=control_device())
@@ -265,6 +280,8 @@ class MegatronEngine:
         sums["safety/recovered_errors"] = float(recovered)
         if self.replay is not None:
             sums.update(agreement_counts(self.replay, coords))
+        if self.router is not None:
+            sums["moe/load_imbalance"] = self.router.step_load_imbalance(padded, coords, share)
         guarded.injector.poison_grads(self.params)
         grad_norm, lr, stepped = self._optimizer_step(coords, force_skip=mixed)
         metrics = reduce_metrics(sums, coords, partial=recovered > 0)
@@ -374,4 +391,7 @@ def build_engine(ctx: RunContext, role: str, max_steps: int) -> MegatronEngine:
         collective_timeout_s=cfg.safety.collective_timeout_s, shared=ctx.shared,
         router_replay=bool(cfg.algo.get("router_replay", False)),  # an RL algorithm's key (algos/rl/config.py)
         reads_routing=Path(build.model_dir) == Path(ctx.model_dir), **engine_options(ctx, build),
+        router_losses=moe.router_losses(
+            cfg.model.moe.aux_loss_coef, float(cfg.model.moe.z_loss_coef), spec_of(cfg.algo.name).generates
+        ),
     )

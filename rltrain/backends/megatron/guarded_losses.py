@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from rltrain.backends.base import LossFn, Scores, scored_output
+from rltrain.backends.base import LossFn, LossMetrics, Scores, scored_output
 from rltrain.backends.megatron.batching import PaddedMicroBatch
 from rltrain.backends.megatron.groups import ParallelCoords
 from rltrain.data.batch import SequenceBatch
@@ -24,6 +24,8 @@ from rltrain.safety.guard import (
 
 # score(micro-batch, last stage's output, with_entropy) -> (scored [N], entropy [N] or None)
 ScoreFn = Callable[[PaddedMicroBatch, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor | None]]
+# router(micro-batch index, its padded batch, loss, metrics) -> (loss, metrics) with a MoE's router losses
+RouterLossesFn = Callable[[int, PaddedMicroBatch, torch.Tensor, LossMetrics], tuple[torch.Tensor, LossMetrics]]
 
 
 class GuardedLosses:
@@ -56,8 +58,11 @@ class GuardedLosses:
         loss_fn: LossFn,
         injector: FaultInjector,
         with_entropy: bool = False,
+        router: RouterLossesFn | None = None,
     ) -> None:
+        """`router`: a MoE's router losses added to each micro-batch's loss (`router_terms`)."""
         self.score, self.scores = score, scores
+        self.router = router
         self.padded, self.batches, self.loss_fn = padded, batches, loss_fn
         self.with_entropy = with_entropy
         self.coords = coords
@@ -107,6 +112,8 @@ class GuardedLosses:
             self.injector.in_loss()
             loss, metrics = self.loss_fn(output, self.batches[i])
             loss = loss + anchor
+            if self.router is not None:
+                loss, metrics = self.router(i, mb, loss, metrics)
             guard.record_loss(loss)
         except Exception as exc:  # noqa: BLE001 - StepErrors decides: re-raise (fail-fast) or recover
             self.errors.excuse(exc, guard, self._where("the loss", i))

@@ -14,6 +14,7 @@ gradients at ep=2 with and without tp=2, and a tiny Mixtral at tp=2 ep=2, in the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import torch
 from helpers import run_ranks
 
 from rltrain.data.batch import SequenceBatch
+from rltrain.models.moe import RouterLosses
 
 pytestmark = pytest.mark.dist
 
@@ -30,6 +32,7 @@ VOCAB, STEPS, PROMPTS, GROUP = 96, 5, 2, 4
 # of 2 TP ranks whose experts are whole on each rank, or split over the two; 2 pipeline stages
 LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 2, 1)]
 GRPO_LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 2)]  # the others add nothing to GRPO that SFT does not show
+ROUTER_COEFS = (0.1, 0.01)  # model.moe.aux_loss_coef, model.moe.z_loss_coef (large enough to move the gradients)
 OPTIM = dict(lr=1e-2, weight_decay=0.01, beta1=0.9, beta2=0.98, eps=1e-4, warmup_steps=0, schedule="constant", max_grad_norm=1.0)
 
 
@@ -90,10 +93,15 @@ def mixtral_dir(path: Path) -> Path:
     return path
 
 
-def _hf_sft_grads(model_dir: Path) -> dict[str, torch.Tensor]:
-    """The SFT loss's gradient over both ranks' batches under checkpoint names (experts split)."""
+def _hf_sft_grads(model_dir: Path, router: tuple[float, float] | None = None) -> dict[str, torch.Tensor]:
+    """The SFT loss's gradient over both ranks' batches under checkpoint names (experts split).
+    `router` = (aux, z) coefficients: plus the router losses as the FSDP engine adds them, each
+    micro-batch's (`rltrain.models.moe.router_terms` over its padded rows) weighted by 1 / micro-batches;
+    their mean values then ride in the result under "moe/aux_loss", "moe/z_loss", "moe/load_imbalance"."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
+
+    from rltrain.models import moe
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     batches = _sft_batches(0) + _sft_batches(1)
@@ -103,6 +111,16 @@ def _hf_sft_grads(model_dir: Path) -> dict[str, torch.Tensor]:
         for seq, p in zip(mb.tokens.split(), mb.prompt_lens.tolist()):
             logp_TV = torch.log_softmax(model(seq[None]).logits[0], -1)[p - 1 : -1]
             loss = loss - logp_TV.gather(-1, seq[p:, None]).sum() / n_tokens
+    means: dict[str, torch.Tensor] = {}
+    if router is not None:
+        info = moe.MoEInfo(moe.num_experts(model.config), model.config.num_experts_per_tok, router[0], "eager", router[1])
+        for mb in batches:
+            tokens_BT, mask_BT = mb.tokens.to_padded(pad_value=0)
+            out = model(input_ids=tokens_BT.long(), attention_mask=mask_BT.long(), output_router_logits=True)
+            terms = moe.router_terms(model, info, out.router_logits, mask_BT)
+            loss = loss + (router[0] * terms.aux_loss + router[1] * terms.z_loss) / len(batches)
+            for key, value in (("aux_loss", terms.aux_loss), ("z_loss", terms.z_loss), ("load_imbalance", terms.load_imbalance)):
+                means[f"moe/{key}"] = means.get(f"moe/{key}", 0.0) + value.detach() / len(batches)
     loss.backward()
     # transformers fuses a layer's experts ([E, 2I, H] and [E, H, I]); the checkpoint names each
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
@@ -124,7 +142,7 @@ def _hf_sft_grads(model_dir: Path) -> dict[str, torch.Tensor]:
         else:
             grads[hf if "experts" in name or name.endswith("mlp.gate.weight") else name] = param.grad
     assert set(grads) == set(names), sorted(set(grads) ^ set(names))[:4]
-    return grads
+    return {**grads, **means}
 
 
 def _sft_batches(rank: int) -> list[SequenceBatch]:
@@ -267,15 +285,23 @@ def _hf_family_step(world: int, model_dir: str, tp: int, ep: int) -> dict:
     from rltrain.config.group_options import MegatronBackendConfig
     from rltrain.config.schema import OptimConfig
 
-    unclipped = OptimConfig(**{**OPTIM, "max_grad_norm": 0.0})  # the gradients are recorded after clipping
-    eng = MegatronEngine(model_dir, MegatronBackendConfig(tp=tp, ep=ep), unclipped, 100, collective_timeout_s=20)
+    # the gradients are recorded after clipping: none; lr 0: the second step sees the first's weights
+    unchanged = OptimConfig(**{**OPTIM, "max_grad_norm": 0.0, "lr": 0.0})
+    eng = MegatronEngine(
+        model_dir, MegatronBackendConfig(tp=tp, ep=ep), unchanged, 100, collective_timeout_s=20,
+        router_losses=RouterLosses(*ROUTER_COEFS),
+    )
     batches = _sft_batches(eng.rank) if tp == 1 else _sft_batches(0) + _sft_batches(1)
     n_tokens = sum(b.num_completion_tokens for r in range(world) for b in _sft_batches(r))
     res: dict = dict(dp=eng.rank, logits=_logits(eng, batches), export=dict(eng.export_weights()))
     grads: list = []
     _record_grads(eng, grads)
-    eng.train_step(batches, lambda out, mb: (-out.logps.values.sum() / n_tokens, {}))
-    res["grads"] = grads[0]
+    on = eng.router.info
+    eng.router.info = dataclasses.replace(on, aux_loss_coef=0.0, z_loss_coef=0.0)  # the same engine, losses off
+    res["metrics_off"] = eng.train_step(batches, lambda out, mb: (-out.logps.values.sum() / n_tokens, {}))
+    eng.router.info = on
+    res["metrics_on"] = eng.train_step(batches, lambda out, mb: (-out.logps.values.sum() / n_tokens, {}))
+    res["grads"], res["grads_on"] = grads
     eng.teardown_communicators()
     return _portable(res)
 
@@ -380,15 +406,34 @@ def _check_family(model_dir: Path, results: list[dict]) -> None:
     hf = load_file(str(model_dir / "model.safetensors"))
     reference = _hf_logits(model_dir, [_sft_batches(r) for r in range(2)])
     hf_grads = _hf_sft_grads(model_dir)
+    hf_router = _hf_sft_grads(model_dir, ROUTER_COEFS)
+    moved = max(float((hf_router[n] - g).abs().max()) for n, g in hf_grads.items())
+    assert moved > 1e-3, moved  # the router losses change the gradient
     for by_layout in results:
         for (tp, _), res in by_layout.items():
             expected = reference[res["dp"]] if tp == 1 else reference[0] + reference[1]
             for ours, theirs in zip(res["logits"], expected, strict=True):
                 torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
             assert set(res["export"]) == set(hf) and all(torch.equal(res["export"][n], t) for n, t in hf.items())
-            assert set(res["grads"]) == set(hf_grads)
-            for name, grad in hf_grads.items():
-                torch.testing.assert_close(res["grads"][name], grad, atol=1e-5, rtol=0, msg=name)
+            for grads, reference_grads in ((res["grads"], hf_grads), (res["grads_on"], hf_router)):
+                assert set(grads) == set(hf)
+                for name in hf:
+                    torch.testing.assert_close(grads[name], reference_grads[name], atol=1e-5, rtol=0, msg=name)
+            _assert_router_metrics(res["metrics_off"], res["metrics_on"], hf_router)
+
+
+def _assert_router_metrics(off: dict, on: dict, hf: dict) -> None:
+    """model.moe.aux_loss_coef and z_loss_coef on megatron (docs/moe.md, "Router losses and
+    metrics"): the logged terms are the FSDP engine's (transformers' family loss, the z-loss and the
+    load imbalance, per micro-batch over real tokens, averaged), and the loss grows by exactly
+    coefficient x logged term."""
+    assert "moe/aux_loss" not in off and "moe/z_loss" not in off
+    for key in ("moe/aux_loss", "moe/z_loss", "moe/load_imbalance"):
+        assert on[key] == pytest.approx(float(hf[key]), rel=1e-5), key
+    assert off["moe/load_imbalance"] == pytest.approx(on["moe/load_imbalance"], rel=1e-6)
+    added = ROUTER_COEFS[0] * on["moe/aux_loss"] + ROUTER_COEFS[1] * on["moe/z_loss"]
+    assert on["loss"] - off["loss"] == pytest.approx(added, rel=1e-4), (on["loss"], off["loss"], added)
+    assert on["grad_norm"] != pytest.approx(off["grad_norm"], rel=1e-4)
 
 
 def _assert_same_training(reference: list[dict], results: list[dict], layout: tuple[int, int, int]) -> None:
@@ -396,7 +441,7 @@ def _assert_same_training(reference: list[dict], results: list[dict], layout: tu
     for one, two in zip(reference, results):
         for phase in ("sft", "grpo") if grpo else ("sft",):
             for step, (m1, m2) in enumerate(zip(one[phase], two[phase], strict=True)):
-                for key in ("loss", "grad_norm"):
+                for key in ("loss", "grad_norm", "moe/load_imbalance"):  # the load: a maximum over pipeline stages too
                     assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-6), (layout, phase, step, key)
                 assert m2["safety/skipped_steps"] == 0.0
         for step, (g1, g2) in enumerate(zip(one["grads"][: len(two["grads"])], two["grads"], strict=True)):

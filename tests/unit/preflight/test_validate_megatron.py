@@ -39,6 +39,8 @@ def _cfg(*overrides: str):
         (["backend.tp=2", "trainer.nproc=2", "model.num_heads=3", "model.hidden_size=96"], ["model.num_heads=3"]),
         (["backend.tp=2", "trainer.nproc=2", "model.intermediate_size=385"], ["model.intermediate_size=385"]),
         (["backend.tp=0"], ["backend.tp=0"]),
+        (["model=tiny_moe", "backend.pp=2", "trainer.nproc=2", "model.moe.z_loss_coef=0.01"],
+         ["model.moe.z_loss_coef", "backend.pp > 1", "Set backend.pp=1"]),
     ],
 )
 def test_impossible_layouts_name_the_key_and_the_fix(overrides: list[str], names: list[str]) -> None:
