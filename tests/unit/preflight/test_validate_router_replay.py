@@ -20,8 +20,12 @@ def _not_under_torchrun(monkeypatch) -> None:
     "overrides, names",
     [
         (["model=tiny", "rollout=hf"], ["needs a Mixture-of-Experts model", "model=tiny_moe"]),
-        (["model=tiny_moe", "rollout=vllm"], ["rollout=vllm", "Model Runner V2", "Triton", "rollout=hf"]),
-        (["model=tiny_moe", "rollout=server"], ["rollout=server", "rollout=hf"]),
+        (["model=tiny_moe", "rollout=server"], ["rollout=server", "Model Runner V2", "Triton", "rollout=vllm"]),
+        (
+            ["model=tiny_moe", "rollout=vllm", "rollout.process=separate", "placement.max_staleness=1",
+             "placement.weight_update=in_flight"],
+            ["placement.weight_update=in_flight", "placement.weight_update=between_batches"],
+        ),
         (["model=tiny_moe", "rollout=hf", "backend=megatron"], ["backend=megatron", "backend=fsdp"]),
     ],
 )
@@ -32,6 +36,11 @@ def test_router_replay_where_it_cannot_run_is_refused(overrides, names) -> None:
         assert name in str(info.value), str(info.value)
 
 
-def test_router_replay_on_a_moe_with_the_transformers_engine_passes() -> None:
+def test_router_replay_on_a_moe_with_an_engine_that_records_passes() -> None:
     validate(compose_config("algo=grpo", "algo.router_replay=true", "model=tiny_moe", "rollout=hf"))
     validate(compose_config("algo=ppo", "algo.router_replay=true", "model=tiny_moe", "rollout=hf", "trainer.nproc=2"))
+    validate(compose_config("algo=grpo", "algo.router_replay=true", "model=tiny_moe", "rollout=vllm"))
+    validate(compose_config(
+        "algo=grpo", "algo.router_replay=true", "model=tiny_moe", "rollout=vllm", "rollout.process=separate",
+        "placement.max_staleness=1",
+    ))
