@@ -46,16 +46,15 @@ class RoutingTap:
 
     def bind(self, model: torch.nn.Module) -> int:
         """Hand every MoE layer's router (in layer order, as `rltrain.models.moe.routers` lists the
-        trainer's) this tap's callback; again after a weight update, which may rebuild a layer."""
+        trainer's) this tap's callback; again after a weight update, which may rebuild a layer.
+        0 (nothing bound) where a layer's kernel routes inside itself (vLLM's "monolithic" MoE
+        kernels, none of them on the CPU build's unquantized path)."""
         from vllm.model_executor.layers.fused_moe.layer import MoERunner
 
         runners = [m for m in model.modules() if isinstance(m, MoERunner)]
+        if any(r._quant_method.is_monolithic for r in runners):
+            return 0
         for layer, moe_runner in enumerate(runners):
-            if moe_runner._quant_method.is_monolithic:
-                raise NotImplementedError(
-                    f"router replay: vLLM's {type(moe_runner._quant_method).__name__} routes inside its kernel, "
-                    "where rltrain's tap cannot read the experts"
-                )
             moe_runner.router.set_capture_fn(lambda topk_NK, layer=layer: self._capture(layer, topk_NK))
         self.layers = len(runners)
         return self.layers
@@ -115,8 +114,7 @@ def install_tap(llm: Any, device_type: str) -> bool:
     may be other processes, its CUDA graphs would not call back; refused, validate_rl.py)."""
     if device_type != "cpu" or not is_moe(llm.llm_engine.model_config.hf_text_config):
         return False
-    llm.collective_rpc(_install)
-    return True
+    return llm.collective_rpc(_install)[0] > 0
 
 
 def _install(worker: Any) -> int:

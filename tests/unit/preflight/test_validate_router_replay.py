@@ -44,3 +44,14 @@ def test_router_replay_on_a_moe_with_an_engine_that_records_passes() -> None:
         "algo=grpo", "algo.router_replay=true", "model=tiny_moe", "rollout=vllm", "rollout.process=separate",
         "placement.max_staleness=1",
     ))
+
+
+def test_router_replay_with_vllm_on_a_gpu_is_refused(monkeypatch) -> None:
+    """The record taps vLLM's CPU runner (rltrain/rollout/vllm_routing.py); CUDA vLLM would return none."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(UserError) as info:
+        validate(compose_config("algo=grpo", "algo.router_replay=true", "model=tiny_moe", "rollout=vllm"))
+    for name in ("rollout=vllm on a GPU", "enable_return_routed_experts", "rollout=hf"):
+        assert name in str(info.value), str(info.value)

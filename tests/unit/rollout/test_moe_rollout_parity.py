@@ -30,21 +30,25 @@ IN_THE_GATE = {"qwen2_moe", "mixtral"}
 
 def assert_the_record_is_the_models_routing(hf, prompts: list[list[int]], completions) -> None:
     """Each completion's [tokens, layers, k] record equals, as a set per (token, layer), the top-k of
-    `hf`'s routers at the position before each token (the prompt's last for the first)."""
+    `hf`'s routers at the position before each token (the prompt's last for the first). One forward
+    of every sequence, right-padded: a causal model's earlier positions do not see the padding."""
+    rows = [prompts[c.prompt_index] + c.token_ids for c in completions]
+    width = max(len(r) for r in rows)
+    ids_BT = torch.tensor([r + [0] * (width - len(r)) for r in rows])
     seen: list[torch.Tensor] = []
     hooks = [r.register_forward_hook(lambda m, a, out: seen.append(out[2])) for r in moe.routers(hf)]
     try:
-        for c in completions:
-            prompt = prompts[c.prompt_index]
-            seen.clear()
-            with torch.no_grad():
-                hf(input_ids=torch.tensor([prompt + c.token_ids]))
-            own_TLK = torch.stack(seen, dim=1)[len(prompt) - 1 : len(prompt) - 1 + len(c.token_ids)]
-            assert c.routing is not None and c.routing.dtype == moe.ROUTING_DTYPE
-            assert torch.equal(c.routing.long().sort(-1).values, own_TLK.sort(-1).values), c.prompt_index
+        with torch.no_grad():
+            hf(input_ids=ids_BT)
     finally:
         for hook in hooks:
             hook.remove()
+    own_BTLK = torch.stack(seen, dim=1).view(len(rows), width, len(seen), -1)
+    for c, own_TLK in zip(completions, own_BTLK, strict=True):
+        start = len(prompts[c.prompt_index]) - 1
+        assert c.routing is not None and c.routing.dtype == moe.ROUTING_DTYPE
+        scoring_TLK = own_TLK[start : start + len(c.token_ids)]
+        assert torch.equal(c.routing.long().sort(-1).values, scoring_TLK.sort(-1).values), c.prompt_index
 
 
 @pytest.mark.parametrize("family", [f if f in IN_THE_GATE else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
