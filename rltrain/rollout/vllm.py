@@ -21,6 +21,7 @@ import torch
 from rltrain.config.group_options import VLLMRolloutConfig
 from rltrain.config.run_context import RunContext
 from rltrain.models.vision import image_token_id
+from rltrain.rollout import vllm_routing
 from rltrain.rollout.base import Completion, SamplingSettings, exclusive
 from rltrain.rollout.images import PromptImages, check_batch, expanded_prompt, vllm_prompt
 from rltrain.rollout.seeds import request_seed
@@ -103,6 +104,7 @@ class VLLMRolloutEngine:
         hf_config = self._live().llm_engine.model_config.hf_config
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.image_token_id = image_token_id(hf_config)
+        self.records_routing = vllm_routing.install_tap(self._live(), self.device_type)  # router replay's record
         self.expected_names = checkpoint_names(self.model_dir)
         if self.tied:
             self.expected_names.discard("lm_head.weight")
@@ -147,9 +149,12 @@ class VLLMRolloutEngine:
             scheduler = self._live().llm_engine.vllm_config.scheduler_config
             waves = prefill_waves([len(p) for p in prompts], sampling.n, scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
         outputs = []
+        if self.records_routing:
+            self._live().collective_rpc(vllm_routing.arm)
         with ProcessStateGuard():
             for lo, hi in waves:
                 outputs += self._live().generate(inputs[lo:hi], params[lo:hi], use_tqdm=False)
+        routing = self._live().collective_rpc(vllm_routing.take)[0] if self.records_routing else {}  # by seed
         completions: list[Completion] = []
         for i, out in enumerate(outputs):
             prompt_ids = None
@@ -160,9 +165,10 @@ class VLLMRolloutEngine:
                 token_ids = list(c.token_ids)
                 assert c.logprobs is not None  # requested: SamplingParams(logprobs=0)
                 logprobs = [float(c.logprobs[j][tok].logprob) for j, tok in enumerate(token_ids)]
-                completions.append(
-                    Completion(i, token_ids, logprobs, finished=c.finish_reason == "stop", prompt_ids=prompt_ids)
-                )
+                experts = vllm_routing.completion_routing(routing, cast(int, params[i].seed) + c.index, len(token_ids))
+                completions.append(Completion(
+                    i, token_ids, logprobs, c.finish_reason == "stop", prompt_ids=prompt_ids, routing=experts
+                ))
         return completions
 
     # --- weights --------------------------------------------------------------------------------
@@ -190,6 +196,8 @@ class VLLMRolloutEngine:
                 self._reload_in_place(named)
                 if self.tied:
                     self._refresh_tied_head()
+        if self.records_routing:
+            self._live().collective_rpc(vllm_routing.rebind)
         self.updated = True
         self.weights_discarded = False
         self._wake_kv_cache()

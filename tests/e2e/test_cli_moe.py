@@ -27,14 +27,18 @@ def assert_engine_samples_the_trainers_weights(run_dir, steps: int) -> None:
         assert r["rollout/logprob_diff_max"] < PARITY, r
 
 
-def test_grpo_on_the_tiny_moe_sft_start_syncs_every_expert_to_vllm(tiny_cache, tmp_path):
+def test_grpo_on_the_tiny_moe_sft_start_syncs_every_expert_to_vllm_and_replays_its_routing(tiny_cache, tmp_path):
+    """With router replay on (docs/moe.md, "Recording in vLLM"): vLLM's record of the experts that
+    sampled each token is, at every (token, layer), the FSDP trainer's own routing of it in fp32 with
+    synced weights (agreement 1.0: a router that missed a sync would route otherwise)."""
     from safetensors import safe_open
 
     run_dir = tmp_path / "run"
-    rltrain(*MOE_GRPO, "model=tiny_moe_sft", "model.sft_steps=4", run_dir=run_dir, timeout=500)
+    rltrain(*MOE_GRPO, "model=tiny_moe_sft", "model.sft_steps=4", "algo.router_replay=true", run_dir=run_dir, timeout=500)
     assert_engine_samples_the_trainers_weights(run_dir, 2)
     for r in train_rows(run_dir):  # RL keeps the router losses off unless set; the load is measured
         assert 1.0 <= r["moe/load_imbalance"] <= 8 / 2 and "moe/aux_loss" not in r and "moe/z_loss" not in r, r
+        assert r["moe/router_agreement"] == 1.0, r
     with safe_open(run_dir / "final" / "model.safetensors", "pt") as f:  # a checkpoint like the one loaded
         names = set(f.keys())
     assert {f"model.layers.3.mlp.experts.{e}.down_proj.weight" for e in range(8)} <= names
@@ -66,7 +70,7 @@ def test_grpo_on_the_tiny_moe_with_each_engine(engine, tiny_cache, tmp_path):
     rltrain(*MOE_GRPO, "model=tiny_moe", "trainer.max_steps=3", *engine, run_dir=run_dir, timeout=600)
     assert_engine_samples_the_trainers_weights(run_dir, 3)
     assert read_metrics(run_dir)
-    if engine == ["rollout=hf"]:  # it records the routing always: the agreement is measured with replay off too
+    if engine[0] != "rollout=server":  # hf and vLLM record the routing always: the agreement is measured with replay off too
         assert all(0.9 <= r["moe/router_agreement"] <= 1.0 for r in train_rows(run_dir))
 
 
@@ -171,3 +175,23 @@ def test_grpo_moe_recipe_raises_heldout_accuracy_with_router_replay(tiny_cache, 
     evals = [r for r in rows if "eval/accuracy" in r]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 60, evals
     assert evals[-1]["eval/accuracy"] - evals[0]["eval/accuracy"] >= 0.15, evals
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement", [[], ["placement.max_staleness=1"]], ids=["synchronous", "ahead"])
+def test_grpo_on_the_tiny_moe_replays_the_separate_vllm_engines_routing(placement, tiny_cache, tmp_path):
+    """algo.router_replay=true with vLLM in its own process (docs/moe.md, "Recording in vLLM"): the
+    record crosses the control channel with each completion. Synchronous, every step samples the
+    trainer's weights, so the record is the trainer's own routing (agreement 1.0) and parity holds.
+    Generating ahead, a batch sampled by the weights one update behind is replayed: the first step's
+    batch is the trainer's (agreement 1.0, parity), the later ones show the routing the update moved."""
+    run_dir = tmp_path / "run"
+    rltrain(*MOE_GRPO, "model=tiny_moe", "rollout.process=separate", "algo.router_replay=true", "trainer.max_steps=3",
+            *placement, run_dir=run_dir, timeout=900)
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    synchronous = rows if not placement else rows[:1]
+    for r in synchronous:
+        assert r["rollout/logprob_diff_max"] < PARITY and r["moe/router_agreement"] == 1.0, r
+    assert all(0.5 <= r["moe/router_agreement"] <= 1.0 for r in rows), rows
+    print("\nagreement by step:", [r["moe/router_agreement"] for r in rows])

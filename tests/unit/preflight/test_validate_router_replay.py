@@ -20,8 +20,12 @@ def _not_under_torchrun(monkeypatch) -> None:
     "overrides, names",
     [
         (["model=tiny", "rollout=hf"], ["needs a Mixture-of-Experts model", "model=tiny_moe"]),
-        (["model=tiny_moe", "rollout=vllm"], ["rollout=vllm", "Model Runner V2", "Triton", "rollout=hf"]),
-        (["model=tiny_moe", "rollout=server"], ["rollout=server", "rollout=hf"]),
+        (["model=tiny_moe", "rollout=server"], ["rollout=server", "Model Runner V2", "Triton", "rollout=vllm"]),
+        (
+            ["model=tiny_moe", "rollout=vllm", "rollout.process=separate", "placement.max_staleness=1",
+             "placement.weight_update=in_flight"],
+            ["placement.weight_update=in_flight", "placement.weight_update=between_batches"],
+        ),
     ],
 )
 def test_router_replay_where_it_cannot_run_is_refused(overrides, names) -> None:
@@ -31,8 +35,24 @@ def test_router_replay_where_it_cannot_run_is_refused(overrides, names) -> None:
         assert name in str(info.value), str(info.value)
 
 
-def test_router_replay_on_a_moe_with_the_transformers_engine_passes() -> None:
+def test_router_replay_on_a_moe_with_an_engine_that_records_passes() -> None:
     validate(compose_config("algo=grpo", "algo.router_replay=true", "model=tiny_moe", "rollout=hf"))
     validate(compose_config("algo=ppo", "algo.router_replay=true", "model=tiny_moe", "rollout=hf", "trainer.nproc=2"))
     validate(compose_config("algo=grpo", "algo.router_replay=true", "model=tiny_moe", "rollout=hf", "backend=megatron",
                             "backend.ep=2", "trainer.nproc=2"))
+    validate(compose_config("algo=grpo", "algo.router_replay=true", "model=tiny_moe", "rollout=vllm"))
+    validate(compose_config(
+        "algo=grpo", "algo.router_replay=true", "model=tiny_moe", "rollout=vllm", "rollout.process=separate",
+        "placement.max_staleness=1",
+    ))
+
+
+def test_router_replay_with_vllm_on_a_gpu_is_refused(monkeypatch) -> None:
+    """The record taps vLLM's CPU runner (rltrain/rollout/vllm_routing.py); CUDA vLLM would return none."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(UserError) as info:
+        validate(compose_config("algo=grpo", "algo.router_replay=true", "model=tiny_moe", "rollout=vllm"))
+    for name in ("rollout=vllm on a GPU", "enable_return_routed_experts", "rollout=hf"):
+        assert name in str(info.value), str(info.value)
