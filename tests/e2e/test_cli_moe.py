@@ -149,12 +149,16 @@ def test_grpo_on_the_tiny_moe_replays_the_transformers_engines_routing(nproc, ti
     assert all(0.9 <= r["moe/router_agreement"] <= 1.0 for r in train_rows(run_dir))
 
 
-def test_grpo_on_megatron_with_expert_parallelism_replays_the_transformers_engines_routing(tiny_cache, tmp_path):
+# vLLM's record on megatron is `slow`: the record's layout is the engines' common one
+# (`Completion.routing`), vLLM's checked against the trainer's routing in test_moe_rollout_parity.py.
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
+def test_grpo_on_megatron_with_expert_parallelism_replays_the_engines_routing(engine, tiny_cache, tmp_path):
     """algo.router_replay=true on backend=megatron backend.ep=2 (2 ranks, each its own tokens through
-    the all-to-all; docs/moe.md, "Router replay"): parity every step in fp32, the agreement logged."""
+    the all-to-all; docs/moe.md, "Router replay"), the transformers engine's record or vLLM's:
+    parity every step in fp32, the agreement logged."""
     run_dir = tmp_path / "run"
-    rltrain(*MOE_GRPO, "model=tiny_moe", "rollout=hf", "algo.router_replay=true", "backend=megatron", "backend.ep=2",
-            "trainer.nproc=2", run_dir=run_dir, timeout=600)
+    rltrain(*MOE_GRPO, "model=tiny_moe", f"rollout={engine}", "algo.router_replay=true", "backend=megatron",
+            "backend.ep=2", "trainer.nproc=2", run_dir=run_dir, timeout=600)
     assert_engine_samples_the_trainers_weights(run_dir, 2)
     assert all(0.9 <= r["moe/router_agreement"] <= 1.0 for r in train_rows(run_dir))
 
