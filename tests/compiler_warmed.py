@@ -1,8 +1,8 @@
 """Imported by the fork server and the rank server (helpers.PRELOAD) just before `heap_frozen`: one
 tiny `torch.compile`, so what inductor does once per process (hashing torch's and triton's sources
 for its cache keys, probing the CPU's vector instruction sets, building its decomposition and
-pattern tables) is done once per server, not in every forked process that compiles. The vLLM server
-compiles vLLM's sampler rank count with `compile_before_fork` too (tests/rank_server.py).
+pattern tables) is done once per server, not in every forked process that compiles. (vLLM's sampler
+compiles nothing on the CPU build: rltrain/rollout/vllm_cpu_sampler.py.)
 
 Forking after it stays safe: static shapes too small for a parallel kernel (no OpenMP threads), one
 compile thread (no worker pool), tqdm's monitor thread off; checked. The environment is left as found

@@ -295,34 +295,12 @@ def vllm_server(handoff: socket.socket, parent: int) -> None:
         os._exit(1)
     written = {k: v for k, v in os.environ.items() if SERVER_ENV.get(k) != v and k not in VLLM_IMPORT_ENV}
     VLLM_WRITTEN.append(written)
-    from compiler_warmed import compile_before_fork  # a preload of this server (helpers.PRELOAD)
-
-    compile_before_fork(compile_vllm_rank_count)
     os.environ.clear()
     os.environ.update(SERVER_ENV)
     gc.collect()
     gc.freeze()
     handoff.send(json.dumps(written).encode())
     serve(handoff, handoffs=True)
-
-
-def compile_vllm_rank_count() -> None:
-    """vLLM compiles its sampler's rank count (`batched_count_greater_than`: dynamic rows, one
-    compile per vocabulary width) on an engine's first sampled batch. Called here as the sampler
-    calls it (inference mode, rows unbacked) at the tiny models' vocabulary, the engines forked from
-    this server compile nothing. Its kernel is serial: one of dynamic size would start OpenMP
-    threads in this server, and it forks (an exact count either way)."""
-    import torch
-    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
-
-    from rltrain.models.tokenizer import build_char_tokenizer, padded_vocab_size
-
-    with torch.inference_mode(), torch._inductor.config.patch({"cpp.threads": 1}):
-        logprobs = torch.randn(2, padded_vocab_size(build_char_tokenizer()))
-        sampled = logprobs[:, :1].clone()
-        torch._dynamo.decorators.mark_unbacked(logprobs, 0)
-        torch._dynamo.decorators.mark_unbacked(sampled, 0)
-        batched_count_greater_than(logprobs, sampled)
 
 
 def take_handoff(handoff: socket.socket, selector, clients: dict[int, StandIn]) -> None:

@@ -26,6 +26,7 @@ from rltrain.rollout.base import Completion, SamplingSettings, exclusive
 from rltrain.rollout.images import PromptImages, check_batch, expanded_prompt, vllm_prompt
 from rltrain.rollout.seeds import request_seed
 from rltrain.rollout.vllm_args import engine_kwargs, set_vllm_env
+from rltrain.rollout.vllm_cpu_sampler import use_eager_rank_count
 from rltrain.rollout.vllm_process_state import (
     ProcessStateGuard,
     collections_deferred,
@@ -85,6 +86,7 @@ class VLLMRolloutEngine:
         self.asleep = False
         set_vllm_env(cfg.kv_cache_gib)
         quiet_vllm_import()
+        use_eager_rank_count()  # no inductor kernel to build in this process (vllm_cpu_sampler.py)
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -292,8 +294,7 @@ class VLLMRolloutEngine:
 
     @cached_property
     def _sync_plan(self) -> SyncPlan | None:
-        """The fast sync's plan for this engine's model, built on the first update; None where it
-        does not apply."""
+        """The fast sync's plan for this engine's model, built on the first update; None if none applies."""
         return self._live().apply_model(partial(build_plan, names=self.expected_names))[0]
 
     def _refresh_tied_head(self) -> None:

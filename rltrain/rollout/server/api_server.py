@@ -32,5 +32,8 @@ def with_routes(build_app: Callable[..., Any]) -> Callable[..., Any]:
 if __name__ == "__main__":
     from vllm.entrypoints.launchers.api_server import entry
 
+    from rltrain.rollout.vllm_cpu_sampler import use_eager_rank_count
+
+    use_eager_rank_count()  # on a CPU the engine samples in this process (server_env)
     entry.build_app = with_routes(entry.build_app)
     entry.main()
