@@ -11,11 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
-from cli import QUICK, ROOT, rltrain, train_rows
+from cli import QUICK, ROOT, SMALL_MODEL, rltrain, torchrun_ranks_env, train_rows
 
 pytestmark = pytest.mark.e2e
 
-TWO_RANKS = ["algo=grpo", "algo.group_size=2", "trainer.max_steps=2", "trainer.nproc=2", "data.num_eval=8", *QUICK]
+# The smaller model: what is checked is how errors end a run, never what the model does.
+TWO_RANKS = ["algo=grpo", "algo.group_size=2", "trainer.max_steps=2", "trainer.nproc=2", "data.num_eval=8", *QUICK,
+             *SMALL_MODEL]
 # Where the rollout engine plays no part in what is checked (how the launcher reports, the reward
 # timeout), the transformers engine: it starts in a fraction of vLLM's time on CPU.
 TWO_RANKS_HF = [*TWO_RANKS, "rollout=hf"]
@@ -77,7 +79,9 @@ def test_user_error_on_rank_1_under_torchrun(tiny_cache, tmp_path, rewards):
     args = [a for a in TWO_RANKS_HF if a != "trainer.nproc=2"]
     cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "rltrain", *args, "algo.prompts_per_step=2",
            "reward.fns=[rw_rank:rank1_fails]", f"hydra.run.dir={tmp_path / 'run'}"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, **rewards), capture_output=True, text=True, timeout=400)
+    # Its ranks are forked from the rank server (tests/cli.py `torchrun_ranks_env`), torchrun is fresh.
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **rewards, **torchrun_ranks_env(rewards)}, capture_output=True,
+                          text=True, timeout=400)
     assert proc.returncode != 0
     # The failing rank prints its paragraph, naming itself, once; rank 0 stays quiet.
     assert proc.stderr.count("rltrain: error: rank 1: reward function 'rw_rank:rank1_fails' raised ValueError") == 1, proc.stderr[-4000:]
