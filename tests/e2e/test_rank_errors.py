@@ -11,13 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
-from cli import QUICK, ROOT, SMALL_MODEL, rltrain, torchrun_ranks_env, train_rows
+from cli import QUICK, ROOT, rltrain, torchrun_ranks_env, train_rows
 
 pytestmark = pytest.mark.e2e
 
-# The smaller model: what is checked is how errors end a run, never what the model does.
-TWO_RANKS = ["algo=grpo", "algo.group_size=2", "trainer.max_steps=2", "trainer.nproc=2", "data.num_eval=8", *QUICK,
-             *SMALL_MODEL]
+TWO_RANKS = ["algo=grpo", "algo.group_size=2", "trainer.max_steps=2", "trainer.nproc=2", "data.num_eval=8", *QUICK]
 # Where the rollout engine plays no part in what is checked (how the launcher reports, the reward
 # timeout), the transformers engine: it starts in a fraction of vLLM's time on CPU.
 TWO_RANKS_HF = [*TWO_RANKS, "rollout=hf"]
