@@ -234,14 +234,13 @@ def rank_server() -> str:
     return _RANK_SERVER[0]
 
 
-def torchrun_ranks_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """The variables under which the `python -m rltrain` ranks a test's own `torchrun` (run with
-    os.environ updated by `env`) starts are stand-ins for processes forked from the rank server
-    (tests/stand_in.py, as a launcher's `python -m rltrain.worker`); empty on a CUDA machine, where
-    every process starts fresh."""
+def torchrun_ranks_env() -> dict[str, str]:
+    """The environment under which the `python -m rltrain` ranks a test's own `torchrun` starts are
+    stand-ins for processes forked from the rank server (tests/stand_in.py, as a launcher's
+    `python -m rltrain.worker`); empty on a CUDA machine, where every process starts fresh."""
     from helpers import cuda_machine
 
-    return {} if cuda_machine() else stand_in.environment(rank_server(), {**os.environ, **(env or {})})
+    return {} if cuda_machine() else stand_in.environment(rank_server(), dict(os.environ))
 
 
 def ranks_forked(by_vllm_server: bool = False) -> int:

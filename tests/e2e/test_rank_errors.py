@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli import QUICK, ROOT, rltrain, torchrun_ranks_env, train_rows
+from cli import QUICK, ROOT, rltrain, train_rows
 
 pytestmark = pytest.mark.e2e
 
@@ -77,9 +77,7 @@ def test_user_error_on_rank_1_under_torchrun(tiny_cache, tmp_path, rewards):
     args = [a for a in TWO_RANKS_HF if a != "trainer.nproc=2"]
     cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "rltrain", *args, "algo.prompts_per_step=2",
            "reward.fns=[rw_rank:rank1_fails]", f"hydra.run.dir={tmp_path / 'run'}"]
-    # Its ranks are forked from the rank server (tests/cli.py `torchrun_ranks_env`), torchrun is fresh.
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **rewards, **torchrun_ranks_env(rewards)}, capture_output=True,
-                          text=True, timeout=400)
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, **rewards), capture_output=True, text=True, timeout=400)
     assert proc.returncode != 0
     # The failing rank prints its paragraph, naming itself, once; rank 0 stays quiet.
     assert proc.stderr.count("rltrain: error: rank 1: reward function 'rw_rank:rank1_fails' raised ValueError") == 1, proc.stderr[-4000:]
