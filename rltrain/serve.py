@@ -94,6 +94,7 @@ def _serve(host: str, port: int, overrides: list[str]) -> int:
 
 
 def _exited_within(proc: subprocess.Popen, seconds: float) -> bool:
+    """Whether `proc` exits within `seconds` (returning as soon as it does): the serve loop's tick."""
     try:
         proc.wait(timeout=seconds)
     except subprocess.TimeoutExpired:

@@ -281,7 +281,7 @@ def test_a_server_that_fails_while_the_fleet_forms_is_down_and_the_others_go_on(
     assert "weight push" in engine.servers[1].reasons[-1]
     assert len(engine.generate(PROMPTS, SAMPLING)) == len(PROMPTS) * 2
     # Alone, it leaves no server: one paragraph (exit 2) within rollout.timeout_s, which is all the
-    # fleet waits here (the stand-in answers at once), so the shortest that lets it ask once more.
+    # fleet waits here (the failing server answers at once): long enough to ask it once more.
     started = time.monotonic()
     with pytest.raises(FleetDown, match="every rollout server stayed unreachable") as info:
         fleet(rollout_servers, [], tmp_path, timeout_s=1.5, urls=[failing_server])
