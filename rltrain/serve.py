@@ -73,11 +73,13 @@ def _serve(host: str, port: int, overrides: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
     local = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + rollout.servers.start_timeout_s
-    while proc.poll() is None and not is_ours(local, identity):
+    # Each second: first whether the server exited (a lost bind race ends it at once), then whether
+    # it answers as itself. Asking first would wait out is_ours's timeout on whatever silently
+    # holds the port, while the server's exit went unseen.
+    while not _exited_within(proc, 1.0) and not is_ours(local, identity):
         if time.monotonic() > deadline:
             proc.terminate()
             break
-        time.sleep(1.0)
     if proc.poll() is not None and proc.returncode != 0 and port_problem(host, port) == "taken":  # vLLM's bind lost a race
         raise port_refusal(host, port, "taken", " (taken while this server started)")
     if proc.poll() is None:
@@ -89,6 +91,15 @@ def _serve(host: str, port: int, overrides: list[str]) -> int:
     except KeyboardInterrupt:
         proc.terminate()
         return proc.wait()
+
+
+def _exited_within(proc: subprocess.Popen, seconds: float) -> bool:
+    """Whether `proc` exits within `seconds` (returning as soon as it does): the serve loop's tick."""
+    try:
+        proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
 
 
 def _run_server_config(host: str, port: int, overrides: list[str]):
