@@ -35,13 +35,15 @@ def test_cfg_job_prints_the_composed_config(tiny_cache):
     assert re.search(r"dir: outputs/[\d-]+/[\d-]+_sft\n", hydra_cfg), hydra_cfg
 
 
+# One cold console in make test; each message is composed in-process by
+# tests/unit/preflight/test_compose_errors.py, the other three consoles `slow`.
 @pytest.mark.parametrize(
     "override, says",
     [
         ("trainer.max_stepz=5", "unknown config key 'trainer.max_stepz'"),
-        ("trainer.max_steps=abc", "bad value for 'trainer.max_steps'"),
-        ("algo.beta=0.1", "there is no 'beta' in 'algo'"),  # a GRPO key under algo=sft
-        ("trainer.max_steps=[1", "cannot parse the override"),
+        pytest.param("trainer.max_steps=abc", "bad value for 'trainer.max_steps'", marks=pytest.mark.slow),
+        pytest.param("algo.beta=0.1", "there is no 'beta' in 'algo'", marks=pytest.mark.slow),  # a GRPO key under algo=sft
+        pytest.param("trainer.max_steps=[1", "cannot parse the override", marks=pytest.mark.slow),
     ],
 )
 def test_bad_key_or_type_fails_before_any_model_is_built(tmp_path, override, says):

@@ -16,7 +16,8 @@ CASES = {"sft": SFT_RUN_2_RANKS, "dpo": DPO_RUN, "grpo": GRPO_HF_RUN}
 STEPS = {"sft": 6, "dpo": 6, "grpo": 4}
 
 
-@pytest.mark.parametrize("algo", sorted(CASES))
+# DPO is `slow`: its pairs share their prompt as GRPO's groups do, whose budgeted run stays.
+@pytest.mark.parametrize("algo", [pytest.param(a, marks=pytest.mark.slow) if a == "dpo" else a for a in sorted(CASES)])
 def test_a_token_budget_does_not_change_the_numbers(algo, shared_runs, tmp_path):
     rows = train_rows(shared_runs.get(*CASES[algo]))
     rltrain(*CASES[algo], "trainer.max_tokens_per_micro_batch=40", "trainer.save_every=0", "logger.wandb.mode=disabled",
