@@ -17,7 +17,13 @@ import pytest
 import torch
 
 from rltrain.rollout.server.batch_requests import answer_completions
-from rltrain.rollout.server.routing_wire import ROUTING_ARG, decode_routing, encode_routing, sample_key, server_key
+from rltrain.rollout.server.routing_wire import (
+    ROUTING_ARG,
+    decode_routing,
+    encode_routing,
+    sample_key,
+    server_key,
+)
 from rltrain.rollout.vllm_routing import RoutingTap, completion_routing
 from rltrain.runtime.errors import UserError
 
