@@ -47,7 +47,7 @@ def sample_key(route_key: str, seed: int) -> str:
 
 def encode_routing(experts_TLK: torch.Tensor) -> dict[str, Any]:
     """[tokens, layers, k] int16 as JSON: {"shape": [...], "b64": little-endian int16 bytes}."""
-    array = experts_TLK.to(ROUTING_DTYPE).numpy().astype("<i2", copy=False)
+    array: np.ndarray = experts_TLK.to(ROUTING_DTYPE).numpy().astype("<i2", copy=False)
     return {"shape": list(array.shape), "b64": base64.b64encode(array.tobytes()).decode("ascii")}
 
 
