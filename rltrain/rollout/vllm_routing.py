@@ -8,10 +8,14 @@ capturer uses), and the runner's `_prepare_inputs` says, before each forward, wh
 flattened rows is each request's last scheduled position and which completion token it samples.
 Only those rows are kept, under the request's seed (unique within a `generate` call,
 rltrain/rollout/seeds.py), so vLLM's request ids and its fan-out of `n` samples need no decoding.
+In an API server (`rollout=server`) concurrent requests of several trainer ranks may share seeds:
+there a request is kept under (the key rltrain's route put in its `extra_args`, its seed)
+(`server_key`; rollout/server/batch_route.py, docs/moe.md "Recording in a server").
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import numpy as np
@@ -27,13 +31,16 @@ class RoutingTap:
     (the prompt and the tokens so far, prefilled again) keeps the earlier records. A cached
     prompt prefix is not recomputed, but the prompt's last position always is."""
 
-    def __init__(self, runner: Any) -> None:
+    def __init__(self, runner: Any, key_of: Callable[[Any], Hashable | None] | None = None) -> None:
+        """`key_of`: a request's `SamplingParams` -> the key its record is kept under (None: not
+        recorded); by default its seed."""
         self.runner = runner
+        self.key_of = key_of or (lambda params: params.seed)
         self.layers = 0
         self.armed = False  # between `arm` and `take` (one generate call; the in-flight loop steps the engine unrecorded)
-        self.records: dict[int, dict[int, torch.Tensor]] = {}  # seed -> completion index -> [layers, k]
+        self.records: dict[Hashable, dict[int, torch.Tensor]] = {}  # key -> completion index -> [layers, k]
         self._rows: torch.Tensor | None = None  # the sampling rows of the forward under way
-        self._keys: list[tuple[int, int]] = []  # (seed, completion index) of each row
+        self._keys: list[tuple[Hashable, int]] = []  # (key, completion index) of each row
         self._step: list[torch.Tensor | None] = []
         prepare = runner._prepare_inputs
 
@@ -69,10 +76,10 @@ class RoutingTap:
         rows: list[int] = []
         self._keys = []
         for r, req_id in enumerate(batch.req_ids[:reqs]):
-            seed = self.runner.requests[req_id].sampling_params.seed
-            if index_R[r] >= 0 and seed is not None:
+            key = self.key_of(self.runner.requests[req_id].sampling_params)
+            if index_R[r] >= 0 and key is not None:
                 rows.append(int(last_R[r]))
-                self._keys.append((int(seed), int(index_R[r])))
+                self._keys.append((key, int(index_R[r])))
         self._rows = torch.tensor(rows, dtype=torch.long) if rows else None
         self._step = [None] * self.layers
 
@@ -86,22 +93,31 @@ class RoutingTap:
         if not step or any(s is None for s in step):
             return
         rows_RLK = torch.stack([s for s in step if s is not None], dim=1)
-        for row, (seed, index) in enumerate(keys):
-            self.records.setdefault(seed, {}).setdefault(index, rows_RLK[row])
+        for row, (key, index) in enumerate(keys):
+            self.records.setdefault(key, {}).setdefault(index, rows_RLK[row])
 
-    def take(self) -> dict[int, torch.Tensor]:
-        """Every request's record since the last take, [tokens, layers, k] per seed (-1 where
+    def take(self) -> dict[Hashable, torch.Tensor]:
+        """Every request's record since the last take, [tokens, layers, k] per key (-1 where
         an index has none), and forget them."""
         self._flush()
-        taken: dict[int, torch.Tensor] = {}
-        for seed, by_index in self.records.items():
-            first = next(iter(by_index.values()))
-            out_TLK = torch.full((max(by_index) + 1, *first.shape), -1, dtype=ROUTING_DTYPE)
-            for index, experts_LK in by_index.items():
-                out_TLK[index] = experts_LK
-            taken[seed] = out_TLK
+        taken = {key: _stacked(by_index) for key, by_index in self.records.items()}
         self.records, self.armed = {}, False
         return taken
+
+    def take_keys(self, keys: list[Hashable]) -> dict[Hashable, torch.Tensor]:
+        """The records of `keys` (those the tap kept), forgotten; the others stay (a server's other
+        requests, still running). The tap stays armed."""
+        self._flush()
+        return {key: _stacked(self.records.pop(key)) for key in keys if key in self.records}
+
+
+def _stacked(by_index: dict[int, torch.Tensor]) -> torch.Tensor:
+    """One request's rows as [tokens, layers, k], -1 where an index has none."""
+    first = next(iter(by_index.values()))
+    out_TLK = torch.full((max(by_index) + 1, *first.shape), -1, dtype=ROUTING_DTYPE)
+    for index, experts_LK in by_index.items():
+        out_TLK[index] = experts_LK
+    return out_TLK
 
 
 # --- the engine's side: functions run on its worker (`LLM.collective_rpc`) ----------------------

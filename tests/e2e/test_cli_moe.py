@@ -70,8 +70,8 @@ def test_grpo_on_the_tiny_moe_with_each_engine(engine, tiny_cache, tmp_path):
     rltrain(*MOE_GRPO, "model=tiny_moe", "trainer.max_steps=3", *engine, run_dir=run_dir, timeout=600)
     assert_engine_samples_the_trainers_weights(run_dir, 3)
     assert read_metrics(run_dir)
-    if engine[0] != "rollout=server":  # hf and vLLM record the routing always: the agreement is measured with replay off too
-        assert all(0.9 <= r["moe/router_agreement"] <= 1.0 for r in train_rows(run_dir))
+    # Every engine records the routing of a MoE (a server on vLLM's CPU build too): the agreement is measured with replay off
+    assert all(0.9 <= r["moe/router_agreement"] <= 1.0 for r in train_rows(run_dir))
 
 
 @pytest.mark.slow
@@ -199,3 +199,20 @@ def test_grpo_on_the_tiny_moe_replays_the_separate_vllm_engines_routing(placemen
         assert r["rollout/logprob_diff_max"] < PARITY and r["moe/router_agreement"] == 1.0, r
     assert all(0.5 <= r["moe/router_agreement"] <= 1.0 for r in rows), rows
     print("\nagreement by step:", [r["moe/router_agreement"] for r in rows])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2], ids=["one_rank", "two_ranks"])
+def test_grpo_on_the_tiny_moe_replays_the_servers_routing(nproc, tiny_cache, tmp_path):
+    """algo.router_replay=true with rollout=server (docs/moe.md, "Recording in a server"): the
+    tap in the spawned API server's worker records each completion of rltrain's batch route under
+    the route's own key, so with 2 trainer ranks on one server (their requests at once, their seeds
+    alike) each completion gets its own record: the trainer's routing (agreement 1.0 in fp32 with
+    synced weights) and parity every step."""
+    run_dir = tmp_path / "run"
+    rltrain(*MOE_GRPO, "model=tiny_moe", "rollout=server", "rollout.servers.spawn=1", "algo.router_replay=true",
+            f"trainer.nproc={nproc}", run_dir=run_dir, timeout=900)
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["rollout/logprob_diff_max"] < PARITY and r["moe/router_agreement"] == 1.0, r

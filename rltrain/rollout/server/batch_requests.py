@@ -1,7 +1,8 @@
 """A batch as requests to the fleet's servers: its prompts in contiguous runs, one request to one
 server each (`batch_chunks`), each prompt's part of the request (`prompt_body`: its `n` samples,
 seeded by its index in the batch) and the completions read back from its answer
-(`answer_completions`, each checked to carry the engine's weight version). The fleet (fleet.py)
+(`answer_completions`, each checked to carry the engine's weight version, and with its routing
+record where the server returns one: rollout/server/routing_wire.py). The fleet (fleet.py)
 routes the requests; docs/rollout-servers.md.
 """
 
@@ -13,6 +14,7 @@ from rltrain.rollout.base import Completion, SamplingSettings
 from rltrain.rollout.images import PromptImages
 from rltrain.rollout.seeds import request_seed
 from rltrain.rollout.server.images import generate_fields
+from rltrain.rollout.server.routing_wire import decode_routing
 from rltrain.runtime.errors import UserError
 
 
@@ -45,10 +47,12 @@ def prompt_body(
 
 
 def answer_completions(
-    index: int, answer: dict[str, Any], url: str, version: int, prompt_ids: list[int] | None = None
+    index: int, answer: dict[str, Any], url: str, version: int, prompt_ids: list[int] | None = None,
+    routing_required: bool = False,
 ) -> list[Completion]:
     """The completions of prompt `index` in a server's answer; one sampled by another weight version
-    than the engine's `version` stops the run."""
+    than the engine's `version` stops the run, and so does one without a routing record where
+    router replay needs it (`routing_required`)."""
     out = []
     for choice in sorted(answer["choices"], key=lambda c: c["index"]):
         versions = {span["version"] for span in choice.get("weight_versions") or []}
@@ -60,8 +64,21 @@ def answer_completions(
             )
         token_ids = [int(t) for t in choice["token_ids"]]
         logprobs = [float(lp) for lp in choice["logprobs"]]
+        wire = choice.get("routing")
+        if wire is None and routing_required:
+            raise UserError(no_record_message(url))
         out.append(Completion(
             index, token_ids, logprobs, finished=choice["finish_reason"] == "stop", prompt_ids=prompt_ids,
-            version=int(versions.pop()),
+            version=int(versions.pop()), routing=None if wire is None else decode_routing(wire),
         ))
     return out
+
+
+def no_record_message(url: str) -> str:
+    return (
+        f"algo.router_replay=true with rollout=server: {url} returned no routing record for a completion, so there "
+        "is nothing to replay. rltrain records a MoE's routing in its own API server on vLLM's CPU build (spawned "
+        "with rollout.servers.spawn, or started with `python -m rltrain.serve`); a server on a GPU, or one started "
+        "otherwise (a plain `vllm serve`), records none. Point rollout.servers.urls at such CPU servers, or set "
+        "algo.router_replay=false (rollout/mismatch_kl still measures the mismatch). docs/moe.md."
+    )

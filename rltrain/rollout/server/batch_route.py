@@ -6,13 +6,18 @@ parsed, checked, defaulted, seeded and scheduled as its own request would be, an
 the scheduler together (one prefill wave). Only the answer is ours: per choice the token ids, the
 sampled tokens' log-probabilities as floats, the finish reason and the version spans, read straight
 from vLLM's `RequestOutput` (no response object per token for the trainer to throw away): the API
-server's CPU is what this saves. docs/rollout-servers.md, "Batched requests".
+server's CPU is what this saves. With `"routing": true` in the body each choice also carries the
+experts a MoE routed its tokens to (router replay's record, taken from the worker's tap by a key
+of this route's: rollout/server/routing_wire.py), or null where the server records none.
+docs/rollout-servers.md, "Batched requests"; docs/moe.md, "Recording in a server".
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import uuid
 from collections.abc import AsyncGenerator, Sequence
 from http import HTTPStatus
 from typing import Any
@@ -27,6 +32,7 @@ from vllm.logprobs import FlatLogprobs
 from vllm.outputs import CompletionOutput, RequestOutput
 
 from rltrain.rollout.server.client import BATCH_PATH as PATH
+from rltrain.rollout.server.routing_wire import ROUTING_ARG, encode_routing, sample_key
 
 router = APIRouter()
 # vLLM's floor for a log-probability in its answers (-inf and NaN become this).
@@ -97,18 +103,67 @@ def compact_handler(app: FastAPI) -> CompactServingTokens:
 async def generate_batch(raw_request: Request) -> Response:
     handler = compact_handler(raw_request.app)
     try:
-        bodies = msgspec.json.decode(await raw_request.body())["requests"]
-        requests = [GenerateRequest.model_validate(body) for body in bodies]
+        body = msgspec.json.decode(await raw_request.body())
+        requests = [GenerateRequest.model_validate(entry) for entry in body["requests"]]
     except (ValueError, KeyError, TypeError) as exc:  # msgspec.DecodeError and pydantic's ValidationError are ValueErrors
         return JSONResponse({"error": f"{PATH}: {exc!r}"}, status_code=HTTPStatus.BAD_REQUEST)
     for request in requests:  # each entry's own parameters: neither changes a sample
         request.sampling_params.flat_logprobs = True  # logprobs in flat lists, read by sampled_logprobs
         request.sampling_params.skip_clone = True  # no deep copy in the engine: this object serves one request
-    answers = await asyncio.gather(*(handler.serve_tokens(request, raw_request) for request in requests))
+    route_keys = mark_for_routing(requests) if bool(body.get("routing")) else None
+    try:
+        answers = await asyncio.gather(*(handler.serve_tokens(request, raw_request) for request in requests))
+    finally:  # taken even when a request failed: the tap keeps nothing past its request
+        records = None if route_keys is None else await take_routing(handler, requests, route_keys)
     for answer in answers:
         if not isinstance(answer, dict):  # an ErrorResponse (or a stream, asked of a batch): the first one decides
             if isinstance(answer, ErrorResponse):
                 return JSONResponse(answer.model_dump(), status_code=answer.error.code)
             return JSONResponse({"error": f"{PATH}: streamed requests are not batched"}, status_code=HTTPStatus.BAD_REQUEST)
+    if route_keys is not None:
+        for request, key, answer in zip(requests, route_keys, answers, strict=True):
+            attach_routing(answer, records, key, request.sampling_params.seed)
     return Response(msgspec.json.encode({"answers": answers}), media_type="application/json")
 
+
+
+def mark_for_routing(requests: list[GenerateRequest]) -> list[str]:
+    """Mark each request for the worker's routing tap with a key of its own (concurrent requests of
+    other trainer ranks may carry the same seeds): the keys, in order."""
+    keys = []
+    for request in requests:
+        key = uuid.uuid4().hex
+        request.sampling_params.extra_args = {**(request.sampling_params.extra_args or {}), ROUTING_ARG: key}
+        keys.append(key)
+    return keys
+
+
+async def take_routing(handler: CompactServingTokens, requests: list[GenerateRequest], keys: list[str]) -> dict[str, Any] | None:
+    """Every sample's record of these requests from the worker's tap (by sample_key: the route's
+    key and the sample's seed, vLLM seeding the `n` samples seed, seed+1, ...); None where the server
+    records none (a dense model, a GPU)."""
+    wanted = [
+        sample_key(key, request.sampling_params.seed + c)
+        for key, request in zip(keys, requests, strict=True) if request.sampling_params.seed is not None
+        for c in range(request.sampling_params.n)
+    ]
+    answer = (await handler.engine_client.collective_rpc("rltrain_take_routing", args=(json.dumps(wanted),)))[0]
+    return None if answer is None else json.loads(answer)
+
+
+def attach_routing(answer: dict[str, Any], records: dict[str, Any] | None, key: str, seed: int | None) -> None:
+    """Each choice's record (`"routing"`, routing_wire.encode_routing), cut to its tokens (a forward
+    may run past a stop); null where none was kept."""
+    import torch
+
+    from rltrain.models.moe import ROUTING_DTYPE
+    from rltrain.rollout.vllm_routing import completion_routing
+
+    for choice in answer["choices"]:
+        found = None if records is None or seed is None else records.get(sample_key(key, seed + choice["index"]))
+        if found is None:
+            choice["routing"] = None
+            continue
+        by_seed = {0: torch.tensor(found, dtype=ROUTING_DTYPE)}
+        record = completion_routing(by_seed, 0, len(choice["token_ids"]))
+        choice["routing"] = None if record is None else encode_routing(record)

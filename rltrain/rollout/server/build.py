@@ -28,5 +28,5 @@ def build_engine(ctx: RunContext) -> ServerFleetEngine:
     return ServerFleetEngine(
         cfg, ctx.model_dir, dtype=resolve_precision(ctx.cfg.trainer.precision, ctx.dist.device).compute_dtype_name,
         rank=ctx.dist.rank, cuda=ctx.dist.device.type == "cuda", log_dir=Path(ctx.run_dir), urls_from_rank0=share,
-        loads_group=loads_group,
+        loads_group=loads_group, router_replay=bool(ctx.cfg.algo.get("router_replay", False)),  # an RL algorithm's key
     )

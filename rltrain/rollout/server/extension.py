@@ -6,8 +6,9 @@ also runs on the CPU build. The trainer calls its methods through vLLM's `/colle
 server runs with `VLLM_SERVER_DEV_MODE=1`), which carries only JSON strings: `rltrain_server_id`
 says which server this is, `rltrain_device` where the model lives, `rltrain_join` opens a two-member torch.distributed group with the trainer
 (gloo, or NCCL where both ends run on CUDA), `rltrain_receive` takes one version's buckets from it
-(raw bytes, never pickle) and loads them in place as the in-process engine does.
-docs/rollout-servers.md.
+(raw bytes, never pickle) and loads them in place as the in-process engine does. On vLLM's CPU
+build a MoE's routers are tapped for router replay from the first join on (`rltrain_take_routing`,
+asked by rltrain's batch route). docs/rollout-servers.md, docs/moe.md "Recording in a server".
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ class WeightPushExtension:
     # The fast plan per set of pushed names (None: it does not apply), built on the first push as
     # the in-process engine builds its own once: every version after reuses it.
     rltrain_plans: dict[tuple[str, ...], Any] | None = None
+    # Router replay's tap (rltrain/rollout/vllm_routing.py): a MoE on the CPU build, from the first join.
+    rltrain_routing_tap: Any = None
     # Provided by vLLM's worker class this is mixed into.
     model_runner: Any
     device_config: Any
@@ -100,6 +103,7 @@ class WeightPushExtension:
         # The first collective proves both ends are in.
         probe = torch.zeros(1, device=self._rltrain_device())
         self.rltrain_group.broadcast([probe], dist.BroadcastOptions()).wait()
+        self._rltrain_tap_routing()
         return {"fingerprint": model_fingerprint(self.model_runner.model_config.model), "version": self.rltrain_version}
 
     def rltrain_receive(self, manifest_json: str) -> dict[str, Any]:
@@ -116,8 +120,32 @@ class WeightPushExtension:
             self.rltrain_group.broadcast([bucket_u8], dist.BroadcastOptions()).wait()
             weights += unpack_bucket(bucket_u8, bucket["entries"])
         self._rltrain_load(weights)
+        self._rltrain_tap_routing()  # a reload may rebuild a layer: its router is bound again
         self.rltrain_version = int(manifest["version"])
         return {"version": self.rltrain_version}
+
+    def rltrain_take_routing(self, keys_json: str) -> str | None:
+        """The records of the requests keyed `keys_json` (a JSON list, routing_wire.sample_key),
+        forgotten here: a JSON object key -> [tokens, layers, k] as lists; None where this server
+        records nothing (a dense model, a GPU: docs/moe.md)."""
+        if self.rltrain_routing_tap is None or self.rltrain_routing_tap.layers == 0:
+            return None
+        taken = self.rltrain_routing_tap.take_keys(json.loads(keys_json))
+        return json.dumps({key: record.tolist() for key, record in taken.items()})
+
+    def _rltrain_tap_routing(self) -> None:
+        """Tap a MoE's routers on the CPU build (once; bound again after each load), recording the
+        requests rltrain's route marks (routing_wire.server_key)."""
+        from rltrain.models.moe import is_moe
+        from rltrain.rollout.server.routing_wire import server_key
+        from rltrain.rollout.vllm_routing import RoutingTap
+
+        if self.rltrain_routing_tap is None:
+            if self.device_config.device_type != "cpu" or not is_moe(self.model_runner.model_config.hf_text_config):
+                return
+            self.rltrain_routing_tap = RoutingTap(self.model_runner, key_of=server_key)
+            self.rltrain_routing_tap.armed = True  # always: only marked requests are kept, each taken by its route
+        self.rltrain_routing_tap.bind(self.model_runner.get_model())
 
     def rltrain_server_id(self) -> str:
         """Who this server is (`SERVER_ID`): the fleet refuses two URLs that reach one server."""

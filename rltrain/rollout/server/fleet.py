@@ -43,6 +43,7 @@ from rltrain.rollout.server.roster import (
     refuse_duplicates,
     spawn_servers,
 )
+from rltrain.rollout.server.routing_wire import model_is_moe
 from rltrain.rollout.server.stream import FleetStream
 from rltrain.runtime.errors import UserError
 
@@ -58,9 +59,13 @@ class ServerFleetEngine:
 
     def __init__(
         self, cfg: ServerRolloutConfig, model_dir: str | Path, *, dtype: str, rank: int, cuda: bool,
-        log_dir: Path, urls_from_rank0: Any = None, loads_group: Any = None,
+        log_dir: Path, urls_from_rank0: Any = None, loads_group: Any = None, router_replay: bool = False,
     ) -> None:
         self.cfg = cfg
+        # A MoE's routing is asked of the servers for every MoE (moe/router_agreement either way);
+        # with router replay a completion without it stops the run (docs/moe.md).
+        self.routing = model_is_moe(Path(model_dir))
+        self.routing_required = router_replay
         # Generating ahead on several trainer ranks: a process group of the engine's worker threads,
         # so that no rank's push of a version lands while another rank still samples the batch of an
         # earlier one on the same servers (`update_weights`).
@@ -272,7 +277,7 @@ class ServerFleetEngine:
         while True:
             server = self.pick(deadline)
             try:
-                answer = call(server.url, BATCH_PATH, {"requests": bodies}, self.cfg.timeout_s)
+                answer = call(server.url, BATCH_PATH, {"requests": bodies, "routing": self.routing}, self.cfg.timeout_s)
             except ServerDown as exc:
                 self.mark_down(server, str(exc))
                 continue
@@ -283,7 +288,8 @@ class ServerFleetEngine:
             completions = [
                 c for i, one in zip(indices, answer["answers"], strict=True)
                 for c in answer_completions(
-                    i, one, server.url, self.version, answered_prompt(i, prompts[i], one, self.image_token)
+                    i, one, server.url, self.version, answered_prompt(i, prompts[i], one, self.image_token),
+                    self.routing_required,
                 )
             ]
             with self.lock:

@@ -20,7 +20,11 @@ def _not_under_torchrun(monkeypatch) -> None:
     "overrides, names",
     [
         (["model=tiny", "rollout=hf"], ["needs a Mixture-of-Experts model", "model=tiny_moe"]),
-        (["model=tiny_moe", "rollout=server"], ["rollout=server", "Model Runner V2", "Triton", "rollout=vllm"]),
+        (
+            ["model=tiny_moe", "rollout=server", "rollout.servers.spawn=1", "placement.max_staleness=1",
+             "placement.weight_update=in_flight"],
+            ["rollout=server", "placement.weight_update=in_flight", "/inference/v1/generate", "between_batches"],
+        ),
         (
             ["model=tiny_moe", "rollout=vllm", "rollout.process=separate", "placement.max_staleness=1",
              "placement.weight_update=in_flight"],
@@ -45,6 +49,8 @@ def test_router_replay_on_a_moe_with_an_engine_that_records_passes() -> None:
         "algo=grpo", "algo.router_replay=true", "model=tiny_moe", "rollout=vllm", "rollout.process=separate",
         "placement.max_staleness=1",
     ))
+    validate(compose_config("algo=grpo", "algo.router_replay=true", "model=tiny_moe", "rollout=server",
+                            "rollout.servers.spawn=1", "trainer.nproc=2", "placement.max_staleness=1"))
 
 
 def test_router_replay_with_vllm_on_a_gpu_is_refused(monkeypatch) -> None:
@@ -55,4 +61,17 @@ def test_router_replay_with_vllm_on_a_gpu_is_refused(monkeypatch) -> None:
     with pytest.raises(UserError) as info:
         validate(compose_config("algo=grpo", "algo.router_replay=true", "model=tiny_moe", "rollout=vllm"))
     for name in ("rollout=vllm on a GPU", "enable_return_routed_experts", "rollout=hf"):
+        assert name in str(info.value), str(info.value)
+
+
+def test_router_replay_with_servers_spawned_on_a_gpu_is_refused(monkeypatch) -> None:
+    """A server's record taps vLLM's CPU runner in its worker (docs/moe.md, "Recording in a server");
+    a URL-given server that returns none stops the run at its first batch instead (test_vllm_routing.py)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(UserError) as info:
+        validate(compose_config("algo=grpo", "algo.router_replay=true", "model=tiny_moe", "rollout=server",
+                                "rollout.servers.spawn=1"))
+    for name in ("rollout=server spawning servers on a GPU", "rollout.servers.urls", "algo.router_replay=false"):
         assert name in str(info.value), str(info.value)

@@ -3,16 +3,29 @@
 chunked prefill, a cached prompt prefix, `n` samples and a recompute after preemption. The tap's
 bookkeeping is driven here by a stand-in for vLLM's model runner (its batch's request order and
 token counts, as `_prepare_inputs` sees them); the real engine's record against the trainer's
-routing is checked in tests/unit/rollout/test_moe_rollout_parity.py and tests/e2e/test_cli_moe.py."""
+routing is checked in tests/unit/rollout/test_moe_rollout_parity.py and tests/e2e/test_cli_moe.py.
+In a server (rltrain/rollout/server/routing_wire.py) the record is kept by the batch route's key
+and the seed, so two trainer ranks' requests with the same seeds keep theirs apart, and it
+crosses HTTP as base64."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
+from rltrain.rollout.server.batch_requests import answer_completions
+from rltrain.rollout.server.routing_wire import (
+    ROUTING_ARG,
+    decode_routing,
+    encode_routing,
+    sample_key,
+    server_key,
+)
 from rltrain.rollout.vllm_routing import RoutingTap, completion_routing
+from rltrain.runtime.errors import UserError
 
 LAYERS = 2
 
@@ -85,3 +98,42 @@ def test_a_completion_takes_its_own_tokens_and_reads_minus_one_past_the_record()
     longer = completion_routing({7: record_TLK}, 7, 4)
     assert longer is not None and torch.equal(longer[:3], record_TLK) and bool((longer[3] == -1).all())
     assert completion_routing({7: record_TLK}, 8, 2) is None
+
+
+def test_a_servers_tap_keeps_two_ranks_requests_with_the_same_seeds_apart():
+    """Two trainer ranks' requests at once on one server, seeded alike (each rank seeds its prompts
+    by their index in its own batch): kept under the route's key and the seed, each taken by its
+    own route while the other's stay; a request the route did not mark (another client's) is not kept."""
+    runner = Runner({"r0": 4, "r1": 4, "x": 4}, {})
+    marked = {"r0": "rank0", "r1": "rank1"}
+    runner.requests = {
+        r: SimpleNamespace(sampling_params=SimpleNamespace(seed=7, extra_args={ROUTING_ARG: marked[r]} if r in marked else None))
+        for r in ("r0", "r1", "x")
+    }
+    tap = RoutingTap(runner, key_of=server_key)
+    tap.layers, tap.armed = LAYERS, True
+    runner.forward(tap, {"r0": 4, "r1": 4, "x": 4})  # last prompt rows 3, 7, 11 sample token 0
+    runner.forward(tap, {"r1": 1, "r0": 1, "x": 1})  # decode: r1 at row 0, r0 at row 1
+    taken = tap.take_keys([sample_key("rank0", 7)])
+    assert list(taken) == ["rank0:7"] and taken["rank0:7"][:, 0, 0].tolist() == [3, 1]
+    assert tap.armed and list(tap.records) == ["rank1:7"]  # the other rank's, still running, stays
+    assert tap.take_keys([sample_key("rank1", 7), sample_key("rank1", 8)])["rank1:7"][:, 0, 0].tolist() == [7, 0]
+    assert tap.records == {}
+
+
+def test_a_record_crosses_http_as_base64_and_becomes_the_completions_routing():
+    record_TLK = torch.tensor([[[0, 7], [3, -1]], [[5, 2], [1, 6]], [[-1, -1], [4, 0]]], dtype=torch.int16)
+    wire = encode_routing(record_TLK)
+    assert wire["shape"] == [3, 2, 2] and len(wire["b64"]) == 32  # 24 bytes of int16
+    assert torch.equal(decode_routing(wire), record_TLK) and decode_routing(wire).dtype == torch.int16
+    with pytest.raises(ValueError, match="does not fill the shape"):
+        decode_routing({"shape": [4, 2, 2], "b64": wire["b64"]})
+    choice = {"index": 0, "token_ids": [1, 2, 3], "logprobs": [-0.1, -0.2, -0.3], "finish_reason": "stop",
+              "weight_versions": [{"version": "2", "start": 0, "end": 3}]}
+    (with_record,) = answer_completions(5, {"choices": [{**choice, "routing": wire}]}, "http://s", 2, routing_required=True)
+    assert with_record.routing is not None and torch.equal(with_record.routing, record_TLK)
+    (without,) = answer_completions(5, {"choices": [{**choice, "routing": None}]}, "http://s", 2)
+    assert without.routing is None
+    with pytest.raises(UserError, match="returned no routing record") as info:  # replay on: a server that records none
+        answer_completions(5, {"choices": [{**choice, "routing": None}]}, "http://s", 2, routing_required=True)
+    assert "algo.router_replay=false" in str(info.value) and "python -m rltrain.serve" in str(info.value)
