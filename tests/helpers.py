@@ -165,6 +165,38 @@ def _entry(rank: int, fn: Callable, nproc: int, port: int, pg_timeout_s: float, 
 PORT_TAKEN = "EADDRINUSE"
 
 
+def portable(obj):
+    """A rank's result with tensors as numpy arrays: torch's queue pickling shares tensor storage by
+    file descriptor, which breaks when the rank exits before the parent unpickles; numpy pickles by value."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().numpy()
+    if isinstance(obj, dict):
+        return {k: portable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(portable(v) for v in obj)
+    return obj
+
+
+def ragged_micro_batches(rank: int, vocab: int) -> list:
+    """Two micro-batches of ragged (prompt, completion) rows for each of 2 ranks, the same count on
+    each (an expert-parallel all-to-all is collective), random ids below `vocab` seeded by the rank."""
+    import torch
+
+    from rltrain.data.batch import SequenceBatch
+
+    g = torch.Generator().manual_seed(10 + rank)
+    shapes = [[(3, 5), (6, 2)], [(4, 7)]] if rank == 0 else [[(2, 6)], [(5, 3), (7, 1)]]
+    return [
+        SequenceBatch.from_lists(
+            [torch.randint(0, vocab, (p,), generator=g).tolist() for p, _ in mb],
+            [torch.randint(0, vocab, (c,), generator=g).tolist() for _, c in mb],
+        )
+        for mb in shapes
+    ]
+
+
 def run_ranks(fn: Callable, *args: Any, nproc: int = 2, timeout_s: float = 120, pg_timeout_s: float = 20) -> list:
     """Run `fn(rank, world_size, *args)` on `nproc` gloo ranks; return each rank's result.
 

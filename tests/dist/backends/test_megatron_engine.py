@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_ranks
+from helpers import portable, run_ranks
 
 from rltrain.data.batch import SequenceBatch
 
@@ -149,18 +149,6 @@ def _timeshare(eng, ckpt: Path, batches, n_tokens) -> dict:
     )
 
 
-def _portable(obj):
-    """Tensors as numpy arrays: torch's queue pickling shares tensor storage by file descriptor,
-    which breaks when the rank exits before the parent unpickles; numpy pickles by value."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().numpy()
-    if isinstance(obj, dict):
-        return {k: _portable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_portable(v) for v in obj)
-    return obj
-
-
 def _tensors(obj):
     import numpy as np
 
@@ -227,7 +215,7 @@ def _worker(
         res["dp_extras"] = _frozen_and_nonfinite(eng, model_dir, batches, n_tokens, res["logps"])
     if pp > 1:
         res["timeshare"] = _timeshare(eng, ckpt, batches, n_tokens)
-    return _portable(res)
+    return portable(res)
 
 
 # -- the checks ------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_ranks
+from helpers import portable, ragged_micro_batches, run_ranks
 
 from rltrain.data.batch import SequenceBatch
 from rltrain.models.moe import RouterLosses
@@ -104,7 +104,7 @@ def _hf_sft_grads(model_dir: Path, router: tuple[float, float] | None = None) ->
     from rltrain.models import moe
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    batches = _sft_batches(0) + _sft_batches(1)
+    batches = ragged_micro_batches(0, VOCAB) + ragged_micro_batches(1, VOCAB)
     n_tokens = sum(b.num_completion_tokens for b in batches)
     loss = torch.zeros(())
     for mb in batches:
@@ -143,20 +143,6 @@ def _hf_sft_grads(model_dir: Path, router: tuple[float, float] | None = None) ->
             grads[hf if "experts" in name or name.endswith("mlp.gate.weight") else name] = param.grad
     assert set(grads) == set(names), sorted(set(grads) ^ set(names))[:4]
     return {**grads, **means}
-
-
-def _sft_batches(rank: int) -> list[SequenceBatch]:
-    g = torch.Generator().manual_seed(10 + rank)
-    # Every rank of an expert-parallel group runs the same number of forwards (the all-to-all is
-    # collective); the trainers give every data-parallel rank the same number of micro-batches.
-    shapes = [[(3, 5), (6, 2)], [(4, 7)]] if rank == 0 else [[(2, 6)], [(5, 3), (7, 1)]]
-    return [
-        SequenceBatch.from_lists(
-            [torch.randint(0, VOCAB, (p,), generator=g).tolist() for p, _ in mb],
-            [torch.randint(0, VOCAB, (c,), generator=g).tolist() for _, c in mb],
-        )
-        for mb in shapes
-    ]
 
 
 def _hf_logits(model_dir: Path, batches: list[list[SequenceBatch]]) -> list[list[torch.Tensor]]:
@@ -274,7 +260,7 @@ def _bf16_mixed_step(world: int, model_dir: str) -> float:
         model_dir, MegatronBackendConfig(tp=2, ep=2), OptimConfig(**OPTIM), 100, precision="bf16-mixed",
         collective_timeout_s=20,
     )
-    metrics = eng.train_step(_sft_batches(0), lambda out, mb: (-out.logps.values.mean(), {}))
+    metrics = eng.train_step(ragged_micro_batches(0, VOCAB), lambda out, mb: (-out.logps.values.mean(), {}))
     eng.teardown_communicators()
     return metrics["loss"]
 
@@ -291,8 +277,8 @@ def _hf_family_step(world: int, model_dir: str, tp: int, ep: int) -> dict:
         model_dir, MegatronBackendConfig(tp=tp, ep=ep), unchanged, 100, collective_timeout_s=20,
         router_losses=RouterLosses(*ROUTER_COEFS),
     )
-    batches = _sft_batches(eng.rank) if tp == 1 else _sft_batches(0) + _sft_batches(1)
-    n_tokens = sum(b.num_completion_tokens for r in range(world) for b in _sft_batches(r))
+    batches = ragged_micro_batches(eng.rank, VOCAB) if tp == 1 else ragged_micro_batches(0, VOCAB) + ragged_micro_batches(1, VOCAB)
+    n_tokens = sum(b.num_completion_tokens for r in range(world) for b in ragged_micro_batches(r, VOCAB))
     res: dict = dict(dp=eng.rank, logits=_logits(eng, batches), export=dict(eng.export_weights()))
     grads: list = []
     _record_grads(eng, grads)
@@ -303,7 +289,7 @@ def _hf_family_step(world: int, model_dir: str, tp: int, ep: int) -> dict:
     res["metrics_on"] = eng.train_step(batches, lambda out, mb: (-out.logps.values.sum() / n_tokens, {}))
     res["grads"], res["grads_on"] = grads
     eng.teardown_communicators()
-    return _portable(res)
+    return portable(res)
 
 
 def _layout(world: int, model_dir: str, tp: int, pp: int, ep: int, out_dir: str) -> dict:
@@ -315,8 +301,8 @@ def _layout(world: int, model_dir: str, tp: int, pp: int, ep: int, out_dir: str)
     backend = MegatronBackendConfig(tp=tp, pp=pp, ep=ep)
     eng = MegatronEngine(model_dir, backend, OptimConfig(**OPTIM), 100, collective_timeout_s=20)
     # the same global batch: one replica's micro-batches each, or both on the one replica of tp=2
-    batches = _sft_batches(eng.rank) if tp * pp == 1 else _sft_batches(0) + _sft_batches(1)
-    n_tokens = sum(b.num_completion_tokens for r in range(world) for b in _sft_batches(r))
+    batches = ragged_micro_batches(eng.rank, VOCAB) if tp * pp == 1 else ragged_micro_batches(0, VOCAB) + ragged_micro_batches(1, VOCAB)
+    n_tokens = sum(b.num_completion_tokens for r in range(world) for b in ragged_micro_batches(r, VOCAB))
     experts = {n.split("local_experts.")[1].split(".")[0] for n, _ in eng.model.named_parameters() if "local_experts." in n}
     res: dict = dict(dp=eng.rank, local_experts=len(experts))
     res["logits"] = _logits(eng, batches) if pp == 1 else None
@@ -334,18 +320,7 @@ def _layout(world: int, model_dir: str, tp: int, pp: int, ep: int, out_dir: str)
     eng.load_checkpoint(ckpt)
     res["restored"] = all(torch.equal(t, res["export_before"][n]) for n, t in eng.export_weights())
     eng.teardown_communicators()
-    return _portable(res)
-
-
-def _portable(obj):
-    """Tensors as numpy arrays (see test_megatron_engine._portable)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().numpy()
-    if isinstance(obj, dict):
-        return {k: _portable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_portable(v) for v in obj)
-    return obj
+    return portable(res)
 
 
 def _tensors(obj):
@@ -367,7 +342,7 @@ def _check(tmp_path: Path, model_dir: Path, tp: int, pp: int, ep: int, results: 
     from safetensors.torch import load_file
 
     hf = load_file(str(model_dir / "model.safetensors"))
-    reference = _hf_logits(model_dir, [_sft_batches(r) for r in range(2)])
+    reference = _hf_logits(model_dir, [ragged_micro_batches(r, VOCAB) for r in range(2)])
     saved = load_file(str(tmp_path / f"hf-tp{tp}-pp{pp}-ep{ep}" / "model.safetensors"))
     for res in results:
         assert res["local_experts"] == 8 // ep
@@ -404,7 +379,7 @@ def _check_family(model_dir: Path, results: list[dict]) -> None:
     from safetensors.torch import load_file
 
     hf = load_file(str(model_dir / "model.safetensors"))
-    reference = _hf_logits(model_dir, [_sft_batches(r) for r in range(2)])
+    reference = _hf_logits(model_dir, [ragged_micro_batches(r, VOCAB) for r in range(2)])
     hf_grads = _hf_sft_grads(model_dir)
     hf_router = _hf_sft_grads(model_dir, ROUTER_COEFS)
     moved = max(float((hf_router[n] - g).abs().max()) for n, g in hf_grads.items())

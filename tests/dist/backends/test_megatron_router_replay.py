@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_ranks
+from helpers import portable, ragged_micro_batches, run_ranks
 
 from rltrain.data.batch import SequenceBatch
 from rltrain.data.ragged import Ragged
@@ -54,18 +54,6 @@ def _moe_dir(path: Path, family: str) -> Path:
                 p.copy_(torch.randn_like(p) * std + (1.0 if "norm" in name else 0.0))
     model.save_pretrained(path)
     return path
-
-
-def _batches(rank: int) -> list[SequenceBatch]:
-    g = torch.Generator().manual_seed(10 + rank)
-    shapes = [[(3, 5), (6, 2)], [(4, 7)]] if rank == 0 else [[(2, 6)], [(5, 3), (7, 1)]]
-    return [
-        SequenceBatch.from_lists(
-            [torch.randint(0, VOCAB, (p,), generator=g).tolist() for p, _ in mb],
-            [torch.randint(0, VOCAB, (c,), generator=g).tolist() for _, c in mb],
-        )
-        for mb in shapes
-    ]
 
 
 def _load_hf(model_dir: str):
@@ -121,8 +109,8 @@ def _layout(world: int, model_dir: str, hf, tp: int, pp: int, ep: int) -> dict:
         model_dir, MegatronBackendConfig(tp=tp, pp=pp, ep=ep), OptimConfig(**OPTIM), 10, collective_timeout_s=20,
         router_replay=True, gradient_checkpointing=pp > 1,
     )
-    plain = _batches(eng.rank) if tp * pp == 1 else _batches(0) + _batches(1)
-    n_tokens = sum(b.num_completion_tokens for r in range(world) for b in _batches(r))
+    plain = ragged_micro_batches(eng.rank, VOCAB) if tp * pp == 1 else ragged_micro_batches(0, VOCAB) + ragged_micro_batches(1, VOCAB)
+    n_tokens = sum(b.num_completion_tokens for r in range(world) for b in ragged_micro_batches(r, VOCAB))
     own = [_with_routing(b, hf, 0) for b in plain]
     other = [_with_routing(b, hf, 1) for b in plain]
     grads: list[dict] = []
@@ -145,7 +133,7 @@ def _layout(world: int, model_dir: str, hf, tp: int, pp: int, ep: int) -> dict:
     res["logps_other_off"] = torch.cat([o.logps.values for o in eng.forward_logps(other)])
     res["metrics_other_off"] = eng.train_step(other, loss_fn)
     eng.teardown_communicators()
-    return _portable(res)
+    return portable(res)
 
 
 def _under_hf_names(eng, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -161,16 +149,6 @@ def _under_hf_names(eng, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tens
             p.data = weights[n]
 
 
-def _portable(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().numpy()
-    if isinstance(obj, dict):
-        return {k: _portable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_portable(v) for v in obj)
-    return obj
-
-
 def _hf_replayed(model_dir: Path, shift: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Both ranks' completion log-probabilities and the summed loss's gradients (checkpoint names)
     of Hugging Face replaying the shifted record (rltrain.models.moe.RouterReplay, the FSDP side)."""
@@ -178,7 +156,7 @@ def _hf_replayed(model_dir: Path, shift: int) -> tuple[torch.Tensor, dict[str, t
 
     hf = _load_hf(str(model_dir))
     replay = moe.RouterReplay(hf, replay=True)
-    batches = _batches(0) + _batches(1)
+    batches = ragged_micro_batches(0, VOCAB) + ragged_micro_batches(1, VOCAB)
     n_tokens = sum(b.num_completion_tokens for b in batches)
     logps = []
     for seq, prompt in ((s, p) for b in batches for s, p in zip(b.tokens.split(), b.prompt_lens.tolist())):
@@ -238,7 +216,7 @@ def test_megatron_replays_the_recorded_experts(family, layouts, tmp_path: Path) 
     model_dir = _moe_dir(tmp_path / "moe", family)
     by_rank = run_ranks(_worker, str(model_dir), layouts, nproc=2, timeout_s=300, pg_timeout_s=20)
     hf_logps, hf_grads = _hf_replayed(model_dir, shift=1)
-    split = sum(b.num_completion_tokens for b in _batches(0))
+    split = sum(b.num_completion_tokens for b in ragged_micro_batches(0, VOCAB))
     assert hf_grads["model.layers.0.mlp.gate.weight"].abs().sum() > 0
     for layout in layouts:
         for res in (r[layout] for r in by_rank):
