@@ -358,7 +358,7 @@ def test_grpo_reasoning_gym_raises_heldout_accuracy(tiny_cache, tmp_path, seed):
     """`+experiment=grpo_reasoning_gym` (docs/environments.md, "reasoning-gym"): greedy held-out accuracy
     on reasoning-gym's spell_backward (full marks from its own score_answer) rises by at least 0.15
     over its SFT start's (step 0) by the last step, and the run, SFT start included, takes under 15
-    minutes with one thread (measured: 0.22 -> 0.805 and 0.745 -> 0.93 on seeds 0 and 1, about 7 minutes each)."""
+    minutes with one thread (measured: 0.22 -> 0.805 and 0.745 -> 0.93 on seeds 0 and 1, 8 and 7.2 minutes)."""
     run_dir = tmp_path / "run"
     started = time.monotonic()
     rltrain("+experiment=grpo_reasoning_gym", f"trainer.seed={seed}", "trainer.num_threads=1", "logger.wandb.mode=disabled",
