@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -355,16 +356,19 @@ def test_grpo_calculator_learns_to_call_its_tool(tiny_cache, tmp_path, seed):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_grpo_reasoning_gym_raises_heldout_accuracy(tiny_cache, tmp_path, seed):
     """`+experiment=grpo_reasoning_gym` (docs/environments.md, "reasoning-gym"): greedy held-out accuracy
-    on reasoning-gym's chain_sum, scored by its own score_answer, rises by at least 0.15 over its SFT
-    start's (step 0) by the last step, and the RL steps take under 15 minutes."""
+    on reasoning-gym's spell_backward (full marks from its own score_answer) rises by at least 0.15
+    over its SFT start's (step 0) by the last step, and the run, SFT start included, takes under 15
+    minutes with one thread (measured: 0.22 -> 0.805 and 0.745 -> 0.93 on seeds 0 and 1, 8 and 7.2 minutes)."""
     run_dir = tmp_path / "run"
-    rltrain("+experiment=grpo_reasoning_gym", f"trainer.seed={seed}", "logger.wandb.mode=disabled", "trainer.save_every=0",
-            "trainer.progress=lines", run_dir=run_dir, timeout=3600)
+    started = time.monotonic()
+    rltrain("+experiment=grpo_reasoning_gym", f"trainer.seed={seed}", "trainer.num_threads=1", "logger.wandb.mode=disabled",
+            "trainer.save_every=0", "trainer.progress=lines", run_dir=run_dir, timeout=3600)
+    elapsed = time.monotonic() - started
     rows = read_metrics(run_dir)
-    evals = [r for r in rows if "eval/accuracy/chain_sum" in r]
-    assert evals[0]["step"] == 0 and evals[-1]["step"] == 40, evals
-    assert evals[-1]["eval/accuracy/chain_sum"] - evals[0]["eval/accuracy/chain_sum"] >= 0.15, evals
-    assert sum(r["time/step"] for r in rows if "time/step" in r) < 15 * 60
+    evals = [r for r in rows if "eval/accuracy/spell_backward" in r]
+    assert [r["step"] for r in evals] == [0, 25, 50, 75, 100, 125, 150], evals
+    assert evals[-1]["eval/accuracy/spell_backward"] - evals[0]["eval/accuracy/spell_backward"] >= 0.15, evals
+    assert elapsed < 15 * 60, elapsed
     assert all(r["reward/timeouts"] == r["reward/errors"] == 0.0 for r in rows if "reward/timeouts" in r)
 
 

@@ -55,7 +55,7 @@ STAND_IN_RUNS = {
     # The built-in code task: a short SFT start of the small tiny model, scored in the bubblewrap sandbox.
     "grpo_code": [*CPU, "trainer.max_steps=2", "algo.prompts_per_step=2", "algo.group_size=2", "data.num_eval=4",
                   "model.sft_steps=10", *SMALL_MODEL, "trainer.log_every=1"],
-    # reasoning-gym's chain_sum: a short SFT start of the small tiny model stands in for the recipe's.
+    # reasoning-gym's spell_backward: a short SFT start of the small tiny model stands in for the recipe's.
     "grpo_reasoning_gym": [*CPU, "trainer.max_steps=2", "algo.prompts_per_step=2", "algo.group_size=2", "data.num_eval=4",
                            "model.sft_steps=10", *SMALL_MODEL, "trainer.log_every=1"],
     "agent_calculator": [*CPU, "trainer.max_steps=2", "algo.prompts_per_step=2", "algo.group_size=2", "data.num_eval=4",
