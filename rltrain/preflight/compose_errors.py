@@ -42,6 +42,17 @@ _BACKEND_KEY_REASONS = {
 }
 
 
+# Options users look for that this release does not have, and why (docs/environments.md).
+_MISSING_OPTION_REASONS = {
+    ("env", "verifiers"): (
+        "verifiers environments are not supported yet: verifiers 0.4 exports only its v1 API, whose episodes run "
+        "a harness program prepared with uv from the network and ask the model with stream=true, and it needs "
+        "openai<3 against rltrain's pinned openai 3 (docs/environments.md, \"What this release does not do\"). "
+        "Its tasks run as env=python or env=agent with your own adapter. "
+    ),
+}
+
+
 def _other_backend_key(parent: str, key: str, object_type: object) -> str | None:
     """The paragraph for a key that belongs to the other backend option (backend.ep under fsdp)."""
     from rltrain.config.group_options import FSDPBackendConfig, MegatronBackendConfig
@@ -66,9 +77,10 @@ def describe(exc: BaseException) -> str | None:
     if isinstance(exc, MissingConfigException) and exc.missing_cfg_file and "/" in exc.missing_cfg_file:
         group, _, option = exc.missing_cfg_file.rpartition("/")
         options = sorted(o for o in exc.options or [] if not o.endswith("_schema"))
+        why = _MISSING_OPTION_REASONS.get((group, option), _nearest(option, options))
         return (
             f"{group}={option}: there is no such option in the {group!r} group. "
-            f"{_nearest(option, options)}Choose from: {', '.join(options)}."
+            f"{why}Choose from: {', '.join(options)}."
         )
     if isinstance(exc, OverrideParseException):
         reason = str(exc).splitlines()[0]

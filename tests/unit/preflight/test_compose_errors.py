@@ -26,6 +26,7 @@ def _error_of(*overrides: str) -> BaseException:
         (["algo=sft", "algo.beta=0.1"], "there is no 'beta' in 'algo'. Its keys: name."),
         (["trainer.max_steps=abc"], "bad value for 'trainer.max_steps': Value 'abc' of type 'str' could not be converted to Integer."),
         (["algo=gpro"], f"algo=gpro: there is no such option in the 'algo' group. Did you mean grpo? Choose from: {', '.join(sorted(ALGORITHMS))}."),
+        (["env=verifiers"], "env=verifiers: there is no such option in the 'env' group. verifiers environments are not supported yet"),
         (["model=huge"], "Choose from: tiny, tiny_moe, tiny_moe_sft, tiny_sft, tiny_vl, tiny_vl_sft."),
         (["trainer.max_steps=[1"], "cannot parse the override 'trainer.max_steps=[1'"),
         (["backend.ep=2"], "backend.ep is a key of backend=megatron, not of backend=fsdp. backend=fsdp has no expert "
