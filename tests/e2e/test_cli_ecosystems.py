@@ -62,7 +62,7 @@ def test_reasoning_gym_trains_with_each_tasks_own_verifier(tmp_path):
 def test_textarena_plays_a_real_game_against_a_fixed_opponent(tmp_path):
     """The cheap run of `make test`: a scripted opponent that plays; its faults are the slow matrix's
     below and tests/unit/envs/test_textarena.py's (real games in real workers)."""
-    rltrain(*ARENA_RUN, "rollout=hf", "env.opponent=rltrain.envs.textarena.opponents:first_listed_move", "data.num_eval=0",
+    rltrain(*ARENA_RUN, "rollout=hf", "env.opponent=rltrain.envs.textarena.opponents:first_listed_move",
             run_dir=tmp_path / "run", timeout=400, env=arena_env(tmp_path))
     rows = train_rows(tmp_path / "run")
     assert [r["step"] for r in rows] == [1]
