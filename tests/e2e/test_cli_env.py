@@ -109,11 +109,12 @@ HANG_CALL = '<tool_call>{"name": "hang", "arguments": {"seconds": 1}}</tool_call
 
 @pytest.fixture(scope="module")
 def tool_caller(tiny_cache, tmp_path_factory):
-    """A small model taught (a short SFT) to call `add` after prompts "a.|" and `hang` after "h.|"."""
+    """A small model taught (a short SFT) to call `add` after prompts "a.|" and `hang` after "h.|". 80 steps
+    keep the margin (docs/testing.md, "What learns in `make test`"); 60 left a malformed call, 40 teach none."""
     root = tmp_path_factory.mktemp("tool_caller")
     rows = [{"prompt": f"{'ah'[i % 2]}{i % 10}|", "completion": ADD_CALL if i % 2 == 0 else HANG_CALL} for i in range(64)]
     (root / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    rltrain("algo=sft", *QUICK, *SMALL_MODEL, f"data.path={root / 'sft.jsonl'}", "trainer.max_steps=120", "optim.lr=3e-3",
+    rltrain("algo=sft", *QUICK, *SMALL_MODEL, f"data.path={root / 'sft.jsonl'}", "trainer.max_steps=80", "optim.lr=3e-3",
             run_dir=root / "sft", timeout=300)
     (root / "hanging_tools.py").write_text(HANG_TOOL)
     prompts = [{"prompt": f"{'ah'[i % 2]}{i % 10}|", "answer": "5"} for i in range(40)]

@@ -59,8 +59,10 @@ def check_rows(run_dir, steps=2, faults=True):
 
 
 def test_a_hosted_openenv_environment_trains_and_its_faults_cost_only_their_episodes(tmp_path):
+    """One step, no held-out pass (the slow runs below evaluate): most of its time is the workers'
+    import of openenv-core (gradio with it), paid again by the two a hung step's kill starts."""
     root = write_rows(tmp_path)
-    rltrain(*openenv_run(root, "rollout=hf", "trainer.max_steps=1", "env.cls=openenv_answer:AnswerEnvironment"),
+    rltrain(*openenv_run(root, "rollout=hf", "trainer.max_steps=1", "env.cls=openenv_answer:AnswerEnvironment", "data.eval_path=null"),
             run_dir=tmp_path / "run", timeout=400, env=PATH_ENV)
     check_rows(tmp_path / "run", steps=1)
 
