@@ -196,8 +196,9 @@ def validate_router_replay(cfg: Config) -> None:
 
 
 def _validate_vllm_router_replay(cfg: Config) -> None:
-    """rollout=vllm records the routing on vLLM's CPU build, one whole `generate` call at a time
-    (rltrain/rollout/vllm_routing.py): not on a GPU, not in the in-flight loop."""
+    """rollout=vllm records the routing on vLLM's CPU build (rltrain/rollout/vllm_routing.py), per
+    `generate` call or, in the separate engine's in-flight loop, per request
+    (rltrain/rollout/inflight_routing.py): not on a GPU."""
     import torch
 
     if torch.cuda.is_available():
@@ -206,13 +207,6 @@ def _validate_vllm_router_replay(cfg: Config) -> None:
             "of vLLM's CPU model runner in process, which CUDA vLLM's graphs and worker processes bypass, and vLLM's "
             "own enable_return_routed_experts is not wired yet (it cannot be tested here). Use rollout=hf, or "
             "algo.router_replay=false (rollout/mismatch_kl still measures the mismatch). docs/moe.md."
-        )
-    if cfg.placement.weight_update == "in_flight":
-        raise UserError(
-            "algo.router_replay=true with placement.weight_update=in_flight: the in-flight loop steps vLLM's engine "
-            "itself and does not take the routing rltrain records in whole generate calls, so nothing would be "
-            "replayed. Use placement.weight_update=between_batches (generating ahead with placement.max_staleness "
-            "records it), or algo.router_replay=false. docs/moe.md."
         )
 
 

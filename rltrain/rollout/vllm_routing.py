@@ -15,7 +15,7 @@ there a request is kept under (the key rltrain's route put in its `extra_args`, 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import numpy as np
@@ -37,7 +37,7 @@ class RoutingTap:
         self.runner = runner
         self.key_of = key_of or (lambda params: params.seed)
         self.layers = 0
-        self.armed = False  # between `arm` and `take` (one generate call; the in-flight loop steps the engine unrecorded)
+        self.armed = False  # between `arm` and `take` (one generate call), or `arm_keyed` and `arm_seeded` (in flight)
         self.records: dict[Hashable, dict[int, torch.Tensor]] = {}  # key -> completion index -> [layers, k]
         self._rows: torch.Tensor | None = None  # the sampling rows of the forward under way
         self._keys: list[tuple[Hashable, int]] = []  # (key, completion index) of each row
@@ -151,10 +151,30 @@ def take(worker: Any) -> dict[int, torch.Tensor]:
     return worker.rltrain_routing_tap.take()
 
 
-def completion_routing(records: dict[int, torch.Tensor], seed: int, tokens: int) -> torch.Tensor | None:
-    """The record of the sample seeded `seed`, cut to its `tokens` (a forward may run past a
-    completion's stop); None where the tap kept nothing (no records: an engine that records none)."""
-    record = records.get(seed)
+def arm_keyed(worker: Any) -> None:
+    """The in-flight loop's mode (rltrain/rollout/inflight_routing.py): kept under the key its
+    request carries and the sample's seed, as in a server, armed until `arm_seeded`."""
+    from rltrain.rollout.server.routing_wire import server_key
+
+    tap = worker.rltrain_routing_tap
+    tap.key_of, tap.records, tap.armed = server_key, {}, True
+
+
+def arm_seeded(worker: Any) -> None:
+    """Back to whole `generate` calls, kept by seed, unarmed until the next `arm`."""
+    tap = worker.rltrain_routing_tap
+    tap.key_of, tap.records, tap.armed = (lambda params: params.seed), {}, False
+
+
+def take_keys(worker: Any, keys: list[str]) -> dict[str, torch.Tensor]:
+    return worker.rltrain_routing_tap.take_keys(keys)
+
+
+def completion_routing(records: Mapping[Any, torch.Tensor], key: Hashable, tokens: int) -> torch.Tensor | None:
+    """The record of the sample kept under `key` (its seed; in flight and in a server its request's
+    key and seed), cut to its `tokens` (a forward may run past a completion's stop); None where the
+    tap kept nothing (no records: an engine that records none)."""
+    record = records.get(key)
     if record is None:
         return None
     if record.shape[0] < tokens:
