@@ -268,10 +268,10 @@ class StreamLoop:
         if self.records is not None:
             self.records.file()  # before any group completes below: its answer carries the records
         for out in outputs:
-            group = self.live.get(out.request_id)
-            if group is not None and group.done == group.n:
+            done = self.live.get(out.request_id)
+            if done is not None and done.done == done.n:
                 del self.live[out.request_id]
-                self._complete(group)
+                self._complete(done)
 
     def _complete(self, group: Group) -> None:
         if group.key < 0:  # an evaluation prompt
