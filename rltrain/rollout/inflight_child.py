@@ -72,10 +72,6 @@ class StreamLoop:
         llm.collective_rpc(vllm_routing.arm_keyed)
         return StreamRecords(lambda keys: llm.collective_rpc(vllm_routing.take_keys, args=(keys,))[0])
 
-    def disarm(self) -> None:
-        if self.records is not None:
-            self.engine._live().collective_rpc(vllm_routing.arm_seeded)
-
     # --- the loop -------------------------------------------------------------------------------
 
     def run(self) -> None:
@@ -345,5 +341,4 @@ def serve_stream(channel: ControlChannel, engine: VLLMRolloutEngine, receiver: W
     try:
         loop.run()
     finally:
-        loop.disarm()
         loop.outbox.close()

@@ -37,7 +37,7 @@ class RoutingTap:
         self.runner = runner
         self.key_of = key_of or (lambda params: params.seed)
         self.layers = 0
-        self.armed = False  # between `arm` and `take` (one generate call), or `arm_keyed` and `arm_seeded` (in flight)
+        self.armed = False  # between `arm` and `take` (one generate call), or from `arm_keyed` on (in flight)
         self.records: dict[Hashable, dict[int, torch.Tensor]] = {}  # key -> completion index -> [layers, k]
         self._rows: torch.Tensor | None = None  # the sampling rows of the forward under way
         self._keys: list[tuple[Hashable, int]] = []  # (key, completion index) of each row
@@ -153,17 +153,12 @@ def take(worker: Any) -> dict[int, torch.Tensor]:
 
 def arm_keyed(worker: Any) -> None:
     """The in-flight loop's mode (rltrain/rollout/inflight_routing.py): kept under the key its
-    request carries and the sample's seed, as in a server, armed until `arm_seeded`."""
+    request carries and the sample's seed, as in a server, armed for the rest of the process (the
+    rollout process ends with its loop)."""
     from rltrain.rollout.server.routing_wire import server_key
 
     tap = worker.rltrain_routing_tap
     tap.key_of, tap.records, tap.armed = server_key, {}, True
-
-
-def arm_seeded(worker: Any) -> None:
-    """Back to whole `generate` calls, kept by seed, unarmed until the next `arm`."""
-    tap = worker.rltrain_routing_tap
-    tap.key_of, tap.records, tap.armed = (lambda params: params.seed), {}, False
 
 
 def take_keys(worker: Any, keys: list[str]) -> dict[str, torch.Tensor]:
