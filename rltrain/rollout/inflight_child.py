@@ -261,13 +261,11 @@ class StreamLoop:
                     self.running -= 1
                     if self.records is not None and group.key >= 0:
                         self.records.sample_finished(out.request_id, group, j)
-        if self.records is not None:
-            self.records.file()  # before any group completes below: its answer carries the records
-        for out in outputs:
-            done = self.live.get(out.request_id)
-            if done is not None and done.done == done.n:
+            if group.done == group.n:
+                if self.records is not None:
+                    self.records.file()  # before it completes: the answer it may complete carries them
                 del self.live[out.request_id]
-                self._complete(done)
+                self._complete(group)
 
     def _complete(self, group: Group) -> None:
         if group.key < 0:  # an evaluation prompt

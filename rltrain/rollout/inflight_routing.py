@@ -5,9 +5,9 @@ The loop steps vLLM's engine itself, so no `generate` call arms and takes the ta
 (rltrain/rollout/vllm_routing.py); and its seeds are not unique (a step's seeds repeat a
 regenerated group's, an evaluation's). So, as a server does, each request carries a key of its
 own (its vLLM request id) in `SamplingParams.extra_args`, the tap keeps each sample's rows under
-that key and the sample's seed, and when a sample finishes its record is taken (one call into the
-worker per decode step, for every sample that finished in it) and kept with the group, cut to its
-tokens: each token's experts from the forward, and so the weights version, that sampled it.
+that key and the sample's seed, and each finished sample's record is taken before its group
+completes (one call into the worker for every sample finished since the last) and kept with the
+group, cut to its tokens: each token's experts from the forward, and so the version, that sampled it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ TakeKeys = Callable[[list[str]], dict[str, torch.Tensor]]
 
 class StreamRecords:
     """The loop's side of the tap: marks each training request, collects its samples as they
-    finish, files their records into their groups (`Group.routing`) once per decode step."""
+    finish, files their records into their groups (`Group.routing`) before a group completes."""
 
     def __init__(self, take_keys: TakeKeys) -> None:
         self.take_keys = take_keys
