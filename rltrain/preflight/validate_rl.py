@@ -221,9 +221,9 @@ def _validate_server_router_replay(cfg: Config) -> None:
         raise UserError(
             "algo.router_replay=true with rollout=server and placement.weight_update=in_flight: the in-flight stream "
             "sends each request through vLLM's own /inference/v1/generate, whose answer has no routing record (rltrain's "
-            "servers return it only from their batch route), so nothing would be replayed. Use "
-            "placement.weight_update=between_batches (generating ahead with placement.max_staleness records it), or "
-            "algo.router_replay=false. docs/moe.md."
+            "servers return it only from their batch route), so nothing would be replayed. Use rollout=vllm "
+            "rollout.process=separate (its in-flight loop records), placement.weight_update=between_batches (generating "
+            "ahead with placement.max_staleness records it), or algo.router_replay=false. docs/moe.md."
         )
     if torch.cuda.is_available() and int(cfg.rollout.servers.spawn) > 0:
         raise UserError(

@@ -23,7 +23,8 @@ def _not_under_torchrun(monkeypatch) -> None:
         (
             ["model=tiny_moe", "rollout=server", "rollout.servers.spawn=1", "placement.max_staleness=1",
              "placement.weight_update=in_flight"],
-            ["rollout=server", "placement.weight_update=in_flight", "/inference/v1/generate", "between_batches"],
+            ["rollout=server", "placement.weight_update=in_flight", "/inference/v1/generate", "rollout.process=separate",
+             "between_batches"],
         ),
     ],
 )
