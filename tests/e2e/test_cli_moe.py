@@ -218,6 +218,24 @@ def test_grpo_on_the_tiny_moe_replays_the_separate_vllm_engines_routing(placemen
 
 
 @pytest.mark.slow
+def test_grpo_on_the_tiny_moe_replays_the_servers_routing_in_flight(tiny_cache, tmp_path):
+    """algo.router_replay=true over a server with weights in flight and streaming (docs/moe.md,
+    "Recording in a server"): each group goes through rltrain's batch route, whose answer carries
+    the record beside the weight-version spans; the agreement is logged every step, 1.0 with
+    parity at step 1 (sampled by the trainer's weights)."""
+    run_dir = tmp_path / "run"
+    rltrain(*MOE_GRPO, "model=tiny_moe", "rollout=server", "rollout.servers.spawn=1", "algo.router_replay=true",
+            "trainer.max_steps=3", "placement.max_staleness=1", "placement.weight_update=in_flight",
+            "placement.stream=true", run_dir=run_dir, timeout=900)
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[0]["rollout/logprob_diff_max"] < PARITY and rows[0]["moe/router_agreement"] == 1.0, rows[0]
+    assert all(0.5 <= r["moe/router_agreement"] <= 1.0 for r in rows), rows
+    print("\nagreement by step:", [r["moe/router_agreement"] for r in rows])
+    print("versions per sequence (max) by step:", [r.get("rollout/versions_per_sequence_max") for r in rows])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2], ids=["one_rank", "two_ranks"])
 def test_grpo_on_the_tiny_moe_replays_the_servers_routing(nproc, tiny_cache, tmp_path):
     """algo.router_replay=true with rollout=server (docs/moe.md, "Recording in a server"): the
