@@ -196,8 +196,9 @@ def validate_router_replay(cfg: Config) -> None:
 
 
 def _validate_vllm_router_replay(cfg: Config) -> None:
-    """rollout=vllm records the routing on vLLM's CPU build, one whole `generate` call at a time
-    (rltrain/rollout/vllm_routing.py): not on a GPU, not in the in-flight loop."""
+    """rollout=vllm records the routing on vLLM's CPU build (rltrain/rollout/vllm_routing.py), per
+    `generate` call or, in the separate engine's in-flight loop, per request
+    (rltrain/rollout/inflight_routing.py): not on a GPU."""
     import torch
 
     if torch.cuda.is_available():
@@ -207,30 +208,15 @@ def _validate_vllm_router_replay(cfg: Config) -> None:
             "own enable_return_routed_experts is not wired yet (it cannot be tested here). Use rollout=hf, or "
             "algo.router_replay=false (rollout/mismatch_kl still measures the mismatch). docs/moe.md."
         )
-    if cfg.placement.weight_update == "in_flight":
-        raise UserError(
-            "algo.router_replay=true with placement.weight_update=in_flight: the in-flight loop steps vLLM's engine "
-            "itself and does not take the routing rltrain records in whole generate calls, so nothing would be "
-            "replayed. Use placement.weight_update=between_batches (generating ahead with placement.max_staleness "
-            "records it), or algo.router_replay=false. docs/moe.md."
-        )
 
 
 def _validate_server_router_replay(cfg: Config) -> None:
     """rollout=server records the routing in rltrain's own API servers on vLLM's CPU build, per
-    request of its batch route (rltrain/rollout/server/batch_route.py): not the in-flight stream,
-    not a server this trainer spawns on a GPU. A URL-given server that returns no record stops the
-    run at its first batch (rollout/server/batch_requests.py)."""
+    request of its batch route (rltrain/rollout/server/batch_route.py; the in-flight stream sends a
+    MoE's groups there too): not a server this trainer spawns on a GPU. A URL-given server that
+    returns no record stops the run at its first batch (rollout/server/batch_requests.py)."""
     import torch
 
-    if cfg.placement.weight_update == "in_flight":
-        raise UserError(
-            "algo.router_replay=true with rollout=server and placement.weight_update=in_flight: the in-flight stream "
-            "sends each request through vLLM's own /inference/v1/generate, whose answer has no routing record (rltrain's "
-            "servers return it only from their batch route), so nothing would be replayed. Use "
-            "placement.weight_update=between_batches (generating ahead with placement.max_staleness records it), or "
-            "algo.router_replay=false. docs/moe.md."
-        )
     if torch.cuda.is_available() and int(cfg.rollout.servers.spawn) > 0:
         raise UserError(
             "algo.router_replay=true with rollout=server spawning servers on a GPU: rltrain records a MoE's routing by "

@@ -13,12 +13,13 @@ docs/async.md, "Weights in flight", has the modes and the guarantees.
 from __future__ import annotations
 
 import queue
-import select
-import threading
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from rltrain.rollout import vllm_routing
+from rltrain.rollout.inflight_io import Inbox, Outbox
+from rltrain.rollout.inflight_routing import StreamRecords
 from rltrain.rollout.inflight_schedule import (
     Admission,
     Group,
@@ -30,81 +31,11 @@ from rltrain.rollout.inflight_schedule import (
     submitted_group,
 )
 from rltrain.rollout.seeds import request_seed
-from rltrain.transport.wire import PeerClosed
 
 if TYPE_CHECKING:
     from rltrain.rollout.control_wire import ControlChannel
     from rltrain.rollout.vllm import VLLMRolloutEngine
     from rltrain.transport.receiver import WeightReceiver
-
-
-class Outbox:
-    """The loop's replies, written by a thread of their own: a batch's answer can outgrow the
-    socket's buffer while the trainer, which asked for it a step ahead, is still busy (or pushing
-    weights that this loop must receive). Written in order; a failed write stops the loop."""
-
-    def __init__(self, channel: ControlChannel) -> None:
-        # Its own socket object (the same connection): its send timeout never meets the reader's.
-        self.channel = type(channel)(channel.sock.dup(), channel.peer, channel.timeout_s)
-        self.queue: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._write, name="rltrain-stream-outbox", daemon=True)
-        self.thread.start()
-
-    def send(self, message: dict[str, Any]) -> None:
-        if self.error is not None:
-            raise self.error
-        self.queue.put(message)
-
-    def _write(self) -> None:
-        while (message := self.queue.get()) is not None:
-            try:
-                self.channel.send(message)
-            except BaseException as exc:  # noqa: BLE001 - the loop raises it at its next send
-                self.error = exc
-                return
-
-    def close(self) -> None:
-        """Everything queued written (each write bounded by the channel's timeout), then the thread ends."""
-        self.queue.put(None)
-        self.thread.join()
-        self.channel.close()
-
-
-class Inbox:
-    """The trainer's requests, read by a thread of their own, which also receives each pushed
-    version's weights into host memory at once and answers the push: the trainer's push never waits
-    for the decoding step in progress (the loop loads the version between two steps, as before).
-    The loop takes the requests in arrival order from `queue`; `_weights` carries a received version,
-    `_closed` the trainer's end of the channel, `_failed` a receive that failed."""
-
-    def __init__(self, channel: ControlChannel, receiver: WeightReceiver, outbox: Outbox) -> None:
-        self.channel, self.receiver, self.outbox = channel, receiver, outbox
-        self.queue: queue.Queue[dict[str, Any]] = queue.Queue()
-        self.thread = threading.Thread(target=self._read, name="rltrain-stream-inbox", daemon=True)
-        self.thread.start()
-
-    def _read(self) -> None:
-        try:
-            going = True
-            while going:
-                going = self._take_one()
-        except PeerClosed:
-            self.queue.put({"op": "_closed", "id": -1})
-        except BaseException as exc:  # noqa: BLE001 - the loop raises it (and so ends, as the trainer's side sees)
-            self.queue.put({"op": "_failed", "id": -1, "error": exc})
-
-    def _take_one(self) -> bool:
-        """Read one request (an `update`: its weights too); False after `close`."""
-        select.select([self.channel.sock], [], [])
-        message = self.channel.recv("a request")
-        if message["op"] == "update":
-            weights = list(self.receiver.receive(copy=True))
-            self.queue.put({"op": "_weights", "id": message["id"], "weights": weights})
-            self.outbox.send({"op": "reply", "id": message["id"], "ok": True})
-            return True
-        self.queue.put(message)
-        return message["op"] != "close"
 
 
 class StreamLoop:
@@ -131,6 +62,15 @@ class StreamLoop:
         self.held_evaluation: dict[str, Any] | None = None  # arrived, not started
         self.evaluated = {opts.version}  # its evaluation, if any, came before the stream opened
         self.idle_s, self.busy_s, self.closed = 0.0, 0.0, False
+        self.records = self._records()  # router replay's record (a MoE on vLLM's CPU build), else None
+
+    def _records(self) -> StreamRecords | None:
+        """Arm the engine's routing tap for the loop's keyed requests (rltrain/rollout/inflight_routing.py)."""
+        if not self.engine.records_routing:
+            return None
+        llm = self.engine._live()
+        llm.collective_rpc(vllm_routing.arm_keyed)
+        return StreamRecords(lambda keys: llm.collective_rpc(vllm_routing.take_keys, args=(keys,))[0])
 
     # --- the loop -------------------------------------------------------------------------------
 
@@ -278,13 +218,15 @@ class StreamLoop:
             self._add(self.backlog.popleft())
 
     def _add(self, group: Group) -> None:
-        self._request(f"g{group.key}", group, self.opts.sampling)
+        self._request(f"g{group.key}", group, self.opts.sampling, recorded=self.records is not None)
         self.live_groups.add(group.key)
 
-    def _request(self, request_id: str, group: Group, sampling: dict[str, Any]) -> None:
+    def _request(self, request_id: str, group: Group, sampling: dict[str, Any], recorded: bool = False) -> None:
         """One request of the group's `n` samples: vLLM seeds sample j with `seed + j`, as the batch
-        `generate` does (rltrain/rollout/vllm.py), and checks the prompt once, not `n` times."""
-        self.core.add_request(request_id, self._prompt(group), self._params(group.seed, group.n, sampling))
+        `generate` does (rltrain/rollout/vllm.py), and checks the prompt once, not `n` times.
+        `recorded`: the tap keeps its routing under its id (a training request of a MoE)."""
+        extra = StreamRecords.extra_args(request_id) if recorded else None
+        self.core.add_request(request_id, self._prompt(group), self._params(group.seed, group.n, sampling, extra))
         self.live[request_id] = group
         self.running += group.n
 
@@ -293,14 +235,14 @@ class StreamLoop:
         under the same version (vLLM cannot reset its prefix cache while requests run)."""
         return {"prompt_token_ids": group.prompt_ids, "cache_salt": f"v{self.version}"}
 
-    def _params(self, seed: int, n: int, s: dict[str, Any]) -> Any:
+    def _params(self, seed: int, n: int, s: dict[str, Any], extra_args: dict[str, Any] | None = None) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         return SamplingParams(
             n=n, temperature=s["temperature"], top_p=s["top_p"], max_tokens=s["max_new_tokens"], seed=seed,
             stop_token_ids=sorted(set(s["stop_token_ids"])) or None, logprobs=0, detokenize=False,
-            output_kind=RequestOutputKind.DELTA,
+            output_kind=RequestOutputKind.DELTA, extra_args=extra_args,
         )
 
     def _step(self) -> None:
@@ -317,7 +259,11 @@ class StreamLoop:
                     group.finished[j] = sample.finish_reason == "stop"
                     group.done += 1
                     self.running -= 1
+                    if self.records is not None and group.key >= 0:
+                        self.records.sample_finished(out.request_id, group, j)
             if group.done == group.n:
+                if self.records is not None:
+                    self.records.file()  # before it completes: the answer it may complete carries them
                 del self.live[out.request_id]
                 self._complete(group)
 
@@ -339,7 +285,8 @@ class StreamLoop:
         request_id, step = self.take
         self.take = None
         groups = [
-            {"index": g.index, "token_ids": g.token_ids, "logprobs": g.logprobs, "versions": g.versions, "finished": g.finished}
+            {"index": g.index, "token_ids": g.token_ids, "logprobs": g.logprobs, "versions": g.versions, "finished": g.finished,
+             "routing": g.routing}
             for g in self.book.pop(step)
         ]
         result = {"groups": groups, "idle_s": self.idle_s, "busy_s": self.busy_s, "dropped": self.dropped.pop(step, 0)}

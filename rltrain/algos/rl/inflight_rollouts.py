@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from rltrain.algos.rl.experience import Experience, ExperienceCollector
 from rltrain.config.schema import PlacementConfig
 from rltrain.rollout.base import Completion
+from rltrain.rollout.control_wire import routing_from_json
 from rltrain.rollout.inflight_schedule import oldest_trained_version, version_stats
 from rltrain.runtime.errors import UserError
 
@@ -163,17 +164,21 @@ def partial_rollouts(groups: list[dict[str, Any]], oldest_trained: int) -> tuple
     training (`Completion.sampled` False, log-probability 0: context, as an environment's
     observation is): a group that completed holding such a token is trained from where the bound
     allows rather than generated again (docs/async.md, "The per-token bound"). Also the versions
-    of the trained tokens, per sequence, and the count of masked tokens."""
+    of the trained tokens, per sequence, and the count of masked tokens. Each sample's routing
+    record (router replay, rltrain/rollout/inflight_routing.py) covers every token, masked or not."""
     completions: list[Completion] = []
     trained: list[list[int]] = []
     masked = 0
     for position, g in enumerate(groups):
-        for tokens, logps, vs, finished in zip(g["token_ids"], g["logprobs"], g["versions"], g["finished"], strict=True):
+        routing = g.get("routing") or [None] * len(g["token_ids"])
+        for tokens, logps, vs, finished, experts in zip(
+            g["token_ids"], g["logprobs"], g["versions"], g["finished"], routing, strict=True
+        ):
             keep = [int(v) >= oldest_trained for v in vs]
             masked += keep.count(False)
             completions.append(Completion(
                 position, [int(t) for t in tokens], [float(x) if k else 0.0 for x, k in zip(logps, keep, strict=True)],
-                bool(finished), None if all(keep) else keep,
+                bool(finished), None if all(keep) else keep, routing=routing_from_json(experts),
             ))
             trained.append([int(v) for v, k in zip(vs, keep, strict=True) if k])
     return completions, trained, masked

@@ -27,8 +27,10 @@ from rltrain.rollout.inflight_schedule import (
     oldest_trained_version,
     submitted_group,
 )
-from rltrain.rollout.server.client import ServerDown, call
+from rltrain.rollout.server.batch_requests import no_record_message
+from rltrain.rollout.server.client import BATCH_PATH, ServerDown, call
 from rltrain.rollout.server.roster import Server
+from rltrain.rollout.server.routing_wire import decode_routing
 from rltrain.runtime.errors import UserError
 
 PROGRESS_TICK_S = 1.0  # how often a waiting `take` looks at the fleet
@@ -41,6 +43,8 @@ class Fleet(Protocol):
     servers: list[Server]
     cfg: ServerRolloutConfig
     lock: threading.Lock
+    routing: bool  # a MoE: each group goes through rltrain's batch route, which answers its routing
+    routing_required: bool  # router replay: a completion without a record stops the run
 
     def revive(self) -> None:
         """Down servers that answer again rejoin with the current version (call under `lock`)."""
@@ -167,7 +171,7 @@ class FleetStream:
             result = {
                 "groups": [
                     {"index": g.index, "token_ids": g.token_ids, "logprobs": g.logprobs, "versions": g.versions,
-                     "finished": g.finished} for g in groups
+                     "finished": g.finished, "routing": g.routing} for g in groups
                 ],
                 "idle_s": self.idle_s, "busy_s": self.busy_s, "dropped": self.dropped.pop(step, 0),
             }
@@ -222,7 +226,8 @@ class FleetStream:
     def _run(self, group: Group, version: int) -> None:
         """One group's request, on its own thread; its outcome is booked under the lock."""
         try:
-            fill(group, self._generate(group, version), self.fleet.version)  # counted before its push starts
+            choices = self._generate(group, version)
+            fill(group, choices, self.fleet.version, self.fleet.routing_required)  # counted before its push starts
         except BaseException as exc:  # noqa: BLE001 - raised on the trainer's thread by `take`
             with self.cond:
                 self.error = self.error or exc
@@ -241,7 +246,9 @@ class FleetStream:
 
     def _generate(self, group: Group, version: int) -> list[dict[str, Any]]:
         """The group's `n` samples from one server, the prompt salted with the version it enters
-        under (`salt`); a server that fails is marked down and the request goes whole to another."""
+        under (`salt`); a server that fails is marked down and the request goes whole to another.
+        A MoE's group goes alone through rltrain's batch route, whose choices carry the routing
+        record too (docs/moe.md, "Recording in a server")."""
         s = self.opts.sampling
         body = {
             "token_ids": group.prompt_ids, "cache_salt": self.salt(version),
@@ -254,7 +261,11 @@ class FleetStream:
         while True:
             server = self.fleet.pick(time.monotonic() + self.fleet.cfg.timeout_s)
             try:
-                answer = call(server.url, "/inference/v1/generate", body, self.fleet.cfg.timeout_s)
+                if self.fleet.routing:
+                    answer = call(server.url, BATCH_PATH, {"requests": [body], "routing": True}, self.fleet.cfg.timeout_s)
+                    answer = answer["answers"][0]
+                else:
+                    answer = call(server.url, "/inference/v1/generate", body, self.fleet.cfg.timeout_s)
             except ServerDown as exc:
                 self.fleet.mark_down(server, str(exc))
                 continue
@@ -265,12 +276,14 @@ class FleetStream:
             return [dict(c, server=server.url) for c in sorted(answer["choices"], key=lambda c: c["index"])]
 
 
-def fill(group: Group, choices: list[dict[str, Any]], current: int) -> None:
+def fill(group: Group, choices: list[dict[str, Any]], current: int, routing_required: bool = False) -> None:
     """A group's samples from a server's answer: token ids, log-probabilities, and each token's
     version from vLLM's spans (output tokens [start, end) sampled by the weights labelled
     `version`). A label that is not a version this stream pushed (none, another trainer's, a
-    server restarted without the weights) stops the run, naming the server."""
-    group.token_ids, group.logprobs, group.versions, group.finished = [], [], [], []
+    server restarted without the weights) stops the run, naming the server; so does a choice
+    without a routing record where router replay needs one. Log-probabilities come as vLLM's
+    entries (`/inference/v1/generate`) or a flat list (rltrain's batch route)."""
+    group.token_ids, group.logprobs, group.versions, group.finished, group.routing = [], [], [], [], []
     for choice in choices:
         token_ids = [int(t) for t in choice["token_ids"]]
         versions: list[int] = []
@@ -289,7 +302,12 @@ def fill(group: Group, choices: list[dict[str, Any]], current: int) -> None:
                 "version; in-flight updates need vLLM's weight-version spans (vLLM >= 0.32, the server started by rltrain)."
             )
         group.token_ids.append(token_ids)
-        group.logprobs.append([float(entry["logprob"]) for entry in choice["logprobs"]["content"]])
+        logprobs = choice["logprobs"]
+        group.logprobs.append([float(x) for x in logprobs] if isinstance(logprobs, list) else [float(e["logprob"]) for e in logprobs["content"]])
+        wire = choice.get("routing")
+        if wire is None and routing_required:
+            raise UserError(no_record_message(choice["server"]))
+        group.routing.append(None if wire is None else decode_routing(wire).tolist())
         group.versions.append(versions)
         group.finished.append(choice["finish_reason"] == "stop")
     group.done = len(choices)

@@ -20,16 +20,6 @@ def _not_under_torchrun(monkeypatch) -> None:
     "overrides, names",
     [
         (["model=tiny", "rollout=hf"], ["needs a Mixture-of-Experts model", "model=tiny_moe"]),
-        (
-            ["model=tiny_moe", "rollout=server", "rollout.servers.spawn=1", "placement.max_staleness=1",
-             "placement.weight_update=in_flight"],
-            ["rollout=server", "placement.weight_update=in_flight", "/inference/v1/generate", "between_batches"],
-        ),
-        (
-            ["model=tiny_moe", "rollout=vllm", "rollout.process=separate", "placement.max_staleness=1",
-             "placement.weight_update=in_flight"],
-            ["placement.weight_update=in_flight", "placement.weight_update=between_batches"],
-        ),
     ],
 )
 def test_router_replay_where_it_cannot_run_is_refused(overrides, names) -> None:
@@ -49,8 +39,16 @@ def test_router_replay_on_a_moe_with_an_engine_that_records_passes() -> None:
         "algo=grpo", "algo.router_replay=true", "model=tiny_moe", "rollout=vllm", "rollout.process=separate",
         "placement.max_staleness=1",
     ))
+    for stream in ("false", "true"):  # the separate engine's in-flight loop records per request (inflight_routing.py)
+        validate(compose_config(
+            "algo=grpo", "algo.router_replay=true", "model=tiny_moe", "rollout=vllm", "rollout.process=separate",
+            "placement.max_staleness=1", "placement.weight_update=in_flight", f"placement.stream={stream}",
+        ))
     validate(compose_config("algo=grpo", "algo.router_replay=true", "model=tiny_moe", "rollout=server",
                             "rollout.servers.spawn=1", "trainer.nproc=2", "placement.max_staleness=1"))
+    validate(compose_config("algo=grpo", "algo.router_replay=true", "model=tiny_moe", "rollout=server",
+                            "rollout.servers.spawn=1", "placement.max_staleness=1", "placement.weight_update=in_flight",
+                            "placement.stream=true"))
 
 
 def test_router_replay_with_vllm_on_a_gpu_is_refused(monkeypatch) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from rltrain.config.group_options import ServerRolloutConfig, ServersConfig
@@ -18,6 +19,7 @@ from rltrain.rollout.inflight_schedule import Group
 from rltrain.rollout.server.fleet import ServerFleetEngine
 from rltrain.rollout.server.process import free_port
 from rltrain.rollout.server.roster import Server
+from rltrain.rollout.server.routing_wire import encode_routing
 from rltrain.rollout.server.stream import fill
 from rltrain.runtime.errors import UserError
 
@@ -109,6 +111,19 @@ def test_each_token_gets_the_version_of_its_span():
     assert group.versions == [[2, 2, 2, 3, 3]] and group.done == 1 and group.finished == [False]
     fill(group, [answer([], 0)], current=3)  # an empty completion: no span, no token
     assert group.versions == [[]] and group.newest_version(3) == 3
+
+
+def test_a_moe_groups_batch_route_answer_fills_its_log_probabilities_and_routing_record():
+    """A MoE's group comes through rltrain's batch route (docs/moe.md, "Recording in a server"):
+    flat log-probabilities and each choice's record, the record required with router replay."""
+    record_TLK = torch.tensor([[[0, 7]], [[3, 1]]], dtype=torch.int16)
+    compact = {**answer([("3", 0, 2)], 2), "logprobs": [-0.25, -1.5], "routing": encode_routing(record_TLK)}
+    group = Group(1, 0, 3, 0, [1], 5, 1)
+    fill(group, [compact], current=3, routing_required=True)
+    assert group.logprobs == [[-0.25, -1.5]] and group.routing == [record_TLK.tolist()]
+    with pytest.raises(UserError, match="returned no routing record") as raised:
+        fill(group, [{**compact, "routing": None}], current=3, routing_required=True)
+    assert "http://s:1" in str(raised.value)
 
 
 @pytest.mark.parametrize(

@@ -10,12 +10,16 @@ crosses HTTP as base64."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from rltrain.algos.rl.inflight_rollouts import partial_rollouts
+from rltrain.rollout.inflight_routing import StreamRecords
+from rltrain.rollout.inflight_schedule import Group
 from rltrain.rollout.server.batch_requests import answer_completions
 from rltrain.rollout.server.routing_wire import (
     ROUTING_ARG,
@@ -137,3 +141,42 @@ def test_a_record_crosses_http_as_base64_and_becomes_the_completions_routing():
     with pytest.raises(UserError, match="returned no routing record") as info:  # replay on: a server that records none
         answer_completions(5, {"choices": [{**choice, "routing": None}]}, "http://s", 2, routing_required=True)
     assert "algo.router_replay=false" in str(info.value) and "python -m rltrain.serve" in str(info.value)
+
+
+def test_the_in_flight_loop_files_each_finished_samples_record_into_its_group_and_batch():
+    """In flight (rltrain/rollout/inflight_routing.py): seeds repeat across requests (here two
+    groups seeded 7), so each request is kept under its own id and the sample's seed; a sample's
+    record is taken when it finishes, cut to its tokens, and the others stay until theirs do. The
+    batch's completions carry it per token, a token masked as too stale included."""
+    prompts = {"0_g1": 3, "1_g1": 3, "0_g2": 3}  # vLLM's fan-out of g1's n=2 samples: seeds 7 and 8
+    runner = Runner(prompts, {})
+    parents = {"0_g1": ("g1", 7), "1_g1": ("g1", 8), "0_g2": ("g2", 7)}
+    runner.requests = {
+        r: SimpleNamespace(sampling_params=SimpleNamespace(seed=seed, extra_args=StreamRecords.extra_args(parent)))
+        for r, (parent, seed) in parents.items()
+    }
+    tap = RoutingTap(runner, key_of=server_key)
+    tap.layers, tap.armed = LAYERS, True
+    records = StreamRecords(tap.take_keys)
+    g1 = Group(1, 0, 1, 0, [1, 2, 3], seed=7, n=2)
+    g2 = Group(2, 1, 1, 1, [1, 2, 3], seed=7, n=1)
+    runner.forward(tap, {"0_g1": 3, "1_g1": 3, "0_g2": 3})  # prefill: rows 2, 5, 8 sample token 0
+    runner.forward(tap, {"0_g1": 1, "1_g1": 1, "0_g2": 1})  # rows 0, 1, 2 sample token 1
+    g1.token_ids[0], g1.versions[0] = [4, 5], [0, 1]
+    records.sample_finished("g1", g1, 0)
+    records.file()
+    assert [t[0][0] for t in g1.routing[0]] == [2, 0] and g1.routing[1] is None
+    assert set(tap.records) == {"g1:8", "g2:7"}  # still running: kept
+    runner.forward(tap, {"0_g2": 1, "1_g1": 1})  # g2 at row 0, g1's second sample at row 1: token 2
+    g1.token_ids[1], g1.versions[1] = [6, 7, 8], [1, 1, 1]
+    g2.token_ids[0], g2.versions[0] = [9, 9], [1, 1]  # stopped at 2 tokens: the forward past it is cut
+    records.sample_finished("g1", g1, 1)
+    records.sample_finished("g2", g2, 0)
+    records.file()
+    assert tap.records == {} and records.finished == []
+    rows = [{"index": g.index, "token_ids": g.token_ids, "logprobs": [[0.0] * len(t) for t in g.token_ids],
+             "versions": g.versions, "finished": g.finished, "routing": g.routing} for g in (g1, g2)]
+    completions, _, masked = partial_rollouts(json.loads(json.dumps(rows)), oldest_trained=1)
+    assert masked == 1 and completions[0].sampled == [False, True]
+    assert [c.routing[:, 0, 0].tolist() for c in completions] == [[2, 0], [5, 1, 1], [8, 2]]
+    assert [c.routing[:, 1, 1].tolist() for c in completions] == [[1102, 1100], [1105, 1101, 1101], [1108, 1102]]
