@@ -1,15 +1,12 @@
 """Router replay on megatron-core's MoE layers: each recorded position routed to the experts the
-rollout engine chose for it (docs/moe.md, "Router replay").
+rollout engine chose for it (docs/moe.md, "Router replay" and "On megatron").
 
-megatron-core 0.16's `TopKRouter` asks its `router_replay` object for the top-k of every forward
-(`moe_utils.topk_routing_with_score_function`); its own `RouterReplay` replays a whole layer's
-indices from a global list of instances and cannot mix recorded positions with unrecorded ones (a
-prompt, padding). `MegatronRouterReplay` puts a per-layer object of the same method in that slot:
-it computes the router's own top-k, counts where it equals the record, and, with replay on,
-swaps in the recorded experts where they differ, their scores gathered from the router's own
-(softmax or logits, so the gate weights are renormalised exactly where the family's are). The
-record of a micro-batch is selected before its forward and again before its backward, so an
-activation-checkpointing recompute replays the same experts.
+megatron-core 0.16's `TopKRouter` asks its `router_replay` object for every forward's top-k; its own
+`RouterReplay` cannot mix recorded positions with unrecorded ones (a prompt, padding), so
+`MegatronRouterReplay` puts a per-layer object in that slot: the router's own top-k, the agreement
+with the record, and with replay on the recorded experts where they differ, scored from the
+router's own. A micro-batch's record is selected before its forward and again before its backward,
+so an activation-checkpointing recompute replays the same experts.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """`POST /rltrain/generate`: a trainer's share of one batch for one server in one HTTP request.
 
 The body is `{"requests": [...]}`, each entry the body of one vLLM `/inference/v1/generate`
-request. Every entry goes through vLLM's own token-in/token-out handler at once, so each prompt is
-parsed, checked, defaulted, seeded and scheduled as its own request would be, and they all reach
-the scheduler together (one prefill wave). Only the answer is ours: per choice the token ids, the
-sampled tokens' log-probabilities as floats, the finish reason and the version spans, read straight
-from vLLM's `RequestOutput` (no response object per token for the trainer to throw away): the API
-server's CPU is what this saves. With `"routing": true` in the body each choice also carries the
-experts a MoE routed its tokens to (router replay's record, taken from the worker's tap by a key
-of this route's: rollout/server/routing_wire.py), or null where the server records none.
+request, all handled at once by vLLM's own token-in/token-out handler (each parsed, seeded and
+scheduled as its own request; one prefill wave). Only the answer is ours, read straight from
+vLLM's `RequestOutput`: per choice the token ids, the sampled log-probabilities, the finish reason,
+the version spans and, with `"routing": true`, a MoE's routing record (rollout/server/routing_wire.py).
 docs/rollout-servers.md, "Batched requests"; docs/moe.md, "Recording in a server".
 """
 

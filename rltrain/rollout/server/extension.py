@@ -1,14 +1,11 @@
 """The trainer's end inside a vLLM API server: a worker extension (`--worker-extension-cls
 rltrain.rollout.server.extension.WeightPushExtension`) that vLLM mixes into its worker class.
 
-vLLM 0.32's own weight-transfer engines need CUDA (NCCL, IPC); this extension is the path that
-also runs on the CPU build. The trainer calls its methods through vLLM's `/collective_rpc` (the
-server runs with `VLLM_SERVER_DEV_MODE=1`), which carries only JSON strings: `rltrain_server_id`
-says which server this is, `rltrain_device` where the model lives, `rltrain_join` opens a two-member torch.distributed group with the trainer
-(gloo, or NCCL where both ends run on CUDA), `rltrain_receive` takes one version's buckets from it
-(raw bytes, never pickle) and loads them in place as the in-process engine does. On vLLM's CPU
-build a MoE's routers are tapped for router replay from the first join on (`rltrain_take_routing`,
-asked by rltrain's batch route). docs/rollout-servers.md, docs/moe.md "Recording in a server".
+vLLM 0.32's own weight-transfer engines need CUDA; this path also runs on the CPU build. The trainer
+calls it through vLLM's `/collective_rpc` (JSON strings only): `rltrain_server_id`, `rltrain_device`,
+`rltrain_join` (a two-member gloo or NCCL group with the trainer), `rltrain_receive` (one version's
+buckets, raw bytes, loaded in place), and on the CPU build `rltrain_take_routing` (a MoE's routers
+are tapped for router replay from the first join on). docs/rollout-servers.md; docs/moe.md.
 """
 
 from __future__ import annotations
