@@ -147,9 +147,7 @@ def test_a_server_killed_mid_generation_is_survived_and_gets_the_weights_back(ro
     engine = fleet(rollout_servers, [0, 1], tmp_path)
     weights = [(n, t * 0.5 if "embed" in n else t) for n, t in checkpoint(rollout_servers["model_dir"])]
     engine.update_weights(iter(weights))
-    # Long enough that server 1 is still generating when it is killed (the killer waits for its
-    # request to be out); each generation below samples these 32 sequences again.
-    sampling = SamplingSettings(n=2, temperature=1.0, max_new_tokens=48, seed=5)
+    sampling = SamplingSettings(n=2, temperature=1.0, max_new_tokens=96, seed=5)
     prompts = [[1, 4 + i, 6] for i in range(16)]
     victim = rollout_servers["servers"][1]
 
