@@ -24,7 +24,7 @@ def use_eager_rank_count() -> None:
     generate of the process that samples: the in-process engine's, or a server's)."""
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
+    if current_platform.device_type != "cpu":
         return
     import vllm.v1.sample.sampler as sampler
 
