@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import compose_config, run_ranks
-from test_megatron_engine import _hf_dir, _portable, _tensors
+from helpers import compose_config, portable, run_ranks
+from test_megatron_engine import _hf_dir, _tensors
 
 # Its module-scoped fixture runs once when one pytest-xdist worker runs the whole module.
 pytestmark = [pytest.mark.dist, pytest.mark.xdist_group("test_critic")]
@@ -211,7 +211,7 @@ def _worker(rank: int, world: int, cfg_yaml: str, model_dir: str, data, n_tokens
     res["after"] = _values(eng, batches)
     if extras:
         res["extras"] = _extras(eng, ctx, batches, n_tokens, Path(out_dir))
-    return _portable(res)
+    return portable(res)
 
 
 # -- running a layout and checking it ---------------------------------------------------------

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_ranks
+from helpers import portable, run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends"))
-from test_megatron_engine import OPTIM, _batches, _hf_dir, _portable, _tensors  # noqa: E402 - the engine suite's model and batches
+from test_megatron_engine import OPTIM, _batches, _hf_dir, _tensors  # noqa: E402 - the engine suite's model and batches
 
 # Its module-scoped fixture runs once when one pytest-xdist worker runs the whole module.
 pytestmark = [pytest.mark.dist, pytest.mark.xdist_group("test_safety_megatron")]
@@ -86,7 +86,7 @@ def _worker(rank: int, world: int, model_dir: str, tp: int, pp: int, batches, n_
         res["budget"] = "no error"
     except TooManyErrors as exc:
         res["budget"] = str(exc)
-    return _portable(res)
+    return portable(res)
 
 
 def _run(tmp_path: Path, model_dir: Path, tp: int, pp: int) -> list[dict]:
