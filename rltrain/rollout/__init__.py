@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import TYPE_CHECKING, cast, get_args
-
-from rltrain.config.group_choice import as_option
-from rltrain.config.group_options import RolloutProcess, VLLMRolloutConfig
+from typing import TYPE_CHECKING, cast
 
 if TYPE_CHECKING:
     from rltrain.config.run_context import RunContext
@@ -24,10 +21,15 @@ ROLLOUTS = {
     "hf": "rltrain.rollout.hf:build_engine",
     "server": "rltrain.rollout.server.build:build_engine",  # vLLM API servers over HTTP (docs/rollout-servers.md)
 }
-PROCESSES: tuple[str, ...] = get_args(RolloutProcess)
+# The literal's values, without importing the config schema (torch) at package import: a spawned
+# server's guard (server/guard.py) is a module of this package and must stay a small process.
+PROCESSES: tuple[str, ...] = ("colocated", "separate")
 
 
 def build_rollout(ctx: RunContext) -> RolloutEngine:
+    from rltrain.config.group_choice import as_option
+    from rltrain.config.group_options import VLLMRolloutConfig
+
     name = ctx.cfg.rollout.name
     if name not in ROLLOUTS:
         raise ValueError(f"rollout={name!r} is unknown; choose one of {sorted(ROLLOUTS)}")

@@ -172,6 +172,18 @@ def test_vllm_and_megatron_are_imported_only_where_used():
     assert proc.stdout.strip() == "[]", f"imported at module level: {proc.stdout.strip()}"
 
 
+def test_a_spawned_servers_guard_imports_no_torch():
+    """The guard (rollout/server/guard.py) only waits beside a spawned server: importing torch would
+    cost each server start seconds and the guard hundreds of megabytes."""
+    import subprocess
+    import sys
+
+    code = "import sys, rltrain.rollout.server.guard; print(sorted({'torch', 'numpy'} & set(sys.modules)))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=PACKAGE.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]", f"the guard imports: {proc.stdout.strip()}"
+
+
 # The packages from the bottom up (docs/architecture.md, "Layers"): a module imports only from its own
 # package and from packages below it; the entry modules at the root (__main__, worker, plot) sit on top.
 LAYERS = [

@@ -27,6 +27,10 @@ class ServedJudge:
         self, model_dir: str | Path, rm: JudgeRewardModelConfig, dtype: str, cuda: bool, log_path: Path, seed: int,
         time_sharing: bool,
     ) -> None:
+        from rltrain.models.tokenizer import load_tokenizer
+
+        # First: a directory that holds no tokenizer fails here, before a server is started for it.
+        self.tokenizer = load_tokenizer(model_dir)
         self.model_name = str(model_dir)
         self.sleeps = cuda and time_sharing
         settings = ServerRolloutConfig(
@@ -38,9 +42,6 @@ class ServedJudge:
         self.url = self.server.url + "/v1"
         self.start_timeout_s = rm.start_timeout_s
         self.ready = False
-        from rltrain.models.tokenizer import load_tokenizer
-
-        self.tokenizer = load_tokenizer(model_dir)
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         """The judge prompts as token ids, read by the judge's tokenizer as rltrain reads it (what a

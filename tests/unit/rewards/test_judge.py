@@ -264,13 +264,15 @@ def test_a_missing_key_variable_or_endpoint_is_refused_before_the_run(monkeypatc
 
 def test_a_replica_peer_serves_no_judge_but_names_the_same_series(tmp_path):
     # A model-parallel replica's lead scores and sends the scores to its peers (rltrain/algos/rl/builder.py):
-    # a peer starts no judge server. A path that is no model shows which side tries to serve it.
+    # a peer starts no judge server. A path that is no model shows which side tries to serve it: the
+    # lead reads its tokenizer first and fails there, before it starts a server (no server log).
     model, lead_dir, peer_dir = (tmp_path / name for name in ("model", "lead", "peer"))
     for d in (model, lead_dir, peer_dir):
         d.mkdir()
     cfg = compose_config("reward_model=judge", f"reward_model.path={model}")
-    with pytest.raises((UserError, ValueError, OSError)):  # the lead reads its tokenizer to serve it
+    with pytest.raises((UserError, ValueError, OSError)):
         build_reward_fns(cfg, torch.device("cpu"), lead_dir, rank=0, scores=True)
+    assert not any(lead_dir.iterdir())
     fns = build_reward_fns(cfg, torch.device("cpu"), peer_dir, rank=1, scores=False)
     assert [rf.name for rf in fns] == ["addition_reward", "judge"] and not any(peer_dir.iterdir())  # no server log
     scorer = RewardScorer(fns, cfg.reward, cfg.safety.collective_timeout_s, start_workers=False)
