@@ -48,7 +48,13 @@ def _corrupt_missing_engine(step_dir):
     shutil.rmtree(step_dir / "policy" / "engine")
 
 
-@pytest.mark.parametrize("corrupt", [_corrupt_truncated, _corrupt_garbage_state, _corrupt_missing_engine])
+# Each damage is named by the check itself (tests/unit/run/test_checkpoint_defence.py); a resume past
+# one of them, the torn shard, is in make test, the other two `slow`.
+@pytest.mark.parametrize("corrupt", [
+    _corrupt_truncated,
+    pytest.param(_corrupt_garbage_state, marks=pytest.mark.slow),
+    pytest.param(_corrupt_missing_engine, marks=pytest.mark.slow),
+], ids=["truncated", "garbage_state", "missing_engine"])
 def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_resumes(shared_runs, tmp_path, corrupt):
     whole = shared_runs.get(*SFT_RUN)
     run_dir = copy_run(whole, tmp_path / "run")

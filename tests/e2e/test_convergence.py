@@ -118,6 +118,7 @@ def test_grpo_from_the_plain_tiny_model_raises_the_reward(tiny_cache, tmp_path):
     assert statistics.mean(rewards[-10:]) - statistics.mean(rewards[:10]) >= 0.2
 
 
+@pytest.mark.slow  # PPO's claim at full length is slow too (above); its losses, advantages and critic are unit-tested, its runs e2e
 def test_ppo_learns_at_all_in_40_steps(tiny_cache, tmp_path):
     """The default PPO command cut to 40 steps: the mean reward climbs (3 seeds x 1-2 threads: steps
     31-40 over steps 1-10 by 0.12-0.15) and the critic learns: its loss falls to 2-3% of where it

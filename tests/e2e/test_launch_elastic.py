@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli import QUICK, ROOT, SMALL_MODEL, rltrain, train_rows
+from cli import QUICK, ROOT, SMALL_MODEL, BackgroundRun, rltrain, train_rows
 
 pytestmark = pytest.mark.e2e
 
@@ -47,7 +47,7 @@ def start(args: list[str], run_dir: Path, log: Path) -> subprocess.Popen:
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def wait_for(condition, what: str, proc: subprocess.Popen, timeout: float = 240) -> None:
+def wait_for(condition, what: str, proc: subprocess.Popen | BackgroundRun, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert proc.poll() is None, f"the run ended before {what}"
@@ -129,19 +129,20 @@ def test_torchrun_ranks_die_with_a_killed_torchrun(tiny_cache, tmp_path):
 
 
 def test_ctrl_c_stops_every_rank_and_the_run_resumes(tiny_cache, tmp_path):
+    """A warm run (tests/cli.py BackgroundRun): SIGINT to its group reaches the launcher and each
+    rank, as a terminal's Ctrl-C does (the ranks' stand-ins forward it)."""
     run_dir = tmp_path / "run"
     args = [*SMALL, "trainer.max_steps=6", "trainer.save_every=2", "trainer.eval_every=0",
             "logger.wandb.mode=disabled", "trainer.progress=lines"]
-    launcher = start(args, run_dir, tmp_path / "run.log")
+    launcher = BackgroundRun(args, run_dir)
     try:
         wait_for((run_dir / "checkpoints" / "step_00000002").exists, "checkpoint of step 2", launcher)
-        os.killpg(launcher.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends to the foreground group
-        code = launcher.wait(timeout=120)
+        launcher.signal(signal.SIGINT)  # what Ctrl-C in a terminal sends to the foreground group
+        proc = launcher.finish(timeout=120)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-    log = (tmp_path / "run.log").read_text()
-    assert code == 128 + signal.SIGINT, log[-3000:]
+        launcher.close()
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 128 + signal.SIGINT, log[-3000:]
     assert "rltrain: stopped by SIGINT; every rank was stopped" in log
     assert rank_processes(run_dir) == {}, "a rank outlived the launcher"
     assert len(train_rows(run_dir)) < 6
@@ -156,19 +157,16 @@ def test_ctrl_c_stops_a_sweep_of_several_rank_jobs(tiny_cache, tmp_path):
     sweep = tmp_path / "sweep"
     args = ["-m", *SMALL, "trainer.seed=1,2", "trainer.max_steps=100000", "trainer.eval_every=0",
             "logger.wandb.mode=disabled", f"hydra.sweep.dir={sweep}"]
-    with open(tmp_path / "sweep.log", "w") as out:
-        launcher = subprocess.Popen([sys.executable, "-m", "rltrain", *args], cwd=ROOT, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+    launcher = BackgroundRun(args, tmp_path / "unused")  # a sweep writes under hydra.sweep.dir
     try:
         beats = [sweep / "0" / "heartbeats" / f"rank-{r}.json" for r in (0, 1)]
         wait_for(lambda: all(b.exists() for b in beats), "heartbeat of both ranks of job 0", launcher)
-        os.killpg(launcher.pid, signal.SIGINT)
-        code = launcher.wait(timeout=120)
+        launcher.signal(signal.SIGINT)
+        proc = launcher.finish(timeout=120)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-    log = (tmp_path / "sweep.log").read_text()
-    assert code == 128 + signal.SIGINT, log[-3000:]
+        launcher.close()
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 128 + signal.SIGINT, log[-3000:]
     assert "rltrain: job 0 was stopped; the sweep stops, later jobs do not start" in log
     assert not (sweep / "1").exists(), "the sweep started its next job after Ctrl-C"
     assert rank_processes(sweep / "0") == {}

@@ -66,6 +66,7 @@ def test_tp2_sft_equals_fsdp_and_is_quiet(fsdp_sft, megatron_tp2_sft):
         assert noise not in stderr, noise
 
 
+@pytest.mark.slow  # pp=2 against transformers at engine level: tests/dist/backends/test_megatron_engine.py; a pp=2 CLI run: test_safety_megatron_cli.py
 def test_pp2_sft_equals_fsdp(fsdp_sft, tmp_path):
     run_dir = tmp_path / "run"
     rltrain(*SMALL_SFT, *MEGATRON_PP2, run_dir=run_dir)

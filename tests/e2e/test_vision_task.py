@@ -93,6 +93,7 @@ def sft_on_colours(run_dir, steps: int, seed: int) -> PictureReading:
                           len(set(on_blank)))
 
 
+@pytest.mark.slow  # images reach the model and change its scores: test_cli_vision*.py's fp32-parity runs, in make test
 def test_a_short_sft_on_colours_reads_the_picture(tiny_cache, tmp_path):
     """80 steps land in different places on different CPUs (docs/testing.md, "What learns in `make
     test`": accuracy 0.41-0.53, 77-94% fitting the picture, 8-25% naming the row's colour), so this
