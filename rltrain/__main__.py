@@ -23,6 +23,7 @@ from rltrain.launch.submitit_ranks import join_submitit_ranks
 from rltrain.launch.sweep import JobOutcome, objective_value, sweep_exit_status
 from rltrain.preflight.command_help import register_help
 from rltrain.preflight.compose_errors import composition_done, reporting_composition_errors
+from rltrain.preflight.hydra_mode import mode_from_the_command_line
 from rltrain.runtime.errors import (
     EXIT_USER_ERROR,
     UserError,
@@ -226,7 +227,7 @@ def compose_and_run() -> int:
     """Compose the config from `sys.argv` and run its job (or sweep); the process's exit status."""
     register_configs()
     register_help()
-    with reporting_composition_errors():
+    with reporting_composition_errors(), mode_from_the_command_line(sys.argv[1:]):
         hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)(job)()
     return sweep_exit_status()
 
