@@ -149,9 +149,11 @@ def test_grpo_on_the_tiny_moe_replays_the_transformers_engines_routing(nproc, ti
     assert all(0.9 <= r["moe/router_agreement"] <= 1.0 for r in train_rows(run_dir))
 
 
-# vLLM's record on megatron is `slow`: the record's layout is the engines' common one
-# (`Completion.routing`), vLLM's checked against the trainer's routing in test_moe_rollout_parity.py.
-@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
+# `slow`: megatron's replay of a recorded routing is tests/dist/backends/test_megatron_router_replay.py's,
+# a run replaying an engine's record test_grpo_on_the_tiny_moe_replays_the_transformers_engines_routing's
+# (FSDP), both in make test; the record's layout is the engines' common one (`Completion.routing`).
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
 def test_grpo_on_megatron_with_expert_parallelism_replays_the_engines_routing(engine, tiny_cache, tmp_path):
     """algo.router_replay=true on backend=megatron backend.ep=2 (2 ranks, each its own tokens through
     the all-to-all; docs/moe.md, "Router replay"), the transformers engine's record or vLLM's:

@@ -80,11 +80,8 @@ AGENT = ["env=agent", "env.agent=openai_agent:run", "env.workers=2", "data.num_e
 
 
 @on_session_servers
-# `slow`: in make test, the agents' endpoint is test_cli_agent.py's, ranks sharing a fleet
-# tests/unit/rollout/test_rollout_server.py's, generating ahead test_cli_async.py's and over servers
-# test_cli_server_inflight.py's.
-@pytest.mark.slow
-@pytest.mark.parametrize("overrides", [pytest.param([], id="grpo"), pytest.param(AGENT, id="agent")])
+# Plain GRPO is `slow`: env=agent's run is GRPO over the same servers, with the agents' endpoint beside it.
+@pytest.mark.parametrize("overrides", [pytest.param([], id="grpo", marks=pytest.mark.slow), pytest.param(AGENT, id="agent")])
 def test_two_trainer_ranks_over_two_servers_one_step_ahead(rollout_servers, tmp_path, overrides):
     """With env=agent every call of every episode of step t's batch is sampled by version
     max(0, t - 2) (the completions' versions, as the servers report them), the batch played whole
