@@ -79,7 +79,7 @@ class RolloutConfig:
 class VLLMRolloutConfig(RolloutConfig):
     name: str = "vllm"
     process: str = choice("colocated", RolloutProcess)
-    kv_cache_gib: float = 1.0  # CPU: the KV-cache budget (on CUDA, gpu_memory_utilization decides)
+    kv_cache_gib: float = 1.0  # CPU: the KV-cache budget, at most what max_num_seqs sequences fill (rollout/kv_budget.py; on CUDA, gpu_memory_utilization decides)
     max_num_seqs: int = 256
     max_model_len: int | None = None  # longest prompt + completion; null = the model's own limit
     # vLLM on CUDA (docs/time-sharing-and-sync.md, "vLLM on CUDA"); the CPU build takes none of these:

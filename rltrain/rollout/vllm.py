@@ -25,7 +25,7 @@ from rltrain.rollout import vllm_routing
 from rltrain.rollout.base import Completion, SamplingSettings, exclusive
 from rltrain.rollout.images import PromptImages, check_batch, expanded_prompt, vllm_prompt
 from rltrain.rollout.seeds import request_seed
-from rltrain.rollout.vllm_args import engine_kwargs, set_vllm_env
+from rltrain.rollout.vllm_args import cpu_kv_cache_bytes, engine_kwargs, set_vllm_env
 from rltrain.rollout.vllm_cpu_sampler import use_eager_rank_count
 from rltrain.rollout.vllm_process_state import (
     ProcessStateGuard,
@@ -84,7 +84,7 @@ class VLLMRolloutEngine:
         self.model_dir = Path(model_dir)
         self.cfg = cfg
         self.asleep = False
-        set_vllm_env(cfg.kv_cache_gib)
+        set_vllm_env(cpu_kv_cache_bytes(cfg, model_dir, dtype))
         quiet_vllm_import()
         use_eager_rank_count()  # no inductor kernel to build in this process (vllm_cpu_sampler.py)
         from vllm import LLM

@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from rltrain.config.group_options import VLLMRolloutConfig
+from rltrain.rollout.kv_budget import GIB, kv_cache_bytes
 from rltrain.runtime.errors import UserError
-
-GIB = 1 << 30
 
 # Why `rollout.quantization=fp8` is refused on vLLM's CPU build (docs/moe.md, "Low-precision rollouts").
 FP8_ON_CPU = (
@@ -24,17 +23,22 @@ FP8_ON_CPU = (
 FP8_DTYPES = ("bfloat16", "float16")
 
 
-def set_vllm_env(kv_cache_gib: float) -> None:
+def set_vllm_env(kv_cache_bytes: int) -> None:
     """In-process engine, and a KV-cache budget the CPU platform honours (set before `import vllm`).
 
     `VLLM_CPU_KVCACHE_SPACE` is whole GiB and overrides `kv_cache_memory_bytes` on CPU; for a
     fractional budget it is removed so the exact byte count passed to the engine applies.
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if float(kv_cache_gib).is_integer():
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
+    if kv_cache_bytes % GIB == 0:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_bytes // GIB)
     else:
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+
+
+def cpu_kv_cache_bytes(cfg: VLLMRolloutConfig, model_dir: str | Path, dtype: str) -> int:
+    """The CPU engine's KV cache: `rollout.kv_cache_gib`, or what its sequences can fill if less (kv_budget.py)."""
+    return kv_cache_bytes(model_dir, cfg.kv_cache_gib, cfg.max_num_seqs, cfg.max_model_len, dtype)
 
 
 def engine_kwargs(
@@ -67,7 +71,7 @@ def engine_kwargs(
                 f"rollout.tensor_parallel_size={cfg.tensor_parallel_size} needs vLLM on a GPU: the CPU build "
                 "runs one in-process worker here. Set rollout.tensor_parallel_size=1."
             )
-        return {**kwargs, "kv_cache_memory_bytes": int(cfg.kv_cache_gib * GIB), "enforce_eager": True}
+        return {**kwargs, "kv_cache_memory_bytes": cpu_kv_cache_bytes(cfg, model_dir, dtype), "enforce_eager": True}
     if cfg.quantization != "none":
         if dtype not in FP8_DTYPES:
             raise UserError(

@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 
 from rltrain.config.group_options import ServerRolloutConfig
+from rltrain.rollout.kv_budget import kv_cache_bytes
 from rltrain.rollout.server.client import ServerDown, ServerRefused, is_up, server_identity
 from rltrain.rollout.server.extension import SERVER_ID_ENV
 from rltrain.runtime.threads import usable_cores
@@ -47,7 +48,8 @@ def server_command(cfg: ServerRolloutConfig, model_dir: str | Path, dtype: str, 
     else:
         # The worker inside the engine process (with VLLM_ENABLE_V1_MULTIPROCESSING=0, server_env):
         # one interpreter fewer to start, and no worker busy-polling its queue beside the trainer.
-        command += ["--enforce-eager", "--kv-cache-memory-bytes", str(int(cfg.kv_cache_gib * (1 << 30))),
+        kv_bytes = kv_cache_bytes(model_dir, cfg.kv_cache_gib, cfg.max_num_seqs, cfg.max_model_len, dtype)
+        command += ["--enforce-eager", "--kv-cache-memory-bytes", str(kv_bytes),
                     "--distributed-executor-backend", "uni"]
         # A prompt prefilled in chunks has its seeded generator rewound, which a CPU generator cannot
         # do: the engine dies. Whole prefills only (rltrain/rollout/vllm.py's prefill_waves is the

@@ -95,6 +95,15 @@ def test_parity_after_update(case):
     assert diff < TOL
 
 
+def test_the_kv_cache_is_what_its_sequences_can_fill(case):
+    """Of the 1 GiB budget the engine takes what 16 sequences of 128 tokens fill, plus one
+    sequence's headroom (rltrain/rollout/kv_budget.py), and vLLM finds every sequence room."""
+    engine = case[3]
+    cache = engine.llm.llm_engine.vllm_config.cache_config
+    tokens = cache.num_gpu_blocks * cache.block_size
+    assert 16 * 128 <= tokens <= 17 * 128 + cache.block_size, (cache.num_gpu_blocks, cache.block_size)
+
+
 def test_parity_ignores_sampling_settings(case):
     """Log-probabilities are of the raw distribution, whatever temperature and top-p sample."""
     _, _, hf, engine, _ = case
