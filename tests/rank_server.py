@@ -32,6 +32,10 @@ AGENT_ENV_PREFIXES = ("TORCHELASTIC_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCA
                       "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                       "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 SERVER_ENV: dict[str, str] = {}  # the server's environment (`run`)
+# torch's thread count, which torchrun (more than one rank per node) and a spawned vLLM server set:
+# it may differ, as a count up to the server's own, and the forked process applies it (`apply_threads`).
+THREADS_ENV = "OMP_NUM_THREADS"
+SERVER_THREADS: list[int] = []  # torch's thread count in the server (`run`)
 
 # What the vLLM server imports: what building an engine on the CPU imports (vllm's own modules,
 # and through them OpenCV, gRPC and OpenTelemetry), read once instead of once per engine.
@@ -100,7 +104,28 @@ def become_rank(request: dict, fds: list[int], listener: socket.socket, conns: l
     os.environ.update(env)
     os.chdir(request["cwd"])
     sys.path[:] = request["sys_path"]
+    apply_threads(env)
     run_as_interpreter(main_of(argv))
+
+
+def threads_applicable(env: dict[str, str]) -> bool:
+    """Whether a process with `env` may be forked although its OMP_NUM_THREADS differs from the
+    server's: it names a count no larger than the server's own. A fresh torch takes such a count as
+    it is, and caps a larger one (MKL, with MKL_DYNAMIC's default, at the physical cores), which
+    the server does not redo: unset, larger or not a number, the process starts cold."""
+    value = env.get(THREADS_ENV, "")
+    return value.isdigit() and 0 < int(value) <= SERVER_THREADS[0]
+
+
+def apply_threads(env: dict[str, str]) -> None:
+    """In the forked process: the thread count a fresh interpreter would take from OMP_NUM_THREADS.
+    OpenMP read the variable when the server loaded it; torch.set_num_threads sets OpenMP's and
+    MKL's counts, and ATen applies it to every thread that later runs a parallel region, as a fresh
+    torch does with the variable (docs/testing.md, "Warm ranks")."""
+    if env.get(THREADS_ENV) != SERVER_ENV.get(THREADS_ENV):
+        import torch
+
+        torch.set_num_threads(int(env[THREADS_ENV]))
 
 
 def send(conn: socket.socket, message: dict) -> None:
@@ -159,7 +184,8 @@ def start(client: StandIn, request: dict, listener: socket.socket, selector, cli
 
     allowed = WARM_ENV_PREFIXES + AGENT_ENV_PREFIXES
     differing = sorted(k for k in set(request["env"]) | set(SERVER_ENV)
-                       if request["env"].get(k) != SERVER_ENV.get(k) and not k.startswith(allowed))
+                       if request["env"].get(k) != SERVER_ENV.get(k) and not k.startswith(allowed)
+                       and not (k == THREADS_ENV and threads_applicable(request["env"])))
     if differing and not checked:  # a preloaded library may have read one of them: the rank starts cold
         send(client.conn, {"cold": differing})
         close(client, selector, clients)
@@ -334,8 +360,11 @@ def start_vllm_server(listener: socket.socket) -> None:
 def run(path: str) -> None:
     """The server's process: a child of the tests' fork server (helpers.rank_context), which has
     imported PRELOAD and holds the session's environment; it ends with that fork server."""
+    import torch
+
     SERVER_ENV.clear()
     SERVER_ENV.update(os.environ)
+    SERVER_THREADS[:] = [torch.get_num_threads()]
     die_with(os.getppid())
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)

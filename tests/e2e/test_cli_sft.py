@@ -4,6 +4,7 @@ W&B, resume after a kill, user data. Each run is a real `python -m rltrain` proc
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -19,8 +20,10 @@ from cli import (
     comparable,
     kill_when,
     python,
+    ranks_forked,
     read_metrics,
     rltrain,
+    torchrun_ranks_env,
     train_rows,
 )
 from wandb_reader import find_run_file, read_offline_run
@@ -119,8 +122,13 @@ def test_torchrun_launch_matches_local_ranks(shared_runs, tmp_path):
     args = [a for a in SMALL_SFT_RUN_2_RANKS if a != "trainer.nproc=2"]  # torchrun gives the ranks
     cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "rltrain", *args,
            "logger.wandb.mode=disabled", f"hydra.run.dir={tmp_path / 'tr'}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    # The ranks are forked from the rank server although torchrun sets OMP_NUM_THREADS=1 for them
+    # (tests/rank_server.py `apply_threads`): the rows below hold them to the local ranks'.
+    env = torchrun_ranks_env()
+    forked = ranks_forked() if env else 0
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **env})
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert not env or ranks_forked() - forked == 2
     assert _losses(tmp_path / "tr") == pytest.approx(_losses(local), rel=1e-5)
     assert (tmp_path / "tr" / "final" / "model.safetensors").exists()
 

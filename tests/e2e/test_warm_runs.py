@@ -135,6 +135,39 @@ def test_a_rank_whose_environment_a_preloaded_library_reads_starts_cold(tmp_path
     assert stand_in.run_in_server(str(tmp_path / "no-server"), request["argv"], sys.path) is None
 
 
+# torch's thread count in the main thread and in a thread started after it (ATen applies the count there).
+THREADS_SEEN = ("import threading, torch; seen = [torch.get_num_threads()]\n"
+                "thread = threading.Thread(target=lambda: seen.append((torch.ones(64, 64) @ torch.ones(64, 64), "
+                "torch.get_num_threads())[1]))\nthread.start(); thread.join(); print(seen)")
+
+
+def test_a_forked_process_takes_torchs_thread_count_from_omp_num_threads_as_a_fresh_one(tmp_path):
+    """torchrun's ranks (OMP_NUM_THREADS=1) and a spawned vLLM server set OMP_NUM_THREADS, which
+    OpenMP read when the rank server loaded it: the forked process applies it (tests/rank_server.py
+    `apply_threads`) and counts what a fresh interpreter with the variable counts. A count above the
+    server's own, which a fresh torch caps, starts cold."""
+    import socket
+    import subprocess
+
+    from cli import ROOT
+
+    above = dict(os.environ, OMP_NUM_THREADS="4096")
+    request = {"argv": ["-c", "pass"], "fds": [0, 1, 2], "env": above, "cwd": os.getcwd(), "sys_path": sys.path}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(rank_server())
+        stand_in.send_message(sock, request, [0, 1, 2])
+        assert stand_in.LineReader(sock).next() == {"cold": ["OMP_NUM_THREADS"]}
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # torchrun's
+    stand = (f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import stand_in; "
+             f"stand_in.run_in_server({rank_server()!r}, ['-c', {THREADS_SEEN!r}], sys.path[1:])")
+    before = ranks_forked()
+    forked = subprocess.run([sys.executable, "-c", stand], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert ranks_forked() == before + 1, forked.stderr
+    cold = subprocess.run([sys.executable, "-c", THREADS_SEEN], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert (forked.returncode, forked.stdout) == (cold.returncode, cold.stdout) == (0, "[1, 1]\n"), (forked.stderr, cold.stderr)
+
+
 def test_the_servers_start_with_the_environment_the_session_began_with(monkeypatch):
     """A module that changed os.environ (vLLM writes LOCAL_WORLD_SIZE and more into it when it
     builds an engine in the test process) does not change the environment a warm process's server
