@@ -72,6 +72,7 @@ def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_resumes(shar
     ]
 
 
+@pytest.mark.slow  # the fingerprint names each difference: tests/unit/run/test_checkpoint_defence.py, in make test
 def test_a_checkpoint_of_another_layout_is_refused_on_every_rank(shared_runs, tmp_path):
     run_dir = copy_run(shared_runs.get(*SFT_RUN), tmp_path / "run")  # checkpoints of 1 rank, 6 steps
     two_ranks = [*RESUME_SFT, "trainer.max_steps=7", "trainer.nproc=2", "trainer.save_every=0"]

@@ -65,6 +65,7 @@ def test_kto_reads_trls_unpaired_format(tiny_cache, tmp_path, form):
     assert all(min(abs(r["eval/dpo_accuracy"] * 6 - k) for k in range(7)) < 1e-5 for r in evals)  # 6 held-out pairs
 
 
+@pytest.mark.slow  # preference pairs on megatron's data parallel: test_megatron_cli.py's DPO, in make test; KTO's loss is the backends' alike
 def test_kto_on_megatron_data_parallel(tiny_cache, tmp_path):
     run_dir = tmp_path / "run"
     rltrain("algo=kto", "backend=megatron", "trainer.nproc=2", *SHORT, *QUICK, run_dir=run_dir, timeout=400)

@@ -447,7 +447,7 @@ def test_a_hung_crashing_silent_or_nonsense_agent_fails_its_episode_only(agents)
 def test_an_agent_blocked_on_one_prompt_in_eight_costs_those_episodes_only(agents, agent):
     """The default step's shape (64 prompts x 8 episodes, the default env.workers and
     env.max_concurrency), every episode of one prompt in eight blocked for good (its event loop, or
-    the synchronous agent's thread), env.timeout_s=10: those 64 time out (`env/timeouts`), the 448
+    the synchronous agent's thread), env.timeout_s=5: those 64 time out (`env/timeouts`), the 448
     others score as they would without them, and the step ends within env.timeout_s of the time
     its other episodes need (docs/agents.md, "Isolation")."""
     tags = ["block" if i % 8 == 0 else f"e{i}" for i in range(64)]
@@ -455,7 +455,7 @@ def test_an_agent_blocked_on_one_prompt_in_eight_costs_those_episodes_only(agent
     reward = RewardConfig(on_failure=-1.0)  # the default reward.max_failure_frac: the run goes on
     started = time.monotonic()
     played = play(
-        f"{agents}:{agent}", tags=tags, copies=8, reward=reward, timeout_s=10.0, workers=default.workers,
+        f"{agents}:{agent}", tags=tags, copies=8, reward=reward, timeout_s=5.0, workers=default.workers,
         max_concurrency=default.max_concurrency,
     )
     elapsed = time.monotonic() - started
@@ -463,7 +463,7 @@ def test_an_agent_blocked_on_one_prompt_in_eight_costs_those_episodes_only(agent
     assert played.failures.timeouts == 64 and played.failures.errors == 0
     innocent = [c.prompt_ids for c in played.completions if c.prompt_ids]
     assert innocent == [ids(f"U:{t}|\nA:") for t in tags if t != "block" for _ in range(8)]
-    assert elapsed < 10.0 + 25.0, elapsed  # env.timeout_s, the other episodes' own time and the workers' start (docs/agents.md)
+    assert elapsed < 5.0 + 25.0, elapsed  # env.timeout_s, the other episodes' own time and the workers' start (docs/agents.md)
 
 
 def test_too_many_failed_episodes_stop_the_run_naming_the_agent(agents):
