@@ -17,10 +17,11 @@ import signal
 import subprocess
 import sys
 import time
-from types import FrameType
+from typing import NoReturn
 
 PR_SET_PDEATHSIG = 1
 GRACE_S = 3.0  # the server's own shutdown (nothing of it to keep), before the session is killed
+POLL_S = 0.1  # how often the guard looks at its server and its signals
 
 
 def session_members(sid: int) -> list[int]:
@@ -45,24 +46,33 @@ def main(argv: list[str]) -> int:
     if os.getppid() != parent:  # the trainer died before the request took effect
         return 1
     server = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+    # The handlers only note the signal; the loop below stops the server. (Stopping inside a handler
+    # that interrupted `server.wait()` cannot wait for the server: the interrupted wait holds the
+    # lock a second wait needs, so each stop took the whole grace.)
+    stops: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stops.append(signum))
+    signal.signal(signal.SIGINT, lambda signum, frame: stops.append(signum))
+    while not stops:
+        if (code := server.poll()) is not None:
+            return code
+        time.sleep(POLL_S)
+    stop(server)
+    return 0
 
-    def stop(signum: int, frame: FrameType | None) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        server.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            server.wait(timeout=GRACE_S)
-        me, sid = os.getpid(), os.getsid(0)
-        for pid in session_members(sid):
-            if pid != me:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        time.sleep(0.1)
-        os._exit(0)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    return server.wait()
-
+def stop(server: subprocess.Popen) -> NoReturn:
+    """Stop the server (its own shutdown, up to GRACE_S), then kill what is left of the session."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    server.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        server.wait(timeout=GRACE_S)
+    me, sid = os.getpid(), os.getsid(0)
+    for pid in session_members(sid):
+        if pid != me:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    time.sleep(0.1)
+    os._exit(0)
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

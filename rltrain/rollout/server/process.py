@@ -143,9 +143,12 @@ class SpawnedServer:
         stop_servers([self])
 
     def _terminate(self) -> None:
+        """SIGTERM to the guard alone: it stops its server, then kills what is left of the session.
+        (A SIGTERM to the whole session at once reaches vLLM's engine process beside its server,
+        whose own shutdown then outlasts the guard's grace.)"""
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
+                os.kill(self.proc.pid, signal.SIGTERM)
 
     def _reap(self) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -166,8 +169,8 @@ def is_ours(url: str, server_id: str) -> bool:
 
 
 def stop_servers(servers: list[SpawnedServer]) -> None:
-    """SIGTERM to each server's session group at once (each guard stops its server and kills what is
-    left of the session after a short grace), then wait for each, SIGKILL for any still there."""
+    """SIGTERM to each server's guard at once (each stops its server and kills what is left of its
+    session), then wait for each, and SIGKILL what is left of each session."""
     for server in servers:
         server._terminate()
     for server in servers:
