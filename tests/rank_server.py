@@ -316,6 +316,9 @@ def vllm_server(handoff: socket.socket, parent: int) -> None:
             from vllm.platforms import current_platform
 
             current_platform.device_type  # noqa: B018 - resolves the platform, as building an engine does
+            # What the first engine of a process does (vLLM's kernel overrides scan every module): its
+            # forks then start as a process's later engines do (rltrain registers them once).
+            current_platform.register_triton_kernel_overrides()
     except Exception as exc:  # noqa: BLE001 - the rank server then forks every process itself
         sys.stderr.write(f"tests/rank_server.py: no vLLM server, vLLM failed to import: {exc!r}\n")
         os._exit(1)

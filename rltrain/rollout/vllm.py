@@ -31,6 +31,7 @@ from rltrain.rollout.vllm_process_state import (
     ProcessStateGuard,
     collections_deferred,
     destroy_vllm_world_only,
+    register_kernel_overrides_once,
 )
 from rltrain.rollout.vllm_reload import (
     SyncPlan,
@@ -87,6 +88,7 @@ class VLLMRolloutEngine:
         set_vllm_env(cpu_kv_cache_bytes(cfg, model_dir, dtype))
         quiet_vllm_import()
         use_eager_rank_count()  # no inductor kernel to build in this process (vllm_cpu_sampler.py)
+        register_kernel_overrides_once()
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -360,15 +362,13 @@ class VLLMRolloutEngine:
 
     @exclusive
     def close(self) -> None:
-        """Shut the engine down and free vLLM's distributed state, so that another engine can be
-        built in this process.
+        """Shut the engine down and free vLLM's distributed state, so another engine can be built here.
 
-        vLLM's shutdown ends in `destroy_distributed_environment()`, which destroys the *default*
-        process group. When the trainer created that group before the engine (vLLM then adopts it
-        as its world), that would kill the trainer's communicators; so for the duration of the
-        shutdown only the groups vLLM made are destroyed. On the CPU build the engine is freed by
-        one collection of the heap, not vLLM's three (`_collections_deferred`).
-        """
+        vLLM's shutdown ends in `destroy_distributed_environment()`, which destroys the *default* process
+        group. When the trainer created that group before the engine (vLLM then adopts it as its world),
+        that would kill the trainer's communicators; so for the duration of the shutdown only the groups
+        vLLM made are destroyed. On the CPU build the engine is freed by one collection of the heap, not
+        vLLM's three (`_collections_deferred`)."""
         llm = getattr(self, "llm", None)
         if llm is None:
             return

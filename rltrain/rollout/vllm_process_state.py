@@ -1,7 +1,8 @@
 """What an in-process vLLM changes for its whole process, and how rltrain's engine keeps it: the
 RNG states and torch's threads its construction touches (`ProcessStateGuard`), the full-heap
-collections its shutdown runs (`collections_deferred`) and its teardown of the default process
-group when a trainer owns it (`destroy_vllm_world_only`). docs/internals/rollout.md.
+collections its shutdown runs (`collections_deferred`), its teardown of the default process
+group when a trainer owns it (`destroy_vllm_world_only`) and the CPU build's kernel overrides,
+registered once (`register_kernel_overrides_once`). docs/internals/rollout.md.
 """
 
 from __future__ import annotations
@@ -66,3 +67,23 @@ def destroy_vllm_world_only() -> None:
         parallel_state._WORLD.destroy()
     parallel_state._WORLD = None
     parallel_state._NODE_COUNT = None
+
+
+def register_kernel_overrides_once() -> None:
+    """vLLM's CPU build registers its C++ stand-ins for Triton kernels each time it builds an engine,
+    each time scanning every loaded module's namespace for the kernels (half a second beside torch,
+    transformers and vLLM). Registered once, they stay: later engines of the process skip it."""
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import dispatcher
+
+    platform = type(current_platform)
+    register = platform.register_triton_kernel_overrides
+    if getattr(register, "once", False):
+        return
+
+    def once(cls) -> None:
+        if not dispatcher._registry:
+            register()
+
+    once.once = True  # type: ignore[attr-defined]
+    platform.register_triton_kernel_overrides = classmethod(once)

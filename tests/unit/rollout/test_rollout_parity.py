@@ -95,6 +95,22 @@ def test_parity_after_update(case):
     assert diff < TOL
 
 
+def test_the_cpu_builds_kernel_overrides_are_registered_once_per_process(case, monkeypatch):
+    """vLLM registers them at every engine's start, scanning every module; the process's first
+    engine did (this module's), so a later one, or a second call, scans nothing."""
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import dispatcher
+
+    from rltrain.rollout.vllm_process_state import register_kernel_overrides_once
+
+    assert dispatcher._registry, "the engine registered no override"
+    scans: list[object] = []
+    monkeypatch.setattr(dispatcher, "_rebind_kernels", scans.append)
+    register_kernel_overrides_once()
+    current_platform.register_triton_kernel_overrides()
+    assert scans == []
+
+
 def test_the_kv_cache_is_what_its_sequences_can_fill(case):
     """Of the 1 GiB budget the engine takes what 16 sequences of 128 tokens fill, plus one
     sequence's headroom (rltrain/rollout/kv_budget.py), and vLLM finds every sequence room."""
