@@ -76,6 +76,8 @@ def register_kernel_overrides_once() -> None:
     from vllm.platforms import current_platform
     from vllm.triton_utils import dispatcher
 
+    if current_platform.device_type != "cpu":
+        return
     platform = type(current_platform)
     register = platform.register_triton_kernel_overrides
     if getattr(register, "once", False):
