@@ -1,9 +1,8 @@
-"""Rollout engines behind one protocol (`base.RolloutEngine`): vLLM in the trainer's process (`vllm`) or in a
-child process (`separate`, `separate_child`, their JSON `control_wire`; in flight: `inflight_*`), vLLM's API servers
-over HTTP (the `server` subpackage), transformers' generate (`hf`); prompts with images in `images` (and
-`hf_images`); `seeds` seeds a prompt alike in every vLLM engine; `kv_budget` sizes a CPU engine's KV cache. The
-registry below is lazy, so `rollout=hf` never imports vLLM; `share` hands a model-parallel replica's completions
-to its peers. docs/internals/rollout.md.
+"""Rollout engines behind one protocol (`base.RolloutEngine`): vLLM in the trainer's process (`vllm`; its CPU KV cache
+`kv_budget`) or in a child (`separate`, `separate_child`, their JSON `control_wire`; in flight: `inflight_*`), vLLM's API
+servers over HTTP (the `server` subpackage), transformers' generate (`hf`); images in `images` (and `hf_images`); `seeds`
+seeds a prompt alike in every vLLM engine. The registry below is lazy, so `rollout=hf` never imports vLLM; `share` hands
+a model-parallel replica's completions to its peers. docs/internals/rollout.md.
 """
 
 from __future__ import annotations
