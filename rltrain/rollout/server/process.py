@@ -143,9 +143,8 @@ class SpawnedServer:
         stop_servers([self])
 
     def _terminate(self) -> None:
-        """SIGTERM to the guard alone: it stops its server, then kills what is left of the session.
-        (A SIGTERM to the whole session at once reaches vLLM's engine process beside its server,
-        whose own shutdown then outlasts the guard's grace.)"""
+        """SIGTERM to the guard alone: stopping the server, then what is left of its session, is the
+        guard's job, in that order (`_reap` kills whatever a dead guard left)."""
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.proc.pid, signal.SIGTERM)
