@@ -35,6 +35,7 @@ QUICK = [
     "trainer.eval_every=0",
     "trainer.save_every=0",
     "trainer.progress=lines",
+    "logger.plot=false",  # the run's plots.png: tests/e2e/test_trackers_and_sampled_eval.py, test_sweep_launchers.py
 ]
 
 

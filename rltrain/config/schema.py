@@ -234,6 +234,9 @@ class LoggerConfig:
     # GRPO: a `samples/train` table of prompts, completions and rewards every N steps; 0 = only the
     # `samples/eval` table at each evaluation (docs/run-directory.md).
     sample_every: int = 0
+    # The run's `plots.png` when it ends (and in its trackers); false skips it, e.g. in a sweep of many
+    # short jobs, where `python -m rltrain.plot SWEEP_DIR` draws them all in one PNG afterwards.
+    plot: bool = True
 
 
 @dataclass

@@ -42,6 +42,7 @@ from rltrain.rollout.vllm_reload import (
 )
 from rltrain.runtime.library_noise import quiet_vllm_import
 from rltrain.runtime.precision import resolve_precision
+from rltrain.runtime.process_state import owe_collection, settle_owed_collection
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -85,6 +86,7 @@ class VLLMRolloutEngine:
         self.model_dir = Path(model_dir)
         self.cfg = cfg
         self.asleep = False
+        settle_owed_collection()  # a closed engine of this process goes before this one allocates
         set_vllm_env(cpu_kv_cache_bytes(cfg, model_dir, dtype))
         quiet_vllm_import()
         use_eager_rank_count()  # no inductor kernel to build in this process (vllm_cpu_sampler.py)
@@ -112,9 +114,8 @@ class VLLMRolloutEngine:
         self.expected_names = checkpoint_names(self.model_dir)
         if self.tied:
             self.expected_names.discard("lm_head.weight")
-        # How vLLM names a Hugging Face tensor: a vision-language checkpoint on disk and the trainer's
-        # model name the same tensor differently (`model.layers.0...` vs `model.language_model.layers.0...`).
-        # Asked of the worker's model only when names differ (`_missing_names`).
+        # How vLLM names a Hugging Face tensor where a vision-language checkpoint and the trainer's model differ
+        # (`model.layers.0...` vs `model.language_model.layers.0...`): asked of the worker only then (`_missing_names`).
         self._prefix_renames: dict[str, str | None] | None = None
 
     # --- generation -----------------------------------------------------------------------------
@@ -364,11 +365,10 @@ class VLLMRolloutEngine:
     def close(self) -> None:
         """Shut the engine down and free vLLM's distributed state, so another engine can be built here.
 
-        vLLM's shutdown ends in `destroy_distributed_environment()`, which destroys the *default* process
-        group. When the trainer created that group before the engine (vLLM then adopts it as its world),
-        that would kill the trainer's communicators; so for the duration of the shutdown only the groups
-        vLLM made are destroyed. On the CPU build the engine is freed by one collection of the heap, not
-        vLLM's three (`_collections_deferred`)."""
+        vLLM's shutdown destroys the *default* process group, which is the trainer's where the trainer
+        made it first (vLLM adopts it): only the groups vLLM made are destroyed then. On the CPU build
+        one collection frees the engine, not vLLM's three (`collections_deferred`), owed to the
+        process's next run or engine (rltrain.runtime.process_state); on CUDA it is made here."""
         llm = getattr(self, "llm", None)
         if llm is None:
             return
@@ -384,7 +384,7 @@ class VLLMRolloutEngine:
         finally:
             parallel_state.destroy_distributed_environment = destroy_all
             del llm
-            gc.collect()
+            owe_collection() if self.device_type == "cpu" else gc.collect()
 
 
 def _pong(worker) -> bool:

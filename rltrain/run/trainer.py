@@ -36,7 +36,7 @@ from rltrain.run.safety_services import SafetyServices
 from rltrain.runtime.distributed import DistInfo, barrier, init_distributed
 from rltrain.runtime.errors import UserError, report_user_error
 from rltrain.runtime.library_noise import quiet_transformers_checkpoint_bars
-from rltrain.runtime.process_state import reset_process_state
+from rltrain.runtime.process_state import reset_process_state, settle_owed_collection
 from rltrain.runtime.threads import thread_split
 from rltrain.safety.faults import FaultInjector, parse_faults
 
@@ -79,6 +79,7 @@ def run(cfg: Config, run_dir: Path) -> None:
 
     if os.environ.get("RANK", "0") != "0" or cfg.model.path is None:  # a user's model: rank 0 shows its load
         quiet_transformers_checkpoint_bars()
+    settle_owed_collection()  # the previous job's engine (a sweep's jobs share a process): rltrain.runtime.process_state
     dist_info = init_distributed(cfg.safety.collective_timeout_s)
     try:
         configure_threads(cfg, dist_info)
@@ -156,7 +157,7 @@ def train_loop(ctx: RunContext, algo: Algorithm) -> None:
                 ckpt.save(step, algo.checkpoint_engines(), {"algorithm": algo.state_dict()})
             safety.after_step(step)
         export_final(ctx, algo)
-        if dist_info.is_main and (plot := write_run_plot(run_dir)) is not None:  # a plotting error is only a warning
+        if dist_info.is_main and cfg.logger.plot and (plot := write_run_plot(run_dir)) is not None:  # an error: a warning
             logger.log_image("plots", max_steps, plot)
     except Exception as exc:
         safety.explain_failure(exc)  # names the lost peer when a collective failed

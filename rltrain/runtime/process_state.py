@@ -8,8 +8,27 @@ docs/internals/runtime.md.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
+
+# A whole-heap collection owed by a closed CPU engine (rltrain/rollout/vllm.py): settled before the
+# next run or engine of this process allocates, and never made where the process ends first.
+_COLLECTION_OWED = [False]
+
+
+def owe_collection() -> None:
+    """Leave the collection that frees a closed engine to whatever this process builds next. A run
+    closes its engine last, and most processes end right after it: a walk over a heap that holds
+    torch, transformers and vLLM, for memory nothing would use."""
+    _COLLECTION_OWED[0] = True
+
+
+def settle_owed_collection() -> None:
+    """Collect the heap where a closed engine left that owed (before a run or an engine builds)."""
+    if _COLLECTION_OWED[0]:
+        _COLLECTION_OWED[0] = False
+        gc.collect()
 
 
 def reset_process_state() -> None:

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.e2e
 # The tests of the session's pair of servers run on the worker that started them (docs/testing.md).
 on_session_servers = pytest.mark.xdist_group("rollout_servers")
 
-RUN = ["algo=grpo", *QUICK, *SMALL_MODEL, "algo.prompts_per_step=4", "algo.group_size=2", "rollout=server"]
+RUN = ["algo=grpo", *QUICK, *SMALL_MODEL, "algo.prompts_per_step=4", "algo.group_size=2", "rollout=server", "data.num_eval=8"]
 # What differs between fleets by design: timings, memory, throughput, and the fleet's own size.
 FLEET_KEYS = ("time/", "mem/", "perf/", "rollout/servers_up")
 

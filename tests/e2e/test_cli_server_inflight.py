@@ -24,7 +24,7 @@ STEPS, K, PER_STEP = 4, 1, 4
 STREAM = [
     "algo=grpo", *QUICK, *SMALL_MODEL, f"algo.prompts_per_step={PER_STEP}", "algo.group_size=2", "algo.max_new_tokens=12",
     f"trainer.max_steps={STEPS}", "rollout=server", f"placement.max_staleness={K}", "placement.weight_update=in_flight",
-    "placement.stream=true",
+    "placement.stream=true", "data.num_eval=8",
 ]
 
 

@@ -142,7 +142,7 @@ def test_multirun_sweep_makes_complete_runs_in_one_wandb_group(tiny_cache, tmp_p
     groups, lrs = set(), set()
     for job in ("0", "1"):
         run_dir = sweep / job
-        assert (run_dir / "final" / "model.safetensors").exists()
+        assert (run_dir / "final" / "model.safetensors").exists() and (run_dir / "plots.png").exists()  # logger.plot's default
         assert len(train_rows(run_dir)) == 2
         wb = read_offline_run(find_run_file(run_dir))
         groups.add(wb["group"])

@@ -41,6 +41,7 @@ def test_grpo_sweep_reports_a_failed_job_and_runs_the_next(tiny_cache, tmp_path)
     assert (ok["status"], ok["exit_status"], ok["error"]) == ("ok", "0", "")
     assert float(ok["reward/mean"]) >= 0.0 and ok["loss"] != ""
     assert len(train_rows(sweep / "1")) == 2 and (sweep / "1" / "final" / "model.safetensors").exists()
+    assert not (sweep / "1" / "plots.png").exists()  # logger.plot=false (QUICK)
     assert "sweep summary (2 jobs, 1 failed" in proc.stdout
     assert proc.stderr.count("broken on purpose") == 1  # the job's paragraph, once
 

@@ -62,7 +62,7 @@ def test_optuna_sweep_minimises_the_objective_and_survives_a_failed_trial(tiny_c
         # TPE's first trials are seeded random draws: with seed 1 the three are -1, 0.001, 0.003.
         "-m", "hydra/sweeper=optuna_lr", "hydra.sweeper.sampler.seed=1", "hydra.sweeper.n_trials=3",
         "hydra.sweeper.params={optim.lr:'choice(0.001,-1,0.003)'}",
-        "sweep.objective=loss", "sweep.direction=minimize", "sweep.last_n=2", *SFT,
+        "sweep.objective=loss", "sweep.direction=minimize", "sweep.last_n=2", *SFT, "logger.plot=true",
         f"hydra.sweep.dir={sweep}", check=False, timeout=400,
     )
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]  # the failed trial's status

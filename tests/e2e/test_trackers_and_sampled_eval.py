@@ -23,7 +23,7 @@ def test_a_grpo_run_logs_its_sampled_evaluation_to_every_tracker(tmp_path, monke
     run_dir, trackio_dir = tmp_path / "run", tmp_path / "trackio"
     rltrain(*GRPO_RUN, "trainer.max_steps=2", "trainer.save_every=0", "eval.samples=4", "eval.temperature=1.0",
             "logger.backends=[wandb,tensorboard,mlflow,trackio]", "logger.wandb.mode=offline",
-            "logger.wandb.project=e2e-trackers", run_dir=run_dir, env={"TRACKIO_DIR": str(trackio_dir)}, timeout=600)
+            "logger.wandb.project=e2e-trackers", "logger.plot=true", run_dir=run_dir, env={"TRACKIO_DIR": str(trackio_dir)}, timeout=600)
 
     evals = {r["step"]: {k: r[k] for k in KEYS} for r in read_metrics(run_dir) if "eval/pass@1" in r}
     assert sorted(evals) == [0, 2]
