@@ -31,6 +31,7 @@ from rltrain.rollout.vllm_process_state import (
     ProcessStateGuard,
     collections_deferred,
     destroy_vllm_world_only,
+    heap_frozen_before_construction,
     register_kernel_overrides_once,
 )
 from rltrain.rollout.vllm_reload import (
@@ -42,7 +43,7 @@ from rltrain.rollout.vllm_reload import (
 )
 from rltrain.runtime.library_noise import quiet_vllm_import
 from rltrain.runtime.precision import resolve_precision
-from rltrain.runtime.process_state import owe_collection, settle_owed_collection
+from rltrain.runtime.process_state import owe_collection
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -86,7 +87,6 @@ class VLLMRolloutEngine:
         self.model_dir = Path(model_dir)
         self.cfg = cfg
         self.asleep = False
-        settle_owed_collection()  # a closed engine of this process goes before this one allocates
         set_vllm_env(cpu_kv_cache_bytes(cfg, model_dir, dtype))
         quiet_vllm_import()
         use_eager_rank_count()  # no inductor kernel to build in this process (vllm_cpu_sampler.py)
@@ -102,9 +102,10 @@ class VLLMRolloutEngine:
         self.weights_discarded = False  # asleep at level 2, or woken and not loaded yet
         self.kv_cache_asleep = False  # woken with tags=["weights"] only; the KV cache follows the load
         self.updated = False  # update_weights ran at least once (else the checkpoint on disk is current)
-        # vLLM adopts an existing default process group as its world (and calls new_group on it,
-        # a collective: every trainer rank must build its engine at the same time).
+        # vLLM adopts an existing default process group as its world (new_group on it: every rank builds at once).
         self.owns_default_group = not torch.distributed.is_initialized()
+        if self.device_type == "cpu":
+            heap_frozen_before_construction()  # frees an engine this process closed, too
         with ProcessStateGuard():
             self.llm: LLM | None = LLM(**kwargs)
         hf_config = self._live().llm_engine.model_config.hf_config
@@ -304,8 +305,7 @@ class VLLMRolloutEngine:
         """Repack the output head from the (already reloaded) shared embedding parameter."""
 
         def refresh(model: torch.nn.Module) -> None:
-            # vLLM's ParallelLMHead: `lm_head` of a causal LM, `language_model.lm_head` of a
-            # vision-language model (torch types submodules as `Tensor | Module`).
+            # vLLM's ParallelLMHead: `lm_head` of a causal LM, `language_model.lm_head` of a VLM (typed `Tensor | Module`).
             heads: list[Any] = [m for name, m in model.named_modules() if name.rpartition(".")[2] == "lm_head"]
             for head in heads:
                 head.quant_method.process_weights_after_loading(head)

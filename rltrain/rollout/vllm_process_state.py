@@ -1,8 +1,9 @@
 """What an in-process vLLM changes for its whole process, and how rltrain's engine keeps it: the
 RNG states and torch's threads its construction touches (`ProcessStateGuard`), the full-heap
-collections its shutdown runs (`collections_deferred`), its teardown of the default process
-group when a trainer owns it (`destroy_vllm_world_only`) and the CPU build's kernel overrides,
-registered once (`register_kernel_overrides_once`). docs/internals/rollout.md.
+collections its construction and shutdown run (`heap_frozen_before_construction`,
+`collections_deferred`), its teardown of the default process group when a trainer owns it
+(`destroy_vllm_world_only`) and the CPU build's kernel overrides, registered once
+(`register_kernel_overrides_once`). docs/internals/rollout.md.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+
+from rltrain.runtime.process_state import settle_owed_collection
 
 
 class ProcessStateGuard:
@@ -53,6 +56,15 @@ def collections_deferred() -> Iterator[None]:
         yield
     finally:
         gc.collect = collect
+
+
+def heap_frozen_before_construction() -> None:
+    """vLLM walks the whole heap five times while it builds an engine: two collections after loading
+    the weights (for a CUDA allocator) and three before it freezes the heap as static. Collected once
+    here (which also settles a closed engine's owed collection, rltrain.runtime.process_state) and
+    frozen, those walk only what the construction allocates, and vLLM freezes the same survivors."""
+    settle_owed_collection(always=True)
+    gc.freeze()
 
 
 def _no_collection(generation: int = 2) -> int:

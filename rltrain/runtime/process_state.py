@@ -24,9 +24,10 @@ def owe_collection() -> None:
     _COLLECTION_OWED[0] = True
 
 
-def settle_owed_collection() -> None:
-    """Collect the heap where a closed engine left that owed (before a run or an engine builds)."""
-    if _COLLECTION_OWED[0]:
+def settle_owed_collection(always: bool = False) -> None:
+    """Collect the heap where a closed engine left that owed (before a run or an engine builds), or
+    `always` (the collection a caller needs anyway settles it)."""
+    if _COLLECTION_OWED[0] or always:
         _COLLECTION_OWED[0] = False
         gc.collect()
 
