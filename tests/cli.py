@@ -426,6 +426,7 @@ DPO_RUN = [
     "algo=dpo", "trainer.max_steps=6", "trainer.global_batch_size=8", "trainer.micro_batch_size=4",
     "trainer.save_every=2", "trainer.eval_every=3", "data.num_eval=8", "logger.wandb.mode=offline",
     "trainer.progress=lines",
+    "data.num_train=64",  # 48 pairs train; algo.precompute_ref_logps=true scores all of them (test_cli_dpo.py)
 ]
 # The smaller model on 2 FSDP ranks: the baseline that padding-free and compiled runs are compared with.
 SMALL_SFT_RUN_2_RANKS = [
