@@ -31,7 +31,7 @@ from rltrain.rollout.vllm_process_state import (
     ProcessStateGuard,
     collections_deferred,
     destroy_vllm_world_only,
-    heap_frozen_before_construction,
+    heap_frozen_for_construction,
     register_kernel_overrides_once,
 )
 from rltrain.rollout.vllm_reload import (
@@ -104,9 +104,7 @@ class VLLMRolloutEngine:
         self.updated = False  # update_weights ran at least once (else the checkpoint on disk is current)
         # vLLM adopts an existing default process group as its world (new_group on it: every rank builds at once).
         self.owns_default_group = not torch.distributed.is_initialized()
-        if self.device_type == "cpu":
-            heap_frozen_before_construction()  # frees an engine this process closed, too
-        with ProcessStateGuard():
+        with heap_frozen_for_construction(self.device_type == "cpu"), ProcessStateGuard():  # frees a closed engine
             self.llm: LLM | None = LLM(**kwargs)
         hf_config = self._live().llm_engine.model_config.hf_config
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))

@@ -1,6 +1,6 @@
 """What an in-process vLLM changes for its whole process, and how rltrain's engine keeps it: the
 RNG states and torch's threads its construction touches (`ProcessStateGuard`), the full-heap
-collections its construction and shutdown run (`heap_frozen_before_construction`,
+collections its construction and shutdown run (`heap_frozen_for_construction`,
 `collections_deferred`), its teardown of the default process group when a trainer owns it
 (`destroy_vllm_world_only`) and the CPU build's kernel overrides, registered once
 (`register_kernel_overrides_once`). docs/internals/rollout.md.
@@ -58,13 +58,23 @@ def collections_deferred() -> Iterator[None]:
         gc.collect = collect
 
 
-def heap_frozen_before_construction() -> None:
+@contextmanager
+def heap_frozen_for_construction(cpu: bool) -> Iterator[None]:
     """vLLM walks the whole heap five times while it builds an engine: two collections after loading
-    the weights (for a CUDA allocator) and three before it freezes the heap as static. Collected once
-    here (which also settles a closed engine's owed collection, rltrain.runtime.process_state) and
-    frozen, those walk only what the construction allocates, and vLLM freezes the same survivors."""
+    the weights (for a CUDA allocator) and three before it freezes the heap as static. On the CPU
+    build the heap is collected once here (settling a closed engine's owed collection,
+    rltrain.runtime.process_state) and frozen, so those walk only what the construction allocates;
+    vLLM freezes the same survivors. A construction that fails leaves the heap unfrozen."""
+    if not cpu:
+        yield
+        return
     settle_owed_collection(always=True)
     gc.freeze()
+    try:
+        yield
+    except BaseException:
+        gc.unfreeze()
+        raise
 
 
 def _no_collection(generation: int = 2) -> int:

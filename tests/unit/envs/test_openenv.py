@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 from helpers import compose_config
-from openenv.core.env_server.interfaces import Environment
-from openenv.core.env_server.types import Action, Observation, State
 
 from rltrain.envs.openenv import check, spaces
 from rltrain.envs.openenv.episode import OpenEnvEpisode
@@ -26,28 +24,6 @@ ENVS = Path(__file__).resolve().parents[2] / "ecosystems"
 CLS = "openenv_answer:AnswerEnvironment"
 
 
-class Move(Action):
-    x: int
-    y: int
-
-
-class Board(Observation):
-    cells: list[int]
-    note: str
-
-
-class Unannotated(Environment[Move, Board, State]):
-    def reset(self, seed=None, episode_id=None):
-        return Board(cells=[0], note="go")
-
-    def step(self, action, timeout_s=None, **kwargs):
-        return Board(cells=[action.x], note="ok", reward=None, done=True)
-
-    @property
-    def state(self):
-        return State()
-
-
 @pytest.fixture(autouse=True)
 def answer_env_importable(monkeypatch):
     monkeypatch.syspath_prepend(str(ENVS))
@@ -55,6 +31,7 @@ def answer_env_importable(monkeypatch):
 
 def test_the_reply_becomes_the_action_and_the_observation_text():
     import openenv_answer
+    from openenv_shapes import Board, Move, Unannotated
 
     # The Action class: step's annotation, else Environment[Action, ...]'s first argument.
     assert spaces.action_class(openenv_answer.AnswerEnvironment) is openenv_answer.AnswerAction

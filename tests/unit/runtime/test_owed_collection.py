@@ -1,5 +1,6 @@
 """The heap collection a closed CPU engine leaves owed (rltrain/runtime/process_state.py): made once,
-by the next run of the process, and never where nothing is owed."""
+by the next run or engine of the process, and never where nothing is owed; the frozen heap a CPU
+engine is built on (rltrain/rollout/vllm_process_state.py)."""
 
 from __future__ import annotations
 
@@ -52,3 +53,19 @@ def test_a_run_settles_what_the_previous_job_owed_before_it_starts(monkeypatch):
     monkeypatch.setattr(trainer, "quiet_transformers_checkpoint_bars", lambda: None)
     with pytest.raises(_Stop):
         trainer.run(Config(), None)  # type: ignore[arg-type]
+
+
+def test_a_cpu_engine_is_built_on_a_frozen_heap_left_unfrozen_if_the_build_fails():
+    """rltrain/rollout/vllm_process_state.py: the collection before building settles an owed one."""
+    from rltrain.rollout.vllm_process_state import heap_frozen_for_construction
+
+    process_state.owe_collection()
+    gc.unfreeze()
+    with heap_frozen_for_construction(cpu=True):
+        assert gc.get_freeze_count() > 0 and not process_state._COLLECTION_OWED[0]
+    gc.unfreeze()  # a built engine's shutdown does this (vLLM)
+    with pytest.raises(RuntimeError, match="the build failed"), heap_frozen_for_construction(cpu=True):
+        raise RuntimeError("the build failed")
+    assert gc.get_freeze_count() == 0
+    with heap_frozen_for_construction(cpu=False):  # CUDA: vLLM's own collections, untouched
+        assert gc.get_freeze_count() == 0
