@@ -332,7 +332,7 @@ class SeparateVLLMEngine:
                     if left <= 0 or not select.select([channel.sock], [], [], left)[0]:
                         self._abandoned.add(request_id)
                         raise RolloutProcessError(
-                            f"the rollout process (pid {self.proc.pid if self.proc else '?'}) did not answer a ping "
+                            f"the rollout process (pid {self.pid}) did not answer a ping "
                             f"within {self.ping_timeout_s:g} s (left running)"
                         )
                     message = channel.recv("a ping")

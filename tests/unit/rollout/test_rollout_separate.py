@@ -71,6 +71,16 @@ def test_control_channel_rejects_pickle_and_unknown_messages():
             b.close()
 
 
+@pytest.fixture(autouse=True)
+def warm_rollout_process(monkeypatch):
+    """The rollout process an engine starts here is a stand-in, forked warm by the rank server, as
+    under a warm run (tests/stand_in.py); the product's side is unchanged (docs/testing.md)."""
+    from cli import torchrun_ranks_env
+
+    for key, value in torchrun_ranks_env().items():
+        monkeypatch.setenv(key, value)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tiny_cache):
     from rltrain.config.schema import ModelConfig
