@@ -110,6 +110,8 @@ def launched_by_rltrain(argv: list[str], orig_argv: list[str], environ: Mapping[
         return Launched(command, int(environ[DIE_WITH_PARENT_ENV]), parent_named_in=["env", DIE_WITH_PARENT_ENV])
     if module == "rltrain.rollout.separate_child":  # SPEC_JSON, with its control socket inherited
         return Launched(command, None, fds=(0, 1, 2, int(json.loads(args[0])["control_fd"])))
+    if module == "rltrain.runtime.call_worker":  # IN OUT PARENT_PID (a CallPool's), with its two pipe ends
+        return Launched(command, int(args[2]), fds=(0, 1, 2, int(args[0]), int(args[1])), parent_named_in=["argv", 4])
     return None
 
 

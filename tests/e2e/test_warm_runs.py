@@ -250,8 +250,9 @@ def test_a_launched_rank_hands_its_command_to_the_rank_server_at_start_up(tmp_pa
 
 
 def test_only_a_process_an_rltrain_launcher_starts_is_a_stand_in():
-    """The local launcher's ranks, torchrun's ranks, the SFT start's run and a separate rollout
-    process; never a user's `python -m rltrain` (a cold launcher stays cold) or another program."""
+    """The local launcher's ranks, torchrun's ranks, the SFT start's run, a separate rollout
+    process and a call pool's worker (user code: rewards, tools, environments, agents); never a
+    user's `python -m rltrain` (a cold launcher stays cold) or another program."""
     python = "/usr/bin/python3"
     spec = json.dumps({"control_fd": 7})
     launched = {
@@ -259,6 +260,7 @@ def test_only_a_process_an_rltrain_launcher_starts_is_a_stand_in():
         (python, "-u", "-m", "rltrain", "a=1"): ({"TORCHELASTIC_RUN_ID": "x"}, os.getppid(), (0, 1, 2), None),
         (python, "-m", "rltrain", "a=1"): ({DIE_WITH_PARENT_ENV: "34"}, 34, (0, 1, 2), ["env", DIE_WITH_PARENT_ENV]),
         (python, "-m", "rltrain.rollout.separate_child", spec): ({}, None, (0, 1, 2, 7), None),
+        (python, "-m", "rltrain.runtime.call_worker", "9", "11", "56"): ({}, 56, (0, 1, 2, 9, 11), ["argv", 4]),
     }
     assert stand_in.DIE_WITH_PARENT_ENV == DIE_WITH_PARENT_ENV
     for orig_argv, (environ, dies_with, fds, named_in) in launched.items():
