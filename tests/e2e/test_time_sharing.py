@@ -78,10 +78,11 @@ def test_time_sharing_changes_no_number(run, backend):
 
 def test_separate_process_engine_matches_and_cleans_up(run):
     before = set(glob.glob(str(Path(tempfile.gettempdir()) / "rlsep-*")))
-    forked = ranks_forked()
+    forked = ranks_forked(by_vllm_server=True)
     separate = run("fsdp", "placement.time_sharing=true", "rollout.process=separate", "rollout.bucket_mb=1")
-    # Its one rank is the warm launcher; the rollout process is forked warm (docs/testing.md, "Warm ranks").
-    assert ranks_forked() == forked + 1
+    # Its one rank is the warm launcher; the rollout process is forked warm, by the rank server's vLLM
+    # server (docs/testing.md, "Warm ranks"; the reward's call workers are forked by the rank server).
+    assert ranks_forked(by_vllm_server=True) == forked + 1
     assert len(separate) == STEPS["fsdp"]
     for row in separate:
         assert row["rollout/logprob_diff_max"] < 1e-3, row
