@@ -148,6 +148,16 @@ AGENTS = textwrap.dedent('''
 ''')
 
 
+@pytest.fixture(autouse=True)
+def warm_agent_workers(monkeypatch):
+    """The agents' worker processes fork warm from the rank server, as a warm run's do (stand-ins:
+    tests/stand_in.py); what they run is unchanged (docs/testing.md, "Warm ranks")."""
+    from cli import torchrun_ranks_env
+
+    for key, value in torchrun_ranks_env().items():
+        monkeypatch.setenv(key, value)
+
+
 @pytest.fixture
 def agents(tmp_path, monkeypatch) -> str:
     (tmp_path / "agent_fixtures.py").write_text(AGENTS)
