@@ -9,6 +9,7 @@ error is printed once. Failure and signal handling: docs/internals/launch.md.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import inspect
 import logging
 import os
@@ -21,12 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.api import SubprocessContext
-from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
 
 from rltrain.runtime.errors import clear_reports, first_report, format_error, lost_peer_ranks
 
@@ -40,6 +41,8 @@ CAUSE_EXIT_WAIT_S = 5.0
 # grace period the agent's own SIGTERM-to-SIGKILL window, 30 s, applies).
 SHUTDOWN_TIMEOUT_S = 10
 MONITOR_INTERVAL_S = 0.2
+# The agent's store: the ranks bootstrap their process group from it (torch's own default).
+STORE_TIMEOUT = datetime.timedelta(seconds=600)
 # The signals the agent forwards to the ranks (torch's default set).
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
@@ -143,24 +146,55 @@ class GracefulAgent(LocalElasticAgent):
         }
 
 
+class OneMachineRendezvous(RendezvousHandler):
+    """The rendezvous of one agent with itself: a store on 127.0.0.1 at a port the OS picks, which
+    the ranks share (torchrun's default `static` rendezvous, minus its fixed port). torch's c10d
+    rendezvous would do the same in several rounds, each recording an event whose caller's name it
+    finds by `inspect.stack()`, slow where many modules are imported (docs/internals/launch.md)."""
+
+    def __init__(self) -> None:
+        self.run_id = uuid.uuid4().hex
+        self._store: TCPStore | None = None
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self._store is None:
+            self._store = TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=STORE_TIMEOUT, wait_for_workers=False)
+        return RendezvousInfo(PrefixStore(self.run_id, self._store), 0, 1, RendezvousStoreInfo("127.0.0.1", self._store.port))
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True  # the ranks' process group is bootstrapped from this store
+
+    def get_backend(self) -> str:
+        return "static"
+
+    def get_run_id(self) -> str:
+        return self.run_id
+
+    def is_closed(self) -> bool:
+        return False
+
+    def set_closed(self) -> None:
+        pass
+
+    def num_nodes_waiting(self) -> int:
+        return 0  # one machine: no agent ever joins later
+
+    def shutdown(self) -> bool:
+        self._store = None
+        return True
+
+
 def run_local(run_dir: Path, nproc: int, grace_s: float = GRACE_S) -> LaunchResult:
     """Run `nproc` ranks of the run in `run_dir`; report the first failure, if any."""
     run_dir = Path(run_dir)
     clear_reports(run_dir)
-    rendezvous = RendezvousParameters(
-        backend="c10d",
-        endpoint="127.0.0.1:0",  # the agent hosts the store on a free port
-        run_id=uuid.uuid4().hex,
-        min_nodes=1,
-        max_nodes=1,
-        local_addr="127.0.0.1",
-    )
     spec = WorkerSpec(
         role="rltrain",
         local_world_size=nproc,
         entrypoint=sys.executable,
         args=("-m", "rltrain.worker", str(run_dir), str(os.getpid())),
-        rdzv_handler=rdzv_registry.get_rendezvous_handler(rendezvous),
+        rdzv_handler=OneMachineRendezvous(),
         max_restarts=0,
         monitor_interval=MONITOR_INTERVAL_S,
         local_addr="127.0.0.1",

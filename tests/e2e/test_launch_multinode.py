@@ -60,17 +60,22 @@ def run_two_nodes(args: list[str], run_dir: Path, logs: Path, node1_prefix: tupl
 @pytest.mark.parametrize("algo", [pytest.param(a, marks=pytest.mark.slow) if a == "grpo" else a for a in sorted(RUNS)])
 def test_two_nodes_train_like_two_local_ranks(shared_runs, tmp_path, algo):
     args = [*RUNS[algo], *SHORT_TIMEOUT]
+    # The ranks torchrun starts are forked from the rank server (tests/cli.py `torchrun_ranks_env`),
+    # as a local launch's are (with GRPO, their reward workers too); the refused node below keeps
+    # fresh ones: a forked rank would not be in its mount namespace.
     if algo == "sft":
         local_dir = shared_runs.get(*SMALL_SFT_RUN_2_RANKS)
+        launch_forks = 2
     else:
         local_dir = tmp_path / "local"
+        before = ranks_forked() if not cuda_machine() else 0
         rltrain(*args, "trainer.nproc=2", run_dir=local_dir, timeout=500)
-    # The ranks torchrun starts are forked from the rank server (tests/cli.py `torchrun_ranks_env`);
-    # the refused node below keeps fresh ones: a forked rank would not be in its mount namespace.
+        launch_forks = ranks_forked() - before if not cuda_machine() else 0
+        assert cuda_machine() or launch_forks >= 2
     forked = ranks_forked() if not cuda_machine() else 0
     codes, output = run_two_nodes(args, tmp_path / "nodes", tmp_path, env=torchrun_ranks_env())
     assert codes == [0, 0], output[-6000:]
-    assert cuda_machine() or ranks_forked() - forked == 2
+    assert cuda_machine() or ranks_forked() - forked == launch_forks
     local, nodes = train_rows(local_dir), train_rows(tmp_path / "nodes")
     assert [r["step"] for r in nodes] == [r["step"] for r in local] == list(range(1, len(local) + 1))
     assert [r["loss"] for r in nodes] == [r["loss"] for r in local]  # the same two processes, so bitwise
