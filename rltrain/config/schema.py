@@ -389,8 +389,11 @@ GROUP_SCHEMAS: dict[str, Mapping[str, type]] = {
 
 
 def register_configs() -> None:
-    """Store the root schema and one `<name>_schema` node per group option."""
+    """Store the root schema and one `<name>_schema` node per group option, once per process (a
+    process that composes many configs, a sweep's or a test session's, would rebuild them each time)."""
     cs = ConfigStore.instance()
+    if "config_schema.yaml" in cs.repo:
+        return
     cs.store(name="config_schema", node=Config)
     for group, options in GROUP_SCHEMAS.items():
         for name, schema in options.items():
