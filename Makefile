@@ -17,6 +17,10 @@ TORCHVISION ?= torchvision==0.28.0
 TORCHVISION_DIR := $(VENV)/torchvision-cpu-torch
 PIP_INSTALL := $(PY) -m pip install --disable-pip-version-check $(TORCH_SOURCE)
 PYTEST_ARGS ?=
+# Python's default, bytecode cached in __pycache__, even where the environment sets
+# PYTHONDONTWRITEBYTECODE: otherwise each of the suite's hundreds of processes (runs, ranks,
+# workers) compiles rltrain's modules again, and each pytest worker rewrites every test module.
+unexport PYTHONDONTWRITEBYTECODE
 # Test processes (pytest-xdist): most of a test's time is one process starting up, so two workers
 # keep both cores of a 2-core machine busy. Tests that must not overlap share an xdist_group.
 TEST_WORKERS ?= 2

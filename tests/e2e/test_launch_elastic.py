@@ -132,7 +132,10 @@ def test_ctrl_c_stops_every_rank_and_the_run_resumes(tiny_cache, tmp_path):
     """A warm run (tests/cli.py BackgroundRun): SIGINT to its group reaches the launcher and each
     rank, as a terminal's Ctrl-C does (the ranks' stand-ins forward it)."""
     run_dir = tmp_path / "run"
-    args = [*SMALL, "trainer.max_steps=6", "trainer.save_every=2", "trainer.eval_every=0",
+    # Steps of tens of milliseconds: enough of them after the awaited checkpoint that the signal
+    # lands mid-run on any machine (with 6, a run once finished before it arrived).
+    steps = 20
+    args = [*SMALL, f"trainer.max_steps={steps}", "trainer.save_every=2", "trainer.eval_every=0",
             "logger.wandb.mode=disabled", "trainer.progress=lines"]
     launcher = BackgroundRun(args, run_dir)
     try:
@@ -145,9 +148,9 @@ def test_ctrl_c_stops_every_rank_and_the_run_resumes(tiny_cache, tmp_path):
     assert proc.returncode == 128 + signal.SIGINT, log[-3000:]
     assert "rltrain: stopped by SIGINT; every rank was stopped" in log
     assert rank_processes(run_dir) == {}, "a rank outlived the launcher"
-    assert len(train_rows(run_dir)) < 6
+    assert len(train_rows(run_dir)) < steps
     rltrain(*args, run_dir=run_dir, timeout=300)
-    assert [r["step"] for r in train_rows(run_dir)] == list(range(1, 7))
+    assert [r["step"] for r in train_rows(run_dir)] == list(range(1, steps + 1))
     assert (run_dir / "final" / "model.safetensors").exists()
 
 
