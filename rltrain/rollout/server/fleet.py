@@ -1,13 +1,13 @@
 """`rollout=server`: the rollout engine is a fleet of vLLM's own API servers reached over HTTP.
 
 A batch's prompts (each a GRPO group: its `n` samples) are split into one contiguous run per
-server that is up, each run one request to one server (`/rltrain/generate`, chosen client-side by
-least outstanding requests; a group stays on one server, its prefix cache), and every prompt is
-seeded by its index in the batch, so a completion does not depend on which server produced it. Trainer rank 0 pushes every new version
-to every server at once (rltrain/rollout/server/push.py: gloo, or NCCL between GPUs) and keeps it
-as a host copy, so a server that comes back gets the current weights before it serves again.
-Every completion carries the vLLM weight version that sampled it; one from another version than
-the engine's stops the run. docs/rollout-servers.md.
+server that is up, each run one request (`/rltrain/generate`) to the server with the fewest out,
+all chosen before any is sent (a group stays on one server, its prefix cache); every prompt is
+seeded by its index in the batch, so a completion does not depend on which server produced it.
+Trainer rank 0 pushes every new version to every server at once (rltrain/rollout/server/push.py:
+gloo, or NCCL between GPUs) and keeps it as a host copy, so a server that comes back gets the
+current weights before it serves again. Every completion carries the vLLM weight version that
+sampled it; one from another version than the engine's stops the run. docs/rollout-servers.md.
 """
 
 from __future__ import annotations
@@ -224,11 +224,7 @@ class ServerFleetEngine:
                     server = min(up, key=lambda s: s.outstanding)
                     server.outstanding += 1
                     return server
-            if time.monotonic() > deadline:
-                raise FleetDown(self._all_down_message())
-            time.sleep(1.0)
-            with self.lock:
-                self.revive()
+            self._await_any(deadline)
 
     def _all_down_message(self) -> str:
         return all_down_message(self.servers, self.cfg.timeout_s)
@@ -245,8 +241,18 @@ class ServerFleetEngine:
             self._await_version()
         deadline = time.monotonic() + self.cfg.timeout_s
         chunks = batch_chunks(len(prompts), sum(s.up for s in self.servers))
+        firsts: list[Server] = []
+        try:
+            for _ in chunks:
+                firsts.append(self.pick(deadline))
+        except FleetDown:
+            with self.lock:
+                for server in firsts:
+                    server.outstanding -= 1
+            raise
         with ThreadPoolExecutor(max_workers=max(1, len(chunks))) as pool:
-            results = list(pool.map(lambda chunk: self._request(chunk, prompts, sampling, deadline, images), chunks))
+            results = list(pool.map(lambda chunk, first: self._request(chunk, first, prompts, sampling, deadline, images),
+                                    chunks, firsts))
         return [c for group in results for c in group]
 
     def _await_version(self) -> None:
@@ -265,25 +271,28 @@ class ServerFleetEngine:
                 time.sleep(0.05)
 
     def _request(
-        self, indices: range, prompts: list[list[int]], sampling: SamplingSettings, deadline: float,
+        self, indices: range, first: Server, prompts: list[list[int]], sampling: SamplingSettings, deadline: float,
         images: list[PromptImages] | None,
     ) -> list[Completion]:
-        """The prompts `indices` in one request to one server (rltrain/rollout/server/batch_route.py),
-        each with its own seed; a server that fails it is marked down and the request goes to another."""
+        """The prompts `indices` in one request (batch_route.py) to `first` (picked, its count raised),
+        each with its own seed; a server that fails it is marked down, another asked."""
         salt = self.stream.salt(self.version) if self.stream is not None else None  # prefix caches outlive versions
         bodies = [
             prompt_body(i, prompts[i], sampling, images[i] if images else None, self.image_token, salt) for i in indices
         ]
+        server = first
         while True:
-            server = self.pick(deadline)
             try:
                 answer = call(server.url, BATCH_PATH, {"requests": bodies, "routing": self.routing}, self.cfg.timeout_s)
             except ServerDown as exc:
                 self.mark_down(server, str(exc))
-                continue
+                answer = None
             finally:
                 with self.lock:
                     server.outstanding -= 1
+            if answer is None:
+                server = self.pick(deadline)
+                continue
             server.served += 1
             completions = [
                 c for i, one in zip(indices, answer["answers"], strict=True)
