@@ -132,14 +132,14 @@ def test_ctrl_c_stops_every_rank_and_the_run_resumes(tiny_cache, tmp_path):
     """A warm run (tests/cli.py BackgroundRun): SIGINT to its group reaches the launcher and each
     rank, as a terminal's Ctrl-C does (the ranks' stand-ins forward it)."""
     run_dir = tmp_path / "run"
-    # Steps of tens of milliseconds: enough of them after the awaited checkpoint that the signal
-    # lands mid-run on any machine (with 6, a run once finished before it arrived).
-    steps = 20
-    args = [*SMALL, f"trainer.max_steps={steps}", "trainer.save_every=2", "trainer.eval_every=0",
-            "logger.wandb.mode=disabled", "trainer.progress=lines"]
-    launcher = BackgroundRun(args, run_dir)
+    # A run far longer than the test: however late the signal lands, it lands mid-run (a run of 6
+    # or 20 steps of tens of milliseconds once finished before it did; with 100000 the test took
+    # seconds longer). The resumed run goes two
+    # steps past where the stopped one got (trainer.max_steps is not part of what a checkpoint pins).
+    args = [*SMALL, "trainer.save_every=2", "trainer.eval_every=0", "logger.wandb.mode=disabled", "trainer.progress=lines"]
+    launcher = BackgroundRun([*args, "trainer.max_steps=1000"], run_dir)
     try:
-        wait_for((run_dir / "checkpoints" / "step_00000002").exists, "checkpoint of step 2", launcher)
+        wait_for(lambda: any((run_dir / "checkpoints").glob("step_*")), "a checkpoint", launcher)
         launcher.signal(signal.SIGINT)  # what Ctrl-C in a terminal sends to the foreground group
         proc = launcher.finish(timeout=120)
     finally:
@@ -148,9 +148,10 @@ def test_ctrl_c_stops_every_rank_and_the_run_resumes(tiny_cache, tmp_path):
     assert proc.returncode == 128 + signal.SIGINT, log[-3000:]
     assert "rltrain: stopped by SIGINT; every rank was stopped" in log
     assert rank_processes(run_dir) == {}, "a rank outlived the launcher"
-    assert len(train_rows(run_dir)) < steps
-    rltrain(*args, run_dir=run_dir, timeout=300)
-    assert [r["step"] for r in train_rows(run_dir)] == list(range(1, steps + 1))
+    assert not (run_dir / "final").exists()
+    end = train_rows(run_dir)[-1]["step"] + 2
+    rltrain(*args, f"trainer.max_steps={end}", run_dir=run_dir, timeout=300)
+    assert [r["step"] for r in train_rows(run_dir)] == list(range(1, end + 1))
     assert (run_dir / "final" / "model.safetensors").exists()
 
 
