@@ -134,8 +134,8 @@ def test_ctrl_c_stops_every_rank_and_the_run_resumes(tiny_cache, tmp_path):
     run_dir = tmp_path / "run"
     # A run far longer than the test: however late the signal lands, it lands mid-run (a run of 6
     # or 20 steps of tens of milliseconds once finished before it did; with 100000 the test took
-    # seconds longer). The resumed run goes two
-    # steps past where the stopped one got (trainer.max_steps is not part of what a checkpoint pins).
+    # seconds longer). The resumed run goes two steps past where the stopped one got
+    # (trainer.max_steps is not part of what a checkpoint pins).
     args = [*SMALL, "trainer.save_every=2", "trainer.eval_every=0", "logger.wandb.mode=disabled", "trainer.progress=lines"]
     launcher = BackgroundRun([*args, "trainer.max_steps=1000"], run_dir)
     try:
