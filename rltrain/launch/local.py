@@ -155,6 +155,7 @@ class OneMachineRendezvous(RendezvousHandler):
     def __init__(self) -> None:
         self.run_id = uuid.uuid4().hex
         self._store: TCPStore | None = None
+        self._closed = False
 
     def next_rendezvous(self) -> RendezvousInfo:
         if self._store is None:
@@ -172,10 +173,10 @@ class OneMachineRendezvous(RendezvousHandler):
         return self.run_id
 
     def is_closed(self) -> bool:
-        return False
+        return self._closed
 
     def set_closed(self) -> None:
-        pass
+        self._closed = True  # the agent's word that no further round follows
 
     def num_nodes_waiting(self) -> int:
         return 0  # one machine: no agent ever joins later

@@ -22,4 +22,6 @@ def test_the_ranks_reach_the_agents_store_at_the_port_it_names():
     rank.set("from-a-rank", "1")
     assert info.store.num_keys() >= 1 and rank.get("from-a-rank") == b"1"
     assert OneMachineRendezvous().get_run_id() != rendezvous.get_run_id()
-    assert rendezvous.shutdown()
+    assert not rendezvous.is_closed()
+    rendezvous.set_closed()
+    assert rendezvous.is_closed() and rendezvous.shutdown()
